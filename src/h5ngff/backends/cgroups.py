@@ -1,0 +1,202 @@
+"""Memory cgroups: emulate a Kubernetes pod's memory limit on this machine, and read the counters
+of the cgroup a process lives in (inside a real pod, or inside an emulated one).
+
+The kernel enforces a cgroup's limit exactly as it does for a pod under kubelet: when the group
+cannot reclaim below its limit, the OOM killer SIGKILLs the largest process in it and counts an
+``oom_kill``. Both cgroup v1 (``memory.limit_in_bytes``) and v2 (``memory.max``) are supported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..errors import CgroupUnavailableError
+
+log = logging.getLogger(__name__)
+
+V1_ROOT = "/sys/fs/cgroup/memory"
+V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _own_paths(proc_cgroup: str = "/proc/self/cgroup") -> tuple[str | None, str | None]:
+    """(v1 memory path, v2 path) of this process, relative to their hierarchies' roots."""
+    v1 = v2 = None
+    try:
+        for line in _read(proc_cgroup).splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                v1 = path
+            elif controllers == "":
+                v2 = path
+    except OSError:
+        pass
+    return v1, v2
+
+
+def _v2_root() -> str | None:
+    for root in V2_ROOTS:
+        if os.path.exists(os.path.join(root, "cgroup.controllers")) and "memory" in _read(os.path.join(root, "cgroup.controllers")).split():
+            return root
+    return None
+
+
+def own_cgroup_dir() -> tuple[int, str] | None:
+    """(version, directory) of this process's memory cgroup, or None."""
+    v1, v2 = _own_paths()
+    if v1 is not None and os.path.isdir(V1_ROOT):
+        path = os.path.join(V1_ROOT, v1.lstrip("/"))
+        if os.path.exists(os.path.join(path, "memory.usage_in_bytes")):
+            return 1, path
+    root = _v2_root()
+    if v2 is not None and root:
+        path = os.path.join(root, v2.lstrip("/"))
+        if os.path.exists(os.path.join(path, "memory.current")):
+            return 2, path
+    return None
+
+
+@dataclass
+class MemoryCgroup:
+    """One memory cgroup and its counters."""
+
+    path: str
+    version: int
+
+    def _file(self, v1: str, v2: str) -> str:
+        return os.path.join(self.path, v1 if self.version == 1 else v2)
+
+    def usage(self) -> int:
+        return int(_read(self._file("memory.usage_in_bytes", "memory.current")))
+
+    def peak(self) -> int | None:
+        try:
+            return int(_read(self._file("memory.max_usage_in_bytes", "memory.peak")))
+        except OSError:  # memory.peak needs Linux 5.19
+            return None
+
+    def limit(self) -> int | None:
+        raw = _read(self._file("memory.limit_in_bytes", "memory.max")).strip()
+        if raw == "max":
+            return None
+        value = int(raw)
+        return None if value >= 1 << 62 else value
+
+    def oom_kills(self) -> int:
+        text = _read(self._file("memory.oom_control", "memory.events"))
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def stat(self) -> dict[str, int]:
+        out = {}
+        for line in _read(self._file("memory.stat", "memory.stat")).splitlines():
+            key, _, value = line.partition(" ")
+            if value.strip().isdigit():
+                out[key] = int(value)
+        return out
+
+    def working_set(self) -> int:
+        """usage - inactive_file: what kubelet compares with the limit for evictions."""
+        stat = self.stat()
+        inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
+        return max(0, self.usage() - inactive)
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in _read(os.path.join(self.path, "cgroup.procs")).split()]
+        except OSError:
+            return []
+
+    def add(self, pid: int) -> None:
+        _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+
+    def remove(self, timeout: float = 5.0) -> None:
+        """Delete the cgroup once its processes are gone (they must be stopped first)."""
+        deadline = time.time() + timeout
+        while True:
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.time() > deadline:
+                    log.warning("Could not remove cgroup %s (processes still in it: %s).", self.path, self.pids())
+                    return
+                time.sleep(0.05)
+
+
+def cgroups_available() -> str | None:
+    """None when pod cgroups can be created here; otherwise the reason they cannot."""
+    own = own_cgroup_dir()
+    if own is None:
+        return "no memory cgroup controller is mounted (looked for cgroup v1 at /sys/fs/cgroup/memory and v2 with the memory controller)"
+    version, path = own
+    probe = os.path.join(path, f"h5ngff-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        os.mkdir(probe)
+    except OSError as exc:
+        return f"cannot create a child of this process's memory cgroup {path} ({exc.strerror}); run as root or delegate the cgroup"
+    try:
+        if version == 2 and "memory" not in _read(os.path.join(path, "cgroup.subtree_control")).split():
+            return f"cgroup v2: the memory controller is not enabled for children of {path} (cgroup.subtree_control)"
+    finally:
+        os.rmdir(probe)
+    return None
+
+
+def create_pod_cgroup(name: str, limit: int) -> MemoryCgroup:
+    """A child cgroup of this process's own, with ``limit`` bytes and no swap, like a pod."""
+    reason = cgroups_available()
+    if reason:
+        raise CgroupUnavailableError(f"--enforce-pod-limits needs memory cgroups, but {reason}.")
+    version, parent = own_cgroup_dir()  # type: ignore[misc]
+    group = MemoryCgroup(os.path.join(parent, name), version)
+    os.makedirs(group.path, exist_ok=True)
+    if version == 1:
+        _write(os.path.join(group.path, "memory.limit_in_bytes"), str(limit))
+        swap = os.path.join(group.path, "memory.memsw.limit_in_bytes")
+        if os.path.exists(swap):
+            _write(swap, str(limit))  # memory+swap == memory: no swap, as kubelet configures pods
+        swappiness = os.path.join(group.path, "memory.swappiness")
+        if os.path.exists(swappiness):
+            try:
+                _write(swappiness, "0")
+            except OSError:
+                pass
+    else:
+        _write(os.path.join(group.path, "memory.max"), str(limit))
+        swap = os.path.join(group.path, "memory.swap.max")
+        if os.path.exists(swap):
+            _write(swap, "0")
+    return group
+
+
+def own_cgroup() -> MemoryCgroup | None:
+    own = own_cgroup_dir()
+    return None if own is None else MemoryCgroup(own[1], own[0])
+
+
+def own_oom_kill_count() -> int:
+    """OOM kills counted in this process's memory cgroup (0 where unreadable)."""
+    group = own_cgroup()
+    try:
+        return group.oom_kills() if group else 0
+    except OSError:
+        return 0

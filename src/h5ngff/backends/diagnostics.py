@@ -1,0 +1,128 @@
+"""What happened to the workers: peak memory, restarts, and who killed a worker that died.
+
+Works the same on every backend because it only uses Dask's own channels: ``client.run`` for
+per-process figures, and scheduler events, which the nanny already logs when it terminates a
+worker for memory (``worker-restart-memory``) and which our nanny plugin logs on every worker exit
+(``h5ngff-worker-exit``, with the kernel's OOM-kill count of the nanny's cgroup).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from distributed import Client
+from distributed.diagnostics.plugin import NannyPlugin
+
+from ..errors import NannyTerminatedError, OOMKilledError, WorkerFailedError
+from ..units import format_bytes
+from .cgroups import own_oom_kill_count
+
+log = logging.getLogger(__name__)
+
+EXIT_TOPIC = "h5ngff-worker-exit"
+MEMORY_RESTART_TOPIC = "worker-restart-memory"
+
+
+class WorkerExitReporter(NannyPlugin):
+    """Logs every worker-process exit to the scheduler, with the cgroup's OOM-kill count."""
+
+    name = "h5ngff-worker-exit"
+    idempotent = True
+
+    def setup(self, nanny) -> None:
+        original = getattr(nanny, "_on_worker_exit", None)
+        if original is None:  # a future distributed; the cgroup counters still tell OOM kills
+            return
+
+        async def on_exit(exitcode, _original=original, _nanny=nanny):
+            try:
+                _nanny.log_event(EXIT_TOPIC, {
+                    "worker": _nanny.worker_address,
+                    "nanny": _nanny.address,
+                    "exitcode": exitcode,
+                    "oom_kills": own_oom_kill_count(),
+                    "time": time.time(),
+                })
+            except Exception:  # reporting must never stop the nanny from restarting its worker
+                log.debug("could not log worker exit", exc_info=True)
+            return await _original(exitcode)
+
+        nanny._on_worker_exit = on_exit
+
+
+def process_memory() -> dict[str, int]:
+    """This process's current and peak RSS (kernel-tracked high-water mark)."""
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":", 1)
+                status[key] = int(value.split()[0]) * 1024
+    return {"rss": status.get("VmRSS", 0), "peak_rss": status.get("VmHWM", 0), "pid": os.getpid()}
+
+
+@dataclass
+class WorkerReport:
+    """Per-worker figures for the summary; cgroup fields are filled where pods are emulated."""
+
+    name: str
+    peak_rss: int = 0
+    predicted_peak: int = 0
+    memory_limit: int = 0
+    pod_limit: int = 0
+    cgroup_peak: int | None = None
+    oom_kills: int = 0
+    nanny_restarts: int = 0
+    memory_terminations: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ClusterEvents:
+    exits: list[dict[str, Any]] = field(default_factory=list)
+    memory_restarts: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def collect(cls, client: Client) -> "ClusterEvents":
+        try:
+            exits = [msg for _, msg in client.get_events(EXIT_TOPIC)]
+            restarts = [msg for _, msg in client.get_events(MEMORY_RESTART_TOPIC)]
+        except Exception:
+            return cls()
+        return cls(exits, restarts)
+
+    def oom_killed(self) -> list[dict[str, Any]]:
+        """Exits by SIGKILL that the nanny did not ask for and that came with an OOM kill."""
+        killed = []
+        baseline: dict[str, int] = {}
+        for event in self.exits:
+            nanny = event.get("nanny", "")
+            kills = event.get("oom_kills") or 0
+            if event.get("exitcode") == -9 and kills > baseline.get(nanny, 0):
+                killed.append(event)
+            baseline[nanny] = max(baseline.get(nanny, 0), kills)
+        return killed
+
+
+def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, memory_limit: int, oom_kills: int = 0) -> WorkerFailedError:
+    """Turn a KilledWorker into the reason a user can act on."""
+    if events.oom_killed() or oom_kills:
+        return OOMKilledError(
+            f"OOMKilled by the kernel (pod limit {pod_limit >> 20} MiB): a worker used more than its pod's memory "
+            f"limit and the kernel killed it, {max(oom_kills, len(events.oom_killed()))} time(s). The plan's prediction was exceeded; "
+            f"raise resources.memoryPerWorker or report the case (h5ngff plan --json output helps).",
+        )
+    if events.memory_restarts:
+        worst = max(e.get("rss", 0) for e in events.memory_restarts)
+        return NannyTerminatedError(
+            f"NannyTerminated: Dask's nanny terminated a worker at {format_bytes(worst)}, above its terminate threshold "
+            f"of memory_limit {format_bytes(memory_limit)}, {len(events.memory_restarts)} time(s). The task used more memory "
+            f"than planned; raise resources.memoryPerWorker or use a smaller resources.slab.",
+        )
+    return WorkerFailedError(f"A Dask worker died repeatedly while running a slab ({exc}). Check the worker logs.")

@@ -1,0 +1,205 @@
+"""The embedded default: a Dask cluster on this machine, sized by the plan.
+
+Two shapes:
+
+* ``LocalCluster`` (the default): one worker process per planned worker, each with the planned
+  ``memory_limit``, threads, Dask thresholds and allocator environment.
+* pod emulation (``--enforce-pod-limits``): the scheduler runs here and every worker is a
+  ``dask worker`` nanny process with its own memory cgroup limited to the planned pod limit, so
+  nanny and worker share one limit exactly as they share a pod on Kubernetes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import dask
+from distributed import Client, LocalCluster
+
+from ..errors import ClusterError
+from ..planner.model import Capacity, Plan
+from .allocator import allocator_env
+from .base import Session, dask_env, dask_memory_config, machine_capacity
+from .cgroups import MemoryCgroup, create_pod_cgroup
+from .diagnostics import WorkerExitReporter, WorkerReport
+
+log = logging.getLogger(__name__)
+#: How long pod workers get to connect before the run gives up.
+WORKER_START_TIMEOUT = 120
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, enforce_pod_limits: bool = False, pod_limit: int | None = None, dashboard: bool = False):
+        self.enforce_pod_limits = enforce_pod_limits
+        #: Replaces the planned pod limit (experiments and negative controls).
+        self.pod_limit = pod_limit
+        self.dashboard = dashboard
+
+    def capacity(self) -> Capacity:
+        return machine_capacity()
+
+    @contextmanager
+    def session(self, plan: Plan) -> Iterator[Session]:
+        config = dask_memory_config(plan)
+        env = allocator_env(plan.allocator)
+        with ExitStack() as stack:
+            if self.enforce_pod_limits:
+                pods = stack.enter_context(PodCluster(plan, config, env, self.pod_limit or plan.memory.pod_limit))
+                client = stack.enter_context(Client(pods.scheduler_address, set_as_default=False))
+                client.register_plugin(WorkerExitReporter())
+                pods.wait_for_workers(client)
+                yield Session(client, "local-pods", pods.reports, pods.refresh)
+            else:
+                stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
+                cluster = stack.enter_context(
+                    LocalCluster(
+                        n_workers=plan.workers,
+                        threads_per_worker=plan.threads_per_worker,
+                        memory_limit=plan.memory.memory_limit,
+                        processes=True,
+                        dashboard_address=":0" if self.dashboard else None,
+                        silence_logs=logging.ERROR,
+                    )
+                )
+                client = stack.enter_context(Client(cluster, set_as_default=False))
+                client.register_plugin(WorkerExitReporter())
+                yield Session(client, "local")
+
+
+@dataclass
+class Pod:
+    index: int
+    name: str
+    process: subprocess.Popen
+    cgroup: MemoryCgroup
+    log_path: str
+
+
+class PodCluster:
+    """A scheduler in this process and one cgroup-limited nanny+worker process per planned worker."""
+
+    def __init__(self, plan: Plan, config: dict, env: dict[str, str], pod_limit: int):
+        self.plan = plan
+        self.config = config
+        self.env = env
+        self.pod_limit = pod_limit
+        self.pods: list[Pod] = []
+        self.reports: dict[str, WorkerReport] = {}
+        self._scheduler: LocalCluster | None = None
+        self._dir = tempfile.mkdtemp(prefix="h5ngff-pods-")
+        self._token = uuid.uuid4().hex[:8]
+
+    @property
+    def scheduler_address(self) -> str:
+        assert self._scheduler is not None
+        return self._scheduler.scheduler_address
+
+    def __enter__(self) -> "PodCluster":
+        with dask.config.set(self.config):
+            self._scheduler = LocalCluster(n_workers=0, processes=True, dashboard_address=None, silence_logs=logging.ERROR)
+        try:
+            for i in range(self.plan.workers):
+                self.pods.append(self._start_pod(i))
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start_pod(self, index: int) -> Pod:
+        name = f"pod-{index}"
+        group = create_pod_cgroup(f"h5ngff-{self._token}-{name}", self.pod_limit)
+        log_path = os.path.join(self._dir, f"{name}.log")
+        env = {**os.environ, **self.env, **dask_env(self.config)}
+        cmd = [
+            sys.executable, "-m", "distributed.cli.dask_worker", self.scheduler_address,
+            "--name", name,
+            "--nthreads", str(self.plan.threads_per_worker),
+            "--nworkers", "1",
+            "--memory-limit", str(self.plan.memory.memory_limit),
+            "--nanny",
+            "--no-dashboard",
+            "--local-directory", os.path.join(self._dir, name),
+            "--death-timeout", "60",
+        ]
+        cgroup_procs = os.path.join(group.path, "cgroup.procs")
+
+        def enter_cgroup() -> None:  # runs in the child between fork and exec
+            with open(cgroup_procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=enter_cgroup, start_new_session=True)
+        self.reports[name] = WorkerReport(name=name, pod_limit=self.pod_limit, memory_limit=self.plan.memory.memory_limit, predicted_peak=self.plan.memory.predicted_peak)
+        return Pod(index, name, process, group, log_path)
+
+    def wait_for_workers(self, client: Client) -> None:
+        deadline = time.time() + WORKER_START_TIMEOUT
+        while len(client.scheduler_info(n_workers=-1)["workers"]) < len(self.pods):
+            dead = [p for p in self.pods if p.process.poll() is not None]
+            if dead or time.time() > deadline:
+                tail = self._log_tail(dead[0] if dead else self.pods[0])
+                raise ClusterError(f"Pod-emulated workers did not start (pod limit {self.pod_limit >> 20} MiB). Last log lines:\n{tail}")
+            time.sleep(0.1)
+
+    def refresh(self) -> None:
+        for pod in self.pods:
+            report = self.reports[pod.name]
+            try:
+                report.cgroup_peak = pod.cgroup.peak()
+                report.oom_kills = pod.cgroup.oom_kills()
+            except OSError:
+                pass
+            text = self._log_text(pod)
+            report.nanny_restarts = text.count("Restarting worker")
+            report.memory_terminations = text.count("memory budget. Restarting")
+
+    def _log_text(self, pod: Pod) -> str:
+        try:
+            with open(pod.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def _log_tail(self, pod: Pod, lines: int = 15) -> str:
+        return "\n".join(self._log_text(pod).splitlines()[-lines:])
+
+    def __exit__(self, *exc) -> None:
+        self.refresh() if self.pods else None
+        for pod in self.pods:
+            _signal_group(pod.process, signal.SIGTERM)
+        deadline = time.time() + 10
+        for pod in self.pods:
+            try:
+                pod.process.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                _signal_group(pod.process, signal.SIGKILL)
+                pod.process.wait()
+        for pod in self.pods:
+            for pid in pod.cgroup.pids():  # stragglers (grandchildren) must go before rmdir
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            pod.cgroup.remove()
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass

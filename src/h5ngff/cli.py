@@ -1,0 +1,223 @@
+"""``h5ngff``: plan and run HDF5 -> OME-Zarr conversions with predictable memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from . import __version__
+from .cliargs import add_spec_flags, merge, spec_overrides, split_source
+from .errors import H5ngffError
+from .planner import DEFAULT_CONSTANTS, MemoryConstants
+from .spec import parse_spec
+from .units import parse_bytes
+
+log = logging.getLogger("h5ngff")
+
+DESCRIPTION = """\
+Convert HDF5 datasets to OME-Zarr (NGFF 0.4/0.5) on Dask, with every worker's memory planned
+before the run and measured after it.
+
+  h5ngff plan in.h5:/volume/data                 show the plan: slabs, workers, memory per term
+  h5ngff convert in.h5:/volume/data out.ome.zarr plan, convert on a local Dask cluster, report
+  h5ngff run job.yaml                            run a ConversionJob manifest locally
+  h5ngff verify out.ome.zarr                     check metadata and every chunk
+  h5ngff sample sample.h5                        write a sample volume to try it on
+  h5ngff demo                                    sample + plan + convert + memory report
+"""
+
+EPILOG_CONVERT = """\
+examples:
+  h5ngff convert scan.h5:/entry/data scan.ome.zarr
+  h5ngff convert scan.h5:/data out.ome.zarr --chunks 64,64,64 --levels 3 --memory-per-worker 2GiB
+  h5ngff convert scan.h5:/data out.ome.zarr --ngff-version 0.4 --compressor lz4:5:shuffle
+  h5ngff convert scan.h5:/data out.ome.zarr --scheduler tcp://10.0.0.5:8786
+
+Re-running the same command after a crash resumes: finished slabs are skipped and the result is
+bit-identical. --overwrite starts fresh. Exit status: 0 done, 1 failed, 2 bad input or spec.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h5ngff", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"h5ngff {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="More log output (-vv for debug).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("plan", help="Show the plan for a conversion (reads HDF5 metadata only).", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Plan a conversion and explain every MiB a worker needs. Reads only HDF5 metadata.")
+    p.add_argument("source", metavar="SOURCE", help="FILE.h5:/dataset, or a ConversionJob YAML file.")
+    p.add_argument("output", metavar="OUTPUT", nargs="?", help="Output path (only needed to show it; default SOURCE.ome.zarr).")
+    _common_run_flags(p, convert=False)
+    add_spec_flags(p)
+    p.set_defaults(func=cmd_plan)
+
+    c = sub.add_parser("convert", help="Convert an HDF5 dataset to OME-Zarr.", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Plan, start a Dask cluster sized by the plan, convert, and report time and memory.", epilog=EPILOG_CONVERT)
+    c.add_argument("source", metavar="SOURCE", help="FILE.h5:/dataset, e.g. in.h5:/volume/data.")
+    c.add_argument("output", metavar="OUTPUT", help="Output directory, e.g. out.ome.zarr.")
+    _common_run_flags(c, convert=True)
+    add_spec_flags(c)
+    c.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("sample", help="Write a sample HDF5 volume that compresses like real data.")
+    s.add_argument("path", help="HDF5 file to write.")
+    s.add_argument("--dataset", default="/volume/data")
+    s.add_argument("--shape", default="96,768,512", help="Comma-separated shape (2 to 5 dimensions).")
+    s.add_argument("--dtype", default="uint16", help="numpy dtype name, e.g. uint16, float32.")
+    s.add_argument("--hdf5-chunks", metavar="SHAPE", help="Store chunked with this chunk shape (default contiguous).")
+    s.add_argument("--gzip", action="store_true", help="gzip-compress the HDF5 chunks (needs --hdf5-chunks).")
+    s.set_defaults(func=cmd_sample)
+
+    d = sub.add_parser("demo", help="Generate a sample, show its plan, convert it locally and write a memory report.")
+    d.add_argument("directory", nargs="?", default="h5ngff-demo", help="Where the sample, output and report go (default ./h5ngff-demo).")
+    d.add_argument("--shape", default="96,1024,1024", help="Sample shape (default 96,1024,1024 uint16, 192 MiB).")
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
+    p.add_argument("--json", action="store_true", help="Print one JSON object instead of tables.")
+    p.add_argument("--calibration", metavar="FILE", help="JSON file overriding the memory model's measured constants.")
+    if convert:
+        p.add_argument("--overwrite", action="store_true", help="Replace an existing h5ngff or Zarr output instead of resuming it.")
+        p.add_argument("--scheduler", metavar="ADDRESS", help="Use an existing Dask cluster (tcp://host:8786) instead of starting one.")
+        p.add_argument("--enforce-pod-limits", action="store_true", help="Run each worker in its own memory cgroup limited to the planned pod limit, as on Kubernetes.")
+        p.add_argument("--pod-limit", metavar="SIZE", help="Override the planned pod limit (with --enforce-pod-limits; for experiments).")
+        p.add_argument("--memory-report", metavar="FILE", help="Write a per-worker memory timeline (.png or .html) with the planned limits drawn in.")
+        p.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve Prometheus metrics on this port during the run.")
+        p.add_argument("--no-progress", action="store_true", help="No progress bar (logs only).")
+
+
+def _constants(args: argparse.Namespace) -> MemoryConstants:
+    return MemoryConstants.from_file(args.calibration) if getattr(args, "calibration", None) else DEFAULT_CONSTANTS
+
+
+def spec_from_args(args: argparse.Namespace) -> Any:
+    path, dataset = split_source(args.source)
+    output = args.output or os.path.splitext(path)[0] + ".ome.zarr"
+    base = {"source": {"path": path, "dataset": dataset}, "output": {"path": output}}
+    if getattr(args, "overwrite", False):
+        base["output"]["overwrite"] = True
+    return parse_spec(merge(base, spec_overrides(args)))
+
+
+def _backend(args: argparse.Namespace):
+    if getattr(args, "scheduler", None):
+        from .backends.external import ExternalBackend
+
+        return ExternalBackend(args.scheduler)
+    from .backends.local import LocalBackend
+
+    pod_limit = parse_bytes(args.pod_limit) if getattr(args, "pod_limit", None) else None
+    return LocalBackend(enforce_pod_limits=getattr(args, "enforce_pod_limits", False), pod_limit=pod_limit)
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from .report import plan_renderable
+    from .runner import plan_job
+
+    spec = spec_from_args(args)
+    job = plan_job(spec, _backend(args), _constants(args))
+    if args.json:
+        print(json.dumps({"plan": job.plan.to_dict(), "notices": job.notices, "spec": job.spec.to_wire()}, indent=1))
+    else:
+        console.print(plan_renderable(job))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace, console: Console) -> int:
+    spec = spec_from_args(args)
+    return convert_spec(spec, args, console)
+
+
+def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
+    from .report import ProgressBar, plan_renderable, summary_renderable
+    from .runner import plan_job, run_job
+
+    backend = _backend(args)
+    job = plan_job(spec, backend, _constants(args))
+    if not args.json:
+        console.print(plan_renderable(job))
+    listeners = []
+    bar = None
+    if not args.json and not args.no_progress:
+        bar = ProgressBar(console)
+        listeners.append(bar)
+    if bar:
+        with bar:
+            summary = run_job(job, backend, listeners)
+    else:
+        summary = run_job(job, backend, listeners)
+    if args.memory_report:
+        from .metrics.timeline import write_memory_report
+
+        write_memory_report(summary, args.memory_report)
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=1, default=str))
+    else:
+        console.print(summary_renderable(summary))
+        if args.memory_report:
+            console.print(f"memory report: {args.memory_report}")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace, console: Console) -> int:
+    from .sample import write_sample
+
+    shape = tuple(int(v) for v in args.shape.split(","))
+    chunks = tuple(int(v) for v in args.hdf5_chunks.split(",")) if args.hdf5_chunks else None
+    write_sample(args.path, args.dataset, shape, args.dtype, chunks=chunks, compression="gzip" if args.gzip else None)
+    console.print(f"wrote {args.path}:{args.dataset} shape {shape} {args.dtype}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from .sample import write_sample
+
+    os.makedirs(args.directory, exist_ok=True)
+    source = os.path.join(args.directory, "sample.h5")
+    shape = tuple(int(v) for v in args.shape.split(","))
+    if not os.path.exists(source):
+        console.print(f"[bold]1. sample[/bold]: writing {source} {shape} uint16")
+        write_sample(source, "/volume/data", shape, "uint16", element_size_um=(2.0, 0.5, 0.5)[-len(shape):])
+    parser = build_parser()
+    output = os.path.join(args.directory, "sample.ome.zarr")
+    report = os.path.join(args.directory, "memory-report.png")
+    console.print(f"[bold]2. plan and convert[/bold]: h5ngff convert {source}:/volume/data {output} --overwrite --memory-report {report}")
+    convert_args = parser.parse_args(["convert", f"{source}:/volume/data", output, "--overwrite", "--memory-report", report])
+    return cmd_convert(convert_args, console)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s")
+    # Dask logs every worker start and stop at INFO; the progress bar says what matters. Import
+    # distributed first: importing it installs its own logging config, which would undo ours.
+    import distributed  # noqa: F401
+
+    logging.getLogger("distributed").setLevel([logging.ERROR, logging.WARNING, logging.INFO][min(args.verbose, 2)])
+    console = Console(stderr=bool(getattr(args, "json", False)))
+    try:
+        return args.func(args, console)
+    except H5ngffError as exc:
+        if not getattr(args, "json", False):
+            console.print(f"[red]error[/red] ({exc.reason}): {exc}", highlight=False)
+        else:
+            print(json.dumps({"status": "Failed", "reason": exc.reason, "message": str(exc)}))
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/yellow]: re-run the same command to resume.")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

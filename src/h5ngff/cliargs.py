@@ -1,0 +1,154 @@
+"""Command-line flags as ConversionSpec fields: one table, so ``plan`` and ``convert`` share them
+and every flag lands in exactly one spec field."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .errors import SpecError
+
+COMPRESSOR_HELP = (
+    "CODEC[:LEVEL[:SHUFFLE]]. Blosc with an inner codec: zstd, lz4, lz4hc, zlib, blosclz "
+    "(e.g. zstd:5:bitshuffle, the default; lz4:3:shuffle); plain-zstd:LEVEL; gzip:LEVEL; none."
+)
+
+
+def split_source(text: str) -> tuple[str, str]:
+    """``in.h5:/volume/data`` -> (file, dataset). The dataset is after the last ':' that starts a path."""
+    head, sep, tail = text.rpartition(":")
+    if not sep or not head:
+        raise SpecError("source", f"Expected FILE.h5:/dataset, e.g. in.h5:/volume/data. Got {text!r} instead.")
+    return head, tail if tail.startswith("/") else "/" + tail
+
+
+def _ints(text: str, field: str) -> list[int]:
+    try:
+        return [int(v) for v in text.replace("x", ",").split(",") if v.strip()]
+    except ValueError:
+        raise SpecError(field, f"Expected comma-separated integers, e.g. 64,64,64. Got {text!r} instead.") from None
+
+
+def _floats(text: str, field: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SpecError(field, f"Expected comma-separated numbers, e.g. 2.0,0.5,0.5. Got {text!r} instead.") from None
+
+
+def _int_or_auto(text: str, field: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise SpecError(field, f"Expected an integer or 'auto'. Got {text!r} instead.") from None
+
+
+def parse_compressor(text: str) -> dict[str, Any]:
+    parts = text.strip().lower().split(":")
+    name, rest = parts[0], parts[1:]
+    try:
+        level = int(rest[0]) if rest and rest[0] else None
+    except ValueError:
+        raise SpecError("output.compressor", f"Expected {COMPRESSOR_HELP} Got {text!r} instead (the level must be an integer).") from None
+    if name == "none" and not rest:
+        return {"codec": "none"}
+    if name == "gzip" and len(rest) <= 1:
+        return {"codec": "gzip", "clevel": level}
+    if name == "plain-zstd" and len(rest) <= 1:
+        return {"codec": "zstd", "clevel": level}
+    if name == "blosc" and rest:
+        name, rest = rest[0], rest[1:]
+        level = int(rest[0]) if rest and rest[0].isdigit() else None
+    if name in ("zstd", "lz4", "lz4hc", "zlib", "blosclz") and len(rest) <= 2:
+        spec: dict[str, Any] = {"codec": "blosc", "cname": name, "clevel": level}
+        if len(rest) == 2:
+            spec["shuffle"] = rest[1]
+        return spec
+    raise SpecError("output.compressor", f"Expected {COMPRESSOR_HELP} Got {text!r} instead.")
+
+
+def _units(text: str, axes: str | None) -> list[str]:
+    values = [v.strip() for v in text.split(",")]
+    if len(values) == 1 and axes:
+        # One unit names the spatial axes' unit; time and channel axes get none.
+        return [values[0] if a in "zyx" else "" for a in axes]
+    return values
+
+
+def add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by ``plan`` and ``convert``; each maps to one ConversionSpec field."""
+    out = parser.add_argument_group("output")
+    out.add_argument("--chunks", metavar="Z,Y,X", help="Chunk shape, one entry per axis (default 64 per spatial axis in 3-D, 256 in 2-D, 1 for t/c).")
+    out.add_argument("--shards", metavar="Z,Y,X", help="Shard shape, a multiple of --chunks (NGFF 0.5 only): fewer, larger files.")
+    out.add_argument("--compressor", metavar="SPEC", help=COMPRESSOR_HELP)
+    out.add_argument("--ngff-version", choices=["0.4", "0.5"], help="0.5 = Zarr v3 (default); 0.4 = Zarr v2 for older viewers.")
+    img = parser.add_argument_group("image metadata")
+    img.add_argument("--axes", help="Axis names, e.g. tczyx. Default: from HDF5 dimension labels, else by number of dimensions.")
+    img.add_argument("--scale", metavar="S,S,S", help="Voxel size per axis. Default: element_size_um attribute, else 1.")
+    img.add_argument("--units", metavar="UNIT[,UNIT…]", help="Unit per axis, or one unit for all spatial axes (e.g. micrometer).")
+    img.add_argument("--name", help="Image name in the multiscales metadata.")
+    pyr = parser.add_argument_group("pyramid")
+    pyr.add_argument("--levels", metavar="N|auto", help="Resolution levels including full resolution (default auto: halve until one chunk holds the smallest).")
+    pyr.add_argument("--downsample", choices=["mean", "nearest", "max"], help="Downsampling method (default mean, exact).")
+    pyr.add_argument("--downsample-axes", metavar="AXES", help="Axes to downsample, e.g. yx (default: every spatial axis).")
+    res = parser.add_argument_group("resources")
+    res.add_argument("--workers", metavar="N|auto", help="Dask worker processes (default auto: one per core).")
+    res.add_argument("--threads", type=int, metavar="N", help="Threads per worker (default 1); each runs one slab.")
+    res.add_argument("--memory-per-worker", metavar="SIZE", help="Pod memory limit per worker, e.g. 1GiB; the plan must fit.")
+    res.add_argument("--memory-total", metavar="SIZE", help="Memory for all workers together; the planner picks the worker count.")
+    res.add_argument("--slab", metavar="Z,Y,X", help="Read slab shape (re-aligned to the chunk grid with a notice if needed).")
+    res.add_argument("--allocator", choices=["auto", "jemalloc", "glibc"], help="Worker malloc (default auto: jemalloc where installed).")
+
+
+def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The nested spec dict the flags given on the command line describe (unset flags omitted)."""
+    spec: dict[str, Any] = {"output": {}, "image": {}, "pyramid": {}, "resources": {}}
+    o, i, p, r = spec["output"], spec["image"], spec["pyramid"], spec["resources"]
+    if args.chunks:
+        o["chunks"] = _ints(args.chunks, "output.chunks")
+    if args.shards:
+        o["shards"] = _ints(args.shards, "output.shards")
+    if args.compressor:
+        o["compressor"] = {k: v for k, v in parse_compressor(args.compressor).items() if v is not None}
+    if args.ngff_version:
+        o["ngffVersion"] = args.ngff_version
+    if args.axes:
+        i["axes"] = args.axes
+    if args.scale:
+        i["scale"] = _floats(args.scale, "image.scale")
+    if args.units:
+        i["units"] = _units(args.units, args.axes)
+    if args.name:
+        i["name"] = args.name
+    if args.levels:
+        p["levels"] = _int_or_auto(args.levels, "pyramid.levels")
+    if args.downsample:
+        p["method"] = args.downsample
+    if args.downsample_axes:
+        p["axes"] = args.downsample_axes
+    if args.workers:
+        r["workers"] = _int_or_auto(args.workers, "resources.workers")
+    if args.threads is not None:
+        r["threadsPerWorker"] = args.threads
+    if args.memory_per_worker:
+        r["memoryPerWorker"] = args.memory_per_worker
+    if args.memory_total:
+        r["memoryTotal"] = args.memory_total
+    if args.slab:
+        r["slab"] = _ints(args.slab, "resources.slab")
+    if args.allocator:
+        r["allocator"] = args.allocator
+    return {k: v for k, v in spec.items() if v}
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge flags over a spec from a file: flags win."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out

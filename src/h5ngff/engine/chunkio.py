@@ -1,0 +1,218 @@
+"""Chunk and shard files: encode and write them whole, atomically; read and decode them back.
+
+zarr-python creates every array's metadata, but the engine encodes and stores chunks itself:
+zarr's per-chunk overhead on the write path (async codec pipeline, store abstraction) cost more
+than the encoding itself in our benchmark (docs/benchmarks.md), and a file written here is first
+written to a temporary name and renamed, so a reader or a resumed run never sees half a chunk.
+The bytes are exactly zarr's: tests read every codec, format and sharding back with zarr.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import uuid
+from dataclasses import dataclass
+from itertools import product
+from typing import Iterator
+
+import google_crc32c
+import numpy as np
+
+from ..errors import DiskFullError, OutputError
+from ..planner.grid import ceil_div
+from ..spec import CompressorSpec
+from .codecs import chunk_codec
+
+Shape = tuple[int, ...]
+#: Temporary files carry this marker; a resumed run deletes the ones a killed run left behind.
+TMP_MARK = ".h5ngff-tmp-"
+_EMPTY = np.uint64(2**64 - 1)
+_made_dirs: set[str] = set()
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """Where and how one pyramid level's chunk files are stored."""
+
+    path: str
+    shape: Shape
+    chunks: Shape
+    shards: Shape | None
+    dtype: str
+    zarr_format: int
+    compressor: CompressorSpec
+    level: int = 0
+    fill_value: float | int | bool = 0
+
+    @property
+    def unit(self) -> Shape:
+        """The unit stored as one file: the shard where sharded, else the chunk."""
+        return self.shards or self.chunks
+
+    @property
+    def unit_grid(self) -> Shape:
+        return tuple(ceil_div(n, u) for n, u in zip(self.shape, self.unit))
+
+    def key(self, index: tuple[int, ...]) -> str:
+        parts = "/".join(str(i) for i in index)
+        return f"c/{parts}" if self.zarr_format == 3 else parts
+
+    def file(self, index: tuple[int, ...]) -> str:
+        return os.path.join(self.path, self.key(index))
+
+    def units_in(self, region: tuple[slice, ...]) -> Iterator[tuple[int, ...]]:
+        """Indices of the write units a region touches."""
+        ranges = [range(r.start // u, ceil_div(r.stop, u)) for r, u in zip(region, self.unit)]
+        return product(*ranges)
+
+    def unit_region(self, index: tuple[int, ...]) -> tuple[slice, ...]:
+        return tuple(slice(i * u, min((i + 1) * u, n)) for i, u, n in zip(index, self.unit, self.shape))
+
+
+def _padded(block: np.ndarray, shape: Shape, fill) -> np.ndarray:
+    """A C-contiguous copy of ``block`` in a full chunk; edge chunks are padded with the fill value,
+    as zarr stores them."""
+    if block.shape == shape:
+        return np.ascontiguousarray(block)
+    out = np.full(shape, fill, dtype=block.dtype)
+    out[tuple(slice(0, n) for n in block.shape)] = block
+    return out
+
+
+def encode_chunk(layout: ArrayLayout, block: np.ndarray) -> bytes:
+    chunk = _padded(block, layout.chunks, layout.fill_value)
+    codec = chunk_codec(layout.compressor)
+    return chunk.tobytes() if codec is None else bytes(codec.encode(chunk))
+
+
+def encode_shard(layout: ArrayLayout, block: np.ndarray, shard_start: Shape) -> list[bytes]:
+    """Inner chunks in C order, then the index (offset, nbytes per chunk, little-endian uint64)
+    and its CRC32C: zarr's ``sharding_indexed`` codec with the index at the end."""
+    assert layout.shards is not None
+    inner_grid = tuple(s // c for s, c in zip(layout.shards, layout.chunks))
+    index = np.full(inner_grid + (2,), _EMPTY, dtype="<u8")
+    pieces: list[bytes] = []
+    offset = 0
+    for inner in product(*(range(g) for g in inner_grid)):
+        start = tuple(i * c for i, c in zip(inner, layout.chunks))
+        if any(s0 + s >= n for s0, s, n in zip(shard_start, start, layout.shape)):
+            continue  # wholly outside the array: stays empty, as zarr leaves it
+        local = tuple(slice(s, min(s + c, b)) for s, c, b in zip(start, layout.chunks, block.shape))
+        data = encode_chunk(layout, block[local])
+        index[inner] = (offset, len(data))
+        pieces.append(data)
+        offset += len(data)
+    raw_index = index.tobytes()
+    pieces.append(raw_index)
+    pieces.append(google_crc32c.value(raw_index).to_bytes(4, "little"))
+    return pieces
+
+
+def atomic_write(path: str, pieces: list[bytes]) -> int:
+    """Write ``pieces`` to ``path`` through a temporary file and a rename. Returns the size."""
+    directory, name = os.path.split(path)
+    if directory not in _made_dirs:
+        os.makedirs(directory, exist_ok=True)
+        _made_dirs.add(directory)
+    tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(pieces)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _remove_quietly(tmp)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"No space left on the output device while writing {path}. Free space and re-run the same command; finished slabs are kept.") from exc
+        raise OutputError(f"Cannot write {path}: {exc.strerror or exc}. Check that the output location is writable.") from exc
+    return sum(len(p) for p in pieces)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=None) -> list[tuple[str, int]]:
+    """Write every unit of ``block`` (placed at ``origin`` in the level). The block must cover whole
+    units (or reach the array's edge): that is what makes each unit's writer unique.
+
+    ``on_chunk(sub_block, unit_region)`` sees each unit's data while it is still in cache, which is
+    where the engine takes its min/max for the omero window.
+    """
+    region = tuple(slice(o, o + n) for o, n in zip(origin, block.shape))
+    written = []
+    for index in layout.units_in(region):
+        unit = layout.unit_region(index)
+        local = tuple(slice(u.start - o, u.stop - o) for u, o in zip(unit, origin))
+        sub = block[local]
+        if on_chunk is not None:
+            on_chunk(sub, unit)
+        if layout.shards is None:
+            pieces = [encode_chunk(layout, sub)]
+        else:
+            pieces = encode_shard(layout, sub, tuple(u.start for u in unit))
+        written.append((layout.key(index), atomic_write(layout.file(index), pieces)))
+    return written
+
+
+def decode_chunk(layout: ArrayLayout, data: bytes) -> np.ndarray:
+    codec = chunk_codec(layout.compressor)
+    raw = data if codec is None else codec.decode(data)
+    arr = np.frombuffer(raw, dtype=layout.dtype)
+    if arr.size != math.prod(layout.chunks):
+        raise ValueError(f"decoded {arr.size} elements, expected {math.prod(layout.chunks)}")
+    return arr.reshape(layout.chunks)
+
+
+def decode_unit(layout: ArrayLayout, data: bytes) -> np.ndarray:
+    """Decode one chunk file, or one shard file into its full (padded) shard array."""
+    if layout.shards is None:
+        return decode_chunk(layout, data)
+    inner_grid = tuple(s // c for s, c in zip(layout.shards, layout.chunks))
+    n = math.prod(inner_grid)
+    tail = 16 * n + 4
+    if len(data) < tail:
+        raise ValueError(f"shard of {len(data)} bytes is shorter than its index ({tail} bytes)")
+    raw_index = data[-tail:-4]
+    if google_crc32c.value(raw_index).to_bytes(4, "little") != data[-4:]:
+        raise ValueError("shard index checksum mismatch")
+    index = np.frombuffer(raw_index, dtype="<u8").reshape(inner_grid + (2,))
+    out = np.full(layout.shards, layout.fill_value, dtype=layout.dtype)
+    for inner in product(*(range(g) for g in inner_grid)):
+        offset, nbytes = (int(v) for v in index[inner])
+        if offset == int(_EMPTY):
+            continue
+        if offset + nbytes > len(data) - tail:
+            raise ValueError(f"inner chunk {inner} runs past the shard's data")
+        place = tuple(slice(i * c, (i + 1) * c) for i, c in zip(inner, layout.chunks))
+        out[place] = decode_chunk(layout, data[offset : offset + nbytes])
+    return out
+
+
+def read_unit(layout: ArrayLayout, index: tuple[int, ...]) -> np.ndarray | None:
+    """One unit's decoded data, or None where no file exists (reads as the fill value)."""
+    try:
+        with open(layout.file(index), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    return decode_unit(layout, data)
+
+
+def read_region(layout: ArrayLayout, region: tuple[slice, ...]) -> np.ndarray:
+    """Read a region of a level, one file at a time (what a later pass streams from)."""
+    out = np.empty(tuple(r.stop - r.start for r in region), dtype=layout.dtype)
+    for index in layout.units_in(region):
+        unit = layout.unit_region(index)
+        inter = tuple(slice(max(u.start, r.start), min(u.stop, r.stop)) for u, r in zip(unit, region))
+        dst = tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region))
+        data = read_unit(layout, index)
+        if data is None:
+            out[dst] = layout.fill_value
+        else:
+            out[dst] = data[tuple(slice(i.start - u.start, i.stop - u.start) for i, u in zip(inter, unit))]
+    return out

@@ -1,0 +1,41 @@
+"""The compressor spec as numcodecs codecs (what the engine encodes with) and as Zarr metadata (what
+readers decode with). The two must agree byte for byte; tests read every codec back with zarr."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numcodecs
+from numcodecs import Blosc, GZip, Zstd
+
+from ..spec import CompressorSpec
+
+_BLOSC_SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
+
+
+@lru_cache(maxsize=None)
+def chunk_codec(spec: CompressorSpec) -> numcodecs.abc.Codec | None:
+    """The numcodecs codec for one chunk's bytes (None: stored raw)."""
+    if spec.codec == "blosc":
+        # blocksize 0 lets blosc choose, as zarr's BloscCodec does; typesize comes from the array.
+        return Blosc(cname=spec.blosc_cname, clevel=spec.level, shuffle=_BLOSC_SHUFFLE[spec.blosc_shuffle], blocksize=0)
+    if spec.codec == "zstd":
+        return Zstd(level=spec.level)
+    if spec.codec == "gzip":
+        return GZip(level=spec.level)
+    return None
+
+
+def zarr_compressors(spec: CompressorSpec, zarr_format: int):
+    """The ``compressors`` argument of ``zarr.create_array`` for this spec (None: no compression)."""
+    if spec.codec == "none":
+        return None
+    if zarr_format == 2:
+        return chunk_codec(spec)
+    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+    if spec.codec == "blosc":
+        return BloscCodec(cname=spec.blosc_cname, clevel=spec.level, shuffle=spec.blosc_shuffle)
+    if spec.codec == "zstd":
+        return ZstdCodec(level=spec.level, checksum=False)
+    return GzipCodec(level=spec.level)

@@ -1,0 +1,124 @@
+"""The client side of a conversion: turn passes into slab tasks, feed them to the cluster with a
+bound on tasks in flight, record each finished slab in the manifest, then write the metadata."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Iterable, Iterator
+
+from distributed import Client, as_completed
+
+from ..planner.grid import grid_indices, region
+from ..planner.model import Plan
+from ..spec import ConversionSpec
+from .output import Output, finish_output
+from .progress import Broadcast
+from .tasks import HDF5Source, SlabResult, SlabTask, expected_units, run_slab
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunTotals:
+    seconds: float = 0.0
+    slabs_written: int = 0
+    slabs_skipped: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=lambda: {"read": 0.0, "write": 0.0, "downsample": 0.0})
+
+
+def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: int) -> Iterator[SlabTask]:
+    p = plan.passes[pass_index]
+    downsampled = tuple(f > 1 for f in plan.levels[-1].factors) if len(plan.levels) > 1 else tuple(False for _ in plan.axes)
+    if p.source_level == -1:
+        source = HDF5Source(spec.source.path, spec.source.dataset, plan.hdf5_cache_bytes)
+        src_shape = plan.dataset.shape
+    else:
+        source = output.layouts[p.source_level]
+        src_shape = source.shape
+    levels = tuple(output.layouts[k] for k in p.levels)
+    channel_axis = plan.axes.index("c") if "c" in plan.axes else None
+    for index in grid_indices(p.grid):
+        yield SlabTask(pass_index, index, region(src_shape, p.slab, index), source, levels, downsampled, spec.pyramid.method, channel_axis)
+
+
+def pending_tasks(tasks: Iterable[SlabTask], verified: dict[int, set[str]]) -> tuple[list[SlabTask], int]:
+    """Tasks whose files are not all vouched for by the manifest, and how many were skipped."""
+    todo, skipped = [], 0
+    for task in tasks:
+        if all(keys <= verified.get(level, set()) for level, keys in expected_units(task).items()):
+            skipped += 1
+        else:
+            todo.append(task)
+    return todo, skipped
+
+
+def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast) -> RunTotals:
+    """Run every pass, then finish the output. Raises the first task error (after cancelling the rest)."""
+    totals = RunTotals()
+    start = time.perf_counter()
+    level_paths = {layout.level: layout.path for layout in output.layouts}
+    verified = output.manifest.verified_units(level_paths) if output.resumed else {}
+    passes = [pending_tasks(build_tasks(plan, spec, output, i), verified) for i in range(len(plan.passes))]
+    total = plan.n_tasks
+    skipped = sum(s for _, s in passes)
+    totals.slabs_skipped = skipped
+    events.emit(phase="Writing", slabs_total=total, slabs_done=skipped, slabs_skipped=skipped, passes=len(plan.passes), started=time.time())
+    if skipped:
+        log.info("Resume: %d of %d slab(s) are recorded and intact; %d to write.", skipped, total, total - skipped)
+    token = uuid.uuid4().hex[:8]
+    for pass_index, (todo, _) in enumerate(passes):
+        events.emit(pass_index=pass_index)
+        for result in _stream(client, todo, plan.inflight_total, token):
+            output.manifest.append([result.record])
+            _accumulate(totals, result)
+            p = events.progress
+            events.emit(slabs_done=p.slabs_done + 1, bytes_read=p.bytes_read + result.bytes_read, bytes_written=p.bytes_written + result.bytes_written)
+    totals.seconds = time.perf_counter() - start
+    return totals
+
+
+def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict) -> None:
+    """Metadata and completion marker, last of all."""
+    channels = plan.dataset.shape[plan.axes.index("c")] if "c" in plan.axes else 1
+    finish_output(output, plan, spec, output.manifest.windows(channels), summary)
+
+
+def _accumulate(totals: RunTotals, result: SlabResult) -> None:
+    totals.slabs_written += 1
+    totals.bytes_read += result.bytes_read
+    totals.bytes_written += result.bytes_written
+    for stage, seconds in result.seconds.items():
+        totals.stage_seconds[stage] = totals.stage_seconds.get(stage, 0.0) + seconds
+
+
+def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) -> Iterator[SlabResult]:
+    """Yield results as tasks finish, keeping at most ``inflight`` submitted at any time.
+
+    Submitting everything at once would let the scheduler hold thousands of tasks and decide the
+    order; the bound keeps memory, ordering and cancellation in the client's hands.
+    """
+    queue = iter(tasks)
+
+    def submit(task: SlabTask):
+        return client.submit(run_slab, task, key=f"{task.key}-{token}", pure=False)
+
+    futures = as_completed([submit(t) for t in islice(queue, inflight)], loop=client.loop, with_results=False)
+    try:
+        for future in futures:
+            result = future.result()
+            future.release()
+            following = next(queue, None)
+            if following is not None:
+                futures.add(submit(following))
+            yield result
+    finally:
+        remaining = list(futures.futures)
+        if remaining:
+            client.cancel(remaining)
+

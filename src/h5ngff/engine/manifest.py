@@ -1,0 +1,144 @@
+"""The resume manifest: the record of what has been written, kept inside the output.
+
+``<output>/.h5ngff/manifest.jsonl`` starts with a header (the content fingerprint) followed by one
+line per finished slab: every chunk or shard file it wrote, with its size, and the min/max it
+saw. Only the client appends, and each line is flushed and fsynced before the slab counts as
+done. A torn last line (the client was killed mid-write) is ignored.
+
+When the output is finished, the completion marker goes into the root group's attributes and
+this directory is removed. The manifest, not the presence of files, is the record: a chunk that is missing reads back as
+the fill value, so presence proves nothing. On resume a slab is skipped only when every file it
+owns is recorded *and* still has the recorded size; anything else is rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+MANIFEST_DIR = ".h5ngff"
+MANIFEST_FILE = "manifest.jsonl"
+FORMAT_VERSION = 1
+
+
+def fingerprint(content: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class SlabRecord:
+    pass_index: int
+    slab: tuple[int, ...]
+    #: (level, key, nbytes) of every file the slab wrote.
+    units: list[tuple[int, str, int]]
+    #: (channel, min, max) seen in level 0, for the omero window.
+    stats: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+class Manifest:
+    """Append-only record of finished slabs for one output."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.dir = os.path.join(root, MANIFEST_DIR)
+        self.path = os.path.join(self.dir, MANIFEST_FILE)
+        self.header: dict[str, Any] | None = None
+        self.records: list[SlabRecord] = []
+        #: level -> key -> size of every file the manifest vouches for
+        self.units: dict[int, dict[str, int]] = {}
+
+    # -- reading ---------------------------------------------------------------------------
+    @classmethod
+    def load(cls, root: str) -> "Manifest | None":
+        """The manifest of an existing output, or None if h5ngff did not write it."""
+        m = cls(root)
+        try:
+            with open(m.path, "rb") as f:
+                lines = f.read().split(b"\n")
+        except FileNotFoundError:
+            return None
+        for number, raw in enumerate(lines):
+            if not raw.strip():
+                continue
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                if number >= len(lines) - 2:
+                    log.warning("Ignoring a torn last line in %s (the previous run was interrupted while recording).", m.path)
+                    break
+                raise
+            if entry.get("kind") == "header":
+                m.header = entry
+            elif entry.get("kind") == "slab":
+                m._add(SlabRecord(entry["pass"], tuple(entry["slab"]), [tuple(u) for u in entry["units"]], [tuple(s) for s in entry.get("stats", [])]))
+        return m if m.header else None
+
+    def _add(self, record: SlabRecord) -> None:
+        self.records.append(record)
+        for level, key, nbytes in record.units:
+            self.units.setdefault(level, {})[key] = nbytes
+
+    @property
+    def fingerprint(self) -> str | None:
+        return None if self.header is None else self.header.get("fingerprint")
+
+    @property
+    def content(self) -> dict[str, Any]:
+        return {} if self.header is None else self.header.get("content", {})
+
+    def verified_units(self, level_paths: dict[int, str]) -> dict[int, set[str]]:
+        """Recorded files that still exist with their recorded size."""
+        good: dict[int, set[str]] = {}
+        for level, entries in self.units.items():
+            base = level_paths.get(level)
+            if base is None:
+                continue
+            ok = good.setdefault(level, set())
+            for key, nbytes in entries.items():
+                try:
+                    if os.stat(os.path.join(base, key)).st_size == nbytes:
+                        ok.add(key)
+                except FileNotFoundError:
+                    pass
+        return good
+
+    def windows(self, channels: int) -> list[tuple[float, float]]:
+        low = [float("inf")] * channels
+        high = [float("-inf")] * channels
+        for record in self.records:
+            for channel, lo, hi in record.stats:
+                low[channel] = min(low[channel], lo)
+                high[channel] = max(high[channel], hi)
+        return [(lo, hi) if lo <= hi else (0.0, 0.0) for lo, hi in zip(low, high)]
+
+    # -- writing ---------------------------------------------------------------------------
+    def start(self, content: dict[str, Any]) -> None:
+        """Begin a fresh manifest (the output directory must already exist)."""
+        os.makedirs(self.dir, exist_ok=True)
+        self.header = {"kind": "header", "format": FORMAT_VERSION, "fingerprint": fingerprint(content), "content": content, "created": time.time()}
+        with open(self.path, "w") as f:
+            f.write(json.dumps(self.header) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records = []
+        self.units = {}
+
+    def append(self, records: Iterable[SlabRecord]) -> None:
+        lines = []
+        for r in records:
+            self._add(r)
+            lines.append(json.dumps({"kind": "slab", "pass": r.pass_index, "slab": list(r.slab), "units": [list(u) for u in r.units], "stats": [list(s) for s in r.stats]}))
+        if not lines:
+            return
+        with open(self.path, "a") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+

@@ -1,0 +1,86 @@
+"""Pure builders of OME-NGFF metadata (0.4 and 0.5) from a Plan and the data's min/max."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .. import __version__
+from ..planner.model import Plan
+from ..spec import AXIS_TYPES, ConversionSpec
+
+_COLORS = ("FFFFFF", "00FF00", "FF00FF", "00FFFF", "FF0000", "0000FF", "FFFF00")
+
+
+def axes_metadata(plan: Plan) -> list[dict[str, Any]]:
+    axes = []
+    for name, unit in zip(plan.axes, plan.units):
+        entry: dict[str, Any] = {"name": name, "type": AXIS_TYPES[name]}
+        if unit:
+            entry["unit"] = unit
+        axes.append(entry)
+    return axes
+
+
+def datasets_metadata(plan: Plan) -> list[dict[str, Any]]:
+    datasets = []
+    for level in plan.levels:
+        transforms: list[dict[str, Any]] = [{"type": "scale", "scale": list(level.scale)}]
+        if any(level.translation):
+            transforms.append({"type": "translation", "translation": list(level.translation)})
+        datasets.append({"path": str(level.index), "coordinateTransformations": transforms})
+    return datasets
+
+
+def multiscale(plan: Plan, spec: ConversionSpec) -> dict[str, Any]:
+    return {
+        "name": spec.image.name or spec.source.dataset.strip("/").replace("/", "_") or "image",
+        "axes": axes_metadata(plan),
+        "datasets": datasets_metadata(plan),
+        "type": spec.pyramid.method,
+        "metadata": {
+            "description": f"2x {spec.pyramid.method} downsampling along {''.join(a for a, d in zip(plan.axes, plan.levels[-1].factors) if d > 1) or 'no axis'}",
+            "method": "h5ngff.engine.downsample",
+            "version": __version__,
+        },
+    }
+
+
+def omero(plan: Plan, windows: list[tuple[float, float]]) -> dict[str, Any]:
+    """Channel rendering hints; the window is the min/max seen while converting."""
+    kind = plan.dataset.dtype[1] if len(plan.dataset.dtype) > 1 else "f"
+    channels = []
+    for i, (low, high) in enumerate(windows):
+        low, high = _json_number(low, kind), _json_number(high, kind)
+        channels.append({
+            "label": f"Channel {i}",
+            "color": _COLORS[i % len(_COLORS)] if len(windows) > 1 else "FFFFFF",
+            "active": True,
+            "coefficient": 1.0,
+            "family": "linear",
+            "inverted": False,
+            "window": {"min": low, "max": high, "start": low, "end": high},
+        })
+    z = plan.axes.find("z")
+    rdefs: dict[str, Any] = {"model": "color" if len(windows) > 1 else "greyscale", "defaultT": 0}
+    if z >= 0:
+        rdefs["defaultZ"] = plan.levels[0].shape[z] // 2
+    return {"channels": channels, "rdefs": rdefs}
+
+
+def _json_number(value: float, kind: str) -> float | int:
+    # JSON has no NaN or Infinity; windows are taken over finite values, 0 where none exist.
+    if not math.isfinite(value):
+        return 0.0
+    return int(value) if kind in "iub" else float(value)
+
+
+def root_attributes(plan: Plan, spec: ConversionSpec, windows: list[tuple[float, float]], zarr_format: int) -> dict[str, Any]:
+    ms = multiscale(plan, spec)
+    om = omero(plan, windows)
+    provenance = {"version": __version__, "source": {"path": spec.source.path, "dataset": spec.source.dataset}}
+    if zarr_format == 2:
+        ms = {"version": "0.4", **ms}
+        om = {"version": "0.4", **om}
+        return {"multiscales": [ms], "omero": om, "h5ngff": provenance}
+    return {"ome": {"version": "0.5", "multiscales": [ms], "omero": om}, "h5ngff": provenance}

@@ -1,0 +1,226 @@
+"""The output store: create it, resume it, or refuse it; and finish it with metadata written last.
+
+Order of writes, so that no reader ever sees a finished-looking image over missing chunks:
+
+1. the root group and every level's array metadata (zarr writes these; no ``ome`` attributes yet);
+2. chunk files, each through a temporary name and a rename (engine.chunkio);
+3. the root group's attributes, replaced in one atomic rename: the NGFF metadata (multiscales,
+   omero) together with the completion marker ``h5ngff.complete`` and the content fingerprint;
+4. the manifest directory ``.h5ngff`` is removed: a finished output is a plain OME-Zarr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import zarr
+from zarr.storage import LocalStore
+
+from ..errors import OutputConflictError, OutputError
+from ..planner.model import Plan
+from ..spec import ConversionSpec
+from .chunkio import TMP_MARK, ArrayLayout
+from .codecs import zarr_compressors
+from .manifest import MANIFEST_DIR, Manifest, fingerprint
+from .ngff import root_attributes
+from .source import SourceIdentity
+
+log = logging.getLogger(__name__)
+_ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray")
+
+
+@dataclass(frozen=True)
+class Output:
+    path: str
+    zarr_format: int
+    layouts: tuple[ArrayLayout, ...]
+    manifest: Manifest
+    fingerprint: str
+    resumed: bool
+    #: The output was already finished by an earlier run of the same conversion.
+    complete: bool = False
+
+
+def zarr_format(spec: ConversionSpec) -> int:
+    return 3 if spec.output.ngff_version == "0.5" else 2
+
+
+def level_layouts(plan: Plan, spec: ConversionSpec) -> tuple[ArrayLayout, ...]:
+    fmt = zarr_format(spec)
+    fill = False if plan.dtype.endswith("b1") else 0
+    return tuple(
+        ArrayLayout(
+            path=os.path.join(spec.output.path, str(level.index)),
+            shape=level.shape,
+            chunks=plan.chunks,
+            shards=plan.shards,
+            dtype=plan.dtype,
+            zarr_format=fmt,
+            compressor=spec.output.compressor,
+            level=level.index,
+            fill_value=fill,
+        )
+        for level in plan.levels
+    )
+
+
+def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict[str, Any]:
+    """What determines the bytes of every chunk: if any of it changes, an old output is not ours to resume."""
+    return {
+        "source": {"path": source.path, "dataset": source.dataset, "size": source.size, "mtime_ns": source.mtime_ns},
+        "shape": list(plan.dataset.shape),
+        "dtype": plan.dtype,
+        "ngffVersion": spec.output.ngff_version,
+        "chunks": list(plan.chunks),
+        "shards": list(plan.shards) if plan.shards else None,
+        "compressor": spec.output.compressor.to_wire(),
+        "levels": len(plan.levels),
+        "method": spec.pyramid.method,
+        "downsampled": [lv > 1 for lv in plan.levels[-1].factors] if len(plan.levels) > 1 else None,
+    }
+
+
+def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> Output:
+    """Create a fresh output, or reopen a resumable one, or refuse with a reason. Never deletes
+    anything that is not an h5ngff or Zarr output."""
+    path = spec.output.path
+    content = content_of(plan, spec, source)
+    print_ = fingerprint(content)
+    layouts = level_layouts(plan, spec)
+    fmt = zarr_format(spec)
+    if os.path.exists(path) and not _is_empty_dir(path):
+        existing = Manifest.load(path) if os.path.isdir(path) else None
+        finished = completion_marker(path)
+        if spec.output.overwrite:
+            _remove_replaceable(path, existing is not None or finished is not None)
+        elif existing is None and finished is None:
+            raise OutputConflictError(
+                f"output.path: {path!r} exists and is not an h5ngff output, so it cannot be resumed. "
+                f"Choose a new path, or set output.overwrite (--overwrite) to replace it if it is a Zarr store."
+            )
+        else:
+            old = existing.content if existing is not None else finished.get("content", {})
+            differences = _differences(old, content)
+            if differences:
+                raise OutputConflictError(
+                    f"output.path: {path!r} holds an h5ngff output of a different conversion ({'; '.join(differences)}). "
+                    f"Re-run with the original options to resume it, choose a new path, or use --overwrite to start fresh."
+                )
+            if existing is None:
+                log.info("%s is already complete; nothing to do.", path)
+                return Output(path, fmt, layouts, Manifest(path), print_, resumed=True, complete=True)
+            sweep_temporary_files(path)
+            log.info("Resuming %s: %d slab(s) already recorded.", path, len(existing.records))
+            return Output(path, fmt, layouts, existing, print_, resumed=True)
+    _create(path, plan, spec, layouts)
+    manifest = Manifest(path)
+    manifest.start(content)
+    return Output(path, fmt, layouts, manifest, print_, resumed=False)
+
+
+def completion_marker(path: str) -> dict[str, Any] | None:
+    """The ``h5ngff`` root attribute of a finished output (None if absent or unfinished)."""
+    for name in ("zarr.json", ".zattrs"):
+        try:
+            with open(os.path.join(path, name)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        attrs = doc.get("attributes", {}) if name == "zarr.json" else doc
+        marker = attrs.get("h5ngff") if isinstance(attrs, dict) else None
+        if isinstance(marker, dict) and marker.get("complete"):
+            return marker
+    return None
+
+
+def _is_empty_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.listdir(path)
+
+
+def _remove_replaceable(path: str, ours: bool) -> None:
+    if not ours and not any(os.path.exists(os.path.join(path, m)) for m in _ZARR_MARKERS):
+        raise OutputConflictError(
+            f"output.path: {path!r} exists and is neither an h5ngff output nor a Zarr store; --overwrite only replaces those. "
+            f"Remove it yourself or choose a new path."
+        )
+    log.info("Removing the existing output %s (--overwrite).", path)
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [f"{key}: was {old.get(key)!r}, now {new.get(key)!r}" for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def _create(path: str, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:
+    fmt = zarr_format(spec)
+    try:
+        os.makedirs(path, exist_ok=True)
+        root = zarr.create_group(store=LocalStore(path), zarr_format=fmt, overwrite=True)
+        compressors = zarr_compressors(spec.output.compressor, fmt)
+        for layout in layouts:
+            kwargs: dict[str, Any] = {}
+            if fmt == 2:
+                kwargs["chunk_key_encoding"] = {"name": "v2", "separator": "/"}
+            else:
+                kwargs["dimension_names"] = list(plan.axes)
+                if layout.shards:
+                    kwargs["shards"] = layout.shards
+            root.create_array(
+                name=str(layout.level),
+                shape=layout.shape,
+                chunks=layout.chunks,
+                dtype=layout.dtype,
+                compressors=compressors,
+                fill_value=layout.fill_value,
+                **kwargs,
+            )
+    except PermissionError as exc:
+        raise OutputError(f"output.path: cannot create {path!r}: permission denied ({exc.filename}). Choose a writable location.") from None
+    except OSError as exc:
+        raise OutputError(f"output.path: cannot create {path!r}: {exc.strerror or exc}. Choose a writable location.") from None
+
+
+def sweep_temporary_files(path: str) -> int:
+    """Delete temporary chunk files a killed run left behind (only ours: they carry TMP_MARK)."""
+    removed = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            if TMP_MARK in name:
+                os.unlink(os.path.join(directory, name))
+                removed += 1
+    if removed:
+        log.info("Removed %d stale temporary chunk file(s) from an interrupted run.", removed)
+    return removed
+
+
+def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, float]], summary: dict[str, Any]) -> None:
+    """Write the NGFF metadata and the completion marker in one atomic rename, then drop the manifest."""
+    attrs = root_attributes(plan, spec, windows, output.zarr_format)
+    attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
+    if output.zarr_format == 3:
+        target = os.path.join(output.path, "zarr.json")
+        with open(target) as f:
+            doc = json.load(f)
+        doc["attributes"] = attrs
+    else:
+        target = os.path.join(output.path, ".zattrs")
+        doc = attrs
+    tmp = target + TMP_MARK + "meta"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    shutil.rmtree(manifest_dir(output.path), ignore_errors=True)
+
+
+def manifest_dir(path: str) -> str:
+    return os.path.join(path, MANIFEST_DIR)

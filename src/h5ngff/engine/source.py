@@ -1,0 +1,171 @@
+"""The HDF5 source: inspect its metadata for the planner, and read slabs inside workers.
+
+Files are opened once per worker process and kept open (h5py objects cannot be pickled and
+reopening per task costs a metadata read each time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import h5py
+import hdf5plugin  # noqa: F401  registers blosc, zstd, lz4, bitshuffle... with HDF5
+import numpy as np
+
+from ..errors import DatasetNotFoundError, SourceError, SourceNotFoundError, UnsupportedDatasetError
+from ..planner.model import DatasetInfo
+
+log = logging.getLogger(__name__)
+
+#: numpy kinds an NGFF image may hold: bool, signed and unsigned integers, floats.
+SUPPORTED_KINDS = {"b": "bool", "i": "signed integer", "u": "unsigned integer", "f": "float"}
+_AXIS_NAMES = {
+    "t": "t", "time": "t", "c": "c", "ch": "c", "channel": "c", "channels": "c",
+    "z": "z", "y": "y", "x": "x",
+}
+_open: dict[tuple[str, str, int], h5py.Dataset] = {}
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """What must not change between a run and its resume."""
+
+    path: str
+    dataset: str
+    size: int
+    mtime_ns: int
+
+
+def output_dtype(dtype: np.dtype) -> np.dtype:
+    """Zarr stores little-endian; HDF5 converts big-endian data while reading."""
+    return dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+
+
+def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity]:
+    """Read the dataset's metadata (never its data) and check it is convertible."""
+    if not os.path.exists(path):
+        raise SourceNotFoundError(f"source.path: HDF5 file {path!r} does not exist. Check the path (workers must see the same path).")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise SourceError(f"source.path: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?") from None
+    with f:
+        try:
+            obj = f[dataset]
+        except KeyError:
+            found = _list_datasets(f)
+            hint = f" Datasets in the file: {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}." if found else " The file holds no datasets."
+            raise DatasetNotFoundError(f"source.dataset: {dataset!r} is not in {path!r}.{hint}") from None
+        except Exception as exc:  # corrupt object headers surface as assorted h5py errors
+            raise SourceError(f"source.dataset: cannot read {dataset!r} in {path!r} ({exc}). The file may be truncated or corrupt.") from None
+        if not isinstance(obj, h5py.Dataset):
+            raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is a group, not a dataset. Datasets in it: {', '.join(_list_datasets(obj)[:8])}.")
+        info = _describe(obj, path, dataset)
+    stat = os.stat(path)
+    return info, SourceIdentity(os.path.abspath(path), dataset, stat.st_size, stat.st_mtime_ns)
+
+
+def _describe(ds: h5py.Dataset, path: str, name: str) -> DatasetInfo:
+    dtype = ds.dtype
+    if dtype.kind not in SUPPORTED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise UnsupportedDatasetError(
+            f"source.dataset: {name!r} has dtype {dtype} ({_dtype_kind(dtype)}); NGFF images hold numbers. "
+            f"Expected bool, int8-int64, uint8-uint64 or float16/32/64. Convert it, or choose another dataset."
+        )
+    if ds.ndim < 2 or ds.ndim > 5:
+        raise UnsupportedDatasetError(
+            f"source.dataset: {name!r} has {ds.ndim} dimension(s) (shape {ds.shape}); NGFF images have 2 to 5 (yx to tczyx)."
+        )
+    filters = tuple(_filter_names(ds))
+    axes, scale, units = _physical_attrs(ds)
+    return DatasetInfo(
+        shape=tuple(int(n) for n in ds.shape),
+        dtype=output_dtype(dtype).str,
+        itemsize=dtype.itemsize,
+        hdf5_chunks=tuple(ds.chunks) if ds.chunks else None,
+        hdf5_filters=filters,
+        attr_axes=axes,
+        attr_scale=scale,
+        attr_units=units,
+    )
+
+
+def _dtype_kind(dtype: np.dtype) -> str:
+    if dtype.fields is not None:
+        return "compound"
+    return {"S": "bytes string", "U": "unicode string", "O": "variable-length string or object", "c": "complex", "V": "opaque"}.get(dtype.kind, dtype.kind)
+
+
+def _filter_names(ds: h5py.Dataset) -> list[str]:
+    names = []
+    try:
+        plist = ds.id.get_create_plist()
+        for i in range(plist.get_nfilters()):
+            names.append(plist.get_filter(i)[3].decode(errors="replace") or str(plist.get_filter(i)[0]))
+    except Exception:  # informational only
+        pass
+    return names
+
+
+def _list_datasets(group: h5py.Group) -> list[str]:
+    found: list[str] = []
+    group.visititems(lambda n, o: found.append("/" + n) if isinstance(o, h5py.Dataset) else None)
+    return found
+
+
+def _physical_attrs(ds: h5py.Dataset) -> tuple[str | None, tuple[float, ...] | None, tuple[str, ...] | None]:
+    """Axes from dimension labels, voxel sizes from ``element_size_um`` (ilastik, Fiji) where present."""
+    labels = [d.label for d in ds.dims] if ds.ndim else []
+    axes = None
+    if labels and all(label.lower() in _AXIS_NAMES for label in labels):
+        candidate = "".join(_AXIS_NAMES[label.lower()] for label in labels)
+        if len(set(candidate)) == len(candidate):
+            axes = candidate
+    scale = units = None
+    size = ds.attrs.get("element_size_um")
+    if size is not None:
+        values = tuple(float(v) for v in np.atleast_1d(size))
+        if len(values) == ds.ndim and all(v > 0 for v in values):
+            scale = values
+            guessed = axes or {2: "yx", 3: "zyx"}.get(ds.ndim, "")
+            units = tuple("micrometer" if a in "zyx" else "" for a in guessed) if guessed else None
+            if units is None:
+                scale = None
+    return axes, scale, units
+
+
+def open_dataset(path: str, dataset: str, cache_bytes: int) -> h5py.Dataset:
+    """The dataset, opened once per process with the planned chunk cache."""
+    key = (path, dataset, cache_bytes)
+    ds = _open.get(key)
+    if ds is None or not ds.id.valid:
+        # rdcc_nslots should be a prime well above the number of cached chunks.
+        f = h5py.File(path, "r", rdcc_nbytes=max(cache_bytes, 1 << 20), rdcc_nslots=10007)
+        ds = _open[key] = f[dataset]
+    return ds
+
+
+def read_slab(path: str, dataset: str, cache_bytes: int, region: tuple[slice, ...]) -> np.ndarray:
+    """Read one slab straight into a new buffer (no intermediate copy)."""
+    ds = open_dataset(path, dataset, cache_bytes)
+    out = np.empty(tuple(r.stop - r.start for r in region), dtype=output_dtype(ds.dtype))
+    try:
+        ds.read_direct(out, source_sel=region)
+    except (OSError, RuntimeError) as exc:
+        raise SourceError(f"Reading {dataset!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt.") from None
+    return out
+
+
+def _fmt(region: tuple[slice, ...]) -> str:
+    return "[" + ", ".join(f"{r.start}:{r.stop}" for r in region) + "]"
+
+
+def close_all() -> None:
+    for ds in _open.values():
+        try:
+            ds.file.close()
+        except Exception:
+            pass
+    _open.clear()

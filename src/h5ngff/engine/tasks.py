@@ -1,0 +1,138 @@
+"""The slab task, the only code that runs inside Dask workers.
+
+One task reads its slab once, writes every chunk or shard it owns (whole, exactly once), builds
+the pyramid levels its pass asks for from the slab in memory, and returns a small record. No array
+ever travels through Dask: a task's argument and result are a few hundred bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .chunkio import ArrayLayout, read_region, write_block
+from .downsample import downsample
+from .manifest import SlabRecord
+from .source import read_slab
+
+
+@dataclass(frozen=True)
+class HDF5Source:
+    path: str
+    dataset: str
+    cache_bytes: int
+
+
+@dataclass(frozen=True)
+class SlabTask:
+    pass_index: int
+    slab: tuple[int, ...]
+    #: The slab's region in the source's coordinates (HDF5, or the level ``source_level``).
+    region: tuple[slice, ...]
+    #: HDF5Source for the first pass; the layout of the level read for later passes.
+    source: HDF5Source | ArrayLayout
+    #: Layouts of the levels to write, in order. The first pass writes the slab itself first.
+    levels: tuple[ArrayLayout, ...]
+    downsampled: tuple[bool, ...]
+    method: str
+    #: Axis of the channels for per-channel min/max, or None (one window for all).
+    channel_axis: int | None
+
+    @property
+    def key(self) -> str:
+        return f"h5ngff-slab-p{self.pass_index}-" + ".".join(str(i) for i in self.slab)
+
+
+@dataclass
+class SlabResult:
+    record: SlabRecord
+    bytes_read: int
+    bytes_written: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class _MinMax:
+    """Running min/max per channel over finite values, fed one chunk at a time."""
+
+    def __init__(self, channel_axis: int | None):
+        self.channel_axis = channel_axis
+        self.low: dict[int, float] = {}
+        self.high: dict[int, float] = {}
+
+    def __call__(self, block: np.ndarray, unit: tuple[slice, ...]) -> None:
+        if self.channel_axis is None:
+            self._update(0, block)
+            return
+        start = unit[self.channel_axis].start
+        for i in range(block.shape[self.channel_axis]):
+            self._update(start + i, np.take(block, i, axis=self.channel_axis))
+
+    def _update(self, channel: int, data: np.ndarray) -> None:
+        if data.dtype.kind == "b":
+            lo, hi = float(data.min()), float(data.max())
+        else:
+            lo, hi = data.min(), data.max()
+            if data.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi)):
+                finite = data[np.isfinite(data)]  # rare: NaN or Inf present
+                if not finite.size:
+                    return
+                lo, hi = finite.min(), finite.max()
+            lo, hi = lo.item(), hi.item()
+        self.low[channel] = min(self.low.get(channel, lo), lo)
+        self.high[channel] = max(self.high.get(channel, hi), hi)
+
+    def stats(self) -> list[tuple[int, float, float]]:
+        return [(c, self.low[c], self.high[c]) for c in sorted(self.low)]
+
+
+def run_slab(task: SlabTask) -> SlabResult:
+    """Read, write and downsample one slab. Runs in a Dask worker."""
+    seconds = {"read": 0.0, "write": 0.0, "downsample": 0.0}
+    t0 = time.perf_counter()
+    if isinstance(task.source, HDF5Source):
+        block = read_slab(task.source.path, task.source.dataset, task.source.cache_bytes, task.region)
+        first_factor = 1
+    else:
+        block = read_region(task.source, task.region)
+        first_factor = 2
+    seconds["read"] = time.perf_counter() - t0
+    bytes_read = block.nbytes
+
+    units: list[tuple[int, str, int]] = []
+    minmax = _MinMax(task.channel_axis)
+    bytes_written = 0
+    factor = 1
+    for i, layout in enumerate(task.levels):
+        if i > 0 or first_factor == 2:
+            t = time.perf_counter()
+            block = downsample(block, task.downsampled, task.method)
+            seconds["downsample"] += time.perf_counter() - t
+            factor *= 2
+        origin = tuple(r.start // (factor if d else 1) for r, d in zip(task.region, task.downsampled))
+        t = time.perf_counter()
+        stats = minmax if layout.level == 0 else None
+        for key, nbytes in write_block(layout, block, origin, on_chunk=stats):
+            units.append((layout.level, key, nbytes))
+            bytes_written += nbytes
+        seconds["write"] += time.perf_counter() - t
+    del block
+    record = SlabRecord(task.pass_index, task.slab, units, minmax.stats())
+    return SlabResult(record, bytes_read, bytes_written, seconds)
+
+
+def expected_units(task: SlabTask) -> dict[int, set[str]]:
+    """The files a task will write, per level: what resume checks against the manifest."""
+    expected: dict[int, set[str]] = {}
+    factor = 1 if isinstance(task.source, HDF5Source) else 2
+    for i, layout in enumerate(task.levels):
+        if i > 0:
+            factor *= 2
+        region = tuple(
+            slice(r.start // (factor if d else 1), math.ceil(r.stop / (factor if d else 1)))
+            for r, d in zip(task.region, task.downsampled)
+        )
+        expected[layout.level] = {layout.key(idx) for idx in layout.units_in(region)}
+    return expected

@@ -1,0 +1,135 @@
+"""One error hierarchy for everything a user can act on.
+
+Each class also inherits the matching stdlib exception (as zarr's errors do), so callers that
+catch ``ValueError`` or ``OSError`` keep working. ``reason`` is the short CamelCase word that the
+operator writes into a ConversionJob's status and the CLI prints in ``--json`` output; messages
+quote the real numbers and say what to change.
+"""
+
+from __future__ import annotations
+
+
+class H5ngffError(Exception):
+    """Base class of every error h5ngff raises on purpose."""
+
+    reason = "Error"
+    #: The CLI's exit code for this family; 2 is reserved for "your input is wrong".
+    exit_code = 1
+
+    def __reduce__(self):
+        # Errors raised in a Dask worker are pickled back to the client; subclasses with richer
+        # constructors must survive that round trip with their message and attributes intact.
+        return (_rebuild, (type(self), str(self), self.__dict__))
+
+
+def _rebuild(cls: type, message: str, state: dict) -> "H5ngffError":
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+class SpecError(H5ngffError, ValueError):
+    """A ConversionSpec field has a value that is not allowed."""
+
+    reason = "InvalidSpec"
+    exit_code = 2
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class PlanError(H5ngffError, ValueError):
+    """The spec is valid but no plan can satisfy it."""
+
+    reason = "InvalidSpec"
+    exit_code = 2
+
+
+class BudgetTooSmallError(PlanError):
+    """No slab fits the memory budget; the message names the smallest budget that works."""
+
+    reason = "BudgetTooSmall"
+
+    def __init__(self, message: str, minimum_bytes: int):
+        self.minimum_bytes = minimum_bytes
+        super().__init__(message)
+
+
+class SourceError(H5ngffError, OSError):
+    """The HDF5 input cannot be read as a convertible dataset."""
+
+    reason = "SourceUnreadable"
+    exit_code = 2
+
+
+class SourceNotFoundError(SourceError, FileNotFoundError):
+    pass
+
+
+class DatasetNotFoundError(SourceError, LookupError):
+    pass
+
+
+class UnsupportedDatasetError(SourceError, TypeError):
+    pass
+
+
+class OutputError(H5ngffError, OSError):
+    """The output location cannot be written."""
+
+    reason = "OutputUnwritable"
+
+
+class OutputConflictError(OutputError, FileExistsError):
+    """The output exists and is not a resumable h5ngff output of the same spec."""
+
+    reason = "OutputConflict"
+    exit_code = 2
+
+
+class DiskFullError(OutputError):
+    reason = "DiskFull"
+
+
+class WorkerFailedError(H5ngffError, RuntimeError):
+    """A Dask worker died while running a slab; subclasses say who killed it."""
+
+    reason = "WorkerFailed"
+
+    def __init__(self, message: str, worker: str | None = None, slab: str | None = None):
+        self.worker = worker
+        self.slab = slab
+        super().__init__(message)
+
+
+class OOMKilledError(WorkerFailedError):
+    """The kernel killed a worker at its pod (cgroup) memory limit."""
+
+    reason = "OOMKilled"
+
+
+class NannyTerminatedError(WorkerFailedError):
+    """Dask's nanny terminated a worker at its ``terminate`` memory threshold."""
+
+    reason = "NannyTerminated"
+
+
+class CgroupUnavailableError(H5ngffError, OSError):
+    """Pod limits were asked for but no memory cgroup can be created here."""
+
+    reason = "CgroupUnavailable"
+    exit_code = 2
+
+
+class VerificationError(H5ngffError, ValueError):
+    """``h5ngff verify`` found bad metadata or chunks."""
+
+    reason = "VerificationFailed"
+
+
+class ClusterError(H5ngffError, RuntimeError):
+    """The Dask cluster could not be started or reached."""
+
+    reason = "ClusterUnavailable"

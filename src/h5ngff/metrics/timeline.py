@@ -1,0 +1,74 @@
+"""The memory report: every worker's RSS over time, with the planned limits drawn as lines, so a
+user can see that the plan held (``h5ngff convert --memory-report FILE``)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+
+from ..units import MiB
+
+
+def _figure(summary):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plan = summary.job.plan
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
+    series: dict[str, list[tuple[float, int]]] = {}
+    for t, name, rss in summary.timeline:
+        series.setdefault(name, []).append((t, rss))
+    for name, points in sorted(series.items()):
+        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2)
+    lines = [
+        (plan.memory.predicted_peak, "predicted peak", "tab:green", ":"),
+        (plan.memory.memory_limit * plan.memory.thresholds.pause, "Dask pause", "tab:orange", "-."),
+        (plan.memory.memory_limit, "Dask memory_limit", "tab:red", "--"),
+        (plan.memory.pod_limit, "pod limit (cgroup)", "black", "-"),
+    ]
+    for value, label, color, style in lines:
+        ax.axhline(value / MiB, color=color, linestyle=style, linewidth=1.4, label=f"{label} {value / MiB:,.0f} MiB")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("MiB")
+    ax.set_ylim(0, plan.memory.pod_limit / MiB * 1.08)
+    ax.set_title(f"h5ngff memory per worker: {summary.job.spec.source.path}:{summary.job.spec.source.dataset} ({summary.seconds:.1f} s)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def write_memory_report(summary, path: str) -> str:
+    """Write a PNG, or an HTML page (with the PNG and a per-worker table) for ``.html``."""
+    fig = _figure(summary)
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    if path.endswith((".html", ".htm")):
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        image = base64.b64encode(buf.getvalue()).decode()
+        rows = "".join(
+            f"<tr><td>{html.escape(w.name)}</td><td>{w.peak_rss / MiB:,.1f}</td><td>{w.predicted_peak / MiB:,.1f}</td>"
+            f"<td>{w.memory_limit / MiB:,.1f}</td><td>{w.pod_limit / MiB:,.1f}</td>"
+            f"<td>{'' if w.cgroup_peak is None else f'{w.cgroup_peak / MiB:,.1f}'}</td><td>{w.oom_kills}</td><td>{w.nanny_restarts}</td></tr>"
+            for w in summary.workers
+        )
+        page = (
+            "<!doctype html><meta charset=utf-8><title>h5ngff memory report</title>"
+            "<style>body{font-family:sans-serif;margin:2em}td,th{padding:.2em .8em;text-align:right}</style>"
+            f"<h1>Memory per worker</h1><p>{html.escape(summary.job.spec.output.path)}: {summary.status} in {summary.seconds:.2f} s</p>"
+            f"<img src='data:image/png;base64,{image}' alt='memory timeline'>"
+            "<table><tr><th>worker</th><th>peak RSS MiB</th><th>predicted MiB</th><th>memory_limit MiB</th><th>pod limit MiB</th>"
+            f"<th>cgroup peak MiB</th><th>OOM kills</th><th>restarts</th></tr>{rows}</table>"
+        )
+        with open(path, "w") as f:
+            f.write(page)
+    else:
+        fig.savefig(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

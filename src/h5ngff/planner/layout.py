@@ -1,0 +1,142 @@
+"""Axes, units, chunks and pyramid levels: the parts of a plan that follow from the spec and the
+dataset's shape alone."""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import SpecError
+from ..spec import AXIS_TYPES, SPACE_UNITS, TIME_UNITS, ConversionSpec
+from .grid import ceil_div
+from .model import DatasetInfo, Level, Shape
+
+DEFAULT_AXES = {2: "yx", 3: "zyx", 4: "czyx", 5: "tczyx"}
+#: Default chunk edge per spatial axis: 64**3 float32 is 1 MiB, a good object size for both
+#: local disks and object stores; 2-D images get 256**2 for the same reason.
+DEFAULT_SPATIAL_CHUNK = {2: 256, 3: 64}
+#: ``levels: auto`` never builds more than this many levels.
+MAX_AUTO_LEVELS = 10
+
+
+def resolve_axes(spec: ConversionSpec, ds: DatasetInfo) -> str:
+    if not 2 <= ds.ndim <= 5:
+        raise SpecError(
+            "source.dataset",
+            f"Expected a dataset with 2 to 5 dimensions (NGFF images are yx to tczyx). Got {ds.ndim} dimension(s), shape {ds.shape}, instead.",
+        )
+    axes = spec.image.axes or ds.attr_axes or DEFAULT_AXES[ds.ndim]
+    if len(axes) != ds.ndim:
+        field = "image.axes" if spec.image.axes else "source.dataset"
+        raise SpecError(field, f"Expected {ds.ndim} axes for a dataset of shape {ds.shape}. Got {axes!r} ({len(axes)} axes) instead.")
+    return axes
+
+
+def resolve_scale_units(spec: ConversionSpec, ds: DatasetInfo, axes: str) -> tuple[tuple[float, ...], tuple[str, ...]]:
+    n = len(axes)
+    scale = tuple(spec.image.scale) if spec.image.scale else ds.attr_scale or (1.0,) * n
+    if len(scale) != n:
+        raise SpecError("image.scale", f"Expected {n} voxel sizes, one per axis {axes!r}. Got {list(scale)} instead.")
+    if spec.image.units:
+        units = tuple(spec.image.units)
+    elif ds.attr_units:
+        units = ds.attr_units
+    else:
+        units = tuple("" for _ in axes)
+    if len(units) != n:
+        raise SpecError("image.units", f"Expected {n} units, one per axis {axes!r}. Got {list(units)} instead.")
+    for axis, unit in zip(axes, units):
+        allowed = SPACE_UNITS if AXIS_TYPES[axis] == "space" else TIME_UNITS if axis == "t" else ()
+        if unit and unit not in allowed:
+            raise SpecError("image.units", f"Expected a {AXIS_TYPES[axis]} unit for axis {axis!r} (or '' for none). Got {unit!r} instead.")
+    return scale, units
+
+
+def resolve_chunks(spec: ConversionSpec, ds: DatasetInfo, axes: str) -> tuple[Shape, Shape | None]:
+    n = ds.ndim
+    if spec.output.chunks is not None:
+        chunks = tuple(spec.output.chunks)
+        if len(chunks) != n:
+            raise SpecError("output.chunks", f"Expected {n} entries, one per axis {axes!r}. Got {list(chunks)} instead.")
+    else:
+        spatial = sum(AXIS_TYPES[a] == "space" for a in axes)
+        edge = DEFAULT_SPATIAL_CHUNK[spatial]
+        chunks = tuple(edge if AXIS_TYPES[a] == "space" else 1 for a in axes)
+    # A chunk larger than the array only pads the stored chunk with fill value.
+    chunks = tuple(min(c, s) for c, s in zip(chunks, ds.shape))
+    shards = None
+    if spec.output.shards is not None:
+        shards = tuple(spec.output.shards)
+        if len(shards) != n:
+            raise SpecError("output.shards", f"Expected {n} entries, one per axis {axes!r}. Got {list(shards)} instead.")
+        bad = [i for i, (s, c) in enumerate(zip(shards, chunks)) if s % c]
+        if bad:
+            raise SpecError("output.shards", f"Expected multiples of the chunk shape {list(chunks)} on every axis. Got {list(shards)} instead (axis {axes[bad[0]]!r}).")
+    return chunks, shards
+
+
+def resolve_downsampled(spec: ConversionSpec, axes: str) -> tuple[bool, ...]:
+    if spec.pyramid.axes is None:
+        return tuple(AXIS_TYPES[a] == "space" for a in axes)
+    missing = [a for a in spec.pyramid.axes if a not in axes]
+    if missing:
+        raise SpecError("pyramid.axes", f"Expected axes present in the image axes {axes!r}. Got {spec.pyramid.axes!r} instead ({missing[0]!r} is not an image axis).")
+    return tuple(a in spec.pyramid.axes for a in axes)
+
+
+def level_shapes(shape: Shape, downsampled: tuple[bool, ...], n_levels: int) -> list[Shape]:
+    """Each downsampled axis halves per level, rounding up: the last, partial block of an odd
+    axis becomes one voxel of its own (see docs/memory-model.md, "edge policy")."""
+    shapes = [shape]
+    for _ in range(n_levels - 1):
+        shapes.append(tuple(ceil_div(s, 2) if d else s for s, d in zip(shapes[-1], downsampled)))
+    return shapes
+
+
+def auto_levels(shape: Shape, chunks: Shape, downsampled: tuple[bool, ...]) -> int:
+    """Halve until the smallest level fits in one chunk along every downsampled axis."""
+    if not any(downsampled):
+        return 1
+    n = 1
+    current = shape
+    while n < MAX_AUTO_LEVELS and any(d and s > c for s, c, d in zip(current, chunks, downsampled)):
+        current = tuple(ceil_div(s, 2) if d else s for s, d in zip(current, downsampled))
+        n += 1
+    return n
+
+
+def resolve_levels(spec: ConversionSpec, shape: Shape, chunks: Shape, downsampled: tuple[bool, ...]) -> int:
+    levels = spec.pyramid.levels
+    if levels == "auto":
+        return auto_levels(shape, chunks, downsampled)
+    if levels > 1 and not any(downsampled):
+        raise SpecError("pyramid.levels", f"Expected 1 when no axis is downsampled. Got {levels} instead; set pyramid.axes to spatial axes.")
+    shapes = level_shapes(shape, downsampled, levels)
+    useful = next((k + 1 for k, s in enumerate(shapes) if all(n == 1 for n, d in zip(s, downsampled) if d)), levels)
+    if levels > useful:
+        raise SpecError(
+            "pyramid.levels",
+            f"Expected at most {useful} levels for shape {shape}: level {useful - 1} is already one voxel along every downsampled axis. Got {levels} instead.",
+        )
+    return levels
+
+
+def build_levels(shape: Shape, scale: tuple[float, ...], downsampled: tuple[bool, ...], n_levels: int, method: str) -> tuple[Level, ...]:
+    """Scale doubles per level on downsampled axes. For ``mean`` and ``max`` a level-k voxel covers a
+    2**k block, so its centre moves by (2**k - 1) / 2 voxels of level 0; ``nearest`` keeps the
+    first voxel of each block, so it does not move."""
+    levels = []
+    for k, lshape in enumerate(level_shapes(shape, downsampled, n_levels)):
+        factors = tuple(2**k if d else 1 for d in downsampled)
+        lscale = tuple(s * f for s, f in zip(scale, factors))
+        shift = 0.0 if method == "nearest" else 0.5
+        translation = tuple(shift * (f - 1) * s for s, f in zip(scale, factors))
+        levels.append(Level(k, lshape, factors, lscale, translation))
+    return tuple(levels)
+
+
+def reduction(downsampled: tuple[bool, ...]) -> int:
+    return 2 ** sum(downsampled)
+
+
+def elements(shape: Shape) -> int:
+    return math.prod(shape)

@@ -1,0 +1,163 @@
+"""The memory model: every byte a worker needs, as named terms.
+
+A worker's peak RSS is predicted as the sum of the terms of :func:`pass_terms`. The Dask
+``memory_limit`` and the pod limit are derived from it by :func:`worker_memory`. The constants
+are measured, not guessed: ``bench/calibrate`` runs real conversions under cgroup limits and
+``docs/memory-model.md`` records the figures. Override them with a calibration file
+(``h5ngff plan --calibration FILE``) where your machines differ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from ..errors import SpecError
+from ..units import MiB
+from .model import MemoryTerm, Thresholds, WorkerMemory
+
+BLOSC_MAX_OVERHEAD = 16
+#: Shard index per inner chunk: two little-endian uint64 (offset, nbytes), plus a CRC32C.
+SHARD_INDEX_ENTRY = 16
+
+
+@dataclass(frozen=True)
+class MemoryConstants:
+    """Measured constants of the memory model. Units are bytes unless the name says otherwise."""
+
+    #: RSS of an idle Dask worker with numpy, h5py, hdf5plugin, zarr and numcodecs imported and the
+    #: HDF5 file open. Measured with /proc/self/status VmRSS on the worker (see docs/memory-model.md).
+    interpreter_baseline: int = 116 * MiB
+    #: RSS of a ``dask worker`` nanny process. It shares the pod (and the cgroup) with its worker.
+    nanny: int = 72 * MiB
+    #: HDF5's own buffers per open file: type conversion (1 MiB), sieve buffer, metadata cache.
+    hdf5_internal: int = 4 * MiB
+    #: Fraction of the dynamic terms that the allocator keeps but does not use (fragmentation,
+    #: retained free pages). jemalloc with a short decay keeps less than glibc.
+    allocator_slack_jemalloc: float = 0.04
+    allocator_slack_glibc: float = 0.06
+    #: Page cache of written chunk files is charged to the pod's cgroup; dirty pages cannot be
+    #: reclaimed until written back. The pod limit leaves room for this fraction of the bytes
+    #: one wave of slabs writes, and never less than the floor.
+    page_cache_fraction: float = 0.5
+    page_cache_floor: int = 64 * MiB
+    #: Dask pauses a worker above ``pause`` of memory_limit and the nanny kills it above
+    #: ``terminate``. The predicted peak sits below ``pause`` so a healthy run never pauses.
+    pause_fraction: float = 0.90
+    terminate_fraction: float = 0.95
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "MemoryConstants":
+        """Load overrides from a JSON object of field names to numbers."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise SpecError("calibration", f"Expected a readable JSON file of memory constants. Got {path!s}: {exc}") from None
+        return cls().with_overrides(data)
+
+    def with_overrides(self, data: dict) -> "MemoryConstants":
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError("calibration", f"Expected constants from {sorted(known)}. Got unknown {unknown} instead.")
+        return replace(self, **data)
+
+
+DEFAULT_CONSTANTS = MemoryConstants()
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """The sizes one pass works with, in bytes and elements."""
+
+    slab_elements: int
+    itemsize: int
+    threads: int
+    chunk_bytes: int
+    #: Bytes of one shard (None when unsharded).
+    shard_bytes: int | None
+    #: Element count reduction per pyramid step (8 in 3-D when z, y and x are downsampled).
+    reduction: int
+    #: Pyramid levels the pass builds above its source.
+    levels_built: int
+    #: Elements of one output strip that the mean accumulates in float64 at a time.
+    strip_elements: int
+    from_hdf5: bool
+    hdf5_chunk_bytes: int | None
+    hdf5_filtered: bool
+    hdf5_cache_bytes: int
+
+
+def encoded_bound(nbytes: int) -> int:
+    """The largest encoded size of ``nbytes`` (blosc can expand incompressible data by its header)."""
+    return nbytes + BLOSC_MAX_OVERHEAD
+
+
+def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CONSTANTS) -> tuple[MemoryTerm, ...]:
+    """The named terms of one worker's peak during a pass."""
+    T = shape.threads
+    slab_bytes = shape.slab_elements * shape.itemsize
+    terms = [
+        MemoryTerm("interpreter", c.interpreter_baseline, "Python, Dask worker, numpy, h5py, zarr and codecs once imported"),
+        MemoryTerm("slab buffers", T * slab_bytes, f"{T} slab(s) in flight x {slab_bytes / MiB:.1f} MiB, read once"),
+    ]
+    if shape.shard_bytes:
+        encode = shape.chunk_bytes + encoded_bound(shape.shard_bytes) + SHARD_INDEX_ENTRY * (shape.shard_bytes // shape.chunk_bytes)
+        why = "per thread: one padded chunk copy + one encoded shard held until it is written whole"
+    else:
+        encode = shape.chunk_bytes + encoded_bound(shape.chunk_bytes)
+        why = "per thread: one padded chunk copy + its encoded bytes"
+    terms.append(MemoryTerm("chunk and encode buffers", T * encode, why))
+    if shape.levels_built:
+        # Level k+1 is computed from level k, after which level k is dropped; the peak holds the
+        # slab and the first downsampled level together, plus one float64 strip for the mean.
+        first = shape.slab_elements // shape.reduction
+        pyramid = first * shape.itemsize + shape.strip_elements * 8
+        terms.append(MemoryTerm("pyramid buffers", T * pyramid, f"per thread: level +1 ({first * shape.itemsize / MiB:.1f} MiB, 1/{shape.reduction} of the slab) + one float64 strip"))
+    if shape.from_hdf5:
+        hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
+        why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB + HDF5 internal buffers"
+        if shape.hdf5_filtered and shape.hdf5_chunk_bytes:
+            # h5py serialises HDF5 calls per process, so one chunk is decompressed at a time.
+            hdf5 += 2 * shape.hdf5_chunk_bytes
+            why += " + one compressed and one decompressed HDF5 chunk"
+        terms.append(MemoryTerm("hdf5 cache and decompression", hdf5, why))
+    else:
+        # Chunk files of the previous level are read and decoded one at a time into the slab.
+        unit = shape.shard_bytes or shape.chunk_bytes
+        terms.append(MemoryTerm("level read buffers", T * (encoded_bound(unit) + shape.chunk_bytes), "per thread: one encoded chunk or shard file + one decoded chunk"))
+    dynamic = sum(t.bytes for t in terms[1:])
+    slack = c.allocator_slack_jemalloc if allocator == "jemalloc" else c.allocator_slack_glibc
+    terms.append(MemoryTerm("allocator slack", math.ceil(slack * dynamic), f"{slack:.0%} of the buffers above ({allocator})"))
+    return tuple(terms)
+
+
+def slab_output_bytes(shape: PassShape) -> int:
+    """Uncompressed bytes one slab writes (its level plus the levels it builds)."""
+    total = shape.slab_elements * shape.itemsize
+    level = total
+    for _ in range(shape.levels_built):
+        level //= shape.reduction
+        total += level
+    return total
+
+
+def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: MemoryConstants = DEFAULT_CONSTANTS) -> WorkerMemory:
+    """Derive Dask's memory_limit and the pod limit from the predicted peak."""
+    peak = sum(t.bytes for t in terms)
+    memory_limit = _round_mib(peak / c.pause_fraction)
+    page_cache = max(c.page_cache_floor, math.ceil(c.page_cache_fraction * written_per_wave))
+    pod_terms = (
+        MemoryTerm("dask memory_limit", memory_limit, f"predicted peak / pause fraction {c.pause_fraction}"),
+        MemoryTerm("nanny", c.nanny, "the nanny process shares the pod's cgroup"),
+        MemoryTerm("page cache headroom", page_cache, "dirty pages of chunk writes, charged to the pod but invisible to Dask"),
+    )
+    pod_limit = _round_mib(sum(t.bytes for t in pod_terms))
+    thresholds = Thresholds(target=False, spill=False, pause=c.pause_fraction, terminate=c.terminate_fraction)
+    return WorkerMemory(terms, peak, memory_limit, pod_limit, pod_terms, thresholds)
+
+
+def _round_mib(n: float) -> int:
+    return math.ceil(n / MiB) * MiB

@@ -1,0 +1,126 @@
+"""Human-readable plan and run summaries (rich tables), and the rich progress bar."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from rich.console import Console, Group
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from .engine.progress import Progress as ProgressEvent
+from .planner import Plan
+from .runner import PlannedJob, RunSummary
+from .units import MiB, format_bytes, k8s_quantity
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:,.1f}"
+
+
+def _storage(plan: Plan) -> str:
+    ds = plan.dataset
+    if ds.hdf5_chunks is None:
+        return "contiguous"
+    filters = f", {'+'.join(ds.hdf5_filters)}" if ds.hdf5_filters else ""
+    return f"chunked {ds.hdf5_chunks}{filters}"
+
+
+def plan_renderable(job: PlannedJob) -> Group:
+    plan, spec = job.plan, job.spec
+    ds = plan.dataset
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("source", f"{spec.source.path}:{spec.source.dataset}  {ds.shape} {np.dtype(ds.dtype).name}, {_storage(plan)}, {format_bytes(ds.nbytes)}")
+    unit = f", shards {plan.shards}" if plan.shards else ""
+    head.add_row("output", f"{spec.output.path}  NGFF {spec.output.ngff_version} (Zarr v{3 if spec.output.ngff_version == '0.5' else 2}), axes {plan.axes}, chunks {plan.chunks}{unit}, {spec.output.compressor.describe()}")
+    head.add_row("pyramid", f"{len(plan.levels)} level(s), {spec.pyramid.method}: " + ", ".join(str(lv.shape) for lv in plan.levels[:4]) + (" …" if len(plan.levels) > 4 else ""))
+    head.add_row("workers", f"{plan.workers} x {plan.threads_per_worker} thread(s), allocator {plan.allocator}, {plan.inflight_per_worker} task(s) in flight per worker, {plan.n_tasks} tasks")
+
+    passes = Table(title="Passes", title_justify="left", show_edge=False)
+    for col in ("pass", "reads", "writes levels", "slab", "slabs", "predicted peak MiB"):
+        passes.add_column(col, justify="right" if col in ("slabs", "predicted peak MiB") else "left")
+    for p in plan.passes:
+        reads = "HDF5" if p.source_level < 0 else f"level {p.source_level}"
+        passes.add_row(str(p.index), reads, ",".join(map(str, p.levels)), str(p.slab), f"{p.n_slabs:,}", _mib(p.predicted_peak))
+
+    mem = Table(title="Memory per worker (the pass that needs most)", title_justify="left", show_edge=False)
+    mem.add_column("term")
+    mem.add_column("MiB", justify="right")
+    mem.add_column("why", style="dim")
+    for t in plan.memory.terms:
+        mem.add_row(t.name, _mib(t.bytes), t.why)
+    mem.add_row(Text("predicted peak RSS", style="bold"), Text(_mib(plan.memory.predicted_peak), style="bold"), "sum of the terms above")
+    for t in plan.memory.pod_terms:
+        mem.add_row(("+ " if t.name != "dask memory_limit" else "") + t.name, _mib(t.bytes), t.why)
+    th = plan.memory.thresholds
+    mem.add_row(Text("pod limit", style="bold"), Text(_mib(plan.memory.pod_limit), style="bold"), f"pod resources: requests = limits = {k8s_quantity(plan.memory.pod_limit)} (Guaranteed QoS)")
+    mem.add_row("dask thresholds", "", f"target {th.target}, spill {th.spill}, pause {th.pause:.0%}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)")
+    parts = [head, Text(""), passes, Text(""), mem]
+    for notice in job.notices:
+        parts.append(Text(f"notice: {notice}", style="yellow"))
+    return Group(*parts)
+
+
+def summary_renderable(summary: RunSummary) -> Group:
+    plan = summary.job.plan
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    t = summary.totals
+    head.add_row("status", f"[green]{summary.status}[/green]" if summary.status == "Succeeded" else f"[red]{summary.status}[/red]")
+    head.add_row("output", summary.job.spec.output.path + ("  (resumed)" if summary.resumed else ""))
+    if t:
+        head.add_row("time", f"{summary.seconds:.2f} s  ({summary.gb_per_s:.2f} GB/s of source data)")
+        head.add_row("slabs", f"{t.slabs_written} written, {t.slabs_skipped} already done")
+        head.add_row("bytes", f"{format_bytes(t.bytes_read)} read, {format_bytes(t.bytes_written)} written (ratio {t.bytes_read / max(1, t.bytes_written):.2f})")
+    workers = Table(title="Memory per worker: measured against the plan", title_justify="left", show_edge=False)
+    cols = ["worker", "peak RSS MiB", "predicted MiB", "peak/plan", "memory_limit MiB", "pod limit MiB"]
+    has_cgroup = any(w.cgroup_peak is not None for w in summary.workers)
+    if has_cgroup:
+        cols += ["cgroup peak MiB", "OOM kills", "restarts"]
+    for c in cols:
+        workers.add_column(c, justify="left" if c == "worker" else "right")
+    for w in summary.workers:
+        ratio = w.peak_rss / plan.memory.predicted_peak if plan.memory.predicted_peak else math.nan
+        style = "green" if ratio <= 1.0 else "red"
+        row = [w.name, _mib(w.peak_rss), _mib(plan.memory.predicted_peak), Text(f"{ratio:.2f}", style=style), _mib(plan.memory.memory_limit), _mib(w.pod_limit or plan.memory.pod_limit)]
+        if has_cgroup:
+            row += [_mib(w.cgroup_peak or 0), str(w.oom_kills), str(w.nanny_restarts)]
+        workers.add_row(*row)
+    return Group(head, Text(""), workers)
+
+
+class ProgressBar:
+    """A rich progress bar fed by progress events: slabs, bytes/s and ETA."""
+
+    def __init__(self, console: Console):
+        self.bar = Progress(
+            TextColumn("[bold]{task.fields[phase]}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.completed:.0f}/{task.total:.0f} slabs"),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self.task = None
+
+    def __enter__(self) -> "ProgressBar":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, p: ProgressEvent) -> None:
+        rate = f"{p.read_throughput / 1e6:,.0f} MB/s" if p.bytes_read else ""
+        if self.task is None:
+            self.task = self.bar.add_task("convert", total=max(p.slabs_total, 1), phase=p.phase, rate=rate)
+        self.bar.update(self.task, completed=p.slabs_done, total=max(p.slabs_total, 1), phase=p.phase, rate=rate)

@@ -1,0 +1,157 @@
+"""spec -> plan -> backend -> engine: the one code path behind ``h5ngff convert``, ``h5ngff run``
+and the Kubernetes runner Job."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed.scheduler import KilledWorker
+
+from . import __version__
+from .backends.allocator import resolve_allocator
+from .backends.base import MemorySampler
+from .backends.diagnostics import ClusterEvents, WorkerReport, classify_failure
+from .engine.driver import RunTotals, finish, run_conversion
+from .engine.output import prepare_output
+from .engine.progress import Broadcast, Listener
+from .engine.source import SourceIdentity, inspect_source
+from .errors import H5ngffError
+from .planner import DEFAULT_CONSTANTS, DatasetInfo, MemoryConstants, Plan, make_plan
+from .spec import ConversionSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PlannedJob:
+    spec: ConversionSpec
+    dataset: DatasetInfo
+    source: SourceIdentity
+    plan: Plan
+    notices: list[str] = field(default_factory=list)
+
+
+def plan_job(spec: ConversionSpec, backend, constants: MemoryConstants = DEFAULT_CONSTANTS) -> PlannedJob:
+    """Inspect the source (metadata only) and plan the conversion for ``backend``."""
+    dataset, identity = inspect_source(spec.source.path, spec.source.dataset)
+    allocator = resolve_allocator(spec.resources.allocator)
+    notices = []
+    if spec.resources.allocator == "jemalloc" and allocator != "jemalloc":
+        notices.append("resources.allocator is jemalloc but libjemalloc.so.2 is not installed here; workers use glibc (apt-get install libjemalloc2).")
+    spec = _with_cluster_budget(spec, backend)
+    plan = make_plan(dataset, spec, backend.capacity(), constants, allocator)
+    return PlannedJob(spec, dataset, identity, plan, notices + list(plan.notices))
+
+
+def _with_cluster_budget(spec: ConversionSpec, backend) -> ConversionSpec:
+    """On an existing cluster the workers are what they are: plan for their count and limit."""
+    if getattr(backend, "name", "") != "external":
+        return spec
+    capacity = backend.capacity()
+    resources = spec.resources.model_copy(update={"workers": capacity.default_workers, "threads_per_worker": max(1, capacity.cores // max(1, capacity.default_workers or 1))})
+    limit = backend.memory_limit()
+    if limit and spec.resources.memory_per_worker is None and spec.resources.memory_total is None:
+        resources = resources.model_copy(update={"memory_per_worker": limit})
+    return spec.model_copy(update={"resources": resources})
+
+
+@dataclass
+class RunSummary:
+    status: str
+    job: PlannedJob
+    seconds: float = 0.0
+    totals: RunTotals | None = None
+    workers: list[WorkerReport] = field(default_factory=list)
+    resumed: bool = False
+    error: H5ngffError | None = None
+    timeline: list[tuple[float, str, int]] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        if not self.totals or not self.seconds:
+            return 0.0
+        return self.totals.bytes_read / self.seconds / 1e9
+
+    def to_dict(self, brief: bool = False) -> dict[str, Any]:
+        """The ``--json`` summary; ``brief`` leaves out the plan (for the output's own attributes)."""
+        plan = self.job.plan
+        out = {
+            "h5ngff": __version__,
+            "status": self.status,
+            "reason": self.error.reason if self.error else None,
+            "message": str(self.error) if self.error else None,
+            "output": self.job.spec.output.path,
+            "seconds": round(self.seconds, 3),
+            "bytes_read": self.totals.bytes_read if self.totals else 0,
+            "bytes_written": self.totals.bytes_written if self.totals else 0,
+            "gb_per_s": round(self.gb_per_s, 3),
+            "slabs_written": self.totals.slabs_written if self.totals else 0,
+            "slabs_skipped": self.totals.slabs_skipped if self.totals else 0,
+            "resumed": self.resumed,
+            "stage_seconds": self.totals.stage_seconds if self.totals else {},
+            "predicted_peak_per_worker": plan.memory.predicted_peak,
+            "memory_limit_per_worker": plan.memory.memory_limit,
+            "pod_limit_per_worker": plan.memory.pod_limit,
+            "workers": [w.to_dict() for w in self.workers],
+            "notices": self.job.notices,
+        }
+        if not brief:
+            out["plan"] = plan.to_dict()
+        return out
+
+
+def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None) -> RunSummary:
+    """Convert. Returns a summary; raises H5ngffError on failure (after emitting ``Failed``)."""
+    events = Broadcast(listeners)
+    events.emit(phase="Planned", slabs_total=job.plan.n_tasks, message="")
+    summary = RunSummary("Failed", job)
+    start = time.perf_counter()
+    try:
+        output = prepare_output(job.plan, job.spec, job.source)
+        summary.resumed = output.resumed
+        if output.complete:
+            summary.totals = RunTotals(slabs_skipped=job.plan.n_tasks)
+            events.emit(phase="Succeeded", slabs_done=job.plan.n_tasks, slabs_skipped=job.plan.n_tasks, message="already complete")
+            summary.status = "Succeeded"
+            return summary
+        with backend.session(job.plan) as session:
+            with MemorySampler(session.client) as sampler:
+                try:
+                    summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
+                except KilledWorker as exc:
+                    raise classify_failure(exc, ClusterEvents.collect(session.client), job.plan.memory.pod_limit, job.plan.memory.memory_limit, session.oom_kills()) from None
+            summary.workers = _worker_reports(job.plan, sampler, session)
+            summary.timeline = sampler.timeline
+        events.emit(phase="Finalizing")
+        summary.seconds = time.perf_counter() - start
+        summary.status = "Succeeded"
+        finish(output, job.plan, job.spec, summary.to_dict(brief=True))
+        events.emit(phase="Succeeded")
+        return summary
+    except H5ngffError as exc:
+        summary.error = exc
+        summary.seconds = time.perf_counter() - start
+        events.emit(phase="Failed", message=str(exc))
+        raise
+
+
+def _worker_reports(plan: Plan, sampler: MemorySampler, session) -> list[WorkerReport]:
+    session.refresh()
+    reports = []
+    names = sorted(set(sampler.peaks) | set(session.extra_reports), key=_natural)
+    for name in names:
+        report = session.extra_reports.get(name) or WorkerReport(name=name)
+        report.peak_rss = max(report.peak_rss, sampler.peaks.get(name, 0))
+        report.predicted_peak = plan.memory.predicted_peak
+        report.memory_limit = plan.memory.memory_limit
+        report.pod_limit = report.pod_limit or plan.memory.pod_limit
+        reports.append(report)
+    return reports
+
+
+def _natural(name: str) -> tuple:
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return (name.rstrip("0123456789"), int(digits) if digits else -1)

@@ -1,0 +1,357 @@
+"""``ConversionSpec``: the one model of a conversion.
+
+The CLI flags, the ``.spec`` of a ConversionJob YAML and the CRD's OpenAPI schema all come from
+these classes. Field names are camelCase on the wire (Kubernetes style) and snake_case in Python.
+The names ``source.path``, ``source.dataset``, ``output.path``, ``output.chunks``,
+``pyramid.levels`` and ``resources.workers`` are a public contract: scripts and GitOps
+repositories depend on them.
+
+Everything here is pure validation; facts that need the data (does ``chunks`` have one entry per
+axis?) are checked by the planner, which still names the spec field in its error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from .errors import SpecError
+from .units import parse_bytes
+
+AXIS_TYPES = {"t": "time", "c": "channel", "z": "space", "y": "space", "x": "space"}
+#: Units the NGFF specification allows (UDUNITS-2 names).
+SPACE_UNITS = (
+    "angstrom", "attometer", "centimeter", "decimeter", "exameter", "femtometer", "foot", "gigameter",
+    "hectometer", "inch", "kilometer", "megameter", "meter", "micrometer", "mile", "millimeter",
+    "nanometer", "parsec", "petameter", "picometer", "terameter", "yard", "yoctometer", "yottameter",
+    "zeptometer", "zettameter",
+)
+TIME_UNITS = (
+    "attosecond", "centisecond", "day", "decisecond", "exasecond", "femtosecond", "gigasecond",
+    "hectosecond", "hour", "kilosecond", "megasecond", "microsecond", "millisecond", "minute",
+    "nanosecond", "petasecond", "picosecond", "second", "terasecond", "yoctosecond", "yottasecond",
+    "zeptosecond", "zettasecond",
+)
+BLOSC_CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
+SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
+CODECS = ("blosc", "zstd", "gzip", "none")
+#: Allowed compression levels per codec, inclusive. zstd's negative "fast" levels are excluded on
+#: purpose: they are rarely wanted for archives and complicate the level's meaning.
+LEVEL_RANGES = {"blosc": (0, 9), "zstd": (1, 22), "gzip": (1, 9)}
+
+ByteQuantity = Annotated[
+    int | str,
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The camelCase dict a ConversionJob's ``.spec`` holds, without unset defaults."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
+    if value is None:
+        return None
+    if not value:
+        raise ValueError(f"Expected at least one positive integer. Got {value!r} instead.")
+    bad = [v for v in value if v < 1]
+    if bad:
+        raise ValueError(f"Expected positive integers for every axis. Got {value!r} instead ({bad[0]} is not allowed).")
+    return value
+
+
+class SourceSpec(_Model):
+    """The HDF5 input."""
+
+    path: str = Field(min_length=1, description="Path to the HDF5 file, as the workers see it.")
+    dataset: str = Field(min_length=1, description="Path of the dataset inside the file, e.g. /volume/data.")
+
+    @field_validator("dataset")
+    @classmethod
+    def _absolute_dataset(cls, v: str) -> str:
+        return v if v.startswith("/") else "/" + v
+
+
+class CompressorSpec(_Model):
+    """How chunks are compressed. One flat object so the CRD schema stays structural."""
+
+    codec: Literal["blosc", "zstd", "gzip", "none"] = Field("blosc", description="blosc (with cname/shuffle), zstd, gzip or none.")
+    cname: Literal["zstd", "lz4", "lz4hc", "zlib", "blosclz"] | None = Field(None, description="Blosc's inner compressor (blosc only; default zstd).")
+    clevel: int | None = Field(None, description="Compression level: blosc 0-9, zstd 1-22, gzip 1-9 (default 5).")
+    shuffle: Literal["noshuffle", "shuffle", "bitshuffle"] | None = Field(None, description="Blosc's shuffle filter (blosc only; default bitshuffle).")
+
+    @model_validator(mode="after")
+    def _codec_options(self) -> "CompressorSpec":
+        if self.codec != "blosc":
+            for name in ("cname", "shuffle"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"Expected {name} only with codec 'blosc'. Got {name}={getattr(self, name)!r} with codec {self.codec!r} instead."
+                    )
+        if self.codec == "none" and self.clevel is not None:
+            raise ValueError(f"Expected no clevel with codec 'none'. Got clevel={self.clevel} instead.")
+        if self.codec in LEVEL_RANGES and self.clevel is not None:
+            low, high = LEVEL_RANGES[self.codec]
+            if not low <= self.clevel <= high:
+                raise ValueError(f"Expected clevel between {low} and {high} for codec {self.codec!r}. Got {self.clevel} instead.")
+        return self
+
+    @property
+    def level(self) -> int:
+        return 5 if self.clevel is None else self.clevel
+
+    @property
+    def blosc_cname(self) -> str:
+        return self.cname or "zstd"
+
+    @property
+    def blosc_shuffle(self) -> str:
+        return self.shuffle or "bitshuffle"
+
+    def describe(self) -> str:
+        if self.codec == "blosc":
+            return f"blosc {self.blosc_cname} level {self.level} {self.blosc_shuffle}"
+        if self.codec == "none":
+            return "none"
+        return f"{self.codec} level {self.level}"
+
+
+class OutputSpec(_Model):
+    """The OME-Zarr output."""
+
+    path: str = Field(min_length=1, description="Output directory, conventionally ending in .ome.zarr.")
+    ngff_version: Literal["0.4", "0.5"] = Field("0.5", description="0.5 writes Zarr v3 (default); 0.4 writes Zarr v2.")
+    chunks: list[int] | None = Field(None, description="Chunk shape, one entry per axis. Default: 64 per spatial axis in 3-D, 256 in 2-D, 1 for t and c.")
+    shards: list[int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
+    compressor: CompressorSpec = Field(default_factory=CompressorSpec)
+    overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
+
+    @field_validator("ngff_version", mode="before")
+    @classmethod
+    def _version_as_string(cls, v: Any) -> Any:
+        # YAML reads 0.4 and 0.5 as floats; accept them as the strings they mean.
+        return str(v) if isinstance(v, float) else v
+
+    @field_validator("chunks", "shards")
+    @classmethod
+    def _positive(cls, v: list[int] | None, info) -> list[int] | None:
+        return _positive_ints(info.field_name, v)
+
+    @model_validator(mode="after")
+    def _shards_need_v3(self) -> "OutputSpec":
+        if self.shards is not None:
+            if self.ngff_version != "0.5":
+                raise ValueError(f"Expected shards only with ngffVersion '0.5' (Zarr v3). Got shards with ngffVersion {self.ngff_version!r} instead.")
+            if self.chunks is not None:
+                if len(self.shards) != len(self.chunks):
+                    raise ValueError(f"Expected shards with as many entries as chunks ({len(self.chunks)}). Got {self.shards} instead.")
+                bad = [i for i, (s, c) in enumerate(zip(self.shards, self.chunks)) if s % c]
+                if bad:
+                    raise ValueError(f"Expected every shard entry to be a multiple of the chunk entry. Got shards {self.shards} for chunks {self.chunks} instead (axis {bad[0]}).")
+        return self
+
+
+class ImageSpec(_Model):
+    """How the array maps to physical space. Anything omitted is read from HDF5 attributes or inferred."""
+
+    axes: str | None = Field(None, description="Axis names in order, from t, c, z, y, x, e.g. 'tczyx' or 'zyx'.")
+    scale: list[float] | None = Field(None, description="Voxel size per axis, in `units`.")
+    units: list[str] | None = Field(None, description="Unit per axis, e.g. micrometer or second; empty string for none.")
+    name: str | None = Field(None, description="Image name written to the multiscales metadata.")
+
+    @field_validator("axes")
+    @classmethod
+    def _valid_axes(cls, v: str | None) -> str | None:
+        return None if v is None else parse_axes(v)
+
+    @field_validator("units")
+    @classmethod
+    def _known_units(cls, v: list[str] | None) -> list[str] | None:
+        for unit in v or ():
+            if unit and unit not in SPACE_UNITS + TIME_UNITS:
+                raise ValueError(
+                    f"Expected NGFF unit names such as 'micrometer', 'nanometer', 'millimeter', 'second' or '' for none. Got {unit!r} instead."
+                )
+        return v
+
+    @field_validator("scale")
+    @classmethod
+    def _positive_scale(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(not s > 0 for s in v)):
+            raise ValueError(f"Expected a positive voxel size for every axis. Got {v!r} instead.")
+        return v
+
+
+class PyramidSpec(_Model):
+    """The multiscale pyramid built in the same pass as level 0."""
+
+    levels: Annotated[int | Literal["auto"], Field(json_schema_extra={"x-kubernetes-int-or-string": True})] = Field(
+        "auto", description="Number of levels including full resolution, or 'auto' (halve until one chunk holds the smallest level)."
+    )
+    method: Literal["mean", "nearest", "max"] = Field("mean", description="mean (exact, rounded half to even for integers), nearest or max.")
+    axes: str | None = Field(None, description="Axes to downsample, e.g. 'yx'. Default: every spatial axis.")
+
+    @field_validator("levels")
+    @classmethod
+    def _levels_range(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 16:
+            raise ValueError(f"Expected 'auto' or an integer from 1 to 16. Got {v} instead.")
+        return v
+
+    @field_validator("axes")
+    @classmethod
+    def _axes_letters(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        bad = [a for a in v if a not in "zyx"]
+        if not v or bad or len(set(v)) != len(v):
+            raise ValueError(f"Expected distinct spatial axes from 'zyx', e.g. 'yx'. Got {v!r} instead.")
+        return v
+
+
+class ResourcesSpec(_Model):
+    """How much compute and memory the conversion may use."""
+
+    workers: Annotated[int | Literal["auto"], Field(json_schema_extra={"x-kubernetes-int-or-string": True})] = Field(
+        "auto", description="Dask worker processes. 'auto': one per core locally, 4 on Kubernetes."
+    )
+    threads_per_worker: int = Field(1, ge=1, le=64, description="Threads per worker; each runs one slab at a time.")
+    memory_per_worker: ByteQuantity | None = Field(None, description="Pod memory limit per worker, e.g. 1Gi. The plan must fit in it.")
+    memory_total: ByteQuantity | None = Field(None, description="Memory for all workers together; the planner picks the worker count.")
+    slab: list[int] | None = Field(None, description="Read slab shape; re-aligned to the chunk grid with a notice if needed.")
+    allocator: Literal["auto", "jemalloc", "glibc"] = Field("auto", description="Worker malloc: jemalloc where installed, else glibc tuned to return memory.")
+
+    @field_validator("workers")
+    @classmethod
+    def _workers_range(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 4096:
+            raise ValueError(f"Expected 'auto' or an integer from 1 to 4096. Got {v} instead.")
+        return v
+
+    @field_validator("memory_per_worker", "memory_total")
+    @classmethod
+    def _quantity(cls, v: int | str | None) -> int | str | None:
+        if v is None:
+            return None
+        n = parse_bytes(v)
+        if n < (64 << 20):
+            raise ValueError(f"Expected at least 64Mi (a Python worker alone needs more). Got {v!r} instead.")
+        return v
+
+    @field_validator("slab")
+    @classmethod
+    def _slab_positive(cls, v: list[int] | None) -> list[int] | None:
+        return _positive_ints("slab", v)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "ResourcesSpec":
+        if self.memory_per_worker is not None and self.memory_total is not None:
+            raise ValueError("Expected memoryPerWorker or memoryTotal, not both. Got both instead.")
+        return self
+
+    @property
+    def memory_per_worker_bytes(self) -> int | None:
+        return None if self.memory_per_worker is None else parse_bytes(self.memory_per_worker)
+
+    @property
+    def memory_total_bytes(self) -> int | None:
+        return None if self.memory_total is None else parse_bytes(self.memory_total)
+
+
+class ConversionSpec(_Model):
+    """One conversion: source, output, image metadata, pyramid and resources."""
+
+    source: SourceSpec
+    output: OutputSpec
+    image: ImageSpec = Field(default_factory=ImageSpec)
+    pyramid: PyramidSpec = Field(default_factory=PyramidSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+
+def parse_axes(value: str) -> str:
+    """Validate an NGFF axis string: time first, then channel, then 2 or 3 spatial axes."""
+    v = value.strip().lower()
+    unknown = sorted({a for a in v if a not in AXIS_TYPES})
+    if unknown or len(set(v)) != len(v):
+        raise ValueError(f"Expected distinct axis names from 't', 'c', 'z', 'y', 'x', e.g. 'tczyx'. Got {value!r} instead.")
+    kinds = [AXIS_TYPES[a] for a in v]
+    spatial = kinds.count("space")
+    order = {"time": 0, "channel": 1, "space": 2}
+    if not 2 <= spatial <= 3 or kinds != sorted(kinds, key=order.__getitem__):
+        raise ValueError(
+            f"Expected 2 or 3 spatial axes after optional 't' then 'c' (NGFF order), e.g. 'tczyx', 'czyx', 'yx'. Got {value!r} instead."
+        )
+    return v
+
+
+def _describe_pydantic_error(err: dict[str, Any]) -> tuple[str, str]:
+    """Turn one pydantic error into (field path, 'Expected … Got … instead.')."""
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal[", "int", "str", "list["))]
+    field = ".".join(p if not p.isdigit() else f"[{p}]" for p in loc).replace(".[", "[")
+    got = err.get("input")
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    if kind == "missing":
+        return field, "Expected a value; this field is required. Got nothing instead."
+    if kind == "extra_forbidden":
+        return field, f"Expected no such field (check its spelling and case; fields are camelCase). Got {got!r} instead."
+    if kind == "literal_error":
+        return field, f"Expected one of {ctx.get('expected')}. Got {got!r} instead."
+    if kind == "value_error":
+        message = str(ctx.get("error", err["msg"]))
+        return field, message
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        return field, f"Expected a number {err['msg'].removeprefix('Input should be ')}. Got {got!r} instead."
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        return field, f"Expected {err['msg'].removeprefix('Input should be ')}. Got {got!r} instead."
+    if kind == "string_too_short":
+        return field, f"Expected a non-empty string. Got {got!r} instead."
+    return field, f"{err['msg']}. Got {got!r} instead."
+
+
+def parse_spec(data: Any) -> ConversionSpec:
+    """Validate a ConversionJob ``.spec`` (a dict) into a ConversionSpec, or raise SpecError."""
+    if isinstance(data, ConversionSpec):
+        return data
+    if not isinstance(data, dict):
+        raise SpecError("spec", f"Expected a mapping with source and output. Got {type(data).__name__} instead.")
+    try:
+        return ConversionSpec.model_validate(data)
+    except ValidationError as exc:
+        raise spec_error_from(exc) from None
+
+
+def spec_error_from(exc: ValidationError) -> SpecError:
+    errors = exc.errors(include_url=False)
+    # Union members each report a failure; keep the most specific one (a value_error beats a type error).
+    errors.sort(key=lambda e: e["type"] != "value_error")
+    field, message = _describe_pydantic_error(errors[0])
+    wire = _camel_path(field)
+    extra = f" ({len(errors) - 1} more problem(s) after fixing this one)" if len(errors) > 1 and _distinct_fields(errors) > 1 else ""
+    return SpecError(wire, message + extra)
+
+
+def _distinct_fields(errors: list[dict[str, Any]]) -> int:
+    return len({tuple(e["loc"][:2]) for e in errors})
+
+
+def _camel_path(field: str) -> str:
+    return ".".join(to_camel(part) if "[" not in part else to_camel(part.split("[")[0]) + "[" + part.split("[", 1)[1] for part in field.split("."))
