@@ -81,8 +81,11 @@ def _padded(block: np.ndarray, shape: Shape, fill) -> np.ndarray:
     return out
 
 
-def encode_chunk(layout: ArrayLayout, block: np.ndarray) -> bytes:
+def encode_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk=None, unit=None) -> bytes:
     chunk = _padded(block, layout.chunks, layout.fill_value)
+    if on_chunk is not None:
+        # Statistics on the contiguous copy while it is in cache; edge chunks only over real data.
+        on_chunk(chunk if chunk.shape == block.shape else block, unit)
     codec = chunk_codec(layout.compressor)
     return chunk.tobytes() if codec is None else bytes(codec.encode(chunk))
 
@@ -149,11 +152,11 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
         unit = layout.unit_region(index)
         local = tuple(slice(u.start - o, u.stop - o) for u, o in zip(unit, origin))
         sub = block[local]
-        if on_chunk is not None:
-            on_chunk(sub, unit)
         if layout.shards is None:
-            pieces = [encode_chunk(layout, sub)]
+            pieces = [encode_chunk(layout, sub, on_chunk, unit)]
         else:
+            if on_chunk is not None:
+                on_chunk(sub, unit)
             pieces = encode_shard(layout, sub, tuple(u.start for u in unit))
         written.append((layout.key(index), atomic_write(layout.file(index), pieces)))
     return written
