@@ -10,6 +10,17 @@ from numcodecs import Blosc, GZip, Zstd
 
 from ..spec import CompressorSpec
 
+class DeterministicGZip(GZip):
+    """numcodecs' GZip stamps the current time into every gzip header, so two runs never write the
+    same bytes; a zero mtime makes outputs reproducible (and resumed runs bit-identical). Readers
+    decode it like any gzip stream."""
+
+    def encode(self, buf):
+        import gzip
+
+        return gzip.compress(memoryview(numcodecs.compat.ensure_contiguous_ndarray(buf)), compresslevel=self.level, mtime=0)
+
+
 _BLOSC_SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 
 
@@ -22,7 +33,7 @@ def chunk_codec(spec: CompressorSpec) -> numcodecs.abc.Codec | None:
     if spec.codec == "zstd":
         return Zstd(level=spec.level)
     if spec.codec == "gzip":
-        return GZip(level=spec.level)
+        return DeterministicGZip(level=spec.level)
     return None
 
 
@@ -31,7 +42,7 @@ def zarr_compressors(spec: CompressorSpec, zarr_format: int):
     if spec.codec == "none":
         return None
     if zarr_format == 2:
-        return chunk_codec(spec)
+        return GZip(level=spec.level) if spec.codec == "gzip" else chunk_codec(spec)
     from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
     if spec.codec == "blosc":

@@ -1,0 +1,143 @@
+"""Resume: a conversion killed mid-run resumes to a bit-identical result, and outputs that are not
+ours (or not of the same conversion) are refused without deleting anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+from conftest import smooth, spec_for, write_h5
+from h5ngff.errors import OutputConflictError
+
+CLI = [sys.executable, "-m", "h5ngff.cli"]
+
+
+def chunk_files(root: str) -> dict[str, bytes]:
+    """Every chunk file's bytes, keyed by path relative to the output (metadata excluded)."""
+    files = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            if name in ("zarr.json", ".zattrs", ".zarray", ".zgroup") or ".h5ngff" in directory:
+                continue
+            path = os.path.join(directory, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files
+
+
+def ome_attributes(root: str) -> dict:
+    with open(os.path.join(root, "zarr.json")) as f:
+        attrs = json.load(f)["attributes"]
+    return attrs["ome"]
+
+
+def manifest_lines(root: str) -> int:
+    try:
+        with open(os.path.join(root, ".h5ngff", "manifest.jsonl")) as f:
+            return sum(1 for line in f if '"slab"' in line)
+    except FileNotFoundError:
+        return 0
+
+
+# 3 x 8 x 2 = 48 slabs; gzip keeps each slab slow enough for the kill to land mid-run.
+FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,64,256", "--compressor", "gzip:3", "--workers", "2", "--no-progress"]
+TOTAL_SLABS = 48
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    base = tmp_path_factory.mktemp("resume")
+    data = smooth((48, 512, 512), "uint16", seed=11)
+    return write_h5(base / "in.h5", data), data, base
+
+
+@pytest.fixture(scope="module")
+def clean_run(source):
+    h5, _, base = source
+    out = str(base / "clean.ome.zarr")
+    subprocess.run(CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS, check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.parametrize("kill_after", [14, 29, 45])  # about 30%, 60% and 95% of 48 slabs
+def test_killed_run_resumes_bit_identical(source, clean_run, kill_after):
+    h5, data, base = source
+    out = str(base / f"killed-{kill_after}.ome.zarr")
+    proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while manifest_lines(out) < kill_after and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the client, its scheduler and its workers, mid-flight
+    proc.wait()
+    recorded = manifest_lines(out)
+    assert 0 < recorded < TOTAL_SLABS, f"the kill must land mid-run (recorded {recorded} of {TOTAL_SLABS} slabs)"
+    assert not os.path.exists(os.path.join(out, "zarr.json")) or "ome" not in json.load(open(os.path.join(out, "zarr.json")))["attributes"]
+
+    result = subprocess.run(CLI + ["convert", f"{h5}:/volume/data", out, "--json"] + FLAGS, check=True, capture_output=True, text=True)
+    summary = json.loads(result.stdout)
+    assert summary["resumed"] is True
+    assert summary["slabs_skipped"] >= recorded
+    assert summary["slabs_written"] + summary["slabs_skipped"] == TOTAL_SLABS == summary["plan"]["n_tasks"]
+    assert chunk_files(out) == chunk_files(clean_run)
+    assert ome_attributes(out) == ome_attributes(clean_run)
+    np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data)
+
+
+def test_resume_check_is_not_vacuous(source, clean_run, tmp_path):
+    """Negative control: a damaged chunk makes the comparison fail."""
+    import shutil
+
+    copy = str(tmp_path / "copy.ome.zarr")
+    shutil.copytree(clean_run, copy)
+    victim = sorted(chunk_files(copy))[3]
+    with open(os.path.join(copy, victim), "r+b") as f:
+        f.seek(10)
+        f.write(b"\x00\x01")
+    assert chunk_files(copy) != chunk_files(clean_run)
+
+
+def test_a_finished_output_is_not_rewritten(source, clean_run, convert):
+    h5, _, _ = source
+    before = {p: os.stat(os.path.join(clean_run, p)).st_mtime_ns for p in chunk_files(clean_run)}
+    spec = spec_for(h5, clean_run, output={"chunks": [8, 32, 32], "compressor": {"codec": "gzip", "clevel": 3}}, pyramid={"levels": 2}, resources={"slab": [16, 64, 256]})
+    summary = convert(spec)
+    assert summary.totals.slabs_written == 0
+    after = {p: os.stat(os.path.join(clean_run, p)).st_mtime_ns for p in chunk_files(clean_run)}
+    assert before == after
+
+
+def test_output_of_another_conversion_is_refused(source, clean_run, convert):
+    h5, _, _ = source
+    spec = spec_for(h5, clean_run, output={"chunks": [16, 32, 32]}, pyramid={"levels": 2})
+    before = chunk_files(clean_run)
+    with pytest.raises(OutputConflictError, match="different conversion.*chunks"):
+        convert(spec)
+    assert chunk_files(clean_run) == before
+
+
+def test_foreign_directory_is_refused_even_with_overwrite(source, tmp_path, convert):
+    h5, _, _ = source
+    foreign = tmp_path / "thesis"
+    foreign.mkdir()
+    (foreign / "chapter1.tex").write_text("precious")
+    for overwrite in (False, True):
+        with pytest.raises(OutputConflictError, match="not an h5ngff output|neither an h5ngff output nor a Zarr store"):
+            convert(spec_for(h5, str(foreign), output={"overwrite": overwrite}))
+    assert (foreign / "chapter1.tex").read_text() == "precious"
+
+
+def test_overwrite_replaces_a_zarr_store(source, tmp_path, convert):
+    h5, data, _ = source
+    out = tmp_path / "old.zarr"
+    zarr.create_array(str(out), shape=(3,), dtype="i1")
+    summary = convert(spec_for(h5, str(out), output={"overwrite": True}, pyramid={"levels": 1}))
+    assert summary.status == "Succeeded"
+    np.testing.assert_array_equal(zarr.open_array(str(out) + "/0", mode="r")[...], data)
