@@ -1,0 +1,132 @@
+"""Bad inputs give clear, specific errors and never leave an output that looks finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import smooth, spec_for, write_h5
+from h5ngff.engine.output import completion_marker
+from h5ngff.errors import (
+    DatasetNotFoundError,
+    OutputError,
+    SourceError,
+    SourceNotFoundError,
+    UnsupportedDatasetError,
+)
+
+
+def assert_not_finished(out: str) -> None:
+    assert completion_marker(out) is None
+    zarr_json = os.path.join(out, "zarr.json")
+    if os.path.exists(zarr_json):
+        with open(zarr_json) as f:
+            assert "ome" not in json.load(f).get("attributes", {})
+
+
+def test_missing_file(tmp_path, convert):
+    with pytest.raises(SourceNotFoundError, match=r"source.path: HDF5 file .*nope.h5.* does not exist"):
+        convert(spec_for(str(tmp_path / "nope.h5"), str(tmp_path / "out.zarr")))
+    assert not (tmp_path / "out.zarr").exists()
+
+
+def test_missing_dataset_lists_the_ones_that_exist(tmp_path, convert):
+    h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)), dataset="/entry/data")
+    with pytest.raises(DatasetNotFoundError, match=r"'/volume/data' is not in .*Datasets in the file: /entry/data"):
+        convert(spec_for(h5, str(tmp_path / "out.zarr")))
+
+
+def test_group_instead_of_dataset(tmp_path, convert):
+    h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)), dataset="/entry/data")
+    with pytest.raises(DatasetNotFoundError, match="is a group, not a dataset"):
+        convert(spec_for(h5, str(tmp_path / "out.zarr"), dataset="/entry"))
+
+
+@pytest.mark.parametrize(
+    "data,kind",
+    [
+        (np.zeros((4, 4), dtype=[("a", "i4"), ("b", "f8")]), "compound"),
+        (np.array([[b"ab", b"cd"], [b"ef", b"gh"]]), "bytes string"),
+        (np.zeros((4, 4), dtype=np.complex64), "complex"),
+    ],
+    ids=["compound", "string", "complex"],
+)
+def test_non_numeric_dataset(tmp_path, convert, data, kind):
+    h5 = write_h5(tmp_path / "in.h5", data)
+    with pytest.raises(UnsupportedDatasetError, match=f"dtype .*\\({kind}\\).*Expected bool, int8-int64"):
+        convert(spec_for(h5, str(tmp_path / "out.zarr")))
+
+
+def test_variable_length_strings(tmp_path, convert):
+    path = tmp_path / "in.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("/volume/data", data=np.array([["a", "bb"], ["c", "d"]], dtype=object), dtype=h5py.string_dtype())
+    with pytest.raises(UnsupportedDatasetError, match="NGFF images hold numbers"):
+        convert(spec_for(str(path), str(tmp_path / "out.zarr")))
+
+
+def test_one_dimensional_dataset(tmp_path, convert):
+    h5 = write_h5(tmp_path / "in.h5", np.arange(100, dtype=np.uint8))
+    with pytest.raises(UnsupportedDatasetError, match=r"has 1 dimension\(s\) \(shape \(100,\)\); NGFF images have 2 to 5"):
+        convert(spec_for(h5, str(tmp_path / "out.zarr")))
+
+
+def test_zero_sized_dimension(tmp_path, convert):
+    h5 = write_h5(tmp_path / "in.h5", np.zeros((0, 8, 8), dtype=np.uint8))
+    with pytest.raises(UnsupportedDatasetError, match=r"at least one element. Got shape \(0, 8, 8\)"):
+        convert(spec_for(h5, str(tmp_path / "out.zarr")))
+
+
+def test_truncated_file(tmp_path, convert):
+    h5 = write_h5(tmp_path / "in.h5", smooth((16, 64, 64)))
+    size = os.path.getsize(h5)
+    with open(h5, "r+b") as f:
+        f.truncate(size // 3)
+    with pytest.raises(SourceError, match="truncated|corrupt|cannot be opened"):
+        convert(spec_for(h5, str(tmp_path / "out.zarr")))
+    assert_not_finished(str(tmp_path / "out.zarr"))
+
+
+def test_corrupt_chunk_fails_the_run_without_a_finished_output(tmp_path, convert):
+    data = smooth((16, 64, 64))
+    h5 = write_h5(tmp_path / "in.h5", data, chunks=(8, 32, 32), compression="gzip", fletcher32=True)
+    with h5py.File(h5, "r") as f:
+        offset = f["/volume/data"].id.get_chunk_info(3).byte_offset
+    with open(h5, "r+b") as f:
+        f.seek(offset + 20)
+        f.write(b"\xde\xad\xbe\xef" * 8)
+    out = str(tmp_path / "out.zarr")
+    with pytest.raises(SourceError, match="Reading '/volume/data'.*failed"):
+        convert(spec_for(h5, out, output={"chunks": [8, 32, 32]}, pyramid={"levels": 1}))
+    assert_not_finished(out)
+
+
+def test_unwritable_output(tmp_path, convert):
+    h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OutputError, match="output.path: cannot create .*Choose a writable location"):
+        convert(spec_for(h5, str(blocker / "out.zarr")))
+
+
+def test_cli_exit_codes_and_messages(tmp_path):
+    """Through the real command line: exit 2 for bad input, the reason and the message on stderr/stdout."""
+    h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)))
+    cli = [sys.executable, "-m", "h5ngff.cli"]
+    bad_dataset = subprocess.run(cli + ["convert", f"{h5}:/missing", str(tmp_path / "o.zarr")], capture_output=True, text=True)
+    assert bad_dataset.returncode == 2
+    assert "SourceUnreadable" in bad_dataset.stdout and "/volume/data" in bad_dataset.stdout
+    bad_flag = subprocess.run(cli + ["plan", f"{h5}:/volume/data", "--chunks", "0,8,8", "--json"], capture_output=True, text=True)
+    assert bad_flag.returncode == 2
+    assert json.loads(bad_flag.stdout) == {
+        "status": "Failed",
+        "reason": "InvalidSpec",
+        "message": json.loads(bad_flag.stdout)["message"],
+    }
+    assert "output.chunks" in bad_flag.stdout and "0 is not allowed" in bad_flag.stdout
