@@ -92,7 +92,8 @@ def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
         p.add_argument("--enforce-pod-limits", action="store_true", help="Run each worker in its own memory cgroup limited to the planned pod limit, as on Kubernetes.")
         p.add_argument("--pod-limit", metavar="SIZE", help="Override the planned pod limit (with --enforce-pod-limits; for experiments).")
         p.add_argument("--memory-report", metavar="FILE", help="Write a per-worker memory timeline (.png or .html) with the planned limits drawn in.")
-        p.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve Prometheus metrics on this port during the run.")
+        p.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve Prometheus metrics on this port during the run (docs/metrics.md).")
+        p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS", help="With --metrics-port: keep serving the final values this long after the run, so Prometheus scrapes them.")
         p.add_argument("--no-progress", action="store_true", help="No progress bar (logs only).")
 
 
@@ -151,11 +152,20 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     if not args.json and not args.no_progress:
         bar = ProgressBar(console)
         listeners.append(bar)
-    if bar:
-        with bar:
-            summary = run_job(job, backend, listeners)
-    else:
-        summary = run_job(job, backend, listeners)
+    metrics = None
+    if getattr(args, "metrics_port", None) is not None:
+        from .metrics.exporter import MetricsExporter
+
+        metrics = MetricsExporter.for_spec(job.spec, args.metrics_port)
+    try:
+        if bar:
+            with bar:
+                summary = run_job(job, backend, listeners, metrics=metrics)
+        else:
+            summary = run_job(job, backend, listeners, metrics=metrics)
+    finally:
+        if metrics is not None:
+            metrics.linger(args.metrics_linger)
     if args.memory_report:
         from .metrics.timeline import write_memory_report
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,9 +104,12 @@ class RunSummary:
         return out
 
 
-def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None) -> RunSummary:
-    """Convert. Returns a summary; raises H5ngffError on failure (after emitting ``Failed``)."""
-    events = Broadcast(listeners)
+def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, metrics=None) -> RunSummary:
+    """Convert. Returns a summary; raises H5ngffError on failure (after emitting ``Failed``).
+
+    ``metrics`` (a ``metrics.exporter.MetricsExporter``) hears every progress event and polls the
+    cluster while it is up."""
+    events = Broadcast(list(listeners or []) + ([metrics] if metrics is not None else []))
     events.emit(phase="Planned", slabs_total=job.plan.n_tasks, message="")
     summary = RunSummary("Failed", job)
     start = time.perf_counter()
@@ -117,7 +121,7 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None) -
             events.emit(phase="Succeeded", slabs_done=job.plan.n_tasks, slabs_skipped=job.plan.n_tasks, message="already complete")
             summary.status = "Succeeded"
             return summary
-        with backend.session(job.plan) as session:
+        with backend.session(job.plan) as session, (metrics.attached(session, job.plan) if metrics is not None else nullcontext()):
             with MemorySampler(session.client) as sampler:
                 try:
                     summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)

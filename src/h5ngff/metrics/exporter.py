@@ -1,0 +1,173 @@
+"""The Prometheus exporter every conversion run serves on ``--metrics-port``.
+
+``MetricsExporter`` is a progress listener (job progress) and, while attached to a running
+``Session``, polls the Dask cluster from the client side in a background thread (per-worker
+memory, limits, cgroup view, restarts, OOM kills). Prometheus scrapes the latest of both.
+
+Why a custom collector rather than prometheus_client Gauges/Counters:
+
+* workers come and go (a nanny restart gives a new process, an external cluster may scale); a
+  collector shows exactly the workers of the latest poll, where labelled gauges would keep a dead
+  worker's last value until someone remembered to remove it;
+* every scrape is one consistent snapshot (all worker series come from the same poll);
+* the counters (OOM kills, restarts, spill counts, slabs done) are absolute values counted
+  elsewhere (kernel, scheduler events, SpillBuffer, the driver); ``Counter`` only has ``inc()``.
+
+After the run the exporter keeps serving the final values until the process exits
+(``--metrics-linger`` keeps the process alive long enough for Prometheus to scrape them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import Metric
+
+from ..engine.progress import Progress
+from ..errors import SpecError
+from .families import ExportState, build_families
+from .probes import ClusterPoller
+
+log = logging.getLogger(__name__)
+
+#: Environment variables the Kubernetes runner sets to label the series with the ConversionJob.
+JOB_NAME_ENV = "H5NGFF_JOB_NAME"
+JOB_NAMESPACE_ENV = "H5NGFF_JOB_NAMESPACE"
+#: Seconds between cluster polls: a Prometheus scrape interval is rarely shorter, and one poll is
+#: four small RPCs, cheap next to slab tasks that take seconds.
+DEFAULT_INTERVAL = 1.0
+#: How long detach waits for the poller's final poll before giving up on a broken cluster.
+FINAL_POLL_TIMEOUT = 10.0
+
+
+class _Collector:
+    def __init__(self, exporter: "MetricsExporter"):
+        self.exporter = exporter
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.exporter.families()
+
+
+class MetricsExporter:
+    """Serves the metrics of one conversion job on ``addr:port`` (port 0 picks a free one)."""
+
+    def __init__(self, port: int, job: str, namespace: str = "local", addr: str = "0.0.0.0", interval: float = DEFAULT_INTERVAL):
+        self.job = job
+        self.namespace = namespace
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._state = ExportState()
+        self._poller: ClusterPoller | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Our own registry: the exposition is exactly our catalogue, whatever else the process
+        # (an in-process Dask scheduler, say) registers in prometheus_client's global one.
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+        try:
+            self._server, _ = start_http_server(port, addr, registry=self.registry)
+        except OSError as exc:
+            raise SpecError("--metrics-port", f"Expected a free TCP port on {addr}. Got {port} instead ({exc.strerror}). Pick another port, or 0 for any free one.") from None
+        log.info("Serving Prometheus metrics on http://%s:%d/metrics", addr, self.port)
+
+    @classmethod
+    def for_spec(cls, spec, port: int, **kwargs) -> "MetricsExporter":
+        """Labels from the environment (set by the Kubernetes runner), else from the output path."""
+        stem = os.path.basename(os.path.normpath(spec.output.path)).split(".")[0] or "h5ngff"
+        return cls(port, os.environ.get(JOB_NAME_ENV) or stem, os.environ.get(JOB_NAMESPACE_ENV) or "local", **kwargs)
+
+    @property
+    def port(self) -> int:
+        return self._server.server_port
+
+    # -- progress listener -------------------------------------------------------------------
+
+    def __call__(self, progress: Progress) -> None:
+        snapshot = dataclasses.replace(progress)
+        with self._lock:
+            before = self._state.progress
+            if before is None or (before.phase, before.slabs_done) != (snapshot.phase, snapshot.slabs_done):
+                self._state.last_progress = time.time()
+            self._state.progress = snapshot
+            # Computed now, not at scrape time: after the run they must stay the final figures.
+            self._state.throughput = snapshot.read_throughput if snapshot.phase not in ("Pending", "Planned") else None
+            self._state.eta = snapshot.eta_seconds
+
+    # -- cluster polling ---------------------------------------------------------------------
+
+    def attach(self, session, plan) -> None:
+        """Start polling ``session``'s cluster (every ``interval`` s, first poll at once)."""
+        self.detach()
+        # The pod limit actually enforced where a backend overrides the plan's (an experiment).
+        pod_limit = getattr(session, "pod_limit", None) or plan.memory.pod_limit
+        self._poller = ClusterPoller(session.client, pod_limit, session.extra_reports, session.refresh)
+        with self._lock:
+            self._state.predicted_peak = plan.memory.predicted_peak
+            self._state.passes = len(plan.passes)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="h5ngff-metrics-poller", daemon=True)
+        self._thread.start()
+
+    def detach(self) -> None:
+        """Stop polling after one final poll; the last figures stay exported."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=FINAL_POLL_TIMEOUT + self.interval)
+        if self._thread.is_alive():
+            log.warning("Metrics: the final cluster poll did not finish in %.0f s; exporting the previous one.", FINAL_POLL_TIMEOUT)
+        self._thread = None
+        self._poller = None
+
+    @contextmanager
+    def attached(self, session, plan):
+        self.attach(session, plan)
+        try:
+            yield self
+        finally:
+            self.detach()
+
+    def _loop(self) -> None:
+        self._poll()
+        while not self._stop.wait(self.interval):
+            self._poll()
+        self._poll()  # the final state, while the cluster is still up
+
+    def _poll(self) -> None:
+        poller = self._poller
+        if poller is None:
+            return
+        try:
+            snapshot = poller.poll()
+        except Exception as exc:  # a dying cluster must not stop the exporter (or the run)
+            log.debug("Metrics: cluster poll failed: %s", exc)
+            with self._lock:
+                self._state.poll_errors += 1
+            return
+        with self._lock:
+            self._state.snapshot = snapshot
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def families(self) -> list[Metric]:
+        with self._lock:
+            state = dataclasses.replace(self._state)
+        return build_families(self.job, self.namespace, state)
+
+    def linger(self, seconds: float) -> None:
+        """Keep the process (and so the HTTP server) alive so Prometheus scrapes the final state."""
+        if seconds > 0:
+            log.info("Metrics: serving the final values for %.0f s more.", seconds)
+            time.sleep(seconds)
+
+    def close(self) -> None:
+        self.detach()
+        self._server.shutdown()
+        self._server.server_close()

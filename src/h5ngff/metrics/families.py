@@ -1,0 +1,166 @@
+"""Every metric h5ngff exports: one catalogue (name, type, labels, help, source), and a pure
+builder that turns the exporter's latest state into Prometheus metric families.
+
+Label names: ``conversion_job`` and ``namespace`` on everything, ``worker`` on per-worker series.
+Not ``job``: Prometheus attaches its own ``job`` label (the scrape job) to every scraped series and
+renames a clashing exported one to ``exported_job``, so dashboards could not filter on it. A
+clashing ``namespace`` (added by the Prometheus operator's pod/service monitors) is harmless: it is
+the pod's namespace, which is the ConversionJob's namespace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..engine.progress import Progress
+from .probes import SPILL_ACTIVITIES, ClusterSnapshot, WorkerFigures
+
+JOB_LABELS = ("conversion_job", "namespace")
+PHASES = ("Pending", "Planned", "Writing", "Finalizing", "Succeeded", "Failed")
+MEMORY_TYPES = ("managed", "unmanaged_old", "unmanaged_recent", "spilled")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str  #: as exposed; counters end in _total
+    kind: str  #: gauge or counter
+    help: str
+    source: str  #: where the number comes from (for docs/metrics.md)
+    worker: bool = False  #: per-worker (adds the ``worker`` label)
+    extra: tuple[str, ...] = ()  #: labels beyond conversion_job, namespace[, worker]
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return JOB_LABELS + (("worker",) if self.worker else ()) + self.extra
+
+
+def _job(name, kind, help, source, extra=()):
+    return MetricDef(name, kind, help, source, False, extra)
+
+
+def _worker(name, kind, help, source, extra=()):
+    return MetricDef(name, kind, help, source, True, extra)
+
+
+CATALOGUE: tuple[MetricDef, ...] = (
+    _job("h5ngff_job_phase", "gauge", "1 for the job's current phase (Pending, Planned, Writing, Finalizing, Succeeded, Failed), 0 for the others.", "progress events", ("phase",)),
+    _job("h5ngff_job_planned_slabs", "gauge", "Slab tasks in the plan, all passes.", "plan"),
+    _job("h5ngff_job_slabs_done_total", "counter", "Slab tasks finished, including those found done in the manifest at start.", "progress events"),
+    _job("h5ngff_job_resumed_slabs", "gauge", "Slab tasks found done in the manifest at start (resume).", "progress events"),
+    _job("h5ngff_job_planned_passes", "gauge", "Passes over the data in the plan (one per group of pyramid levels built together).", "plan"),
+    _job("h5ngff_job_current_pass", "gauge", "Index of the pass being written (0-based).", "progress events"),
+    _job("h5ngff_job_read_bytes_total", "counter", "Uncompressed bytes read from the HDF5 source (or from a lower level for later passes).", "progress events"),
+    _job("h5ngff_job_written_bytes_total", "counter", "Encoded bytes written to the Zarr store.", "progress events"),
+    _job("h5ngff_job_read_throughput_bytes_per_second", "gauge", "Source bytes read per second, averaged since the writing phase started.", "progress events"),
+    _job("h5ngff_job_eta_seconds", "gauge", "Estimated seconds until every slab is written (absent until the first fresh slab finishes).", "progress events"),
+    _job("h5ngff_job_last_progress_timestamp_seconds", "gauge", "Unix time of the last phase change or finished slab.", "progress events"),
+    _job("h5ngff_job_predicted_peak_bytes", "gauge", "The plan's predicted peak RSS of one worker.", "plan"),
+    _job("h5ngff_exporter_last_poll_timestamp_seconds", "gauge", "Unix time of the last successful poll of the Dask cluster; worker series are as of this time.", "exporter"),
+    _job("h5ngff_exporter_poll_errors_total", "counter", "Polls of the Dask cluster that failed (the previous worker figures are kept).", "exporter"),
+    _worker("h5ngff_worker_rss_bytes", "gauge", "Resident set size of the worker process, read by the worker from /proc/self/status.", "client.run on the worker"),
+    _worker("h5ngff_worker_rss_peak_bytes", "gauge", "Highest RSS of the current worker process (kernel high-water mark VmHWM).", "client.run on the worker"),
+    _worker("h5ngff_worker_memory_bytes", "gauge", "Dask's memory breakdown of the worker: managed + unmanaged_old + unmanaged_recent = process RSS at the last heartbeat; spilled is on disk.", "scheduler MemoryState", ("type",)),
+    _worker("h5ngff_worker_memory_limit_bytes", "gauge", "The worker's Dask memory_limit (thresholds are fractions of it).", "scheduler"),
+    _worker("h5ngff_worker_pod_limit_bytes", "gauge", "The pod memory limit of the worker: the emulated pod's limit, else the plan's.", "plan / pod emulation"),
+    _worker("h5ngff_worker_cgroup_usage_bytes", "gauge", "Memory usage of the worker's own memory cgroup (its pod), page cache included.", "client.run on the worker (cgroup)"),
+    _worker("h5ngff_worker_cgroup_working_set_bytes", "gauge", "Working set of the worker's memory cgroup: usage minus inactive file pages, as kubelet computes it.", "client.run on the worker (cgroup)"),
+    _worker("h5ngff_worker_cgroup_limit_bytes", "gauge", "Memory limit the kernel enforces on the worker's cgroup.", "client.run on the worker (cgroup)"),
+    _worker("h5ngff_worker_spill_count_total", "counter", "Keys the worker's SpillBuffer moved to or from disk since the worker (re)started.", "client.run on the worker (SpillBuffer)", ("activity",)),
+    _worker("h5ngff_worker_spill_bytes_total", "counter", "Bytes the worker's SpillBuffer wrote to or read from disk since the worker (re)started.", "client.run on the worker (SpillBuffer)", ("activity",)),
+    _worker("h5ngff_worker_paused", "gauge", "1 while Dask has paused the worker (memory above the pause threshold), else 0.", "scheduler"),
+    _worker("h5ngff_worker_nanny_restarts_total", "counter", "Worker processes that died (non-zero exit) and were restarted by their nanny during this run.", "scheduler events / pod logs"),
+    _worker("h5ngff_worker_memory_terminations_total", "counter", "Workers the nanny terminated for exceeding the Dask terminate threshold during this run.", "scheduler events / pod logs"),
+    _worker("h5ngff_worker_oom_kills_total", "counter", "Workers OOM-killed by the kernel (pod limit exceeded) during this run.", "scheduler events / cgroup memory.oom_control"),
+)
+
+BY_NAME = {m.name: m for m in CATALOGUE}
+
+
+@dataclass
+class ExportState:
+    """Everything one scrape shows, copied under the exporter's lock."""
+
+    progress: Progress | None = None
+    last_progress: float | None = None
+    throughput: float | None = None
+    eta: float | None = None
+    predicted_peak: int | None = None
+    passes: int | None = None
+    snapshot: ClusterSnapshot | None = None
+    poll_errors: int = 0
+
+
+class _Families:
+    def __init__(self, job_values: tuple[str, str]):
+        self.job_values = list(job_values)
+        self.families: dict[str, Metric] = {}
+
+    def add(self, name: str, value: float, worker: str | None = None, extra: tuple[str, ...] = ()) -> None:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return
+        defn = BY_NAME[name]
+        if name not in self.families:
+            cls = CounterMetricFamily if defn.kind == "counter" else GaugeMetricFamily
+            self.families[name] = cls(name, defn.help, labels=list(defn.labels))
+        values = self.job_values + ([worker] if defn.worker else []) + list(extra)
+        self.families[name].add_metric(values, value)
+
+
+def build_families(conversion_job: str, namespace: str, state: ExportState) -> list[Metric]:
+    """The metric families for one scrape (pure: the same state gives the same output)."""
+    out = _Families((conversion_job, namespace))
+    _job_families(out, state)
+    if state.snapshot is not None:
+        out.add("h5ngff_exporter_last_poll_timestamp_seconds", state.snapshot.time)
+        _worker_families(out, state.snapshot)
+    out.add("h5ngff_exporter_poll_errors_total", state.poll_errors)
+    return list(out.families.values())
+
+
+def _job_families(out: _Families, state: ExportState) -> None:
+    p = state.progress
+    if p is None:
+        return
+    for phase in PHASES:
+        out.add("h5ngff_job_phase", 1.0 if p.phase == phase else 0.0, extra=(phase,))
+    out.add("h5ngff_job_planned_slabs", p.slabs_total)
+    out.add("h5ngff_job_slabs_done_total", p.slabs_done)
+    out.add("h5ngff_job_resumed_slabs", p.slabs_skipped)
+    out.add("h5ngff_job_planned_passes", p.passes or state.passes)
+    out.add("h5ngff_job_current_pass", p.pass_index)
+    out.add("h5ngff_job_read_bytes_total", p.bytes_read)
+    out.add("h5ngff_job_written_bytes_total", p.bytes_written)
+    out.add("h5ngff_job_read_throughput_bytes_per_second", state.throughput)
+    out.add("h5ngff_job_eta_seconds", state.eta)
+    out.add("h5ngff_job_last_progress_timestamp_seconds", state.last_progress)
+    out.add("h5ngff_job_predicted_peak_bytes", state.predicted_peak)
+
+
+def _worker_families(out: _Families, snap: ClusterSnapshot) -> None:
+    for name, w in sorted(snap.workers.items()):
+        _worker_memory(out, name, w, snap.pod_limits.get(name))
+        for activity in SPILL_ACTIVITIES:
+            out.add("h5ngff_worker_spill_count_total", w.spill.get((activity, "count"), 0.0), name, (activity,))
+            out.add("h5ngff_worker_spill_bytes_total", w.spill.get((activity, "bytes"), 0.0), name, (activity,))
+        out.add("h5ngff_worker_paused", 1.0 if w.status == "paused" else 0.0, name)
+    # Counters cover every worker seen during the run: a dead worker's kill matters most.
+    for name in sorted(snap.oom_kills):
+        out.add("h5ngff_worker_nanny_restarts_total", snap.nanny_restarts.get(name, 0), name)
+        out.add("h5ngff_worker_memory_terminations_total", snap.memory_terminations.get(name, 0), name)
+        out.add("h5ngff_worker_oom_kills_total", snap.oom_kills[name], name)
+
+
+def _worker_memory(out: _Families, name: str, w: WorkerFigures, pod_limit: int | None) -> None:
+    out.add("h5ngff_worker_rss_bytes", w.rss, name)
+    out.add("h5ngff_worker_rss_peak_bytes", w.peak_rss, name)
+    for kind in MEMORY_TYPES:
+        out.add("h5ngff_worker_memory_bytes", getattr(w, kind), name, (kind,))
+    out.add("h5ngff_worker_memory_limit_bytes", w.memory_limit or None, name)  # 0: no limit
+    out.add("h5ngff_worker_pod_limit_bytes", pod_limit, name)
+    if w.cgroup is not None:
+        out.add("h5ngff_worker_cgroup_usage_bytes", w.cgroup.usage, name)
+        out.add("h5ngff_worker_cgroup_working_set_bytes", w.cgroup.working_set, name)
+        out.add("h5ngff_worker_cgroup_limit_bytes", w.cgroup.limit, name)

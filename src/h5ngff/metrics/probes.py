@@ -1,0 +1,182 @@
+"""What the metrics exporter reads from a running Dask cluster, from the client side.
+
+One poll gathers, per worker:
+
+* from the **scheduler** (``run_on_scheduler``): name, nanny, status, Dask ``memory_limit`` and the
+  scheduler's own ``MemoryState`` (process, managed, unmanaged old/recent, spilled), i.e. exactly
+  the numbers Dask's dashboard shows;
+* from the **worker itself** (``client.run``): its RSS and RSS high-water mark, its SpillBuffer
+  counters, and its memory cgroup (usage, working set, limit, OOM kills) where readable;
+* from **scheduler events**: worker exits logged by our nanny plugin (restarts, OOM kills) and the
+  nanny's own ``worker-restart-memory`` terminations, since the exporter was attached.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..backends.cgroups import own_cgroup
+from ..backends.diagnostics import EXIT_TOPIC, MEMORY_RESTART_TOPIC, ClusterEvents, process_memory
+
+log = logging.getLogger(__name__)
+
+#: SpillBuffer activities exported (distributed's own label values); absent ones are 0.
+SPILL_ACTIVITIES = ("disk-write", "disk-read")
+
+
+@dataclass
+class CgroupFigures:
+    #: host:device:inode of the cgroup directory: unique per cgroup even inside cgroup namespaces,
+    #: where every container sees its own group as "/".
+    identity: str
+    usage: int
+    working_set: int
+    limit: int | None
+    oom_kills: int
+
+
+@dataclass
+class WorkerFigures:
+    name: str
+    address: str
+    nanny: str | None = None
+    status: str = "running"
+    memory_limit: int | None = None
+    #: Dask's MemoryState as the scheduler computes it (process = managed + unmanaged_old + unmanaged_recent).
+    process: int = 0
+    managed: int = 0
+    unmanaged_old: int = 0
+    unmanaged_recent: int = 0
+    spilled: int = 0
+    rss: int | None = None
+    peak_rss: int | None = None
+    spill: dict[tuple[str, str], float] = field(default_factory=dict)
+    cgroup: CgroupFigures | None = None
+
+
+@dataclass
+class ClusterSnapshot:
+    time: float
+    #: Workers the scheduler knows now, by name.
+    workers: dict[str, WorkerFigures] = field(default_factory=dict)
+    #: Counters by worker name; they include workers that have since gone.
+    nanny_restarts: dict[str, int] = field(default_factory=dict)
+    oom_kills: dict[str, int] = field(default_factory=dict)
+    memory_terminations: dict[str, int] = field(default_factory=dict)
+    #: Effective pod limit by worker name (emulated pods report their own; else the plan's).
+    pod_limits: dict[str, int] = field(default_factory=dict)
+
+
+def scheduler_view_function() -> Callable[..., dict[str, dict[str, Any]]]:
+    """The function run on the scheduler, defined locally on purpose: cloudpickle then ships it
+    by value, so a scheduler without h5ngff installed (``--scheduler``) can still run it."""
+
+    def scheduler_view(dask_scheduler) -> dict[str, dict[str, Any]]:
+        out = {}
+        for address, ws in dask_scheduler.workers.items():
+            memory = ws.memory
+            out[address] = {
+                "name": str(ws.name), "nanny": ws.nanny, "status": getattr(ws.status, "name", str(ws.status)),
+                "memory_limit": ws.memory_limit, "process": memory.process, "managed": memory.managed,
+                "unmanaged_old": memory.unmanaged_old, "unmanaged_recent": memory.unmanaged_recent, "spilled": memory.spilled,
+            }
+        return out
+
+    return scheduler_view
+
+
+def cgroup_identity(path: str) -> str:
+    st = os.stat(path)
+    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
+
+
+def read_own_cgroup() -> CgroupFigures | None:
+    """This process's memory cgroup counters, or None where there is none or it is unreadable."""
+    group = own_cgroup()
+    if group is None:
+        return None
+    try:
+        return CgroupFigures(cgroup_identity(group.path), group.usage(), group.working_set(), group.limit(), group.oom_kills())
+    except OSError:
+        return None
+
+
+def worker_probe(dask_worker=None) -> dict[str, Any]:
+    """Runs on each worker (``client.run``): what only the worker process can see."""
+    figures: dict[str, Any] = dict(process_memory())
+    data = getattr(dask_worker, "data", None)
+    # SpillBuffer's counters: absent when spilling is disabled (target and spill False).
+    metrics = getattr(data, "cumulative_metrics", None) or {}
+    figures["spill"] = {key: float(value) for key, value in metrics.items()}
+    figures["cgroup"] = read_own_cgroup()
+    return figures
+
+
+class ClusterPoller:
+    """Reads one ClusterSnapshot per ``poll()``; remembers worker names across restarts."""
+
+    def __init__(self, client, planned_pod_limit: int, extra_reports: dict | None = None, refresh: Callable[[], None] | None = None):
+        self.client = client
+        self.planned_pod_limit = planned_pod_limit
+        self.extra_reports = extra_reports if extra_reports is not None else {}
+        self.refresh = refresh
+        #: Events older than this belong to earlier runs on the same (external) cluster.
+        self.since = time.time()
+        own = read_own_cgroup()
+        self.own_cgroup = own.identity if own else None
+        self.names: dict[str, str] = {}  # worker or nanny address -> worker name
+        self._scheduler_view = scheduler_view_function()
+
+    def poll(self) -> ClusterSnapshot:
+        view = self.client.run_on_scheduler(self._scheduler_view)
+        probes = self.client.run(worker_probe, on_error="ignore")
+        snapshot = ClusterSnapshot(time=time.time())
+        for address, info in view.items():
+            name = info["name"]
+            self.names[address] = name
+            if info.get("nanny"):
+                self.names[info["nanny"]] = name
+            worker = WorkerFigures(address=address, **info)
+            probe = probes.get(address)
+            if isinstance(probe, dict):
+                worker.rss, worker.peak_rss, worker.spill, worker.cgroup = probe["rss"], probe["peak_rss"], probe["spill"], probe["cgroup"]
+            snapshot.workers[name] = worker
+        self._drop_shared_cgroups(snapshot)
+        self._count_events(snapshot)
+        return snapshot
+
+    def _drop_shared_cgroups(self, snapshot: ClusterSnapshot) -> None:
+        """A cgroup shared with this client or with another worker is not the worker's pod: its
+        counters would describe the whole machine (plain LocalCluster), so they are left out."""
+        seen = Counter(w.cgroup.identity for w in snapshot.workers.values() if w.cgroup)
+        for worker in snapshot.workers.values():
+            if worker.cgroup and (worker.cgroup.identity == self.own_cgroup or seen[worker.cgroup.identity] > 1):
+                worker.cgroup = None
+
+    def _count_events(self, snapshot: ClusterSnapshot) -> None:
+        events = ClusterEvents(self._recent(EXIT_TOPIC), self._recent(MEMORY_RESTART_TOPIC))
+        # A worker that exits cleanly (0) is closing with its nanny, which does not restart it.
+        restarts = Counter(self._name(e.get("nanny")) for e in events.exits if e.get("exitcode") not in (0, None))
+        ooms = Counter(self._name(e.get("nanny")) for e in events.oom_killed())
+        terminations = Counter(self._name(e.get("worker")) for e in events.memory_restarts)
+        if self.refresh is not None:
+            self.refresh()  # pod emulation: re-read cgroup OOM counters and nanny logs
+        names = set(snapshot.workers) | set(restarts) | set(ooms) | set(terminations) | set(self.extra_reports)
+        for name in names:
+            report = self.extra_reports.get(name)
+            snapshot.nanny_restarts[name] = max(restarts[name], getattr(report, "nanny_restarts", 0))
+            snapshot.oom_kills[name] = max(ooms[name], getattr(report, "oom_kills", 0))
+            snapshot.memory_terminations[name] = max(terminations[name], getattr(report, "memory_terminations", 0))
+            snapshot.pod_limits[name] = getattr(report, "pod_limit", 0) or self.planned_pod_limit
+
+    def _recent(self, topic: str) -> list[dict[str, Any]]:
+        return [msg for stamp, msg in self.client.get_events(topic) if stamp >= self.since and isinstance(msg, dict)]
+
+    def _name(self, address: str | None) -> str:
+        return self.names.get(address or "", address or "unknown")

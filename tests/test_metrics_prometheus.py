@@ -1,0 +1,267 @@
+"""A real Prometheus server scrapes the exporter of a real conversion; every PromQL expression of
+the shipped dashboard and rule file must then return series with our labels and plausible values.
+
+The conversion runs in pod emulation (each worker in its own memory cgroup limited to the planned
+pod limit) where memory cgroups are writable, so the cgroup panels have data; elsewhere it runs on
+a plain LocalCluster and only the cgroup expressions may be empty.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import spec_for, write_h5
+from h5ngff.backends.cgroups import cgroups_available
+from h5ngff.backends.local import LocalBackend
+from h5ngff.metrics.assets import RULES, Query, asset_path, dashboard_queries, load_dashboard, load_rules, referenced_metrics, rule_queries, substitute
+from h5ngff.metrics.exporter import MetricsExporter
+from h5ngff.runner import plan_job, run_job
+
+PROMETHEUS = "/usr/bin/prometheus"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+pytestmark = pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)")
+
+JOB, NAMESPACE, SCRAPE_JOB = "scrape-test", "h5ngff-tests", "h5ngff"
+CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrometheusServer:
+    """/usr/bin/prometheus on a loopback port, scraping ``target`` every 0.5 s, with our rules."""
+
+    def __init__(self, directory, target: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "global": {"scrape_interval": "500ms", "scrape_timeout": "400ms", "evaluation_interval": "500ms"},
+            "rule_files": [asset_path(RULES)],
+            "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [{"targets": [target]}]}],
+        }
+        path = os.path.join(directory, "prometheus.yml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        self.log = open(os.path.join(directory, "prometheus.log"), "wb")
+        self.process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={path}", f"--storage.tsdb.path={os.path.join(directory, 'tsdb')}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def api(self, path: str, **params) -> dict:
+        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as exc:  # a PromQL error: say which query and why
+            raise AssertionError(f"Prometheus rejected {params}: {exc.read().decode()}") from None
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def wait(self, expr: str, timeout: float = 30) -> list:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.process.poll() is None, f"prometheus exited: {open(self.log.name).read()[-2000:]}"
+            try:
+                result = self.api("query", query=expr)["result"]
+                if result:
+                    return result
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"Prometheus never returned {expr!r} within {timeout} s")
+
+    def range(self, expr: str, start: float, end: float) -> list:
+        return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="0.5")["result"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+@dataclass
+class Scraped:
+    prom: PrometheusServer
+    start: float
+    end: float
+    summary: object
+    pod_limit: int
+    workers: set[str]
+    pods: bool
+    exposition: str
+    writing_seen: list = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prometheus")
+    exporter = MetricsExporter(0, JOB, NAMESPACE, addr="127.0.0.1", interval=0.5)
+    # Started first: Prometheus's service discovery hands out targets only after ~5 s.
+    prom = PrometheusServer(str(tmp), f"127.0.0.1:{exporter.port}")
+    try:
+        # 128 slab tasks of 32x64x64: seconds of writing, so 0.5 s scrapes see it part-way through.
+        shape = (64, 512, 512)
+        data = (np.arange(np.prod(shape), dtype=np.uint32) * 7919 % 65521).astype(np.uint16).reshape(shape)
+        h5 = write_h5(tmp / "in.h5", data)
+        spec = spec_for(h5, str(tmp / "out.ome.zarr"), output={"chunks": [16, 32, 32]}, resources={"workers": 2, "slab": [32, 64, 64]}, pyramid={"levels": 2})
+        pods = cgroups_available() is None
+        backend = LocalBackend(enforce_pod_limits=pods)
+        job = plan_job(spec, backend)
+        prom.wait(f'up{{job="{SCRAPE_JOB}"}} == 1')
+        start = time.time()
+        summary = run_job(job, backend, metrics=exporter)
+        prom.wait('h5ngff_job_phase{phase="Succeeded"} == 1', timeout=10)
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics") as r:
+            exposition = r.read().decode()
+        time.sleep(1.0)  # two more scrapes and rule evaluations of the final state
+        end = time.time()
+        workers = {w.name for w in summary.workers}
+        yield Scraped(prom, start, end, summary, job.plan.memory.pod_limit, workers, pods, exposition)
+    finally:
+        prom.stop()
+        exporter.close()
+
+
+def relax(expr: str) -> str:
+    """An alert expression with its thresholds (``> N``) replaced by ``>= 0``: on a healthy run the
+    real expression is (rightly) empty, so the relaxed one shows its selectors, joins and labels
+    match real series. The real thresholds are proven by the promtool unit tests."""
+    return re.sub(r"(?<![<>=!])>=?\s*[0-9][0-9.eE+]*", ">= 0", expr)
+
+
+def substituted(query: Query, workers: set[str]) -> str:
+    # JOB and NAMESPACE hold no regex metacharacters, so they stand for themselves in =~ matchers.
+    expr = substitute(query.expr, {"job": JOB, "namespace": NAMESPACE, "worker": "|".join(sorted(workers)), "__rate_interval": "2s"})
+    return f"count by ({query.label}) ({expr})" if query.label else expr
+
+
+def check_series(result: list, query: Query, workers: set[str]) -> list[str]:
+    """Problems with one expression's result: empty, wrong labels, implausible values."""
+    if not result:
+        return [f"{query.where}: no series for {query.expr!r}"]
+    problems = []
+    for series in result:
+        labels, values = series["metric"], [float(v) for _, v in series.get("values", [series.get("value", [0, "nan"])])]
+        if query.label:
+            if labels.get(query.label) in (None, ""):
+                problems.append(f"{query.where}: no {query.label!r} label in {labels}")
+            continue
+        if labels.get("conversion_job") != JOB or labels.get("namespace") != NAMESPACE:
+            problems.append(f"{query.where}: labels {labels} lack conversion_job={JOB!r} namespace={NAMESPACE!r}")
+        if labels.get("job", SCRAPE_JOB) != SCRAPE_JOB or "exported_job" in labels or "exported_namespace" in labels:
+            problems.append(f"{query.where}: our labels clash with Prometheus's target labels: {labels}")
+        if "worker" in labels and labels["worker"] not in workers:
+            problems.append(f"{query.where}: worker {labels['worker']!r} is not one of {sorted(workers)}")
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            problems.append(f"{query.where}: values not finite and >= 0: {values[:5]}")
+    return problems
+
+
+def all_queries() -> list[Query]:
+    rules = [Query(q.where, relax(q.expr)) for q in rule_queries(load_rules())]
+    return dashboard_queries(load_dashboard()) + rules
+
+
+def test_every_dashboard_and_rule_expression_returns_labelled_plausible_series(scraped):
+    problems = []
+    for query in all_queries():
+        if not scraped.pods and referenced_metrics(query.expr) <= CGROUP_METRICS:
+            continue  # plain LocalCluster: the workers share the test's cgroup, nothing to show
+        expr = substituted(query, scraped.workers)
+        problems += check_series(scraped.prom.range(expr, scraped.start, scraped.end), query, scraped.workers)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_fails_for_a_metric_the_exporter_does_not_export(scraped):
+    """Negative control: the same check, on a panel with a made-up metric, reports it."""
+    fake = Query("panel 'made up' A", 'h5ngff_worker_made_up_bytes{conversion_job=~"$job",namespace=~"$namespace"}')
+    problems = check_series(scraped.prom.range(substituted(fake, scraped.workers), scraped.start, scraped.end), fake, scraped.workers)
+    assert problems and "no series" in problems[0]
+    other = check_series(scraped.prom.range('label_replace(h5ngff_worker_rss_bytes, "conversion_job", "other", "", "")', scraped.start, scraped.end), fake, scraped.workers)
+    assert other and "lack conversion_job" in other[0]
+
+
+def _instant(scraped, expr: str) -> dict[str, float]:
+    result = scraped.prom.api("query", query=expr, time=f"{scraped.end:.3f}")["result"]
+    return {s["metric"].get("worker", s["metric"].get("phase", "")): float(s["value"][1]) for s in result}
+
+
+def test_worker_memory_is_positive_and_within_the_pod_limit(scraped):
+    sel = f'{{conversion_job="{JOB}",namespace="{NAMESPACE}"}}'
+    rss = scraped.prom.range(f"h5ngff_worker_rss_bytes{sel}", scraped.start, scraped.end)
+    assert {s["metric"]["worker"] for s in rss} == scraped.workers
+    for series in rss:
+        values = [float(v) for _, v in series["values"]]
+        assert 0 < min(values) and max(values) <= scraped.pod_limit, (series["metric"], max(values), scraped.pod_limit)
+    plan = scraped.summary.job.plan
+    assert set(_instant(scraped, f"h5ngff_worker_memory_limit_bytes{sel}").values()) == {plan.memory.memory_limit}
+    assert set(_instant(scraped, f"h5ngff_worker_pod_limit_bytes{sel}").values()) == {scraped.pod_limit}
+    process = _instant(scraped, f'sum by (worker) (h5ngff_worker_memory_bytes{{type!="spilled"}})')
+    assert all(0 < v <= scraped.pod_limit for v in process.values()), process
+    if scraped.pods:  # the kernel's limit on each pod's cgroup is the planned one, and it held
+        assert set(_instant(scraped, f"h5ngff_worker_cgroup_limit_bytes{sel}").values()) == {scraped.pod_limit}
+        peak_ws = scraped.prom.api("query", query=f"max_over_time(h5ngff_worker_cgroup_working_set_bytes{sel}[5m])", time=f"{scraped.end:.3f}")["result"]
+        assert all(0 < float(s["value"][1]) <= scraped.pod_limit for s in peak_ws)
+
+
+def test_progress_reaches_the_total_and_matches_the_run(scraped):
+    sel = f'{{conversion_job="{JOB}",namespace="{NAMESPACE}"}}'
+    totals = scraped.summary.totals
+    planned = scraped.summary.job.plan.n_tasks
+    assert _instant(scraped, f"h5ngff_job_planned_slabs{sel}") == {"": planned}
+    assert _instant(scraped, f"h5ngff_job_slabs_done_total{sel}") == {"": planned}
+    assert _instant(scraped, f"h5ngff_job_read_bytes_total{sel}") == {"": totals.bytes_read}
+    assert _instant(scraped, f"h5ngff_job_written_bytes_total{sel}") == {"": totals.bytes_written}
+    assert _instant(scraped, f"h5ngff_job_phase{sel} == 1") == {"Succeeded": 1.0}
+    # Prometheus saw the job while it was writing, part-way through, not only the final state.
+    done = scraped.prom.range(f"h5ngff_job_slabs_done_total{sel}", scraped.start, scraped.end)[0]["values"]
+    assert any(0 < float(v) < planned for _, v in done), "no scrape caught the job mid-run"
+    writing = scraped.prom.range(f'h5ngff_job_phase{{phase="Writing"}} == 1', scraped.start, scraped.end)
+    assert writing and len(writing[0]["values"]) >= 2
+
+
+def test_alerts_stay_silent_on_a_healthy_run_and_every_rule_evaluates(scraped):
+    groups = scraped.prom.api("rules")["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert {r["name"] for r in rules} == {q.where.split(" ", 1)[1] for q in rule_queries(load_rules())}
+    assert all(r["health"] == "ok" and not r.get("lastError") for r in rules), rules
+    assert not scraped.prom.range('ALERTS{alertname=~"H5ngff.*"}', scraped.start, scraped.end)
+    for query in rule_queries(load_rules()):  # the real thresholds: empty throughout the run
+        assert not scraped.prom.range(query.expr, scraped.start, scraped.end), query.where
+    ratio = rule_queries(load_rules())[0]
+    values = [float(v) for s in scraped.prom.range(relax(ratio.expr), scraped.start, scraped.end) for _, v in s["values"]]
+    assert values and 0 < max(values) <= 0.9
+
+
+def test_promtool_check_metrics_passes_on_the_real_scrape(scraped):
+    assert "h5ngff_worker_rss_bytes{" in scraped.exposition
+    result = subprocess.run([PROMTOOL, "check", "metrics"], input=scraped.exposition, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # Negative control: the same scrape with a counter re-typed as a gauge (a gauge named *_total).
+    bad = scraped.exposition.replace("# TYPE h5ngff_job_slabs_done_total counter", "# TYPE h5ngff_job_slabs_done_total gauge")
+    result = subprocess.run([PROMTOOL, "check", "metrics"], input=bad, capture_output=True, text=True)
+    assert result.returncode != 0 and "_total" in result.stdout + result.stderr
