@@ -13,6 +13,7 @@ from rich.console import Console
 
 from . import __version__
 from .cliargs import add_spec_flags, merge, spec_overrides, split_source
+from .clijob import add_job_commands
 from .errors import H5ngffError
 from .planner import DEFAULT_CONSTANTS, MemoryConstants
 from .spec import parse_spec
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("directory", nargs="?", default="h5ngff-demo", help="Where the sample, output and report go (default ./h5ngff-demo).")
     d.add_argument("--shape", default="96,1024,1024", help="Sample shape (default 96,1024,1024 uint16, 192 MiB).")
     d.set_defaults(func=cmd_demo)
+    add_job_commands(sub, _common_run_flags)
+    p.add_argument("--kubernetes", action="store_true", help="Plan as the operator would: workers auto = 4, no machine-memory budget.")
     return parser
 
 
@@ -102,6 +105,13 @@ def _constants(args: argparse.Namespace) -> MemoryConstants:
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
+    from .job import is_manifest_path, load_job
+
+    if is_manifest_path(args.source):  # a ConversionJob manifest: its spec, under the flags
+        base = load_job(args.source).spec.conversion().to_wire()
+        if args.output:
+            base["output"]["path"] = args.output
+        return parse_spec(merge(base, spec_overrides(args)))
     path, dataset = split_source(args.source)
     output = args.output or os.path.splitext(path)[0] + ".ome.zarr"
     base = {"source": {"path": path, "dataset": dataset}, "output": {"path": output}}
@@ -111,6 +121,10 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 
 
 def _backend(args: argparse.Namespace):
+    if getattr(args, "kubernetes", False):
+        from .backends.kubernetes import ClusterOwner, KubernetesBackend
+
+        return KubernetesBackend(ClusterOwner("", "plan", ""), image="")
     if getattr(args, "scheduler", None):
         from .backends.external import ExternalBackend
 

@@ -1,0 +1,304 @@
+"""Kubernetes: a dask-kubernetes ``KubeCluster`` whose pods are sized by the plan.
+
+The runner Job (see ``h5ngff.operator``) uses this backend. It creates one ``DaskCluster``
+resource, which the Dask Operator (dask-kubernetes' controller, installed in the cluster) turns
+into a scheduler pod and ``plan.workers`` worker pods. Every worker pod carries the plan:
+
+* memory ``requests == limits`` = the planned pod limit, and CPU ``requests == limits`` = the
+  worker's threads, so the pod has Guaranteed QoS (evicted last, never throttled below its plan);
+* ``--memory-limit`` = the planned Dask limit (never ``auto``: Dask's auto-detection reads the
+  node, not always the container), and ``--nthreads``;
+* the Dask memory thresholds as ``DASK_DISTRIBUTED__WORKER__MEMORY__*`` environment variables;
+* the allocator environment (jemalloc's ``LD_PRELOAD`` and ``MALLOC_CONF``): it must be in place
+  when the process starts, so it goes into the pod, not into Dask config.
+
+The manifests come from pure ``build_*`` functions (unit-tested without a cluster); only
+``KubernetesBackend.session`` talks to Kubernetes. This is the only module that imports
+``dask_kubernetes``, and it imports it lazily: it takes about 2 s and only runner pods need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from distributed import Client
+
+from ..errors import ClusterError
+from ..jobspec import PodSettings
+from ..planner.model import Capacity, Plan
+from ..units import GiB, k8s_quantity
+from .allocator import allocator_env
+from .base import Session, dask_env, dask_memory_config
+from .diagnostics import WorkerExitReporter
+
+log = logging.getLogger(__name__)
+
+GROUP = "h5ngff.dev"
+LABEL_JOB = f"{GROUP}/conversionjob"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+#: Kubernetes object names that end up in DNS labels and pod labels must fit 63 characters.
+MAX_NAME = 63
+#: dask-kubernetes names worker pods ``<cluster>-default-worker-<10 hex>`` (26 more characters).
+MAX_CLUSTER_NAME = MAX_NAME - len("-default-worker-0123456789")
+#: Workers for ``workers: auto`` on Kubernetes, where there is no core count to follow.
+DEFAULT_WORKERS = 4
+#: The scheduler holds task state only (slabs go worker -> storage); a few thousand tasks take
+#: well under 300 MiB, so 1 GiB is ample. Guaranteed QoS too: losing it loses the run.
+SCHEDULER_MEMORY = 1 * GiB
+SCHEDULER_CPU = "1"
+#: How long the worker pods get to be scheduled, pull the image and connect.
+WORKER_START_TIMEOUT = 600
+#: Seconds to wait for the Dask Operator to act on a DaskCluster (create/delete).
+RESOURCE_TIMEOUT = 300
+WORKER_DASHBOARD_PORT = 8788
+
+
+def child_name(base: str, suffix: str, limit: int = MAX_NAME) -> str:
+    """``<base>-<suffix>``, shortened with a hash of ``base`` when too long, so names stay unique
+    and deterministic (an operator restart must find the same child, not create a twin)."""
+    name = f"{base}-{suffix}"
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(base.encode()).hexdigest()[:8]
+    keep = limit - len(suffix) - len(digest) - 2
+    return f"{base[:keep].rstrip('-.')}-{digest}-{suffix}"
+
+
+def label_value(name: str) -> str:
+    """Label values are limited to 63 characters too (object names to 253): hash the rest."""
+    if len(name) <= MAX_NAME:
+        return name
+    return f"{name[:MAX_NAME - 9].rstrip('-.')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def dask_cluster_name(job_name: str) -> str:
+    return child_name(job_name, "dask", MAX_CLUSTER_NAME)
+
+
+def labels(job_name: str, component: str, attempt: int | None = None) -> dict[str, str]:
+    """The labels every child of a ConversionJob carries (selectors and cleanup use them)."""
+    out = {
+        "app.kubernetes.io/name": "h5ngff",
+        "app.kubernetes.io/managed-by": "h5ngff",
+        LABEL_COMPONENT: component,
+        LABEL_JOB: label_value(job_name),
+    }
+    if attempt is not None:
+        out[LABEL_ATTEMPT] = str(attempt)
+    return out
+
+
+def owner_reference(api_version: str, kind: str, name: str, uid: str, block: bool = True) -> dict[str, Any]:
+    """Makes the child garbage-collected with its ConversionJob."""
+    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": True, "blockOwnerDeletion": block}
+
+
+def pod_placement(pod: PodSettings) -> dict[str, Any]:
+    """The pod-level fields a user's ``spec.pod`` contributes to every pod."""
+    out: dict[str, Any] = {}
+    if pod.volumes:
+        out["volumes"] = [dict(v) for v in pod.volumes]
+    if pod.node_selector:
+        out["nodeSelector"] = dict(pod.node_selector)
+    if pod.tolerations:
+        out["tolerations"] = [dict(t) for t in pod.tolerations]
+    return out
+
+
+def container_storage(pod: PodSettings) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if pod.volume_mounts:
+        out["volumeMounts"] = [dict(m) for m in pod.volume_mounts]
+    if pod.working_dir:
+        out["workingDir"] = pod.working_dir
+    if pod.image_pull_policy:
+        out["imagePullPolicy"] = pod.image_pull_policy
+    return out
+
+
+def env_list(env: dict[str, str]) -> list[dict[str, str]]:
+    return [{"name": k, "value": str(v)} for k, v in sorted(env.items())]
+
+
+def worker_env(plan: Plan, allocator_library: str | None = None) -> dict[str, str]:
+    """Dask's memory thresholds and the allocator, as the worker process must see them at start."""
+    return {**dask_env(dask_memory_config(plan)), **allocator_env(plan.allocator, allocator_library)}
+
+
+def build_worker_container(plan: Plan, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
+    """The worker container: planned limits, ``--memory-limit``, threads, thresholds, allocator."""
+    memory = k8s_quantity(plan.memory.pod_limit)
+    cpu = str(plan.threads_per_worker)
+    args = [
+        "dask", "worker",
+        # The Dask Operator sets DASK_WORKER_NAME and DASK_SCHEDULER_ADDRESS in every worker pod.
+        "--name", "$(DASK_WORKER_NAME)",
+        "--nthreads", cpu,
+        "--nworkers", "1",
+        "--memory-limit", str(plan.memory.memory_limit),
+        "--nanny",
+        "--death-timeout", "60",
+        "--dashboard-address", str(WORKER_DASHBOARD_PORT),
+    ]
+    return {
+        "name": "worker",
+        "image": image,
+        "args": args,
+        "env": env_list(worker_env(plan, allocator_library)),
+        "resources": {"requests": {"memory": memory, "cpu": cpu}, "limits": {"memory": memory, "cpu": cpu}},
+        "ports": [{"name": "http-dashboard", "containerPort": WORKER_DASHBOARD_PORT, "protocol": "TCP"}],
+        **container_storage(pod),
+    }
+
+
+def build_worker_pod_spec(plan: Plan, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
+    return {
+        "containers": [build_worker_container(plan, image, pod, allocator_library)],
+        # Workers read and write files only; they need no Kubernetes API access.
+        "automountServiceAccountToken": False,
+        **pod_placement(pod),
+    }
+
+
+def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[str, Any]:
+    memory = k8s_quantity(SCHEDULER_MEMORY)
+    container = {
+        "name": "scheduler",
+        "image": image,
+        "args": ["dask", "scheduler", "--host", "0.0.0.0"],
+        # The scheduler enforces allowed-failures (a slab that kills its workers fails the run).
+        "env": env_list(dask_env(dask_memory_config(plan))),
+        "resources": {"requests": {"memory": memory, "cpu": SCHEDULER_CPU}, "limits": {"memory": memory, "cpu": SCHEDULER_CPU}},
+        "ports": [
+            {"name": "tcp-comm", "containerPort": 8786, "protocol": "TCP"},
+            {"name": "http-dashboard", "containerPort": 8787, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"port": "http-dashboard", "path": "/health"}, "initialDelaySeconds": 0, "periodSeconds": 1, "timeoutSeconds": 300},
+        "livenessProbe": {"httpGet": {"port": "http-dashboard", "path": "/health"}, "initialDelaySeconds": 15, "periodSeconds": 20},
+    }
+    if pod.image_pull_policy:
+        container["imagePullPolicy"] = pod.image_pull_policy
+    placement = {k: v for k, v in pod_placement(pod).items() if k != "volumes"}  # the scheduler touches no data
+    return {"containers": [container], "automountServiceAccountToken": False, **placement}
+
+
+@dataclass(frozen=True)
+class ClusterOwner:
+    """The ConversionJob a Dask cluster belongs to (its name, namespace and uid)."""
+
+    namespace: str
+    name: str
+    uid: str
+    attempt: int = 1
+    api_version: str = f"{GROUP}/v1alpha1"
+    kind: str = "ConversionJob"
+
+
+def build_dask_cluster(plan: Plan, owner: ClusterOwner, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
+    """The ``DaskCluster`` resource (kubernetes.dask.org/v1) for one run of ``plan``."""
+    name = dask_cluster_name(owner.name)
+    return {
+        "apiVersion": "kubernetes.dask.org/v1",
+        "kind": "DaskCluster",
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": labels(owner.name, "dask-cluster", owner.attempt),
+            # blockOwnerDeletion would need update rights on conversionjobs/finalizers; the
+            # operator's finalizer deletes the cluster anyway.
+            "ownerReferences": [owner_reference(owner.api_version, owner.kind, owner.name, owner.uid, block=False)],
+        },
+        "spec": {
+            "idleTimeout": 0,
+            "worker": {"replicas": plan.workers, "spec": build_worker_pod_spec(plan, image, pod, allocator_library)},
+            "scheduler": {
+                "spec": build_scheduler_pod_spec(plan, image, pod),
+                "service": {
+                    "type": "ClusterIP",
+                    "selector": {"dask.org/cluster-name": name, "dask.org/component": "scheduler"},
+                    "ports": [
+                        {"name": "tcp-comm", "protocol": "TCP", "port": 8786, "targetPort": "tcp-comm"},
+                        {"name": "http-dashboard", "protocol": "TCP", "port": 8787, "targetPort": "http-dashboard"},
+                    ],
+                },
+            },
+        },
+    }
+
+
+class KubernetesBackend:
+    """Runs each conversion on its own DaskCluster, created for the run and deleted after it."""
+
+    name = "kubernetes"
+
+    def __init__(self, owner: ClusterOwner, image: str, pod: PodSettings | None = None, default_workers: int = DEFAULT_WORKERS):
+        self.owner = owner
+        self.image = image
+        self.pod = pod or PodSettings()
+        self.default_workers = default_workers
+
+    def capacity(self) -> Capacity:
+        # Nodes are not ours to count: the plan sizes the pods and Kubernetes finds room for them.
+        return Capacity(cores=self.default_workers, memory_bytes=1 << 50, default_workers=self.default_workers)
+
+    @contextmanager
+    def session(self, plan: Plan) -> Iterator[Session]:
+        from dask_kubernetes.operator import KubeCluster
+        from dask_kubernetes.operator.kubecluster.kubecluster import CreateMode
+
+        spec = build_dask_cluster(plan, self.owner, self.image, self.pod)
+        name = spec["metadata"]["name"]
+        delete_stale_cluster(name, self.owner.namespace)
+        log.info("creating DaskCluster %s/%s: %d worker(s) of %s", self.owner.namespace, name, plan.workers, k8s_quantity(plan.memory.pod_limit))
+        try:
+            cluster = KubeCluster(
+                custom_cluster_spec=spec, namespace=self.owner.namespace, create_mode=CreateMode.CREATE_ONLY,
+                shutdown_on_close=True, resource_timeout=RESOURCE_TIMEOUT, quiet=True,
+            )
+        except Exception as exc:  # dask-kubernetes raises RuntimeError, TimeoutError, httpx errors
+            raise ClusterError(f"Could not start DaskCluster {self.owner.namespace}/{name}: {exc}. Is the Dask Operator installed and may the runner's service account create daskclusters?") from exc
+        try:
+            with Client(cluster, set_as_default=False) as client:
+                client.register_plugin(WorkerExitReporter())
+                _wait_for_workers(client, plan.workers, name)
+                yield Session(client, "kubernetes")
+        finally:
+            # Success or failure, the worker pods must go: they hold their full memory requests.
+            cluster.close()
+
+
+def _wait_for_workers(client: Client, n: int, name: str) -> None:
+    try:
+        client.wait_for_workers(n, timeout=WORKER_START_TIMEOUT)
+    except TimeoutError:
+        have = len(client.scheduler_info(n_workers=-1)["workers"])
+        raise ClusterError(
+            f"Only {have} of {n} worker pod(s) of DaskCluster {name} connected within {WORKER_START_TIMEOUT} s. "
+            f"Check `kubectl describe pods -l dask.org/cluster-name={name}`: too little free memory on the nodes for the planned pod limit is the usual cause."
+        ) from None
+
+
+def delete_stale_cluster(name: str, namespace: str, timeout: float = RESOURCE_TIMEOUT) -> bool:
+    """Delete a DaskCluster left by an attempt that died (its runner pod was killed), and wait."""
+    import kr8s
+    from kr8s.objects import new_class
+
+    DaskCluster = new_class("DaskCluster", "kubernetes.dask.org/v1", namespaced=True)
+    try:
+        stale = DaskCluster.get(name, namespace=namespace)
+    except kr8s.NotFoundError:
+        return False
+    log.warning("deleting DaskCluster %s/%s left by an earlier attempt", namespace, name)
+    stale.delete()
+    deadline = time.monotonic() + timeout
+    while stale.exists():
+        if time.monotonic() > deadline:
+            raise ClusterError(f"DaskCluster {namespace}/{name} from an earlier attempt was not deleted within {timeout:.0f} s; delete it by hand and retry.")
+        time.sleep(1)
+    return True

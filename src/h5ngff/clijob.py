@@ -1,0 +1,130 @@
+"""The ConversionJob commands of the CLI: ``run JOB.yaml``, ``operator`` and the hidden ``runner``.
+
+Kept out of ``cli.py`` so that file stays about local conversions; ``cli.build_parser`` calls
+``add_job_commands``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+log = logging.getLogger(__name__)
+
+EPILOG_RUN = """\
+examples:
+  h5ngff demo                                           # writes h5ngff-demo/sample.h5
+  h5ngff run manifests/examples/conversionjob.yaml      # convert it as the manifest says
+  h5ngff run job.yaml --json > status.json
+
+Runs one attempt on this machine (the operator retries up to spec.backoffLimit) and prints the
+.status the operator would write: phase, plan, progress, result, reason. The spec.pod section
+(image, volumes, placement) only matters on Kubernetes. Relative paths resolve against the
+current directory. Exit status: 0 Succeeded, 1 failed, 2 bad manifest or input.
+"""
+
+
+def add_job_commands(sub: Any, common_run_flags) -> None:
+    r = sub.add_parser("run", help="Run a ConversionJob manifest locally and print the status the operator would write.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_RUN,
+                       description="Run a ConversionJob manifest (the file you would kubectl apply) on a local Dask cluster.")
+    r.add_argument("manifest", metavar="JOB.yaml", help="A ConversionJob manifest (apiVersion h5ngff.dev/v1alpha1).")
+    common_run_flags(r, convert=True)
+    r.set_defaults(func=cmd_run)
+
+    o = sub.add_parser("operator", help="Run the Kubernetes operator (kopf) that reconciles ConversionJobs.",
+                       description="Watch ConversionJobs and run each as a runner Job with a Dask cluster sized by its plan.")
+    o.add_argument("--image", default=os.environ.get("H5NGFF_IMAGE"), help="Image for runner and Dask pods when a job names none (default $H5NGFF_IMAGE).")
+    o.add_argument("--namespace", action="append", default=[], metavar="NS", help="Serve only this namespace (repeatable; default: the whole cluster).")
+    o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of an unfinished job (default 5).")
+    o.add_argument("--peering", default="h5ngff", metavar="NAME", help="kopf peering object name, so replicas take turns (default h5ngff).")
+    o.add_argument("--standalone", action="store_true", help="No peering: run as the only operator replica.")
+    o.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve the operator's Prometheus metrics on this port.")
+    o.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
+    o.set_defaults(func=cmd_operator)
+
+    # The runner Job's container command; not for people, hence no help entry.
+    x = sub.add_parser("runner")
+    x.add_argument("--namespace", required=True)
+    x.add_argument("--name", required=True)
+    x.add_argument("--uid", default="")
+    x.add_argument("--attempt", type=int, default=1)
+    x.set_defaults(func=cmd_runner)
+    _hide(sub, "runner")
+
+
+def _hide(sub: Any, name: str) -> None:
+    # argparse has no hidden subcommands; drop the entry from the help listing.
+    sub._choices_actions[:] = [a for a in sub._choices_actions if a.dest != name]
+
+
+def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from .cli import _backend, _constants
+    from .errors import SpecError
+    from .job import load_job
+    from .operator.attempt import run_locally
+    from .report import ProgressBar, plan_renderable
+
+    if getattr(args, "metrics_port", None) is not None:
+        raise SpecError("--metrics-port", "Expected no --metrics-port with run (not supported yet). Got one instead; use h5ngff convert for live metrics.")
+    job = load_job(args.manifest)
+    spec = job.spec
+    if args.overwrite:
+        spec = spec.model_copy(update={"output": spec.output.model_copy(update={"overwrite": True})})
+    bar = ProgressBar(console) if not args.json and not args.no_progress else None
+    entered: list[ProgressBar] = []
+
+    def show_plan(planned) -> None:  # the plan table first, then the bar below it
+        if not args.json:
+            console.print(plan_renderable(planned))
+        if bar is not None:
+            entered.append(bar.__enter__())
+
+    try:
+        status, result = run_locally(job.name, spec, _backend(args), _constants(args), [bar] if bar else None, on_plan=show_plan)
+    finally:
+        for b in entered:
+            b.__exit__(None, None, None)
+    if args.memory_report and result.summary is not None:
+        from .metrics.timeline import write_memory_report
+
+        write_memory_report(result.summary, args.memory_report)
+    document = {"apiVersion": job.raw["apiVersion"], "kind": job.raw["kind"], "metadata": {"name": job.name}, "status": status}
+    if args.json:
+        print(json.dumps(document, indent=1, default=str))
+    else:
+        console.print(yaml.safe_dump(document, sort_keys=False, width=120), highlight=False, markup=False)
+    return result.exit_code
+
+
+def cmd_operator(args: argparse.Namespace, console: Console) -> int:
+    import asyncio
+
+    from .operator.handlers import DEFAULT_IMAGE, OperatorConfig, run_operator
+
+    metrics = None
+    if args.metrics_port:
+        from .metrics.operator import OperatorMetrics
+
+        metrics = OperatorMetrics()
+        metrics.serve(args.metrics_port)
+    cfg = OperatorConfig(image=args.image or DEFAULT_IMAGE, interval=args.interval, namespaces=tuple(args.namespace),
+                         peering=None if args.standalone else args.peering, metrics=metrics)
+    asyncio.run(run_operator(cfg, liveness=args.liveness))
+    return 0
+
+
+def cmd_runner(args: argparse.Namespace, console: Console) -> int:
+    from .operator.runner_cmd import RunnerArgs, main
+
+    logging.getLogger("h5ngff").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+    return main(RunnerArgs(args.namespace, args.name, args.uid, args.attempt))

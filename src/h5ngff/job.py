@@ -1,0 +1,65 @@
+"""ConversionJob manifests as files: the YAML a user would ``kubectl apply``.
+
+``h5ngff run job.yaml`` and ``h5ngff plan job.yaml`` read them here, with the same checks the
+API server and the operator make, so a manifest that works on a workstation works in GitOps.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from .errors import SpecError
+from .jobspec import ConversionJobSpec, parse_job_spec
+
+API_VERSION = "h5ngff.dev/v1alpha1"
+KIND = "ConversionJob"
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+@dataclass(frozen=True)
+class JobManifest:
+    path: str
+    name: str
+    namespace: str | None
+    spec: ConversionJobSpec
+    raw: dict[str, Any]
+
+
+def is_manifest_path(text: str) -> bool:
+    """``plan SOURCE`` takes FILE.h5:/dataset or a manifest; a manifest ends in .yaml/.yml/.json."""
+    return text.lower().endswith(MANIFEST_SUFFIXES)
+
+
+def load_job(path: str) -> JobManifest:
+    """Read the (first) ConversionJob in a YAML file, or raise SpecError saying what is wrong."""
+    try:
+        with open(path) as f:
+            documents = [d for d in yaml.safe_load_all(f) if d is not None]
+    except FileNotFoundError:
+        raise SpecError("", f"Expected a ConversionJob manifest file. Got {path!r}, which does not exist, instead.") from None
+    except yaml.YAMLError as exc:
+        raise SpecError("", f"Expected valid YAML in {path}. Got a syntax error instead: {exc}") from None
+    jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") == KIND]
+    if not jobs:
+        kinds = [d.get("kind") if isinstance(d, dict) else type(d).__name__ for d in documents]
+        raise SpecError("kind", f"Expected a document with kind: {KIND} in {path}. Got {kinds or 'no documents'} instead.")
+    return parse_manifest(jobs[0], path)
+
+
+def parse_manifest(doc: dict[str, Any], path: str = "<manifest>") -> JobManifest:
+    api_version = doc.get("apiVersion")
+    if api_version != API_VERSION:
+        raise SpecError("apiVersion", f"Expected {API_VERSION}. Got {api_version!r} instead.")
+    meta = doc.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
+        raise SpecError("metadata.name", f"Expected a name, as Kubernetes requires. Got {meta!r} instead.")
+    try:
+        spec = parse_job_spec(doc.get("spec"))
+    except SpecError as exc:
+        message = str(exc)[len(exc.field) + 2:] if exc.field else str(exc)
+        raise SpecError(f"spec.{exc.field}" if exc.field else "spec", message) from None
+    return JobManifest(os.fspath(path), meta["name"], meta.get("namespace"), spec, doc)

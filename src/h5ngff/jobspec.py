@@ -1,0 +1,80 @@
+"""``ConversionJobSpec``: the ``.spec`` of a ConversionJob = a ConversionSpec plus where it runs.
+
+The conversion fields are inherited unchanged from :class:`~h5ngff.spec.ConversionSpec`, so the
+CLI, ``h5ngff run job.yaml`` and the CRD schema share one model. The Kubernetes fields (``pod``,
+``backoffLimit``, ``ttlSecondsAfterFinished``) are used only by the operator, for the runner Job
+and the Dask pods; ``h5ngff run`` ignores them. They live in their own ``pod`` section because the
+conversion already has an ``image`` section (axes, scale, units), which a flat ``image: repo:tag``
+would collide with.
+Kubernetes objects that Kubernetes itself validates (volumes, tolerations) stay free-form dicts:
+copying their schemas into our CRD would pin us to one Kubernetes version for no gain.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from .errors import SpecError
+from .spec import ConversionSpec, _Model, spec_error_from
+
+#: Kubernetes Job defaults, chosen for memory-planned batch work: a run that failed twice for the
+#: same reason (usually memory) will fail a third time, so retry twice, not Kubernetes' six.
+DEFAULT_BACKOFF_LIMIT = 2
+
+FreeForm = dict[str, Any]
+
+
+class PodSettings(_Model):
+    """How the runner and worker pods run: image, storage, placement. PodSpec names and meanings."""
+
+    image: str | None = Field(None, description="Container image of the runner, scheduler and worker pods (default: the operator's --image).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(None, description="imagePullPolicy of every container.")
+    working_dir: str | None = Field(None, description="Working directory of the runner and worker containers; relative source and output paths resolve against it.")
+    volumes: list[FreeForm] | None = Field(None, description="Pod volumes (e.g. PVCs holding the input and output), added to the runner and every worker pod.")
+    volume_mounts: list[FreeForm] | None = Field(None, description="Container volumeMounts for those volumes, in the runner and every worker container.")
+    service_account_name: str | None = Field(None, description="Service account of the runner pod (workers get no API access); it must be allowed to manage DaskClusters and patch conversionjobs/status.")
+    node_selector: dict[str, str] | None = Field(None, description="nodeSelector of the runner and worker pods.")
+    tolerations: list[FreeForm] | None = Field(None, description="Tolerations of the runner and worker pods.")
+
+    @field_validator("volumes", "volume_mounts")
+    @classmethod
+    def _named(cls, v: list[FreeForm] | None) -> list[FreeForm] | None:
+        for item in v or ():
+            if not isinstance(item.get("name"), str) or not item["name"]:
+                raise ValueError(f"Expected every entry to have a name. Got {item!r} instead.")
+        return v
+
+    @model_validator(mode="after")
+    def _mounts_name_volumes(self) -> "PodSettings":
+        volumes = {v["name"] for v in self.volumes or ()}
+        for mount in self.volume_mounts or ():
+            if mount["name"] not in volumes:
+                raise ValueError(f"Expected every volumeMount to name one of the volumes {sorted(volumes)}. Got a mount of {mount['name']!r} instead.")
+        return self
+
+
+class ConversionJobSpec(ConversionSpec):
+    """A conversion, the pods that run it, and how often to retry."""
+
+    pod: PodSettings = Field(default_factory=PodSettings)
+    backoff_limit: int = Field(DEFAULT_BACKOFF_LIMIT, ge=0, le=20, description="Retries after a failed attempt (each resumes from the manifest); 0 = no retry. Default 2.")
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete finished runner Jobs (not the ConversionJob) this many seconds after they finish.")
+
+    def conversion(self) -> ConversionSpec:
+        """Only the conversion fields: what the runner plans and converts."""
+        return ConversionSpec(**{name: getattr(self, name) for name in ConversionSpec.model_fields})
+
+
+def parse_job_spec(data: Any) -> ConversionJobSpec:
+    """Validate a ConversionJob ``.spec`` (a dict) into a ConversionJobSpec, or raise SpecError."""
+    if isinstance(data, ConversionJobSpec):
+        return data
+    if not isinstance(data, dict):
+        raise SpecError("spec", f"Expected a mapping with source and output. Got {type(data).__name__} instead.")
+    try:
+        return ConversionJobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise spec_error_from(exc) from None
+

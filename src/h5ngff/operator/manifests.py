@@ -1,0 +1,109 @@
+"""Pure builders for what the operator creates: the runner Job of each attempt.
+
+The Dask cluster's manifests (scheduler and worker pods sized by the plan) are built by the
+runner, in ``h5ngff.backends.kubernetes``: only the runner knows the plan, because only its pod
+can open the HDF5 file. Names, labels and owner references are shared with that module so the
+operator's cleanup finds everything the runner made.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..backends.kubernetes import (
+    GROUP,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    child_name,
+    container_storage,
+    dask_cluster_name,
+    env_list,
+    labels,
+    owner_reference,
+    pod_placement,
+)
+from ..jobspec import ConversionJobSpec
+from ..units import GiB, k8s_quantity
+
+__all__ = [
+    "GROUP", "VERSION", "PLURAL", "KIND", "API_VERSION", "LABEL_JOB", "LABEL_ATTEMPT", "Owner",
+    "runner_job_name", "dask_cluster_name", "build_runner_job", "labels", "owner_reference",
+]
+
+VERSION = "v1alpha1"
+PLURAL = "conversionjobs"
+KIND = "ConversionJob"
+API_VERSION = f"{GROUP}/{VERSION}"
+#: The runner plans (HDF5 metadata only) and drives the conversion: it holds the manifest and a
+#: few thousand futures, never slab data. 1 GiB is several times what that takes.
+RUNNER_MEMORY = 1 * GiB
+#: Requested, not limited: planning and task submission are short CPU bursts, and a CPU limit
+#: would only throttle them.
+RUNNER_CPU_REQUEST = "250m"
+RUNNER_COMMAND = ["h5ngff", "runner"]
+#: The environment variable holding the job's spec (JSON) in the runner container.
+SPEC_ENV = "H5NGFF_SPEC"
+BACKEND_ENV = "H5NGFF_BACKEND"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ConversionJob that owns the children: its identity as the API reports it."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return owner_reference(API_VERSION, KIND, self.name, self.uid)
+
+
+def runner_job_name(job_name: str, attempt: int) -> str:
+    """``<job>-runner-<attempt>``: deterministic, so a restarted operator finds, not duplicates, it."""
+    return child_name(job_name, f"runner-{attempt}")
+
+
+def runner_spec(spec: ConversionJobSpec, image: str, resume: bool) -> dict[str, Any]:
+    """The spec the runner gets: the image resolved, and ``overwrite`` off once an attempt has
+    written slabs, because a retry must resume the partial output, not wipe it."""
+    pod = spec.pod.model_copy(update={"image": image})
+    update: dict[str, Any] = {"pod": pod}
+    if resume and spec.output.overwrite:
+        update["output"] = spec.output.model_copy(update={"overwrite": False})
+    return spec.model_copy(update=update).to_wire()
+
+
+def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, default_image: str, resume: bool = False) -> dict[str, Any]:
+    """The ``batch/v1`` Job of one attempt. It never retries by itself (``backoffLimit: 0``): the
+    operator decides about retries, because only it can tell an OOM (retry) from a bad input
+    (do not), and it records why each attempt failed."""
+    image = spec.pod.image or default_image
+    name = runner_job_name(owner.name, attempt)
+    meta_labels = labels(owner.name, "runner", attempt)
+    memory = k8s_quantity(RUNNER_MEMORY)
+    container = {
+        "name": "runner",
+        "image": image,
+        "command": list(RUNNER_COMMAND),
+        "args": ["--namespace", owner.namespace, "--name", owner.name, "--uid", owner.uid, "--attempt", str(attempt)],
+        "env": env_list({SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True), BACKEND_ENV: "kubernetes"}),
+        "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
+        **container_storage(spec.pod),
+    }
+    pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], **pod_placement(spec.pod)}
+    if spec.pod.service_account_name:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    job_spec: dict[str, Any] = {
+        "backoffLimit": 0,
+        "template": {"metadata": {"labels": meta_labels}, "spec": pod_spec},
+    }
+    if spec.ttl_seconds_after_finished is not None:
+        job_spec["ttlSecondsAfterFinished"] = spec.ttl_seconds_after_finished
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": owner.namespace, "labels": meta_labels, "ownerReferences": [owner.reference()]},
+        "spec": job_spec,
+    }

@@ -1,0 +1,63 @@
+"""The Kubernetes API permissions h5ngff needs: one list for docs, the Helm chart and the tests.
+
+``OPERATOR_RULES`` are the operator's (a ClusterRole, or a Role per served namespace);
+``RUNNER_RULES`` are the runner pod's (its ``spec.pod.serviceAccountName``). Each rule says why.
+``exercised=True`` rules are exactly the calls the KMock tests record the operator and the runner
+making (``tests/test_operator_kmock.py`` fails on any difference). The others are needed only
+where the tests cannot go: kopf peering between replicas, and dask-kubernetes' KubeCluster,
+which needs a real cluster with the Dask Operator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+
+@dataclass(frozen=True)
+class Rule:
+    api_group: str
+    resource: str  #: "plural" or "plural/subresource"
+    verbs: tuple[str, ...]
+    why: str
+    exercised: bool = True
+
+
+OPERATOR_RULES: tuple[Rule, ...] = (
+    Rule("h5ngff.dev", "conversionjobs", ("list", "watch", "patch"), "kopf watches ConversionJobs and patches its finalizer and annotations"),
+    Rule("h5ngff.dev", "conversionjobs/status", ("patch",), "phase, attempts, conditions, failure reasons"),
+    Rule("batch", "jobs", ("list", "watch", "create", "delete"), "one runner Job per attempt; watched through a kopf index; deleted with the ConversionJob"),
+    Rule("", "pods", ("list",), "why a runner pod failed (OOMKilled, exit code)"),
+    Rule("", "events", ("create",), "Kubernetes Events for key transitions"),
+    Rule("kubernetes.dask.org", "daskclusters", ("delete",), "removes a DaskCluster left by a failed attempt or a deleted job"),
+    Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "kopf discovers the resources it serves"),
+    Rule("", "namespaces", ("list", "watch"), "kopf, when serving namespaces by pattern", exercised=False),
+    Rule("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"), "kopf peering between replicas (cluster-wide)", exercised=False),
+    Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch"), "kopf peering between replicas (--namespace)", exercised=False),
+    Rule("h5ngff.dev", "conversionjobs/finalizers", ("update",), "runner Jobs' ownerReferences set blockOwnerDeletion", exercised=False),
+)
+
+RUNNER_RULES: tuple[Rule, ...] = (
+    Rule("h5ngff.dev", "conversionjobs/status", ("patch",), "plan, progress, result and the attempt's outcome"),
+    Rule("kubernetes.dask.org", "daskclusters", ("get", "list", "watch", "create", "patch", "delete"), "dask-kubernetes KubeCluster creates and deletes the run's cluster", exercised=False),
+    Rule("kubernetes.dask.org", "daskworkergroups", ("get", "list", "watch", "patch"), "KubeCluster reads and scales the worker group", exercised=False),
+    Rule("", "pods", ("get", "list", "watch"), "KubeCluster waits for the scheduler pod", exercised=False),
+    Rule("", "pods/log", ("get",), "KubeCluster fetches scheduler logs when it fails to start", exercised=False),
+    Rule("", "services", ("get", "list", "watch"), "KubeCluster finds the scheduler's service", exercised=False),
+)
+
+
+def calls(rules: Iterable[Rule], exercised_only: bool = True) -> set[tuple[str, str, str, str]]:
+    """(verb, apiGroup, resource, subresource) tuples, the form the tests record."""
+    out = set()
+    for rule in rules:
+        if exercised_only and not rule.exercised:
+            continue
+        resource, _, sub = rule.resource.partition("/")
+        out.update((verb, rule.api_group, resource, sub) for verb in rule.verbs)
+    return out
+
+
+def role_rules(rules: Iterable[Rule]) -> list[dict[str, Any]]:
+    """As RBAC ``rules:`` entries (one per rule, so each keeps its reason in docs)."""
+    return [{"apiGroups": [r.api_group], "resources": [r.resource], "verbs": list(r.verbs)} for r in rules]

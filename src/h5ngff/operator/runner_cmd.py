@@ -1,0 +1,76 @@
+"""``h5ngff runner``: what the runner Job's container executes (hidden from ``h5ngff --help``).
+
+It reads the job's spec from ``H5NGFF_SPEC`` (put there by the operator, so each attempt runs
+exactly the spec it was created for), plans in the pod that can open the HDF5 file, converts on
+a Dask cluster made for the run, and reports every step into the ConversionJob's status. The exit
+code tells the Job controller (and so the operator) how the attempt ended: 0 done, 2 bad input,
+1 anything else.
+
+``H5NGFF_BACKEND=local`` runs the Dask cluster in the runner's own container instead of as pods:
+for tests and for clusters without the Dask Operator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+from ..errors import H5ngffError, SpecError
+from ..jobspec import ConversionJobSpec, parse_job_spec
+from .attempt import run_attempt
+from .manifests import BACKEND_ENV, SPEC_ENV
+from .reporter import StatusReporter
+from .status import now, runner_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerArgs:
+    namespace: str
+    name: str
+    uid: str
+    attempt: int
+
+
+def spec_from_env() -> ConversionJobSpec:
+    text = os.environ.get(SPEC_ENV)
+    if not text:
+        raise SpecError("", f"Expected the job's spec as JSON in ${SPEC_ENV} (the operator sets it). Got nothing instead.")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError("", f"Expected JSON in ${SPEC_ENV}. Got invalid JSON instead ({exc}).") from None
+    return parse_job_spec(data)
+
+
+def make_backend(args: RunnerArgs, spec: ConversionJobSpec):
+    kind = os.environ.get(BACKEND_ENV, "kubernetes")
+    if kind == "local":
+        from ..backends.local import LocalBackend
+
+        return LocalBackend()
+    if kind != "kubernetes":
+        raise SpecError("", f"Expected ${BACKEND_ENV} to be kubernetes or local. Got {kind!r} instead.")
+    from ..backends.kubernetes import ClusterOwner, KubernetesBackend
+
+    owner = ClusterOwner(args.namespace, args.name, args.uid, args.attempt)
+    return KubernetesBackend(owner, image=spec.pod.image or "", pod=spec.pod)
+
+
+def main(args: RunnerArgs) -> int:
+    reporter = StatusReporter(args.namespace, args.name)
+    try:
+        try:
+            spec = spec_from_env()
+            backend = make_backend(args, spec)
+        except H5ngffError as exc:
+            reporter(runner_report(args.attempt, "Failed", now(), exc.reason, str(exc)), True)
+            return exc.exit_code
+        log.info("attempt %d of ConversionJob %s/%s on the %s backend", args.attempt, args.namespace, args.name, backend.name)
+        result = run_attempt(spec, backend, reporter, args.attempt)
+        return result.exit_code
+    finally:
+        reporter.close()

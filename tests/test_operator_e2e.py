@@ -1,0 +1,101 @@
+"""End to end: kubectl apply -> operator -> runner Job -> conversion -> Succeeded.
+
+A ConversionJob is applied to the KMock emulator, the real operator creates the runner Job, and
+the test executes that Job's container command (from its pod template) as a local process
+pointed at the emulator. The only substitution: ``H5NGFF_BACKEND=local``, a Dask LocalCluster
+in place of the DaskCluster pods. The test plays the Job controller (active, then succeeded or
+failed by the exit code), and the operator must take the job to Succeeded with correct progress
+and a valid OME-Zarr output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import numpy as np
+import pytest
+import zarr
+
+from conftest import smooth, write_h5
+from h5ngff.operator.rbac import RUNNER_RULES, calls
+from operator_harness import emulator, fast_config, manifest, operator_running, wait_for
+from test_operator_kmock import env_of, phases
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
+
+SHAPE = (40, 96, 80)
+
+
+async def run_container(job: dict, api_url: str, cwd: str) -> tuple[int, str]:
+    """Execute the runner Job's container as the kubelet would, but as a local process."""
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {**os.environ, **env_of(job),
+           "H5NGFF_KUBE_API": api_url,  # instead of the pod's service account
+           "H5NGFF_BACKEND": "local",  # the one substitution: no DaskCluster pods here
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    proc = await asyncio.create_subprocess_exec(*container["command"], *container["args"], env=env, cwd=container.get("workingDir", cwd),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode(errors="replace")
+
+
+async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp_path):
+    data = smooth(SHAPE, "uint16", seed=6)
+    source = write_h5(tmp_path / "scan.h5", data)
+    output = str(tmp_path / "scan.ome.zarr")
+    spec = {
+        "source": {"path": source, "dataset": "/volume/data"},
+        "output": {"path": output, "chunks": [16, 32, 32]},
+        "image": {"scale": [2.0, 0.5, 0.5], "units": ["micrometer"] * 3},
+        "pyramid": {"levels": 2},
+        "resources": {"workers": 2, "slab": [16, 96, 80]},  # several slabs, so progress has steps
+        "pod": {"image": "registry.example/h5ngff:1"},
+    }
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("scan", spec))
+        await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
+        job = c.jobs()["scan-runner-1"]
+        await c.patch_job_status("scan-runner-1", {"active": 1})
+        code, log = await run_container(job, c.url, str(tmp_path))
+        assert code == 0, log
+        await c.patch_job_status("scan-runner-1", {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+        await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
+        status = c.status("scan")
+        runner_calls = c.api_calls()["runner"]
+
+    plan = status["plan"]
+    assert plan["workers"] == 2 and plan["levels"] == 2 and plan["tasks"] >= 2
+    progress = status["progress"]
+    assert progress["slabsDone"] == progress["slabsTotal"] == plan["tasks"] and progress["percent"] == 100
+    assert progress["bytesRead"] >= data.nbytes and status["result"]["bytesWritten"] > 0
+    assert status["runner"]["outcome"] == "Succeeded" and status["output"] == output
+    assert phases(c, "scan") == ["Pending", "Planned", "Running", "Succeeded"]
+    assert {x["type"]: x["status"] for x in status["conditions"]} == {"Validated": "True", "Planned": "True", "Running": "False", "Complete": "True"}
+
+    from ome_zarr_models.v05 import Image
+
+    group = zarr.open_group(output, mode="r")
+    image = Image.from_zarr(group)
+    assert [a.name for a in image.ome_attributes.multiscales[0].axes] == ["z", "y", "x"]
+    np.testing.assert_array_equal(group["0"][...], data)
+    # The runner needed only what its RBAC grants.
+    assert runner_calls and runner_calls <= calls(RUNNER_RULES)
+
+
+async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retrying(tmp_path):
+    spec = {"source": {"path": str(tmp_path / "missing.h5"), "dataset": "/volume/data"},
+            "output": {"path": str(tmp_path / "out.ome.zarr")}, "backoffLimit": 3}
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("lost", spec))
+        await wait_for(lambda: "lost-runner-1" in c.jobs(), what="runner Job")
+        job = c.jobs()["lost-runner-1"]
+        code, log = await run_container(job, c.url, str(tmp_path))
+        assert code == 2, log
+        await c.patch_job_status("lost-runner-1", {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
+        await wait_for(lambda: c.status("lost").get("phase") == "Failed", what="Failed")
+        status = c.status("lost")
+        await asyncio.sleep(0.5)
+        assert status["reason"] == "SourceUnreadable" and "missing.h5" in status["message"]
+        assert list(c.jobs()) == ["lost-runner-1"]  # an unreadable input is not retried

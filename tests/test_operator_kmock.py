@@ -1,0 +1,250 @@
+"""The real kopf operator against the KMock Kubernetes emulator.
+
+The test plays the parts Kubernetes would: it applies ConversionJobs, and acts as the Job
+controller and kubelet by patching Job status and adding pods. The runner's status reports go
+through the real ``StatusReporter`` over HTTP. Every API request the operator and the runner make
+is recorded; the last test compares them with the declared RBAC (``h5ngff.operator.rbac``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import kmock
+import pytest
+
+from h5ngff.operator.kube import KubeConfig
+from h5ngff.operator.manifests import RUNNER_MEMORY, Owner, build_runner_job
+from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_RULES, calls
+from h5ngff.operator.reporter import StatusReporter
+from h5ngff.jobspec import parse_job_spec
+from h5ngff.units import k8s_quantity
+from operator_harness import CJ_RES, DASK_RES, JOB_RES, emulator, fast_config, manifest, operator_running, wait_for
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+VOLUMES = [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}]
+MOUNTS = [{"name": "data", "mountPath": "/data"}]
+SPEC = {
+    "source": {"path": "/data/in.h5", "dataset": "/volume/data"},
+    "output": {"path": "/data/out.ome.zarr", "overwrite": True},
+    "resources": {"workers": 2, "memoryPerWorker": "1Gi"},
+    "pod": {"image": "registry.example/h5ngff:1", "volumes": VOLUMES, "volumeMounts": MOUNTS},
+    "backoffLimit": 1,
+}
+RECORDED: dict[str, set] = {"operator": set(), "runner": set(), "other": set()}
+RECORDED_BY: list[str] = []
+TESTS_RECORDING = 8
+
+
+def record(c) -> None:
+    for who, found in c.api_calls().items():
+        if who != "test":
+            RECORDED[who] |= found
+    RECORDED_BY.append(asyncio.current_task().get_name())
+
+
+def phases(c, name: str) -> list[str]:
+    """The phases the object went through, from KMock's history of its versions."""
+    out = []
+    for version in c.k.objects[kmock.resource(CJ_RES), "default", name].history:
+        phase = ((version or {}).get("status") or {}).get("phase") if version is not None else None
+        if phase and (not out or out[-1] != phase):
+            out.append(phase)
+    return out
+
+
+def env_of(job) -> dict:
+    return {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+async def fail_runner(c, job_name: str, oom: bool) -> None:
+    """Kubelet and Job controller: the runner pod ended (OOMKilled or exit 1); the Job failed."""
+    job = c.jobs()[job_name]
+    term = {"reason": "OOMKilled", "exitCode": 137} if oom else {"reason": "Error", "exitCode": 1}
+    await c.add_pod(job, term)
+    await c.patch_job_status(job_name, {"failed": 1, "active": 0, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
+
+
+async def report(reporter: StatusReporter, patch: dict, final: bool = False) -> None:
+    # The reporter blocks on final reports; the emulator serves from this event loop.
+    await asyncio.to_thread(reporter, patch, final)
+
+
+async def test_applying_a_job_yields_exactly_one_runner_job():
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("scan", SPEC))
+        await wait_for(lambda: c.status("scan").get("phase") == "Pending", what="Pending")
+        await asyncio.sleep(1.0)  # five more reconcile passes: none may create another Job
+        assert list(c.jobs()) == ["scan-runner-1"] and c.job_creations() == ["scan-runner-1"]
+        job = c.jobs()["scan-runner-1"]
+        pod = job["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["command"] == ["h5ngff", "runner"]
+        assert container["args"] == ["--namespace", "default", "--name", "scan", "--uid", "uid-scan", "--attempt", "1"]
+        assert container["image"] == "registry.example/h5ngff:1"
+        assert job["metadata"]["ownerReferences"] == [{"apiVersion": "h5ngff.dev/v1alpha1", "kind": "ConversionJob", "name": "scan",
+                                                      "uid": "uid-scan", "controller": True, "blockOwnerDeletion": True}]
+        assert pod["volumes"] == VOLUMES and container["volumeMounts"] == MOUNTS
+        assert json.loads(env_of(job)["H5NGFF_SPEC"])["source"] == SPEC["source"]
+        status = c.status("scan")
+        assert status["attempts"] == 1 and status["runnerJob"] == "scan-runner-1"
+        assert {c_["type"]: c_["status"] for c_ in status["conditions"]} == {"Validated": "True"}
+        assert [e["reason"] for e in c.events()] == ["RunnerCreated"]
+        record(c)
+
+
+async def test_status_moves_through_the_phases_with_the_runner_and_the_job():
+    from h5ngff.operator.status import planned_patch, progress_status, runner_report
+    from test_operator_manifests import job_spec, plan_for
+
+    plan = plan_for(job_spec())
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("scan", SPEC))
+        await wait_for(lambda: c.jobs(), what="runner Job")
+        await c.patch_job_status("scan-runner-1", {"active": 1, "startTime": "2026-01-01T00:00:00Z"})
+        reporter = StatusReporter("default", "scan", KubeConfig(c.url))
+        await report(reporter, planned_patch(plan, "2026-01-01T00:00:01Z"))
+        await wait_for(lambda: any(x["type"] == "Planned" for x in c.status("scan").get("conditions", ())), what="Planned condition")
+        await report(reporter, {"phase": "Running", "progress": progress_status(3, plan.n_tasks)})
+        await wait_for(lambda: any(x["type"] == "Running" for x in c.status("scan").get("conditions", ())), what="Running condition")
+        assert c.status("scan")["plan"]["podLimit"].endswith("Mi") and c.status("scan")["plan"]["workers"] == plan.workers
+        await report(reporter, {"progress": progress_status(plan.n_tasks, plan.n_tasks), **runner_report(1, "Succeeded", "t")}, final=True)
+        await asyncio.to_thread(reporter.close)
+        assert c.status("scan")["phase"] == "Running"  # only the Job's end makes it final
+        await c.patch_job_status("scan-runner-1", {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+        await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
+        status = c.status("scan")
+        assert status["progress"]["percent"] == 100 and status["completionTime"]
+        assert phases(c, "scan") == ["Pending", "Planned", "Running", "Succeeded"]
+        assert c.job_creations() == ["scan-runner-1"]
+        await wait_for(lambda: "Succeeded" in [e["reason"] for e in c.events()], what="Succeeded event")
+        record(c)
+
+
+async def test_an_oomkilled_runner_is_retried_up_to_the_backoff_limit():
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("scan", SPEC))  # backoffLimit 1: two attempts
+        await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner 1")
+        # A DaskCluster the dead attempt left behind must go before the retry starts.
+        resp = await c.k.post("/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters",
+                              json={"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskCluster", "metadata": {"name": "scan-dask", "namespace": "default"}})
+        assert resp.status == 200
+        await fail_runner(c, "scan-runner-1", oom=True)
+        await wait_for(lambda: "scan-runner-2" in c.jobs(), what="runner 2")
+        status = await wait_for(lambda: c.status("scan") if c.status("scan").get("attempts") == 2 else None, what="attempt 2")
+        assert status["phase"] == "Pending" and status["reason"] == "OOMKilled"
+        assert status["failures"][0]["reason"] == "OOMKilled" and k8s_quantity(RUNNER_MEMORY) in status["failures"][0]["message"]
+        assert "scan-dask" not in c.live(DASK_RES)
+        # The retry resumes: overwrite is off in the spec the second runner gets.
+        assert json.loads(env_of(c.jobs()["scan-runner-2"])["H5NGFF_SPEC"])["output"]["overwrite"] is False
+        await fail_runner(c, "scan-runner-2", oom=True)
+        await wait_for(lambda: c.status("scan").get("phase") == "Failed", what="Failed")
+        status = c.status("scan")
+        assert status["reason"] == "BackoffLimitExceeded" and "OOMKilled" in status["message"]
+        assert [f["attempt"] for f in status["failures"]] == [1, 2]
+        await asyncio.sleep(0.6)
+        assert sorted(c.job_creations()) == ["scan-runner-1", "scan-runner-2"]
+        await wait_for(lambda: "BackoffLimitExceeded" in [e["reason"] for e in c.events()], what="event")
+        reasons = [e["reason"] for e in c.events()]
+        assert reasons.count("Retrying") == 1 and reasons.count("BackoffLimitExceeded") == 1
+        record(c)
+
+
+async def test_a_worker_oom_the_runner_reports_is_retried_with_its_reason():
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("scan", SPEC))
+        await wait_for(lambda: c.jobs(), what="runner Job")
+        reporter = StatusReporter("default", "scan", KubeConfig(c.url))
+        message = "OOMKilled by the kernel (pod limit 286 MiB): a worker used more than its pod's memory limit"
+        await report(reporter, {"runner": {"attempt": 1, "outcome": "Failed", "reason": "OOMKilled", "message": message}}, final=True)
+        await asyncio.to_thread(reporter.close)
+        await fail_runner(c, "scan-runner-1", oom=False)  # the runner exits 1 after reporting
+        status = await wait_for(lambda: c.status("scan") if c.status("scan").get("attempts") == 2 else None, what="attempt 2")
+        assert status["failures"][0] == {**status["failures"][0], "reason": "OOMKilled", "message": message}
+        assert "runner" not in status
+        record(c)
+
+
+async def test_an_invalid_spec_fails_with_invalid_spec_and_creates_nothing():
+    bad = {**SPEC, "resources": {"workers": 0}}
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("bad", bad))
+        await wait_for(lambda: c.status("bad").get("phase") == "Failed", what="Failed")
+        await asyncio.sleep(0.6)
+        status = c.status("bad")
+        assert status["reason"] == "InvalidSpec"
+        assert status["message"].startswith("resources.workers: Expected") and "Got 0 instead" in status["message"]
+        assert {x["type"]: x["status"] for x in status["conditions"]} == {"Validated": "False", "Failed": "True"}
+        assert c.jobs() == {} and c.job_creations() == []
+        await wait_for(lambda: "InvalidSpec" in [e["reason"] for e in c.events()], what="InvalidSpec event")
+        record(c)
+
+
+async def test_deleting_a_job_removes_its_children():
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("scan", SPEC))
+        await wait_for(lambda: c.jobs(), what="runner Job")
+        await c.k.post("/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters",
+                       json={"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskCluster", "metadata": {"name": "scan-dask", "namespace": "default"}})
+        await wait_for(lambda: c.cj("scan")["metadata"].get("finalizers"), what="finalizer")
+        await c.delete_cj("scan")
+        await wait_for(lambda: c.cj("scan") is None, what="ConversionJob gone")
+        assert c.jobs() == {} and c.live(DASK_RES) == {}
+        record(c)
+
+
+async def test_an_operator_restart_mid_flight_duplicates_nothing():
+    async with emulator() as c:
+        # The worst moment: a previous operator created the Job and died before writing status.
+        spec = parse_job_spec(SPEC)
+        await c.apply(manifest("scan", SPEC))
+        job = build_runner_job(Owner("default", "scan", "uid-scan"), spec, 1, "registry.example/h5ngff:1")
+        resp = await c.k.post("/apis/batch/v1/namespaces/default/jobs", json=job)
+        assert resp.status == 200
+        async with operator_running(fast_config(c.url)):
+            await wait_for(lambda: c.status("scan").get("attempts") == 1, what="adopted")
+            await asyncio.sleep(0.6)
+        async with operator_running(fast_config(c.url)):  # and once more, mid-run
+            await asyncio.sleep(0.8)
+        assert list(c.jobs()) == ["scan-runner-1"]
+        assert c.status("scan")["attempts"] == 1 and c.status("scan")["phase"] == "Pending"
+        assert [e["reason"] for e in c.events()].count("RunnerCreated") == 1
+        record(c)
+
+
+async def test_api_errors_409_500_and_watch_410_are_survived():
+    async with emulator() as c:
+        k = c.k
+        jobs = kmock.resource(JOB_RES)
+        cjs = kmock.resource(CJ_RES)
+        # The first Job creation is committed but answered 500, the next ones 409 (it exists).
+        k["post", jobs][:1] << 500 << {"kind": "Status", "code": 500, "reason": "InternalError", "message": "etcd leader changed"}
+        # The first listing of ConversionJobs fails; the first watch stream ends with 410 Gone.
+        k["list", cjs][:1] << 500 << {"kind": "Status", "code": 500, "message": "try again"}
+        gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "code": 410, "reason": "Expired", "message": "too old resource version"}}
+        k["watch", cjs][:1] << (gone,)
+        # The first status patch of the operator conflicts.
+        k["patch", cjs, kmock.subresource("status")][:1] << 409 << {"kind": "Status", "code": 409, "reason": "Conflict", "message": "the object has been modified"}
+        async with operator_running(fast_config(c.url)):
+            await c.apply(manifest("scan", SPEC))
+            await wait_for(lambda: c.status("scan").get("attempts") == 1, timeout=30, what="reconciled despite errors")
+            await asyncio.sleep(0.6)
+            assert list(c.jobs()) == ["scan-runner-1"]
+            await c.patch_job_status("scan-runner-1", {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+            await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", timeout=30, what="Succeeded")
+        served = [r for r in k if r.resource in (jobs, cjs)]
+        assert any(r.action == kmock.action.WATCH and r.resource == cjs for r in served[1:])  # the watch was re-established
+        record(c)
+
+
+async def test_recorded_api_calls_are_exactly_the_declared_rbac():
+    """The operator and the runner call only what rbac.py declares, and everything declared as
+    exercised was called (so the list stays tight). Issue 7's Helm RBAC reads rbac.py."""
+    if len(RECORDED_BY) < TESTS_RECORDING:
+        pytest.skip("needs every recording test of this module to have run")
+    assert RECORDED["other"] == set()
+    assert RECORDED["operator"] == calls(OPERATOR_RULES)
+    assert RECORDED["runner"] <= calls(RUNNER_RULES)
+    assert ("patch", "h5ngff.dev", "conversionjobs", "status") in RECORDED["runner"]
