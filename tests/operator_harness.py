@@ -28,7 +28,8 @@ JOB_RES = "batch/v1/jobs"
 POD_RES = "v1/pods"
 DASK_RES = "kubernetes.dask.org/v1/daskclusters"
 #: Who made a request, by its User-Agent.
-AGENTS = (("kmock/", "test"), ("kopf/", "operator"), ("h5ngff-operator/", "operator"), ("h5ngff-runner/", "runner"))
+AGENTS = (("kmock/", "test"), ("kopf/", "operator"), ("h5ngff-operator/", "operator"), ("h5ngff-runner/", "runner"),
+          ("kr8s/", "runner"))  # kr8s: dask-kubernetes' client, in the runner pod
 
 
 def register_resources(k: kmock.KubernetesEmulator) -> None:
@@ -94,7 +95,16 @@ class Cluster:
         return self.live(JOB_RES, ns)
 
     def job_creations(self, ns: str = "default") -> list[str]:
-        """Names of every Job the API actually created (a 409 is not a creation)."""
+        """Names of the Jobs the API created, once per creation (a create answered 409 is none)."""
+        made = []
+        for (res, namespace, name), obj in self.k.objects.items():
+            if res == kmock.resource(JOB_RES) and namespace == ns:
+                history = list(obj.history)
+                made += [name for i, v in enumerate(history) if v is not None and (i == 0 or history[i - 1] is None)]
+        return sorted(made)
+
+    def job_create_requests(self) -> list[str]:
+        """Names in every Job create request, including those answered 409."""
         return [r.data["metadata"]["name"] for r in self.k if r.action == kmock.action.CREATE and r.resource == kmock.resource(JOB_RES)]
 
     async def patch_job_status(self, name: str, status: dict[str, Any], ns: str = "default") -> None:
@@ -216,4 +226,6 @@ _names = itertools.count()
 async def emulator():
     async with Emulator() as k, kmock.Server(k):
         register_resources(k)
+        # kr8s (dask-kubernetes' client) asks for "/version/"; KMock serves only "/version".
+        k["get /version/"] << {"major": "1", "minor": "30", "gitVersion": "v1.30.0"}
         yield Cluster(k)

@@ -28,12 +28,12 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 SHAPE = (40, 96, 80)
 
 
-async def run_container(job: dict, api_url: str, cwd: str) -> tuple[int, str]:
+async def run_container(job: dict, api_url: str, cwd: str, backend: str = "local") -> tuple[int, str]:
     """Execute the runner Job's container as the kubelet would, but as a local process."""
     (container,) = job["spec"]["template"]["spec"]["containers"]
     env = {**os.environ, **env_of(job),
            "H5NGFF_KUBE_API": api_url,  # instead of the pod's service account
-           "H5NGFF_BACKEND": "local",  # the one substitution: no DaskCluster pods here
+           "H5NGFF_BACKEND": backend,  # "local": the one substitution, no DaskCluster pods here
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     proc = await asyncio.create_subprocess_exec(*container["command"], *container["args"], env=env, cwd=container.get("workingDir", cwd),
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)

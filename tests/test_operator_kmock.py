@@ -14,13 +14,14 @@ import json
 import kmock
 import pytest
 
+from h5ngff.metrics.operator import OperatorMetrics
 from h5ngff.operator.kube import KubeConfig
 from h5ngff.operator.manifests import RUNNER_MEMORY, Owner, build_runner_job
 from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_RULES, calls
 from h5ngff.operator.reporter import StatusReporter
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.units import k8s_quantity
-from operator_harness import CJ_RES, DASK_RES, JOB_RES, emulator, fast_config, manifest, operator_running, wait_for
+from operator_harness import CJ_RES, DASK_RES, JOB_RES, OperatorThread, emulator, fast_config, manifest, operator_running, wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -35,7 +36,7 @@ SPEC = {
 }
 RECORDED: dict[str, set] = {"operator": set(), "runner": set(), "other": set()}
 RECORDED_BY: list[str] = []
-TESTS_RECORDING = 8
+TESTS_RECORDING = 9
 
 
 def record(c) -> None:
@@ -227,7 +228,9 @@ async def test_api_errors_409_500_and_watch_410_are_survived():
         k["watch", cjs][:1] << (gone,)
         # The first status patch of the operator conflicts.
         k["patch", cjs, kmock.subresource("status")][:1] << 409 << {"kind": "Status", "code": 409, "reason": "Conflict", "message": "the object has been modified"}
-        async with operator_running(fast_config(c.url)):
+        metrics = OperatorMetrics()
+        server, _ = metrics.serve(0, addr="127.0.0.1")
+        async with operator_running(fast_config(c.url, metrics=metrics)):
             await c.apply(manifest("scan", SPEC))
             await wait_for(lambda: c.status("scan").get("attempts") == 1, timeout=30, what="reconciled despite errors")
             await asyncio.sleep(0.6)
@@ -237,6 +240,56 @@ async def test_api_errors_409_500_and_watch_410_are_survived():
         served = [r for r in k if r.resource in (jobs, cjs)]
         assert any(r.action == kmock.action.WATCH and r.resource == cjs for r in served[1:])  # the watch was re-established
         record(c)
+    # The operator's own metrics, scraped over HTTP: one job Succeeded, and the errors counted.
+    scraped = await asyncio.to_thread(_scrape, server.server_port)
+    server.shutdown()
+    assert scraped['h5ngff_operator_conversionjobs{phase="Succeeded"}'] == 1.0
+    assert scraped['h5ngff_operator_conversionjobs{phase="Pending"}'] == 0.0
+    assert scraped['h5ngff_operator_reconcile_errors_total{kind="transient"}'] >= 1  # the 500
+    assert scraped['h5ngff_operator_reconcile_errors_total{kind="conflict"}'] >= 1  # the 409
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+async def test_two_peered_replicas_act_once_and_fail_over():
+    """Two operators with kopf peering: only the higher-priority one acts; when it exits, the
+    other takes over."""
+    async with emulator() as c:
+        c.k.resources["kopf.dev/v1/clusterkopfpeerings"] = c.k.ResourceInfo(kind="ClusterKopfPeering", namespaced=False, verbs={"list", "watch", "get", "patch"})
+        resp = await c.k.post("/apis/kopf.dev/v1/clusterkopfpeerings", json={"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
+                                                                              "metadata": {"name": "h5ngff", "resourceVersion": "1"}})
+        assert resp.status == 200
+        standby = await OperatorThread(fast_config(c.url, peering="h5ngff", priority=10)).start()
+        try:
+            async with operator_running(fast_config(c.url, peering="h5ngff", priority=20)):
+                await wait_for(lambda: len(_peers(c)) == 2, what="both replicas in the peering object")
+                await c.apply(manifest("one", SPEC))
+                await wait_for(lambda: "one-runner-1" in c.jobs(), what="runner of the first job")
+                await asyncio.sleep(1.0)
+                assert c.job_creations() == ["one-runner-1"]  # one replica acted, once
+            await wait_for(lambda: len(_peers(c)) == 1, what="the active replica left the peering")
+            await c.apply(manifest("two", SPEC))
+            await wait_for(lambda: "two-runner-1" in c.jobs(), what="the standby took over")
+            await asyncio.sleep(0.6)
+            assert c.job_creations() == ["one-runner-1", "two-runner-1"]
+        finally:
+            await standby.halt()
+        record(c)
+
+
+def _peers(c) -> dict:
+    obj = c.k.objects[kmock.resource("kopf.dev/v1/clusterkopfpeerings"), None, "h5ngff"]
+    return dict((obj.raw.get("status") or {}))
 
 
 async def test_recorded_api_calls_are_exactly_the_declared_rbac():

@@ -46,6 +46,7 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of an unfinished job (default 5).")
     o.add_argument("--peering", default="h5ngff", metavar="NAME", help="kopf peering object name, so replicas take turns (default h5ngff).")
     o.add_argument("--standalone", action="store_true", help="No peering: run as the only operator replica.")
+    o.add_argument("--priority", type=int, metavar="N", help="Peering priority (default: random per process, so replicas never tie; the highest live one acts).")
     o.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve the operator's Prometheus metrics on this port.")
     o.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
     o.set_defaults(func=cmd_operator)
@@ -69,7 +70,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from .cli import _backend, _constants
     from .errors import SpecError
     from .job import load_job
-    from .operator.attempt import run_locally
+    from .operator.attempt import AttemptOptions, run_locally
     from .report import ProgressBar, plan_renderable
 
     if getattr(args, "metrics_port", None) is not None:
@@ -88,7 +89,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             entered.append(bar.__enter__())
 
     try:
-        status, result = run_locally(job.name, spec, _backend(args), _constants(args), [bar] if bar else None, on_plan=show_plan)
+        options = AttemptOptions(_constants(args), [bar] if bar else [], show_plan)
+        status, result = run_locally(job.name, spec, _backend(args), options)
     finally:
         for b in entered:
             b.__exit__(None, None, None)
@@ -117,6 +119,8 @@ def cmd_operator(args: argparse.Namespace, console: Console) -> int:
         metrics.serve(args.metrics_port)
     cfg = OperatorConfig(image=args.image or DEFAULT_IMAGE, interval=args.interval, namespaces=tuple(args.namespace),
                          peering=None if args.standalone else args.peering, metrics=metrics)
+    if args.priority is not None:
+        cfg.priority = args.priority
     asyncio.run(run_operator(cfg, liveness=args.liveness))
     return 0
 

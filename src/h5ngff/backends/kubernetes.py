@@ -294,6 +294,8 @@ def delete_stale_cluster(name: str, namespace: str, timeout: float = RESOURCE_TI
         stale = DaskCluster.get(name, namespace=namespace)
     except kr8s.NotFoundError:
         return False
+    except Exception as exc:  # kr8s raises httpx errors for 403s and unreachable servers
+        raise ClusterError(f"Cannot look up DaskCluster {namespace}/{name}: {exc}. May the runner's service account get daskclusters?") from exc
     log.warning("deleting DaskCluster %s/%s left by an earlier attempt", namespace, name)
     stale.delete()
     deadline = time.monotonic() + timeout

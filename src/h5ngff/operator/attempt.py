@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine.progress import Progress
@@ -67,46 +67,52 @@ class ProgressForwarder:
         self.sink(progress_patch(progress, now()), False)
 
 
-def run_attempt(spec: ConversionJobSpec, backend, sink: Sink, attempt: int = 1, constants: MemoryConstants = DEFAULT_CONSTANTS,
-                listeners: list | None = None, forwarder_interval: float = PROGRESS_INTERVAL,
-                on_plan: Callable[[PlannedJob], None] | None = None) -> AttemptResult:
-    """Plan and convert ``spec`` on ``backend``; every step goes to ``sink``. Never raises for
-    an H5ngffError: it becomes the runner's Failed report and the exit code."""
+@dataclass
+class AttemptOptions:
+    constants: MemoryConstants = DEFAULT_CONSTANTS
+    #: More progress listeners (e.g. the CLI's progress bar).
+    listeners: list[Callable[[Progress], None]] = field(default_factory=list)
+    #: Called with the plan before the conversion starts (e.g. to print it).
+    on_plan: Callable[[PlannedJob], None] | None = None
+    progress_interval: float = PROGRESS_INTERVAL
+
+
+def run_attempt(spec: ConversionJobSpec, backend, sink: Sink, attempt: int = 1, options: AttemptOptions | None = None) -> AttemptResult:
+    """Plan and convert ``spec`` on ``backend``; every step goes to ``sink``. Never raises: an
+    error becomes the attempt's Failed report (with its reason) and the exit code."""
+    opts = options or AttemptOptions()
+    job: PlannedJob | None = None
     try:
-        job = plan_job(spec.conversion(), backend, constants)
+        job = plan_job(spec.conversion(), backend, opts.constants)
+        for notice in job.notices:
+            log.warning("%s", notice)
+        sink(planned_patch(job.plan, now()), False)
+        if opts.on_plan is not None:
+            opts.on_plan(job)
+        summary = run_job(job, backend, [ProgressForwarder(sink, opts.progress_interval), *opts.listeners])
     except H5ngffError as exc:
-        log.error("planning failed (%s): %s", exc.reason, exc)
-        sink(runner_report(attempt, "Failed", now(), exc.reason, str(exc)), True)
-        return AttemptResult(exc.exit_code, error=exc)
-    for notice in job.notices:
-        log.warning("%s", notice)
-    sink(planned_patch(job.plan, now()), False)
-    if on_plan is not None:
-        on_plan(job)
-    try:
-        summary = run_job(job, backend, [ProgressForwarder(sink, forwarder_interval), *(listeners or ())])
-    except H5ngffError as exc:
-        log.error("conversion failed (%s): %s", exc.reason, exc)
+        log.error("attempt %d failed (%s): %s", attempt, exc.reason, exc)
         sink(runner_report(attempt, "Failed", now(), exc.reason, str(exc)), True)
         return AttemptResult(exc.exit_code, job=job, error=exc)
     except Exception as exc:  # a bug: still tell the operator why this attempt ended
         log.exception("runner crashed")
         sink(runner_report(attempt, "Failed", now(), "RunnerError", f"{type(exc).__name__}: {exc}"), True)
         return AttemptResult(1, job=job, error=exc)
-    total = job.plan.n_tasks
-    skipped = summary.totals.slabs_skipped if summary.totals else 0
-    done = {
-        "result": result_summary(summary.to_dict(brief=True)),
-        "progress": progress_status(total, total, skipped, summary.totals.bytes_read if summary.totals else 0,
-                                    summary.totals.bytes_written if summary.totals else 0, now()),
-        **runner_report(attempt, "Succeeded", now()),
-    }
-    sink(done, True)
+    sink(_succeeded(job, summary, attempt), True)
     return AttemptResult(0, job=job, summary=summary)
 
 
-def run_locally(name: str, spec: ConversionJobSpec, backend, constants: MemoryConstants = DEFAULT_CONSTANTS,
-                listeners: list | None = None, on_plan: Callable[[PlannedJob], None] | None = None) -> tuple[dict[str, Any], AttemptResult]:
+def _succeeded(job: PlannedJob, summary: RunSummary, attempt: int) -> dict[str, Any]:
+    total = job.plan.n_tasks
+    t = summary.totals
+    return {
+        "result": result_summary(summary.to_dict(brief=True)),
+        "progress": progress_status(total, total, t.slabs_skipped if t else 0, t.bytes_read if t else 0, t.bytes_written if t else 0, now()),
+        **runner_report(attempt, "Succeeded", now()),
+    }
+
+
+def run_locally(name: str, spec: ConversionJobSpec, backend, options: AttemptOptions | None = None) -> tuple[dict[str, Any], AttemptResult]:
     """``h5ngff run``: one attempt on ``backend``; returns the status the operator would show.
 
     One attempt only: locally there is no pod to lose, and a deterministic failure (the usual
@@ -120,7 +126,7 @@ def run_locally(name: str, spec: ConversionJobSpec, backend, constants: MemoryCo
         nonlocal status
         status = merge(status, patch)
 
-    result = run_attempt(spec, backend, sink, 1, constants, listeners, on_plan=on_plan)
+    result = run_attempt(spec, backend, sink, 1, options)
     if result.succeeded:
         status = merge(status, succeeded_patch(status, now()))
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,9 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()
     #: kopf peering name (a KopfPeering/ClusterKopfPeering object); None = standalone.
     peering: str | None = "h5ngff"
+    #: Peering priority: the live replica with the highest one acts, the others stand by. kopf
+    #: pauses *all* replicas of equal priority, so each process draws its own unless told.
+    priority: int = field(default_factory=lambda: random.randint(1, 1_000_000))
     #: Backoffs (s) of kopf's own API retries on 5xx and network errors.
     error_backoffs: tuple[float, ...] = (1, 1, 2, 3, 5, 8, 13)
     #: Seconds a handler waits after a transient API error before trying again.
@@ -217,6 +221,7 @@ async def run_operator(cfg: OperatorConfig, stop_flag: Any = None, ready_flag: A
         namespaces=cfg.namespaces,
         standalone=cfg.peering is None,
         peering_name=cfg.peering,
+        priority=cfg.priority,
         stop_flag=stop_flag,
         ready_flag=ready_flag,
         liveness_endpoint=liveness,

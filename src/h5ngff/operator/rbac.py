@@ -3,9 +3,9 @@
 ``OPERATOR_RULES`` are the operator's (a ClusterRole, or a Role per served namespace);
 ``RUNNER_RULES`` are the runner pod's (its ``spec.pod.serviceAccountName``). Each rule says why.
 ``exercised=True`` rules are exactly the calls the KMock tests record the operator and the runner
-making (``tests/test_operator_kmock.py`` fails on any difference). The others are needed only
-where the tests cannot go: kopf peering between replicas, and dask-kubernetes' KubeCluster,
-which needs a real cluster with the Dask Operator.
+making (``tests/test_operator_kmock.py`` and ``tests/test_operator_kubecluster.py`` fail on any
+difference). The others are needed only on paths the tests do not take: namespaced peering,
+namespace patterns, blockOwnerDeletion admission, and a scheduler that fails to start.
 """
 
 from __future__ import annotations
@@ -32,20 +32,19 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     Rule("kubernetes.dask.org", "daskclusters", ("delete",), "removes a DaskCluster left by a failed attempt or a deleted job"),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "kopf discovers the resources it serves"),
     Rule("", "namespaces", ("list", "watch"), "kopf, when serving namespaces by pattern", exercised=False),
-    Rule("kopf.dev", "clusterkopfpeerings", ("get", "list", "watch", "patch"), "kopf peering between replicas (cluster-wide)", exercised=False),
-    Rule("kopf.dev", "kopfpeerings", ("get", "list", "watch", "patch"), "kopf peering between replicas (--namespace)", exercised=False),
+    Rule("kopf.dev", "clusterkopfpeerings", ("list", "watch", "patch"), "kopf peering between replicas (cluster-wide)"),
+    Rule("kopf.dev", "kopfpeerings", ("list", "watch", "patch"), "kopf peering between replicas (with --namespace)", exercised=False),
     Rule("h5ngff.dev", "conversionjobs/finalizers", ("update",), "runner Jobs' ownerReferences set blockOwnerDeletion", exercised=False),
 )
 
 RUNNER_RULES: tuple[Rule, ...] = (
     Rule("h5ngff.dev", "conversionjobs/status", ("patch",), "plan, progress, result and the attempt's outcome"),
-    Rule("kubernetes.dask.org", "daskclusters", ("get", "list", "watch", "create", "patch", "delete"), "dask-kubernetes KubeCluster creates and deletes the run's cluster", exercised=False),
-    Rule("kubernetes.dask.org", "daskworkergroups", ("get", "list", "watch", "patch"), "KubeCluster reads and scales the worker group", exercised=False),
-    Rule("", "pods", ("get", "list", "watch"), "KubeCluster waits for the scheduler pod", exercised=False),
-    Rule("", "pods/log", ("get",), "KubeCluster fetches scheduler logs when it fails to start", exercised=False),
-    Rule("", "services", ("get", "list", "watch"), "KubeCluster finds the scheduler's service", exercised=False),
+    Rule("kubernetes.dask.org", "daskclusters", ("get", "list", "create", "delete"), "dask-kubernetes' KubeCluster creates the run's cluster and deletes it after"),
+    Rule("kubernetes.dask.org", "daskworkergroups", ("list",), "KubeCluster looks up the cluster's worker groups"),
+    Rule("", "pods", ("get", "list"), "KubeCluster waits for the scheduler pod"),
+    Rule("", "services", ("get", "list"), "KubeCluster finds the scheduler's service"),
+    Rule("", "pods/log", ("get",), "KubeCluster fetches the scheduler's logs when it fails to start", exercised=False),
 )
-
 
 def calls(rules: Iterable[Rule], exercised_only: bool = True) -> set[tuple[str, str, str, str]]:
     """(verb, apiGroup, resource, subresource) tuples, the form the tests record."""
