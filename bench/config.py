@@ -1,0 +1,102 @@
+"""The benchmark's fixed facts: the reference cases (DESIGN.md §5), the output codec and chunks
+every tool must write, and how ``--scale`` shrinks a case.
+
+``--scale S`` is the fraction of the full-size volume's bytes: y and x shrink by sqrt(S) while z
+(150) and every chunk and slab depth stay as they are, so edge chunks, slab alignment and the
+per-chunk costs keep their full-size proportions. Scale 1 is the 4.54 GB case of DESIGN.md §5.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+#: DESIGN.md §5: (z, y, x) of the reference volume at scale 1.
+FULL_ZYX = (150, 3768, 2008)
+#: The ad-hoc scripts' slab at scale 1 (11 chunk rows of 64, whole x).
+USER_SLAB_ZY = (64, 704)
+#: Output chunk edge on every spatial axis, for every tool.
+CHUNK = 64
+#: Output codec for every tool: blosc zstd level 5 with bitshuffle.
+CODEC = {"cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"}
+CODEC_TEXT = "blosc zstd:5 bitshuffle"
+#: Pyramid runs build this many levels (full resolution included), 2x per spatial axis per level.
+PYRAMID_LEVELS = 3
+#: Bump when the generated data changes, so cached inputs are rebuilt.
+GENERATOR_VERSION = 1
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(BENCH_DIR)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One input volume and the output layout every tool is asked for."""
+
+    name: str
+    title: str
+    shape: tuple[int, ...]
+    dtype: str
+    axes: str
+    hdf5_chunks: tuple[int, ...] | None
+    compression: str | None
+    dataset: str = "/volume/data"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        lead = (1,) * (len(self.shape) - 3)
+        return lead + (CHUNK, CHUNK, CHUNK)
+
+    @property
+    def user_slab(self) -> tuple[int, ...]:
+        """(64, 704, whole x) at scale 1; y clipped to the volume when scaled down."""
+        lead = (1,) * (len(self.shape) - 3)
+        z, y, x = self.shape[-3:]
+        return lead + (min(USER_SLAB_ZY[0], z), min(USER_SLAB_ZY[1], y), x)
+
+    def describe(self) -> str:
+        storage = "contiguous" if self.hdf5_chunks is None else f"chunked {self.hdf5_chunks} {self.compression or 'uncompressed'}"
+        return f"{self.shape} {self.dtype} {self.axes}, {storage}, {self.nbytes / 1e9:.3f} GB"
+
+
+def scaled_yx(scale: float) -> tuple[int, int]:
+    if not 0 < scale <= 1:
+        raise ValueError(f"Expected --scale in (0, 1]. Got {scale} instead.")
+    factor = math.sqrt(scale)
+    return tuple(max(CHUNK, round(n * factor)) for n in FULL_ZYX[1:])  # type: ignore[return-value]
+
+
+def build_cases(scale: float) -> dict[str, Case]:
+    """The reference float32 contiguous volume and its chunked-gzip uint16 4-D variant."""
+    y, x = scaled_yx(scale)
+    z = FULL_ZYX[0]
+    # The 4-D variant holds 2 channels of uint16, so it has the same bytes as the float32 case;
+    # its HDF5 chunks are a common acquisition layout (one channel, 32 planes, 256x256 tiles).
+    h5_chunks = (1, 32, min(256, y), min(256, x))
+    return {
+        "f32": Case("f32", "float32 3-D, contiguous (DESIGN.md §5)", (z, y, x), "float32", "zyx", None, None),
+        "u16-4d": Case("u16-4d", "uint16 4-D (c=2), chunked gzip", (2, z, y, x), "uint16", "czyx", h5_chunks, "gzip"),
+    }
+
+
+def scale_tag(scale: float) -> str:
+    return f"{scale:g}"
+
+
+def default_timeout(scale: float) -> float:
+    """Per run. At scale 1 the slowest peer DESIGN.md lists (ngff-zarr gaussian) took 179 s."""
+    return 120.0 + 1500.0 * scale
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,118 @@
+"""The physical limit: one core doing only the work every converter must do, timed per stage.
+
+    python -m bench.limit --source in.h5 --dataset /volume/data --out limit.zarr --chunks 64,64,64 --result r.json
+
+1. read: h5py reads whole z-slabs (one chunk deep, every y and x) in storage order, into one
+   reused buffer, so each HDF5 byte (and each compressed HDF5 chunk) is read exactly once;
+2. extract: each (64,64,64) chunk is copied out contiguous (edge chunks zero-padded to the full
+   chunk, as Zarr stores them);
+3. encode: numcodecs Blosc zstd 5 + bitshuffle, one blosc thread;
+4. write: one file per chunk at Zarr v3's default key (``c/z/y/x``).
+
+The output is a real Zarr v3 array (its ``zarr.json`` is written before the clock starts), so the
+benchmark verifies it like any tool's output: the limit cannot be fast by being wrong. The suite
+divides the total by the cores in use: no converter on N cores can beat total / N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from itertools import product
+
+import h5py
+import numcodecs
+import numpy as np
+import zarr
+from numcodecs import blosc
+from zarr.codecs import BloscCodec
+
+from .config import CODEC
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def _create_array(out: str, shape, chunks, dtype) -> None:
+    zarr.create_array(out, shape=shape, chunks=chunks, dtype=dtype, compressors=BloscCodec(**CODEC), fill_value=0, zarr_format=3)
+
+
+def _chunk(slab: np.ndarray, index: tuple[slice, ...], chunks: tuple[int, ...]) -> np.ndarray:
+    part = slab[index]
+    if part.shape == chunks:
+        return np.ascontiguousarray(part)
+    padded = np.zeros(chunks, dtype=slab.dtype)
+    padded[tuple(slice(0, n) for n in part.shape)] = part
+    return padded
+
+
+def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...]) -> dict:
+    blosc.set_nthreads(1)
+    blosc.use_threads = False
+    codec = numcodecs.Blosc(cname=CODEC["cname"], clevel=CODEC["clevel"], shuffle=numcodecs.Blosc.BITSHUFFLE)
+    stages = dict.fromkeys(("read", "extract", "encode", "write"), 0.0)
+    n_chunks = bytes_out = 0
+    clock = time.perf_counter
+    with h5py.File(source, "r") as f:
+        ds = f[dataset]
+        shape, ndim = ds.shape, ds.ndim
+        _create_array(out, shape, chunks, ds.dtype)
+        # A slab is one chunk deep along the axis before y and whole along y and x.
+        slab_shape = chunks[:-2] + shape[-2:]
+        buffer = np.empty(slab_shape, dtype=ds.dtype)
+        grid = [range(0, n, c) for n, c in zip(shape, chunks)]
+        made_dirs: set[str] = set()
+        cpu0, start = time.process_time(), clock()
+        for lead in product(*grid[:-2]):
+            t = clock()
+            sel = tuple(slice(o, min(o + c, n)) for o, c, n in zip(lead, chunks, shape)) + (slice(None), slice(None))
+            dest = tuple(slice(0, s.stop - s.start) for s in sel[:-2]) + (slice(None), slice(None))
+            ds.read_direct(buffer, source_sel=sel, dest_sel=dest)
+            slab = buffer[dest]
+            stages["read"] += clock() - t
+            for y0, x0 in product(grid[-2], grid[-1]):
+                t0 = clock()
+                block = _chunk(slab, (slice(None),) * (ndim - 2) + (slice(y0, y0 + chunks[-2]), slice(x0, x0 + chunks[-1])), chunks)
+                t1 = clock()
+                encoded = codec.encode(block)
+                t2 = clock()
+                keys = [str(o // c) for o, c in zip(lead + (y0, x0), chunks)]
+                folder = os.path.join(out, "c", *keys[:-1])
+                if folder not in made_dirs:
+                    os.makedirs(folder, exist_ok=True)
+                    made_dirs.add(folder)
+                with open(os.path.join(folder, keys[-1]), "wb") as fh:
+                    fh.write(encoded)
+                t3 = clock()
+                stages["extract"] += t1 - t0
+                stages["encode"] += t2 - t1
+                stages["write"] += t3 - t2
+                n_chunks += 1
+                bytes_out += len(encoded)
+        total = clock() - start
+        cpu = time.process_time() - cpu0
+        bytes_in = int(np.prod(shape)) * ds.dtype.itemsize
+    return {"stages": stages, "total": total, "cpu_seconds": cpu, "chunks": n_chunks, "bytes_in": bytes_in, "bytes_out": bytes_out,
+            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.limit", description="Measure the one-core physical limit of a conversion.")
+    p.add_argument("--source", required=True)
+    p.add_argument("--dataset", default="/volume/data")
+    p.add_argument("--out", required=True)
+    p.add_argument("--chunks", required=True, type=_ints)
+    p.add_argument("--result", required=True)
+    args = p.parse_args(argv)
+    result = measure_limit(args.source, args.dataset, args.out, args.chunks)
+    with open(args.result, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

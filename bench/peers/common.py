@@ -1,0 +1,72 @@
+"""The argument protocol and timing every peer script shares."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from itertools import product
+
+import numpy as np
+
+from ..config import CODEC
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def peer_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Convert one HDF5 dataset to Zarr the way this tool's users do.")
+    p.add_argument("--source", required=True, help="HDF5 file")
+    p.add_argument("--dataset", default="/volume/data")
+    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    p.add_argument("--result", required=True, help="JSON file to write the timing into")
+    p.add_argument("--axes", default="zyx")
+    p.add_argument("--chunks", type=_ints, required=True)
+    p.add_argument("--levels", type=int, default=1)
+    p.add_argument("--method", default="", help="pyramid method, in the tool's own words")
+    p.add_argument("--slab", type=_ints, help="read slab (scripts that read by slab)")
+    p.add_argument("--workers", type=int, help="worker processes (default: one per core)")
+    return p.parse_args(argv)
+
+
+def peer_main(convert: Callable[[argparse.Namespace], dict | None], argv: list[str] | None = None) -> int:
+    """Time ``convert(args)`` (everything after the imports) and write the result file."""
+    args = peer_args(argv)
+    start = time.perf_counter()
+    extra = convert(args) or {}
+    seconds = time.perf_counter() - start
+    with open(args.result, "w") as f:
+        json.dump({"seconds": seconds, "extra": extra}, f, indent=1, default=str)
+    return 0
+
+
+def workers(args: argparse.Namespace) -> int:
+    return args.workers or len(os.sched_getaffinity(0))
+
+
+def zarr_blosc():
+    """The benchmark's codec as a zarr-python v3 codec object."""
+    from zarr.codecs import BloscCodec
+
+    return BloscCodec(**CODEC)
+
+
+def slabs(shape: tuple[int, ...], slab: tuple[int, ...]) -> Iterator[tuple[slice, ...]]:
+    """Slab selections in storage order."""
+    for origin in product(*(range(0, n, s) for n, s in zip(shape, slab))):
+        yield tuple(slice(o, min(o + s, n)) for o, s, n in zip(origin, slab, shape))
+
+
+def spatial_factors(axes: str, factor: int) -> dict[str, int]:
+    return {a: (factor if a in "zyx" else 1) for a in axes}
+
+
+def dtype_of(source: str, dataset: str) -> tuple[tuple[int, ...], np.dtype]:
+    import h5py
+
+    with h5py.File(source, "r") as f:
+        return f[dataset].shape, f[dataset].dtype

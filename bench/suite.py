@@ -1,0 +1,269 @@
+"""Run the physical limit and every tool on each case, measure, verify, and collect results."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+
+from .config import REPO_DIR, Case, build_cases
+from .data import ensure_input, warm_page_cache
+from .measure import Measured, run_measured
+from .runs import RunSpec
+from .verify import verify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SuiteConfig:
+    scale: float
+    cases: list[str]
+    runs: list[RunSpec]
+    data_dir: str
+    work_dir: str
+    results_dir: str
+    cores: int
+    timeout: float
+    keep_outputs: bool = False
+    interval: float = 0.05
+    #: run ids to run once more under py-spy (not timed) for a flamegraph of where the time goes
+    profile: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    case: str
+    id: str
+    tool: str
+    label: str
+    levels: int
+    status: str  # ok | FAILED | error | timeout
+    message: str
+    seconds: float | None = None
+    wall: float = 0.0
+    gb_per_s: float | None = None
+    ratio_limit: float | None = None
+    ratio_h5ngff: float | None = None
+    memory: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+    #: the machine's 1-minute load average when the run ended (this run's own load included)
+    load1: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class LimitResult:
+    stages: dict
+    total: float
+    cores: int
+    bytes_in: int
+    bytes_out: int
+    verified: str
+    ok: bool
+    memory: dict = field(default_factory=dict)
+    #: one-core totals of every measurement (before and after the tools); the fastest is kept
+    totals: list[float] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        """The limit on ``cores`` cores: one core's total, divided."""
+        return self.total / self.cores
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    source: str
+    input_meta: dict
+    limit: LimitResult | None
+    limit_error: str
+    runs: list[RunResult]
+    profiles: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"case": asdict(self.case), "source": self.source, "input": self.input_meta, "limit_error": self.limit_error,
+                "limit": asdict(self.limit) | {"seconds": self.limit.seconds} if self.limit else None,
+                "runs": [asdict(r) for r in self.runs], "profiles": self.profiles}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_DIR + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _failure_line(log_path: str) -> str:
+    """The last line of a traceback (or the last line) of a failed tool's log."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Exit", "Interrupt")) or head.startswith("h5ngff convert exited"):
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _prepare(path: str) -> None:
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    # Dirty pages of the previous tool's output must not be flushed during this tool's run.
+    os.sync()
+
+
+def best_limit(first: tuple[LimitResult | None, str], second: tuple[LimitResult | None, str]) -> tuple[LimitResult | None, str]:
+    """The faster of two measurements: other work on the machine only ever slows the limit down,
+    so the minimum is the better estimate of what the hardware can do."""
+    measured = [m for m, _ in (first, second) if m is not None]
+    if not measured:
+        return None, first[1] or second[1]
+    best = min(measured, key=lambda m: m.total)
+    best.totals = [m.total for m in measured]
+    return best, ""
+
+
+def run_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, tag: str = "limit") -> tuple[LimitResult | None, str]:
+    out = os.path.join(cfg.work_dir, f"{case.name}-{tag}.zarr")
+    result_path = os.path.join(logs, f"{case.name}-{tag}.json")
+    _prepare(out)
+    warm_page_cache(source)
+    argv = [sys.executable, "-m", "bench.limit", "--source", source, "--dataset", case.dataset, "--out", out,
+            "--chunks", ",".join(map(str, case.chunks)), "--result", result_path]
+    log_path = os.path.join(logs, f"{case.name}-{tag}.log")
+    try:
+        measured = run_measured(argv, timeout=cfg.timeout, log_path=log_path, cwd=REPO_DIR, env=_env(), interval=cfg.interval)
+        if measured.timed_out or measured.returncode != 0:
+            return None, "timeout" if measured.timed_out else f"error: {_failure_line(log_path)}"
+        with open(result_path) as f:
+            r = json.load(f)
+        verdict = verify(out, source, case, 1, "mean")
+        return LimitResult(r["stages"], r["total"], cfg.cores, r["bytes_in"], r["bytes_out"], verdict.message, verdict.ok, measured.to_dict()), ""
+    finally:
+        _cleanup(cfg, out)
+
+
+def _cleanup(cfg: SuiteConfig, out: str) -> None:
+    if not cfg.keep_outputs and os.path.exists(out):
+        shutil.rmtree(out)
+
+
+def peer_argv(spec: RunSpec, case: Case, source: str, out: str, result_path: str) -> list[str]:
+    argv = [sys.executable, *spec.argv, "--source", source, "--dataset", case.dataset, "--out", out, "--result", result_path,
+            "--axes", case.axes, "--chunks", ",".join(map(str, case.chunks)), "--levels", str(spec.levels)]
+    if spec.method:
+        argv += ["--method", spec.method]
+    if spec.user_slab:
+        argv += ["--slab", ",".join(map(str, case.user_slab))]
+    if spec.workers:
+        argv += ["--workers", str(spec.workers)]
+    return argv
+
+
+def run_one(cfg: SuiteConfig, spec: RunSpec, case: Case, source: str, logs: str) -> RunResult:
+    out = os.path.join(cfg.work_dir, f"{case.name}-{spec.id}.zarr")
+    result_path = os.path.join(logs, f"{case.name}-{spec.id}.json")
+    log_path = os.path.join(logs, f"{case.name}-{spec.id}.log")
+    _prepare(out)
+    warm_page_cache(source)
+    measured: Measured = run_measured(peer_argv(spec, case, source, out, result_path), timeout=cfg.timeout, log_path=log_path,
+                                      cwd=REPO_DIR, env=_env(), interval=cfg.interval)
+    result = RunResult(case.name, spec.id, spec.tool, spec.label, spec.levels, "ok", "", wall=measured.wall, memory=measured.to_dict(),
+                       load1=os.getloadavg()[0])
+    try:
+        if measured.timed_out:
+            result.status, result.message = "timeout", f"timeout after {cfg.timeout:.0f} s"
+        elif measured.returncode != 0 or not os.path.exists(result_path):
+            result.status, result.message = "error", _failure_line(log_path)
+        else:
+            with open(result_path) as f:
+                reported = json.load(f)
+            result.seconds, result.extra = reported["seconds"], reported.get("extra", {})
+            result.gb_per_s = case.nbytes / result.seconds / 1e9
+            verdict = verify(out, source, case, spec.levels, spec.verify_as)
+            result.status, result.message = ("ok" if verdict.ok else "FAILED"), verdict.message
+    finally:
+        _cleanup(cfg, out)
+    return result
+
+
+def add_ratios(runs: list[RunResult], specs: list[RunSpec], limit: LimitResult | None) -> None:
+    refs = {}
+    for spec in specs:
+        if spec.reference:
+            ref = next((r for r in runs if r.id == spec.id and r.ok), None)
+            if ref:
+                refs[spec.levels] = ref.seconds
+    for r in runs:
+        if not r.ok:
+            continue
+        if limit and limit.ok:
+            r.ratio_limit = r.seconds / limit.seconds
+        if r.levels in refs:
+            r.ratio_h5ngff = r.seconds / refs[r.levels]
+
+
+def run_case(cfg: SuiteConfig, case: Case, logs: str) -> CaseResult:
+    source, meta = ensure_input(case, cfg.scale, cfg.data_dir)
+    _say(f"[{case.name}] {case.describe()}, blosc ratio {meta.get('blosc_ratio')}")
+    first = _limit_said(case, run_limit(cfg, case, source, logs, "limit"))
+    runs = []
+    for spec in cfg.runs:
+        r = run_one(cfg, spec, case, source, logs)
+        took = f"{r.seconds:.2f} s" if r.seconds is not None else f"wall {r.wall:.1f} s"
+        _say(f"[{case.name}] {spec.id}: {r.status} {took}, peak {r.memory.get('peak_largest', 0) / 1e9:.2f} GB/proc; {r.message}")
+        runs.append(r)
+    # Measured again after the tools, so a busy moment at the start does not flatter them.
+    limit, limit_error = best_limit(first, _limit_said(case, run_limit(cfg, case, source, logs, "limit-again")))
+    add_ratios(runs, cfg.runs, limit)
+    profiles = {spec.id: profile_run(cfg, spec, case, source, logs) for spec in cfg.runs if spec.id in cfg.profile}
+    return CaseResult(case, source, meta, limit, limit_error, runs, profiles)
+
+
+def _limit_said(case: Case, measured: tuple[LimitResult | None, str]) -> tuple[LimitResult | None, str]:
+    limit, error = measured
+    if limit:
+        _say(f"[{case.name}] physical limit: {limit.total:.2f} s on 1 core -> {limit.seconds:.2f} s on {limit.cores} ({limit.verified})")
+    else:
+        _say(f"[{case.name}] physical limit: {error}")
+    return measured
+
+
+def profile_run(cfg: SuiteConfig, spec: RunSpec, case: Case, source: str, logs: str) -> str:
+    """Run once more under ``py-spy record --subprocesses`` (Dask workers included); untimed.
+    Returns the flamegraph's path, or why there is none."""
+    out = os.path.join(cfg.work_dir, f"{case.name}-{spec.id}-profile.zarr")
+    svg = os.path.join(cfg.results_dir, f"{case.name}-{spec.id}.pyspy.svg")
+    result_path = os.path.join(logs, f"{case.name}-{spec.id}-profile.json")
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    if not spy:
+        return "py-spy not installed (pip install -e '.[bench]')"
+    _prepare(out)
+    warm_page_cache(source)
+    argv = [spy, "record", "--subprocesses", "--rate", "100", "--format", "flamegraph", "-o", svg, "--"] + peer_argv(spec, case, source, out, result_path)
+    try:
+        measured = run_measured(argv, timeout=cfg.timeout * 2, log_path=os.path.join(logs, f"{case.name}-{spec.id}-profile.log"), cwd=REPO_DIR, env=_env())
+    finally:
+        _cleanup(cfg, out)
+    _say(f"[{case.name}] {spec.id}: py-spy flamegraph {svg} (exit {measured.returncode})")
+    return svg if os.path.exists(svg) else f"py-spy failed (exit {measured.returncode})"
+
+
+def run_suite(cfg: SuiteConfig, logs: str) -> list[CaseResult]:
+    os.makedirs(cfg.work_dir, exist_ok=True)
+    os.makedirs(logs, exist_ok=True)
+    cases = build_cases(cfg.scale)
+    return [run_case(cfg, cases[name], logs) for name in cfg.cases]
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,149 @@
+"""The benchmark harness at a tiny scale: it measures real processes, and its verification
+catches a fast wrong result (the negative control), so a table it prints can be trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import zarr
+
+from bench.cli import run_and_report
+from bench.config import Case
+from bench.measure import run_measured
+from bench.peers.common import zarr_blosc
+from bench.runs import DEFAULT_RUNS, RunSpec
+from bench.suite import SuiteConfig
+from bench.verify import verify
+
+from conftest import write_h5
+
+SCALE = 0.002  # (150, 168, 90) float32, 9 MB
+
+WRONG_PEER = """\
+import h5py, zarr
+from bench.peers.common import peer_main, zarr_blosc
+
+def convert(args):
+    with h5py.File(args.source, "r") as f:
+        data = f[args.dataset][...]
+    data[tuple(n // 2 for n in data.shape)] += 1  # one voxel off: fast, and wrong
+    zarr.create_array(args.out, data=data, chunks=args.chunks, compressors=zarr_blosc(), fill_value=0)
+
+raise SystemExit(peer_main(convert))
+"""
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One tiny run: the limit, h5ngff, tensorstore and a deliberately wrong peer."""
+    tmp = tmp_path_factory.mktemp("bench")
+    script = tmp / "wrong_peer.py"
+    script.write_text(WRONG_PEER)
+    runs = [r for r in DEFAULT_RUNS if r.id in ("h5ngff", "tensorstore")]
+    runs.append(RunSpec("wrong", "wrong", "deliberately wrong copy", (str(script),)))
+    cfg = SuiteConfig(scale=SCALE, cases=["f32"], runs=runs, data_dir=str(tmp / "data"), work_dir=str(tmp / "out"),
+                      results_dir=str(tmp / "results"), cores=2, timeout=120)
+    assert run_and_report(cfg, command="pytest smoke", started="smoke") == 0
+    with open(tmp / "results" / "results.json") as f:
+        data = json.load(f)
+    return tmp / "results", data["cases"][0]
+
+
+def _run(case: dict, run_id: str) -> dict:
+    return next(r for r in case["runs"] if r["id"] == run_id)
+
+
+def test_limit_is_measured_per_stage_and_its_output_verified(smoke):
+    _, case = smoke
+    limit = case["limit"]
+    assert all(limit["stages"][s] > 0 for s in ("read", "extract", "encode", "write"))
+    assert limit["seconds"] == pytest.approx(limit["total"] / 2)
+    # Measured before and after the tools; the faster measurement is the limit.
+    assert len(limit["totals"]) == 2 and limit["total"] == min(limit["totals"])
+    assert limit["ok"] and limit["verified"] == "L0 exact"
+    # Real data compresses a few times over, not 1x (noise) and not 50x (zeros).
+    assert 1.5 < limit["bytes_in"] / limit["bytes_out"] < 8
+
+
+def test_tools_are_timed_measured_and_verified(smoke):
+    _, case = smoke
+    h5ngff, ts = _run(case, "h5ngff"), _run(case, "tensorstore")
+    for r in (h5ngff, ts):
+        assert r["status"] == "ok", r["message"]
+        assert r["message"] == "L0 exact"
+        assert 0 < r["seconds"] < r["wall"]
+        assert r["ratio_limit"] == pytest.approx(r["seconds"] / case["limit"]["seconds"])
+    # h5ngff runs Dask worker processes: each is measured, and the plan's prediction is recorded.
+    assert h5ngff["memory"]["n_workers"] >= 1
+    assert h5ngff["memory"]["peak_worker"] > 50e6
+    assert h5ngff["extra"]["predicted_peak_per_worker"] > 0
+    assert h5ngff["ratio_h5ngff"] == pytest.approx(1.0)
+    assert ts["memory"]["peak_largest"] > 50e6
+
+
+def test_a_fast_wrong_result_is_failed_not_counted(smoke):
+    results, case = smoke
+    wrong = _run(case, "wrong")
+    assert wrong["status"] == "FAILED"
+    assert "differs from the source in 1 voxels" in wrong["message"]
+    assert wrong["ratio_limit"] is None and wrong["ratio_h5ngff"] is None
+    table = (results / "results.md").read_text()
+    assert "**FAILED**: level 0 differs" in table
+    assert (results / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _pyramid(path, levels: list[np.ndarray]) -> str:
+    root = zarr.open_group(str(path), mode="w")
+    for i, data in enumerate(levels):
+        root.create_array(str(i), data=data, chunks=tuple(min(64, n) for n in data.shape), compressors=zarr_blosc())
+    root.attrs["ome"] = {"version": "0.5", "multiscales": [{"datasets": [{"path": str(i)} for i in range(len(levels))]}]}
+    return str(path)
+
+
+def test_pyramid_verification_tells_mean_from_nearest(tmp_path):
+    """A pyramid level built by picking voxels is caught when the tool claims a mean."""
+    case = Case("t", "test", (64, 96, 80), "float32", "zyx", None, None)
+    rng = np.random.default_rng(1)
+    data = (np.round(rng.random(case.shape) * 1024) / 1024).astype(np.float32)
+    source = write_h5(tmp_path / "src.h5", data)
+    mean = data.reshape(32, 2, 48, 2, 40, 2).astype(np.float64).mean(axis=(1, 3, 5)).astype(np.float32)
+    good = verify(_pyramid(tmp_path / "good.zarr", [data, mean]), source, case, 2, "mean")
+    nearest = verify(_pyramid(tmp_path / "nearest.zarr", [data, data[::2, ::2, ::2]]), source, case, 2, "mean")
+    assert good.ok and good.message == "L0 exact; L1 mean exact"
+    assert not nearest.ok and "level 1 differs from the mean" in nearest.message
+    # Shape-only methods (gaussian) accept the same level, so the check above is the mean check.
+    assert verify(_pyramid(tmp_path / "nearest2.zarr", [data, data[::2, ::2, ::2]]), source, case, 2, "shape").ok
+
+
+def test_memory_is_sampled_per_process(tmp_path):
+    """A child that holds 300 MB is measured as such; its parent stays small."""
+    code = textwrap.dedent("""
+        import multiprocessing as mp, time
+        def hold():
+            block = b"\x01" * (300 << 20)  # touched, so resident (calloc pages would not be)
+            time.sleep(0.5)
+        if __name__ == "__main__":
+            p = mp.get_context("spawn").Process(target=hold); p.start(); p.join()
+    """)
+    script = tmp_path / "hold.py"
+    script.write_text(code)
+    m = run_measured([sys.executable, str(script)], timeout=60, log_path=str(tmp_path / "log"))
+    assert m.returncode == 0 and not m.timed_out
+    child = max((p for p in m.procs if p.role == "child"), key=lambda p: p.peak_rss)
+    main = next(p for p in m.procs if p.role == "main")
+    assert child.peak_rss > 300 << 20
+    assert main.peak_rss < 200 << 20
+    assert m.peak_worker == child.peak_rss and m.tree_peak > 300 << 20
+
+
+def test_a_hung_tool_is_killed_at_the_timeout(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    m = run_measured([sys.executable, str(script)], timeout=1, log_path=str(tmp_path / "log"))
+    assert m.timed_out and m.wall < 15
+    assert not os.path.exists(f"/proc/{m.procs[0].pid}") or open(f"/proc/{m.procs[0].pid}/stat").read().split()[2] == "Z"
