@@ -7,17 +7,19 @@ import argparse
 from typing import Any
 
 from .errors import SpecError
+from .spec import BLOSC_CNAMES
 
 COMPRESSOR_HELP = (
     "CODEC[:LEVEL[:SHUFFLE]]. Blosc with an inner codec: zstd, lz4, lz4hc, zlib, blosclz "
-    "(e.g. zstd:5:bitshuffle, the default; lz4:3:shuffle); plain-zstd:LEVEL; gzip:LEVEL; none."
+    "(e.g. zstd:5:bitshuffle, the default; lz4:3:shuffle; optionally prefixed blosc:); plain-zstd:LEVEL; gzip:LEVEL; none."
 )
 
 
 def split_source(text: str) -> tuple[str, str]:
     """``in.h5:/volume/data`` -> (file, dataset). The dataset is after the last ':' that starts a path."""
     head, sep, tail = text.rpartition(":")
-    if not sep or not head:
+    # "in.h5:" or "in.h5:/" would name the root group, which is never an image.
+    if not sep or not head or not tail.strip("/"):
         raise SpecError("source", f"Expected FILE.h5:/dataset, e.g. in.h5:/volume/data. Got {text!r} instead.")
     return head, tail if tail.startswith("/") else "/" + tail
 
@@ -46,24 +48,24 @@ def _int_or_auto(text: str, field: str) -> int | str:
 
 
 def parse_compressor(text: str) -> dict[str, Any]:
+    """``zstd:5:bitshuffle`` -> the output.compressor fields; ``blosc:`` may prefix a Blosc codec."""
     parts = text.strip().lower().split(":")
-    name, rest = parts[0], parts[1:]
+    explicit_blosc = parts[0] == "blosc" and len(parts) > 1
+    name, rest = (parts[1], parts[2:]) if explicit_blosc else (parts[0], parts[1:])
     try:
         level = int(rest[0]) if rest and rest[0] else None
     except ValueError:
         raise SpecError("output.compressor", f"Expected {COMPRESSOR_HELP} Got {text!r} instead (the level must be an integer).") from None
-    if name == "none" and not rest:
-        return {"codec": "none"}
-    if name == "gzip" and len(rest) <= 1:
-        return {"codec": "gzip", "clevel": level}
-    if name == "plain-zstd" and len(rest) <= 1:
-        return {"codec": "zstd", "clevel": level}
-    if name == "blosc" and rest:
-        name, rest = rest[0], rest[1:]
-        level = int(rest[0]) if rest and rest[0].isdigit() else None
-    if name in ("zstd", "lz4", "lz4hc", "zlib", "blosclz") and len(rest) <= 2:
+    if not explicit_blosc:
+        if name == "none" and not rest:
+            return {"codec": "none"}
+        if name == "gzip" and len(rest) <= 1:
+            return {"codec": "gzip", "clevel": level}
+        if name == "plain-zstd" and len(rest) <= 1:
+            return {"codec": "zstd", "clevel": level}
+    if name in BLOSC_CNAMES and len(rest) <= 2:
         spec: dict[str, Any] = {"codec": "blosc", "cname": name, "clevel": level}
-        if len(rest) == 2:
+        if len(rest) == 2 and rest[1]:
             spec["shuffle"] = rest[1]
         return spec
     raise SpecError("output.compressor", f"Expected {COMPRESSOR_HELP} Got {text!r} instead.")

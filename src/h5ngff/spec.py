@@ -12,10 +12,12 @@ axis?) are checked by the planner, which still names the spec field in its error
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -48,6 +50,26 @@ CODECS = ("blosc", "zstd", "gzip", "none")
 #: purpose: they are rarely wanted for archives and complicate the level's meaning.
 LEVEL_RANGES = {"blosc": (0, 9), "zstd": (1, 22), "gzip": (1, 9)}
 
+def _no_bool(value: Any) -> Any:
+    # pydantic's lax mode reads True as 1: YAML's ``workers: yes`` would silently mean one worker.
+    if isinstance(value, bool):
+        raise ValueError(f"Expected a number, not a boolean. Got {value!r} instead.")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+
+
+class _FieldError(ValueError):
+    """A check made on a whole model that belongs to one of its fields: the error names that field
+    (``output.shards``) rather than the model (``output``)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
 ByteQuantity = Annotated[
     int | str,
     Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
@@ -65,6 +87,12 @@ class _Model(BaseModel):
     def to_wire(self) -> dict[str, Any]:
         """The camelCase dict a ConversionJob's ``.spec`` holds, without unset defaults."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _int_or_auto(value: Any, allowed: str) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"Expected {allowed}. Got {value!r} instead.")
+    return value
 
 
 def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
@@ -95,7 +123,7 @@ class CompressorSpec(_Model):
 
     codec: Literal["blosc", "zstd", "gzip", "none"] = Field("blosc", description="blosc (with cname/shuffle), zstd, gzip or none.")
     cname: Literal["zstd", "lz4", "lz4hc", "zlib", "blosclz"] | None = Field(None, description="Blosc's inner compressor (blosc only; default zstd).")
-    clevel: int | None = Field(None, description="Compression level: blosc 0-9, zstd 1-22, gzip 1-9 (default 5).")
+    clevel: Int | None = Field(None, description="Compression level: blosc 0-9, zstd 1-22, gzip 1-9 (default 5).")
     shuffle: Literal["noshuffle", "shuffle", "bitshuffle"] | None = Field(None, description="Blosc's shuffle filter (blosc only; default bitshuffle).")
 
     @model_validator(mode="after")
@@ -103,15 +131,15 @@ class CompressorSpec(_Model):
         if self.codec != "blosc":
             for name in ("cname", "shuffle"):
                 if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"Expected {name} only with codec 'blosc'. Got {name}={getattr(self, name)!r} with codec {self.codec!r} instead."
+                    raise _FieldError(
+                        name, f"Expected {name} only with codec 'blosc'. Got {name}={getattr(self, name)!r} with codec {self.codec!r} instead."
                     )
         if self.codec == "none" and self.clevel is not None:
-            raise ValueError(f"Expected no clevel with codec 'none'. Got clevel={self.clevel} instead.")
+            raise _FieldError("clevel", f"Expected no clevel with codec 'none'. Got clevel={self.clevel} instead.")
         if self.codec in LEVEL_RANGES and self.clevel is not None:
             low, high = LEVEL_RANGES[self.codec]
             if not low <= self.clevel <= high:
-                raise ValueError(f"Expected clevel between {low} and {high} for codec {self.codec!r}. Got {self.clevel} instead.")
+                raise _FieldError("clevel", f"Expected clevel between {low} and {high} for codec {self.codec!r}. Got {self.clevel} instead.")
         return self
 
     @property
@@ -139,8 +167,8 @@ class OutputSpec(_Model):
 
     path: str = Field(min_length=1, description="Output directory, conventionally ending in .ome.zarr.")
     ngff_version: Literal["0.4", "0.5"] = Field("0.5", description="0.5 writes Zarr v3 (default); 0.4 writes Zarr v2.")
-    chunks: list[int] | None = Field(None, description="Chunk shape, one entry per axis. Default: 64 per spatial axis in 3-D, 256 in 2-D, 1 for t and c.")
-    shards: list[int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
+    chunks: list[Int] | None = Field(None, description="Chunk shape, one entry per axis. Default: 64 per spatial axis in 3-D, 256 in 2-D, 1 for t and c.")
+    shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
     compressor: CompressorSpec = Field(default_factory=CompressorSpec)
     overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
 
@@ -159,13 +187,13 @@ class OutputSpec(_Model):
     def _shards_need_v3(self) -> "OutputSpec":
         if self.shards is not None:
             if self.ngff_version != "0.5":
-                raise ValueError(f"Expected shards only with ngffVersion '0.5' (Zarr v3). Got shards with ngffVersion {self.ngff_version!r} instead.")
+                raise _FieldError("shards", f"Expected shards only with ngffVersion '0.5' (Zarr v3). Got shards with ngffVersion {self.ngff_version!r} instead.")
             if self.chunks is not None:
                 if len(self.shards) != len(self.chunks):
-                    raise ValueError(f"Expected shards with as many entries as chunks ({len(self.chunks)}). Got {self.shards} instead.")
+                    raise _FieldError("shards", f"Expected shards with as many entries as chunks ({len(self.chunks)}). Got {self.shards} instead.")
                 bad = [i for i, (s, c) in enumerate(zip(self.shards, self.chunks)) if s % c]
                 if bad:
-                    raise ValueError(f"Expected every shard entry to be a multiple of the chunk entry. Got shards {self.shards} for chunks {self.chunks} instead (axis {bad[0]}).")
+                    raise _FieldError("shards", f"Expected every shard entry to be a multiple of the chunk entry. Got shards {self.shards} for chunks {self.chunks} instead (axis {bad[0]}).")
         return self
 
 
@@ -173,8 +201,8 @@ class ImageSpec(_Model):
     """How the array maps to physical space. Anything omitted is read from HDF5 attributes or inferred."""
 
     axes: str | None = Field(None, description="Axis names in order, from t, c, z, y, x, e.g. 'tczyx' or 'zyx'.")
-    scale: list[float] | None = Field(None, description="Voxel size per axis, in `units`.")
-    units: list[str] | None = Field(None, description="Unit per axis, e.g. micrometer or second; empty string for none.")
+    scale: list[Float] | None = Field(None, description="Voxel size per axis, in `units`.")
+    units: list[str] | None = Field(None, description="Unit per axis, e.g. micrometer or second; empty string for none. One space unit alone applies to every spatial axis.")
     name: str | None = Field(None, description="Image name written to the multiscales metadata.")
 
     @field_validator("axes")
@@ -195,8 +223,8 @@ class ImageSpec(_Model):
     @field_validator("scale")
     @classmethod
     def _positive_scale(cls, v: list[float] | None) -> list[float] | None:
-        if v is not None and (not v or any(not s > 0 for s in v)):
-            raise ValueError(f"Expected a positive voxel size for every axis. Got {v!r} instead.")
+        if v is not None and (not v or any(not (s > 0 and math.isfinite(s)) for s in v)):
+            raise ValueError(f"Expected a positive, finite voxel size for every axis. Got {v!r} instead.")
         return v
 
 
@@ -206,6 +234,11 @@ class PyramidSpec(_Model):
     levels: Annotated[int | Literal["auto"], Field(json_schema_extra={"x-kubernetes-int-or-string": True})] = Field(
         "auto", description="Number of levels including full resolution, or 'auto' (halve until one chunk holds the smallest level)."
     )
+
+    @field_validator("levels", mode="before")
+    @classmethod
+    def _levels_not_bool(cls, v: Any) -> Any:
+        return _int_or_auto(v, "'auto' or an integer from 1 to 16")
     method: Literal["mean", "nearest", "max"] = Field("mean", description="mean (exact, rounded half to even for integers), nearest or max.")
     axes: str | None = Field(None, description="Axes to downsample, e.g. 'yx'. Default: every spatial axis.")
 
@@ -233,11 +266,21 @@ class ResourcesSpec(_Model):
     workers: Annotated[int | Literal["auto"], Field(json_schema_extra={"x-kubernetes-int-or-string": True})] = Field(
         "auto", description="Dask worker processes. 'auto': one per core locally, 4 on Kubernetes."
     )
-    threads_per_worker: int = Field(1, ge=1, le=64, description="Threads per worker; each runs one slab at a time.")
+    threads_per_worker: Int = Field(1, ge=1, le=64, description="Threads per worker; each runs one slab at a time.")
     memory_per_worker: ByteQuantity | None = Field(None, description="Pod memory limit per worker, e.g. 1Gi. The plan must fit in it.")
     memory_total: ByteQuantity | None = Field(None, description="Memory for all workers together; the planner picks the worker count.")
-    slab: list[int] | None = Field(None, description="Read slab shape; re-aligned to the chunk grid with a notice if needed.")
+    slab: list[Int] | None = Field(None, description="Read slab shape; re-aligned to the chunk grid with a notice if needed.")
     allocator: Literal["auto", "jemalloc", "glibc"] = Field("auto", description="Worker malloc: jemalloc where installed, else glibc tuned to return memory.")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_not_bool(cls, v: Any) -> Any:
+        return _int_or_auto(v, "'auto' or an integer from 1 to 4096")
+
+    @field_validator("memory_per_worker", "memory_total", mode="before")
+    @classmethod
+    def _quantity_not_bool(cls, v: Any) -> Any:
+        return _int_or_auto(v, "a byte quantity such as 1Gi")
 
     @field_validator("workers")
     @classmethod
@@ -264,7 +307,10 @@ class ResourcesSpec(_Model):
     @model_validator(mode="after")
     def _one_budget(self) -> "ResourcesSpec":
         if self.memory_per_worker is not None and self.memory_total is not None:
-            raise ValueError("Expected memoryPerWorker or memoryTotal, not both. Got both instead.")
+            raise _FieldError(
+                "memoryTotal",
+                f"Expected memoryPerWorker or memoryTotal, not both. Got both (memoryPerWorker {self.memory_per_worker!r}, memoryTotal {self.memory_total!r}) instead.",
+            )
         return self
 
     @property
@@ -302,29 +348,59 @@ def parse_axes(value: str) -> str:
     return v
 
 
-def _describe_pydantic_error(err: dict[str, Any]) -> tuple[str, str]:
-    """Turn one pydantic error into (field path, 'Expected … Got … instead.')."""
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal[", "int", "str", "list["))]
-    field = ".".join(p if not p.isdigit() else f"[{p}]" for p in loc).replace(".[", "[")
+#: Names pydantic puts into an error's location for the member of a union that failed.
+_UNION_TAGS = {"int", "str", "float", "bool", "none"}
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
+
+
+def _field_path(err: dict[str, Any]) -> str:
+    """The wire (camelCase) path of an error: ``output.chunks[1]``. A misspelt key is quoted as the
+    user wrote it (camel-casing ``Workers`` would name a valid field)."""
+    loc = list(err["loc"])
+    extra = str(loc.pop()) if err["type"] == "extra_forbidden" and loc else None
+    parts = [p for p in loc if not _is_union_tag(p)]
+    error = (err.get("ctx") or {}).get("error")
+    if isinstance(error, _FieldError):
+        parts.append(error.field)
+    path = ""
+    for p in parts:
+        path += f"[{p}]" if isinstance(p, int) else ("." if path else "") + to_camel(str(p))
+    if extra is not None:
+        path += ("." if path else "") + extra
+    return path
+
+
+def _expected(err: dict[str, Any]) -> str:
+    """What one failed check allows, as the object of 'Expected …'."""
+    kind = err["type"]
+    if kind == "literal_error":
+        expected = str((err.get("ctx") or {}).get("expected"))
+        return f"one of {expected}" if " or " in expected else expected
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        return f"a number {err['msg'].removeprefix('Input should be ')}"
+    if kind == "string_too_short":
+        return "a non-empty string"
+    # "a valid integer, unable to parse string as an integer" -> "a valid integer"
+    return err["msg"].removeprefix("Input should be ").split(",")[0]
+
+
+def _describe_pydantic_error(err: dict[str, Any], alternatives: list[dict[str, Any]] = ()) -> tuple[str, str]:
+    """Turn one pydantic error into (field path, 'Expected … Got … instead.'). ``alternatives``
+    are the other members of the same union that also failed: their allowed values are named too."""
+    field = _field_path(err)
     got = err.get("input")
     kind = err["type"]
-    ctx = err.get("ctx") or {}
     if kind == "missing":
         return field, "Expected a value; this field is required. Got nothing instead."
     if kind == "extra_forbidden":
         return field, f"Expected no such field (check its spelling and case; fields are camelCase). Got {got!r} instead."
-    if kind == "literal_error":
-        return field, f"Expected one of {ctx.get('expected')}. Got {got!r} instead."
     if kind == "value_error":
-        message = str(ctx.get("error", err["msg"]))
-        return field, message
-    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        return field, f"Expected a number {err['msg'].removeprefix('Input should be ')}. Got {got!r} instead."
-    if kind.endswith("_type") or kind.endswith("_parsing"):
-        return field, f"Expected {err['msg'].removeprefix('Input should be ')}. Got {got!r} instead."
-    if kind == "string_too_short":
-        return field, f"Expected a non-empty string. Got {got!r} instead."
-    return field, f"{err['msg']}. Got {got!r} instead."
+        return field, str((err.get("ctx") or {}).get("error", err["msg"])).removeprefix("Value error, ")
+    allowed = " or ".join(dict.fromkeys(_expected(e) for e in [err, *alternatives]))
+    return field, f"Expected {allowed}. Got {got!r} instead."
 
 
 def parse_spec(data: Any) -> ConversionSpec:
@@ -341,17 +417,12 @@ def parse_spec(data: Any) -> ConversionSpec:
 
 def spec_error_from(exc: ValidationError) -> SpecError:
     errors = exc.errors(include_url=False)
-    # Union members each report a failure; keep the most specific one (a value_error beats a type error).
+    # Union members each report a failure; keep the most specific one (a value_error beats a type
+    # error), and name what every member allows.
     errors.sort(key=lambda e: e["type"] != "value_error")
-    field, message = _describe_pydantic_error(errors[0])
-    wire = _camel_path(field)
-    extra = f" ({len(errors) - 1} more problem(s) after fixing this one)" if len(errors) > 1 and _distinct_fields(errors) > 1 else ""
-    return SpecError(wire, message + extra)
-
-
-def _distinct_fields(errors: list[dict[str, Any]]) -> int:
-    return len({tuple(e["loc"][:2]) for e in errors})
-
-
-def _camel_path(field: str) -> str:
-    return ".".join(to_camel(part) if "[" not in part else to_camel(part.split("[")[0]) + "[" + part.split("[", 1)[1] for part in field.split("."))
+    first = errors[0]
+    same = [e for e in errors[1:] if _field_path(e) == _field_path(first) and e["type"] != "value_error"]
+    field, message = _describe_pydantic_error(first, same if first["type"] != "value_error" else [])
+    others = len({_field_path(e) for e in errors} - {field})
+    extra = f" ({others} more problem(s) after fixing this one)" if others else ""
+    return SpecError(field, message + extra)

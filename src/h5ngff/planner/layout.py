@@ -36,7 +36,11 @@ def resolve_scale_units(spec: ConversionSpec, ds: DatasetInfo, axes: str) -> tup
     scale = tuple(spec.image.scale) if spec.image.scale else ds.attr_scale or (1.0,) * n
     if len(scale) != n:
         raise SpecError("image.scale", f"Expected {n} voxel sizes, one per axis {axes!r}. Got {list(scale)} instead.")
-    if spec.image.units:
+    if spec.image.units and len(spec.image.units) == 1 and n > 1 and spec.image.units[0] in SPACE_UNITS:
+        # One space unit names the unit of every spatial axis (``--units micrometer``); time and
+        # channel axes get none.
+        units = tuple(spec.image.units[0] if AXIS_TYPES[a] == "space" else "" for a in axes)
+    elif spec.image.units:
         units = tuple(spec.image.units)
     elif ds.attr_units:
         units = ds.attr_units
@@ -61,16 +65,19 @@ def resolve_chunks(spec: ConversionSpec, ds: DatasetInfo, axes: str) -> tuple[Sh
         spatial = sum(AXIS_TYPES[a] == "space" for a in axes)
         edge = DEFAULT_SPATIAL_CHUNK[spatial]
         chunks = tuple(edge if AXIS_TYPES[a] == "space" else 1 for a in axes)
-    # A chunk larger than the array only pads the stored chunk with fill value.
-    chunks = tuple(min(c, s) for c, s in zip(chunks, ds.shape))
     shards = None
     if spec.output.shards is not None:
         shards = tuple(spec.output.shards)
         if len(shards) != n:
             raise SpecError("output.shards", f"Expected {n} entries, one per axis {axes!r}. Got {list(shards)} instead.")
+        # Check against the chunks as asked for, before they are clipped to the array below.
         bad = [i for i, (s, c) in enumerate(zip(shards, chunks)) if s % c]
         if bad:
             raise SpecError("output.shards", f"Expected multiples of the chunk shape {list(chunks)} on every axis. Got {list(shards)} instead (axis {axes[bad[0]]!r}).")
+        # A chunk clipped to the array holds the whole axis, so its shard holds exactly that chunk.
+        shards = tuple(s if c <= size else size for s, c, size in zip(shards, chunks, ds.shape))
+    # A chunk larger than the array only pads the stored chunk with fill value.
+    chunks = tuple(min(c, s) for c, s in zip(chunks, ds.shape))
     return chunks, shards
 
 

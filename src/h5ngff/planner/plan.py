@@ -9,7 +9,7 @@ thread has work and no slab is absurdly large.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import BudgetTooSmallError, SpecError, UnsupportedDatasetError
 from ..spec import ConversionSpec
@@ -41,6 +41,8 @@ MEAN_STRIP_ELEMENTS = 1 << 20
 SLABS_PER_THREAD = 8
 #: ...but no slab below this: smaller reads and tasks start to cost more than they balance.
 MIN_BALANCED_SLAB_BYTES = 16 * MiB
+#: Re-plans with a lowered budget when the passes together overshoot it (see ``_plan_worker``).
+MAX_REPLANS = 8
 #: Tasks kept submitted per worker thread: one running and one ready, so no worker idles between
 #: slabs while the client holds the rest.
 INFLIGHT_PER_THREAD = 2
@@ -82,17 +84,21 @@ def make_plan(
     n_levels = resolve_levels(spec, ds.shape, chunks, downsampled)
     levels = build_levels(ds.shape, scale, downsampled, n_levels, spec.pyramid.method)
     threads = spec.resources.threads_per_worker
-    notices: list[str] = []
 
-    def plan_with(workers: int, budget: int | None) -> tuple[tuple[Pass, ...], WorkerMemory, int]:
+    def plan_with(workers: int, budget: int | None) -> _Attempt:
         ctx = _Context(ds, shards or chunks, chunks, shards, downsampled, threads, workers * threads, budget, allocator, constants)
-        return _plan_passes(ctx, [lv.shape for lv in levels], spec.resources.slab, notices)
+        return _plan_worker(ctx, [lv.shape for lv in levels], spec.resources.slab)
 
     workers, budget = _workers_and_budget(spec, capacity, threads)
-    if spec.resources.memory_total_bytes is not None and spec.resources.workers == "auto":
-        passes, memory, cache, workers = _fit_total_budget(plan_with, workers, spec.resources.memory_total_bytes)
-    else:
-        passes, memory, cache = plan_with(workers, budget)
+    auto_total = spec.resources.memory_total_bytes is not None and spec.resources.workers == "auto"
+    try:
+        if auto_total:
+            (passes, memory, cache, notices), workers = _fit_total_budget(plan_with, workers, spec.resources.memory_total_bytes)
+        else:
+            passes, memory, cache, notices = plan_with(workers, budget)
+    except _NoSlabFits as exc:
+        tried = 1 if auto_total else workers
+        raise _budget_refusal(exc, plan_with, spec, capacity, tried, spec.resources.memory_total_bytes if auto_total else budget) from None
     return Plan(
         dataset=ds,
         axes=axes,
@@ -132,39 +138,119 @@ def _workers_and_budget(spec: ConversionSpec, capacity: Capacity, threads: int) 
     return workers, None
 
 
-def _fit_total_budget(plan_with, max_workers: int, total: int):
+_Attempt = tuple[tuple[Pass, ...], WorkerMemory, int, list[str]]
+
+
+class _NoSlabFits(BudgetTooSmallError):
+    """One attempt's refusal: what did not fit and which knobs would shrink it. ``make_plan``
+    turns it into the public BudgetTooSmallError that names the user's budget field."""
+
+    def __init__(self, what: str, minimum_bytes: int, knobs: list[str]):
+        self.what = what
+        self.knobs = knobs
+        super().__init__(what, minimum_bytes)
+
+
+def _fit_total_budget(plan_with, max_workers: int, total: int) -> tuple[_Attempt, int]:
     """Most workers whose plans fit ``total`` together: parallelism beats bigger slabs."""
-    last_error = None
-    for workers in range(max_workers, 0, -1):
+    for workers in range(max_workers, 1, -1):
         try:
-            passes, memory, cache = plan_with(workers, total // workers)
-            return passes, memory, cache, workers
-        except BudgetTooSmallError as exc:
-            last_error = exc
-    assert last_error is not None
-    raise BudgetTooSmallError(
-        f"resources.memoryTotal: {format_bytes(total)} cannot hold even one worker; it needs at least "
-        f"{format_bytes(last_error.minimum_bytes)} (the smallest slab's pod limit). Raise memoryTotal, or use smaller output.chunks.",
-        last_error.minimum_bytes,
-    )
+            return plan_with(workers, total // workers), workers
+        except BudgetTooSmallError:
+            pass
+    return plan_with(1, total), 1
+
+
+def _smallest_budget(works, failed: int, hint: int) -> int:
+    """The smallest whole-MiB per-worker budget that plans, above one that did not.
+
+    ``hint`` (the smallest candidate slab's pod limit) is not always it: with more budget an
+    earlier pass may build more levels and change what the later passes need, so search. Pod limits
+    are whole MiB, so a budget behaves like its whole-MiB floor."""
+    lo = failed // MiB
+    hi = max(math.ceil(hint / MiB), lo + 1)
+    while not works(hi * MiB):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:  # no budget plans: report the hint rather than search forever
+            return hint
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if works(mid * MiB) else (mid, hi)
+    return hi * MiB
+
+
+def _budget_refusal(exc: _NoSlabFits, plan_with, spec: ConversionSpec, capacity: Capacity, workers: int, budget: int) -> BudgetTooSmallError:
+    """The refusal a user sees: the smallest budget that really plans, in the field they set."""
+
+    def works(per_worker: int) -> bool:
+        try:
+            plan_with(workers, per_worker)
+        except BudgetTooSmallError:
+            return False
+        return True
+
+    per_worker = _smallest_budget(works, budget, exc.minimum_bytes)
+    r = spec.resources
+    knobs = list(exc.knobs)
+    if r.memory_total_bytes is not None:
+        field, minimum = "resources.memoryTotal", workers * per_worker
+        if r.workers == "auto":
+            given = f"{format_bytes(r.memory_total_bytes)} cannot hold even one worker"
+        else:
+            given = f"{format_bytes(r.memory_total_bytes)} for {workers} workers ({format_bytes(budget)} each) is too small"
+            knobs.insert(0, "fewer resources.workers (or 'auto', to let the planner choose)")
+    elif r.memory_per_worker_bytes is not None:
+        field, minimum = "resources.memoryPerWorker", per_worker
+        given = f"{format_bytes(budget)} per worker is too small"
+    else:
+        field, minimum = "resources.memoryPerWorker", per_worker
+        given = (
+            f"the default budget ({LOCAL_MEMORY_FRACTION:.0%} of this machine's {format_bytes(capacity.memory_bytes)} "
+            f"shared by {workers} workers, {format_bytes(budget)} each) is too small"
+        )
+        knobs.insert(0, "fewer resources.workers")
+    advice = "".join(f", or use {k}" for k in knobs)
+    each = f" ({per_worker // MiB}Mi per worker)" if r.memory_total_bytes is not None and workers > 1 else ""
+    return BudgetTooSmallError(f"{field}: {given}: {exc.what}. Raise {field} to at least {minimum // MiB}Mi{each}{advice}.", minimum)
+
+
+def _plan_worker(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] | None) -> _Attempt:
+    """All passes under one worker configuration, whose pod must fit the budget as a whole.
+
+    Each pass is fitted to the budget alone, but one worker serves them all: its memory_limit must
+    cover the highest peak and its pod the largest page cache, which can come from different passes.
+    Where that overshoots, plan the passes again under a budget lowered by the overshoot."""
+    budget = ctx.budget
+    for _ in range(MAX_REPLANS):
+        # Notices belong to one attempt: a failed attempt (another worker count or budget) must
+        # not leave its re-alignment or HDF5 notice on the plan that is finally chosen.
+        notices: list[str] = []
+        passes, memory, cache = _plan_passes(ctx, level_shapes, user_slab, notices)
+        if budget is None or memory.pod_limit <= budget:
+            return passes, memory, cache, notices
+        ctx = replace(ctx, budget=ctx.budget - (memory.pod_limit - budget))
+    raise _NoSlabFits(f"the passes together need a pod limit of {format_bytes(memory.pod_limit)}", memory.pod_limit, [])
 
 
 def _plan_passes(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] | None, notices: list[str]) -> tuple[tuple[Pass, ...], WorkerMemory, int]:
     passes: list[Pass] = []
-    memories: list[WorkerMemory] = []
+    peaks: list[tuple[tuple, int]] = []  # (terms, bytes written per wave) of each pass
     cache = 0
     source = -1  # the HDF5 dataset; later passes read the last level written
     top = len(level_shapes) - 1
     while source < top:
         src_shape = level_shapes[max(source, 0)]
         remaining = top - max(source, 0)
-        p, mem, pass_cache = _plan_one_pass(ctx, len(passes), source, src_shape, remaining, user_slab if source == -1 else None, notices)
+        p, written, pass_cache = _plan_one_pass(ctx, len(passes), source, src_shape, remaining, user_slab if source == -1 else None, notices)
         passes.append(p)
-        memories.append(mem)
+        peaks.append((p.terms, written))
         cache = max(cache, pass_cache)
         source = p.levels[-1]
-    worst = max(memories, key=lambda m: (m.pod_limit, m.predicted_peak))
-    return tuple(passes), worst, cache
+    # The worker's terms are those of the pass that peaks highest; its page cache headroom is that
+    # of the pass that writes most per wave.
+    highest = max(passes, key=lambda p: p.predicted_peak)
+    memory = worker_memory(highest.terms, max(w for _, w in peaks), ctx.constants)
+    return tuple(passes), memory, cache
 
 
 def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, remaining: int, user_slab: list[int] | None, notices: list[str]):
@@ -172,48 +258,55 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
     built_min = 0 if from_hdf5 else 1
     storage = ctx.ds.hdf5_chunks if from_hdf5 else None
     first_level = 0 if from_hdf5 else source + 1
-    refusal: BudgetTooSmallError | None = None
+    refusal: _NoSlabFits | None = None
+    unaligned_because = "budget"
     for built in range(remaining, built_min - 1, -1):
         for align_storage in ((True, False) if storage else (False,)):
             step = slab_step(ctx.unit, ctx.downsampled, built, storage if align_storage else None)
             min_slab = clip(step, src_shape)
             last_chance = built == built_min and not (align_storage and storage)
-            if user_slab is None and not _acceptable(ctx, src_shape, min_slab, last_chance):
+            # Past the size cap, whole HDF5 chunks still beat a slab that cuts them, which must
+            # cache every chunk it touches; the cap only stops extra levels from growing slabs.
+            size_cap = not (built == built_min and align_storage and storage)
+            if user_slab is None and not _acceptable(ctx, src_shape, min_slab, last_chance, size_cap):
+                unaligned_because = "shape" if align_storage else unaligned_because
                 continue
             fits = _fits(ctx, from_hdf5, built, not align_storage)
             if user_slab is not None:
                 slab, realigned = _user_slab(user_slab, step, src_shape)
                 if not last_chance and math.prod(grid_shape(src_shape, slab)) < min(ctx.total_threads, _most_slabs(user_slab, src_shape)):
+                    unaligned_because = "shape" if align_storage else unaligned_because
                     continue
             elif not fits(min_slab):
-                refusal = _smaller(refusal, _refusal(ctx, min_slab, from_hdf5, built))
+                refusal = _smaller(refusal, _refusal(ctx, min_slab, from_hdf5, built, not align_storage))
                 continue
             else:
                 slab, realigned = greedy_slab(src_shape, step, fits, _max_elements(ctx, src_shape, min_slab)), None
             if not fits(slab):
-                refusal = _smaller(refusal, _refusal(ctx, slab, from_hdf5, built, user=user_slab is not None))
+                refusal = _smaller(refusal, _refusal(ctx, slab, from_hdf5, built, not align_storage, user=user_slab is not None))
                 continue
             if realigned:
                 notices.append(realigned)
-            if storage and from_hdf5 and not align_storage:
-                notices.append(
-                    f"HDF5 chunks {ctx.ds.hdf5_chunks} do not fit whole in slabs under this budget; some are decompressed more than once. A larger memory budget avoids it."
-                )
-            shape = _pass_shape(ctx, slab, from_hdf5, built, not align_storage)
+            # A slab chosen without HDF5 alignment may still be whole HDF5 chunks (e.g. the whole
+            # array): then it cuts none, needs no chunk cache and deserves no notice.
+            straddles = bool(storage) and not align_storage and any(s % h and s != n for s, h, n in zip(slab, storage, src_shape))
+            if straddles:
+                notices.append(_unaligned_notice(ctx, unaligned_because))
+            shape = _pass_shape(ctx, slab, from_hdf5, built, straddles)
             terms = pass_terms(shape, ctx.allocator, ctx.constants)
-            memory = worker_memory(terms, ctx.threads * slab_output_bytes(shape), ctx.constants)
             levels = tuple(range(first_level, first_level + built + (1 if from_hdf5 else 0)))
-            return Pass(index, source, levels, slab, grid_shape(src_shape, slab), terms), memory, shape.hdf5_cache_bytes
+            written = ctx.threads * slab_output_bytes(shape)
+            return Pass(index, source, levels, slab, grid_shape(src_shape, slab), terms), written, shape.hdf5_cache_bytes
     assert refusal is not None
     raise refusal
 
 
-def _acceptable(ctx: _Context, src_shape: Shape, min_slab: Shape, last_chance: bool) -> bool:
+def _acceptable(ctx: _Context, src_shape: Shape, min_slab: Shape, last_chance: bool, size_cap: bool = True) -> bool:
     """Whether building ``built`` levels in this pass is worth trying before fewer levels."""
     if last_chance:
         return True
     slab_bytes = math.prod(min_slab) * ctx.itemsize
-    if slab_bytes > MAX_SLAB_BYTES:
+    if size_cap and slab_bytes > MAX_SLAB_BYTES:
         return False
     # Fewer slabs than threads leaves cores idle; fewer levels per pass is cheaper than that.
     return math.prod(grid_shape(src_shape, min_slab)) >= ctx.total_threads
@@ -249,7 +342,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
     cache = 0
     if hdf5_chunks and straddles:
         # Keep every HDF5 chunk a slab touches in the cache, so each is decompressed once per slab.
-        touched = math.prod(-(-s // h) + 1 for s, h in zip(slab, hdf5_chunks))
+        touched = math.prod(_chunks_touched(s, h, n) for s, h, n in zip(slab, hdf5_chunks, ctx.ds.shape))
         cache = touched * hdf5_chunk_bytes
     return PassShape(
         slab_elements=elements,
@@ -267,6 +360,14 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
     )
 
 
+def _chunks_touched(slab: int, chunk: int, size: int) -> int:
+    """The most HDF5 chunks one slab touches along an axis. Slabs start on multiples of their
+    extent, so a slab that is a multiple of the chunk touches exactly slab/chunk; otherwise one
+    more where it straddles a boundary; never more than the axis holds."""
+    exact = slab // chunk if slab % chunk == 0 else -(-slab // chunk) + 1
+    return min(exact, -(-size // chunk))
+
+
 def _memory_for(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddles: bool) -> WorkerMemory:
     shape = _pass_shape(ctx, slab, from_hdf5, built, straddles)
     terms = pass_terms(shape, ctx.allocator, ctx.constants)
@@ -280,21 +381,37 @@ def _fits(ctx: _Context, from_hdf5: bool, built: int, straddles: bool):
     return fits
 
 
-def _smaller(a: BudgetTooSmallError | None, b: BudgetTooSmallError) -> BudgetTooSmallError:
+def _smaller(a: _NoSlabFits | None, b: _NoSlabFits) -> _NoSlabFits:
     """The refusal that asks for the least memory: the one worth quoting to the user."""
     return b if a is None or b.minimum_bytes < a.minimum_bytes else a
 
 
-def _refusal(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, user: bool = False) -> BudgetTooSmallError:
-    need = _memory_for(ctx, slab, from_hdf5, built, straddles=False)
-    what = f"your slab {slab}" if user else f"the smallest slab {slab}"
-    knobs = "a smaller resources.slab (or none, to let the planner choose)" if user else "smaller output.chunks"
-    if ctx.threads > 1:
-        knobs += ", or fewer resources.threadsPerWorker"
-    return BudgetTooSmallError(
-        f"resources.memoryPerWorker: {format_bytes(ctx.budget or 0)} per worker is too small: {what} "
-        f"({format_bytes(math.prod(slab) * ctx.itemsize)}) needs a pod limit of {format_bytes(need.pod_limit)} "
-        f"(predicted worker peak {format_bytes(need.predicted_peak)}). Raise the budget to at least "
-        f"{math.ceil(need.pod_limit / MiB)}Mi, or use {knobs}.",
-        need.pod_limit,
+def _refusal(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddles: bool, user: bool = False) -> _NoSlabFits:
+    # Price the slab exactly as it was tried: a slab that cuts HDF5 chunks also holds their cache.
+    need = _memory_for(ctx, slab, from_hdf5, built, straddles)
+    slab_bytes = math.prod(slab) * ctx.itemsize
+    what = (
+        f"{'your' if user else 'the smallest'} slab {slab} ({format_bytes(slab_bytes)}) needs a pod limit of "
+        f"{format_bytes(need.pod_limit)} (predicted worker peak {format_bytes(need.predicted_peak)})"
     )
+    knobs = []
+    if user:
+        knobs.append("a smaller resources.slab (or none, to let the planner choose)")
+    # Smaller chunks or fewer threads only help where the slabs are a real part of the need; for
+    # tiny slabs the fixed terms (interpreter, nanny, page cache floor) dominate.
+    if ctx.threads * slab_bytes * 10 >= need.pod_limit:
+        if not user:
+            knobs.append("smaller output.chunks")
+        if ctx.threads > 1:
+            knobs.append("fewer resources.threadsPerWorker")
+    return _NoSlabFits(what, need.pod_limit, knobs)
+
+
+def _unaligned_notice(ctx: _Context, because: str) -> str:
+    if because == "budget":
+        why = "do not fit whole in slabs under this budget"
+        fix = "A larger memory budget avoids it."
+    else:
+        why = f"are cut by the slabs: whole HDF5 chunks would make slabs above {format_bytes(MAX_SLAB_BYTES)} or fewer than the {ctx.total_threads} threads"
+        fix = "Fewer workers or threads, or HDF5 chunks closer to the output chunks, avoid it."
+    return f"HDF5 chunks {ctx.ds.hdf5_chunks} {why}; some are decompressed more than once. {fix}"

@@ -1,0 +1,135 @@
+"""Import rules (DESIGN.md section 2), enforced with import-linter.
+
+The contracts live in pyproject.toml ``[tool.importlinter]``. The negative controls copy the real
+package to a temporary directory, add one forbidden import, and show that the same contracts fail
+on it, naming the contract that broke.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "h5ngff"
+PYPROJECT = ROOT / "pyproject.toml"
+LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
+
+
+def contracts() -> list[dict]:
+    return tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+
+
+def lint(package_parent: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``lint-imports`` with our contracts on the package found under ``package_parent``."""
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    return subprocess.run([LINT_IMPORTS, "--no-cache", str(PYPROJECT)], capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+
+
+def contract_name(fragment: str) -> str:
+    return next(c["name"] for c in contracts() if fragment in c["name"])
+
+
+def test_the_real_package_keeps_every_contract(tmp_path):
+    proc = lint(ROOT / "src", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    n = len(contracts())
+    assert f"Contracts: {n} kept, 0 broken." in out, out
+    # The rules the design names are all there.
+    kinds = {c["name"]: c["type"] for c in contracts()}
+    assert list(kinds.values()).count("layers") == 1
+    for fragment in ("planner is pure", "kopf only", "dask_kubernetes only", "prometheus_client only"):
+        assert contract_name(fragment)
+
+
+def test_every_subpackage_is_a_regular_package():
+    """import-linter (grimp) does not see modules in implicit namespace subpackages: a folder
+    without __init__.py would silently escape every contract."""
+    missing = [str(d.relative_to(PACKAGE)) for d in PACKAGE.rglob("*") if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) and not (d / "__init__.py").exists()]
+    assert not missing, f"add __init__.py to {missing}"
+
+
+def test_the_lint_sees_every_module():
+    """Negative control for the namespace trap: grimp's graph holds every module on disk."""
+    import grimp
+
+    graph = grimp.build_graph("h5ngff")
+    on_disk = set()
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        on_disk.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    assert "h5ngff.engine.source" in on_disk and "h5ngff.planner" in on_disk
+    assert on_disk <= set(graph.modules), sorted(on_disk - set(graph.modules))
+
+
+@pytest.fixture
+def package_copy(tmp_path):
+    """A throwaway copy of the real package to break on purpose."""
+    parent = tmp_path / "src"
+    shutil.copytree(PACKAGE, parent / "h5ngff", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return parent
+
+
+def test_negative_control_the_unbroken_copy_passes(package_copy, tmp_path):
+    proc = lint(package_copy, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+VIOLATIONS = [
+    # (file to create or extend, line to add, contract that must break)
+    ("planner/violation.py", "import h5py\n", "planner is pure"),
+    ("planner/violation.py", "import zarr\n", "planner is pure"),
+    ("planner/violation.py", "from distributed import Client\n", "planner is pure"),
+    ("planner/violation.py", "from ..engine import chunkio\n", "Layers"),
+    ("planner/violation.py", "from .. import runner\n", "Layers"),
+    ("units.py", "from . import spec\n", "Layers"),
+    ("engine/violation.py", "from .. import cli\n", "Layers"),
+    ("runner.py", "from .operator import handlers\n", "Layers"),
+    ("engine/violation.py", "import kopf\n", "kopf only"),
+    ("cli.py", "import kopf\n", "kopf only"),
+    ("backends/local.py", "from dask_kubernetes.operator import KubeCluster\n", "dask_kubernetes only"),
+    ("operator/violation.py", "import dask_kubernetes\n", "dask_kubernetes only"),
+    ("runner.py", "import prometheus_client\n", "prometheus_client only"),
+    ("backends/violation.py", "from prometheus_client import Gauge\n", "prometheus_client only"),
+]
+
+
+@pytest.mark.parametrize("target, line, broken", VIOLATIONS, ids=[f"{t}:{line.strip()}" for t, line, _ in VIOLATIONS])
+def test_negative_control_each_contract_catches_a_violation(package_copy, tmp_path, target, line, broken):
+    path = package_copy / "h5ngff" / target
+    path.write_text((path.read_text() if path.exists() else "") + "\n" + line)
+    proc = lint(package_copy, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    name = contract_name(broken)
+    # lint-imports wraps long names; compare with whitespace collapsed.
+    flat = re.sub(r"\s+", " ", out)
+    assert f"{name} BROKEN" in flat, out
+    # Only the contract concerned breaks (and, for planner imports, the layering it also breaks).
+    broken_names = {c["name"] for c in contracts() if f"{c['name']} BROKEN" in flat}
+    allowed = {name, contract_name("Layers"), contract_name("planner is pure")}
+    assert broken_names <= allowed, broken_names
+
+
+def test_negative_control_a_missing_optional_module_is_tolerated(package_copy, tmp_path):
+    """The operator and the kubernetes backend are optional to the contracts: deleting them (as
+    before they existed) must not break or crash the lint."""
+    shutil.rmtree(package_copy / "h5ngff" / "operator")
+    (package_copy / "h5ngff" / "backends" / "kubernetes.py").unlink()
+    for path in (package_copy / "h5ngff").rglob("*.py"):
+        text = path.read_text()
+        # Cut the imports of the deleted modules so the rest of the package still parses as before.
+        kept = [ln for ln in text.splitlines() if not re.search(r"\boperator\.(handlers|attempt|runner_cmd|crd|kube|manifests|rbac|reconcile|reporter|status)\b|from \.+operator\b|backends\.kubernetes|from \.kubernetes|from \.\.operator", ln)]
+        path.write_text("\n".join(kept) + "\n")
+    proc = lint(package_copy, tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "does not exist" not in out and "Missing layer" not in out
