@@ -77,17 +77,18 @@ def test_headline_explains_every_mib(headline):
     assert pod["nanny"] == c.nanny
     assert pod["page cache headroom"] >= c.page_cache_floor
     assert headline.memory.pod_limit == math.ceil(sum(pod.values()) / MiB) * MiB
-    assert headline.memory.memory_limit == math.ceil(headline.memory.predicted_peak / c.pause_fraction / MiB) * MiB
+    assert headline.memory.memory_limit == math.ceil(headline.memory.predicted_peak / c.planned_fraction / MiB) * MiB
 
 
 def test_headline_dask_acts_before_the_kernel(headline):
     m = headline.memory
     t = m.thresholds
-    assert m.predicted_peak < t.pause * m.memory_limit <= m.memory_limit < m.pod_limit
+    assert m.predicted_peak <= t.planned * m.memory_limit < t.terminate * m.memory_limit < m.memory_limit < m.pod_limit
     # The nanny kills the worker at terminate x memory_limit; with the nanny's own RSS that is still
     # below the pod limit, so the kernel's OOM killer never gets there first.
     assert t.terminate * m.memory_limit + DEFAULT_CONSTANTS.nanny < m.pod_limit
-    assert t.pause < t.terminate < 1
+    assert t.pause is False, "a paused worker never frees unmanaged slab memory: it would stall the run"
+    assert t.planned < t.terminate < 1
     assert t.target is False and t.spill is False  # nothing to spill: slabs are streamed
     assert m.pod_request == m.pod_limit  # Guaranteed QoS
     assert m.pod_limit % MiB == 0 and m.memory_limit % MiB == 0
@@ -377,7 +378,7 @@ def test_regression_pass_peak_above_pause_threshold():
     check_plan(plan, ds, s, BIG)
     m = plan.memory
     assert m.predicted_peak == max(p.predicted_peak for p in plan.passes)
-    assert all(p.predicted_peak <= m.thresholds.pause * m.memory_limit for p in plan.passes)
+    assert all(p.predicted_peak <= m.thresholds.planned * m.memory_limit for p in plan.passes)
 
 
 def test_combined_worker_memory_still_fits_a_tight_budget():
@@ -402,7 +403,7 @@ def test_constants_are_overridable_from_a_json_file(tmp_path, headline):
     path.write_text(json.dumps({"interpreter_baseline": DEFAULT_CONSTANTS.interpreter_baseline + 100 * MiB, "nanny": 50 * MiB}))
     constants = MemoryConstants.from_file(path)
     assert constants.interpreter_baseline == DEFAULT_CONSTANTS.interpreter_baseline + 100 * MiB
-    assert constants.nanny == 50 * MiB and constants.pause_fraction == DEFAULT_CONSTANTS.pause_fraction
+    assert constants.nanny == 50 * MiB and constants.planned_fraction == DEFAULT_CONSTANTS.planned_fraction
     plan = make_plan(HEADLINE, headline_spec(), MACHINE, constants)
     terms = {t.name: t.bytes for t in plan.memory.terms}
     assert terms["interpreter"] == constants.interpreter_baseline

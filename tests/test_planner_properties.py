@@ -158,7 +158,7 @@ def _check_most_workers(ds, spec_dict, capacity, allocator, plan) -> None:
 def test_overridden_constants_still_hold_the_oracle(budget, baseline, nanny, pause):
     """Calibration changes the constants; the invariants must not depend on the defaults."""
     constants = MemoryConstants().with_overrides(
-        {"interpreter_baseline": baseline, "nanny": nanny, "page_cache_floor": 8 * MiB, "pause_fraction": pause, "terminate_fraction": min(0.99, pause + 0.05)}
+        {"interpreter_baseline": baseline, "nanny": nanny, "page_cache_floor": 8 * MiB, "planned_fraction": pause, "terminate_fraction": min(0.99, pause + 0.05)}
     )
     ds = DatasetInfo((300, 1500, 1100), "<u2", 2, hdf5_chunks=(30, 250, 250), hdf5_filters=("gzip",))
     spec_dict = {

@@ -58,7 +58,7 @@ def plan_renderable(job: PlannedJob) -> Group:
         mem.add_row(("+ " if t.name != "dask memory_limit" else "") + t.name, _mib(t.bytes), t.why)
     th = plan.memory.thresholds
     mem.add_row(Text("pod limit", style="bold"), Text(_mib(plan.memory.pod_limit), style="bold"), f"pod resources: requests = limits = {k8s_quantity(plan.memory.pod_limit)} (Guaranteed QoS)")
-    mem.add_row("dask thresholds", "", f"target {th.target}, spill {th.spill}, pause {th.pause:.0%}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)")
+    mem.add_row("dask thresholds", "", f"target {th.target}, spill {th.spill}, pause {th.pause}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)")
     parts = [head, Text(""), passes, Text(""), mem]
     for notice in job.notices:
         parts.append(Text(f"notice: {notice}", style="yellow"))

@@ -126,7 +126,8 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
                 try:
                     summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
                 except KilledWorker as exc:
-                    raise classify_failure(exc, ClusterEvents.collect(session.client), job.plan.memory.pod_limit, job.plan.memory.memory_limit, session.oom_kills()) from None
+                    pod_limit = session.pod_limit or job.plan.memory.pod_limit
+                    raise classify_failure(exc, ClusterEvents.collect(session.client), pod_limit, job.plan.memory.memory_limit, session.oom_kills()) from None
             summary.workers = _worker_reports(job.plan, sampler, session)
             summary.timeline = sampler.timeline
         events.emit(phase="Finalizing")

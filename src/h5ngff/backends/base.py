@@ -26,6 +26,7 @@ def dask_memory_config(plan: Plan) -> dict[str, Any]:
         "distributed.worker.memory.spill": t.spill,
         "distributed.worker.memory.pause": t.pause,
         "distributed.worker.memory.terminate": t.terminate,
+        "distributed.worker.memory.monitor-interval": f"{round(t.monitor_interval * 1000)}ms",
         # A slab that kills its worker is retried on another; a slab that kills every worker it
         # touches fails the run instead of looping forever.
         "distributed.scheduler.allowed-failures": 2,
@@ -52,6 +53,7 @@ class MemorySampler:
         self.client = client
         self.interval = interval
         self.peaks: dict[str, int] = {}
+        #: (epoch seconds, worker name, RSS bytes)
         self.timeline: list[tuple[float, str, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="h5ngff-memory-sampler", daemon=True)
@@ -76,7 +78,7 @@ class MemorySampler:
             names = {addr: info.get("name", addr) for addr, info in self.client.scheduler_info(n_workers=-1)["workers"].items()}
         except Exception:
             return
-        now = time.time() - self.started
+        now = time.time()  # absolute, so samples line up with progress events
         for address, mem in figures.items():
             if not isinstance(mem, dict):
                 continue
@@ -99,6 +101,8 @@ class Session:
     extra_reports: dict[str, WorkerReport] = field(default_factory=dict)
     #: Re-reads the figures behind ``extra_reports`` (cgroup counters, nanny logs).
     refresh: Callable[[], None] = _nothing
+    #: The pod limit actually enforced, where it differs from the plan's (an override).
+    pod_limit: int | None = None
 
     def oom_kills(self) -> int:
         self.refresh()

@@ -111,18 +111,25 @@ class ClusterEvents:
 
 
 def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, memory_limit: int, oom_kills: int = 0) -> WorkerFailedError:
-    """Turn a KilledWorker into the reason a user can act on."""
-    if events.oom_killed() or oom_kills:
-        return OOMKilledError(
+    """Turn a KilledWorker into the reason a user can act on. The kernel's OOM kills are checked
+    first: a nanny termination that follows an OOM kill does not hide it."""
+    kills = max(oom_kills, len(events.oom_killed()))
+    terminations = len(events.memory_restarts)
+    if kills:
+        err: WorkerFailedError = OOMKilledError(
             f"OOMKilled by the kernel (pod limit {pod_limit >> 20} MiB): a worker used more than its pod's memory "
-            f"limit and the kernel killed it, {max(oom_kills, len(events.oom_killed()))} time(s). The plan's prediction was exceeded; "
+            f"limit and the kernel killed it, {kills} time(s). The plan's prediction was exceeded; "
             f"raise resources.memoryPerWorker or report the case (h5ngff plan --json output helps).",
         )
-    if events.memory_restarts:
+    elif terminations:
         worst = max(e.get("rss", 0) for e in events.memory_restarts)
-        return NannyTerminatedError(
+        err = NannyTerminatedError(
             f"NannyTerminated: Dask's nanny terminated a worker at {format_bytes(worst)}, above its terminate threshold "
-            f"of memory_limit {format_bytes(memory_limit)}, {len(events.memory_restarts)} time(s). The task used more memory "
+            f"of memory_limit {format_bytes(memory_limit)}, {terminations} time(s). The task used more memory "
             f"than planned; raise resources.memoryPerWorker or use a smaller resources.slab.",
         )
-    return WorkerFailedError(f"A Dask worker died repeatedly while running a slab ({exc}). Check the worker logs.")
+    else:
+        err = WorkerFailedError(f"A Dask worker died repeatedly while running a slab ({exc}). Check the worker logs.")
+    err.oom_kills = kills
+    err.memory_terminations = terminations
+    return err

@@ -60,7 +60,7 @@ class LocalBackend:
                 client = stack.enter_context(Client(pods.scheduler_address, set_as_default=False))
                 client.register_plugin(WorkerExitReporter())
                 pods.wait_for_workers(client)
-                yield Session(client, "local-pods", pods.reports, pods.refresh)
+                yield Session(client, "local-pods", pods.reports, pods.refresh, pods.pod_limit)
             else:
                 stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
                 cluster = stack.enter_context(

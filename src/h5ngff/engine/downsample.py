@@ -22,9 +22,10 @@ from itertools import product
 
 import numpy as np
 
-#: The float64 accumulator covers this many output elements at a time (8 MiB); the planner's
-#: memory model uses the same figure.
-STRIP_ELEMENTS = 1 << 20
+#: Output elements computed at a time. The integer mean holds about five 8-byte temporaries per
+#: element (sum, floor, remainder, rounding, result), so a strip costs ~5 MiB; the planner's
+#: memory model uses the same figures (planner.plan.MEAN_STRIP_ELEMENTS, memory.STRIP_TEMPORARIES).
+STRIP_ELEMENTS = 1 << 17
 
 
 def output_shape(shape: tuple[int, ...], downsampled: tuple[bool, ...]) -> tuple[int, ...]:

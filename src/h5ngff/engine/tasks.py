@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .chunkio import ArrayLayout, read_region, write_block
+from . import faults
 from .downsample import downsample
 from .manifest import SlabRecord
 from .source import read_slab
@@ -100,6 +101,7 @@ def run_slab(task: SlabTask) -> SlabResult:
         first_factor = 2
     seconds["read"] = time.perf_counter() - t0
     bytes_read = block.nbytes
+    injected = faults.at_slab_start()
 
     units: list[tuple[int, str, int]] = []
     minmax = _MinMax(task.channel_axis)
@@ -118,7 +120,7 @@ def run_slab(task: SlabTask) -> SlabResult:
             units.append((layout.level, key, nbytes))
             bytes_written += nbytes
         seconds["write"] += time.perf_counter() - t
-    del block
+    del block, injected
     record = SlabRecord(task.pass_index, task.slab, units, minmax.stats())
     return SlabResult(record, bytes_read, bytes_written, seconds)
 

@@ -20,13 +20,14 @@ def _figure(summary):
     plan = summary.job.plan
     fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
     series: dict[str, list[tuple[float, int]]] = {}
+    start = min((t for t, _, _ in summary.timeline), default=0.0)
     for t, name, rss in summary.timeline:
-        series.setdefault(name, []).append((t, rss))
+        series.setdefault(name, []).append((t - start, rss))
     for name, points in sorted(series.items()):
         ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2)
     lines = [
         (plan.memory.predicted_peak, "predicted peak", "tab:green", ":"),
-        (plan.memory.memory_limit * plan.memory.thresholds.pause, "Dask pause", "tab:orange", "-."),
+        (plan.memory.memory_limit * plan.memory.thresholds.terminate, "Dask terminate", "tab:orange", "-."),
         (plan.memory.memory_limit, "Dask memory_limit", "tab:red", "--"),
         (plan.memory.pod_limit, "pod limit (cgroup)", "black", "-"),
     ]

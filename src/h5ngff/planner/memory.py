@@ -19,6 +19,9 @@ from ..units import MiB
 from .model import MemoryTerm, Thresholds, WorkerMemory
 
 BLOSC_MAX_OVERHEAD = 16
+#: 8-byte temporaries per output element while a strip is downsampled (the exact integer mean's
+#: sum, floor, remainder, rounding and result; the float mean needs fewer).
+STRIP_TEMPORARIES = 5
 #: Shard index per inner chunk: two little-endian uint64 (offset, nbytes), plus a CRC32C.
 SHARD_INDEX_ENTRY = 16
 
@@ -27,11 +30,18 @@ SHARD_INDEX_ENTRY = 16
 class MemoryConstants:
     """Measured constants of the memory model. Units are bytes unless the name says otherwise."""
 
-    #: RSS of an idle Dask worker with numpy, h5py, hdf5plugin, zarr and numcodecs imported and the
-    #: HDF5 file open. Measured with /proc/self/status VmRSS on the worker (see docs/memory-model.md).
-    interpreter_baseline: int = 116 * MiB
-    #: RSS of a ``dask worker`` nanny process. It shares the pod (and the cgroup) with its worker.
-    nanny: int = 72 * MiB
+    #: RSS of a Dask worker with numpy, h5py, hdf5plugin, zarr and numcodecs imported and the HDF5
+    #: file open, fitted on bench/calibrate's matrix (implied baselines 90-100 MiB; see
+    #: docs/memory-model.md). Measured as the kernel's high-water mark (VmHWM) of the worker.
+    interpreter_baseline: int = 94 * MiB
+    #: Per thread: a zstd compression context (level 5, window ~1 MiB, hash tables), which blosc
+    #: and numcodecs keep alive between chunks; other codecs need about 1 MiB.
+    codec_context_zstd: int = 8 * MiB
+    codec_context_other: int = 1 * MiB
+    #: Memory the nanny adds to the pod beside its worker: the nanny's own private memory (USS
+    #: 43 MiB) and its multiprocessing resource tracker (6 MiB), measured with psutil on a running
+    #: ``dask worker`` pod. Shared library pages are already in the worker's RSS.
+    nanny: int = 52 * MiB
     #: HDF5's own buffers per open file: type conversion (1 MiB), sieve buffer, metadata cache.
     hdf5_internal: int = 4 * MiB
     #: Fraction of the dynamic terms that the allocator keeps but does not use (fragmentation,
@@ -39,14 +49,25 @@ class MemoryConstants:
     allocator_slack_jemalloc: float = 0.04
     allocator_slack_glibc: float = 0.06
     #: Page cache of written chunk files is charged to the pod's cgroup; dirty pages cannot be
-    #: reclaimed until written back. The pod limit leaves room for this fraction of the bytes
+    #: reclaimed until written back. The kernel throttles a cgroup's writers and reclaims clean
+    #: pages before it OOM-kills (a pod 16 MiB above its worker's peak RSS converted 147 MiB slabs
+    #: without a kill, docs/memory-model.md), so the room kept is small: this fraction of the bytes
     #: one wave of slabs writes, and never less than the floor.
-    page_cache_fraction: float = 0.5
-    page_cache_floor: int = 64 * MiB
-    #: Dask pauses a worker above ``pause`` of memory_limit and the nanny kills it above
-    #: ``terminate``. The predicted peak sits below ``pause`` so a healthy run never pauses.
-    pause_fraction: float = 0.90
+    page_cache_fraction: float = 0.1
+    page_cache_floor: int = 32 * MiB
+    #: The predicted peak as a fraction of Dask's memory_limit: the rest is room for the nanny
+    #: to see a worker outgrow its plan before it terminates it at ``terminate_fraction``.
+    #: Dask's *pause* is switched off: a slab task's memory is unmanaged, so a paused worker never
+    #: frees anything and would stop the run for good (a 100 KiB-per-slab leak did exactly that);
+    #: terminating and retrying the slab elsewhere is the action that helps.
+    planned_fraction: float = 0.90
     terminate_fraction: float = 0.95
+    #: How often the nanny checks its worker's RSS (seconds), and the fastest a runaway task grows
+    #: (bytes/s: about a slab read from page cache). Between two checks a worker can overshoot the
+    #: terminate threshold by their product; the pod limit leaves that room so the nanny, not the
+    #: kernel, stops a worker that outgrows its plan.
+    monitor_interval: float = 0.02
+    growth_rate: int = 2 << 30
 
     @classmethod
     def from_file(cls, path: str | Path) -> "MemoryConstants":
@@ -88,6 +109,8 @@ class PassShape:
     hdf5_chunk_bytes: int | None
     hdf5_filtered: bool
     hdf5_cache_bytes: int
+    #: The output codec is zstd (alone or inside blosc).
+    zstd: bool = False
 
 
 def encoded_bound(nbytes: int) -> int:
@@ -109,13 +132,15 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
     else:
         encode = shape.chunk_bytes + encoded_bound(shape.chunk_bytes)
         why = "per thread: one padded chunk copy + its encoded bytes"
-    terms.append(MemoryTerm("chunk and encode buffers", T * encode, why))
+    context = c.codec_context_zstd if shape.zstd else c.codec_context_other
+    terms.append(MemoryTerm("chunk and encode buffers", T * (encode + context), why + f" + codec context ({context / MiB:.0f} MiB)"))
     if shape.levels_built:
         # Level k+1 is computed from level k, after which level k is dropped; the peak holds the
         # slab and the first downsampled level together, plus one float64 strip for the mean.
         first = shape.slab_elements // shape.reduction
-        pyramid = first * shape.itemsize + shape.strip_elements * 8
-        terms.append(MemoryTerm("pyramid buffers", T * pyramid, f"per thread: level +1 ({first * shape.itemsize / MiB:.1f} MiB, 1/{shape.reduction} of the slab) + one float64 strip"))
+        strip = shape.strip_elements * 8 * STRIP_TEMPORARIES
+        pyramid = first * shape.itemsize + strip
+        terms.append(MemoryTerm("pyramid buffers", T * pyramid, f"per thread: level +1 ({first * shape.itemsize / MiB:.1f} MiB, 1/{shape.reduction} of the slab) + one strip of temporaries ({strip / MiB:.1f} MiB)"))
     if shape.from_hdf5:
         hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
         why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB + HDF5 internal buffers"
@@ -147,15 +172,17 @@ def slab_output_bytes(shape: PassShape) -> int:
 def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: MemoryConstants = DEFAULT_CONSTANTS) -> WorkerMemory:
     """Derive Dask's memory_limit and the pod limit from the predicted peak."""
     peak = sum(t.bytes for t in terms)
-    memory_limit = _round_mib(peak / c.pause_fraction)
+    memory_limit = _round_mib(peak / c.planned_fraction)
     page_cache = max(c.page_cache_floor, math.ceil(c.page_cache_fraction * written_per_wave))
+    overshoot = math.ceil(c.growth_rate * c.monitor_interval)
     pod_terms = (
-        MemoryTerm("dask memory_limit", memory_limit, f"predicted peak / pause fraction {c.pause_fraction}"),
+        MemoryTerm("dask memory_limit", memory_limit, f"predicted peak / planned fraction {c.planned_fraction}"),
         MemoryTerm("nanny", c.nanny, "the nanny process shares the pod's cgroup"),
         MemoryTerm("page cache headroom", page_cache, "dirty pages of chunk writes, charged to the pod but invisible to Dask"),
+        MemoryTerm("monitor overshoot", overshoot, f"growth between two nanny checks ({c.monitor_interval * 1000:.0f} ms): Dask terminates before the kernel kills"),
     )
     pod_limit = _round_mib(sum(t.bytes for t in pod_terms))
-    thresholds = Thresholds(target=False, spill=False, pause=c.pause_fraction, terminate=c.terminate_fraction)
+    thresholds = Thresholds(target=False, spill=False, pause=False, terminate=c.terminate_fraction, planned=c.planned_fraction, monitor_interval=c.monitor_interval)
     return WorkerMemory(terms, peak, memory_limit, pod_limit, pod_terms, thresholds)
 
 

@@ -99,8 +99,12 @@ class Thresholds:
 
     target: float | bool
     spill: float | bool
-    pause: float
+    pause: float | bool
     terminate: float
+    #: The fraction of memory_limit the plan's predicted peak may fill (no pass peaks above it).
+    planned: float = 0.9
+    #: Seconds between the nanny's RSS checks.
+    monitor_interval: float = 0.1
 
 
 @dataclass(frozen=True)

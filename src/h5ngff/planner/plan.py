@@ -34,8 +34,8 @@ MAX_SLAB_BYTES = 512 * MiB
 LOCAL_MEMORY_FRACTION = 0.8
 #: Workers for ``workers: auto`` where the capacity names no default (e.g. Kubernetes).
 FALLBACK_WORKERS = 4
-#: Elements of the float64 strip the mean accumulates at a time (8 MiB).
-MEAN_STRIP_ELEMENTS = 1 << 20
+#: Output elements the downsampler computes at a time (engine.downsample.STRIP_ELEMENTS).
+MEAN_STRIP_ELEMENTS = 1 << 17
 #: Slabs per thread the planner aims for: the last slabs of a run leave cores idle for about half
 #: a slab's time, so many smaller slabs finish evenly; 8 keeps that tail near 6% of the run.
 SLABS_PER_THREAD = 8
@@ -62,6 +62,8 @@ class _Context:
     budget: int | None
     allocator: str
     constants: MemoryConstants
+    #: The output codec is zstd (inside blosc or plain), whose compression context is large.
+    zstd: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -86,7 +88,7 @@ def make_plan(
     threads = spec.resources.threads_per_worker
 
     def plan_with(workers: int, budget: int | None) -> _Attempt:
-        ctx = _Context(ds, shards or chunks, chunks, shards, downsampled, threads, workers * threads, budget, allocator, constants)
+        ctx = _Context(ds, shards or chunks, chunks, shards, downsampled, threads, workers * threads, budget, allocator, constants, _uses_zstd(spec))
         return _plan_worker(ctx, [lv.shape for lv in levels], spec.resources.slab)
 
     workers, budget = _workers_and_budget(spec, capacity, threads)
@@ -116,6 +118,11 @@ def make_plan(
         allocator=allocator,
         notices=tuple(dict.fromkeys(notices)),
     )
+
+
+def _uses_zstd(spec: ConversionSpec) -> bool:
+    c = spec.output.compressor
+    return c.codec == "zstd" or (c.codec == "blosc" and c.blosc_cname == "zstd")
 
 
 def _check_dataset(ds: DatasetInfo) -> None:
@@ -357,6 +364,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
         hdf5_chunk_bytes=hdf5_chunk_bytes,
         hdf5_filtered=bool(ctx.ds.hdf5_filters),
         hdf5_cache_bytes=cache,
+        zstd=ctx.zstd,
     )
 
 

@@ -1,0 +1,46 @@
+"""Fault injection for tests and drills, switched on only by the ``H5NGFF_FAULTS`` environment
+variable (never by a spec or a flag): ``H5NGFF_FAULTS="slab_sleep=0.2,slab_extra_bytes=1GiB"``.
+
+* ``slab_sleep``: seconds each slab task sleeps before writing (slows a run down so a test can
+  kill it mid-flight).
+* ``slab_extra_bytes``: each slab task allocates and touches this much memory beyond the plan,
+  ``fault_growth_rate`` bytes per second (default 1 GiB/s) - a task that outgrows its plan.
+* ``slab_leak_bytes``: each slab task leaves this much memory behind for good - a leak.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ..units import parse_bytes
+
+ENV = "H5NGFF_FAULTS"
+_leaked: list[np.ndarray] = []
+
+
+def active() -> dict[str, str]:
+    raw = os.environ.get(ENV, "")
+    return dict(item.split("=", 1) for item in raw.split(",") if "=" in item)
+
+
+def at_slab_start() -> list[np.ndarray]:
+    """Apply the slab faults; returns memory the caller must hold until the slab is done."""
+    faults = active()
+    if not faults:
+        return []
+    if "slab_sleep" in faults:
+        time.sleep(float(faults["slab_sleep"]))
+    if "slab_leak_bytes" in faults:
+        _leaked.append(np.ones(parse_bytes(faults["slab_leak_bytes"]), dtype=np.uint8))
+    held: list[np.ndarray] = []
+    extra = parse_bytes(faults["slab_extra_bytes"]) if "slab_extra_bytes" in faults else 0
+    rate = parse_bytes(faults.get("fault_growth_rate", "1GiB"))
+    step = 16 << 20
+    while extra > 0:
+        held.append(np.ones(min(step, extra), dtype=np.uint8))  # touched pages count in RSS
+        extra -= step
+        time.sleep(step / rate)
+    return held

@@ -1,0 +1,136 @@
+"""The plan holds under real pod memory limits: every worker runs (with its nanny) in its own memory
+cgroup at the planned pod limit, enforced by the kernel exactly as kubelet does it.
+
+Each safety claim has its negative control: below the plan the kernel does kill, and a task that
+outgrows its plan is stopped by Dask's nanny, not the kernel.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+from conftest import requires_cgroups, spec_for, write_h5
+from h5ngff.backends.local import LocalBackend
+from h5ngff.errors import NannyTerminatedError, OOMKilledError
+from h5ngff.runner import plan_job, run_job
+from h5ngff.sample import write_sample
+
+pytestmark = [requires_cgroups, pytest.mark.cgroup]
+
+
+@pytest.fixture(scope="module")
+def user_case(tmp_path_factory):
+    """The case that started the project, scaled down 4x in y and x: (150, 942, 502) float32,
+    contiguous, (64,64,64) chunks, blosc zstd 5 bitshuffle, read in (64, 176, 502) slabs."""
+    path = str(tmp_path_factory.mktemp("user") / "scan.h5")
+    write_sample(path, "/volume/data", (150, 942, 502), "float32")
+    return path
+
+
+def user_spec(h5: str, out: str, **resources):
+    return spec_for(
+        h5, out,
+        output={"chunks": [64, 64, 64], "compressor": {"codec": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"}},
+        pyramid={"levels": 1},
+        resources={"workers": 8, "slab": [64, 176, 502], **resources},
+    )
+
+
+def test_user_case_runs_with_no_oom_kills_under_pod_limits(user_case, tmp_path):
+    out = str(tmp_path / "out.ome.zarr")
+    backend = LocalBackend(enforce_pod_limits=True)
+    job = plan_job(user_spec(user_case, out), backend)
+    assert job.plan.workers == 8
+    summary = run_job(job, backend)
+    assert summary.status == "Succeeded"
+    assert len(summary.workers) == 8
+    for w in summary.workers:
+        assert w.oom_kills == 0, w
+        assert w.nanny_restarts == 0 and w.memory_terminations == 0, w
+        assert 0 < w.peak_rss <= job.plan.memory.predicted_peak, f"{w.name}: measured {w.peak_rss} > predicted {job.plan.memory.predicted_peak}"
+        assert w.cgroup_peak is not None and w.cgroup_peak <= job.plan.memory.pod_limit
+    import h5py
+
+    with h5py.File(user_case) as f:
+        np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], f["/volume/data"][...])
+
+
+def test_negative_control_kernel_kills_below_the_plan(user_case, tmp_path):
+    """With the pod limit at 0.6x the plan, the kernel OOM-kills a worker, and h5ngff says so."""
+    out = str(tmp_path / "out.ome.zarr")
+    spec = spec_for(
+        user_case, out, output={"chunks": [64, 64, 64]}, pyramid={"levels": 1},
+        resources={"workers": 1, "slab": [150, 942, 502]},  # one 284 MiB slab: the slab dominates the plan
+    )
+    probe = plan_job(spec, LocalBackend())
+    limit = int(0.6 * probe.plan.memory.pod_limit)
+    backend = LocalBackend(enforce_pod_limits=True, pod_limit=limit)
+    with pytest.raises(OOMKilledError, match=rf"^OOMKilled by the kernel \(pod limit {limit >> 20} MiB\)") as caught:
+        run_job(plan_job(spec, backend), backend)
+    assert caught.value.reason == "OOMKilled"
+    assert caught.value.oom_kills >= 1
+
+
+def test_dask_terminates_a_runaway_task_before_the_kernel(user_case, tmp_path, monkeypatch):
+    """A slab task that keeps allocating beyond its plan trips the nanny's terminate threshold; the
+    pod limit leaves room for that, so the kernel never has to kill. Retries are bounded."""
+    out = str(tmp_path / "out.ome.zarr")
+    spec = spec_for(user_case, out, output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 2})
+    backend = LocalBackend(enforce_pod_limits=True)
+    job = plan_job(spec, backend)
+    monkeypatch.setenv("H5NGFF_FAULTS", f"slab_extra_bytes={3 * job.plan.memory.memory_limit},fault_growth_rate=1GiB")
+    started = time.time()
+    with pytest.raises(NannyTerminatedError, match="NannyTerminated: Dask's nanny terminated a worker") as caught:
+        run_job(job, backend)
+    assert caught.value.oom_kills == 0, "the kernel had to step in: the pod limit leaves too little room"
+    assert caught.value.memory_terminations >= 3  # allowed-failures 2: the third death fails the slab
+    assert time.time() - started < 240, "a slab that always exceeds its plan must fail, not loop"
+
+
+def run_200_slabs(tmp_path, constants=None):
+    data = np.random.default_rng(0).integers(0, 4000, size=(200, 256, 512), dtype=np.uint16)
+    h5 = write_h5(tmp_path / "in.h5", data)
+    spec = spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [1, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 2, "slab": [1, 256, 512]})
+    backend = LocalBackend(enforce_pod_limits=True)
+    job = plan_job(spec, backend, constants) if constants else plan_job(spec, backend)
+    assert job.plan.n_tasks >= 200
+    marks: list[tuple[float, float]] = []
+    summary = run_job(job, backend, [lambda p: marks.append((time.time(), p.fraction))])
+    return summary, marks
+
+
+def assert_flat(summary, marks) -> None:
+    """RSS at 90% progress within 5% of RSS at 10%, per worker (samples within 1 s of the mark)."""
+    timeline = summary.timeline  # (epoch seconds, worker, RSS)
+
+    def rss_at(fraction: float, worker: str) -> int:
+        when = next(t for t, f in marks if f >= fraction)
+        samples = [rss for t, w, rss in timeline if w == worker and abs(t - when) < 1.0]
+        assert samples, f"no RSS sample near {fraction:.0%} for worker {worker}"
+        return max(samples)
+
+    workers = {w for _, w, _ in timeline}
+    assert len(workers) == 2
+    for worker in workers:
+        early, late = rss_at(0.10, worker), rss_at(0.90, worker)
+        assert late <= early * 1.05, f"worker {worker}: RSS grew from {early >> 20} MiB at 10% to {late >> 20} MiB at 90%"
+
+
+def test_memory_stays_flat_over_200_slabs(tmp_path):
+    assert_flat(*run_200_slabs(tmp_path))
+
+
+def test_negative_control_a_leak_is_caught(tmp_path, monkeypatch):
+    """100 KiB left behind per slab (about 8 MiB per worker over the run, above the 5% the check
+    allows) fails the flatness check. The plan gets extra room so the nanny does not terminate
+    the leaking workers first (which would hide the growth in a restart)."""
+    from h5ngff.planner import DEFAULT_CONSTANTS
+
+    monkeypatch.setenv("H5NGFF_FAULTS", "slab_leak_bytes=100KiB")
+    roomy = DEFAULT_CONSTANTS.with_overrides({"planned_fraction": 0.6})
+    with pytest.raises(AssertionError, match="RSS grew"):
+        assert_flat(*run_200_slabs(tmp_path, roomy))
