@@ -14,6 +14,7 @@ from rich.console import Console
 from . import __version__
 from .cliargs import add_spec_flags, merge, spec_overrides, split_source
 from .clijob import add_job_commands
+from .cliverify import add_verify_command
 from .errors import H5ngffError
 from .planner import DEFAULT_CONSTANTS, MemoryConstants
 from .spec import parse_spec
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--shape", default="96,1024,1024", help="Sample shape (default 96,1024,1024 uint16, 192 MiB).")
     d.set_defaults(func=cmd_demo)
     add_job_commands(sub, _common_run_flags)
+    add_verify_command(sub)
     p.add_argument("--kubernetes", action="store_true", help="Plan as the operator would: workers auto = 4, no machine-memory budget.")
     return parser
 

@@ -123,6 +123,12 @@ class CgroupUnavailableError(H5ngffError, OSError):
     exit_code = 2
 
 
+class UnalignedWriteError(H5ngffError, RuntimeError):
+    """A block does not cover whole chunks or shards: writing it would give a unit two writers."""
+
+    reason = "UnalignedWrite"
+
+
 class VerificationError(H5ngffError, ValueError):
     """``h5ngff verify`` found bad metadata or chunks."""
 

@@ -41,11 +41,10 @@ WORKER_START_TIMEOUT = 120
 class LocalBackend:
     name = "local"
 
-    def __init__(self, enforce_pod_limits: bool = False, pod_limit: int | None = None, dashboard: bool = False):
+    def __init__(self, enforce_pod_limits: bool = False, pod_limit: int | None = None):
         self.enforce_pod_limits = enforce_pod_limits
         #: Replaces the planned pod limit (experiments and negative controls).
         self.pod_limit = pod_limit
-        self.dashboard = dashboard
 
     def capacity(self) -> Capacity:
         return machine_capacity()
@@ -69,7 +68,8 @@ class LocalBackend:
                         threads_per_worker=plan.threads_per_worker,
                         memory_limit=plan.memory.memory_limit,
                         processes=True,
-                        dashboard_address=":0" if self.dashboard else None,
+                        # ":0": a free port. The scheduler's HTTP server also serves /metrics.
+                        dashboard_address=":0",
                         silence_logs=logging.ERROR,
                     )
                 )
@@ -108,7 +108,7 @@ class PodCluster:
 
     def __enter__(self) -> "PodCluster":
         with dask.config.set(self.config):
-            self._scheduler = LocalCluster(n_workers=0, processes=True, dashboard_address=None, silence_logs=logging.ERROR)
+            self._scheduler = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=logging.ERROR)
         try:
             for i in range(self.plan.workers):
                 self.pods.append(self._start_pod(i))

@@ -20,7 +20,7 @@ from typing import Iterator
 import google_crc32c
 import numpy as np
 
-from ..errors import DiskFullError, OutputError
+from ..errors import DiskFullError, OutputError, UnalignedWriteError
 from ..planner.grid import ceil_div
 from ..spec import CompressorSpec
 from .codecs import chunk_codec
@@ -147,6 +147,7 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
     where the engine takes its min/max for the omero window.
     """
     region = tuple(slice(o, o + n) for o, n in zip(origin, block.shape))
+    check_alignment(layout, region)
     written = []
     for index in layout.units_in(region):
         unit = layout.unit_region(index)
@@ -160,6 +161,17 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
             pieces = encode_shard(layout, sub, tuple(u.start for u in unit))
         written.append((layout.key(index), atomic_write(layout.file(index), pieces)))
     return written
+
+
+def check_alignment(layout: ArrayLayout, region: tuple[slice, ...]) -> None:
+    """Refuse a block that covers part of a unit: every unit is written whole, by one writer,
+    exactly once, so a partial block would leave fill values over another slab's data."""
+    for axis, (r, u, n) in enumerate(zip(region, layout.unit, layout.shape)):
+        if r.start % u or (r.stop % u and r.stop != n):
+            raise UnalignedWriteError(
+                f"block {[(s.start, s.stop) for s in region]} of level {layout.level} covers part of a {layout.unit} "
+                f"unit along axis {axis}: the planner must align slabs to whole chunks/shards."
+            )
 
 
 def decode_chunk(layout: ArrayLayout, data: bytes) -> np.ndarray:

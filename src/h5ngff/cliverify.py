@@ -1,0 +1,53 @@
+"""``h5ngff verify OUTPUT [--source FILE.h5:/dataset]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+from .cliargs import split_source
+from .engine.verify import total_units, verify_output
+
+EPILOG = """\
+Checks that the OME-NGFF metadata is present, that the completion marker is set, that every chunk
+(or shard) of every level exists and decodes, and with --source that level 0 equals the HDF5
+dataset, one chunk at a time (memory stays bounded). Exit status 0: all good; 1: problems found
+(each bad chunk is named).
+"""
+
+
+def add_verify_command(sub) -> None:
+    v = sub.add_parser("verify", help="Check an output's metadata, completion marker and every chunk.", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("output", metavar="OUTPUT", help="An OME-Zarr written by h5ngff.")
+    v.add_argument("--source", metavar="FILE.h5:/dataset", help="Also compare level 0 with this HDF5 dataset.")
+    v.add_argument("--json", action="store_true", help="Print the report as one JSON object.")
+    v.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace, console: Console) -> int:
+    source = split_source(args.source) if args.source else None
+    if args.json:
+        report = verify_output(args.output, source)
+        print(json.dumps(report.to_dict(), indent=1))
+        return 0 if report.ok else 1
+    try:
+        total = total_units(args.output)
+    except Exception:
+        total = None
+    with Progress(TextColumn("verify"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("verify", total=total)
+        report = verify_output(args.output, source, on_unit=lambda: bar.advance(task))
+    checked = f"{report.units_checked} chunk/shard files in {report.levels} level(s)"
+    if report.ok:
+        console.print(f"[green]ok[/green]: {args.output}: {checked}, complete{', equal to the source' if report.compared_with_source else ''}.")
+        return 0
+    console.print(f"[red]problems[/red] in {args.output} ({checked}):")
+    for problem in report.problems[:50]:
+        console.print(f"  - {problem}", highlight=False)
+    if len(report.problems) > 50:
+        console.print(f"  … and {len(report.problems) - 50} more (use --json for all).")
+    return 1

@@ -1,0 +1,172 @@
+"""``h5ngff verify``: check an output's metadata, its completion marker and every chunk, and
+optionally compare level 0 with the HDF5 source, streaming one write unit at a time so memory
+stays bounded whatever the image size."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import VerificationError
+from ..planner.grid import ceil_div
+from ..spec import CompressorSpec
+from .chunkio import TMP_MARK, ArrayLayout, read_unit
+from .output import completion_marker
+from .source import open_dataset
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    levels: int = 0
+    units_checked: int = 0
+    complete: bool = False
+    problems: list[str] = field(default_factory=list)
+    #: (level, key) of every chunk or shard file that is missing, truncated, undecodable or wrong.
+    bad_units: list[tuple[int, str]] = field(default_factory=list)
+    compared_with_source: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.bad_units
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "ok": self.ok, "complete": self.complete, "levels": self.levels,
+            "units_checked": self.units_checked, "compared_with_source": self.compared_with_source,
+            "problems": self.problems, "bad_units": [{"level": lv, "key": k} for lv, k in self.bad_units],
+        }
+
+
+def _root_attributes(path: str) -> tuple[int, dict[str, Any]]:
+    if os.path.exists(os.path.join(path, "zarr.json")):
+        with open(os.path.join(path, "zarr.json")) as f:
+            return 3, json.load(f).get("attributes", {})
+    if os.path.exists(os.path.join(path, ".zattrs")):
+        with open(os.path.join(path, ".zattrs")) as f:
+            return 2, json.load(f)
+    raise VerificationError(f"{path!r} is not a Zarr group (no zarr.json or .zattrs).")
+
+
+def _multiscales(fmt: int, attrs: dict[str, Any]) -> dict[str, Any]:
+    ms = attrs.get("ome", {}).get("multiscales") if fmt == 3 else attrs.get("multiscales")
+    if not ms:
+        raise VerificationError("no OME-NGFF multiscales metadata: the output is unfinished or not an OME-Zarr image.")
+    return ms[0]
+
+
+def _compressor_from_zarr(meta: dict[str, Any], fmt: int) -> tuple[CompressorSpec, tuple[int, ...], tuple[int, ...] | None]:
+    """Our compressor spec, chunks and shards, read back from an array's own metadata."""
+    if fmt == 2:
+        comp = meta.get("compressor")
+        chunks = tuple(meta["chunks"])
+        if comp is None:
+            return CompressorSpec(codec="none"), chunks, None
+        if comp["id"] == "blosc":
+            shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}[comp["shuffle"]]
+            return CompressorSpec(codec="blosc", cname=comp["cname"], clevel=comp["clevel"], shuffle=shuffle), chunks, None
+        return CompressorSpec(codec=comp["id"], clevel=comp.get("level")), chunks, None
+    codecs = meta["codecs"]
+    chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+    shards = None
+    if codecs[0]["name"] == "sharding_indexed":
+        shards = chunks
+        chunks = tuple(codecs[0]["configuration"]["chunk_shape"])
+        codecs = codecs[0]["configuration"]["codecs"]
+    inner = [c for c in codecs if c["name"] != "bytes"]
+    if not inner:
+        return CompressorSpec(codec="none"), chunks, shards
+    c = inner[0]
+    conf = c.get("configuration", {})
+    if c["name"] == "blosc":
+        return CompressorSpec(codec="blosc", cname=conf["cname"], clevel=conf["clevel"], shuffle=conf["shuffle"]), chunks, shards
+    return CompressorSpec(codec=c["name"], clevel=conf.get("level")), chunks, shards
+
+
+def level_layout(path: str, level_path: str, fmt: int, level: int) -> ArrayLayout:
+    meta_file = os.path.join(path, level_path, "zarr.json" if fmt == 3 else ".zarray")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    compressor, chunks, shards = _compressor_from_zarr(meta, fmt)
+    dtype = np.dtype(meta["dtype"]).str if fmt == 2 else np.dtype(meta["data_type"] if meta["data_type"] != "bool" else "?").newbyteorder("<").str
+    return ArrayLayout(os.path.join(path, level_path), tuple(meta["shape"]), chunks, shards, dtype, fmt, compressor, level, meta.get("fill_value") or 0)
+
+
+def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Callable[[], None] | None = None) -> VerifyReport:
+    """Check everything; problems are collected, not raised, so the report names them all."""
+    report = VerifyReport(path)
+    try:
+        fmt, attrs = _root_attributes(path)
+        ms = _multiscales(fmt, attrs)
+    except VerificationError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.complete = completion_marker(path) is not None
+    if not report.complete:
+        report.problems.append("no completion marker (h5ngff.complete): the conversion did not finish; re-run it to resume.")
+    datasets = ms.get("datasets", [])
+    report.levels = len(datasets)
+    layouts = []
+    for index, ds in enumerate(datasets):
+        try:
+            layouts.append(level_layout(path, ds["path"], fmt, index))
+        except (OSError, KeyError, ValueError) as exc:
+            report.problems.append(f"level {ds.get('path')}: unreadable array metadata ({exc}).")
+    source_ds = None
+    if source is not None and layouts:
+        source_ds = open_dataset(source[0], source[1], 0)
+        report.compared_with_source = True
+        if tuple(source_ds.shape) != layouts[0].shape:
+            report.problems.append(f"level 0 has shape {layouts[0].shape}, the source {source[0]}:{source[1]} has {tuple(source_ds.shape)}.")
+            source_ds = None
+    for layout in layouts:
+        _check_units(layout, report, on_unit, source_ds if layout.level == 0 else None)
+    _stale_temporaries(path, report)
+    return report
+
+
+def _check_units(layout: ArrayLayout, report: VerifyReport, on_unit, source_ds=None) -> None:
+    """Decode every unit once; compare it with the source's region where a source is given."""
+    for index in product(*(range(g) for g in layout.unit_grid)):
+        report.units_checked += 1
+        key = layout.key(index)
+        try:
+            unit = read_unit(layout, index)
+        except Exception as exc:  # any decode failure is a bad chunk, whatever the codec raises
+            report.bad_units.append((layout.level, key))
+            report.problems.append(f"level {layout.level} {key}: does not decode ({type(exc).__name__}: {exc}).")
+            unit = None
+        else:
+            if unit is None:
+                report.bad_units.append((layout.level, key))
+                report.problems.append(f"level {layout.level} {key}: missing.")
+        if unit is not None and source_ds is not None:
+            region = layout.unit_region(index)
+            stored = unit[tuple(slice(0, r.stop - r.start) for r in region)]
+            if stored.tobytes() != np.ascontiguousarray(source_ds[region], dtype=stored.dtype).tobytes():
+                report.bad_units.append((layout.level, key))
+                report.problems.append(f"level 0 {key}: differs from the source in region {[(r.start, r.stop) for r in region]}.")
+        if on_unit:
+            on_unit()
+
+
+def _stale_temporaries(path: str, report: VerifyReport) -> None:
+    for directory, _, files in os.walk(path):
+        for name in files:
+            if TMP_MARK in name:
+                report.problems.append(f"stale temporary file {os.path.relpath(os.path.join(directory, name), path)} (an interrupted write).")
+
+
+def total_units(path: str) -> int:
+    """How many chunk or shard files a full check reads (for a progress bar)."""
+    fmt, attrs = _root_attributes(path)
+    ms = _multiscales(fmt, attrs)
+    return sum(
+        int(np.prod([ceil_div(n, u) for n, u in zip(lay.shape, lay.unit)]))
+        for lay in (level_layout(path, ds["path"], fmt, i) for i, ds in enumerate(ms["datasets"]))
+    )
