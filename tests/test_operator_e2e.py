@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 
 import numpy as np
 import pytest
 import zarr
 
-from conftest import smooth, write_h5
+from conftest import requires_cgroups, smooth, write_h5
 from h5ngff.operator.rbac import RUNNER_RULES, calls
 from operator_harness import emulator, fast_config, manifest, operator_running, wait_for
 from test_operator_kmock import env_of, phases
@@ -28,17 +29,24 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 SHAPE = (40, 96, 80)
 
 
-async def run_container(job: dict, api_url: str, cwd: str, backend: str = "local") -> tuple[int, str]:
+async def run_container(job: dict, api_url: str, cwd: str, backend: str = "local", timeout: float = 150, **extra_env: str) -> tuple[int, str]:
     """Execute the runner Job's container as the kubelet would, but as a local process."""
     (container,) = job["spec"]["template"]["spec"]["containers"]
     env = {**os.environ, **env_of(job),
            "H5NGFF_KUBE_API": api_url,  # instead of the pod's service account
            "H5NGFF_BACKEND": backend,  # "local": the one substitution, no DaskCluster pods here
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    proc = await asyncio.create_subprocess_exec(*container["command"], *container["args"], env=env, cwd=container.get("workingDir", cwd),
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    out, _ = await proc.communicate()
-    return proc.returncode, out.decode(errors="replace")
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""), **extra_env}
+    log_path = os.path.join(cwd, f"{job['metadata']['name']}.log")
+    with open(log_path, "wb") as log:
+        proc = await asyncio.create_subprocess_exec(*container["command"], *container["args"], env=env, cwd=container.get("workingDir", cwd),
+                                                    stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        try:
+            code = await asyncio.wait_for(proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = await proc.wait()
+    with open(log_path, errors="replace") as f:
+        return code, f.read()
 
 
 async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp_path):
@@ -99,3 +107,36 @@ async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retryi
         await asyncio.sleep(0.5)
         assert status["reason"] == "SourceUnreadable" and "missing.h5" in status["message"]
         assert list(c.jobs()) == ["lost-runner-1"]  # an unreadable input is not retried
+
+
+@requires_cgroups
+@pytest.mark.cgroup
+async def test_a_worker_killed_by_the_kernel_is_oomkilled_and_retried_then_given_up(tmp_path):
+    """A real kernel OOM kill: the runner runs its workers in memory cgroups (the pod emulation of
+    ``convert --enforce-pod-limits``) with the pod limit at 0.45x the plan. Both attempts are
+    killed; the operator records OOMKilled, retries once (backoffLimit 1), then gives up."""
+    from h5ngff.backends.local import LocalBackend
+    from h5ngff.jobspec import parse_job_spec
+    from h5ngff.runner import plan_job
+    from h5ngff.sample import write_sample
+
+    source = str(tmp_path / "big.h5")
+    write_sample(source, "/volume/data", (48, 942, 502), "float32")
+    spec = {"source": {"path": source, "dataset": "/volume/data"}, "output": {"path": str(tmp_path / "big.ome.zarr"), "chunks": [64, 64, 64]},
+            "pyramid": {"levels": 1}, "resources": {"workers": 1, "slab": [48, 942, 502]}, "backoffLimit": 1}
+    pod_limit = plan_job(parse_job_spec(spec).conversion(), LocalBackend()).plan.memory.pod_limit
+    squeeze = str(int(0.45 * pod_limit))  # below the predicted peak: the kernel must kill
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply(manifest("big", spec))
+        for attempt in (1, 2):
+            name = f"big-runner-{attempt}"
+            await wait_for(lambda: name in c.jobs(), what=name)
+            code, log = await run_container(c.jobs()[name], c.url, str(tmp_path), "local-pods", timeout=60, H5NGFF_POD_LIMIT=squeeze, TMPDIR=str(tmp_path))
+            assert code == 1, log[-3000:]
+            await c.patch_job_status(name, {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
+        await wait_for(lambda: c.status("big").get("phase") == "Failed", what="Failed")
+        status = c.status("big")
+    assert status["reason"] == "BackoffLimitExceeded" and status["attempts"] == 2
+    assert [f["reason"] for f in status["failures"]] == ["OOMKilled", "OOMKilled"]
+    assert f"pod limit {int(squeeze) >> 20} MiB" in status["failures"][0]["message"]
+    assert phases(c, "big") == ["Pending", "Planned", "Running", "Pending", "Planned", "Running", "Failed"]

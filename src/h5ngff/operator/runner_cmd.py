@@ -7,7 +7,9 @@ code tells the Job controller (and so the operator) how the attempt ended: 0 don
 1 anything else.
 
 ``H5NGFF_BACKEND=local`` runs the Dask cluster in the runner's own container instead of as pods:
-for tests and for clusters without the Dask Operator.
+for tests and for clusters without the Dask Operator. ``local-pods`` does the same with every
+worker in its own memory cgroup at the pod limit (as ``h5ngff convert --enforce-pod-limits``), and
+``H5NGFF_POD_LIMIT`` then overrides the planned limit (experiments and negative controls).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from .reporter import StatusReporter
 from .status import now, runner_report
 
 log = logging.getLogger(__name__)
+
+POD_LIMIT_ENV = "H5NGFF_POD_LIMIT"
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,14 @@ def spec_from_env() -> ConversionJobSpec:
 
 def make_backend(args: RunnerArgs, spec: ConversionJobSpec):
     kind = os.environ.get(BACKEND_ENV, "kubernetes")
-    if kind == "local":
+    if kind in ("local", "local-pods"):
         from ..backends.local import LocalBackend
+        from ..units import parse_bytes
 
-        return LocalBackend()
+        limit = os.environ.get(POD_LIMIT_ENV)
+        return LocalBackend(enforce_pod_limits=kind == "local-pods", pod_limit=parse_bytes(limit) if limit else None)
     if kind != "kubernetes":
-        raise SpecError("", f"Expected ${BACKEND_ENV} to be kubernetes or local. Got {kind!r} instead.")
+        raise SpecError("", f"Expected ${BACKEND_ENV} to be kubernetes, local or local-pods. Got {kind!r} instead.")
     from ..backends.kubernetes import ClusterOwner, KubernetesBackend
 
     owner = ClusterOwner(args.namespace, args.name, args.uid, args.attempt)
