@@ -62,6 +62,9 @@ def matrix(quick: bool) -> list[Case]:
         Case("budget-filling 2 threads", flags=["--threads", "2", "--workers", "1", "--memory-per-worker", "1500Mi"]),
         Case("user slab 64x704x1024 f32", dtype="float32", flags=["--slab", "64,704,1024"]),
         Case("shards 128^3 of 64^3", flags=["--shards", "128,128,128"]),
+        Case("big slab 384 MiB f32", dtype="float32", flags=["--slab", "128,768,1024", "--workers", "1"]),
+        Case("big slab f32 pyramid 3", dtype="float32", levels=3, flags=["--slab", "128,512,1024", "--workers", "1"]),
+        Case("big slab u16 glibc-sized budget", flags=["--memory-per-worker", "900Mi", "--slab", "128,1024,1024", "--workers", "1"]),
     ]
     return cases[:6] if quick else cases
 
