@@ -9,7 +9,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from .cliargs import split_source
-from .engine.verify import total_units, verify_output
 
 EPILOG = """\
 Checks that the OME-NGFF metadata is present, that the completion marker is set, that every chunk
@@ -29,6 +28,8 @@ def add_verify_command(sub) -> None:
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
+    from .engine.verify import total_units, verify_output  # zarr and h5py load only when needed
+
     source = split_source(args.source) if args.source else None
     if args.json:
         report = verify_output(args.output, source)
