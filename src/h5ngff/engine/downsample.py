@@ -18,18 +18,31 @@ pass is bit-identical to one built inside the first pass.
 
 from __future__ import annotations
 
+import math
 from itertools import product
 
 import numpy as np
 
-#: Output elements computed at a time. The integer mean holds about five 8-byte temporaries per
-#: element (sum, floor, remainder, rounding, result), so a strip costs ~5 MiB; the planner's
-#: memory model uses the same figures (planner.plan.MEAN_STRIP_ELEMENTS, memory.STRIP_TEMPORARIES).
-STRIP_ELEMENTS = 1 << 17
+#: Output elements computed at a time. Pairwise sums along the first downsampled axis hold
+#: 4 then 2 float64 values per output element, plus rounding temporaries for integers: about six
+#: 8-byte values, so a block costs ~6 MiB. The planner's memory model uses the same figures
+#: (planner.plan.MEAN_STRIP_ELEMENTS, planner.memory.STRIP_TEMPORARIES).
+STRIP_ELEMENTS = 1 << 16
 
 
 def output_shape(shape: tuple[int, ...], downsampled: tuple[bool, ...]) -> tuple[int, ...]:
     return tuple(-(-n // 2) if d else n for n, d in zip(shape, downsampled))
+
+
+def _output_blocks(shape: tuple[int, ...], limit: int):
+    """Output regions of at most ``limit`` elements, split from the first axis on."""
+    block = list(shape)
+    for axis in range(len(shape)):
+        if math.prod(block) <= limit:
+            break
+        block[axis] = max(1, limit // math.prod(block[axis + 1 :]))
+    for index in product(*(range(0, n, b) for n, b in zip(shape, block))):
+        yield tuple(slice(i, min(i + b, n)) for i, b, n in zip(index, block, shape))
 
 
 def downsample(block: np.ndarray, downsampled: tuple[bool, ...], method: str) -> np.ndarray:
@@ -37,19 +50,45 @@ def downsample(block: np.ndarray, downsampled: tuple[bool, ...], method: str) ->
         return block
     if method == "nearest":
         return np.ascontiguousarray(block[tuple(slice(None, None, 2) if d else slice(None) for d in downsampled)])
+    if method not in ("mean", "max"):
+        raise ValueError(f"unknown downsampling method {method!r}")
     out = np.empty(output_shape(block.shape, downsampled), dtype=block.dtype)
-    axis = downsampled.index(True)
-    rows_per_strip = max(1, STRIP_ELEMENTS // max(1, out[(slice(None),) * axis + (0,)].size))
-    for r0 in range(0, out.shape[axis], rows_per_strip):
-        r1 = min(r0 + rows_per_strip, out.shape[axis])
-        src = block[(slice(None),) * axis + (slice(2 * r0, min(2 * r1, block.shape[axis])),)]
-        dst = (slice(None),) * axis + (slice(r0, r1),)
-        out[dst] = _reduce(src, downsampled, method)
+    for dst in _output_blocks(out.shape, STRIP_ELEMENTS):
+        src = tuple(slice(2 * r.start, min(2 * r.stop, n)) if d else r for r, d, n in zip(dst, downsampled, block.shape))
+        out[dst] = _reduce(block[src], downsampled, method)  # the one cast back to the dtype
     return out
 
 
+def _pair(a: np.ndarray, axis: int, op, dtype) -> np.ndarray:
+    """Combine neighbours 2i and 2i+1 along ``axis`` (a lone last element passes through)."""
+    n = a.shape[axis]
+    full = n // 2
+
+    def at(s):
+        return (slice(None),) * axis + (s,)
+
+    shape = list(a.shape)
+    shape[axis] = -(-n // 2)
+    out = np.empty(shape, dtype=dtype)
+    op(a[at(slice(0, 2 * full, 2))], a[at(slice(1, 2 * full, 2))], out=out[at(slice(0, full))], dtype=dtype)
+    if n % 2:
+        out[at(slice(full, full + 1))] = a[at(slice(n - 1, n))]
+    return out
+
+
+def _pairwise(block: np.ndarray, downsampled: tuple[bool, ...], op, dtype) -> np.ndarray:
+    """Reduce 2-blocks one axis at a time, outermost first: the first step combines whole
+    contiguous planes (fast, vectorised), and each step halves the data the next one reads."""
+    a = block
+    for axis, d in enumerate(downsampled):
+        if d:
+            a = _pair(a, axis, op, dtype)
+    return a
+
+
 def _views(block: np.ndarray, downsampled: tuple[bool, ...]):
-    """The 2**k strided views of a block, each with the region of the output it covers."""
+    """The 2**k strided views of a block, each with the region of the output it covers (the
+    64-bit integer mean sums these one by one, so it never holds input-sized temporaries)."""
     axes = [i for i, d in enumerate(downsampled) if d]
     for offsets in product((0, 1), repeat=len(axes)):
         index = [slice(None)] * block.ndim
@@ -74,35 +113,27 @@ def _counts_log2(shape: tuple[int, ...], downsampled: tuple[bool, ...]) -> np.nd
 
 
 def _reduce(block: np.ndarray, downsampled: tuple[bool, ...], method: str) -> np.ndarray:
-    shape = output_shape(block.shape, downsampled)
     if method == "max":
-        out = None
-        for view, region in _views(block, downsampled):
-            if out is None:
-                out = view.copy()
-            else:
-                np.maximum(out[region], view, out=out[region])
-        return out
-    if method != "mean":
-        raise ValueError(f"unknown downsampling method {method!r}")
+        return _pairwise(block, downsampled, np.maximum, block.dtype)
     log2 = _counts_log2(block.shape, downsampled)
     kind = block.dtype.kind
     if kind == "f":
-        acc = np.zeros(shape, dtype=np.float64)
-        for view, region in _views(block, downsampled):
-            acc[region] += view
-        acc /= np.exp2(log2)
-        return acc.astype(block.dtype)
-    return _integer_mean(block, downsampled, shape, log2)
+        # float16/32 sums of up to 8 values are exact in float64, so the order does not matter;
+        # float64 sums round once per addition, as any float64 mean does.
+        acc = _pairwise(block, downsampled, np.add, np.float64)
+        if log2.min() == log2.max():  # no odd edge in this block: one exact scalar scale
+            acc *= 2.0 ** -int(log2.flat[0])
+        else:
+            acc /= np.exp2(log2)
+        return acc
+    return _integer_mean(block, downsampled, output_shape(block.shape, downsampled), log2)
 
 
 def _integer_mean(block: np.ndarray, downsampled, shape, log2: np.ndarray) -> np.ndarray:
     dtype = block.dtype
     data = block.view(np.uint8) if dtype.kind == "b" else block
     if data.dtype.itemsize < 8:
-        total = np.zeros(shape, dtype=np.int64)
-        for view, region in _views(data, downsampled):
-            total[region] += view
+        total = _pairwise(data, downsampled, np.add, np.int64)
         floor = total >> log2
         remainder = total & ((1 << log2) - 1)
     else:

@@ -19,9 +19,9 @@ from ..units import MiB
 from .model import MemoryTerm, Thresholds, WorkerMemory
 
 BLOSC_MAX_OVERHEAD = 16
-#: 8-byte temporaries per output element while a strip is downsampled (the exact integer mean's
-#: sum, floor, remainder, rounding and result; the float mean needs fewer).
-STRIP_TEMPORARIES = 5
+#: 8-byte temporaries per output element while a block is downsampled: the pairwise sums hold 4
+#: then 2 float64 (or int64) values per output element, and the integer mean's rounding adds a few.
+STRIP_TEMPORARIES = 6
 #: Shard index per inner chunk: two little-endian uint64 (offset, nbytes), plus a CRC32C.
 SHARD_INDEX_ENTRY = 16
 

@@ -35,7 +35,7 @@ LOCAL_MEMORY_FRACTION = 0.8
 #: Workers for ``workers: auto`` where the capacity names no default (e.g. Kubernetes).
 FALLBACK_WORKERS = 4
 #: Output elements the downsampler computes at a time (engine.downsample.STRIP_ELEMENTS).
-MEAN_STRIP_ELEMENTS = 1 << 17
+MEAN_STRIP_ELEMENTS = 1 << 16
 #: Slabs per thread the planner aims for: the last slabs of a run leave cores idle for about half
 #: a slab's time, so many smaller slabs finish evenly; 8 keeps that tail near 6% of the run.
 SLABS_PER_THREAD = 8
