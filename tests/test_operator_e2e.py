@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import requires_cgroups, smooth, write_h5
+from conftest import smooth, write_h5
 from h5ngff.operator.rbac import RUNNER_RULES, calls
 from operator_harness import emulator, fast_config, manifest, operator_running, wait_for
 from test_operator_kmock import env_of, phases
@@ -107,36 +107,3 @@ async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retryi
         await asyncio.sleep(0.5)
         assert status["reason"] == "SourceUnreadable" and "missing.h5" in status["message"]
         assert list(c.jobs()) == ["lost-runner-1"]  # an unreadable input is not retried
-
-
-@requires_cgroups
-@pytest.mark.cgroup
-async def test_a_worker_killed_by_the_kernel_is_oomkilled_and_retried_then_given_up(tmp_path):
-    """A real kernel OOM kill: the runner runs its workers in memory cgroups (the pod emulation of
-    ``convert --enforce-pod-limits``) with the pod limit at 0.45x the plan. Both attempts are
-    killed; the operator records OOMKilled, retries once (backoffLimit 1), then gives up."""
-    from h5ngff.backends.local import LocalBackend
-    from h5ngff.jobspec import parse_job_spec
-    from h5ngff.runner import plan_job
-    from h5ngff.sample import write_sample
-
-    source = str(tmp_path / "big.h5")
-    write_sample(source, "/volume/data", (48, 942, 502), "float32")
-    spec = {"source": {"path": source, "dataset": "/volume/data"}, "output": {"path": str(tmp_path / "big.ome.zarr"), "chunks": [64, 64, 64]},
-            "pyramid": {"levels": 1}, "resources": {"workers": 1, "slab": [48, 942, 502]}, "backoffLimit": 1}
-    pod_limit = plan_job(parse_job_spec(spec).conversion(), LocalBackend()).plan.memory.pod_limit
-    squeeze = str(int(0.45 * pod_limit))  # below the predicted peak: the kernel must kill
-    async with emulator() as c, operator_running(fast_config(c.url)):
-        await c.apply(manifest("big", spec))
-        for attempt in (1, 2):
-            name = f"big-runner-{attempt}"
-            await wait_for(lambda: name in c.jobs(), what=name)
-            code, log = await run_container(c.jobs()[name], c.url, str(tmp_path), "local-pods", timeout=60, H5NGFF_POD_LIMIT=squeeze, TMPDIR=str(tmp_path))
-            assert code == 1, log[-3000:]
-            await c.patch_job_status(name, {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
-        await wait_for(lambda: c.status("big").get("phase") == "Failed", what="Failed")
-        status = c.status("big")
-    assert status["reason"] == "BackoffLimitExceeded" and status["attempts"] == 2
-    assert [f["reason"] for f in status["failures"]] == ["OOMKilled", "OOMKilled"]
-    assert f"pod limit {int(squeeze) >> 20} MiB" in status["failures"][0]["message"]
-    assert phases(c, "big") == ["Pending", "Planned", "Running", "Pending", "Planned", "Running", "Failed"]
