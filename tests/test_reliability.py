@@ -18,7 +18,7 @@ import psutil
 import pytest
 import zarr
 
-from conftest import smooth, spec_for, write_h5
+from conftest import requires_cgroups, smooth, spec_for, write_h5
 from h5ngff.backends.local import LocalBackend
 from h5ngff.engine.chunkio import TMP_MARK, ArrayLayout, write_block
 from h5ngff.engine.output import completion_marker
@@ -207,7 +207,9 @@ def test_huge_sparse_dataset_stays_within_its_plan(tmp_path):
     assert os.path.getsize(path) < 100_000
     out = str(tmp_path / "out.ome.zarr")
     spec = spec_for(str(path), out, output={"chunks": [64, 256, 256]}, pyramid={"levels": 1}, resources={"workers": 2, "memoryPerWorker": "400Mi"})
-    backend = LocalBackend(enforce_pod_limits=True) if not os.environ.get("H5NGFF_NO_CGROUPS") else LocalBackend()
+    from h5ngff.backends.cgroups import cgroups_available
+
+    backend = LocalBackend(enforce_pod_limits=cgroups_available() is None)  # pod limits where the machine has them
     job = plan_job(spec, backend)
     summary = run_job(job, backend)
     for w in summary.workers:
@@ -231,3 +233,57 @@ def test_names_from_input_cannot_escape_the_output(tmp_path, convert):
         assert os.path.realpath(directory).startswith(os.path.realpath(out))
     attrs = zarr.open_group(str(out), mode="r").attrs.asdict()
     assert attrs["ome"]["multiscales"][0]["name"] == "../../../escape"  # kept as metadata text only
+
+
+@requires_cgroups
+@pytest.mark.cgroup
+def test_a_killed_pod_is_restarted_and_the_run_completes(source, tmp_path, monkeypatch):
+    """The kernel can OOM-kill a pod's nanny together with its worker. As kubelet restarts the
+    container, pod emulation restarts the pod; the slab reruns and the output is exact."""
+    h5, _, _, clean = source
+    out = str(tmp_path / "out.ome.zarr")
+    monkeypatch.setenv("H5NGFF_FAULTS", "slab_sleep=0.15")
+    spec = spec_for(h5, out, output={"chunks": [8, 32, 32]}, pyramid={"levels": 2}, resources={"workers": 2, "slab": [16, 64, 256]})
+    backend = LocalBackend(enforce_pod_limits=True)
+    killed: list[int] = []
+
+    def kill_a_nanny(progress):
+        if not killed and progress.slabs_done >= progress.slabs_total // 3:
+            nanny = next(p for p in psutil.Process().children() if "distributed.cli.dask_worker" in " ".join(p.cmdline()))
+            killed.append(nanny.pid)
+            os.killpg(nanny.pid, signal.SIGKILL)  # the nanny and its worker, as a pod OOM kill can
+
+    summary = run_job(plan_job(spec, backend), backend, [kill_a_nanny])
+    assert killed and summary.status == "Succeeded"
+    assert sum(w.pod_restarts for w in summary.workers) >= 1
+    assert chunk_files(out) == chunk_files(clean)
+
+
+def test_losing_every_worker_fails_the_run_instead_of_hanging(source, tmp_path, monkeypatch):
+    """An existing cluster whose workers all go away: after the watchdog's timeout the run fails
+    with WorkersLost, it does not wait forever."""
+    import logging
+
+    from distributed import LocalCluster
+
+    from h5ngff.backends.external import ExternalBackend
+    from h5ngff.engine import driver
+    from h5ngff.errors import WorkersLostError
+
+    monkeypatch.setattr(driver, "NO_WORKERS_TIMEOUT", 3.0)
+    monkeypatch.setenv("H5NGFF_FAULTS", "slab_sleep=0.3")
+    h5, _, _, _ = source
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.ERROR) as cluster:
+        backend = ExternalBackend(cluster.scheduler_address)
+        job = plan_job(spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [8, 32, 32]}, pyramid={"levels": 1}, resources={"slab": [16, 64, 256]}), backend)
+        gone: list[bool] = []
+
+        def remove_all_workers(progress):
+            if not gone and progress.slabs_done >= 2:
+                gone.append(True)
+                cluster.scale(0)
+
+        started = time.time()
+        with pytest.raises(WorkersLostError, match="No Dask worker for 3 s"):
+            run_job(job, backend, [remove_all_workers])
+        assert time.time() - started < 60

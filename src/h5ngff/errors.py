@@ -116,6 +116,12 @@ class NannyTerminatedError(WorkerFailedError):
     reason = "NannyTerminated"
 
 
+class WorkersLostError(WorkerFailedError):
+    """Every worker of the cluster is gone and none came back."""
+
+    reason = "WorkersLost"
+
+
 class CgroupUnavailableError(H5ngffError, OSError):
     """Pod limits were asked for but no memory cgroup can be created here."""
 

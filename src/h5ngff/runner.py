@@ -19,7 +19,7 @@ from .engine.driver import RunTotals, finish, run_conversion
 from .engine.output import prepare_output
 from .engine.progress import Broadcast, Listener
 from .engine.source import SourceIdentity, inspect_source
-from .errors import H5ngffError
+from .errors import H5ngffError, WorkersLostError
 from .planner import DEFAULT_CONSTANTS, DatasetInfo, MemoryConstants, Plan, make_plan
 from .spec import ConversionSpec
 
@@ -125,7 +125,7 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
             with MemorySampler(session.client) as sampler:
                 try:
                     summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
-                except KilledWorker as exc:
+                except (KilledWorker, WorkersLostError) as exc:
                     pod_limit = session.pod_limit or job.plan.memory.pod_limit
                     raise classify_failure(exc, ClusterEvents.collect(session.client), pod_limit, job.plan.memory.memory_limit, session.oom_kills()) from None
             summary.workers = _worker_reports(job.plan, sampler, session)

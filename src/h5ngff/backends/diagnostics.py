@@ -78,6 +78,8 @@ class WorkerReport:
     oom_kills: int = 0
     nanny_restarts: int = 0
     memory_terminations: int = 0
+    #: Whole pods (nanny and worker) restarted after their nanny died, as kubelet would.
+    pod_restarts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,6 +130,8 @@ def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, 
             f"of memory_limit {format_bytes(memory_limit)}, {terminations} time(s). The task used more memory "
             f"than planned; raise resources.memoryPerWorker or use a smaller resources.slab.",
         )
+    elif isinstance(exc, WorkerFailedError):
+        err = exc
     else:
         err = WorkerFailedError(f"A Dask worker died repeatedly while running a slab ({exc}). Check the worker logs.")
     err.oom_kills = kills

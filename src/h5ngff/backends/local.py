@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from contextlib import ExitStack, contextmanager
@@ -100,6 +101,8 @@ class PodCluster:
         self._scheduler: LocalCluster | None = None
         self._dir = tempfile.mkdtemp(prefix="h5ngff-pods-")
         self._token = uuid.uuid4().hex[:8]
+        self._closing = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, name="h5ngff-pod-supervisor", daemon=True)
 
     @property
     def scheduler_address(self) -> str:
@@ -115,11 +118,28 @@ class PodCluster:
         except Exception:
             self.__exit__(None, None, None)
             raise
+        self._supervisor.start()
         return self
 
-    def _start_pod(self, index: int) -> Pod:
+    def _supervise(self) -> None:
+        """Restart a pod whose nanny died, as kubelet restarts a container (with back-off). The
+        kernel may OOM-kill the nanny too, not only its worker; without this the cluster would
+        shrink for good."""
+        while not self._closing.wait(0.5):
+            for i, pod in enumerate(self.pods):
+                if pod.process.poll() is None or self._closing.is_set():
+                    continue
+                report = self.reports[pod.name]
+                delay = min(10.0, 0.5 * 2**report.pod_restarts)
+                log.warning("Pod %s exited (%s); restarting it in %.1f s.", pod.name, pod.process.returncode, delay)
+                if self._closing.wait(delay):
+                    return
+                report.pod_restarts += 1
+                self.pods[i] = self._start_pod(pod.index, pod.cgroup)
+
+    def _start_pod(self, index: int, group: MemoryCgroup | None = None) -> Pod:
         name = f"pod-{index}"
-        group = create_pod_cgroup(f"h5ngff-{self._token}-{name}", self.pod_limit)
+        group = group or create_pod_cgroup(f"h5ngff-{self._token}-{name}", self.pod_limit)
         log_path = os.path.join(self._dir, f"{name}.log")
         env = {**os.environ, **self.env, **dask_env(self.config)}
         cmd = [
@@ -139,9 +159,9 @@ class PodCluster:
             with open(cgroup_procs, "w") as f:
                 f.write(str(os.getpid()))
 
-        with open(log_path, "wb") as log_file:
+        with open(log_path, "ab") as log_file:
             process = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=enter_cgroup, start_new_session=True)
-        self.reports[name] = WorkerReport(name=name, pod_limit=self.pod_limit, memory_limit=self.plan.memory.memory_limit, predicted_peak=self.plan.memory.predicted_peak)
+        self.reports.setdefault(name, WorkerReport(name=name, pod_limit=self.pod_limit, memory_limit=self.plan.memory.memory_limit, predicted_peak=self.plan.memory.predicted_peak))
         return Pod(index, name, process, group, log_path)
 
     def wait_for_workers(self, client: Client) -> None:
@@ -176,6 +196,9 @@ class PodCluster:
         return "\n".join(self._log_text(pod).splitlines()[-lines:])
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()
+        if self._supervisor.is_alive():
+            self._supervisor.join(timeout=15)
         self.refresh() if self.pods else None
         for pod in self.pods:
             _signal_group(pod.process, signal.SIGTERM)

@@ -12,6 +12,7 @@ from typing import Iterable, Iterator
 
 from distributed import Client, as_completed
 
+from ..errors import WorkersLostError
 from ..planner.grid import grid_indices, region
 from ..planner.model import Plan
 from ..spec import ConversionSpec
@@ -97,6 +98,37 @@ def _accumulate(totals: RunTotals, result: SlabResult) -> None:
         totals.stage_seconds[stage] = totals.stage_seconds.get(stage, 0.0) + seconds
 
 
+#: With no worker at all for this long, the run fails instead of waiting forever: every worker
+#: died (e.g. a whole pod was OOM-killed) and nothing brought one back.
+NO_WORKERS_TIMEOUT = 60.0
+
+
+class _NoWorkersWatchdog:
+    """Notices a cluster that has lost every worker (checked at most once a second)."""
+
+    def __init__(self, client: Client, timeout: float):
+        self.client = client
+        self.timeout = timeout
+        self._last_check = 0.0
+        self._empty_since: float | None = None
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now - self._last_check < 1.0:
+            return
+        self._last_check = now
+        try:
+            workers = len(self.client.scheduler_info(n_workers=-1)["workers"])
+        except Exception:  # a busy scheduler is not a lost cluster
+            return
+        if workers:
+            self._empty_since = None
+            return
+        self._empty_since = self._empty_since or now
+        if now - self._empty_since > self.timeout:
+            raise WorkersLostError(f"No Dask worker for {self.timeout:.0f} s: every worker died and none came back.")
+
+
 def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) -> Iterator[SlabResult]:
     """Yield results as tasks finish, keeping at most ``inflight`` submitted at any time.
 
@@ -104,13 +136,19 @@ def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) ->
     order; the bound keeps memory, ordering and cancellation in the client's hands.
     """
     queue = iter(tasks)
+    watchdog = _NoWorkersWatchdog(client, NO_WORKERS_TIMEOUT)
 
     def submit(task: SlabTask):
         return client.submit(run_slab, task, key=f"{task.key}-{token}", pure=False)
 
     futures = as_completed([submit(t) for t in islice(queue, inflight)], loop=client.loop, with_results=False)
     try:
-        for future in futures:
+        while not futures.is_empty():
+            if not futures.has_ready():
+                watchdog.check()
+                time.sleep(0.01)
+                continue
+            future = next(futures)
             result = future.result()
             future.release()
             following = next(queue, None)
@@ -121,4 +159,3 @@ def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) ->
         remaining = list(futures.futures)
         if remaining:
             client.cancel(remaining)
-
