@@ -473,11 +473,13 @@ def test_peering_objects_follow_the_mode(rendered):
     assert [p["metadata"]["name"] for p in clusterwide] == ["h5ngff"] and "namespace" not in clusterwide[0]["metadata"]
 
 
-def test_notes_tell_jobs_which_service_account_to_use():
+def test_notes_and_operator_agree_on_the_runner_service_account():
     with helm_python.Chart.load(str(CHART)) as chart:
         out = chart.render(values={"watch": {"namespaces": ["imaging"]}}, name=RELEASE, namespace=NAMESPACE)
     notes = out["h5ngff/templates/NOTES.txt"]
-    assert "serviceAccountName: h5ngff-runner" in notes and "imaging" in notes and "dask-kubernetes-operator" in notes
+    assert "service account h5ngff-runner" in notes and "imaging" in notes and "dask-kubernetes-operator" in notes
+    args = next(o for o in render({}) if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--runner-service-account") + 1] == "h5ngff-runner"
 
 
 def test_every_custom_kind_has_its_check():

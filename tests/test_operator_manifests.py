@@ -148,7 +148,8 @@ def test_worker_pods_carry_the_plan():
 def test_glibc_workers_get_the_tuned_glibc_env_not_jemalloc():
     spec = job_spec()
     env = {e["name"]: e["value"] for e in build_worker_container(plan_for(spec, "glibc"), "img", spec.pod)["env"]}
-    assert "LD_PRELOAD" not in env and env["MALLOC_ARENA_MAX"] == "2"
+    # The image preloads jemalloc; an empty LD_PRELOAD is what turns it off for these workers.
+    assert env["LD_PRELOAD"] == "" and env["MALLOC_ARENA_MAX"] == "2"
 
 
 def test_scheduler_pod_is_guaranteed_and_sized_apart_from_workers():
@@ -204,3 +205,23 @@ def test_without_the_env_a_worker_would_run_on_dask_defaults(tmp_path):
     defaults = {k: dask.config.get(f"distributed.worker.memory.{k}") for k in ("target", "spill", "pause", "terminate")}
     t = plan.memory.thresholds
     assert defaults != {"target": t.target, "spill": t.spill, "pause": t.pause, "terminate": t.terminate}
+
+
+def test_runner_pods_get_the_default_service_account_and_serve_metrics():
+    """A job that names no service account runs its runner as the operator's default (the Helm
+    chart's h5ngff-runner, which holds the runner RBAC), and every runner serves its metrics on
+    the container port the chart's PodMonitor scrapes."""
+    from h5ngff.operator.manifests import RUNNER_METRICS_PORT
+
+    spec = job_spec(pod={})
+    job = build_runner_job(OWNER, spec, 1, "img", default_service_account="h5ngff-runner")
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["serviceAccountName"] == "h5ngff-runner"
+    assert container["ports"] == [{"name": "metrics", "containerPort": RUNNER_METRICS_PORT, "protocol": "TCP"}]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["H5NGFF_METRICS_PORT"] == str(RUNNER_METRICS_PORT)
+    assert (env["H5NGFF_JOB_NAME"], env["H5NGFF_JOB_NAMESPACE"]) == (OWNER.name, OWNER.namespace)
+    own = build_runner_job(OWNER, job_spec(pod={"serviceAccountName": "mine"}), 1, "img", default_service_account="h5ngff-runner")
+    assert own["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
+    assert "serviceAccountName" not in build_runner_job(OWNER, spec, 1, "img")["spec"]["template"]["spec"]

@@ -42,6 +42,8 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     o = sub.add_parser("operator", help="Run the Kubernetes operator (kopf) that reconciles ConversionJobs.",
                        description="Watch ConversionJobs and run each as a runner Job with a Dask cluster sized by its plan.")
     o.add_argument("--image", default=os.environ.get("H5NGFF_IMAGE"), help="Image for runner and Dask pods when a job names none (default $H5NGFF_IMAGE).")
+    o.add_argument("--runner-service-account", default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"), metavar="NAME",
+                   help="Service account of runner pods when a job names none (needs the runner RBAC; the Helm chart creates h5ngff-runner).")
     o.add_argument("--namespace", action="append", default=[], metavar="NS", help="Serve only this namespace (repeatable; default: the whole cluster).")
     o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of an unfinished job (default 5).")
     o.add_argument("--peering", default="h5ngff", metavar="NAME", help="kopf peering object name, so replicas take turns (default h5ngff).")
@@ -117,7 +119,8 @@ def cmd_operator(args: argparse.Namespace, console: Console) -> int:
 
         metrics = OperatorMetrics()
         metrics.serve(args.metrics_port)
-    cfg = OperatorConfig(image=args.image or DEFAULT_IMAGE, interval=args.interval, namespaces=tuple(args.namespace),
+    cfg = OperatorConfig(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account,
+                         interval=args.interval, namespaces=tuple(args.namespace),
                          peering=None if args.standalone else args.peering, metrics=metrics)
     if args.priority is not None:
         cfg.priority = args.priority

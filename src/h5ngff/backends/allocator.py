@@ -34,6 +34,8 @@ GLIBC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(16 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(16 << 20),
     "MALLOC_ARENA_MAX": "2",
+    # The image preloads jemalloc for every process; a job that asks for glibc must undo that.
+    "LD_PRELOAD": "",
 }
 
 

@@ -75,6 +75,8 @@ class AttemptOptions:
     #: Called with the plan before the conversion starts (e.g. to print it).
     on_plan: Callable[[PlannedJob], None] | None = None
     progress_interval: float = PROGRESS_INTERVAL
+    #: A metrics.exporter.MetricsExporter serving this attempt's metrics, or None.
+    metrics: Any = None
 
 
 def run_attempt(spec: ConversionJobSpec, backend, sink: Sink, attempt: int = 1, options: AttemptOptions | None = None) -> AttemptResult:
@@ -89,7 +91,7 @@ def run_attempt(spec: ConversionJobSpec, backend, sink: Sink, attempt: int = 1, 
         sink(planned_patch(job.plan, now()), False)
         if opts.on_plan is not None:
             opts.on_plan(job)
-        summary = run_job(job, backend, [ProgressForwarder(sink, opts.progress_interval), *opts.listeners])
+        summary = run_job(job, backend, [ProgressForwarder(sink, opts.progress_interval), *opts.listeners], metrics=opts.metrics)
     except H5ngffError as exc:
         log.error("attempt %d failed (%s): %s", attempt, exc.reason, exc)
         sink(runner_report(attempt, "Failed", now(), exc.reason, str(exc)), True)

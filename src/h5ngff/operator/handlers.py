@@ -43,6 +43,8 @@ class OperatorConfig:
 
     #: Image of runner and Dask pods when a ConversionJob names none.
     image: str = DEFAULT_IMAGE
+    #: Service account of runner pods when a ConversionJob names none (needs the runner RBAC).
+    runner_service_account: str | None = None
     #: Seconds between reconcile passes of an unfinished job (a runner's end is noticed within it).
     interval: float = 5.0
     api: KubeConfig = field(default_factory=KubeConfig.from_env)
@@ -192,7 +194,8 @@ async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: C
     if decision.delete_cluster:
         await kube.delete(namespaced("kubernetes.dask.org/v1", owner.namespace, "daskclusters", dask_cluster_name(owner.name)))
     if decision.ensure_attempt is not None:
-        job = build_runner_job(owner, spec, decision.ensure_attempt, cfg.image, resume=decision.resume)
+        job = build_runner_job(owner, spec, decision.ensure_attempt, cfg.image, resume=decision.resume,
+                               default_service_account=cfg.runner_service_account)
         try:
             await kube.create(namespaced("batch/v1", owner.namespace, "jobs"), job)
             log.info("created runner Job %s/%s", owner.namespace, job["metadata"]["name"])

@@ -46,6 +46,10 @@ RUNNER_COMMAND = ["h5ngff", "runner"]
 #: The environment variable holding the job's spec (JSON) in the runner container.
 SPEC_ENV = "H5NGFF_SPEC"
 BACKEND_ENV = "H5NGFF_BACKEND"
+#: The runner serves the job's Prometheus metrics (progress, per-worker memory) on this port; the
+#: Helm chart's PodMonitor scrapes the container port named "metrics".
+RUNNER_METRICS_PORT = 9465
+METRICS_PORT_ENV = "H5NGFF_METRICS_PORT"
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,8 @@ def runner_spec(spec: ConversionJobSpec, image: str, resume: bool) -> dict[str, 
     return spec.model_copy(update=update).to_wire()
 
 
-def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, default_image: str, resume: bool = False) -> dict[str, Any]:
+def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, default_image: str, resume: bool = False,
+                     default_service_account: str | None = None) -> dict[str, Any]:
     """The ``batch/v1`` Job of one attempt. It never retries by itself (``backoffLimit: 0``): the
     operator decides about retries, because only it can tell an OOM (retry) from a bad input
     (do not), and it records why each attempt failed."""
@@ -88,13 +93,23 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
         "image": image,
         "command": list(RUNNER_COMMAND),
         "args": ["--namespace", owner.namespace, "--name", owner.name, "--uid", owner.uid, "--attempt", str(attempt)],
-        "env": env_list({SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True), BACKEND_ENV: "kubernetes"}),
+        "env": env_list({
+            SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True),
+            BACKEND_ENV: "kubernetes",
+            METRICS_PORT_ENV: str(RUNNER_METRICS_PORT),
+            "H5NGFF_JOB_NAME": owner.name,
+            "H5NGFF_JOB_NAMESPACE": owner.namespace,
+        }),
+        "ports": [{"name": "metrics", "containerPort": RUNNER_METRICS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
         **container_storage(spec.pod),
     }
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], **pod_placement(spec.pod)}
-    if spec.pod.service_account_name:
-        pod_spec["serviceAccountName"] = spec.pod.service_account_name
+    # The runner needs its RBAC (docs/operator.md); a job may name its own account, else the
+    # operator's default (the Helm chart creates h5ngff-runner and passes it).
+    account = spec.pod.service_account_name or default_service_account
+    if account:
+        pod_spec["serviceAccountName"] = account
     job_spec: dict[str, Any] = {
         "backoffLimit": 0,
         "template": {"metadata": {"labels": meta_labels}, "spec": pod_spec},

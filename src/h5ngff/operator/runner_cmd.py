@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from ..errors import H5ngffError, SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
-from .attempt import run_attempt
-from .manifests import BACKEND_ENV, SPEC_ENV
+from .attempt import AttemptOptions, run_attempt
+from .manifests import BACKEND_ENV, METRICS_PORT_ENV, SPEC_ENV
 from .reporter import StatusReporter
 from .status import now, runner_report
 
@@ -66,6 +66,20 @@ def make_backend(args: RunnerArgs, spec: ConversionJobSpec):
     return KubernetesBackend(owner, image=spec.pod.image or "", pod=spec.pod)
 
 
+def _exporter(spec: ConversionJobSpec):
+    """The job's Prometheus exporter when the runner Job asks for one (the operator sets the port)."""
+    port = os.environ.get(METRICS_PORT_ENV)
+    if not port:
+        return None
+    from ..metrics.exporter import MetricsExporter
+
+    try:
+        return MetricsExporter.for_spec(spec.conversion(), int(port))
+    except H5ngffError as exc:  # metrics are worth a warning, never a failed conversion
+        log.warning("No Prometheus metrics for this attempt: %s", exc)
+        return None
+
+
 def main(args: RunnerArgs) -> int:
     reporter = StatusReporter(args.namespace, args.name)
     try:
@@ -76,7 +90,7 @@ def main(args: RunnerArgs) -> int:
             reporter(runner_report(args.attempt, "Failed", now(), exc.reason, str(exc)), True)
             return exc.exit_code
         log.info("attempt %d of ConversionJob %s/%s on the %s backend", args.attempt, args.namespace, args.name, backend.name)
-        result = run_attempt(spec, backend, reporter, args.attempt)
+        result = run_attempt(spec, backend, reporter, args.attempt, AttemptOptions(metrics=_exporter(spec)))
         return result.exit_code
     finally:
         reporter.close()
