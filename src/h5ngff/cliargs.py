@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from .errors import SpecError
+from .patches import deep_merge
 from .spec import BLOSC_CNAMES
 
 COMPRESSOR_HELP = (
@@ -104,53 +105,51 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     res.add_argument("--allocator", choices=["auto", "jemalloc", "glibc"], help="Worker malloc (default auto: jemalloc where installed).")
 
 
+def _same(text: str, field: str) -> str:
+    return text
+
+
+def _compressor(text: str, field: str) -> dict[str, Any]:
+    return {k: v for k, v in parse_compressor(text).items() if v is not None}
+
+
+#: Each flag (argparse dest) and the one spec field it sets, with its parser.
+FLAG_FIELDS: tuple[tuple[str, str, Any], ...] = (
+    ("chunks", "output.chunks", _ints),
+    ("shards", "output.shards", _ints),
+    ("compressor", "output.compressor", _compressor),
+    ("ngff_version", "output.ngffVersion", _same),
+    ("axes", "image.axes", _same),
+    ("scale", "image.scale", _floats),
+    ("units", "image.units", None),  # needs --axes too: see spec_overrides
+    ("name", "image.name", _same),
+    ("levels", "pyramid.levels", _int_or_auto),
+    ("downsample", "pyramid.method", _same),
+    ("downsample_axes", "pyramid.axes", _same),
+    ("workers", "resources.workers", _int_or_auto),
+    ("threads", "resources.threadsPerWorker", None),
+    ("memory_per_worker", "resources.memoryPerWorker", _same),
+    ("memory_total", "resources.memoryTotal", _same),
+    ("slab", "resources.slab", _ints),
+    ("allocator", "resources.allocator", _same),
+)
+
+
 def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The nested spec dict the flags given on the command line describe (unset flags omitted)."""
-    spec: dict[str, Any] = {"output": {}, "image": {}, "pyramid": {}, "resources": {}}
-    o, i, p, r = spec["output"], spec["image"], spec["pyramid"], spec["resources"]
-    if args.chunks:
-        o["chunks"] = _ints(args.chunks, "output.chunks")
-    if args.shards:
-        o["shards"] = _ints(args.shards, "output.shards")
-    if args.compressor:
-        o["compressor"] = {k: v for k, v in parse_compressor(args.compressor).items() if v is not None}
-    if args.ngff_version:
-        o["ngffVersion"] = args.ngff_version
-    if args.axes:
-        i["axes"] = args.axes
-    if args.scale:
-        i["scale"] = _floats(args.scale, "image.scale")
-    if args.units:
-        i["units"] = _units(args.units, args.axes)
-    if args.name:
-        i["name"] = args.name
-    if args.levels:
-        p["levels"] = _int_or_auto(args.levels, "pyramid.levels")
-    if args.downsample:
-        p["method"] = args.downsample
-    if args.downsample_axes:
-        p["axes"] = args.downsample_axes
-    if args.workers:
-        r["workers"] = _int_or_auto(args.workers, "resources.workers")
-    if args.threads is not None:
-        r["threadsPerWorker"] = args.threads
-    if args.memory_per_worker:
-        r["memoryPerWorker"] = args.memory_per_worker
-    if args.memory_total:
-        r["memoryTotal"] = args.memory_total
-    if args.slab:
-        r["slab"] = _ints(args.slab, "resources.slab")
-    if args.allocator:
-        r["allocator"] = args.allocator
-    return {k: v for k, v in spec.items() if v}
+    spec: dict[str, dict[str, Any]] = {}
+    for dest, field, parse in FLAG_FIELDS:
+        value = getattr(args, dest, None)
+        if value is None or value == "":
+            continue
+        if dest == "units":
+            value = _units(value, args.axes)
+        elif parse is not None:
+            value = parse(value, field)
+        section, name = field.split(".")
+        spec.setdefault(section, {})[name] = value
+    return spec
 
 
-def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge flags over a spec from a file: flags win."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
+#: Flags over a spec read from a file: flags win.
+merge = deep_merge

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .errors import SpecError
-from .spec import ConversionSpec, _Model, spec_error_from
+from .spec import ConversionSpec, _Model, parse_model
 
 #: Kubernetes Job defaults, chosen for memory-planned batch work: a run that failed twice for the
 #: same reason (usually memory) will fail a third time, so retry twice, not Kubernetes' six.
@@ -69,12 +69,5 @@ class ConversionJobSpec(ConversionSpec):
 
 def parse_job_spec(data: Any) -> ConversionJobSpec:
     """Validate a ConversionJob ``.spec`` (a dict) into a ConversionJobSpec, or raise SpecError."""
-    if isinstance(data, ConversionJobSpec):
-        return data
-    if not isinstance(data, dict):
-        raise SpecError("spec", f"Expected a mapping with source and output. Got {type(data).__name__} instead.")
-    try:
-        return ConversionJobSpec.model_validate(data)
-    except ValidationError as exc:
-        raise spec_error_from(exc) from None
+    return parse_model(ConversionJobSpec, data)
 

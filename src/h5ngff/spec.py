@@ -13,7 +13,7 @@ axis?) are checked by the planner, which still names the spec field in its error
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,7 @@ from pydantic.alias_generators import to_camel
 from .errors import SpecError
 from .units import parse_bytes
 
+M = TypeVar("M", bound=BaseModel)
 AXIS_TYPES = {"t": "time", "c": "channel", "z": "space", "y": "space", "x": "space"}
 #: Units the NGFF specification allows (UDUNITS-2 names).
 SPACE_UNITS = (
@@ -403,16 +404,21 @@ def _describe_pydantic_error(err: dict[str, Any], alternatives: list[dict[str, A
     return field, f"Expected {allowed}. Got {got!r} instead."
 
 
-def parse_spec(data: Any) -> ConversionSpec:
-    """Validate a ConversionJob ``.spec`` (a dict) into a ConversionSpec, or raise SpecError."""
-    if isinstance(data, ConversionSpec):
+def parse_model(model: type[M], data: Any) -> M:
+    """Validate a ``.spec`` dict into ``model``, or raise SpecError naming the field."""
+    if isinstance(data, model):
         return data
     if not isinstance(data, dict):
         raise SpecError("spec", f"Expected a mapping with source and output. Got {type(data).__name__} instead.")
     try:
-        return ConversionSpec.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise spec_error_from(exc) from None
+
+
+def parse_spec(data: Any) -> ConversionSpec:
+    """Validate a ConversionJob ``.spec`` (a dict) into a ConversionSpec, or raise SpecError."""
+    return parse_model(ConversionSpec, data)
 
 
 def spec_error_from(exc: ValidationError) -> SpecError:

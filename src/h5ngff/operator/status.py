@@ -23,6 +23,7 @@ from pydantic.alias_generators import to_camel
 from ..engine.progress import Progress
 from ..planner.model import Plan
 from ..units import k8s_quantity
+from ..patches import apply_merge_patch, deep_merge
 
 PHASES = ("Pending", "Planned", "Running", "Succeeded", "Failed")
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -266,29 +267,9 @@ def result_summary(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def merge(status: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """Apply a merge patch (RFC 7386: dicts merge, None deletes, lists replace), as the API does."""
-    out = dict(status)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def combine(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """One merge patch with the effect of applying ``first`` then ``second`` (keeps ``None``s:
-    in a patch they delete)."""
-    out = dict(first)
-    for key, value in second.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = combine(out[key], value)
-        else:
-            out[key] = value
-    return out
+#: Applying and combining status patches (re-exported for the operator's modules and tests).
+merge = apply_merge_patch
+combine = deep_merge
 
 
 def status_schema() -> dict[str, Any]:
