@@ -46,18 +46,20 @@ class MemorySampler:
     """Samples every worker's RSS through ``client.run`` in a background thread.
 
     It keeps the highest value seen per worker (a restarted worker's high-water mark would
-    otherwise die with it) and a timeline for the memory report.
+    otherwise die with it) and a timeline for the memory report. Every sample costs the
+    scheduler and the workers a round trip on the cores doing the conversion, so the interval is
+    half a second and worker names are looked up only when an address is new.
     """
 
-    def __init__(self, client: Client, interval: float = 0.25):
+    def __init__(self, client: Client, interval: float = 0.5):
         self.client = client
         self.interval = interval
         self.peaks: dict[str, int] = {}
         #: (epoch seconds, worker name, RSS bytes)
         self.timeline: list[tuple[float, str, int]] = []
+        self._names: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="h5ngff-memory-sampler", daemon=True)
-        self.started = time.time()
 
     def __enter__(self) -> "MemorySampler":
         self._thread.start()
@@ -72,19 +74,24 @@ class MemorySampler:
         while not self._stop.wait(self.interval):
             self.sample()
 
+    def _name(self, address: str) -> str:
+        if address not in self._names:
+            workers = self.client.scheduler_info(n_workers=-1)["workers"]
+            self._names.update({addr: str(info.get("name", addr)) for addr, info in workers.items()})
+        return self._names.get(address, address)
+
     def sample(self) -> None:
         try:
             figures = self.client.run(process_memory, on_error="ignore")
-            names = {addr: info.get("name", addr) for addr, info in self.client.scheduler_info(n_workers=-1)["workers"].items()}
-        except Exception:
+            now = time.time()  # absolute, so samples line up with progress events
+            for address, mem in figures.items():
+                if not isinstance(mem, dict):
+                    continue
+                name = self._name(address)
+                self.peaks[name] = max(self.peaks.get(name, 0), mem["peak_rss"])
+                self.timeline.append((now, name, mem["rss"]))
+        except Exception:  # a worker that is restarting, a closing cluster: try again next time
             return
-        now = time.time()  # absolute, so samples line up with progress events
-        for address, mem in figures.items():
-            if not isinstance(mem, dict):
-                continue
-            name = str(names.get(address, address))
-            self.peaks[name] = max(self.peaks.get(name, 0), mem["peak_rss"])
-            self.timeline.append((now, name, mem["rss"]))
 
 
 def _nothing() -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import DiskFullError, OutputError, UnalignedWriteError
 from ..planner.grid import ceil_div
 from ..spec import CompressorSpec
+from .buffers import slab_buffer
 from .codecs import chunk_codec
 
 Shape = tuple[int, ...]
@@ -219,8 +220,9 @@ def read_unit(layout: ArrayLayout, index: tuple[int, ...]) -> np.ndarray | None:
 
 
 def read_region(layout: ArrayLayout, region: tuple[slice, ...]) -> np.ndarray:
-    """Read a region of a level, one file at a time (what a later pass streams from)."""
-    out = np.empty(tuple(r.stop - r.start for r in region), dtype=layout.dtype)
+    """Read a region of a level, one file at a time (what a later pass streams from), into this
+    thread's slab buffer (valid until the thread's next slab)."""
+    out = slab_buffer(tuple(r.stop - r.start for r in region), layout.dtype)
     for index in layout.units_in(region):
         unit = layout.unit_region(index)
         inter = tuple(slice(max(u.start, r.start), min(u.stop, r.stop)) for u, r in zip(unit, region))

@@ -45,14 +45,17 @@ def _output_blocks(shape: tuple[int, ...], limit: int):
         yield tuple(slice(i, min(i + b, n)) for i, b, n in zip(index, block, shape))
 
 
-def downsample(block: np.ndarray, downsampled: tuple[bool, ...], method: str) -> np.ndarray:
+def downsample(block: np.ndarray, downsampled: tuple[bool, ...], method: str, out: np.ndarray | None = None) -> np.ndarray:
+    """The next level of ``block``, written into ``out`` when given (it must have the output shape)."""
     if not any(downsampled):
         return block
+    if out is None:
+        out = np.empty(output_shape(block.shape, downsampled), dtype=block.dtype)
     if method == "nearest":
-        return np.ascontiguousarray(block[tuple(slice(None, None, 2) if d else slice(None) for d in downsampled)])
+        out[...] = block[tuple(slice(None, None, 2) if d else slice(None) for d in downsampled)]
+        return out
     if method not in ("mean", "max"):
         raise ValueError(f"unknown downsampling method {method!r}")
-    out = np.empty(output_shape(block.shape, downsampled), dtype=block.dtype)
     for dst in _output_blocks(out.shape, STRIP_ELEMENTS):
         src = tuple(slice(2 * r.start, min(2 * r.stop, n)) if d else r for r, d, n in zip(dst, downsampled, block.shape))
         out[dst] = _reduce(block[src], downsampled, method)  # the one cast back to the dtype

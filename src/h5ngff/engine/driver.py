@@ -4,8 +4,10 @@ bound on tasks in flight, record each finished slab in the manifest, then write 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Iterable, Iterator
@@ -104,29 +106,42 @@ NO_WORKERS_TIMEOUT = 60.0
 
 
 class _NoWorkersWatchdog:
-    """Notices a cluster that has lost every worker (checked at most once a second)."""
+    """A background thread that notices a cluster which has lost every worker. When it trips it
+    cancels the run's futures, which wakes the waiting client (no polling in the result loop)."""
 
-    def __init__(self, client: Client, timeout: float):
+    def __init__(self, client: Client, timeout: float, cancel):
         self.client = client
         self.timeout = timeout
-        self._last_check = 0.0
-        self._empty_since: float | None = None
+        self.cancel = cancel
+        self.tripped = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="h5ngff-no-workers-watchdog", daemon=True)
 
-    def check(self) -> None:
-        now = time.monotonic()
-        if now - self._last_check < 1.0:
-            return
-        self._last_check = now
-        try:
-            workers = len(self.client.scheduler_info(n_workers=-1)["workers"])
-        except Exception:  # a busy scheduler is not a lost cluster
-            return
-        if workers:
-            self._empty_since = None
-            return
-        self._empty_since = self._empty_since or now
-        if now - self._empty_since > self.timeout:
-            raise WorkersLostError(f"No Dask worker for {self.timeout:.0f} s: every worker died and none came back.")
+    def __enter__(self) -> "_NoWorkersWatchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        empty_since = None
+        while not self._stop.wait(1.0):
+            try:
+                workers = len(self.client.scheduler_info(n_workers=-1)["workers"])
+            except Exception:  # a busy scheduler is not a lost cluster
+                continue
+            if workers:
+                empty_since = None
+                continue
+            empty_since = empty_since or time.monotonic()
+            if time.monotonic() - empty_since > self.timeout:
+                self.tripped = True
+                self.cancel()
+                return
+
+    def error(self) -> WorkersLostError:
+        return WorkersLostError(f"No Dask worker for {self.timeout:.0f} s: every worker died and none came back.")
 
 
 def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) -> Iterator[SlabResult]:
@@ -136,26 +151,31 @@ def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) ->
     order; the bound keeps memory, ordering and cancellation in the client's hands.
     """
     queue = iter(tasks)
-    watchdog = _NoWorkersWatchdog(client, NO_WORKERS_TIMEOUT)
 
     def submit(task: SlabTask):
         return client.submit(run_slab, task, key=f"{task.key}-{token}", pure=False)
 
     futures = as_completed([submit(t) for t in islice(queue, inflight)], loop=client.loop, with_results=False)
-    try:
-        while not futures.is_empty():
-            if not futures.has_ready():
-                watchdog.check()
-                time.sleep(0.01)
-                continue
-            future = next(futures)
-            result = future.result()
-            future.release()
-            following = next(queue, None)
-            if following is not None:
-                futures.add(submit(following))
-            yield result
-    finally:
-        remaining = list(futures.futures)
-        if remaining:
-            client.cancel(remaining)
+
+    def cancel_all() -> None:
+        client.cancel(list(futures.futures))
+
+    with _NoWorkersWatchdog(client, NO_WORKERS_TIMEOUT, cancel_all) as watchdog:
+        try:
+            for future in futures:
+                if watchdog.tripped:
+                    raise watchdog.error()
+                result = future.result()
+                future.release()
+                following = next(queue, None)
+                if following is not None:
+                    futures.add(submit(following))
+                yield result
+        except CancelledError:
+            if watchdog.tripped:
+                raise watchdog.error() from None
+            raise
+        finally:
+            remaining = list(futures.futures)
+            if remaining:
+                client.cancel(remaining)

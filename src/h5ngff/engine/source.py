@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import DatasetNotFoundError, SourceError, SourceNotFoundError, UnsupportedDatasetError
 from ..planner.model import DatasetInfo
+from .buffers import slab_buffer
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +149,10 @@ def open_dataset(path: str, dataset: str, cache_bytes: int) -> h5py.Dataset:
 
 
 def read_slab(path: str, dataset: str, cache_bytes: int, region: tuple[slice, ...]) -> np.ndarray:
-    """Read one slab straight into a new buffer (no intermediate copy)."""
+    """Read one slab straight into this thread's slab buffer (no intermediate copy). The array
+    is valid until the thread's next slab."""
     ds = open_dataset(path, dataset, cache_bytes)
-    out = np.empty(tuple(r.stop - r.start for r in region), dtype=output_dtype(ds.dtype))
+    out = slab_buffer(tuple(r.stop - r.start for r in region), output_dtype(ds.dtype))
     try:
         ds.read_direct(out, source_sel=region)
     except (OSError, RuntimeError) as exc:

@@ -15,7 +15,8 @@ import numpy as np
 
 from .chunkio import ArrayLayout, read_region, write_block
 from . import faults
-from .downsample import downsample
+from .buffers import keep_levels, level_buffer
+from .downsample import downsample, output_shape
 from .manifest import SlabRecord
 from .source import read_slab
 
@@ -110,7 +111,9 @@ def run_slab(task: SlabTask) -> SlabResult:
     for i, layout in enumerate(task.levels):
         if i > 0 or first_factor == 2:
             t = time.perf_counter()
-            block = downsample(block, task.downsampled, task.method)
+            depth = i if first_factor == 1 else i + 1
+            target = level_buffer(depth, output_shape(block.shape, task.downsampled), block.dtype)
+            block = downsample(block, task.downsampled, task.method, out=target)
             seconds["downsample"] += time.perf_counter() - t
             factor *= 2
         origin = tuple(r.start // (factor if d else 1) for r, d in zip(task.region, task.downsampled))
@@ -121,6 +124,7 @@ def run_slab(task: SlabTask) -> SlabResult:
             bytes_written += nbytes
         seconds["write"] += time.perf_counter() - t
     del block, injected
+    keep_levels(len(task.levels) if first_factor == 2 else len(task.levels) - 1)
     record = SlabRecord(task.pass_index, task.slab, units, minmax.stats())
     return SlabResult(record, bytes_read, bytes_written, seconds)
 

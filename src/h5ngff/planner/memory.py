@@ -135,12 +135,11 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
     context = c.codec_context_zstd if shape.zstd else c.codec_context_other
     terms.append(MemoryTerm("chunk and encode buffers", T * (encode + context), why + f" + codec context ({context / MiB:.0f} MiB)"))
     if shape.levels_built:
-        # Level k+1 is computed from level k, after which level k is dropped; the peak holds the
-        # slab and the first downsampled level together, plus one float64 strip for the mean.
-        first = shape.slab_elements // shape.reduction
+        # Each level the pass builds has its own buffer, kept per thread for the next slab (fresh
+        # buffers cost page faults on every slab), plus one block of downsampling temporaries.
+        levels = sum((shape.slab_elements // shape.reduction**k) * shape.itemsize for k in range(1, shape.levels_built + 1))
         strip = shape.strip_elements * 8 * STRIP_TEMPORARIES
-        pyramid = first * shape.itemsize + strip
-        terms.append(MemoryTerm("pyramid buffers", T * pyramid, f"per thread: level +1 ({first * shape.itemsize / MiB:.1f} MiB, 1/{shape.reduction} of the slab) + one strip of temporaries ({strip / MiB:.1f} MiB)"))
+        terms.append(MemoryTerm("pyramid buffers", T * (levels + strip), f"per thread: {shape.levels_built} level buffer(s) ({levels / MiB:.1f} MiB, 1/{shape.reduction} of the slab and less) + one block of temporaries ({strip / MiB:.1f} MiB)"))
     if shape.from_hdf5:
         hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
         why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB + HDF5 internal buffers"
