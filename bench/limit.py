@@ -38,7 +38,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _create_array(out: str, shape, chunks, dtype) -> None:
-    zarr.create_array(out, shape=shape, chunks=chunks, dtype=dtype, compressors=BloscCodec(**CODEC), fill_value=0, zarr_format=3)
+    try:
+        zarr.create_array(out, shape=shape, chunks=chunks, dtype=dtype, compressors=BloscCodec(**CODEC), fill_value=0, zarr_format=3)
+    except zarr.errors.ContainsArrayError:
+        pass  # another part of a parallel measurement made it (same metadata)
 
 
 def _chunk(slab: np.ndarray, index: tuple[slice, ...], chunks: tuple[int, ...]) -> np.ndarray:
@@ -50,7 +53,9 @@ def _chunk(slab: np.ndarray, index: tuple[slice, ...], chunks: tuple[int, ...]) 
     return padded
 
 
-def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...]) -> dict:
+def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], part: tuple[int, int] = (0, 1)) -> dict:
+    """``part`` (i, n): only every n-th slab, from the i-th; n processes in parallel measure what
+    n cores really do together (shared caches and memory bandwidth included)."""
     blosc.set_nthreads(1)
     blosc.use_threads = False
     codec = numcodecs.Blosc(cname=CODEC["cname"], clevel=CODEC["clevel"], shuffle=numcodecs.Blosc.BITSHUFFLE)
@@ -67,7 +72,9 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...]) 
         grid = [range(0, n, c) for n, c in zip(shape, chunks)]
         made_dirs: set[str] = set()
         cpu0, start = time.process_time(), clock()
-        for lead in product(*grid[:-2]):
+        for number, lead in enumerate(product(*grid[:-2])):
+            if number % part[1] != part[0]:
+                continue
             t = clock()
             sel = tuple(slice(o, min(o + c, n)) for o, c, n in zip(lead, chunks, shape)) + (slice(None), slice(None))
             dest = tuple(slice(0, s.stop - s.start) for s in sel[:-2]) + (slice(None), slice(None))
@@ -107,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--chunks", required=True, type=_ints)
     p.add_argument("--result", required=True)
+    p.add_argument("--part", default="0/1", help="I/N: only every N-th slab from the I-th (for a parallel measurement).")
     args = p.parse_args(argv)
-    result = measure_limit(args.source, args.dataset, args.out, args.chunks)
+    index, count = (int(v) for v in args.part.split("/"))
+    result = measure_limit(args.source, args.dataset, args.out, args.chunks, (index, count))
     with open(args.result, "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -47,6 +47,9 @@ def limit_table(limit: LimitResult) -> list[str]:
             "|---|---|---|---|---|---|---|---|",
             f"| {s['read']:.2f} s | {s['extract']:.2f} s | {s['encode']:.2f} s | {s['write']:.2f} s | {limit.total:.2f} s | "
             f"**{limit.seconds:.2f} s** | {ratio:.2f} | {'ok' if limit.ok else 'FAILED'}: {limit.verified} |", "",
+            *([f"Measured with the work split over {limit.cores} processes running at once: **{limit.parallel:.2f} s**, "
+               f"{limit.parallel / limit.seconds:.2f}x the ideal one-core total / {limit.cores}. That is what these cores really do "
+               f"together (shared caches and memory bandwidth); every tool pays the same.", ""] if limit.parallel else []),
             "Measured before and after the tools (one-core totals: " + ", ".join(f"{t:.2f} s" for t in limit.totals)
             + "); the faster is kept, since other work on the machine can only slow it down."]
 
@@ -106,6 +109,10 @@ def targets(result: CaseResult) -> list[str]:
             line(ours < lowest.memory.get("peak_largest", 0), f"h5ngff peak per worker {_gb(ours)} GB below every peer's per-process peak (lowest: {lowest.label} {_gb(lowest.memory.get('peak_largest'))} GB)")
     out += [f"- where the time goes, {r.id} (h5ngff's stage timer, summed over tasks): " + _stages(r.extra.get("stage_seconds") or {})
             for r in (single, pyramid) if r and r.ok and r.extra.get("stage_seconds")]
+    if limit and limit.parallel:
+        for r in (single, pyramid):
+            if r and r.ok:
+                out.append(f"- against the measured {limit.cores}-core limit ({limit.parallel:.2f} s): {r.id} {r.seconds:.2f} s = {r.seconds / limit.parallel:.2f}x")
     if limit:
         out.append("- the limit's stages on one core: " + _stages(limit.stages))
     return out or ["- not evaluated (h5ngff or the limit did not run)"]

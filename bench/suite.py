@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -70,6 +71,9 @@ class LimitResult:
     memory: dict = field(default_factory=dict)
     #: one-core totals of every measurement (before and after the tools); the fastest is kept
     totals: list[float] = field(default_factory=list)
+    #: The same work split over ``cores`` processes running at once: what the cores really do
+    #: together (shared caches, memory bandwidth, the host), not the ideal total / cores.
+    parallel: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -152,6 +156,41 @@ def run_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, tag: str = "
         _cleanup(cfg, out)
 
 
+def run_parallel_limit(cfg: SuiteConfig, case: Case, source: str, logs: str) -> float | None:
+    """The limit's work split over ``cfg.cores`` processes started together; the slowest part's
+    time. Verified like any output, so it cannot be fast by being wrong."""
+    out = os.path.join(cfg.work_dir, f"{case.name}-limit-parallel.zarr")
+    _prepare(out)
+    warm_page_cache(source)
+    procs, results = [], []
+    for i in range(cfg.cores):
+        result_path = os.path.join(logs, f"{case.name}-limit-parallel-{i}.json")
+        results.append(result_path)
+        argv = [sys.executable, "-m", "bench.limit", "--source", source, "--dataset", case.dataset, "--out", out,
+                "--chunks", ",".join(map(str, case.chunks)), "--result", result_path, "--part", f"{i}/{cfg.cores}"]
+        with open(os.path.join(logs, f"{case.name}-limit-parallel-{i}.log"), "w") as log:
+            procs.append(subprocess.Popen(argv, cwd=REPO_DIR, env=_env(), stdout=log, stderr=subprocess.STDOUT))
+    try:
+        if any(p.wait(timeout=cfg.timeout) != 0 for p in procs):
+            return None
+        totals = []
+        for path in results:
+            with open(path) as f:
+                totals.append(json.load(f)["total"])
+        verdict = verify(out, source, case, 1, "mean")
+        if not verdict.ok:
+            _say(f"[{case.name}] parallel limit FAILED verification: {verdict.message}")
+            return None
+        _say(f"[{case.name}] limit on {cfg.cores} cores in parallel, measured: {max(totals):.2f} s (parts {', '.join(f'{t:.2f}' for t in totals)})")
+        return max(totals)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        return None
+    finally:
+        _cleanup(cfg, out)
+
+
 def _cleanup(cfg: SuiteConfig, out: str) -> None:
     if not cfg.keep_outputs and os.path.exists(out):
         shutil.rmtree(out)
@@ -224,6 +263,8 @@ def run_case(cfg: SuiteConfig, case: Case, logs: str) -> CaseResult:
         runs.append(r)
     # Measured again after the tools, so a busy moment at the start does not flatter them.
     limit, limit_error = best_limit(first, _limit_said(case, run_limit(cfg, case, source, logs, "limit-again")))
+    if limit is not None and cfg.cores > 1:
+        limit.parallel = run_parallel_limit(cfg, case, source, logs)
     add_ratios(runs, cfg.runs, limit)
     profiles = {spec.id: profile_run(cfg, spec, case, source, logs) for spec in cfg.runs if spec.id in cfg.profile}
     return CaseResult(case, source, meta, limit, limit_error, runs, profiles)
