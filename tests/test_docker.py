@@ -86,6 +86,9 @@ def problems(text: str) -> list[str]:
     builder_runs = " ".join(" ".join(c.value) for c in builder if c.cmd == "RUN")
     if "pip wheel" not in builder_runs:
         out.append("the builder builds no wheel")
+    elif "-c requirements/lock.txt" not in builder_runs:
+        # the memory model's constants were measured with the locked versions
+        out.append("the builder does not pin the locked versions")
     install = [(c, " ".join(c.value)) for c in final if c.cmd == "RUN" and "pip install" in " ".join(c.value)]
     from_builder = [c for c, _ in install if any("from=builder" in f for f in c.flags)] + [c for c in final if c.cmd == "COPY" and "--from=builder" in c.flags]
     if not install or not from_builder or not any("--no-index" in t and '"h5ngff[kubernetes]"' in t for _, t in install):
@@ -135,8 +138,9 @@ TEXT = DOCKERFILE.read_text()
     (lambda t: t.replace('ENTRYPOINT ["/usr/bin/tini", "--"]', 'ENTRYPOINT ["h5ngff"]'), "ENTRYPOINT"),
     (lambda t: t.replace('"h5ngff[kubernetes]"', '"h5ngff"'), "h5ngff[kubernetes] is not installed"),
     (lambda t: t.replace("RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \\", "RUN \\"), "h5ngff[kubernetes] is not installed"),
+    (lambda t: t.replace(" -c requirements/lock.txt", ""), "does not pin the locked versions"),
 ], ids=["floating-minor", "latest", "single-stage", "no-jemalloc", "no-preload", "other-malloc-conf", "user-root",
-        "uid-0", "no-user", "no-healthcheck", "entrypoint-swallows-args", "no-kubernetes-extra", "not-from-builder"])
+        "uid-0", "no-user", "no-healthcheck", "entrypoint-swallows-args", "no-kubernetes-extra", "not-from-builder", "unlocked"])
 def test_each_rule_catches_its_breakage(edit, problem):
     edited = edit(TEXT)
     assert edited != TEXT, "the edit did not apply; update this negative control"
@@ -199,7 +203,7 @@ def _dockerignore_allows(path: str) -> bool:
 
 def test_the_build_context_has_what_the_dockerfile_copies_and_nothing_big():
     sources = [s for c in dockerfile.parse_string(TEXT) if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags) for s in c.value[:-1]]
-    assert set(sources) == {"pyproject.toml", "README.md", "src", "docker/healthcheck.py"}
+    assert set(sources) == {"pyproject.toml", "README.md", "requirements/lock.txt", "src", "docker/healthcheck.py"}
     for source in sources:
         assert (ROOT / source).exists(), source
         assert _dockerignore_allows(source), f".dockerignore excludes {source}, which the Dockerfile copies"

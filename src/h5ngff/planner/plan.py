@@ -41,6 +41,12 @@ MEAN_STRIP_ELEMENTS = 1 << 16
 SLABS_PER_THREAD = 8
 #: ...but no slab below this: smaller reads and tasks start to cost more than they balance.
 MIN_BALANCED_SLAB_BYTES = 16 * MiB
+#: A slab of whole rows this size already reads and converts at full speed: on the 4.5 GB
+#: reference case, slabs of 33, 66, 132 and 263 MB all converted in 30-34 s, within the
+#: machine's noise (docs/benchmarks.md), while a worker's memory grows with the slab. So the
+#: planner stops growing slabs here unless the pyramid's alignment needs more; ``resources.slab``
+#: still takes any size the budget allows.
+TARGET_SLAB_BYTES = 64 * MiB
 #: Re-plans with a lowered budget when the passes together overshoot it (see ``_plan_worker``).
 MAX_REPLANS = 8
 #: Tasks kept submitted per worker thread: one running and one ready, so no worker idles between
@@ -275,7 +281,7 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
             # Past the size cap, whole HDF5 chunks still beat a slab that cuts them, which must
             # cache every chunk it touches; the cap only stops extra levels from growing slabs.
             size_cap = not (built == built_min and align_storage and storage)
-            if user_slab is None and not _acceptable(ctx, src_shape, min_slab, last_chance, size_cap):
+            if user_slab is None and not _acceptable(ctx, src_shape, min_slab, last_chance, size_cap, _slabs_wanted(ctx, built, from_hdf5)):
                 unaligned_because = "shape" if align_storage else unaligned_because
                 continue
             fits = _fits(ctx, from_hdf5, built, not align_storage)
@@ -290,7 +296,7 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
             else:
                 target = min_slab
                 if from_hdf5 and storage is None:
-                    rows = _whole_rows(ctx, src_shape, min_slab, fits, last_chance)
+                    rows = _whole_rows(ctx, src_shape, min_slab, fits, last_chance, _slabs_wanted(ctx, built, from_hdf5))
                     if rows is None and not last_chance:
                         continue  # fewer levels in this pass keep the reads in whole rows
                     target = rows or min_slab
@@ -315,36 +321,47 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
     raise refusal
 
 
-def _acceptable(ctx: _Context, src_shape: Shape, min_slab: Shape, last_chance: bool, size_cap: bool = True) -> bool:
+def _slabs_wanted(ctx: _Context, built: int, from_hdf5: bool) -> int:
+    """Slabs a pass should have before it builds ``built`` levels rather than fewer.
+
+    Leaving a level to a later pass costs re-reading the level below it. For the first level
+    built from HDF5 that is the whole volume again, so any pass that keeps every thread busy is
+    worth it. For deeper levels the re-read is 1/8 of that or less, cheaper than the idle tail of
+    a pass with few, large slabs, so those need the planner's full share of slabs per thread."""
+    if from_hdf5 and built <= 1:
+        return ctx.total_threads
+    return SLABS_PER_THREAD * ctx.total_threads
+
+
+def _acceptable(ctx: _Context, src_shape: Shape, min_slab: Shape, last_chance: bool, size_cap: bool = True, wanted: int = 1) -> bool:
     """Whether building ``built`` levels in this pass is worth trying before fewer levels."""
     if last_chance:
         return True
     slab_bytes = math.prod(min_slab) * ctx.itemsize
     if size_cap and slab_bytes > MAX_SLAB_BYTES:
         return False
-    # Fewer slabs than threads leaves cores idle; fewer levels per pass is cheaper than that.
-    return math.prod(grid_shape(src_shape, min_slab)) >= ctx.total_threads
+    return math.prod(grid_shape(src_shape, min_slab)) >= wanted
 
 
-def _whole_rows(ctx: _Context, src_shape: Shape, min_slab: Shape, fits, last_chance: bool) -> Shape | None:
+def _whole_rows(ctx: _Context, src_shape: Shape, min_slab: Shape, fits, last_chance: bool, wanted: int) -> Shape | None:
     """The smallest slab that spans whole rows of a contiguous dataset, if it is worth it.
 
     Contiguous HDF5 is stored row after row: a slab cut inside the last axis reads thousands of
     short runs (one pread each; 1 KiB runs made the read stage 3x slower in our benchmark) and
     extracts chunks from scattered memory. Whole rows are worth fewer levels per pass, but not a
-    cluster left idle: they need ``SLABS_PER_THREAD / 2`` slabs per thread (any number on the
-    last chance) and must fit the budget and the size cap."""
+    cluster left idle: they need ``wanted`` slabs (any number on the last chance) and must fit the budget and the size cap."""
     rows = min_slab[:-1] + (src_shape[-1],)
     if rows == min_slab:
         return rows
     if math.prod(rows) * ctx.itemsize > MAX_SLAB_BYTES or not fits(rows):
         return None
-    enough = math.prod(grid_shape(src_shape, rows)) >= SLABS_PER_THREAD // 2 * ctx.total_threads
+    enough = math.prod(grid_shape(src_shape, rows)) >= wanted
     return rows if enough or last_chance else None
 
 
 def _max_elements(ctx: _Context, src_shape: Shape, min_slab: Shape) -> int:
-    balanced = max(math.prod(src_shape) // (SLABS_PER_THREAD * ctx.total_threads), MIN_BALANCED_SLAB_BYTES // ctx.itemsize)
+    balanced = min(math.prod(src_shape) // (SLABS_PER_THREAD * ctx.total_threads), TARGET_SLAB_BYTES // ctx.itemsize)
+    balanced = max(balanced, MIN_BALANCED_SLAB_BYTES // ctx.itemsize)
     return max(math.prod(min_slab), min(MAX_SLAB_BYTES // ctx.itemsize, balanced))
 
 
