@@ -79,7 +79,7 @@ def source_for(case: Case) -> str:
     return path
 
 
-def run_case(case: Case, workers: int, allocator: str) -> dict:
+def run_case(case: Case, workers: int, allocator: str, calibration: str | None = None) -> dict:
     source = source_for(case)
     out = os.path.join(DATA, "out.ome.zarr")
     cmd = [
@@ -90,6 +90,8 @@ def run_case(case: Case, workers: int, allocator: str) -> dict:
     if "--workers" not in case.flags:
         cmd += ["--workers", str(workers)]
     cmd += case.flags
+    if calibration:
+        cmd += ["--calibration", calibration]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     try:
@@ -109,6 +111,10 @@ def row(summary: dict) -> dict:
     cgroup = max((w["cgroup_peak"] or 0) for w in workers)
     predicted = summary["predicted_peak_per_worker"]
     plan = summary["plan"]
+    # The pass that needs most; what the worker measured beyond its planned buffers is the
+    # baseline this case implies (the figure to fit interpreter_baseline to).
+    peak_pass = max(plan["passes"], key=lambda p: p["predicted_peak"])
+    planned_baseline = next(t["bytes"] for t in peak_pass["terms"] if t["name"] == "interpreter")
     return {
         "case": summary["case"],
         "status": "ok",
@@ -117,6 +123,7 @@ def row(summary: dict) -> dict:
         "predicted": predicted,
         "measured": measured,
         "ratio": predicted / measured,
+        "implied_baseline": measured - (predicted - planned_baseline),
         "cgroup": cgroup,
         "pod_limit": summary["pod_limit_per_worker"],
         "oom_kills": sum(w["oom_kills"] for w in workers),
@@ -126,16 +133,16 @@ def row(summary: dict) -> dict:
 
 def table(rows: list[dict], allocator: str) -> str:
     lines = [
-        f"| case ({allocator}) | slab | passes | predicted MiB | measured peak RSS MiB | predicted / measured | cgroup peak MiB | pod limit MiB | OOM kills | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| case ({allocator}) | slab | passes | predicted MiB | measured peak RSS MiB | predicted / measured | implied baseline MiB | cgroup peak MiB | pod limit MiB | OOM kills | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['case']} | | | | | | | | | FAILED: {r['status']} {r['message'][:80]} |")
+            lines.append(f"| {r['case']} | | | | | | | | | | FAILED: {r['status']} {r['message'][:80]} |")
             continue
         verdict = "safe, tight" if 1.0 <= r["ratio"] <= TIGHT else ("UNSAFE" if r["ratio"] < 1.0 else "safe, loose")
         lines.append(
-            f"| {r['case']} | {r['slab']} | {r['passes']} | {r['predicted'] / MiB:.1f} | {r['measured'] / MiB:.1f} | {r['ratio']:.3f} | "
+            f"| {r['case']} | {r['slab']} | {r['passes']} | {r['predicted'] / MiB:.1f} | {r['measured'] / MiB:.1f} | {r['ratio']:.3f} | {r['implied_baseline'] / MiB:.1f} | "
             f"{r['cgroup'] / MiB:.1f} | {r['pod_limit'] / MiB:.1f} | {r['oom_kills']} | {verdict} |"
         )
     return "\n".join(lines)
@@ -148,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--allocator", default="jemalloc", choices=["jemalloc", "glibc"])
     parser.add_argument("--out", help="Also write the Markdown table to this file.")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="Constants to plan with (h5ngff convert --calibration). To re-fit the baseline after a "
+                             "library upgrade, plan with a generous interpreter_baseline: the implied-baseline column "
+                             "(measured minus the planned buffers) is the figure to fit.")
     args = parser.parse_args(argv)
     cases = matrix(args.quick)
     if args.cases:
@@ -155,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c.name in wanted]
     rows = []
     for case in cases:
-        r = row(run_case(case, args.workers, args.allocator))
+        r = row(run_case(case, args.workers, args.allocator, args.calibration))
         rows.append(r)
-        print(json.dumps({k: (round(v / MiB, 1) if k in ("predicted", "measured", "cgroup", "pod_limit") else v) for k, v in r.items()}), flush=True)
+        print(json.dumps({k: (round(v / MiB, 1) if k in ("predicted", "measured", "cgroup", "pod_limit", "implied_baseline") else v) for k, v in r.items()}), flush=True)
     text = table(rows, args.allocator)
     print(text)
     if args.out:

@@ -381,6 +381,25 @@ def test_regression_pass_peak_above_pause_threshold():
     assert all(p.predicted_peak <= m.thresholds.planned * m.memory_limit for p in plan.passes)
 
 
+def test_regression_small_plans_terminated_for_a_few_mib_of_baseline():
+    """On a small plan the nanny's terminate threshold sat only 5 % (about 6 MiB) above the
+    predicted peak, less than the interpreter baseline varies between installs: a fresh checkout,
+    compiling bytecode in its workers, had them terminated in a loop. Small plans now keep a floor
+    of room below the threshold; large plans keep the plain planned fraction (negative control)."""
+    c = DEFAULT_CONSTANTS
+    small = make_plan(DatasetInfo((16, 64, 64), "<u2", 2), spec(resources={"workers": 2}), MACHINE)
+    m = small.memory
+    assert m.thresholds.terminate * m.memory_limit - m.predicted_peak >= c.terminate_headroom_floor
+    assert m.memory_limit > math.ceil(m.predicted_peak / c.planned_fraction / MiB) * MiB
+    assert "of room below the terminate threshold" in next(t.why for t in m.pod_terms if t.name == "dask memory_limit")
+    # Without the floor, the same plan has only a few MiB of room: what the floor is for.
+    bare = make_plan(DatasetInfo((16, 64, 64), "<u2", 2), spec(resources={"workers": 2}), MACHINE, MemoryConstants(terminate_headroom_floor=0))
+    assert bare.memory.thresholds.terminate * bare.memory.memory_limit - bare.memory.predicted_peak < 8 * MiB
+    # The headline case is large: the floor does not move it.
+    big = make_plan(HEADLINE, headline_spec(), MACHINE).memory
+    assert big.memory_limit == math.ceil(big.predicted_peak / c.planned_fraction / MiB) * MiB
+
+
 def test_combined_worker_memory_still_fits_a_tight_budget():
     """Where the passes together overshoot, the planner re-plans under a lower budget."""
     ds = DatasetInfo((3789, 3926, 841), "<f4", 4)

@@ -63,6 +63,7 @@ class LocalBackend:
                 yield Session(client, "local-pods", pods.reports, pods.refresh, pods.pod_limit)
             else:
                 stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
+                stack.enter_context(workers_skip_main_module())
                 cluster = stack.enter_context(
                     LocalCluster(
                         n_workers=plan.workers,
@@ -77,6 +78,32 @@ class LocalBackend:
                 client = stack.enter_context(Client(cluster, set_as_default=False))
                 client.register_plugin(WorkerExitReporter())
                 yield Session(client, "local")
+
+
+@contextmanager
+def workers_skip_main_module() -> Iterator[None]:
+    """Start worker processes without re-running the caller's ``__main__``.
+
+    Dask's nanny starts workers with multiprocessing's *spawn*, which re-imports the parent's
+    main module in every worker (as ``__mp_main__``). A worker's baseline memory would then
+    depend on who called h5ngff: the console script adds h5ngff.cli (2-3 MiB), a benchmark
+    harness or a notebook helper whatever it imports (pytest added 7 MiB), so the plan's
+    interpreter term could not hold for every caller. Slab tasks need nothing from ``__main__``
+    (they live in h5ngff.engine), so the main module's spec and path are hidden from spawn for
+    as long as the cluster lives: the nanny also spawns replacements for killed workers later.
+    Interactive sessions already look like this to spawn (no ``__file__``, no ``__spec__``)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    hidden = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__dict__["__spec__"] = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(hidden)
 
 
 @dataclass

@@ -31,12 +31,14 @@ class MemoryConstants:
     """Measured constants of the memory model. Units are bytes unless the name says otherwise."""
 
     #: RSS of a Dask worker with numpy, h5py, hdf5plugin, zarr and numcodecs imported and the HDF5
-    #: file open, fitted on bench/calibrate's matrix (implied baselines 90-100 MiB; see
-    #: docs/memory-model.md). Measured as the kernel's high-water mark (VmHWM) of the worker.
-    interpreter_baseline: int = 94 * MiB
+    #: file open, fitted with the zstd context below on bench/calibrate's matrix (implied
+    #: baselines 82-100 MiB under pod emulation, 98-101 MiB on tiny gzip runs; see
+    #: docs/memory-model.md) for the locked library versions (requirements/lock.txt): it grows
+    #: with them. Measured as the kernel's high-water mark (VmHWM) of the worker.
+    interpreter_baseline: int = 102 * MiB
     #: Per thread: a zstd compression context (level 5, window ~1 MiB, hash tables), which blosc
     #: and numcodecs keep alive between chunks; other codecs need about 1 MiB.
-    codec_context_zstd: int = 8 * MiB
+    codec_context_zstd: int = 6 * MiB
     codec_context_other: int = 1 * MiB
     #: Memory the nanny adds to the pod beside its worker: the nanny's own private memory (USS
     #: 43 MiB) and its multiprocessing resource tracker (6 MiB), measured with psutil on a running
@@ -62,6 +64,12 @@ class MemoryConstants:
     #: terminating and retrying the slab elsewhere is the action that helps.
     planned_fraction: float = 0.90
     terminate_fraction: float = 0.95
+    #: The least room, in bytes, between the predicted peak and the nanny's terminate threshold.
+    #: On a small plan 5 % of memory_limit is only a few MiB, less than the interpreter baseline
+    #: varies between machines and installs (a fresh checkout compiling its bytecode in the
+    #: workers measured 4-8 MiB above a warm one); a worker must not be terminated in a loop for
+    #: that. Large plans already have more room than this, so it changes only small ones.
+    terminate_headroom_floor: int = 24 * MiB
     #: How often the nanny checks its worker's RSS (seconds), and the fastest a runaway task grows
     #: (bytes/s: about a slab read from page cache). Between two checks a worker can overshoot the
     #: terminate threshold by their product; the pod limit leaves that room so the nanny, not the
@@ -171,11 +179,11 @@ def slab_output_bytes(shape: PassShape) -> int:
 def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: MemoryConstants = DEFAULT_CONSTANTS) -> WorkerMemory:
     """Derive Dask's memory_limit and the pod limit from the predicted peak."""
     peak = sum(t.bytes for t in terms)
-    memory_limit = _round_mib(peak / c.planned_fraction)
+    memory_limit = _round_mib(max(peak / c.planned_fraction, (peak + c.terminate_headroom_floor) / (c.terminate_fraction or 1.0)))
     page_cache = max(c.page_cache_floor, math.ceil(c.page_cache_fraction * written_per_wave))
     overshoot = math.ceil(c.growth_rate * c.monitor_interval)
     pod_terms = (
-        MemoryTerm("dask memory_limit", memory_limit, f"predicted peak / planned fraction {c.planned_fraction}"),
+        MemoryTerm("dask memory_limit", memory_limit, _memory_limit_why(peak, memory_limit, c)),
         MemoryTerm("nanny", c.nanny, "the nanny process shares the pod's cgroup"),
         MemoryTerm("page cache headroom", page_cache, "dirty pages of chunk writes, charged to the pod but invisible to Dask"),
         MemoryTerm("monitor overshoot", overshoot, f"growth between two nanny checks ({c.monitor_interval * 1000:.0f} ms): Dask terminates before the kernel kills"),
@@ -183,6 +191,13 @@ def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: Memor
     pod_limit = _round_mib(sum(t.bytes for t in pod_terms))
     thresholds = Thresholds(target=False, spill=False, pause=False, terminate=c.terminate_fraction, planned=c.planned_fraction, monitor_interval=c.monitor_interval)
     return WorkerMemory(terms, peak, memory_limit, pod_limit, pod_terms, thresholds)
+
+
+def _memory_limit_why(peak: int, memory_limit: int, c: MemoryConstants) -> str:
+    if memory_limit == _round_mib(peak / c.planned_fraction):
+        return f"predicted peak / planned fraction {c.planned_fraction}"
+    threshold = f"the terminate threshold ({c.terminate_fraction:.0%})" if c.terminate_fraction else "it"
+    return f"predicted peak + {c.terminate_headroom_floor / MiB:.0f} MiB of room below {threshold}"
 
 
 def _round_mib(n: float) -> int:
