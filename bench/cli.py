@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=0.05, help="Memory sampling interval, seconds (default 0.05).")
     p.add_argument("--keep-outputs", action="store_true", help="Keep every output instead of deleting it after verification.")
     p.add_argument("--profile", type=_csv, default=[], help="Run these ids once more under py-spy (untimed) and keep a flamegraph of where the time goes.")
+    p.add_argument("--repeat", type=int, default=1, help="Rounds of every run, interleaved; each tool's time is its fastest round "
+                   "and its memory the highest (default 1). Use 2 or more on a shared machine.")
     p.add_argument("--list", action="store_true", help="List the cases and run ids and exit.")
     return p
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SuiteConfig(scale=args.scale, cases=args.cases, runs=select(DEFAULT_RUNS, args.only, args.skip), data_dir=args.data_dir,
                       work_dir=args.work_dir or os.path.join(case_dir(args.data_dir, args.scale), "out"), results_dir=out_dir,
                       cores=args.cores, timeout=args.timeout or default_timeout(args.scale), keep_outputs=args.keep_outputs, interval=args.interval,
-                      profile=args.profile)
+                      profile=args.profile, repeat=max(1, args.repeat))
     return run_and_report(cfg, command="bench/run " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)), started=started)
 
 
@@ -73,7 +75,7 @@ def run_and_report(cfg: SuiteConfig, command: str, started: str) -> int:
     """Run the suite and write results.md, results.json and plot.png into ``cfg.results_dir``."""
     os.makedirs(cfg.results_dir, exist_ok=True)
     results = run_suite(cfg, logs=os.path.join(cfg.results_dir, "logs"))
-    text = markdown(results, command, started, cfg.scale, cfg.cores)
+    text = markdown(results, command, started, cfg.scale, cfg.cores, cfg.repeat)
     with open(os.path.join(cfg.results_dir, "results.md"), "w") as f:
         f.write(text)
     write_json(results, os.path.join(cfg.results_dir, "results.json"), command, cfg.scale)

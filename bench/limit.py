@@ -2,10 +2,12 @@
 
     python -m bench.limit --source in.h5 --dataset /volume/data --out limit.zarr --chunks 64,64,64 --result r.json
 
-1. read: h5py reads whole z-slabs (one chunk deep, every y and x) in storage order, into one
-   reused buffer, so each HDF5 byte (and each compressed HDF5 chunk) is read exactly once;
-2. extract: each (64,64,64) chunk is copied out contiguous (edge chunks zero-padded to the full
-   chunk, as Zarr stores them);
+1. read: h5py reads slabs one chunk deep along every axis but the last two, and as many rows as
+   hold whole HDF5 chunks (one chunk row for contiguous data), in storage order into one reused
+   buffer, so each HDF5 byte (and each compressed HDF5 chunk) is read exactly once while the slab
+   stays small enough to be cache-friendly;
+2. extract: each (64,64,64) chunk is copied out contiguous into one reused buffer (edge chunks
+   zero-padded to the full chunk, as Zarr stores them);
 3. encode: numcodecs Blosc zstd 5 + bitshuffle, one blosc thread;
 4. write: one file per chunk at Zarr v3's default key (``c/z/y/x``).
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import time
@@ -44,13 +47,22 @@ def _create_array(out: str, shape, chunks, dtype) -> None:
         pass  # another part of a parallel measurement made it (same metadata)
 
 
-def _chunk(slab: np.ndarray, index: tuple[slice, ...], chunks: tuple[int, ...]) -> np.ndarray:
+def _chunk(slab: np.ndarray, index: tuple[slice, ...], out: np.ndarray) -> np.ndarray:
+    """Copy one chunk into ``out`` (reused: a fresh array per chunk would add allocator work and
+    page faults that no converter has to pay)."""
     part = slab[index]
-    if part.shape == chunks:
-        return np.ascontiguousarray(part)
-    padded = np.zeros(chunks, dtype=slab.dtype)
-    padded[tuple(slice(0, n) for n in part.shape)] = part
-    return padded
+    if part.shape != out.shape:
+        out.fill(0)
+    out[tuple(slice(0, n) for n in part.shape)] = part
+    return out
+
+
+def _slab_shape(ds, chunks: tuple[int, ...]) -> tuple[int, ...]:
+    """A slab holds whole output chunks and whole HDF5 chunks (least common multiple per axis),
+    and the whole last axis: each stored byte is read and decompressed once, in storage order."""
+    stored = ds.chunks or (1,) * ds.ndim
+    lead = tuple(min(math.lcm(c, h), n) for c, h, n in zip(chunks[:-1], stored[:-1], ds.shape[:-1]))
+    return lead + (ds.shape[-1],)
 
 
 def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], part: tuple[int, int] = (0, 1)) -> dict:
@@ -66,28 +78,28 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
         ds = f[dataset]
         shape, ndim = ds.shape, ds.ndim
         _create_array(out, shape, chunks, ds.dtype)
-        # A slab is one chunk deep along the axis before y and whole along y and x.
-        slab_shape = chunks[:-2] + shape[-2:]
+        slab_shape = _slab_shape(ds, chunks)
         buffer = np.empty(slab_shape, dtype=ds.dtype)
-        grid = [range(0, n, c) for n, c in zip(shape, chunks)]
+        block = np.empty(chunks, dtype=ds.dtype)
         made_dirs: set[str] = set()
         cpu0, start = time.process_time(), clock()
-        for number, lead in enumerate(product(*grid[:-2])):
+        slab_starts = product(*(range(0, n, s) for n, s in zip(shape, slab_shape)))
+        for number, origin in enumerate(slab_starts):
             if number % part[1] != part[0]:
                 continue
             t = clock()
-            sel = tuple(slice(o, min(o + c, n)) for o, c, n in zip(lead, chunks, shape)) + (slice(None), slice(None))
-            dest = tuple(slice(0, s.stop - s.start) for s in sel[:-2]) + (slice(None), slice(None))
+            sel = tuple(slice(o, min(o + s, n)) for o, s, n in zip(origin, slab_shape, shape))
+            dest = tuple(slice(0, r.stop - r.start) for r in sel)
             ds.read_direct(buffer, source_sel=sel, dest_sel=dest)
             slab = buffer[dest]
             stages["read"] += clock() - t
-            for y0, x0 in product(grid[-2], grid[-1]):
+            for local in product(*(range(0, n, c) for n, c in zip(slab.shape, chunks))):
                 t0 = clock()
-                block = _chunk(slab, (slice(None),) * (ndim - 2) + (slice(y0, y0 + chunks[-2]), slice(x0, x0 + chunks[-1])), chunks)
+                _chunk(slab, tuple(slice(o, o + c) for o, c in zip(local, chunks)), block)
                 t1 = clock()
                 encoded = codec.encode(block)
                 t2 = clock()
-                keys = [str(o // c) for o, c in zip(lead + (y0, x0), chunks)]
+                keys = [str((o + l) // c) for o, l, c in zip(origin, local, chunks)]
                 folder = os.path.join(out, "c", *keys[:-1])
                 if folder not in made_dirs:
                     os.makedirs(folder, exist_ok=True)

@@ -130,12 +130,16 @@ def _load_note(runs: list[RunResult], cores: int) -> str:
     return note
 
 
-def markdown(results: list[CaseResult], command: str, started: str, scale: float, cores: int) -> str:
+def markdown(results: list[CaseResult], command: str, started: str, scale: float, cores: int, repeat: int = 1) -> str:
     lines = [f"# h5ngff benchmark, scale {scale:g} ({started})", "", f"Command: `{command}`", "",
              f"Machine: {machine()}", "", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), "",
              f"Output for every tool: chunks of 64 per spatial axis, {CODEC_TEXT}. Time = the tool's own work after its "
              "imports (cluster start and stop included); wall = the whole process. Ratios use time. A run that fails "
              "verification, errors or times out gets no ratios and its time is struck through.", ""]
+    if repeat > 1:
+        lines += [f"Every tool ran {repeat} times, the rounds interleaved (every tool once, then again). Time is the fastest "
+                  "round and memory the highest; a round that failed verification fails the tool. Every round's time is in "
+                  "results.json.", ""]
     for res in results:
         lines += [f"## {res.case.name}: {res.case.title}", "", f"Input: {res.case.describe()}; generated data, blosc ratio "
                   f"{res.input_meta.get('blosc_ratio')} on sampled chunks.", "", "### Physical limit", ""]

@@ -147,3 +147,26 @@ def test_a_hung_tool_is_killed_at_the_timeout(tmp_path):
     m = run_measured([sys.executable, str(script)], timeout=1, log_path=str(tmp_path / "log"))
     assert m.timed_out and m.wall < 15
     assert not os.path.exists(f"/proc/{m.procs[0].pid}") or open(f"/proc/{m.procs[0].pid}/stat").read().split()[2] == "Z"
+
+
+def _round(status: str, seconds: float | None, peak: int) -> "RunResult":
+    from bench.suite import RunResult
+
+    return RunResult("f32", "tool", "tool", "tool", 1, status, "", seconds=seconds, memory={"peak_largest": peak})
+
+
+def test_repeated_rounds_keep_the_fastest_time_and_the_highest_memory():
+    from bench.suite import combine_rounds
+
+    best = combine_rounds([_round("ok", 20.0, 100), _round("ok", 15.0, 90), _round("ok", 18.0, 120)])
+    assert best.seconds == 15.0 and best.rounds == [20.0, 15.0, 18.0]
+    assert best.memory["peak_largest"] == 120  # memory is not allowed to look better by picking a round
+
+
+def test_one_failed_round_fails_the_tool_however_fast_the_others_were():
+    from bench.suite import combine_rounds
+
+    result = combine_rounds([_round("ok", 10.0, 100), _round("FAILED", 5.0, 100)])
+    assert result.status == "FAILED" and result.seconds == 5.0 and result.rounds == [10.0, 5.0]
+    # Negative control: with every round ok the same rounds give an ok result.
+    assert combine_rounds([_round("ok", 10.0, 100), _round("ok", 5.0, 100)]).status == "ok"
