@@ -317,6 +317,25 @@ def test_h5ngff_plan_json_reads_only_metadata(metadata_only_h5):
     assert spec["resources"]["memoryPerWorker"] == "1GiB"
 
 
+def test_plan_reads_axes_and_voxel_sizes_from_hdf5_attributes(tmp_path):
+    """DIMENSION_LABELS (h5py dimension scales) give the axes and element_size_um the voxel
+    sizes when no flag sets them; the same file without the attributes is the negative control."""
+    labelled, bare = tmp_path / "labelled.h5", tmp_path / "bare.h5"
+    for path, with_attrs in ((labelled, True), (bare, False)):
+        with h5py.File(path, "w") as f:
+            ds = f.create_dataset("/volume/data", shape=(3, 8, 32, 32), dtype="<u2")
+            if with_attrs:
+                for dim, label in zip(ds.dims, ("t", "z", "y", "x")):
+                    dim.label = label
+                ds.attrs["element_size_um"] = [1.0, 2.5, 0.25, 0.25]
+    plan = json.loads(_run("plan", f"{labelled}:/volume/data", "--json", "--levels", "1").stdout)["plan"]
+    assert plan["axes"] == "tzyx"
+    assert plan["levels"][0]["scale"] == [1.0, 2.5, 0.25, 0.25]
+    assert plan["units"][1:] == ["micrometer"] * 3
+    plain = json.loads(_run("plan", f"{bare}:/volume/data", "--json", "--levels", "1").stdout)["plan"]
+    assert plain["axes"] == "czyx" and plain["levels"][0]["scale"] == [1.0, 1.0, 1.0, 1.0]
+
+
 def test_h5ngff_plan_table_and_refusal(metadata_only_h5):
     proc = _run("plan", f"{metadata_only_h5}:/volume/data", "--workers", "2", "--levels", "1")
     for word in ("interpreter", "slab buffers", "allocator slack", "MiB"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -67,14 +68,26 @@ def clean_run(source):
     return out
 
 
-@pytest.mark.parametrize("kill_after", [14, 29, 45])  # about 30%, 60% and 95% of 48 slabs
-def test_killed_run_resumes_bit_identical(source, clean_run, kill_after):
+def kill_timing(fraction: float, seed: int) -> tuple[int, float]:
+    """Where a seeded kill lands: after about ``fraction`` of the slabs are recorded (give or take
+    two), and a further 0-40 ms into the slabs then in flight, so that repeats cut different
+    slabs at different points of their writes. The seed makes a failure reproducible."""
+    rng = random.Random(f"{seed}:{fraction}")
+    target = round(fraction * TOTAL_SLABS) + rng.randint(-2, 2)
+    return max(1, min(TOTAL_SLABS - 4, target)), rng.uniform(0.0, 0.04)
+
+
+@pytest.mark.parametrize("fraction", [0.30, 0.60, 0.95])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_killed_run_resumes_bit_identical(source, clean_run, fraction, seed):
     h5, data, base = source
-    out = str(base / f"killed-{kill_after}.ome.zarr")
+    kill_after, extra_delay = kill_timing(fraction, seed)
+    out = str(base / f"killed-{fraction}-{seed}.ome.zarr")
     proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while manifest_lines(out) < kill_after and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
+    time.sleep(extra_delay)
     os.killpg(proc.pid, signal.SIGKILL)  # the client, its scheduler and its workers, mid-flight
     proc.wait()
     recorded = manifest_lines(out)

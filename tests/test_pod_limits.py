@@ -7,6 +7,9 @@ outgrows its plan is stopped by Dask's nanny, not the kernel.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -20,6 +23,7 @@ from h5ngff.runner import plan_job, run_job
 from h5ngff.sample import write_sample
 
 pytestmark = [requires_cgroups, pytest.mark.cgroup]
+CLI = [sys.executable, "-m", "h5ngff.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +77,26 @@ def test_negative_control_kernel_kills_below_the_plan(user_case, tmp_path):
         run_job(plan_job(spec, backend), backend)
     assert caught.value.reason == "OOMKilled"
     assert caught.value.oom_kills >= 1
+    # The failed run keeps its figures: the worker that was killed, and its cgroup at the limit.
+    workers = caught.value.summary.workers
+    assert sum(w.oom_kills for w in workers) >= 1 and all(w.pod_limit == limit for w in workers)
+
+
+def test_a_failed_run_reports_its_workers_in_json_and_draws_its_memory(user_case, tmp_path):
+    """``h5ngff convert --json --memory-report`` on a run the kernel kills: the JSON carries the
+    per-worker figures that explain it, and the report is drawn for the failed run too."""
+    out, report = str(tmp_path / "out.ome.zarr"), tmp_path / "memory.html"
+    flags = ["--chunks", "64,64,64", "--levels", "1", "--workers", "1", "--slab", "150,942,502"]
+    probe = json.loads(subprocess.run([*CLI, "plan", f"{user_case}:/volume/data", "--json", *flags], capture_output=True, text=True, check=True).stdout)
+    limit = int(0.6 * probe["plan"]["memory"]["pod_limit"])
+    proc = subprocess.run([*CLI, "convert", f"{user_case}:/volume/data", out, "--json", "--enforce-pod-limits", "--pod-limit", str(limit),
+                           "--memory-report", str(report), *flags], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)
+    assert summary["status"] == "Failed" and summary["reason"] == "OOMKilled"
+    (worker,) = summary["workers"]
+    assert worker["oom_kills"] >= 1 and worker["pod_limit"] == limit and worker["peak_rss"] > 0
+    assert "OOM kills" in report.read_text() and "Failed" in report.read_text()
 
 
 def test_dask_terminates_a_runaway_task_before_the_kernel(user_case, tmp_path, monkeypatch):

@@ -179,13 +179,16 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
                 summary = run_job(job, backend, listeners, metrics=metrics)
         else:
             summary = run_job(job, backend, listeners, metrics=metrics)
+    except H5ngffError as exc:
+        # A failed run's memory timeline is the one a user most needs to see.
+        if args.memory_report and exc.summary is not None and exc.summary.timeline:
+            _write_memory_report(exc.summary, args.memory_report, console)
+        raise
     finally:
         if metrics is not None:
             metrics.linger(args.metrics_linger)
     if args.memory_report:
-        from .metrics.timeline import write_memory_report
-
-        write_memory_report(summary, args.memory_report)
+        _write_memory_report(summary, args.memory_report)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=1, default=str))
     else:
@@ -193,6 +196,14 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
         if args.memory_report:
             console.print(f"memory report: {args.memory_report}")
     return 0
+
+
+def _write_memory_report(summary, path: str, console: Console | None = None) -> None:
+    from .metrics.timeline import write_memory_report
+
+    write_memory_report(summary, path)
+    if console is not None:
+        console.print(f"memory report of the failed run: {path}")
 
 
 def cmd_sample(args: argparse.Namespace, console: Console) -> int:
@@ -237,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     except H5ngffError as exc:
         if not getattr(args, "json", False):
             console.print(f"[red]error[/red] ({exc.reason}): {exc}", highlight=False)
+        elif exc.summary is not None:
+            # The failed run's figures (per-worker peaks, cgroup peaks, OOM kills, restarts) too.
+            print(json.dumps(exc.summary.to_dict(), indent=1, default=str))
         else:
             print(json.dumps({"status": "Failed", "reason": exc.reason, "message": str(exc)}))
         return exc.exit_code

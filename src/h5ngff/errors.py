@@ -15,11 +15,15 @@ class H5ngffError(Exception):
     reason = "Error"
     #: The CLI's exit code for this family; 2 is reserved for "your input is wrong".
     exit_code = 1
+    #: The runner's summary of the failed run (figures per worker), where it got that far.
+    summary = None
 
     def __reduce__(self):
         # Errors raised in a Dask worker are pickled back to the client; subclasses with richer
         # constructors must survive that round trip with their message and attributes intact.
-        return (_rebuild, (type(self), str(self), self.__dict__))
+        # A client-side run summary stays behind: it is no part of the error's identity.
+        state = {k: v for k, v in self.__dict__.items() if k != "summary"}
+        return (_rebuild, (type(self), str(self), state))
 
 
 def _rebuild(cls: type, message: str, state: dict) -> "H5ngffError":

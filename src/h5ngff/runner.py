@@ -122,14 +122,17 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
             summary.status = "Succeeded"
             return summary
         with backend.session(job.plan) as session, (metrics.attached(session, job.plan) if metrics is not None else nullcontext()):
-            with MemorySampler(session.client) as sampler:
-                try:
-                    summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
-                except (KilledWorker, WorkersLostError) as exc:
-                    pod_limit = session.pod_limit or job.plan.memory.pod_limit
-                    raise classify_failure(exc, ClusterEvents.collect(session.client), pod_limit, job.plan.memory.memory_limit, session.oom_kills()) from None
-            summary.workers = _worker_reports(job.plan, sampler, session)
-            summary.timeline = sampler.timeline
+            sampler = MemorySampler(session.client)
+            try:
+                with sampler:
+                    try:
+                        summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
+                    except (KilledWorker, WorkersLostError) as exc:
+                        pod_limit = session.pod_limit or job.plan.memory.pod_limit
+                        raise classify_failure(exc, ClusterEvents.collect(session.client), pod_limit, job.plan.memory.memory_limit, session.oom_kills()) from None
+            finally:
+                # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
+                _collect_workers(summary, job.plan, sampler, session)
         events.emit(phase="Finalizing")
         summary.seconds = time.perf_counter() - start
         summary.status = "Succeeded"
@@ -139,8 +142,17 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
     except H5ngffError as exc:
         summary.error = exc
         summary.seconds = time.perf_counter() - start
+        exc.summary = summary  # the CLI's --json and --memory-report show a failed run's figures too
         events.emit(phase="Failed", message=str(exc))
         raise
+
+
+def _collect_workers(summary: RunSummary, plan: Plan, sampler: MemorySampler, session) -> None:
+    try:
+        summary.workers = _worker_reports(plan, sampler, session)
+        summary.timeline = sampler.timeline
+    except Exception:  # a broken cluster must not hide the error that broke it
+        log.warning("Could not collect the workers' memory figures.", exc_info=True)
 
 
 def _worker_reports(plan: Plan, sampler: MemorySampler, session) -> list[WorkerReport]:
