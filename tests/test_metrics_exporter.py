@@ -5,6 +5,7 @@ command line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -183,6 +184,39 @@ def test_cli_serves_metrics_during_the_run_and_lingers_after_it(shared_cluster, 
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
+
+
+def test_run_job_yaml_serves_metrics_labelled_by_the_manifest(shared_cluster, tmp_path):
+    """``h5ngff run job.yaml --metrics-port``: the labels are the ConversionJob's name and namespace,
+    as the operator's runner would have them, and progress reaches its total."""
+    h5 = write_h5(tmp_path / "in.h5", volume())
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(
+        "apiVersion: h5ngff.dev/v1alpha1\nkind: ConversionJob\nmetadata: {name: scan-7, namespace: imaging}\n"
+        f"spec:\n  source: {{path: {h5}, dataset: /volume/data}}\n  output: {{path: {tmp_path / 'out.ome.zarr'}}}\n"
+    )
+    port = _free_port()
+    cmd = [sys.executable, "-m", "h5ngff.cli", "run", str(manifest), "--scheduler", shared_cluster.scheduler_address, "--json",
+           "--metrics-port", str(port), "--metrics-linger", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    labels = (("conversion_job", "scan-7"), ("namespace", "imaging"))
+    try:
+        deadline, values = time.time() + 90, {}
+        while time.time() < deadline and values.get(("h5ngff_job_phase", labels + (("phase", "Succeeded"),))) != 1:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                values = samples(scrape(port))
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert values.get(("h5ngff_job_phase", labels + (("phase", "Succeeded"),))) == 1
+        assert values[("h5ngff_job_slabs_done_total", labels)] == values[("h5ngff_job_planned_slabs", labels)] > 0
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out)["status"]["phase"] == "Succeeded"
 
 
 def test_a_port_in_use_is_an_input_error():

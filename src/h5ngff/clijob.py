@@ -70,14 +70,17 @@ def _hide(sub: Any, name: str) -> None:
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from .cli import _backend, _constants
-    from .errors import SpecError
     from .job import load_job
     from .operator.attempt import AttemptOptions, run_locally
     from .report import ProgressBar, plan_renderable
 
-    if getattr(args, "metrics_port", None) is not None:
-        raise SpecError("--metrics-port", "Expected no --metrics-port with run (not supported yet). Got one instead; use h5ngff convert for live metrics.")
     job = load_job(args.manifest)
+    metrics = None
+    if getattr(args, "metrics_port", None) is not None:
+        from .metrics.exporter import MetricsExporter
+
+        # Labelled as the operator's runner would label it: the ConversionJob's name and namespace.
+        metrics = MetricsExporter(args.metrics_port, job.name, job.namespace or "local")
     spec = job.spec
     if args.overwrite:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"overwrite": True})})
@@ -91,11 +94,13 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             entered.append(bar.__enter__())
 
     try:
-        options = AttemptOptions(_constants(args), [bar] if bar else [], show_plan)
+        options = AttemptOptions(_constants(args), [bar] if bar else [], show_plan, metrics=metrics)
         status, result = run_locally(job.name, spec, _backend(args), options)
     finally:
         for b in entered:
             b.__exit__(None, None, None)
+        if metrics is not None:
+            metrics.linger(args.metrics_linger)
     if args.memory_report and result.summary is not None:
         from .metrics.timeline import write_memory_report
 
