@@ -158,6 +158,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _scrape_until_succeeded(proc: subprocess.Popen, port: int, labels: tuple, timeout: float = 90) -> dict:
+    """Scrape a running CLI's exporter until the job with ``labels`` reports phase Succeeded (the
+    process must stay alive meanwhile); returns the last scrape's samples."""
+    key = ("h5ngff_job_phase", labels + (("phase", "Succeeded"),))
+    deadline, values = time.time() + timeout, {}
+    while time.time() < deadline and values.get(key) != 1:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            values = samples(scrape(port))
+        except OSError:
+            pass
+        time.sleep(0.2)
+    assert values.get(key) == 1
+    return values
+
+
 def test_cli_serves_metrics_during_the_run_and_lingers_after_it(shared_cluster, tmp_path):
     """``h5ngff convert --metrics-port --metrics-linger`` (on the shared cluster, to save a start)."""
     h5 = write_h5(tmp_path / "in.h5", volume())
@@ -167,16 +183,8 @@ def test_cli_serves_metrics_during_the_run_and_lingers_after_it(shared_cluster, 
            "--scheduler", shared_cluster.scheduler_address, "--json", "--metrics-port", str(port), "--metrics-linger", "3"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline, values = time.time() + 90, {}
-        key = ("h5ngff_job_phase", (("conversion_job", "cli-job"), ("namespace", "cli-ns"), ("phase", "Succeeded")))
-        while time.time() < deadline and values.get(key) != 1:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                values = samples(scrape(port))
-            except OSError:
-                pass
-            time.sleep(0.2)
-        assert values.get(key) == 1
+        labels = (("conversion_job", "cli-job"), ("namespace", "cli-ns"))
+        values = _scrape_until_succeeded(proc, port, labels)
         assert proc.poll() is None, "the process should still be lingering"
         assert any(name == "h5ngff_worker_rss_bytes" and value > 0 for (name, _), value in values.items())
         out, err = proc.communicate(timeout=30)
@@ -201,15 +209,7 @@ def test_run_job_yaml_serves_metrics_labelled_by_the_manifest(shared_cluster, tm
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     labels = (("conversion_job", "scan-7"), ("namespace", "imaging"))
     try:
-        deadline, values = time.time() + 90, {}
-        while time.time() < deadline and values.get(("h5ngff_job_phase", labels + (("phase", "Succeeded"),))) != 1:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                values = samples(scrape(port))
-            except OSError:
-                pass
-            time.sleep(0.2)
-        assert values.get(("h5ngff_job_phase", labels + (("phase", "Succeeded"),))) == 1
+        values = _scrape_until_succeeded(proc, port, labels)
         assert values[("h5ngff_job_slabs_done_total", labels)] == values[("h5ngff_job_planned_slabs", labels)] > 0
         out, err = proc.communicate(timeout=30)
     finally:
