@@ -60,7 +60,7 @@ BAD_SPECS = [
     # output
     ("output-missing", {"output": None}, "output", "this field is required"),
     ("ngff-version-unknown", {"output": {"ngffVersion": "0.6"}}, "output.ngffVersion", "Expected one of '0.4' or '0.5'. Got '0.6'"),
-    ("ngff-version-float-unknown", {"output": {"ngffVersion": 0.3}}, "output.ngffVersion", "Got '0.3' instead"),
+    ("ngff-version-float", {"output": {"ngffVersion": 0.3}}, "output.ngffVersion", "Got the number 0.3 instead"),
     ("chunks-zero", {"output": {"chunks": [64, 0, 64]}}, "output.chunks", "Expected positive integers for every axis. Got [64, 0, 64] instead (0 is not allowed)"),
     ("chunks-negative", {"output": {"chunks": [-1, 64, 64]}}, "output.chunks", "(-1 is not allowed)"),
     ("chunks-empty", {"output": {"chunks": []}}, "output.chunks", "Expected at least one positive integer. Got []"),
@@ -248,8 +248,15 @@ def test_good_spec_round_trips_through_the_wire(data):
     assert all("_" not in key for section in wire.values() if isinstance(section, dict) for key in section)
 
 
-def test_yaml_float_ngff_version_is_accepted():
-    for text, version in (("0.4", "0.4"), ("0.5", "0.5"), ('"0.4"', "0.4")):
+def test_regression_yaml_float_ngff_version_was_accepted_though_the_crd_refuses_it():
+    """An unquoted ``ngffVersion: 0.5`` is a YAML float: it passed locally and the API server
+    refused the manifest. Now refused here too, saying how to quote it; the quoted form passes."""
+    for text in ("0.4", "0.5"):
+        data = yaml.safe_load(f"source: {{path: a.h5, dataset: /d}}\noutput: {{path: o, ngffVersion: {text}}}\n")
+        with pytest.raises(SpecError, match=f'quote it, e.g. ngffVersion: "{text}"') as info:
+            parse_spec(data)
+        assert info.value.field == "output.ngffVersion"
+    for text, version in (('"0.4"', "0.4"), ("'0.5'", "0.5")):
         data = yaml.safe_load(f"source: {{path: a.h5, dataset: /d}}\noutput: {{path: o, ngffVersion: {text}}}\n")
         assert parse_spec(data).output.ngff_version == version
 

@@ -12,10 +12,10 @@ from typing import Any
 from rich.console import Console
 
 from . import __version__
-from .cliargs import add_spec_flags, merge, spec_overrides, split_source
+from .cliargs import SuggestingParser, add_spec_flags, merge, spec_overrides, split_source
 from .clijob import add_job_commands
 from .cliverify import add_verify_command
-from .errors import H5ngffError
+from .errors import ExitCode, H5ngffError, exit_code_table
 from .planner import DEFAULT_CONSTANTS, MemoryConstants
 from .spec import parse_spec
 from .units import parse_bytes
@@ -34,6 +34,19 @@ before the run and measured after it.
   h5ngff demo                                    sample + plan + convert + memory report
 """
 
+EPILOG_MAIN = f"""\
+exit status (every command):
+{exit_code_table()}
+"""
+
+EPILOG_PLAN = """\
+examples:
+  h5ngff plan scan.h5:/entry/data
+  h5ngff plan scan.h5:/entry/data --memory-per-worker 1GiB --workers 4 --json
+  h5ngff plan scan.h5:/data --chunks 64,64,64 --shards 256,256,256 --levels 3
+  h5ngff plan job.yaml --kubernetes          # a ConversionJob manifest, planned as the operator would
+"""
+
 EPILOG_CONVERT = """\
 examples:
   h5ngff convert scan.h5:/entry/data scan.ome.zarr
@@ -42,19 +55,19 @@ examples:
   h5ngff convert scan.h5:/data out.ome.zarr --scheduler tcp://10.0.0.5:8786
 
 Re-running the same command after a crash resumes: finished slabs are skipped and the result is
-bit-identical. --overwrite starts fresh. Exit status: 0 done, 1 failed, 2 bad input or spec.
+bit-identical. --overwrite starts fresh. Exit status: see h5ngff --help.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h5ngff", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SuggestingParser(prog="h5ngff", description=DESCRIPTION, epilog=EPILOG_MAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"h5ngff {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="More log output (-vv for debug).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     p = sub.add_parser("plan", help="Show the plan for a conversion (reads HDF5 metadata only).", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Plan a conversion and explain every MiB a worker needs. Reads only HDF5 metadata.")
+                       description="Plan a conversion and explain every MiB a worker needs. Reads only HDF5 metadata.", epilog=EPILOG_PLAN)
     p.add_argument("source", metavar="SOURCE", help="FILE.h5:/dataset, or a ConversionJob YAML file.")
     p.add_argument("output", metavar="OUTPUT", nargs="?", help="Output path (only needed to show it; default SOURCE.ome.zarr).")
     _common_run_flags(p, convert=False)
@@ -71,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sample", help="Write a sample HDF5 volume that compresses like real data.")
     s.add_argument("path", help="HDF5 file to write.")
-    s.add_argument("--dataset", default="/volume/data")
+    s.add_argument("--dataset", default="/volume/data", help="Dataset path inside the file (default /volume/data).")
     s.add_argument("--shape", default="96,768,512", help="Comma-separated shape (2 to 5 dimensions).")
     s.add_argument("--dtype", default="uint16", help="numpy dtype name, e.g. uint16, float32.")
     s.add_argument("--hdf5-chunks", metavar="SHAPE", help="Store chunked with this chunk shape (default contiguous).")
@@ -242,12 +255,26 @@ def main(argv: list[str] | None = None) -> int:
     import distributed  # noqa: F401
 
     logging.getLogger("distributed").setLevel([logging.ERROR, logging.WARNING, logging.INFO][min(args.verbose, 2)])
-    console = Console(stderr=bool(getattr(args, "json", False)))
+    try:
+        code = _dispatch(args)
+        sys.stdout.flush()  # inside the try: a reader that went away (| head) is seen here
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    as_json = bool(getattr(args, "json", False))
+    # Tables go to stdout (stderr with --json, whose stdout is one JSON document); errors and the
+    # interrupt notice always go to stderr, so pipes and 2>/dev/null see only the output.
+    console = Console(stderr=as_json)
+    errors = Console(stderr=True)
     try:
         return args.func(args, console)
     except H5ngffError as exc:
-        if not getattr(args, "json", False):
-            console.print(f"[red]error[/red] ({exc.reason}): {exc}", highlight=False)
+        if not as_json:
+            # soft_wrap: one line per message, so grep and logs see it whole.
+            errors.print(f"[red]error[/red] ({exc.reason}): {exc}", highlight=False, soft_wrap=True)
         elif exc.summary is not None:
             # The failed run's figures (per-worker peaks, cgroup peaks, OOM kills, restarts) too.
             print(json.dumps(exc.summary.to_dict(), indent=1, default=str))
@@ -255,8 +282,16 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"status": "Failed", "reason": exc.reason, "message": str(exc)}))
         return exc.exit_code
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/yellow]: re-run the same command to resume.")
-        return 130
+        errors.print("[yellow]interrupted[/yellow]: re-run the same command to resume.")
+        return ExitCode.INTERRUPTED
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``| head``): stop quietly, as Unix tools do. Point stdout
+    at /dev/null so the interpreter's final flush does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return ExitCode.BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and every flag lands in exactly one spec field."""
 from __future__ import annotations
 
 import argparse
+import difflib
 from typing import Any
 
 from .errors import SpecError
@@ -14,6 +15,36 @@ COMPRESSOR_HELP = (
     "CODEC[:LEVEL[:SHUFFLE]]. Blosc with an inner codec: zstd, lz4, lz4hc, zlib, blosclz "
     "(e.g. zstd:5:bitshuffle, the default; lz4:3:shuffle; optionally prefixed blosc:); plain-zstd:LEVEL; gzip:LEVEL; none."
 )
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """Unknown flags are reported by the subcommand they were given to, with its usage and the
+    closest flag it knows. Plain argparse reports them from the top-level parser, whose usage
+    shows none of the subcommand's flags, and suggests nothing."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._chosen_subcommand(parsed) or self
+            parser.error(unrecognized_message(extras, parser))
+        return parsed
+
+    def _chosen_subcommand(self, parsed: argparse.Namespace) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(parsed, action.dest, None))
+        return None
+
+
+def unrecognized_message(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's message, plus the closest known flag for each unknown one (difflib)."""
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    hints = []
+    for arg in extras:
+        if arg.startswith("-"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+            hints += [f"did you mean {close[0]}?"] if close else []
+    return f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
 def split_source(text: str) -> tuple[str, str]:

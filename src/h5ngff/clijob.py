@@ -27,7 +27,8 @@ examples:
 Runs one attempt on this machine (the operator retries up to spec.backoffLimit) and prints the
 .status the operator would write: phase, plan, progress, result, reason. The spec.pod section
 (image, volumes, placement) only matters on Kubernetes. Relative paths resolve against the
-current directory. Exit status: 0 Succeeded, 1 failed, 2 bad manifest or input.
+current directory. Exit status: 0 Succeeded, 1 failed, 2 bad manifest or input, 3 output refused
+(the table: h5ngff --help).
 """
 
 

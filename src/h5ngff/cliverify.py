@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from .cliargs import split_source
+from .errors import OutputNotFoundError
 
 EPILOG = """\
 Checks that the OME-NGFF metadata is present, that the completion marker is set, that every chunk
 (or shard) of every level exists and decodes, and with --source that level 0 equals the HDF5
 dataset, one chunk at a time (memory stays bounded). Exit status 0: all good; 1: problems found
-(each bad chunk is named).
+(each bad chunk is named); 2: the output does not exist, or the source cannot be read as convert
+would read it.
 """
 
 
@@ -30,7 +33,7 @@ def add_verify_command(sub) -> None:
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from .engine.verify import total_units, verify_output  # zarr and h5py load only when needed
 
-    source = split_source(args.source) if args.source else None
+    source = _checked_inputs(args.output, args.source)
     if args.json:
         report = verify_output(args.output, source)
         print(json.dumps(report.to_dict(), indent=1))
@@ -52,3 +55,17 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     if len(report.problems) > 50:
         console.print(f"  … and {len(report.problems) - 50} more (use --json for all).")
     return 1
+
+
+def _checked_inputs(output: str, source_text: str | None) -> tuple[str, str] | None:
+    """Refuse a missing output or an unreadable source up front, with convert's own source
+    errors (not a traceback from deep inside the comparison)."""
+    if not os.path.exists(output):
+        raise OutputNotFoundError(f"{output!r} does not exist. Expected the path of an OME-Zarr that h5ngff wrote.")
+    if source_text is None:
+        return None
+    from .engine.source import inspect_source
+
+    path, dataset = split_source(source_text)
+    inspect_source(path, dataset)  # metadata only: the file opens, the dataset exists and is numeric
+    return path, dataset

@@ -8,13 +8,36 @@ quote the real numbers and say what to change.
 
 from __future__ import annotations
 
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """The ``h5ngff`` exit status: one table, printed by ``h5ngff --help`` and in the README."""
+
+    def __new__(cls, value: int, meaning: str) -> "ExitCode":
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.meaning = meaning
+        return member
+
+    OK = 0, "done (verify: everything checked out)"
+    FAILED = 1, "the run failed (a worker was killed, the disk filled, the cluster was lost); verify found problems"
+    BAD_INPUT = 2, "bad input: usage, flags, spec, manifest or source; nothing was written"
+    OUTPUT_REFUSED = 3, "the output exists and cannot be resumed, or cannot be written; nothing was changed"
+    INTERRUPTED = 130, "interrupted (Ctrl-C); re-run the same command to resume"
+    BROKEN_PIPE = 141, "stdout was closed early (e.g. | head); like any Unix tool"
+
+
+def exit_code_table() -> str:
+    return "\n".join(f"{int(code):>3}  {code.meaning}" for code in ExitCode)
+
 
 class H5ngffError(Exception):
     """Base class of every error h5ngff raises on purpose."""
 
     reason = "Error"
-    #: The CLI's exit code for this family; 2 is reserved for "your input is wrong".
-    exit_code = 1
+    #: The CLI's exit code for this family (the table is ExitCode above).
+    exit_code: int = ExitCode.FAILED
     #: The runner's summary of the failed run (figures per worker), where it got that far.
     summary = None
 
@@ -37,7 +60,7 @@ class SpecError(H5ngffError, ValueError):
     """A ConversionSpec field has a value that is not allowed."""
 
     reason = "InvalidSpec"
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
     def __init__(self, field: str, message: str):
         self.field = field
@@ -48,7 +71,7 @@ class PlanError(H5ngffError, ValueError):
     """The spec is valid but no plan can satisfy it."""
 
     reason = "InvalidSpec"
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 class BudgetTooSmallError(PlanError):
@@ -65,7 +88,7 @@ class SourceError(H5ngffError, OSError):
     """The HDF5 input cannot be read as a convertible dataset."""
 
     reason = "SourceUnreadable"
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 class SourceNotFoundError(SourceError, FileNotFoundError):
@@ -84,17 +107,20 @@ class OutputError(H5ngffError, OSError):
     """The output location cannot be written."""
 
     reason = "OutputUnwritable"
+    exit_code = ExitCode.OUTPUT_REFUSED
 
 
 class OutputConflictError(OutputError, FileExistsError):
     """The output exists and is not a resumable h5ngff output of the same spec."""
 
     reason = "OutputConflict"
-    exit_code = 2
 
 
 class DiskFullError(OutputError):
+    """The output's device filled up during the run: a failed run, resumable once space is freed."""
+
     reason = "DiskFull"
+    exit_code = ExitCode.FAILED
 
 
 class WorkerFailedError(H5ngffError, RuntimeError):
@@ -130,7 +156,7 @@ class CgroupUnavailableError(H5ngffError, OSError):
     """Pod limits were asked for but no memory cgroup can be created here."""
 
     reason = "CgroupUnavailable"
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
 
 
 class UnalignedWriteError(H5ngffError, RuntimeError):
@@ -143,6 +169,13 @@ class VerificationError(H5ngffError, ValueError):
     """``h5ngff verify`` found bad metadata or chunks."""
 
     reason = "VerificationFailed"
+
+
+class OutputNotFoundError(H5ngffError, FileNotFoundError):
+    """``h5ngff verify`` was given an output path that does not exist."""
+
+    reason = "OutputNotFound"
+    exit_code = ExitCode.BAD_INPUT
 
 
 class ClusterError(H5ngffError, RuntimeError):

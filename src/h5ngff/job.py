@@ -41,6 +41,14 @@ def load_job(path: str) -> JobManifest:
             documents = [d for d in yaml.safe_load_all(f) if d is not None]
     except FileNotFoundError:
         raise SpecError("", f"Expected a ConversionJob manifest file. Got {path!r}, which does not exist, instead.") from None
+    except IsADirectoryError:
+        raise SpecError("", f"Expected a ConversionJob manifest file. Got {path!r}, which is a directory, instead.") from None
+    except UnicodeDecodeError:
+        raise SpecError("", f"Expected a ConversionJob manifest (YAML text). Got {path!r}, which is not a YAML text file (binary data"
+                            f"{', an HDF5 file' if _is_hdf5(path) else ''}), instead. To convert an HDF5 file directly: "
+                            f"h5ngff convert {path}:/dataset out.ome.zarr") from None
+    except OSError as exc:
+        raise SpecError("", f"Expected a readable ConversionJob manifest file. Got {path!r}, which cannot be read ({exc.strerror or exc}), instead.") from None
     except yaml.YAMLError as exc:
         raise SpecError("", f"Expected valid YAML in {path}. Got a syntax error instead: {exc}") from None
     jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") == KIND]
@@ -48,6 +56,11 @@ def load_job(path: str) -> JobManifest:
         kinds = [d.get("kind") if isinstance(d, dict) else type(d).__name__ for d in documents]
         raise SpecError("kind", f"Expected a document with kind: {KIND} in {path}. Got {kinds or 'no documents'} instead.")
     return parse_manifest(jobs[0], path)
+
+
+def _is_hdf5(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89HDF\r\n\x1a\n"
 
 
 def parse_manifest(doc: dict[str, Any], path: str = "<manifest>") -> JobManifest:

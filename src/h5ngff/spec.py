@@ -175,9 +175,14 @@ class OutputSpec(_Model):
 
     @field_validator("ngff_version", mode="before")
     @classmethod
-    def _version_as_string(cls, v: Any) -> Any:
-        # YAML reads 0.4 and 0.5 as floats; accept them as the strings they mean.
-        return str(v) if isinstance(v, float) else v
+    def _version_is_a_string(cls, v: Any) -> Any:
+        # YAML reads an unquoted 0.5 as a float. The CRD declares a string and the API server
+        # refuses the number, so accepting it here would pass a manifest locally that the cluster
+        # refuses: say how to quote it instead.
+        if isinstance(v, float):
+            raise ValueError(f"Expected the string '0.4' or '0.5'. Got the number {v!r} instead (YAML reads an unquoted {v!r} as a number, "
+                             f"which the ConversionJob CRD refuses too): quote it, e.g. ngffVersion: \"{v}\".")
+        return v
 
     @field_validator("chunks", "shards")
     @classmethod

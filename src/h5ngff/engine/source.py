@@ -62,7 +62,9 @@ def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity
         except Exception as exc:  # corrupt object headers surface as assorted h5py errors
             raise SourceError(f"source.dataset: cannot read {dataset!r} in {path!r} ({exc}). The file may be truncated or corrupt.") from None
         if not isinstance(obj, h5py.Dataset):
-            raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is a group, not a dataset. Datasets in it: {', '.join(_list_datasets(obj)[:8])}.")
+            inside = _list_datasets(obj)
+            hint = f"Datasets in it: {', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}." if inside else "The group holds no datasets."
+            raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is a group, not a dataset. {hint}")
         info = _describe(obj, path, dataset)
     stat = os.stat(path)
     return info, SourceIdentity(os.path.abspath(path), dataset, stat.st_size, stat.st_mtime_ns)
@@ -112,7 +114,9 @@ def _filter_names(ds: h5py.Dataset) -> list[str]:
 
 def _list_datasets(group: h5py.Group) -> list[str]:
     found: list[str] = []
-    group.visititems(lambda n, o: found.append("/" + n) if isinstance(o, h5py.Dataset) else None)
+    # visititems names are relative to the group; users need paths from the file's root.
+    prefix = group.name.rstrip("/")
+    group.visititems(lambda n, o: found.append(f"{prefix}/{n}") if isinstance(o, h5py.Dataset) else None)
     return found
 
 

@@ -81,6 +81,19 @@ def resolve_chunks(spec: ConversionSpec, ds: DatasetInfo, axes: str) -> tuple[Sh
     return chunks, shards
 
 
+def clipped_notices(spec: ConversionSpec, ds: DatasetInfo, chunks: Shape, shards: Shape | None) -> list[str]:
+    """Notices for chunks and shards the user asked for that ``resolve_chunks`` clipped to the
+    array, as slab re-alignment is noticed: a silent change of a requested shape surprises."""
+    notices = []
+    for name, asked, got in (("chunks", spec.output.chunks, chunks), ("shards", spec.output.shards, shards)):
+        if asked is not None and got is not None and tuple(asked) != tuple(got):
+            notices.append(
+                f"output.{name} {tuple(asked)} became {tuple(got)}: the array's shape is {tuple(ds.shape)}, and a "
+                f"{name[:-1]} holds at most the whole axis (a larger one would only store fill values)."
+            )
+    return notices
+
+
 def resolve_downsampled(spec: ConversionSpec, axes: str) -> tuple[bool, ...]:
     if spec.pyramid.axes is None:
         return tuple(AXIS_TYPES[a] == "space" for a in axes)

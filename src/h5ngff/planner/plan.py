@@ -17,6 +17,7 @@ from ..units import MiB, format_bytes
 from .grid import align_up, clip, grid_shape, greedy_slab, slab_step
 from .layout import (
     build_levels,
+    clipped_notices,
     resolve_axes,
     resolve_chunks,
     resolve_downsampled,
@@ -122,7 +123,7 @@ def make_plan(
         memory=memory,
         hdf5_cache_bytes=cache,
         allocator=allocator,
-        notices=tuple(dict.fromkeys(notices)),
+        notices=tuple(dict.fromkeys(clipped_notices(spec, ds, chunks, shards) + notices)),
     )
 
 
