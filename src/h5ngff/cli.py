@@ -172,8 +172,11 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     from .report import ProgressBar, plan_renderable, summary_renderable
     from .runner import plan_job, run_job
 
+    from .engine.output import check_output
+
     backend = _backend(args)
     job = plan_job(spec, backend, _constants(args))
+    check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster
     if not args.json:
         console.print(plan_renderable(job))
     listeners = []

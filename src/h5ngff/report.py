@@ -20,6 +20,14 @@ def _mib(n: float) -> str:
     return f"{n / MiB:,.1f}"
 
 
+def _rate(bytes_per_s: float) -> str:
+    """GB/s for big runs; MB/s or kB/s for small ones, which would all read '0.00 GB/s'."""
+    for scale, unit in ((1e9, "GB/s"), (1e6, "MB/s")):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.2f} {unit}"
+    return f"{bytes_per_s / 1e3:.1f} kB/s"
+
+
 def _storage(plan: Plan) -> str:
     ds = plan.dataset
     if ds.hdf5_chunks is None:
@@ -74,7 +82,7 @@ def summary_renderable(summary: RunSummary) -> Group:
     head.add_row("status", f"[green]{summary.status}[/green]" if summary.status == "Succeeded" else f"[red]{summary.status}[/red]")
     head.add_row("output", summary.job.spec.output.path + ("  (resumed)" if summary.resumed else ""))
     if t:
-        head.add_row("time", f"{summary.seconds:.2f} s  ({summary.gb_per_s:.2f} GB/s of source data)")
+        head.add_row("time", f"{summary.seconds:.2f} s  ({_rate(summary.gb_per_s * 1e9)} of source data)")
         head.add_row("slabs", f"{t.slabs_written} written, {t.slabs_skipped} already done")
         head.add_row("bytes", f"{format_bytes(t.bytes_read)} read, {format_bytes(t.bytes_written)} written (ratio {t.bytes_read / max(1, t.bytes_written):.2f})")
     workers = Table(title="Memory per worker: measured against the plan", title_justify="left", show_edge=False)

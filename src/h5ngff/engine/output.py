@@ -96,21 +96,10 @@ def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> 
     if os.path.exists(path) and not _is_empty_dir(path):
         existing = Manifest.load(path) if os.path.isdir(path) else None
         finished = completion_marker(path)
+        _refuse_existing(path, spec, content, existing, finished)
         if spec.output.overwrite:
-            _remove_replaceable(path, existing is not None or finished is not None)
-        elif existing is None and finished is None:
-            raise OutputConflictError(
-                f"output.path: {path!r} exists and is not an h5ngff output, so it cannot be resumed. "
-                f"Choose a new path, or set output.overwrite (--overwrite) to replace it if it is a Zarr store."
-            )
+            _remove_replaceable(path)
         else:
-            old = existing.content if existing is not None else finished.get("content", {})
-            differences = _differences(old, content)
-            if differences:
-                raise OutputConflictError(
-                    f"output.path: {path!r} holds an h5ngff output of a different conversion ({'; '.join(differences)}). "
-                    f"Re-run with the original options to resume it, choose a new path, or use --overwrite to start fresh."
-                )
             if existing is None:
                 log.info("%s is already complete; nothing to do.", path)
                 return Output(path, fmt, layouts, Manifest(path), print_, resumed=True, complete=True)
@@ -142,12 +131,49 @@ def _is_empty_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.listdir(path)
 
 
-def _remove_replaceable(path: str, ours: bool) -> None:
-    if not ours and not any(os.path.exists(os.path.join(path, m)) for m in _ZARR_MARKERS):
+def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> None:
+    """Refuse an output that ``prepare_output`` would refuse, writing nothing: the CLI and the
+    runner call it before they print the plan and start a cluster, so a conflict costs no wait."""
+    path = spec.output.path
+    if os.path.exists(path) and not _is_empty_dir(path):
+        existing = Manifest.load(path) if os.path.isdir(path) else None
+        _refuse_existing(path, spec, content_of(plan, spec, source), existing, completion_marker(path))
+        return
+    # The nearest existing ancestor must be a directory we may write into.
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise OutputError(f"output.path: cannot create {path!r}: {parent!r} is a file, not a directory. Choose a writable location.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"output.path: cannot create {path!r}: permission denied ({parent}). Choose a writable location.")
+
+
+def _refuse_existing(path: str, spec: ConversionSpec, content: dict[str, Any], existing: Manifest | None, finished: dict[str, Any] | None) -> None:
+    """Raise OutputConflictError unless the non-empty ``path`` may be resumed or (--overwrite) replaced."""
+    ours = existing is not None or finished is not None
+    if spec.output.overwrite:
+        if not ours and not any(os.path.exists(os.path.join(path, m)) for m in _ZARR_MARKERS):
+            raise OutputConflictError(
+                f"output.path: {path!r} exists and is neither an h5ngff output nor a Zarr store; --overwrite only replaces those. "
+                f"Remove it yourself or choose a new path."
+            )
+        return
+    if not ours:
         raise OutputConflictError(
-            f"output.path: {path!r} exists and is neither an h5ngff output nor a Zarr store; --overwrite only replaces those. "
-            f"Remove it yourself or choose a new path."
+            f"output.path: {path!r} exists and is not an h5ngff output, so it cannot be resumed. "
+            f"Choose a new path, or set output.overwrite (--overwrite) to replace it if it is a Zarr store."
         )
+    old = existing.content if existing is not None else finished.get("content", {})
+    differences = _differences(old, content)
+    if differences:
+        raise OutputConflictError(
+            f"output.path: {path!r} holds an h5ngff output of a different conversion ({'; '.join(differences)}). "
+            f"Re-run with the original options to resume it, choose a new path, or use --overwrite to start fresh."
+        )
+
+
+def _remove_replaceable(path: str) -> None:
     log.info("Removing the existing output %s (--overwrite).", path)
     if os.path.isdir(path):
         shutil.rmtree(path)

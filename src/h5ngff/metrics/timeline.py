@@ -10,6 +10,9 @@ import os
 
 from ..units import MiB
 
+#: Worker lines never take a colour of the limit lines (green, orange, red, black).
+WORKER_COLOURS = ("tab:blue", "tab:purple", "tab:brown", "tab:pink", "tab:cyan", "tab:olive", "tab:gray")
+
 
 def _figure(summary):
     import matplotlib
@@ -23,20 +26,26 @@ def _figure(summary):
     start = min((t for t, _, _ in summary.timeline), default=0.0)
     for t, name, rss in summary.timeline:
         series.setdefault(name, []).append((t - start, rss))
-    for name, points in sorted(series.items()):
-        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2)
+    for i, (name, points) in enumerate(sorted(series.items())):
+        colour = WORKER_COLOURS[i % len(WORKER_COLOURS)]
+        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2, color=colour)
+    enforced = any(w.cgroup_peak is not None for w in summary.workers)
     lines = [
         (plan.memory.predicted_peak, "predicted peak", "tab:green", ":"),
         (plan.memory.memory_limit * plan.memory.thresholds.terminate, "Dask terminate", "tab:orange", "-."),
         (plan.memory.memory_limit, "Dask memory_limit", "tab:red", "--"),
-        (plan.memory.pod_limit, "pod limit (cgroup)", "black", "-"),
+        (plan.memory.pod_limit, "pod limit (cgroup)" if enforced else "pod limit (planned, not enforced here)", "black", "-"),
     ]
     for value, label, color, style in lines:
         ax.axhline(value / MiB, color=color, linestyle=style, linewidth=1.4, label=f"{label} {value / MiB:,.0f} MiB")
+    # The samples stop when the workers do; the axis spans the whole run.
+    last = max((t - start for t, _, _ in summary.timeline), default=0.0)
+    ax.set_xlim(0, max(summary.seconds, last, 1e-3))
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("MiB")
     ax.set_ylim(0, plan.memory.pod_limit / MiB * 1.08)
-    ax.set_title(f"h5ngff memory per worker: {summary.job.spec.source.path}:{summary.job.spec.source.dataset} ({summary.seconds:.1f} s)")
+    source = summary.job.spec.source
+    ax.set_title(f"h5ngff memory per worker: {os.path.basename(source.path)}:{source.dataset} ({summary.seconds:.1f} s)")
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

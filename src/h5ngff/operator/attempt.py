@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..engine.output import check_output
 from ..engine.progress import Progress
 from ..errors import H5ngffError
 from ..jobspec import ConversionJobSpec
@@ -86,6 +87,7 @@ def run_attempt(spec: ConversionJobSpec, backend, sink: Sink, attempt: int = 1, 
     job: PlannedJob | None = None
     try:
         job = plan_job(spec.conversion(), backend, opts.constants)
+        check_output(job.plan, job.spec, job.source)  # refuse a conflicting output before any cluster starts
         for notice in job.notices:
             log.warning("%s", notice)
         sink(planned_patch(job.plan, now()), False)
