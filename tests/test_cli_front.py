@@ -178,10 +178,10 @@ def test_ctrl_c_to_the_process_group_prints_one_line_not_tracebacks(small, tmp_p
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        # The slab tasks run once the manifest exists; then a terminal's Ctrl-C reaches everyone.
-        while not (out / ".h5ngff").exists() and time.monotonic() < deadline and proc.poll() is None:
+        # Once a chunk file exists the workers are running slab tasks: then a terminal's Ctrl-C
+        # reaches every process of the group (SIGINT to the group, as a terminal sends it).
+        while not any((out / "0").rglob("c/*")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        time.sleep(1.0)
         os.killpg(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:

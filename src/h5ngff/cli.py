@@ -253,17 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s")
-    # Dask logs every worker start and stop at INFO; the progress bar says what matters. Import
-    # distributed first: importing it installs its own logging config, which would undo ours.
-    import distributed  # noqa: F401
-
-    logging.getLogger("distributed").setLevel([logging.ERROR, logging.WARNING, logging.INFO][min(args.verbose, 2)])
     try:
+        # Dask logs every worker start and stop at INFO; the progress bar says what matters. Import
+        # distributed first: importing it installs its own logging config, which would undo ours.
+        import distributed  # noqa: F401
+
+        logging.getLogger("distributed").setLevel([logging.ERROR, logging.WARNING, logging.INFO][min(args.verbose, 2)])
         code = _dispatch(args)
         sys.stdout.flush()  # inside the try: a reader that went away (| head) is seen here
         return code
     except BrokenPipeError:
         return _stdout_closed()
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[yellow]interrupted[/yellow]: re-run the same command to resume.")
+        return ExitCode.INTERRUPTED
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -284,9 +287,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         else:
             print(json.dumps({"status": "Failed", "reason": exc.reason, "message": str(exc)}))
         return exc.exit_code
-    except KeyboardInterrupt:
-        errors.print("[yellow]interrupted[/yellow]: re-run the same command to resume.")
-        return ExitCode.INTERRUPTED
 
 
 def _stdout_closed() -> int:

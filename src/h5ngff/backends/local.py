@@ -22,6 +22,7 @@ import time
 import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
 from typing import Iterator
 
 import dask
@@ -64,20 +65,41 @@ class LocalBackend:
             else:
                 stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
                 stack.enter_context(workers_skip_main_module())
-                cluster = stack.enter_context(
-                    LocalCluster(
-                        n_workers=plan.workers,
-                        threads_per_worker=plan.threads_per_worker,
-                        memory_limit=plan.memory.memory_limit,
-                        processes=True,
-                        # ":0": a free port. The scheduler's HTTP server also serves /metrics.
-                        dashboard_address=":0",
-                        silence_logs=logging.ERROR,
+                with ctrl_c_after_start():
+                    cluster = stack.enter_context(
+                        LocalCluster(
+                            n_workers=plan.workers,
+                            threads_per_worker=plan.threads_per_worker,
+                            memory_limit=plan.memory.memory_limit,
+                            processes=True,
+                            # ":0": a free port. The scheduler's HTTP server also serves /metrics.
+                            dashboard_address=":0",
+                            silence_logs=logging.ERROR,
+                        )
                     )
-                )
-                client = stack.enter_context(Client(cluster, set_as_default=False))
+                    client = stack.enter_context(Client(cluster, set_as_default=False))
                 client.register_plugin(WorkerExitReporter())
                 yield Session(client, "local")
+
+
+@contextmanager
+def ctrl_c_after_start() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives while the cluster starts until it has started, then raise it.
+
+    Dask cannot close a cluster interrupted half-way through its start: the nannies it was
+    starting stay in ``Status.init`` and its exit handler fails with a traceback. So SIGINT is
+    blocked (not ignored: it stays pending) in this thread while the cluster starts, and delivered
+    when it is unblocked, as a KeyboardInterrupt that closes the started cluster cleanly. Worker
+    processes spawned meanwhile inherit the blocked mask, so a Ctrl-C during their own interpreter
+    start-up (before ``worker_main`` runs) cannot kill them with a traceback either."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 @contextmanager
@@ -91,13 +113,16 @@ def workers_skip_main_module() -> Iterator[None]:
     interpreter term could not hold for every caller. Slab tasks need nothing from ``__main__``
     (they live in h5ngff.engine), so the main module's spec and path are hidden from spawn for
     as long as the cluster lives: the nanny also spawns replacements for killed workers later.
-    Interactive sessions already look like this to spawn (no ``__file__``, no ``__spec__``)."""
+    Interactive sessions already look like this to spawn (no ``__file__``, no ``__spec__``).
+
+    Spawn runs ``worker_main`` instead: a few lines that make workers ignore SIGINT, so a
+    terminal's Ctrl-C is handled by this process alone (it closes the cluster, and so the workers)."""
     main = sys.modules.get("__main__")
     if main is None:
         yield
         return
     hidden = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
-    main.__dict__["__spec__"] = None
+    main.__dict__["__spec__"] = ModuleSpec(f"{__package__}.worker_main", None)
     main.__dict__.pop("__file__", None)
     try:
         yield
