@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from distributed import Client
-from distributed.diagnostics.plugin import NannyPlugin
+from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
-from ..errors import NannyTerminatedError, OOMKilledError, WorkerFailedError
+from ..errors import H5ngffError, NannyTerminatedError, OOMKilledError, WorkerFailedError
 from ..units import format_bytes
 from .cgroups import own_oom_kill_count
 
@@ -52,6 +52,37 @@ class WorkerExitReporter(NannyPlugin):
             return await _original(exitcode)
 
         nanny._on_worker_exit = on_exit
+
+
+class QuietExpectedErrors(WorkerPlugin):
+    """Drops a worker's "Compute Failed" log of a task that raised one of h5ngff's own errors
+    (a full disk, an unreadable slab). The client re-raises the error and the CLI or the status
+    shows its message; Dask's log only repeated it first, as an escaped traceback string. Any
+    other exception (a bug) is still logged in full."""
+
+    name = "h5ngff-quiet-expected-errors"
+    idempotent = True
+
+    def setup(self, worker) -> None:
+        logging.getLogger("distributed.worker").addFilter(drop_expected_failure)
+
+
+def drop_expected_failure(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for "Compute Failed" records of an H5ngffError."""
+    if not str(record.msg).startswith("Compute Failed") or not isinstance(record.args, tuple) or len(record.args) < 4:
+        return True
+    exception_text = str(record.args[3])  # repr of the task's exception, e.g. "DiskFullError('No space …')"
+    return exception_text.split("(", 1)[0] not in _error_names(H5ngffError)
+
+
+def _error_names(cls: type) -> set[str]:
+    return {cls.__name__}.union(*(_error_names(sub) for sub in cls.__subclasses__()))
+
+
+def register_plugins(client: Client) -> None:
+    """The plugins every backend's cluster runs: exit reports (nannies), quiet expected errors (workers)."""
+    client.register_plugin(WorkerExitReporter())
+    client.register_plugin(QuietExpectedErrors())
 
 
 def process_memory() -> dict[str, int]:

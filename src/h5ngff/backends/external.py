@@ -14,7 +14,7 @@ from distributed import Client
 from ..errors import ClusterError
 from ..planner.model import Capacity, Plan
 from .base import Session
-from .diagnostics import WorkerExitReporter
+from .diagnostics import register_plugins
 
 
 class ExternalBackend:
@@ -51,7 +51,7 @@ class ExternalBackend:
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
         client = self._connect()
-        client.register_plugin(WorkerExitReporter())
+        register_plugins(client)
         try:
             yield Session(client, "external")
         finally:

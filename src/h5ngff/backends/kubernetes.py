@@ -34,7 +34,7 @@ from ..planner.model import Capacity, Plan
 from ..units import GiB, k8s_quantity
 from .allocator import allocator_env
 from .base import Session, dask_env, dask_memory_config
-from .diagnostics import WorkerExitReporter
+from .diagnostics import register_plugins
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class KubernetesBackend:
             raise ClusterError(f"Could not start DaskCluster {self.owner.namespace}/{name}: {exc}. Is the Dask Operator installed and may the runner's service account create daskclusters?") from exc
         try:
             with Client(cluster, set_as_default=False) as client:
-                client.register_plugin(WorkerExitReporter())
+                register_plugins(client)
                 _wait_for_workers(client, plan.workers, name)
                 yield Session(client, "kubernetes")
         finally:

@@ -33,7 +33,7 @@ from ..planner.model import Capacity, Plan
 from .allocator import allocator_env
 from .base import Session, dask_env, dask_memory_config, machine_capacity
 from .cgroups import MemoryCgroup, create_pod_cgroup
-from .diagnostics import WorkerExitReporter, WorkerReport
+from .diagnostics import WorkerReport, register_plugins
 
 log = logging.getLogger(__name__)
 #: How long pod workers get to connect before the run gives up.
@@ -59,7 +59,7 @@ class LocalBackend:
             if self.enforce_pod_limits:
                 pods = stack.enter_context(PodCluster(plan, config, env, self.pod_limit or plan.memory.pod_limit))
                 client = stack.enter_context(Client(pods.scheduler_address, set_as_default=False))
-                client.register_plugin(WorkerExitReporter())
+                register_plugins(client)
                 pods.wait_for_workers(client)
                 yield Session(client, "local-pods", pods.reports, pods.refresh, pods.pod_limit)
             else:
@@ -78,7 +78,7 @@ class LocalBackend:
                         )
                     )
                     client = stack.enter_context(Client(cluster, set_as_default=False))
-                client.register_plugin(WorkerExitReporter())
+                register_plugins(client)
                 yield Session(client, "local")
 
 
