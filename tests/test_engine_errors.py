@@ -116,12 +116,13 @@ def test_unwritable_output(tmp_path, convert):
 
 
 def test_cli_exit_codes_and_messages(tmp_path):
-    """Through the real command line: exit 2 for bad input, the reason and the message on stderr/stdout."""
+    """Through the real command line: exit 2 for bad input; the reason and the message on stderr
+    (stdout only carries --json's document)."""
     h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)))
     cli = [sys.executable, "-m", "h5ngff.cli"]
     bad_dataset = subprocess.run(cli + ["convert", f"{h5}:/missing", str(tmp_path / "o.zarr")], capture_output=True, text=True)
     assert bad_dataset.returncode == 2
-    assert "SourceUnreadable" in bad_dataset.stdout and "/volume/data" in bad_dataset.stdout
+    assert "SourceUnreadable" in bad_dataset.stderr and "/volume/data" in bad_dataset.stderr and not bad_dataset.stdout
     bad_flag = subprocess.run(cli + ["plan", f"{h5}:/volume/data", "--chunks", "0,8,8", "--json"], capture_output=True, text=True)
     assert bad_flag.returncode == 2
     assert json.loads(bad_flag.stdout) == {
