@@ -169,10 +169,9 @@ def cmd_convert(args: argparse.Namespace, console: Console) -> int:
 
 
 def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
+    from .engine.output import check_output
     from .report import ProgressBar, plan_renderable, summary_renderable
     from .runner import plan_job, run_job
-
-    from .engine.output import check_output
 
     backend = _backend(args)
     job = plan_job(spec, backend, _constants(args))

@@ -89,9 +89,10 @@ def ctrl_c_after_start() -> Iterator[None]:
     Dask cannot close a cluster interrupted half-way through its start: the nannies it was
     starting stay in ``Status.init`` and its exit handler fails with a traceback. So SIGINT is
     blocked (not ignored: it stays pending) in this thread while the cluster starts, and delivered
-    when it is unblocked, as a KeyboardInterrupt that closes the started cluster cleanly. Worker
-    processes spawned meanwhile inherit the blocked mask, so a Ctrl-C during their own interpreter
-    start-up (before ``worker_main`` runs) cannot kill them with a traceback either."""
+    when it is unblocked, as a KeyboardInterrupt that closes the started cluster cleanly. The
+    cluster's own thread, started meanwhile, inherits the blocked mask, and so do the worker
+    processes it spawns: a Ctrl-C during their interpreter start-up (before ``worker_main`` runs)
+    cannot kill them with a traceback either."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
