@@ -185,8 +185,10 @@ def shard_term(shape: PassShape) -> MemoryTerm:
     """
     index = shard_index_bytes(shape.shard_bytes or 0, shape.chunk_bytes)
     n = (shape.shard_bytes or 0) // shape.chunk_bytes
-    return MemoryTerm("shard assembly", shape.threads * SHARD_INDEX_COPIES * index,
-                      f"per thread: the open shard's index ({n} inner chunks x {SHARD_INDEX_ENTRY} B + 4 B CRC, {SHARD_INDEX_COPIES} copies); its chunks are streamed to the file")
+    held = SHARD_INDEX_COPIES * index
+    return MemoryTerm("shard assembly", shape.threads * held,
+                      f"per thread: the open shard's index, {held / 1024:.1f} KiB ({n} inner chunks x {SHARD_INDEX_ENTRY} B + 4 B CRC, "
+                      f"as an array and as bytes); its chunks are streamed into the file as they are encoded, never held as a shard")
 
 
 def slab_output_bytes(shape: PassShape) -> int:
