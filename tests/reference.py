@@ -1,5 +1,10 @@
-"""Independent NumPy references for the pyramid, written differently from the engine on purpose:
-pad to even lengths, reshape into 2-blocks and reduce, with exact integer arithmetic on Python ints."""
+"""Independent references, written differently from the code under test on purpose.
+
+* The pyramid: pad to even lengths, reshape into 2-blocks and reduce, with exact integer
+  arithmetic on Python ints.
+* The memory formula: the buffer terms of one pass, straight from the table in
+  docs/memory-model.md, from the pass's geometry alone (no planner helper).
+"""
 
 from __future__ import annotations
 
@@ -59,3 +64,35 @@ def reference_pyramid(data: np.ndarray, downsampled, method: str, levels: int) -
     for _ in range(levels - 1):
         out.append(reference_level(out[-1], downsampled, method))
     return out
+
+
+def expected_buffer_terms(p, chunks, shards, itemsize: int, threads: int, downsampled, zstd: bool, constants) -> dict[str, int]:
+    """The buffer terms of pass ``p`` by the documented formula (bytes). With T threads, a slab of
+    S bytes and chunks of C bytes: slab T*S; chunk and encode T*(2C + 16 + codec context); shard
+    assembly T*2*(16 * inner chunks + 4) (the index only: chunks are streamed); level read buffers
+    T*(2C + 16) in later passes; pyramid buffers T*(S/R + S/R^2 + ... + 48 * strip)."""
+    slab_elements = 1
+    for s in p.slab:
+        slab_elements *= s
+    chunk = itemsize
+    for c in chunks:
+        chunk *= c
+    context = constants.codec_context_zstd if zstd else constants.codec_context_other
+    terms = {
+        "slab buffers": threads * slab_elements * itemsize,
+        "chunk and encode buffers": threads * (2 * chunk + 16 + context),
+    }
+    if shards:
+        inner = 1
+        for s, c in zip(shards, chunks):
+            inner *= s // c
+        terms["shard assembly"] = threads * 2 * (16 * inner + 4)
+    built = len(p.levels) - (1 if p.source_level == -1 else 0)
+    if built:
+        r = 2 ** sum(bool(d) for d in downsampled)
+        levels = sum((slab_elements // r**k) * itemsize for k in range(1, built + 1))
+        strip = min(slab_elements // r, 1 << 16)
+        terms["pyramid buffers"] = threads * (levels + strip * 8 * 6)
+    if p.source_level != -1:
+        terms["level read buffers"] = threads * (2 * chunk + 16)
+    return terms

@@ -15,9 +15,12 @@ from collections import Counter
 
 import pytest
 
-from h5ngff.planner import Capacity, DatasetInfo, Plan, make_plan
+from h5ngff.engine.chunkio import ArrayLayout
+from h5ngff.engine.chunkio import shard_index_bytes as engine_shard_index_bytes
+from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, Plan, make_plan
 from h5ngff.spec import ConversionSpec, parse_spec
 from h5ngff.units import MiB
+from reference import expected_buffer_terms
 
 SPATIAL = "zyx"
 #: Above this many output units (summed over levels) the per-unit enumeration is skipped in favour
@@ -199,6 +202,35 @@ def check_memory(plan: Plan, spec: ConversionSpec, capacity: Capacity) -> None:
             _fail(f"{plan.workers} x pod limit {m.pod_limit} exceeds the machine's {capacity.memory_bytes}")
 
 
+def check_memory_terms(plan: Plan, spec: ConversionSpec) -> None:
+    """Every pass's buffer terms, recomputed from the plan's geometry and the formula documented
+    in docs/memory-model.md (reference.expected_buffer_terms), and checked against the engine's own
+    shard layout: a shard costs its index per thread, never its bytes (issue 18)."""
+    constants = DEFAULT_CONSTANTS
+    zstd = spec.output.compressor.codec == "zstd" or (spec.output.compressor.codec == "blosc" and spec.output.compressor.blosc_cname == "zstd")
+    down = downsampled_axes(spec, plan.axes)
+    for p in plan.passes:
+        terms = {t.name: t.bytes for t in p.terms}
+        if len(terms) != len(p.terms):
+            _fail(f"pass {p.index}: duplicate term names in {[t.name for t in p.terms]}")
+        expected = expected_buffer_terms(p, plan.chunks, plan.shards, plan.dataset.itemsize, plan.threads_per_worker, down, zstd, constants)
+        for name, value in expected.items():
+            if terms.get(name) != value:
+                _fail(f"pass {p.index}: term {name!r} is {terms.get(name)}, the documented formula gives {value}")
+        extra = set(terms) - set(expected) - {"interpreter", "hdf5 cache and decompression", "allocator slack"}
+        if extra:
+            _fail(f"pass {p.index}: unexpected term(s) {sorted(extra)}")
+        if plan.shards:
+            layout = ArrayLayout("unused", plan.levels[0].shape, plan.chunks, plan.shards, plan.dtype, 3, spec.output.compressor)
+            engine_index = plan.threads_per_worker * 2 * engine_shard_index_bytes(layout)
+            if terms["shard assembly"] != engine_index:
+                _fail(f"pass {p.index}: shard assembly {terms['shard assembly']} B, the engine holds {engine_index} B of index per worker")
+        slack = constants.allocator_slack_jemalloc if plan.allocator == "jemalloc" else constants.allocator_slack_glibc
+        dynamic = sum(v for k, v in terms.items() if k not in ("interpreter", "allocator slack"))
+        if terms["allocator slack"] != math.ceil(slack * dynamic):
+            _fail(f"pass {p.index}: allocator slack {terms['allocator slack']}, expected {math.ceil(slack * dynamic)}")
+
+
 def check_notices(plan: Plan, ds: DatasetInfo) -> None:
     """Notices describe the plan that was chosen, not an attempt that was thrown away."""
     if sum("re-aligned" in n for n in plan.notices) > 1:
@@ -239,6 +271,7 @@ def check_plan(plan: Plan, ds: DatasetInfo, spec: ConversionSpec, capacity: Capa
         check_alignment(p, src, unit, down)
     check_unit_ownership(plan, spec, src_shapes, down)
     check_memory(plan, spec, capacity)
+    check_memory_terms(plan, spec)
     check_notices(plan, ds)
     if spec.resources.workers != "auto" and plan.workers != spec.resources.workers:
         _fail(f"{plan.workers} workers, the spec asks for {spec.resources.workers}")
@@ -353,3 +386,58 @@ def test_oracle_rejects_a_false_hdf5_notice(good):
         check_notices(dataclasses.replace(plan, notices=("HDF5 chunks (1, 1, 1) do not fit whole",)), chunked)
     with pytest.raises(OracleError, match="cuts"):
         check_notices(plan, dataclasses.replace(ds, hdf5_chunks=(7, 7, 7)))
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    ds = DatasetInfo((256, 1024, 1024), "<f4", 4)
+    spec = _spec(output={"chunks": [64, 64, 64], "shards": [128, 256, 256]}, pyramid={"levels": 3}, resources={"workers": 2, "threadsPerWorker": 2, "memoryPerWorker": "3Gi"})
+    plan = make_plan(ds, spec, CAP)
+    check_plan(plan, ds, spec, CAP)
+    assert len(plan.passes) >= 2, "a later pass must read shards"
+    return ds, spec, plan
+
+
+def _with_term(plan: Plan, name: str, value: int | None) -> Plan:
+    """The plan with one term of every pass set to ``value`` (None: removed)."""
+    passes = []
+    for p in plan.passes:
+        if value is None:
+            terms = tuple(t for t in p.terms if t.name != name)
+        else:
+            terms = tuple(dataclasses.replace(t, bytes=value) if t.name == name else t for t in p.terms)
+        passes.append(dataclasses.replace(p, terms=terms))
+    return dataclasses.replace(plan, passes=tuple(passes))
+
+
+def test_oracle_rejects_a_shard_held_whole(sharded):
+    """The accounting this replaced: the encoded shard held per thread until written whole."""
+    ds, spec, plan = sharded
+    shard_bytes = math.prod(plan.shards) * 4
+    old = plan.threads_per_worker * (64**3 * 4 + shard_bytes + 16 + 6 * MiB)
+    with pytest.raises(OracleError, match="'chunk and encode buffers'"):
+        check_memory_terms(_with_term(plan, "chunk and encode buffers", old), spec)
+
+
+def test_oracle_rejects_a_missing_or_single_thread_shard_term(sharded):
+    ds, spec, plan = sharded
+    with pytest.raises(OracleError, match="'shard assembly' is None"):
+        check_memory_terms(_with_term(plan, "shard assembly", None), spec)
+    term = next(t.bytes for t in plan.passes[0].terms if t.name == "shard assembly")
+    with pytest.raises(OracleError, match="'shard assembly'"):
+        check_memory_terms(_with_term(plan, "shard assembly", term // plan.threads_per_worker), spec)
+
+
+def test_oracle_rejects_a_shard_sized_read_buffer(sharded):
+    """A later pass that reads a shard file whole (what the engine did before issue 18)."""
+    ds, spec, plan = sharded
+    shard_bytes = math.prod(plan.shards) * 4
+    with pytest.raises(OracleError, match="'level read buffers'"):
+        check_memory_terms(_with_term(plan, "level read buffers", plan.threads_per_worker * (shard_bytes + 16 + 64**3 * 4)), spec)
+
+
+def test_oracle_rejects_a_shard_term_on_an_unsharded_plan(good):
+    ds, spec, plan = good
+    passes = tuple(dataclasses.replace(p, terms=p.terms + (dataclasses.replace(p.terms[0], name="shard assembly", bytes=4096),)) for p in plan.passes)
+    with pytest.raises(OracleError, match="unexpected term"):
+        check_memory_terms(dataclasses.replace(plan, passes=passes), spec)

@@ -179,6 +179,31 @@ def test_overridden_constants_still_hold_the_oracle(budget, baseline, nanny, pau
 
 
 @settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.sampled_from(["|u1", "<u2", "<f4", "<f8"]), st.integers(1, 4), st.integers(1, 4))
+def test_a_shard_costs_its_index_not_its_bytes(threads, dtype, grow_y, grow_x):
+    """Growing the shard (same chunks, same slab) adds only index bytes to the predicted peak: the
+    engine streams a shard's chunks to its file and reads them back one at a time (issue 18)."""
+    itemsize = np.dtype(dtype).itemsize
+    ds = DatasetInfo((128, 1024, 1024), np.dtype(dtype).str, itemsize)
+
+    def peak(shards):
+        spec = {
+            "source": {"path": "in.h5", "dataset": "/d"},
+            "output": {"path": "o.zarr", "chunks": [32, 64, 64], "shards": shards},
+            "pyramid": {"levels": 2},
+            "resources": {"workers": 1, "threadsPerWorker": threads, "slab": [128, 1024, 1024]},
+        }
+        plan = _plan(ds, spec, Capacity(cores=4, memory_bytes=64 << 30), "jemalloc")
+        check_plan(plan, ds, parse_spec(spec), Capacity(cores=4, memory_bytes=64 << 30))
+        return plan.memory.predicted_peak, math.prod(s // c for s, c in zip(shards, [32, 64, 64]))
+
+    small, n_small = peak([32, 64, 64])
+    large, n_large = peak([128, 64 * grow_y * 2, 64 * grow_x * 2])
+    index_growth = threads * 2 * 16 * (n_large - n_small)
+    assert large - small <= math.ceil(1.06 * index_growth) + 1
+
+
+@settings(max_examples=40, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 4), st.integers(300, 2000))
 def test_more_budget_never_means_more_slabs(workers, threads, budget_mib):
     """A larger budget can only keep or grow the slab: the plan is monotone in the budget."""
@@ -204,7 +229,7 @@ def test_more_budget_never_means_more_slabs(workers, threads, budget_mib):
 
 def test_property_strategy_reaches_the_interesting_cases():
     """Guard against a strategy that never produces refusals, multi-pass plans or HDF5 chunks."""
-    seen = {"refused": 0, "multipass": 0, "multislab": 0, "hdf5": 0, "notice": 0}
+    seen = {"refused": 0, "multipass": 0, "multislab": 0, "hdf5": 0, "notice": 0, "sharded": 0, "sharded multipass": 0, "sharded threads": 0}
 
     @settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
     @given(problems())
@@ -223,6 +248,11 @@ def test_property_strategy_reaches_the_interesting_cases():
         seen["multislab"] += plan.n_tasks > 1
         seen["hdf5"] += ds.hdf5_chunks is not None
         seen["notice"] += bool(plan.notices)
+        # Shards: the oracle's memory check must see them written, read back by a later pass, and
+        # assembled by several threads at once (its term is per thread).
+        seen["sharded"] += plan.shards is not None
+        seen["sharded multipass"] += plan.shards is not None and len(plan.passes) > 1
+        seen["sharded threads"] += plan.shards is not None and plan.threads_per_worker > 1
 
     sample()
     assert all(v > 0 for v in seen.values()), seen

@@ -13,9 +13,10 @@ import errno
 import math
 import os
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import product
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 import google_crc32c
 import numpy as np
@@ -91,31 +92,52 @@ def encode_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk=None, unit=Non
     return chunk.tobytes() if codec is None else bytes(codec.encode(chunk))
 
 
-def encode_shard(layout: ArrayLayout, block: np.ndarray, shard_start: Shape) -> list[bytes]:
-    """Inner chunks in C order, then the index (offset, nbytes per chunk, little-endian uint64)
-    and its CRC32C: zarr's ``sharding_indexed`` codec with the index at the end."""
+def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start: Shape, on_chunk=None) -> None:
+    """Stream one shard into ``f``: inner chunks in C order, each written as soon as it is encoded,
+    then the index (offset, nbytes per chunk, little-endian uint64) and its CRC32C: zarr's
+    ``sharding_indexed`` codec with the index at the end.
+
+    Only one encoded chunk and the index are held at a time. Holding every encoded chunk until
+    the shard was written whole cost up to 1.7x the encoded shard (allocator size classes around
+    each ~1 MiB piece) and broke the plan on incompressible data (docs/memory-model.md, issue 18).
+    ``on_chunk`` sees each inner chunk, as in ``write_block``: per chunk, so its temporaries (e.g.
+    the finite-value copy of a float chunk with NaN) stay chunk-sized, never shard-sized.
+    """
     assert layout.shards is not None
-    inner_grid = tuple(s // c for s, c in zip(layout.shards, layout.chunks))
+    inner_grid = shard_grid(layout)
     index = np.full(inner_grid + (2,), _EMPTY, dtype="<u8")
-    pieces: list[bytes] = []
     offset = 0
     for inner in product(*(range(g) for g in inner_grid)):
         start = tuple(i * c for i, c in zip(inner, layout.chunks))
         if any(s0 + s >= n for s0, s, n in zip(shard_start, start, layout.shape)):
             continue  # wholly outside the array: stays empty, as zarr leaves it
         local = tuple(slice(s, min(s + c, b)) for s, c, b in zip(start, layout.chunks, block.shape))
-        data = encode_chunk(layout, block[local])
+        where = tuple(slice(s0 + r.start, s0 + r.stop) for s0, r in zip(shard_start, local))
+        data = encode_chunk(layout, block[local], on_chunk, where)
+        f.write(data)
         index[inner] = (offset, len(data))
-        pieces.append(data)
         offset += len(data)
+        del data  # before the next chunk is encoded: one encoded chunk at a time
     raw_index = index.tobytes()
-    pieces.append(raw_index)
-    pieces.append(google_crc32c.value(raw_index).to_bytes(4, "little"))
-    return pieces
+    f.write(raw_index)
+    f.write(google_crc32c.value(raw_index).to_bytes(4, "little"))
 
 
-def atomic_write(path: str, pieces: list[bytes]) -> int:
-    """Write ``pieces`` to ``path`` through a temporary file and a rename. Returns the size."""
+def shard_grid(layout: ArrayLayout) -> Shape:
+    """Inner chunks per shard along each axis."""
+    assert layout.shards is not None
+    return tuple(s // c for s, c in zip(layout.shards, layout.chunks))
+
+
+def shard_index_bytes(layout: ArrayLayout) -> int:
+    """Bytes of a shard's index and its CRC32C at the end of the file."""
+    return 16 * math.prod(shard_grid(layout)) + 4
+
+
+@contextmanager
+def atomic_file(path: str) -> Iterator[BinaryIO]:
+    """A file written through a temporary name and renamed onto ``path`` once the block exits
+    cleanly: a reader or a resumed run never sees half a chunk or shard."""
     directory, name = os.path.split(path)
     if directory not in _made_dirs:
         os.makedirs(directory, exist_ok=True)
@@ -123,13 +145,22 @@ def atomic_write(path: str, pieces: list[bytes]) -> int:
     tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
     try:
         with open(tmp, "wb") as f:
-            f.writelines(pieces)
+            yield f
         os.replace(tmp, path)
     except OSError as exc:
         _remove_quietly(tmp)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFullError(f"No space left on the output device while writing {path}. Free space and re-run the same command; finished slabs are kept.") from exc
         raise OutputError(f"Cannot write {path}: {exc.strerror or exc}. Check that the output location is writable.") from exc
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+
+
+def atomic_write(path: str, pieces: list[bytes]) -> int:
+    """Write ``pieces`` to ``path`` through a temporary file and a rename. Returns the size."""
+    with atomic_file(path) as f:
+        f.writelines(pieces)
     return sum(len(p) for p in pieces)
 
 
@@ -155,12 +186,12 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
         local = tuple(slice(u.start - o, u.stop - o) for u, o in zip(unit, origin))
         sub = block[local]
         if layout.shards is None:
-            pieces = [encode_chunk(layout, sub, on_chunk, unit)]
+            nbytes = atomic_write(layout.file(index), [encode_chunk(layout, sub, on_chunk, unit)])
         else:
-            if on_chunk is not None:
-                on_chunk(sub, unit)
-            pieces = encode_shard(layout, sub, tuple(u.start for u in unit))
-        written.append((layout.key(index), atomic_write(layout.file(index), pieces)))
+            with atomic_file(layout.file(index)) as f:
+                write_shard(f, layout, sub, tuple(u.start for u in unit), on_chunk)
+                nbytes = f.tell()
+        written.append((layout.key(index), nbytes))
     return written
 
 
@@ -184,26 +215,34 @@ def decode_chunk(layout: ArrayLayout, data: bytes) -> np.ndarray:
     return arr.reshape(layout.chunks)
 
 
+def parse_shard_index(layout: ArrayLayout, tail: bytes, data_bytes: int) -> np.ndarray:
+    """The (offset, nbytes) of every inner chunk from a shard's last ``shard_index_bytes`` bytes,
+    checked: CRC32C, and every chunk inside the ``data_bytes`` that precede the index."""
+    inner_grid = shard_grid(layout)
+    raw_index = tail[:-4]
+    if google_crc32c.value(raw_index).to_bytes(4, "little") != tail[-4:]:
+        raise ValueError("shard index checksum mismatch")
+    index = np.frombuffer(raw_index, dtype="<u8").reshape(inner_grid + (2,))
+    for inner in product(*(range(g) for g in inner_grid)):
+        offset, nbytes = (int(v) for v in index[inner])
+        if offset != int(_EMPTY) and offset + nbytes > data_bytes:
+            raise ValueError(f"inner chunk {inner} runs past the shard's data")
+    return index
+
+
 def decode_unit(layout: ArrayLayout, data: bytes) -> np.ndarray:
     """Decode one chunk file, or one shard file into its full (padded) shard array."""
     if layout.shards is None:
         return decode_chunk(layout, data)
-    inner_grid = tuple(s // c for s, c in zip(layout.shards, layout.chunks))
-    n = math.prod(inner_grid)
-    tail = 16 * n + 4
+    tail = shard_index_bytes(layout)
     if len(data) < tail:
         raise ValueError(f"shard of {len(data)} bytes is shorter than its index ({tail} bytes)")
-    raw_index = data[-tail:-4]
-    if google_crc32c.value(raw_index).to_bytes(4, "little") != data[-4:]:
-        raise ValueError("shard index checksum mismatch")
-    index = np.frombuffer(raw_index, dtype="<u8").reshape(inner_grid + (2,))
+    index = parse_shard_index(layout, data[-tail:], len(data) - tail)
     out = np.full(layout.shards, layout.fill_value, dtype=layout.dtype)
-    for inner in product(*(range(g) for g in inner_grid)):
+    for inner in product(*(range(g) for g in shard_grid(layout))):
         offset, nbytes = (int(v) for v in index[inner])
         if offset == int(_EMPTY):
             continue
-        if offset + nbytes > len(data) - tail:
-            raise ValueError(f"inner chunk {inner} runs past the shard's data")
         place = tuple(slice(i * c, (i + 1) * c) for i, c in zip(inner, layout.chunks))
         out[place] = decode_chunk(layout, data[offset : offset + nbytes])
     return out
@@ -227,9 +266,44 @@ def read_region(layout: ArrayLayout, region: tuple[slice, ...]) -> np.ndarray:
         unit = layout.unit_region(index)
         inter = tuple(slice(max(u.start, r.start), min(u.stop, r.stop)) for u, r in zip(unit, region))
         dst = tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region))
+        if layout.shards is not None:
+            _read_shard_into(layout, index, out[dst], inter)
+            continue
         data = read_unit(layout, index)
         if data is None:
             out[dst] = layout.fill_value
         else:
             out[dst] = data[tuple(slice(i.start - u.start, i.stop - u.start) for i, u in zip(inter, unit))]
+        del data  # before the next file is read: one decoded unit at a time
     return out
+
+
+def _read_shard_into(layout: ArrayLayout, index: tuple[int, ...], out: np.ndarray, region: tuple[slice, ...]) -> None:
+    """Decode the inner chunks of one shard that ``region`` (level coordinates) touches straight
+    into ``out``, reading each chunk's bytes on its own. Holds the index, one encoded and one
+    decoded chunk: never the whole shard file nor its decoded array (which cost two decoded shards
+    and the file per thread before, issue 18)."""
+    try:
+        f = open(layout.file(index), "rb")
+    except FileNotFoundError:
+        out[...] = layout.fill_value
+        return
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        tail = shard_index_bytes(layout)
+        if size < tail:
+            raise ValueError(f"shard of {size} bytes is shorter than its index ({tail} bytes)")
+        table = parse_shard_index(layout, os.pread(f.fileno(), tail, size - tail), size - tail)
+        origin = tuple(i * s for i, s in zip(index, layout.shards))
+        first = tuple((r.start - o) // c for r, o, c in zip(region, origin, layout.chunks))
+        last = tuple(ceil_div(r.stop - o, c) for r, o, c in zip(region, origin, layout.chunks))
+        for inner in product(*(range(a, b) for a, b in zip(first, last))):
+            start = tuple(o + i * c for o, i, c in zip(origin, inner, layout.chunks))
+            inter = tuple(slice(max(s, r.start), min(s + c, r.stop)) for s, c, r in zip(start, layout.chunks, region))
+            dst = tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region))
+            offset, nbytes = (int(v) for v in table[inner])
+            if offset == int(_EMPTY):
+                out[dst] = layout.fill_value
+                continue
+            chunk = decode_chunk(layout, os.pread(f.fileno(), nbytes, offset))
+            out[dst] = chunk[tuple(slice(i.start - s, i.stop - s) for i, s in zip(inter, start))]

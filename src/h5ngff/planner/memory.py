@@ -24,6 +24,8 @@ BLOSC_MAX_OVERHEAD = 16
 STRIP_TEMPORARIES = 6
 #: Shard index per inner chunk: two little-endian uint64 (offset, nbytes), plus a CRC32C.
 SHARD_INDEX_ENTRY = 16
+#: The shard index is held as an array while chunks are written and serialised once at the end.
+SHARD_INDEX_COPIES = 2
 
 
 @dataclass(frozen=True)
@@ -134,14 +136,14 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         MemoryTerm("interpreter", c.interpreter_baseline, "Python, Dask worker, numpy, h5py, zarr and codecs once imported"),
         MemoryTerm("slab buffers", T * slab_bytes, f"{T} slab(s) in flight x {slab_bytes / MiB:.1f} MiB, read once"),
     ]
-    if shape.shard_bytes:
-        encode = shape.chunk_bytes + encoded_bound(shape.shard_bytes) + SHARD_INDEX_ENTRY * (shape.shard_bytes // shape.chunk_bytes)
-        why = "per thread: one padded chunk copy + one encoded shard held until it is written whole"
-    else:
-        encode = shape.chunk_bytes + encoded_bound(shape.chunk_bytes)
-        why = "per thread: one padded chunk copy + its encoded bytes"
+    encode = shape.chunk_bytes + encoded_bound(shape.chunk_bytes)
     context = c.codec_context_zstd if shape.zstd else c.codec_context_other
+    why = "per thread: one padded chunk copy + its encoded bytes"
+    if shape.shard_bytes:
+        why += ", streamed into its shard file"
     terms.append(MemoryTerm("chunk and encode buffers", T * (encode + context), why + f" + codec context ({context / MiB:.0f} MiB)"))
+    if shape.shard_bytes:
+        terms.append(shard_term(shape))
     if shape.levels_built:
         # Each level the pass builds has its own buffer, kept per thread for the next slab (fresh
         # buffers cost page faults on every slab), plus one block of downsampling temporaries.
@@ -158,12 +160,35 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         terms.append(MemoryTerm("hdf5 cache and decompression", hdf5, why))
     else:
         # Chunk files of the previous level are read and decoded one at a time into the slab.
-        unit = shape.shard_bytes or shape.chunk_bytes
-        terms.append(MemoryTerm("level read buffers", T * (encoded_bound(unit) + shape.chunk_bytes), "per thread: one encoded chunk or shard file + one decoded chunk"))
+        # Shards too are read one inner chunk at a time, straight into the slab (engine.chunkio).
+        terms.append(MemoryTerm("level read buffers", T * (encoded_bound(shape.chunk_bytes) + shape.chunk_bytes), "per thread: one encoded chunk + one decoded chunk"))
     dynamic = sum(t.bytes for t in terms[1:])
     slack = c.allocator_slack_jemalloc if allocator == "jemalloc" else c.allocator_slack_glibc
     terms.append(MemoryTerm("allocator slack", math.ceil(slack * dynamic), f"{slack:.0%} of the buffers above ({allocator})"))
     return tuple(terms)
+
+
+def shard_index_bytes(shard_bytes: int, chunk_bytes: int) -> int:
+    """A shard's index as stored: (offset, nbytes) per inner chunk, then a CRC32C."""
+    return SHARD_INDEX_ENTRY * (shard_bytes // chunk_bytes) + 4
+
+
+def shard_term(shape: PassShape) -> MemoryTerm:
+    """What assembling one shard holds beyond one chunk's encode buffers, per thread.
+
+    The engine streams each encoded chunk into the shard's file as soon as it is encoded, so a
+    shard holds only its index while it is written: the index array and its serialised copy at
+    close. A later pass reads a shard's index once and each inner chunk on its own. Levels are
+    written one after another, so one shard per thread is open at a time, whatever the number of
+    levels the pass writes. (Holding every encoded chunk until the shard was written whole cost
+    1.7x the encoded shard and broke the plan on incompressible data: docs/memory-model.md.)
+    """
+    index = shard_index_bytes(shape.shard_bytes or 0, shape.chunk_bytes)
+    n = (shape.shard_bytes or 0) // shape.chunk_bytes
+    held = SHARD_INDEX_COPIES * index
+    return MemoryTerm("shard assembly", shape.threads * held,
+                      f"per thread: the open shard's index, {held / 1024:.1f} KiB ({n} inner chunks x {SHARD_INDEX_ENTRY} B + 4 B CRC, "
+                      f"as an array and as bytes); its chunks are streamed into the file as they are encoded, never held as a shard")
 
 
 def slab_output_bytes(shape: PassShape) -> int:
