@@ -81,7 +81,10 @@ def summary_renderable(summary: RunSummary) -> Group:
     cols = ["worker", "peak RSS MiB", "predicted MiB", "peak/plan", "memory_limit MiB", "pod limit MiB"]
     has_cgroup = any(w.cgroup_peak is not None for w in summary.workers)
     if has_cgroup:
-        cols += ["cgroup peak MiB", "OOM kills", "restarts"]
+        # cgroup peak includes clean page cache (it reaches the limit on any long run); the
+        # non-reclaimable peak is what the pod really needed, and its ratio to the limit is the
+        # pod limit's margin.
+        cols += ["pod non-reclaimable peak MiB", "pod limit/need", "cgroup peak MiB", "OOM kills", "restarts"]
     for c in cols:
         workers.add_column(c, justify="left" if c == "worker" else "right")
     for w in summary.workers:
@@ -89,7 +92,9 @@ def summary_renderable(summary: RunSummary) -> Group:
         style = "green" if ratio <= 1.0 else "red"
         row = [w.name, _mib(w.peak_rss), _mib(plan.memory.predicted_peak), Text(f"{ratio:.2f}", style=style), _mib(plan.memory.memory_limit), _mib(w.pod_limit or plan.memory.pod_limit)]
         if has_cgroup:
-            row += [_mib(w.cgroup_peak or 0), str(w.oom_kills), str(w.nanny_restarts)]
+            need = w.pod_nonreclaimable_peak
+            pod = w.pod_limit or plan.memory.pod_limit
+            row += ["" if need is None else _mib(need), "" if not need else f"{pod / need:.2f}", _mib(w.cgroup_peak or 0), str(w.oom_kills), str(w.nanny_restarts)]
         workers.add_row(*row)
     return Group(head, Text(""), workers)
 

@@ -25,17 +25,23 @@ def _figure(summary):
         series.setdefault(name, []).append((t - start, rss))
     for name, points in sorted(series.items()):
         ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2)
+    pods: dict[str, list[tuple[float, int]]] = {}
+    for t, name, held in getattr(summary, "pod_timeline", ()):
+        pods.setdefault(name, []).append((t - start, held))
+    for name, points in sorted(pods.items()):
+        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"pod {name} non-reclaimable", linewidth=1.0, linestyle="--")
+    pod_limit = max([plan.memory.pod_limit] + [w.pod_limit for w in summary.workers])
     lines = [
         (plan.memory.predicted_peak, "predicted peak", "tab:green", ":"),
         (plan.memory.memory_limit * plan.memory.thresholds.terminate, "Dask terminate", "tab:orange", "-."),
         (plan.memory.memory_limit, "Dask memory_limit", "tab:red", "--"),
-        (plan.memory.pod_limit, "pod limit (cgroup)", "black", "-"),
+        (pod_limit, "pod limit (cgroup)", "black", "-"),
     ]
     for value, label, color, style in lines:
         ax.axhline(value / MiB, color=color, linestyle=style, linewidth=1.4, label=f"{label} {value / MiB:,.0f} MiB")
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("MiB")
-    ax.set_ylim(0, plan.memory.pod_limit / MiB * 1.08)
+    ax.set_ylim(0, pod_limit / MiB * 1.08)
     ax.set_title(f"h5ngff memory per worker: {summary.job.spec.source.path}:{summary.job.spec.source.dataset} ({summary.seconds:.1f} s)")
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
@@ -54,6 +60,7 @@ def write_memory_report(summary, path: str) -> str:
         rows = "".join(
             f"<tr><td>{html.escape(w.name)}</td><td>{w.peak_rss / MiB:,.1f}</td><td>{w.predicted_peak / MiB:,.1f}</td>"
             f"<td>{w.memory_limit / MiB:,.1f}</td><td>{w.pod_limit / MiB:,.1f}</td>"
+            f"<td>{'' if w.pod_nonreclaimable_peak is None else f'{w.pod_nonreclaimable_peak / MiB:,.1f}'}</td>"
             f"<td>{'' if w.cgroup_peak is None else f'{w.cgroup_peak / MiB:,.1f}'}</td><td>{w.oom_kills}</td><td>{w.nanny_restarts}</td></tr>"
             for w in summary.workers
         )
@@ -63,7 +70,7 @@ def write_memory_report(summary, path: str) -> str:
             f"<h1>Memory per worker</h1><p>{html.escape(summary.job.spec.output.path)}: {summary.status} in {summary.seconds:.2f} s</p>"
             f"<img src='data:image/png;base64,{image}' alt='memory timeline'>"
             "<table><tr><th>worker</th><th>peak RSS MiB</th><th>predicted MiB</th><th>memory_limit MiB</th><th>pod limit MiB</th>"
-            f"<th>cgroup peak MiB</th><th>OOM kills</th><th>restarts</th></tr>{rows}</table>"
+            f"<th>pod non-reclaimable peak MiB</th><th>cgroup peak MiB</th><th>OOM kills</th><th>restarts</th></tr>{rows}</table>"
         )
         with open(path, "w") as f:
             f.write(page)
