@@ -54,8 +54,9 @@ def plan_renderable(job: PlannedJob) -> Group:
     for t in plan.memory.terms:
         mem.add_row(t.name, _mib(t.bytes), t.why)
     mem.add_row(Text("predicted peak RSS", style="bold"), Text(_mib(plan.memory.predicted_peak), style="bold"), "sum of the terms above")
-    for t in plan.memory.pod_terms:
-        mem.add_row(("+ " if t.name != "dask memory_limit" else "") + t.name, _mib(t.bytes), t.why)
+    mem.add_row("dask memory_limit", _mib(plan.memory.memory_limit), plan.memory.memory_limit_why or "the worker's --memory-limit")
+    for i, t in enumerate(plan.memory.pod_terms):
+        mem.add_row(("+ " if i else "") + t.name, _mib(t.bytes), t.why)
     th = plan.memory.thresholds
     mem.add_row(Text("pod limit", style="bold"), Text(_mib(plan.memory.pod_limit), style="bold"), f"pod resources: requests = limits = {k8s_quantity(plan.memory.pod_limit)} (Guaranteed QoS)")
     mem.add_row("dask thresholds", "", f"target {th.target}, spill {th.spill}, pause {th.pause}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)")

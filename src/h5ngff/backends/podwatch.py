@@ -54,17 +54,27 @@ def read_status(pid: int) -> dict[str, int]:
     return out
 
 
-def process_role(pid: int, nanny_pid: int) -> str:
-    """``nanny`` (the dask-worker CLI process), ``worker`` (the process the nanny spawned to run
-    tasks: multiprocessing's ``spawn_main``) or ``other`` (the resource tracker, stragglers)."""
-    if pid == nanny_pid:
-        return "nanny"
+def _cmdline(pid: int) -> bytes | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
+            return f.read()
     except OSError:
+        return None
+
+
+def process_role(pid: int, nanny_pid: int) -> str:
+    """``nanny`` (the dask-worker CLI process), ``worker`` (the process the nanny spawned to run
+    tasks: multiprocessing's ``spawn_main``), ``clone`` (a child between fork and exec: it still
+    shows the nanny's command line, and its anonymous pages are the nanny's, shared copy-on-write,
+    so counting them would count the nanny twice) or ``other`` (the resource tracker)."""
+    if pid == nanny_pid:
+        return "nanny"
+    cmdline = _cmdline(pid)
+    if cmdline is None:
         return "other"
-    return "worker" if b"spawn_main" in cmdline else "other"
+    if b"spawn_main" in cmdline:
+        return "worker"
+    return "clone" if cmdline == _cmdline(nanny_pid) else "other"
 
 
 @dataclass
@@ -204,7 +214,7 @@ class PodWatcher:
             if role == "worker":
                 pod.hwm[pid] = max(pod.hwm.get(pid, 0), status.get("VmHWM", 0))
                 peaks.worker_hwm = max(peaks.worker_hwm, pod.hwm[pid])
-            else:
+            elif role != "clone":
                 beside_worker += status.get("RssAnon", 0)
         pod.beside_worker = beside_worker
         peaks.nanny_anon = max(peaks.nanny_anon, beside_worker)
