@@ -190,11 +190,10 @@ def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: Memor
     page_cache = max(c.page_cache_floor, math.ceil(c.page_cache_fraction * written_per_wave))
     overshoot = math.ceil(c.growth_rate * c.monitor_interval)
     threshold = math.ceil(memory_limit * c.terminate_fraction) if c.terminate_fraction else memory_limit
-    room_why = (f"max(dirty pages of chunk writes {page_cache / MiB:.1f}, growth between two nanny checks ({c.monitor_interval * 1000:.0f} ms) "
-                f"{overshoot / MiB:.1f}): dirty pages are written back under pressure, so Dask terminates before the kernel kills")
+    room_why = f"max(dirty chunk pages {page_cache / MiB:.1f}, growth in one nanny check ({c.monitor_interval * 1000:.0f} ms) {overshoot / MiB:.1f}): dirty pages give way"
     pod_terms = (
         MemoryTerm("dask terminate threshold", threshold, f"{c.terminate_fraction:.0%} of memory_limit: above it the nanny terminates the worker" if c.terminate_fraction else "no terminate threshold: memory_limit"),
-        MemoryTerm("nanny", c.nanny, "the nanny process and its resource tracker share the pod's cgroup"),
+        MemoryTerm("nanny", c.nanny, "the nanny process (and its resource tracker) shares the pod's cgroup"),
         MemoryTerm("page cache and overshoot room", max(page_cache, overshoot), room_why),
     )
     pod_limit = _round_mib(sum(t.bytes for t in pod_terms))
