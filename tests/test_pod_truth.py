@@ -107,23 +107,24 @@ def test_the_watcher_counts_anon_and_dirty_pages_but_not_clean_page_cache(tmp_pa
     assert clean.nonreclaimable < 40 * MiB, clean
 
 
-def _tiny_volume(tmp_path):
-    """One 64 MiB float32 slab per task: the slab dominates a worker's memory."""
-    data = np.random.default_rng(3).standard_normal((128, 256, 512)).astype(np.float32)
+def _tiny_volume(tmp_path, shape=(128, 256, 512)):
+    """Random float32 read in 64 MiB slabs (128, 256, 512): the slab dominates a worker's memory."""
+    data = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     return write_h5(tmp_path / "in.h5", data)
 
 
 @requires_cgroups
 @pytest.mark.cgroup
 def test_a_run_the_kernel_kills_reports_one_count_and_real_peaks(tmp_path):
-    """Pod limit forced below what a slab needs: the kernel OOM-kills workers, the nanny restarts
-    them, Dask gives up on the slab. The message, the error and the per-pod figures give one
-    count of kills; every pod has a non-zero peak RSS (the kernel's, for processes killed between
-    two samples) and a non-zero non-reclaimable peak; the restarted processes stay in their pods,
-    with the forced limit, never as extra workers with the plan's limit."""
-    h5 = _tiny_volume(tmp_path)
+    """Pod limit forced below what a slab needs (150 MiB: an idle nanny and worker fit, a 64 MiB
+    slab does not): the kernel OOM-kills workers, the nanny restarts them, Dask gives up on the
+    slab. The message, the error and the per-pod figures give one count of kills; every pod has a
+    non-zero peak RSS (the kernel's, for processes killed between two samples) and a non-zero
+    non-reclaimable peak; the restarted processes stay in their pods, with the forced limit, never
+    as extra workers with the plan's limit."""
+    h5 = _tiny_volume(tmp_path, (128, 512, 512))  # two slabs, one per pod
     spec = spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [64, 64, 64]}, pyramid={"levels": 1},
-                    resources={"workers": 2, "slab": [128, 256, 256]})
+                    resources={"workers": 2, "slab": [128, 256, 512]})
     backend = LocalBackend(enforce_pod_limits=True, pod_limit=150 * MiB)
     job = plan_job(spec, backend)
     assert job.plan.memory.pod_limit > 150 * MiB
