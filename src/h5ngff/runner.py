@@ -163,7 +163,7 @@ def _collect_workers(summary: RunSummary, plan: Plan, sampler: MemorySampler, se
         summary.events = ClusterEvents.collect(session.client, since)
         summary.workers = _worker_reports(plan, sampler, session, summary.events)
         summary.timeline = sampler.timeline
-        summary.pod_timeline = session.pod_timeline
+        summary.pod_timeline = session.pod_timeline()
     except Exception:  # a broken cluster must not hide the error that broke it
         log.warning("Could not collect the workers' memory figures.", exc_info=True)
 

@@ -19,18 +19,23 @@ def _figure(summary):
 
     plan = summary.job.plan
     fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
+    pod_timeline = list(getattr(summary, "pod_timeline", ()))
+    start = min((t for t, _, _ in summary.timeline + pod_timeline), default=0.0)
     series: dict[str, list[tuple[float, int]]] = {}
-    start = min((t for t, _, _ in summary.timeline), default=0.0)
     for t, name, rss in summary.timeline:
         series.setdefault(name, []).append((t - start, rss))
-    for name, points in sorted(series.items()):
-        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2)
     pods: dict[str, list[tuple[float, int]]] = {}
-    for t, name, held in getattr(summary, "pod_timeline", ()):
+    for t, name, held in pod_timeline:
         pods.setdefault(name, []).append((t - start, held))
+    palette = [plt.get_cmap("tab10")(i) for i in (0, 4, 5, 6, 7, 8, 9)]  # none of the limit lines' colours
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(sorted(set(series) | set(pods), key=_natural))}
+    for name, points in sorted(series.items()):
+        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2, color=colors[name])
+    # The pod's non-reclaimable memory (anon + dirty + writeback + ...), in the worker's colour.
     for name, points in sorted(pods.items()):
-        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"pod {name} non-reclaimable", linewidth=1.0, linestyle="--")
-    pod_limit = max([plan.memory.pod_limit] + [w.pod_limit for w in summary.workers])
+        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"pod {name} non-reclaimable", linewidth=1.0, linestyle="--", color=colors[name])
+    enforced = [w.pod_limit for w in summary.workers if w.pod_limit]  # --pod-limit overrides the plan
+    pod_limit = max(enforced) if enforced else plan.memory.pod_limit
     lines = [
         (plan.memory.predicted_peak, "predicted peak", "tab:green", ":"),
         (plan.memory.memory_limit * plan.memory.thresholds.terminate, "Dask terminate", "tab:orange", "-."),
@@ -47,6 +52,11 @@ def _figure(summary):
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def _natural(name: str) -> tuple:
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
 def write_memory_report(summary, path: str) -> str:
