@@ -68,10 +68,11 @@ def test_a_panel_with_a_made_up_metric_is_reported():
 
 def full_state() -> ExportState:
     """A state in which every metric has a value: progress, a paused worker with a cgroup, kills."""
-    cgroup = CgroupFigures("host:1:2", usage=300, working_set=250, limit=1000, oom_kills=1)
+    cgroup = CgroupFigures("host:1:2", usage=300, working_set=250, limit=1000, oom_kills=1, nonreclaimable=240)
     worker = WorkerFigures("pod-0", "tcp://10.0.0.1:1", status="paused", memory_limit=800, process=400, managed=100, unmanaged_old=200, unmanaged_recent=100,
                            spilled=50, rss=410, peak_rss=500, spill={("disk-write", "count"): 3, ("disk-write", "bytes"): 50}, cgroup=cgroup)
-    snapshot = ClusterSnapshot(time=1e9, workers={"pod-0": worker}, nanny_restarts={"pod-0": 1}, oom_kills={"pod-0": 1}, memory_terminations={"pod-0": 0}, pod_limits={"pod-0": 1000})
+    snapshot = ClusterSnapshot(time=1e9, workers={"pod-0": worker}, nanny_restarts={"pod-0": 1}, oom_kills={"pod-0": 1}, memory_terminations={"pod-0": 0}, pod_limits={"pod-0": 1000},
+                               pod_nonreclaimable_peaks={"pod-0": 260})
     progress = Progress(phase="Writing", slabs_done=5, slabs_total=10, bytes_read=100, bytes_written=50, passes=1)
     return ExportState(progress=progress, last_progress=1e9, throughput=10.0, eta=5.0, predicted_peak=600, passes=1, snapshot=snapshot)
 

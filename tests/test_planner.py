@@ -72,10 +72,11 @@ def test_headline_explains_every_mib(headline):
     assert headline.memory.predicted_peak == sum(terms.values())
     assert all(t.why for t in headline.memory.terms)
     pod = {t.name: t.bytes for t in headline.memory.pod_terms}
-    assert {"dask memory_limit", "nanny", "page cache headroom"} <= set(pod)
-    assert pod["dask memory_limit"] == headline.memory.memory_limit
+    assert list(pod) == ["dask terminate threshold", "nanny", "page cache and overshoot room"]
+    assert pod["dask terminate threshold"] == math.ceil(c.terminate_fraction * headline.memory.memory_limit)
     assert pod["nanny"] == c.nanny
-    assert pod["page cache headroom"] >= c.page_cache_floor
+    assert pod["page cache and overshoot room"] == max(c.page_cache_floor, math.ceil(c.growth_rate * c.monitor_interval), pod["page cache and overshoot room"])
+    assert pod["page cache and overshoot room"] >= max(c.page_cache_floor, math.ceil(c.growth_rate * c.monitor_interval))
     assert headline.memory.pod_limit == math.ceil(sum(pod.values()) / MiB) * MiB
     assert headline.memory.memory_limit == math.ceil(headline.memory.predicted_peak / c.planned_fraction / MiB) * MiB
 
@@ -391,7 +392,7 @@ def test_regression_small_plans_terminated_for_a_few_mib_of_baseline():
     m = small.memory
     assert m.thresholds.terminate * m.memory_limit - m.predicted_peak >= c.terminate_headroom_floor
     assert m.memory_limit > math.ceil(m.predicted_peak / c.planned_fraction / MiB) * MiB
-    assert "of room below the terminate threshold" in next(t.why for t in m.pod_terms if t.name == "dask memory_limit")
+    assert "of room below the terminate threshold" in m.memory_limit_why
     # Without the floor, the same plan has only a few MiB of room: what the floor is for.
     bare = make_plan(DatasetInfo((16, 64, 64), "<u2", 2), spec(resources={"workers": 2}), MACHINE, MemoryConstants(terminate_headroom_floor=0))
     assert bare.memory.thresholds.terminate * bare.memory.memory_limit - bare.memory.predicted_peak < 8 * MiB

@@ -189,8 +189,12 @@ def check_memory(plan: Plan, spec: ConversionSpec, capacity: Capacity) -> None:
         # the room below Dask's terminate threshold that the plan promises.
         if p.predicted_peak > m.thresholds.planned * m.memory_limit:
             _fail(f"pass {p.index} peaks at {p.predicted_peak / MiB:.1f} MiB, above planned x memory_limit {m.thresholds.planned * m.memory_limit / MiB:.1f} MiB")
-    if not m.memory_limit < m.pod_limit:
-        _fail(f"memory_limit {m.memory_limit} must sit below the pod limit {m.pod_limit}")
+    # Dask must stop a worker before the kernel does: its terminate threshold sits below the pod
+    # limit, which holds it and more (memory_limit itself may exceed the pod on big plans: Dask
+    # never lets a worker reach it).
+    threshold = math.ceil((m.thresholds.terminate or 1.0) * m.memory_limit)
+    if not threshold < m.pod_limit or threshold not in [t.bytes for t in m.pod_terms]:
+        _fail(f"the terminate threshold {threshold} must be a pod term below the pod limit {m.pod_limit}: {m.pod_terms}")
     if sum(t.bytes for t in m.pod_terms) > m.pod_limit:
         _fail(f"pod terms {m.pod_terms} exceed the pod limit {m.pod_limit}")
     if r.memory_per_worker_bytes is not None and m.pod_limit > r.memory_per_worker_bytes:

@@ -112,6 +112,12 @@ def test_dask_terminates_a_runaway_task_before_the_kernel(user_case, tmp_path, m
         run_job(job, backend)
     assert caught.value.oom_kills == 0, "the kernel had to step in: the pod limit leaves too little room"
     assert caught.value.memory_terminations >= 3  # allowed-failures 2: the third death fails the slab
+    # The nanny terminates a worker only once its RSS is above the threshold: a reported peak below
+    # it would have missed the process's last moments (the 0.5 s sampler did, before the kernel's
+    # VmHWM was read as the nanny decided and until the process exited).
+    threshold = job.plan.memory.thresholds.terminate * job.plan.memory.memory_limit
+    terminated = [w for w in caught.value.summary.workers if w.memory_terminations]
+    assert terminated and all(w.peak_rss > threshold for w in terminated), [(w.name, w.peak_rss, threshold) for w in terminated]
     assert time.time() - started < 240, "a slab that always exceeds its plan must fail, not loop"
 
 

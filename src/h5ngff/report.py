@@ -62,8 +62,9 @@ def plan_renderable(job: PlannedJob) -> Group:
     for t in plan.memory.terms:
         mem.add_row(t.name, _mib(t.bytes), t.why)
     mem.add_row(Text("predicted peak RSS", style="bold"), Text(_mib(plan.memory.predicted_peak), style="bold"), "sum of the terms above")
-    for t in plan.memory.pod_terms:
-        mem.add_row(("+ " if t.name != "dask memory_limit" else "") + t.name, _mib(t.bytes), t.why)
+    mem.add_row("dask memory_limit", _mib(plan.memory.memory_limit), plan.memory.memory_limit_why or "the worker's --memory-limit")
+    for i, t in enumerate(plan.memory.pod_terms):
+        mem.add_row(("+ " if i else "") + t.name, _mib(t.bytes), t.why)
     th = plan.memory.thresholds
     mem.add_row(Text("pod limit", style="bold"), Text(_mib(plan.memory.pod_limit), style="bold"), f"pod resources: requests = limits = {k8s_quantity(plan.memory.pod_limit)} (Guaranteed QoS)")
     mem.add_row("dask thresholds", "", f"target {th.target}, spill {th.spill}, pause {th.pause}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)")
@@ -89,7 +90,10 @@ def summary_renderable(summary: RunSummary) -> Group:
     cols = ["worker", "peak RSS MiB", "predicted MiB", "peak/plan", "memory_limit MiB", "pod limit MiB"]
     has_cgroup = any(w.cgroup_peak is not None for w in summary.workers)
     if has_cgroup:
-        cols += ["cgroup peak MiB", "OOM kills", "restarts"]
+        # cgroup peak includes clean page cache (it reaches the limit on any long run); the
+        # non-reclaimable peak is what the pod really needed, and its ratio to the limit is the
+        # pod limit's margin.
+        cols += ["pod non-reclaimable peak MiB", "pod limit/need", "cgroup peak MiB", "OOM kills", "restarts"]
     for c in cols:
         workers.add_column(c, justify="left" if c == "worker" else "right")
     for w in summary.workers:
@@ -97,7 +101,9 @@ def summary_renderable(summary: RunSummary) -> Group:
         style = "green" if ratio <= 1.0 else "red"
         row = [w.name, _mib(w.peak_rss), _mib(plan.memory.predicted_peak), Text(f"{ratio:.2f}", style=style), _mib(plan.memory.memory_limit), _mib(w.pod_limit or plan.memory.pod_limit)]
         if has_cgroup:
-            row += [_mib(w.cgroup_peak or 0), str(w.oom_kills), str(w.nanny_restarts)]
+            need = w.pod_nonreclaimable_peak
+            pod = w.pod_limit or plan.memory.pod_limit
+            row += ["" if need is None else _mib(need), "" if not need else f"{pod / need:.2f}", _mib(w.cgroup_peak or 0), str(w.oom_kills), str(w.nanny_restarts)]
         workers.add_row(*row)
     return Group(head, Text(""), workers)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,9 @@ class RunSummary:
     resumed: bool = False
     error: H5ngffError | None = None
     timeline: list[tuple[float, str, int]] = field(default_factory=list)
+    #: (epoch seconds, pod name, non-reclaimable bytes): each pod's memory that cannot be reclaimed
+    pod_timeline: list[tuple[float, str, int]] = field(default_factory=list)
+    events: ClusterEvents = field(default_factory=ClusterEvents)
 
     @property
     def gb_per_s(self) -> float:
@@ -112,7 +116,7 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
     events = Broadcast(list(listeners or []) + ([metrics] if metrics is not None else []))
     events.emit(phase="Planned", slabs_total=job.plan.n_tasks, message="")
     summary = RunSummary("Failed", job)
-    start = time.perf_counter()
+    start, started = time.perf_counter(), time.time()
     try:
         output = prepare_output(job.plan, job.spec, job.source)
         summary.resumed = output.resumed
@@ -121,6 +125,7 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
             events.emit(phase="Succeeded", slabs_done=job.plan.n_tasks, slabs_skipped=job.plan.n_tasks, message="already complete")
             summary.status = "Succeeded"
             return summary
+        failure = None
         with backend.session(job.plan) as session, (metrics.attached(session, job.plan) if metrics is not None else nullcontext()):
             sampler = MemorySampler(session.client)
             try:
@@ -128,11 +133,17 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
                     try:
                         summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
                     except (KilledWorker, WorkersLostError) as exc:
-                        pod_limit = session.pod_limit or job.plan.memory.pod_limit
-                        raise classify_failure(exc, ClusterEvents.collect(session.client), pod_limit, job.plan.memory.memory_limit, session.oom_kills()) from None
+                        failure = exc
             finally:
                 # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
-                _collect_workers(summary, job.plan, sampler, session)
+                _collect_workers(summary, job.plan, sampler, session, started)
+        # The session has closed: the pods' counters are final (the backend re-read them after the
+        # last process stopped), so the message, the JSON and the metrics give the same counts.
+        if metrics is not None:
+            metrics.settle(summary.workers)
+        if failure is not None:
+            pod_limit = session.pod_limit or job.plan.memory.pod_limit
+            raise classify_failure(failure, summary.events, pod_limit, job.plan.memory.memory_limit, sum(w.oom_kills for w in summary.workers)) from None
         events.emit(phase="Finalizing")
         summary.seconds = time.perf_counter() - start
         summary.status = "Succeeded"
@@ -147,24 +158,34 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
         raise
 
 
-def _collect_workers(summary: RunSummary, plan: Plan, sampler: MemorySampler, session) -> None:
+def _collect_workers(summary: RunSummary, plan: Plan, sampler: MemorySampler, session, since: float) -> None:
     try:
-        summary.workers = _worker_reports(plan, sampler, session)
+        summary.events = ClusterEvents.collect(session.client, since)
+        summary.workers = _worker_reports(plan, sampler, session, summary.events)
         summary.timeline = sampler.timeline
+        summary.pod_timeline = session.pod_timeline()
     except Exception:  # a broken cluster must not hide the error that broke it
         log.warning("Could not collect the workers' memory figures.", exc_info=True)
 
 
-def _worker_reports(plan: Plan, sampler: MemorySampler, session) -> list[WorkerReport]:
+def _worker_reports(plan: Plan, sampler: MemorySampler, session, events: ClusterEvents) -> list[WorkerReport]:
+    """One report per worker (per pod where pods are emulated): a restarted process is folded
+    into the worker or pod it replaced, and its peak is the highest any of its processes reached."""
     session.refresh()
+    pods = session.extra_reports
+    kills = Counter(e.get("name") for e in events.oom_killed())
+    terminations = Counter(e.get("name") for e in events.memory_restarts)
+    last_peaks = events.terminated_peaks()
+    names = set(sampler.peaks) | set(last_peaks)
+    if pods:  # only pods exist: a name no pod has cannot be a worker of this run
+        names = set(pods) | {n for n in names if n in pods}
     reports = []
-    names = sorted(set(sampler.peaks) | set(session.extra_reports), key=_natural)
-    for name in names:
-        report = session.extra_reports.get(name) or WorkerReport(name=name)
-        report.peak_rss = max(report.peak_rss, sampler.peaks.get(name, 0))
+    for name in sorted(names, key=_natural):
+        report = pods.get(name) or WorkerReport(name=name, oom_kills=kills[name], memory_terminations=terminations[name])
+        report.peak_rss = max(report.peak_rss, sampler.peaks.get(name, 0), last_peaks.get(name, 0))
         report.predicted_peak = plan.memory.predicted_peak
         report.memory_limit = plan.memory.memory_limit
-        report.pod_limit = report.pod_limit or plan.memory.pod_limit
+        report.pod_limit = report.pod_limit or session.pod_limit or plan.memory.pod_limit
         reports.append(report)
     return reports
 

@@ -87,7 +87,7 @@ class MemorySampler:
             for address, mem in figures.items():
                 if not isinstance(mem, dict):
                     continue
-                name = self._name(address)
+                name = mem.get("name") or self._name(address)
                 self.peaks[name] = max(self.peaks.get(name, 0), mem["peak_rss"])
                 self.timeline.append((now, name, mem["rss"]))
         except Exception:  # a worker that is restarting, a closing cluster: try again next time
@@ -110,6 +110,9 @@ class Session:
     refresh: Callable[[], None] = _nothing
     #: The pod limit actually enforced, where it differs from the plan's (an override).
     pod_limit: int | None = None
+    #: (epoch seconds, pod name, non-reclaimable bytes) of every pod, where the backend samples
+    #: its pods' cgroups itself (pod emulation).
+    pod_timeline: Callable[[], list[tuple[float, str, int]]] = list
 
     def oom_kills(self) -> int:
         self.refresh()

@@ -19,6 +19,27 @@ from ..errors import CgroupUnavailableError
 log = logging.getLogger(__name__)
 
 V1_ROOT = "/sys/fs/cgroup/memory"
+#: The memory.stat counters a pod cannot give back under pressure (no swap, as kubelet runs pods),
+#: per cgroup version. v1's ``total_*`` are hierarchical (the pod and any children). ``rss`` and
+#: v2's ``anon`` already include transparent huge pages (cgroup-v1/memory.rst: "includes
+#: transparent hugepages"), so ``rss_huge``/``anon_thp`` are not added again. Shared memory (tmpfs,
+#: /dev/shm) is file-backed but, without swap, as pinned as anonymous memory; the kernel keeps it
+#: out of ``dirty`` (shmem does no dirty accounting), so nothing is counted twice. ``unevictable``
+#: (mlocked and ramfs pages) may overlap anon for mlocked anonymous pages; h5ngff locks none.
+NONRECLAIMABLE_KEYS = {
+    1: (("total_rss", "rss"), ("total_shmem", "shmem"), ("total_dirty", "dirty"), ("total_writeback", "writeback"), ("total_unevictable", "unevictable")),
+    2: (("anon",), ("shmem",), ("file_dirty",), ("file_writeback",), ("unevictable",)),
+}
+#: The names of the terms above, in the same order, whatever the version.
+NONRECLAIMABLE_TERMS = ("anon", "shmem", "dirty", "writeback", "unevictable")
+
+
+def nonreclaimable_terms(stat: dict[str, int], version: int) -> dict[str, int]:
+    """The pod's non-reclaimable memory by term, from its memory.stat (bytes)."""
+    out = {}
+    for term, keys in zip(NONRECLAIMABLE_TERMS, NONRECLAIMABLE_KEYS[version]):
+        out[term] = next((stat[k] for k in keys if k in stat), 0)
+    return out
 V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
 
 
@@ -110,6 +131,10 @@ class MemoryCgroup:
             if value.strip().isdigit():
                 out[key] = int(value)
         return out
+
+    def nonreclaimable(self) -> dict[str, int]:
+        """anon + shmem + dirty + writeback + unevictable, by term (see NONRECLAIMABLE_KEYS)."""
+        return nonreclaimable_terms(self.stat(), self.version)
 
     def working_set(self) -> int:
         """usage - inactive_file: what kubelet compares with the limit for evictions."""

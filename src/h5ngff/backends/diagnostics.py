@@ -43,6 +43,7 @@ class WorkerExitReporter(NannyPlugin):
                 _nanny.log_event(EXIT_TOPIC, {
                     "worker": _nanny.worker_address,
                     "nanny": _nanny.address,
+                    "name": str(_nanny.name),
                     "exitcode": exitcode,
                     "oom_kills": own_oom_kill_count(),
                     "time": time.time(),
@@ -52,6 +53,7 @@ class WorkerExitReporter(NannyPlugin):
             return await _original(exitcode)
 
         nanny._on_worker_exit = on_exit
+        _record_peak_on_termination(nanny)
 
 
 class QuietExpectedErrors(WorkerPlugin):
@@ -85,15 +87,45 @@ def register_plugins(client: Client) -> None:
     client.register_plugin(QuietExpectedErrors())
 
 
-def process_memory() -> dict[str, int]:
-    """This process's current and peak RSS (kernel-tracked high-water mark)."""
+def _record_peak_on_termination(nanny) -> None:
+    """Add the worker's VmHWM to the nanny's ``worker-restart-memory`` event. The nanny logs that
+    event just before it terminates the worker, so the kernel's high-water mark read here is the
+    process's peak up to its last moments; a sampler would have missed the growth since its last
+    sample (the nanny's own ``rss`` figure is only the RSS it compared with the threshold)."""
+    original = nanny.log_event
+
+    def log_event(topic, msg, _original=original, _nanny=nanny):
+        if topic == MEMORY_RESTART_TOPIC and isinstance(msg, dict):
+            try:
+                pid = _nanny.process.process.pid
+                msg["peak_rss"] = _status_bytes(f"/proc/{pid}/status").get("VmHWM", 0)
+                msg["name"] = str(_nanny.name)
+            except Exception:  # reporting must never stop the nanny from terminating its worker
+                log.debug("could not read the terminated worker's peak", exc_info=True)
+        return _original(topic, msg)
+
+    nanny.log_event = log_event
+
+
+def _status_bytes(path: str) -> dict[str, int]:
     status = {}
-    with open("/proc/self/status") as f:
+    with open(path) as f:
         for line in f:
             if line.startswith(("VmRSS:", "VmHWM:")):
                 key, value = line.split(":", 1)
                 status[key] = int(value.split()[0]) * 1024
-    return {"rss": status.get("VmRSS", 0), "peak_rss": status.get("VmHWM", 0), "pid": os.getpid()}
+    return status
+
+
+def process_memory(dask_worker=None) -> dict[str, Any]:
+    """This process's current and peak RSS (kernel-tracked high-water mark), and the worker's own
+    name (``client.run`` passes ``dask_worker``): a worker that is gone by the time its address
+    would be looked up on the scheduler is still counted under its name, not as a new worker."""
+    status = _status_bytes("/proc/self/status")
+    out: dict[str, Any] = {"rss": status.get("VmRSS", 0), "peak_rss": status.get("VmHWM", 0), "pid": os.getpid()}
+    if dask_worker is not None:
+        out["name"] = str(dask_worker.name)
+    return out
 
 
 @dataclass
@@ -111,6 +143,19 @@ class WorkerReport:
     memory_terminations: int = 0
     #: Whole pods (nanny and worker) restarted after their nanny died, as kubelet would.
     pod_restarts: int = 0
+    #: The pod's non-reclaimable peak: the most its cgroup held in anon + shmem + dirty +
+    #: writeback + unevictable pages (memory.stat), sampled every 25 ms. This, not cgroup_peak
+    #: (page cache fills any cgroup to its limit), is what the pod limit must cover.
+    pod_nonreclaimable_peak: int | None = None
+    #: What that peak was made of: anon, shmem, dirty, writeback, unevictable (bytes).
+    pod_nonreclaimable_terms: dict[str, int] | None = None
+    #: The most anon + shmem + unevictable memory the pod held: the part of the peak above that
+    #: only a kill frees (dirty pages are written back and reclaimed under pressure instead).
+    pod_pinned_peak: int | None = None
+    #: The most dirty + writeback pages the pod held at once (the page-cache headroom it used).
+    pod_dirty_peak: int | None = None
+    #: The most anonymous memory the pod's nanny (and its resource tracker) held.
+    nanny_anon_peak: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,13 +167,26 @@ class ClusterEvents:
     memory_restarts: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def collect(cls, client: Client) -> "ClusterEvents":
+    def collect(cls, client: Client, since: float = 0.0) -> "ClusterEvents":
+        """The events logged since ``since`` (epoch seconds): an external cluster keeps those of
+        earlier runs."""
         try:
-            exits = [msg for _, msg in client.get_events(EXIT_TOPIC)]
-            restarts = [msg for _, msg in client.get_events(MEMORY_RESTART_TOPIC)]
+            exits = [msg for stamp, msg in client.get_events(EXIT_TOPIC) if stamp >= since and isinstance(msg, dict)]
+            restarts = [msg for stamp, msg in client.get_events(MEMORY_RESTART_TOPIC) if stamp >= since and isinstance(msg, dict)]
         except Exception:
             return cls()
         return cls(exits, restarts)
+
+    def terminated_peaks(self) -> dict[str, int]:
+        """Per worker name, the highest peak of a worker the nanny terminated for memory: the
+        kernel's VmHWM read as the nanny decided (or the RSS it compared, on a nanny without our
+        plugin)."""
+        peaks: dict[str, int] = {}
+        for event in self.memory_restarts:
+            name = event.get("name")
+            if name is not None:
+                peaks[name] = max(peaks.get(name, 0), event.get("peak_rss") or 0, event.get("rss") or 0)
+        return peaks
 
     def oom_killed(self) -> list[dict[str, Any]]:
         """Exits by SIGKILL that the nanny did not ask for and that came with an OOM kill."""
@@ -145,8 +203,10 @@ class ClusterEvents:
 
 def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, memory_limit: int, oom_kills: int = 0) -> WorkerFailedError:
     """Turn a KilledWorker into the reason a user can act on. The kernel's OOM kills are checked
-    first: a nanny termination that follows an OOM kill does not hide it."""
-    kills = max(oom_kills, len(events.oom_killed()))
+    first: a nanny termination that follows an OOM kill does not hide it. ``oom_kills`` is the
+    run's one count (the sum of the per-worker counts the summary reports), so the message never
+    disagrees with the figures beside it."""
+    kills = oom_kills
     terminations = len(events.memory_restarts)
     if kills:
         err: WorkerFailedError = OOMKilledError(

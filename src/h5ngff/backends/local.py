@@ -34,6 +34,7 @@ from .allocator import allocator_env
 from .base import Session, dask_env, dask_memory_config, machine_capacity
 from .cgroups import MemoryCgroup, create_pod_cgroup
 from .diagnostics import WorkerReport, register_plugins
+from .podwatch import PodWatcher
 
 log = logging.getLogger(__name__)
 #: How long pod workers get to connect before the run gives up.
@@ -61,7 +62,7 @@ class LocalBackend:
                 client = stack.enter_context(Client(pods.scheduler_address, set_as_default=False))
                 register_plugins(client)
                 pods.wait_for_workers(client)
-                yield Session(client, "local-pods", pods.reports, pods.refresh, pods.pod_limit)
+                yield Session(client, "local-pods", pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline))
             else:
                 stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
                 stack.enter_context(workers_skip_main_module())
@@ -151,6 +152,8 @@ class PodCluster:
         self.pod_limit = pod_limit
         self.pods: list[Pod] = []
         self.reports: dict[str, WorkerReport] = {}
+        #: Each pod's non-reclaimable memory and its worker's VmHWM, sampled every 25 ms.
+        self.watcher = PodWatcher()
         self._scheduler: LocalCluster | None = None
         self._dir = tempfile.mkdtemp(prefix="h5ngff-pods-")
         self._token = uuid.uuid4().hex[:8]
@@ -171,6 +174,7 @@ class PodCluster:
         except Exception:
             self.__exit__(None, None, None)
             raise
+        self.watcher.start()
         self._supervisor.start()
         return self
 
@@ -215,6 +219,7 @@ class PodCluster:
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=enter_cgroup, start_new_session=True)
         self.reports.setdefault(name, WorkerReport(name=name, pod_limit=self.pod_limit, memory_limit=self.plan.memory.memory_limit, predicted_peak=self.plan.memory.predicted_peak))
+        self.watcher.watch(name, group, process.pid)
         return Pod(index, name, process, group, log_path)
 
     def wait_for_workers(self, client: Client) -> None:
@@ -227,6 +232,7 @@ class PodCluster:
             time.sleep(0.1)
 
     def refresh(self) -> None:
+        peaks = self.watcher.peaks
         for pod in self.pods:
             report = self.reports[pod.name]
             try:
@@ -234,6 +240,14 @@ class PodCluster:
                 report.oom_kills = pod.cgroup.oom_kills()
             except OSError:
                 pass
+            if pod.name in peaks:
+                p = peaks[pod.name]
+                report.peak_rss = max(report.peak_rss, p.worker_hwm)
+                report.pod_nonreclaimable_peak = p.nonreclaimable or None
+                report.pod_nonreclaimable_terms = dict(p.terms_at_peak) or None
+                report.pod_pinned_peak = p.pinned or None
+                report.pod_dirty_peak = p.dirty
+                report.nanny_anon_peak = p.nanny_anon or None
             text = self._log_text(pod)
             report.nanny_restarts = text.count("Restarting worker")
             report.memory_terminations = text.count("memory budget. Restarting")
@@ -268,6 +282,11 @@ class PodCluster:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        # The final figures, once nothing runs any more: the kill count and peaks the run reports
+        # are these, read while the cgroups still exist.
+        self.watcher.stop()
+        self.refresh() if self.pods else None
+        for pod in self.pods:
             pod.cgroup.remove()
         if self._scheduler is not None:
             self._scheduler.close()

@@ -126,6 +126,23 @@ class MetricsExporter:
         self._thread = None
         self._poller = None
 
+    def settle(self, workers) -> None:
+        """Export the run's final per-worker figures (``WorkerReport``), read once the cluster has
+        stopped: the counts a scrape shows are then the ones the summary and the message give."""
+        with self._lock:
+            snapshot = self._state.snapshot
+            if snapshot is None:
+                return
+            snapshot = dataclasses.replace(snapshot, oom_kills=dict(snapshot.oom_kills), nanny_restarts=dict(snapshot.nanny_restarts),
+                                           memory_terminations=dict(snapshot.memory_terminations), pod_nonreclaimable_peaks=dict(snapshot.pod_nonreclaimable_peaks))
+            for w in workers:
+                snapshot.oom_kills[w.name] = w.oom_kills
+                snapshot.nanny_restarts[w.name] = max(w.nanny_restarts, snapshot.nanny_restarts.get(w.name, 0))
+                snapshot.memory_terminations[w.name] = max(w.memory_terminations, snapshot.memory_terminations.get(w.name, 0))
+                if w.pod_nonreclaimable_peak:
+                    snapshot.pod_nonreclaimable_peaks[w.name] = max(w.pod_nonreclaimable_peak, snapshot.pod_nonreclaimable_peaks.get(w.name, 0))
+            self._state.snapshot = snapshot
+
     @contextmanager
     def attached(self, session, plan):
         self.attach(session, plan)

@@ -65,6 +65,8 @@ CATALOGUE: tuple[MetricDef, ...] = (
     _worker("h5ngff_worker_memory_bytes", "gauge", "Dask's memory breakdown of the worker: managed + unmanaged_old + unmanaged_recent = process RSS at the last heartbeat; spilled is on disk.", "scheduler MemoryState", ("type",)),
     _worker("h5ngff_worker_memory_limit_bytes", "gauge", "The worker's Dask memory_limit (thresholds are fractions of it).", "scheduler"),
     _worker("h5ngff_worker_pod_limit_bytes", "gauge", "The pod memory limit of the worker: the emulated pod's limit, else the plan's.", "plan / pod emulation"),
+    _worker("h5ngff_worker_pod_nonreclaimable_bytes", "gauge", "Memory the worker's pod cannot give back under pressure: anon + shmem + dirty + writeback + unevictable in its cgroup's memory.stat. Page cache beyond it is reclaimed; this is what the pod limit must cover.", "client.run on the worker (cgroup memory.stat)"),
+    _worker("h5ngff_worker_pod_nonreclaimable_peak_bytes", "gauge", "Highest non-reclaimable memory of the worker's pod during this run (every 25 ms under pod emulation, else at each poll): compare it with h5ngff_worker_pod_limit_bytes.", "pod emulation sampler / client.run on the worker"),
     _worker("h5ngff_worker_cgroup_usage_bytes", "gauge", "Memory usage of the worker's own memory cgroup (its pod), page cache included.", "client.run on the worker (cgroup)"),
     _worker("h5ngff_worker_cgroup_working_set_bytes", "gauge", "Working set of the worker's memory cgroup: usage minus inactive file pages, as kubelet computes it.", "client.run on the worker (cgroup)"),
     _worker("h5ngff_worker_cgroup_limit_bytes", "gauge", "Memory limit the kernel enforces on the worker's cgroup.", "client.run on the worker (cgroup)"),
@@ -151,6 +153,8 @@ def _worker_families(out: _Families, snap: ClusterSnapshot) -> None:
         out.add("h5ngff_worker_nanny_restarts_total", snap.nanny_restarts.get(name, 0), name)
         out.add("h5ngff_worker_memory_terminations_total", snap.memory_terminations.get(name, 0), name)
         out.add("h5ngff_worker_oom_kills_total", snap.oom_kills[name], name)
+    for name in sorted(snap.pod_nonreclaimable_peaks):
+        out.add("h5ngff_worker_pod_nonreclaimable_peak_bytes", snap.pod_nonreclaimable_peaks[name], name)
 
 
 def _worker_memory(out: _Families, name: str, w: WorkerFigures, pod_limit: int | None) -> None:
@@ -164,3 +168,4 @@ def _worker_memory(out: _Families, name: str, w: WorkerFigures, pod_limit: int |
         out.add("h5ngff_worker_cgroup_usage_bytes", w.cgroup.usage, name)
         out.add("h5ngff_worker_cgroup_working_set_bytes", w.cgroup.working_set, name)
         out.add("h5ngff_worker_cgroup_limit_bytes", w.cgroup.limit, name)
+        out.add("h5ngff_worker_pod_nonreclaimable_bytes", w.cgroup.nonreclaimable, name)

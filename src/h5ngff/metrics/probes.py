@@ -39,6 +39,8 @@ class CgroupFigures:
     working_set: int
     limit: int | None
     oom_kills: int
+    #: anon + shmem + dirty + writeback + unevictable: what the pod cannot give back
+    nonreclaimable: int | None = None
 
 
 @dataclass
@@ -71,6 +73,8 @@ class ClusterSnapshot:
     memory_terminations: dict[str, int] = field(default_factory=dict)
     #: Effective pod limit by worker name (emulated pods report their own; else the plan's).
     pod_limits: dict[str, int] = field(default_factory=dict)
+    #: Highest non-reclaimable memory of each worker's pod so far, by worker name.
+    pod_nonreclaimable_peaks: dict[str, int] = field(default_factory=dict)
 
 
 def scheduler_view_function() -> Callable[..., dict[str, dict[str, Any]]]:
@@ -102,7 +106,7 @@ def read_own_cgroup() -> CgroupFigures | None:
     if group is None:
         return None
     try:
-        return CgroupFigures(cgroup_identity(group.path), group.usage(), group.working_set(), group.limit(), group.oom_kills())
+        return CgroupFigures(cgroup_identity(group.path), group.usage(), group.working_set(), group.limit(), group.oom_kills(), sum(group.nonreclaimable().values()))
     except OSError:
         return None
 
@@ -131,6 +135,8 @@ class ClusterPoller:
         own = read_own_cgroup()
         self.own_cgroup = own.identity if own else None
         self.names: dict[str, str] = {}  # worker or nanny address -> worker name
+        #: Highest polled non-reclaimable memory per worker name (a lower bound between polls).
+        self.nonreclaimable_peaks: dict[str, int] = {}
         self._scheduler_view = scheduler_view_function()
 
     def poll(self) -> ClusterSnapshot:
@@ -148,6 +154,9 @@ class ClusterPoller:
                 worker.rss, worker.peak_rss, worker.spill, worker.cgroup = probe["rss"], probe["peak_rss"], probe["spill"], probe["cgroup"]
             snapshot.workers[name] = worker
         self._drop_shared_cgroups(snapshot)
+        for name, worker in snapshot.workers.items():
+            if worker.cgroup is not None and worker.cgroup.nonreclaimable is not None:
+                self.nonreclaimable_peaks[name] = max(self.nonreclaimable_peaks.get(name, 0), worker.cgroup.nonreclaimable)
         self._count_events(snapshot)
         return snapshot
 
@@ -163,7 +172,7 @@ class ClusterPoller:
         events = ClusterEvents(self._recent(EXIT_TOPIC), self._recent(MEMORY_RESTART_TOPIC))
         # A worker that exits cleanly (0) is closing with its nanny, which does not restart it.
         restarts = Counter(self._name(e.get("nanny")) for e in events.exits if e.get("exitcode") not in (0, None))
-        ooms = Counter(self._name(e.get("nanny")) for e in events.oom_killed())
+        ooms = Counter(e.get("name") or self._name(e.get("nanny")) for e in events.oom_killed())
         terminations = Counter(self._name(e.get("worker")) for e in events.memory_restarts)
         if self.refresh is not None:
             self.refresh()  # pod emulation: re-read cgroup OOM counters and nanny logs
@@ -174,6 +183,10 @@ class ClusterPoller:
             snapshot.oom_kills[name] = max(ooms[name], getattr(report, "oom_kills", 0))
             snapshot.memory_terminations[name] = max(terminations[name], getattr(report, "memory_terminations", 0))
             snapshot.pod_limits[name] = getattr(report, "pod_limit", 0) or self.planned_pod_limit
+            # Emulated pods are sampled every 25 ms by the backend; elsewhere the polls' maximum.
+            peak = max(self.nonreclaimable_peaks.get(name, 0), getattr(report, "pod_nonreclaimable_peak", None) or 0)
+            if peak:
+                snapshot.pod_nonreclaimable_peaks[name] = peak
 
     def _recent(self, topic: str) -> list[dict[str, Any]]:
         return [msg for stamp, msg in self.client.get_events(topic) if stamp >= self.since and isinstance(msg, dict)]

@@ -22,34 +22,49 @@ def _figure(summary):
 
     plan = summary.job.plan
     fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
+    pod_timeline = list(getattr(summary, "pod_timeline", ()))
+    start = min((t for t, _, _ in summary.timeline + pod_timeline), default=0.0)
     series: dict[str, list[tuple[float, int]]] = {}
-    start = min((t for t, _, _ in summary.timeline), default=0.0)
     for t, name, rss in summary.timeline:
         series.setdefault(name, []).append((t - start, rss))
-    for i, (name, points) in enumerate(sorted(series.items())):
-        colour = WORKER_COLOURS[i % len(WORKER_COLOURS)]
-        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2, color=colour)
-    enforced = any(w.cgroup_peak is not None for w in summary.workers)
+    pods: dict[str, list[tuple[float, int]]] = {}
+    for t, name, held in pod_timeline:
+        pods.setdefault(name, []).append((t - start, held))
+    palette = WORKER_COLOURS
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(sorted(set(series) | set(pods), key=_natural))}
+    for name, points in sorted(series.items()):
+        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2, color=colors[name])
+    # The pod's non-reclaimable memory (anon + dirty + writeback + ...), in the worker's colour.
+    for name, points in sorted(pods.items()):
+        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"pod {name} non-reclaimable", linewidth=1.0, linestyle="--", color=colors[name])
+    enforced = [w.pod_limit for w in summary.workers if w.pod_limit]  # --pod-limit overrides the plan
+    pod_limit = max(enforced) if enforced else plan.memory.pod_limit
+    enforced_cgroup = any(w.cgroup_peak is not None for w in summary.workers)
     lines = [
         (plan.memory.predicted_peak, "predicted peak", "tab:green", ":"),
         (plan.memory.memory_limit * plan.memory.thresholds.terminate, "Dask terminate", "tab:orange", "-."),
         (plan.memory.memory_limit, "Dask memory_limit", "tab:red", "--"),
-        (plan.memory.pod_limit, "pod limit (cgroup)" if enforced else "pod limit (planned, not enforced here)", "black", "-"),
+        (pod_limit, "pod limit (cgroup)" if enforced_cgroup else "pod limit (planned, not enforced here)", "black", "-"),
     ]
     for value, label, color, style in lines:
         ax.axhline(value / MiB, color=color, linestyle=style, linewidth=1.4, label=f"{label} {value / MiB:,.0f} MiB")
     # The samples stop when the workers do; the axis spans the whole run.
-    last = max((t - start for t, _, _ in summary.timeline), default=0.0)
+    last = max((t - start for t, _, _ in summary.timeline + pod_timeline), default=0.0)
     ax.set_xlim(0, max(summary.seconds, last, 1e-3))
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("MiB")
-    ax.set_ylim(0, plan.memory.pod_limit / MiB * 1.08)
+    ax.set_ylim(0, pod_limit / MiB * 1.08)
     source = summary.job.spec.source
     ax.set_title(f"h5ngff memory per worker: {os.path.basename(source.path)}:{source.dataset} ({summary.seconds:.1f} s)")
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def _natural(name: str) -> tuple:
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
 def write_memory_report(summary, path: str) -> str:
@@ -63,6 +78,7 @@ def write_memory_report(summary, path: str) -> str:
         rows = "".join(
             f"<tr><td>{html.escape(w.name)}</td><td>{w.peak_rss / MiB:,.1f}</td><td>{w.predicted_peak / MiB:,.1f}</td>"
             f"<td>{w.memory_limit / MiB:,.1f}</td><td>{w.pod_limit / MiB:,.1f}</td>"
+            f"<td>{'' if w.pod_nonreclaimable_peak is None else f'{w.pod_nonreclaimable_peak / MiB:,.1f}'}</td>"
             f"<td>{'' if w.cgroup_peak is None else f'{w.cgroup_peak / MiB:,.1f}'}</td><td>{w.oom_kills}</td><td>{w.nanny_restarts}</td></tr>"
             for w in summary.workers
         )
@@ -72,7 +88,7 @@ def write_memory_report(summary, path: str) -> str:
             f"<h1>Memory per worker</h1><p>{html.escape(summary.job.spec.output.path)}: {summary.status} in {summary.seconds:.2f} s</p>"
             f"<img src='data:image/png;base64,{image}' alt='memory timeline'>"
             "<table><tr><th>worker</th><th>peak RSS MiB</th><th>predicted MiB</th><th>memory_limit MiB</th><th>pod limit MiB</th>"
-            f"<th>cgroup peak MiB</th><th>OOM kills</th><th>restarts</th></tr>{rows}</table>"
+            f"<th>pod non-reclaimable peak MiB</th><th>cgroup peak MiB</th><th>OOM kills</th><th>restarts</th></tr>{rows}</table>"
         )
         with open(path, "w") as f:
             f.write(page)

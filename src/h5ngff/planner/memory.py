@@ -202,20 +202,28 @@ def slab_output_bytes(shape: PassShape) -> int:
 
 
 def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: MemoryConstants = DEFAULT_CONSTANTS) -> WorkerMemory:
-    """Derive Dask's memory_limit and the pod limit from the predicted peak."""
+    """Derive Dask's memory_limit and the pod limit from the predicted peak.
+
+    The pod holds the worker up to Dask's terminate threshold (above it the nanny terminates the
+    worker), the nanny, and one room that serves two purposes: the dirty pages of chunk writes and
+    the growth between two nanny checks. They share it because dirty pages give way: under the
+    pod's memory pressure the kernel writes them back and reclaims them instead of killing
+    (measured in docs/memory-model.md#pod-level-truth), so a worker overshooting its threshold
+    takes the room the page cache had."""
     peak = sum(t.bytes for t in terms)
     memory_limit = _round_mib(max(peak / c.planned_fraction, (peak + c.terminate_headroom_floor) / (c.terminate_fraction or 1.0)))
     page_cache = max(c.page_cache_floor, math.ceil(c.page_cache_fraction * written_per_wave))
     overshoot = math.ceil(c.growth_rate * c.monitor_interval)
+    threshold = math.ceil(memory_limit * c.terminate_fraction) if c.terminate_fraction else memory_limit
+    room_why = f"max(dirty chunk pages {page_cache / MiB:.1f}, growth in one nanny check ({c.monitor_interval * 1000:.0f} ms) {overshoot / MiB:.1f}): dirty pages give way"
     pod_terms = (
-        MemoryTerm("dask memory_limit", memory_limit, _memory_limit_why(peak, memory_limit, c)),
-        MemoryTerm("nanny", c.nanny, "the nanny process shares the pod's cgroup"),
-        MemoryTerm("page cache headroom", page_cache, "dirty pages of chunk writes, charged to the pod but invisible to Dask"),
-        MemoryTerm("monitor overshoot", overshoot, f"growth between two nanny checks ({c.monitor_interval * 1000:.0f} ms): Dask terminates before the kernel kills"),
+        MemoryTerm("dask terminate threshold", threshold, f"{c.terminate_fraction:.0%} of memory_limit: above it the nanny terminates the worker" if c.terminate_fraction else "no terminate threshold: memory_limit"),
+        MemoryTerm("nanny", c.nanny, "the nanny process (and its resource tracker) shares the pod's cgroup"),
+        MemoryTerm("page cache and overshoot room", max(page_cache, overshoot), room_why),
     )
     pod_limit = _round_mib(sum(t.bytes for t in pod_terms))
     thresholds = Thresholds(target=False, spill=False, pause=False, terminate=c.terminate_fraction, planned=c.planned_fraction, monitor_interval=c.monitor_interval)
-    return WorkerMemory(terms, peak, memory_limit, pod_limit, pod_terms, thresholds)
+    return WorkerMemory(terms, peak, memory_limit, pod_limit, pod_terms, thresholds, _memory_limit_why(peak, memory_limit, c))
 
 
 def _memory_limit_why(peak: int, memory_limit: int, c: MemoryConstants) -> str:

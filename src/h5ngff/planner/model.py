@@ -118,6 +118,8 @@ class WorkerMemory:
     pod_limit: int
     pod_terms: tuple[MemoryTerm, ...]
     thresholds: Thresholds
+    #: Why memory_limit is what it is (planned fraction, or the floor of room below terminate).
+    memory_limit_why: str = ""
 
     @property
     def pod_request(self) -> int:
