@@ -16,6 +16,9 @@ from typing import Any, Callable
 
 import kmock
 
+from h5ngff.patches import apply_merge_patch
+
+from h5ngff.metrics.operator import OperatorMetrics
 from h5ngff.operator.handlers import OperatorConfig, run_operator
 from h5ngff.operator.kube import KubeConfig
 
@@ -27,6 +30,7 @@ CJ_RES = "h5ngff.dev/v1alpha1/conversionjobs"
 JOB_RES = "batch/v1/jobs"
 POD_RES = "v1/pods"
 DASK_RES = "kubernetes.dask.org/v1/daskclusters"
+LEASE_RES = "coordination.k8s.io/v1/leases"
 #: Who made a request, by its User-Agent.
 AGENTS = (("kmock/", "test"), ("kopf/", "operator"), ("h5ngff-operator/", "operator"), ("h5ngff-runner/", "runner"),
           ("kr8s/", "runner"))  # kr8s: dask-kubernetes' client, in the runner pod
@@ -38,6 +42,7 @@ def register_resources(k: kmock.KubernetesEmulator) -> None:
     k.resources[JOB_RES] = info(kind="Job", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[POD_RES] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[DASK_RES] = info(kind="DaskCluster", namespaced=True, verbs=VERBS)
+    k.resources[LEASE_RES] = info(kind="Lease", namespaced=True, verbs=VERBS)
     # kopf starts watching only once the CRD resource itself is discoverable (DESIGN.md §4).
     k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
     k.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=VERBS)
@@ -68,6 +73,11 @@ class Cluster:
         ns = doc["metadata"].get("namespace", "default")
         resp = await self.k.post(CJ_PATH.format(ns=ns), json=doc)
         assert resp.status in (200, 201), await resp.text()
+
+    async def edit(self, name: str, patch: dict[str, Any], ns: str = "default") -> None:
+        """``kubectl patch --type merge`` (or a GitOps sync) of a ConversionJob."""
+        resp = await self.k.patch(f"{CJ_PATH.format(ns=ns)}/{name}", json=patch, headers={"Content-Type": "application/merge-patch+json"})
+        assert resp.status == 200, await resp.text()
 
     async def delete_cj(self, name: str, ns: str = "default") -> None:
         resp = await self.k.delete(f"{CJ_PATH.format(ns=ns)}/{name}")
@@ -161,10 +171,19 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: st
 
 
 def fast_config(url: str, **overrides: Any) -> OperatorConfig:
-    """Operator settings for tests: sub-second passes and retries, no peering."""
-    base = dict(image="h5ngff:test", interval=0.2, api=KubeConfig(url), peering=None, error_backoffs=(0.1, 0.2, 0.4), retry_delay=0.3)
+    """Operator settings for tests: sub-second passes and retries, no peering, pass counting."""
+    base = dict(image="h5ngff:test", interval=0.2, api=KubeConfig(url), peering=None, error_backoffs=(0.1, 0.2, 0.4), retry_delay=0.3,
+                delete_wait=20.0, metrics=OperatorMetrics())
     base.update(overrides)
     return OperatorConfig(**base)
+
+
+async def passes(cfg: OperatorConfig, name: str, n: int = 3, ns: str = "default", timeout: float = 15.0) -> None:
+    """Wait until the operator has finished ``n`` more reconcile passes of one ConversionJob:
+    "nothing happened" then means the operator looked ``n`` times (the first may have started
+    before the test's last change) and did nothing, not that a sleep was long enough."""
+    start = cfg.metrics.passes_of(ns, name)
+    await wait_for(lambda: cfg.metrics.passes_of(ns, name) >= start + n, timeout, f"{n} reconcile passes of {ns}/{name}")
 
 
 class OperatorThread:
@@ -209,13 +228,23 @@ async def operator_running(cfg: OperatorConfig):
 
 
 class Emulator(kmock.KubernetesEmulator):
-    """KMock plus ``metadata.generateName`` (kopf names its Events that way), as the API server."""
+    """KMock plus what the API server does and the operator relies on: ``metadata.generateName``
+    (kopf names its Events that way), a ``uid`` for every new object, and ``metadata.generation``
+    (1 on create, +1 on every change of ``spec``; status and metadata writes leave it)."""
 
     async def _handle(self, request):
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = f"{meta['generateName']}{next(_names):05d}"
+            meta.setdefault("uid", f"uid-{next(_names):05d}")
+            meta.setdefault("generation", 1)
+        elif request.action == kmock.action.UPDATE and not request.subresource and isinstance(request.data, dict) and "spec" in request.data:
+            key = (request.resource, request.namespace, request.name)
+            current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+            if current is not None and apply_merge_patch(current.get("spec") or {}, request.data["spec"]) != current.get("spec"):
+                generation = int((current.get("metadata") or {}).get("generation") or 1) + 1
+                request.data.setdefault("metadata", {})["generation"] = generation
         return await super()._handle(request)
 
 

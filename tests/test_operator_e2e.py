@@ -21,7 +21,7 @@ import zarr
 
 from conftest import smooth, write_h5
 from h5ngff.operator.rbac import RUNNER_RULES, calls
-from operator_harness import emulator, fast_config, manifest, operator_running, wait_for
+from operator_harness import emulator, fast_config, manifest, operator_running, passes, wait_for
 from test_operator_kmock import env_of, phases
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
@@ -95,7 +95,7 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
 async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retrying(tmp_path):
     spec = {"source": {"path": str(tmp_path / "missing.h5"), "dataset": "/volume/data"},
             "output": {"path": str(tmp_path / "out.ome.zarr")}, "backoffLimit": 3}
-    async with emulator() as c, operator_running(fast_config(c.url)):
+    async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("lost", spec))
         await wait_for(lambda: "lost-runner-1" in c.jobs(), what="runner Job")
         job = c.jobs()["lost-runner-1"]
@@ -104,6 +104,6 @@ async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retryi
         await c.patch_job_status("lost-runner-1", {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
         await wait_for(lambda: c.status("lost").get("phase") == "Failed", what="Failed")
         status = c.status("lost")
-        await asyncio.sleep(0.5)
+        await passes(cfg, "lost", 3)
         assert status["reason"] == "SourceUnreadable" and "missing.h5" in status["message"]
         assert list(c.jobs()) == ["lost-runner-1"]  # an unreadable input is not retried
