@@ -258,3 +258,120 @@ async def emulator():
         # kr8s (dask-kubernetes' client) asks for "/version/"; KMock serves only "/version".
         k["get /version/"] << {"major": "1", "minor": "30", "gitVersion": "v1.30.0"}
         yield Cluster(k)
+
+
+class Kubelet:
+    """Plays the garbage collector, the Job controller, the kubelet and the Dask Operator for what
+    the operator made, with their real-Kubernetes semantics:
+
+    * a pod whose Job (or DaskCluster) is gone is deleted, as ownerReferences make the garbage
+      collector do; a DaskCluster gets a scheduler and ``workers`` worker pods (API objects only);
+    * a pod with a process carries a finalizer, so its deletion only marks it (deletionTimestamp,
+      "Terminating"); its process gets SIGTERM, SIGKILL after ``grace`` s, and the pod is gone
+      only once the process has exited, as the kubelet does;
+    * a process that exits ends its pod (Succeeded/Failed) and its Job (Complete/Failed)."""
+
+    FINALIZER = "test.h5ngff.dev/kubelet"
+
+    def __init__(self, cluster: Cluster, grace: float = 2.0, workers: int = 2):
+        self.c = cluster
+        self.grace = grace
+        self.workers = workers
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self._done: set[str] = set()
+        self._clusters: set[str] = set()
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "Kubelet":
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._task.cancel()
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                _signal_group(proc, 9)
+                await proc.wait()
+
+    async def run_pod(self, job_name: str, command: list[str] | None = None, env: dict[str, str] | None = None, cwd: str | None = None) -> str:
+        """Start the Job's pod: Running in the API, and ``command`` as a real process if given."""
+        import os
+
+        job = self.c.jobs()[job_name]
+        name = f"{job_name}-abcde"
+        template = job["spec"]["template"]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": "default", "labels": {**template["metadata"]["labels"], "job-name": job_name},
+                            "finalizers": [self.FINALIZER] if command else []},
+               "spec": template["spec"], "status": {"phase": "Running", "containerStatuses": [{"name": "runner", "state": {"running": {}}}]}}
+        resp = await self.c.k.post(PODS_PATH.format(ns="default"), json=pod)
+        assert resp.status in (200, 201), await resp.text()
+        await self.c.patch_job_status(job_name, {"active": 1})
+        if command:
+            log = open(os.path.join(cwd or ".", f"{name}.log"), "wb")
+            self.procs[name] = await asyncio.create_subprocess_exec(*command, env=env, cwd=cwd, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                                                                    start_new_session=True)
+        return name
+
+    async def _loop(self) -> None:
+        while True:
+            await self._collect()
+            await asyncio.sleep(0.05)
+
+    async def _collect(self) -> None:
+        jobs, clusters, pods = self.c.jobs(), self.c.live(DASK_RES), self.c.live(POD_RES)
+        for name in set(clusters) - self._clusters:
+            await self._dask_pods(name)
+        self._clusters = set(clusters)
+        for name, pod in pods.items():
+            labels = pod["metadata"].get("labels") or {}
+            owner_job, owner_cluster = labels.get("job-name"), labels.get("dask.org/cluster-name")
+            gone = (owner_job and owner_job not in jobs) or (owner_cluster and owner_cluster not in clusters)
+            if gone and not pod["metadata"].get("deletionTimestamp"):
+                await self.c.k.delete(f"{PODS_PATH.format(ns='default')}/{name}")
+        for name, proc in list(self.procs.items()):
+            pod = self.c.live(POD_RES).get(name)
+            if pod is None:
+                continue
+            if proc.returncode is None and pod["metadata"].get("deletionTimestamp") and name not in self._done:
+                self._done.add(name)
+                asyncio.ensure_future(self._terminate(name, proc))
+            elif proc.returncode is not None and name not in self._done:
+                self._done.add(name)
+                await self._ended(name, proc.returncode)
+
+    async def _dask_pods(self, cluster: str) -> None:
+        for role in ["scheduler"] + [f"default-worker-{i}" for i in range(self.workers)]:
+            pod = {"apiVersion": "v1", "kind": "Pod", "status": {"phase": "Pending"},
+                   "metadata": {"name": f"{cluster}-{role}", "namespace": "default", "labels": {"dask.org/cluster-name": cluster}}}
+            await self.c.k.post(PODS_PATH.format(ns="default"), json=pod)
+
+    async def _terminate(self, name: str, proc: asyncio.subprocess.Process) -> None:
+        _signal_group(proc, 15)
+        try:
+            await asyncio.wait_for(proc.wait(), self.grace)
+        except asyncio.TimeoutError:
+            _signal_group(proc, 9)
+            await proc.wait()
+        await self.c.k.patch(f"{PODS_PATH.format(ns='default')}/{name}", json={"metadata": {"finalizers": []}},
+                             headers={"Content-Type": "application/merge-patch+json"})
+
+    async def _ended(self, pod_name: str, code: int) -> None:
+        pod = self.c.live(POD_RES)[pod_name]
+        job_name = pod["metadata"]["labels"]["job-name"]
+        term = {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}
+        await self.c.k.patch(f"{PODS_PATH.format(ns='default')}/{pod_name}", json={"metadata": {"finalizers": []}, "status": {
+            "phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [{"name": "runner", "state": {"terminated": term}}]}},
+            headers={"Content-Type": "application/merge-patch+json"})
+        if job_name in self.c.jobs():
+            done = {"type": "Complete", "status": "True"} if code == 0 else {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}
+            await self.c.patch_job_status(job_name, {"active": 0, "succeeded" if code == 0 else "failed": 1, "conditions": [done]})
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    import os
+
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
