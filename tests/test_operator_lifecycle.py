@@ -74,9 +74,10 @@ async def test_a_success_the_operator_missed_while_down_stands():
     """The operator was down longer than the runner Job's TTL: the Job is gone, the runner's
     report of success is all that is left. Today's code re-ran attempt 1 with overwrite."""
     async with emulator() as c:
-        async with operator_running(fast_config(c.url)):
+        async with operator_running(cfg := fast_config(c.url)):
             await c.apply(manifest("scan", SPEC))
-            await wait_for(lambda: c.status("scan").get("runnerJobUid"), what="runner Job seen")
+            await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
+            await passes(cfg, "scan", 3)  # the operator has seen its Job
         reporter = StatusReporter("default", "scan", KubeConfig(c.url))
         await report(reporter, {"phase": "Running", "runner": {"attempt": 1, "outcome": "Succeeded"}}, final=True)
         await asyncio.to_thread(reporter.close)
@@ -84,9 +85,10 @@ async def test_a_success_the_operator_missed_while_down_stands():
         resp = await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")
         assert resp.status == 200
         async with operator_running(cfg := fast_config(c.url)):
-            await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
+            await wait_for(lambda: c.status("scan").get("phase") == "Succeeded" or len(c.job_creations()) > 1, what="Succeeded (or a re-run)")
+            assert c.job_creations() == ["scan-runner-1"]
             await passes(cfg, "scan", 3)
-        assert c.job_creations() == ["scan-runner-1"]
+        assert c.job_creations() == ["scan-runner-1"] and c.status("scan")["phase"] == "Succeeded"
 
 
 async def test_an_edit_of_the_conversion_runs_the_new_generation_and_other_edits_do_not():
@@ -135,6 +137,7 @@ async def test_an_invalid_edit_while_running_lets_the_run_finish_without_flappin
         await running(c)
         await c.edit("scan", {"spec": {"resources": {"workers": 0}}})
         await wait_for(lambda: condition(c, "scan", "Validated").get("status") == "False", what="Validated=False")
+        assert phases(c, "scan") == ["Pending", "Running"]
         await passes(cfg, "scan", 5)
         assert phases(c, "scan") == ["Pending", "Running"] and list(c.jobs()) == ["scan-runner-1"]
         assert condition(c, "scan", "Validated")["observedGeneration"] == 2 and "Got 0 instead" in condition(c, "scan", "Validated")["message"]
@@ -149,7 +152,8 @@ async def test_a_second_job_on_the_same_output_waits_until_the_first_ends():
         await c.apply(manifest("first", SPEC))
         await wait_for(lambda: "first-runner-1" in c.jobs(), what="first runner")
         await c.apply(manifest("second", SPEC))
-        await wait_for(lambda: c.status("second").get("reason") == "OutputBusy", what="OutputBusy")
+        await wait_for(lambda: c.status("second").get("reason") == "OutputBusy" or "second-runner-1" in c.jobs(), what="OutputBusy (or a second writer)")
+        assert "second-runner-1" not in c.jobs()
         await passes(cfg, "second", 5)
         assert "second-runner-1" not in c.jobs() and c.status("second")["phase"] == "Pending"
         assert "default/first/uid-first" in c.status("second")["message"]
@@ -163,14 +167,16 @@ async def test_a_second_job_on_the_same_output_waits_until_the_first_ends():
 
 
 async def test_a_runner_job_deleted_while_running_is_a_failed_attempt_that_resumes():
-    async with emulator() as c, Kubelet(c) as kubelet, operator_running(fast_config(c.url)):
+    async with emulator() as c, Kubelet(c) as kubelet, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
         await kubelet.run_pod("scan-runner-1")
-        await wait_for(lambda: c.status("scan").get("runnerJobUid"), what="runner Job seen")
+        await passes(cfg, "scan", 3)  # the operator has seen its Job running
         resp = await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")  # kubectl delete job
         assert resp.status == 200
-        await wait_for(lambda: "scan-runner-2" in c.jobs(), what="attempt 2")
+        await wait_for(lambda: "scan-runner-2" in c.jobs() or len(c.job_creations()) > 1, what="attempt 2 (or a silent re-creation)")
+        assert c.job_creations() == ["scan-runner-1", "scan-runner-2"]
+        await wait_for(lambda: c.status("scan").get("attempts") == 2, what="attempt 2 recorded")
         status = c.status("scan")
         assert status["attempts"] == 2 and status["failures"][-1]["reason"] == "RunnerDeleted"
         assert json.loads(env_of(c.jobs()["scan-runner-2"])["H5NGFF_SPEC"])["output"]["overwrite"] is False  # resumes

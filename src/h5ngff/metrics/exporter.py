@@ -14,7 +14,8 @@ Why a custom collector rather than prometheus_client Gauges/Counters:
   elsewhere (kernel, scheduler events, SpillBuffer, the driver); ``Counter`` only has ``inc()``.
 
 After the run the exporter keeps serving the final values until the process exits
-(``--metrics-linger`` keeps the process alive long enough for Prometheus to scrape them).
+(``--metrics-linger`` keeps the process alive long enough for Prometheus to scrape them; the
+Kubernetes runner lingers only until one scrape has read them, ``$H5NGFF_METRICS_LINGER`` s at most).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         yield from self.exporter.families()
+        self.exporter._scraped()
 
 
 class MetricsExporter:
@@ -67,6 +69,9 @@ class MetricsExporter:
         self._poller: ClusterPoller | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Completed scrapes, so ``linger`` can tell when the final values were read.
+        self.scrapes = 0
+        self._scrape = threading.Condition()
         # Our own registry: the exposition is exactly our catalogue, whatever else the process
         # (an in-process Dask scheduler, say) registers in prometheus_client's global one.
         self.registry = CollectorRegistry(auto_describe=False)
@@ -161,11 +166,24 @@ class MetricsExporter:
             state = dataclasses.replace(self._state)
         return build_families(self.job, self.namespace, state)
 
-    def linger(self, seconds: float) -> None:
-        """Keep the process (and so the HTTP server) alive so Prometheus scrapes the final state."""
-        if seconds > 0:
-            log.info("Metrics: serving the final values for %.0f s more.", seconds)
-            time.sleep(seconds)
+    def _scraped(self) -> None:
+        with self._scrape:
+            self.scrapes += 1
+            self._scrape.notify_all()
+
+    def linger(self, seconds: float, until_scraped: bool = False) -> bool:
+        """Keep the process (and so the HTTP server) alive so Prometheus scrapes the final state:
+        ``seconds`` long, or with ``until_scraped`` only until one scrape has read the final
+        values (at most ``seconds``). True if a scrape happened while lingering."""
+        if seconds <= 0:
+            return False
+        with self._scrape:
+            before = self.scrapes
+            log.info("Metrics: serving the final values for %s%.0f s more.", "up to " if until_scraped else "", seconds)
+            if until_scraped:
+                return self._scrape.wait_for(lambda: self.scrapes > before, seconds)
+        time.sleep(seconds)
+        return self.scrapes > before
 
     def close(self) -> None:
         self.detach()
