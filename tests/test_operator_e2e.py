@@ -121,7 +121,7 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
     assert progress["bytesRead"] >= data.nbytes and status["result"]["bytesWritten"] > 0
     assert status["runner"]["outcome"] == "Succeeded" and status["output"] == output
     assert phases(c, "scan") == ["Pending", "Planned", "Running", "Succeeded"]
-    assert {x["type"]: x["status"] for x in status["conditions"]} == {"Validated": "True", "Planned": "True", "Running": "False", "Complete": "True"}
+    assert {x["type"]: x["status"] for x in status["conditions"]} == {"Validated": "True", "OutputLease": "False", "Planned": "True", "Running": "False", "Complete": "True"}
 
     from ome_zarr_models.v05 import Image
 

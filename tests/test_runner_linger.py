@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.request
 
+from h5ngff.engine.progress import Progress
 from h5ngff.metrics.exporter import MetricsExporter
 from h5ngff.operator.runner_cmd import DEFAULT_METRICS_LINGER, metrics_linger
 
@@ -21,6 +22,18 @@ def test_lingering_ends_at_the_first_scrape_after_the_run():
         t0 = time.monotonic()
         assert exporter.linger(30, until_scraped=True) is True
         assert 0.4 < time.monotonic() - t0 < 10
+    finally:
+        exporter.close()
+
+
+def test_a_scrape_of_the_final_values_before_lingering_counts():
+    exporter = MetricsExporter(0, "scan", addr="127.0.0.1")
+    try:
+        exporter(Progress(phase="Succeeded", slabs_done=4, slabs_total=4))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=5).read().decode()
+        assert 'phase="Succeeded"} 1.0' in text
+        t0 = time.monotonic()
+        assert exporter.linger(30, until_scraped=True) is True and time.monotonic() - t0 < 1
     finally:
         exporter.close()
 

@@ -71,6 +71,8 @@ class MetricsExporter:
         self._thread: threading.Thread | None = None
         #: Completed scrapes, so ``linger`` can tell when the final values were read.
         self.scrapes = 0
+        #: ``scrapes`` when the job reached Succeeded or Failed: later scrapes read the final values.
+        self._final_mark: int | None = None
         self._scrape = threading.Condition()
         # Our own registry: the exposition is exactly our catalogue, whatever else the process
         # (an in-process Dask scheduler, say) registers in prometheus_client's global one.
@@ -101,7 +103,9 @@ class MetricsExporter:
             if before is None or (before.phase, before.slabs_done) != (snapshot.phase, snapshot.slabs_done):
                 self._state.last_progress = time.time()
             self._state.progress = snapshot
-            # Computed now, not at scrape time: after the run they must stay the final figures.
+        if snapshot.phase in ("Succeeded", "Failed"):
+            with self._scrape:
+                self._final_mark = self.scrapes            # Computed now, not at scrape time: after the run they must stay the final figures.
             self._state.throughput = snapshot.read_throughput if snapshot.phase not in ("Pending", "Planned") else None
             self._state.eta = snapshot.eta_seconds
 
@@ -178,7 +182,7 @@ class MetricsExporter:
         if seconds <= 0:
             return False
         with self._scrape:
-            before = self.scrapes
+            before = self.scrapes if self._final_mark is None else self._final_mark
             log.info("Metrics: serving the final values for %s%.0f s more.", "up to " if until_scraped else "", seconds)
             if until_scraped:
                 return self._scrape.wait_for(lambda: self.scrapes > before, seconds)

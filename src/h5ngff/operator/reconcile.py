@@ -287,14 +287,22 @@ def _deadline_passed(o: Observed) -> str | None:
             f"Its runner and Dask cluster were stopped; raise the deadline or fix the cause to run it again.")
 
 
+def _released(o: Observed, patch: dict[str, Any]) -> dict[str, Any]:
+    """The run ended: its Lease goes back (before the status write that records the end)."""
+    patch = {**patch, "nextRetryTime": None, "outputLease": None}
+    if condition(o.status, "OutputLease"):
+        patch["conditions"] = set_condition(patch.get("conditions"), "OutputLease", "False", "Released", None, o.now)
+    return patch
+
+
 def _succeeded(o: Observed) -> Decision:
-    patch = {**succeeded_patch(o.status, o.now), "nextRetryTime": None, "outputLease": None}
+    patch = _released(o, succeeded_patch(o.status, o.now))
     return Decision(patch, release_lease=o.status.get("outputLease"),
                     event=("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}."))
 
 
 def _final(o: Observed, reason: str, message: str, delete_job: str | None = None, failures: Any = None) -> Decision:
-    patch = {**failed_patch(o.status, reason, message, o.now), "nextRetryTime": None, "outputLease": None}
+    patch = _released(o, failed_patch(o.status, reason, message, o.now))
     if failures is not None:
         patch["failures"] = failures
     return Decision(patch, delete_job=delete_job, delete_cluster=True, release_lease=o.status.get("outputLease"),
