@@ -269,7 +269,8 @@ class Kubelet:
     * a pod with a process carries a finalizer, so its deletion only marks it (deletionTimestamp,
       "Terminating"); its process gets SIGTERM, SIGKILL after ``grace`` s, and the pod is gone
       only once the process has exited, as the kubelet does;
-    * a process that exits ends its pod (Succeeded/Failed) and its Job (Complete/Failed)."""
+    * a process that exits ends its pod (Succeeded/Failed) and its Job (Complete/Failed);
+    * a Job whose pod vanished before it ended fails (runner Jobs have ``backoffLimit: 0``)."""
 
     FINALIZER = "test.h5ngff.dev/kubelet"
 
@@ -280,6 +281,7 @@ class Kubelet:
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self._done: set[str] = set()
         self._clusters: set[str] = set()
+        self._pods_of: dict[str, str] = {}  #: Job name -> its pod's name
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "Kubelet":
@@ -307,6 +309,7 @@ class Kubelet:
         resp = await self.c.k.post(PODS_PATH.format(ns="default"), json=pod)
         assert resp.status in (200, 201), await resp.text()
         await self.c.patch_job_status(job_name, {"active": 1})
+        self._pods_of[job_name] = name
         if command:
             log = open(os.path.join(cwd or ".", f"{name}.log"), "wb")
             self.procs[name] = await asyncio.create_subprocess_exec(*command, env=env, cwd=cwd, stdout=log, stderr=asyncio.subprocess.STDOUT,
@@ -329,6 +332,12 @@ class Kubelet:
             gone = (owner_job and owner_job not in jobs) or (owner_cluster and owner_cluster not in clusters)
             if gone and not pod["metadata"].get("deletionTimestamp"):
                 await self.c.k.delete(f"{PODS_PATH.format(ns='default')}/{name}")
+        for job_name, pod_name in list(self._pods_of.items()):
+            job = self.c.jobs().get(job_name)
+            if job is not None and pod_name not in self.c.live(POD_RES) and not (job.get("status") or {}).get("conditions"):
+                del self._pods_of[job_name]
+                await self.c.patch_job_status(job_name, {"active": 0, "failed": 1, "conditions": [
+                    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]})
         for name, proc in list(self.procs.items()):
             pod = self.c.live(POD_RES).get(name)
             if pod is None:

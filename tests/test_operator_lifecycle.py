@@ -185,6 +185,21 @@ async def test_a_runner_job_deleted_while_running_is_a_failed_attempt_that_resum
         assert c.job_creations() == ["scan-runner-1", "scan-runner-2"]
 
 
+async def test_a_runner_pod_deleted_while_running_is_a_failed_attempt_that_resumes():
+    async with emulator() as c, Kubelet(c) as kubelet, operator_running(fast_config(c.url)):
+        await c.apply(manifest("scan", SPEC))
+        await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
+        pod = await kubelet.run_pod("scan-runner-1")
+        await running(c)
+        resp = await c.k.delete(f"/api/v1/namespaces/default/pods/{pod}")  # kubectl delete pod, an eviction
+        assert resp.status == 200
+        await wait_for(lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2, what="attempt 2")
+        failure = c.status("scan")["failures"][-1]
+        assert failure["reason"] == "RunnerFailed" and "pod is gone" in failure["message"]
+        assert json.loads(env_of(c.jobs()["scan-runner-2"])["H5NGFF_SPEC"])["output"]["overwrite"] is False
+        await wait_for(lambda: "Retrying" in reasons(c), what="Warning event")
+
+
 async def test_retries_back_off():
     spec = {**SPEC, "retry": {"intervalSeconds": 2, "maxIntervalSeconds": 2}}
     async with emulator() as c, operator_running(fast_config(c.url)):
