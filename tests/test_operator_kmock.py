@@ -241,8 +241,11 @@ async def test_api_errors_409_500_and_watch_410_are_survived():
             assert list(c.jobs()) == ["scan-runner-1"]
             await c.patch_job_status("scan-runner-1", {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
             await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", timeout=30, what="Succeeded")
-        served = [r for r in k if r.resource in (jobs, cjs)]
-        assert any(r.action == kmock.action.WATCH and r.resource == cjs for r in served[1:])  # the watch was re-established
+            # Only a re-established watch brings this edit to the operator (the negative control:
+            # test_operator_lifecycle.py::test_a_watch_that_is_not_reestablished_is_detected).
+            await c.edit("scan", {"spec": {"backoffLimit": 3}})
+            await wait_for(lambda: c.status("scan").get("observedGeneration") == 2, timeout=10, what="an edit after the 410 observed")
+        assert sum(r.action == kmock.action.WATCH and r.resource == cjs for r in k) >= 2  # the watch was re-established
         record(c)
     # The operator's own metrics, scraped over HTTP: one job Succeeded, and the errors counted.
     scraped = await asyncio.to_thread(_scrape, server.server_port)

@@ -13,6 +13,7 @@ object waits for the watch to catch up instead of acting twice.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 import time
@@ -101,6 +102,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     async def startup(memo: kopf.Memo, **_: Any) -> None:
         memo.kube = await Kube.connect(cfg.api, agent=OPERATOR_AGENT)
         memo.expectations = {}
+        memo.parsed = {}
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -140,6 +142,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(f"waiting for {len(left)} pod(s) to exit: {', '.join(left[:5])}", delay=cfg.retry_delay)
         if left:
             logger.warning("giving up waiting for pod(s) %s after %.0f s; the garbage collector removes them", left, cfg.delete_wait)
+        memo.parsed.pop(uid, None)
         logger.info("removed the children of ConversionJob %s/%s", namespace, name)
 
     return registry
@@ -156,11 +159,19 @@ def _count_error(cfg: OperatorConfig, kind: str) -> None:
         cfg.metrics.reconcile_error(kind)
 
 
-def _parse(body: kopf.Body) -> tuple[ConversionJobSpec | None, str | None]:
+def _parse(memo: kopf.Memo, body: kopf.Body) -> tuple[ConversionJobSpec | None, str | None]:
+    """The spec, validated once per generation: passes over finished jobs repeat every interval."""
+    meta, data = body["metadata"], dict(body.get("spec") or {})
+    key = json.dumps(data, sort_keys=True, default=str)
+    cached = memo.parsed.get(meta["uid"])
+    if cached is not None and cached[0] == key:
+        return cached[1]
     try:
-        return parse_job_spec(dict(body.get("spec") or {})), None
+        result: tuple[ConversionJobSpec | None, str | None] = (parse_job_spec(data), None)
     except SpecError as exc:
-        return None, str(exc)
+        result = (None, str(exc))
+    memo.parsed[meta["uid"]] = (key, result)
+    return result
 
 
 def observe_job(owner: Owner, body: kopf.Body, spec: ConversionJobSpec | None, error: str | None, index: kopf.Index) -> Observed:
@@ -180,7 +191,7 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, inde
     owner = Owner(meta["namespace"], meta["name"], meta["uid"])
     if _stale(memo, owner.uid, status):
         return
-    spec, error = _parse(body)
+    spec, error = _parse(memo, body)
     if error is not None:
         _count_error(cfg, "invalid_spec")
     observed = observe_job(owner, body, spec, error, index)

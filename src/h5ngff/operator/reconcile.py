@@ -261,8 +261,6 @@ def _waiting_to_start(o: Observed, job: JobSummary) -> Decision:
     attempt = int(status.get("attempts") or 0)
     pods = tuple(p for p in o.pods if ((p.get("metadata") or {}).get("labels") or {}).get("h5ngff.dev/attempt") == str(attempt))
     problem = start_problem(pods, o.events, job.name)
-    if problem is None and not pods and not o.events_checked:
-        return Decision(needs=frozenset({"pods", "events"}))
     if problem is None:
         if status.get("reason") in START_REASONS:  # it got going after all
             return Decision({"reason": None, "message": None,
