@@ -33,10 +33,11 @@ SPEC = {
     "resources": {"workers": 2, "memoryPerWorker": "1Gi"},
     "pod": {"image": "registry.example/h5ngff:1", "volumes": VOLUMES, "volumeMounts": MOUNTS},
     "backoffLimit": 1,
+    "retry": {"intervalSeconds": 0},  # retry at once: backoff has its own test (test_operator_lifecycle.py)
 }
 RECORDED: dict[str, set] = {"operator": set(), "runner": set(), "other": set()}
 RECORDED_BY: list[str] = []
-TESTS_RECORDING = 9
+TESTS_RECORDING = 10
 
 
 def record(c) -> None:
@@ -216,6 +217,24 @@ async def test_an_operator_restart_mid_flight_duplicates_nothing():
         assert list(c.jobs()) == ["scan-runner-1"]
         assert c.status("scan")["attempts"] == 1 and c.status("scan")["phase"] == "Pending"
         assert [e["reason"] for e in c.events()].count("RunnerCreated") == 1
+        record(c)
+
+
+async def test_a_runner_job_deleted_while_the_operator_was_down_is_a_failed_attempt():
+    """The restarted operator's index lacks the Job it saw before: it asks the API, and only
+    then counts the attempt as failed (RunnerDeleted) and resumes in the next one."""
+    async with emulator() as c:
+        async with operator_running(cfg := fast_config(c.url)):
+            await c.apply(manifest("scan", SPEC))
+            await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
+            await passes(cfg, "scan", 3)
+        resp = await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")
+        assert resp.status == 200
+        async with operator_running(fast_config(c.url)):
+            await wait_for(lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2, what="attempt 2")
+        assert c.status("scan")["failures"][-1]["reason"] == "RunnerDeleted"
+        assert c.job_creations() == ["scan-runner-1", "scan-runner-2"]
+        assert ("get", "batch", "jobs", "") in c.api_calls()["operator"]  # looked up before it counted as deleted
         record(c)
 
 

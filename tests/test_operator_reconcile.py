@@ -19,10 +19,10 @@ HELD = LeaseState("lease-a", True)
 
 
 def obs(status, jobs=(), pods=None, events=None, lease=HELD, generation=1, conversion="c1", error=None, now=T1, backoff=2, delays=(0, 0, 0),
-        deadline=None, output="/data/out.ome.zarr"):
+        deadline=None, output="/data/out.ome.zarr", job_checked=True):
     return Observed("scan", dict(status), backoff, output, tuple(jobs), tuple(pods or ()), pods is not None, now, generation=generation,
                     conversion=conversion, spec_error=error, retry_delays=delays, deadline_seconds=deadline, lease_name="lease-a",
-                    lease=lease, events=tuple(events or ()), events_checked=events is not None)
+                    lease=lease, events=tuple(events or ()), events_checked=events is not None, job_checked=job_checked)
 
 
 def job(attempt, state="active", uid=None):
@@ -77,6 +77,10 @@ def test_a_runner_that_reported_success_and_vanished_before_the_operator_saw_it_
 
 def test_a_runner_job_deleted_while_running_is_a_failed_attempt_that_resumes():
     s = started()
+    d, _ = run(s, job_checked=False)
+    assert d.needs == {"job"}  # missing from the watch: the API is asked before it counts as deleted
+    d, _ = run(s, jobs=[job(1)], job_checked=True)  # the watch lagged (a replica that just took over): it is there
+    assert d.ensure_attempt is None and "attempts" not in d.patch and d.event is None
     d, _ = run(s)
     assert d.needs == {"pods"}  # no report: what did the kubelet say about its pod?
     d, s = run(s, pods=[])

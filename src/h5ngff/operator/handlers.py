@@ -196,7 +196,7 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, inde
         _count_error(cfg, "invalid_spec")
     observed = observe_job(owner, body, spec, error, index)
     decision = reconcile(observed)
-    for _ in range(3):  # each lookup at most once: pods (and Events), then the Lease
+    for _ in range(4):  # each lookup at most once: the runner Job, pods (and Events), the Lease
         if not decision.needs:
             break
         observed = await _look_up(memo.kube, owner, spec, observed, decision)
@@ -215,6 +215,11 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, inde
 
 async def _look_up(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, o: Observed, d: Decision) -> Observed:
     update: dict[str, Any] = {}
+    if "job" in d.needs and not o.job_checked:
+        found = await kube.get(namespaced("batch/v1", owner.namespace, "jobs", o.status.get("runnerJob") or "-"))
+        summary = job_summary(found) if found else None
+        mine = summary is not None and summary.owner_uid in ("", owner.uid)
+        update.update(jobs=o.jobs + ((summary,) if mine else ()), job_checked=True)
     if "pods" in d.needs and not o.pods_checked:
         update.update(pods=tuple(await pods_of(kube, owner.namespace, owner.name)), pods_checked=True)
     if "events" in d.needs and not o.events_checked:

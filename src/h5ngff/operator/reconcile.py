@@ -68,6 +68,8 @@ class Observed:
     lease: Any = None  #: a lease.LeaseState
     events: tuple[dict[str, Any], ...] = ()
     events_checked: bool = False
+    #: The current runner Job was looked up by name (the index did not have it).
+    job_checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class Decision:
     release_lease: str | None = None
     #: (type, reason, message) of a Kubernetes Event to post, or None.
     event: tuple[str, str, str] | None = None
-    #: What must be looked up before deciding: "pods", "events", "lease".
+    #: What must be looked up before deciding: "job", "pods", "events", "lease".
     needs: frozenset[str] = frozenset()
 
     @property
@@ -230,6 +232,8 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
     """No runner Job of the current attempt: not created yet (a retry in its backoff), or gone."""
     status = o.status
     if status.get("runnerJobUid"):  # we saw it, so it was deleted (or its TTL ran out)
+        if not o.job_checked:  # or the watch has not caught up (a replica that just took over): ask
+            return Decision(needs=frozenset({"job"}))
         report = runner_report(status, attempt)
         if report is not None and report.get("outcome") == "Succeeded":
             return _succeeded(o)  # it finished before it vanished: that outcome stands
