@@ -16,6 +16,9 @@ from typing import Any, Callable
 
 import kmock
 
+from h5ngff.patches import apply_merge_patch
+
+from h5ngff.metrics.operator import OperatorMetrics
 from h5ngff.operator.handlers import OperatorConfig, run_operator
 from h5ngff.operator.kube import KubeConfig
 
@@ -27,6 +30,7 @@ CJ_RES = "h5ngff.dev/v1alpha1/conversionjobs"
 JOB_RES = "batch/v1/jobs"
 POD_RES = "v1/pods"
 DASK_RES = "kubernetes.dask.org/v1/daskclusters"
+LEASE_RES = "coordination.k8s.io/v1/leases"
 #: Who made a request, by its User-Agent.
 AGENTS = (("kmock/", "test"), ("kopf/", "operator"), ("h5ngff-operator/", "operator"), ("h5ngff-runner/", "runner"),
           ("kr8s/", "runner"))  # kr8s: dask-kubernetes' client, in the runner pod
@@ -38,6 +42,7 @@ def register_resources(k: kmock.KubernetesEmulator) -> None:
     k.resources[JOB_RES] = info(kind="Job", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[POD_RES] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[DASK_RES] = info(kind="DaskCluster", namespaced=True, verbs=VERBS)
+    k.resources[LEASE_RES] = info(kind="Lease", namespaced=True, verbs=VERBS)
     # kopf starts watching only once the CRD resource itself is discoverable (DESIGN.md §4).
     k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
     k.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=VERBS)
@@ -68,6 +73,11 @@ class Cluster:
         ns = doc["metadata"].get("namespace", "default")
         resp = await self.k.post(CJ_PATH.format(ns=ns), json=doc)
         assert resp.status in (200, 201), await resp.text()
+
+    async def edit(self, name: str, patch: dict[str, Any], ns: str = "default") -> None:
+        """``kubectl patch --type merge`` (or a GitOps sync) of a ConversionJob."""
+        resp = await self.k.patch(f"{CJ_PATH.format(ns=ns)}/{name}", json=patch, headers={"Content-Type": "application/merge-patch+json"})
+        assert resp.status == 200, await resp.text()
 
     async def delete_cj(self, name: str, ns: str = "default") -> None:
         resp = await self.k.delete(f"{CJ_PATH.format(ns=ns)}/{name}")
@@ -161,10 +171,19 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: st
 
 
 def fast_config(url: str, **overrides: Any) -> OperatorConfig:
-    """Operator settings for tests: sub-second passes and retries, no peering."""
-    base = dict(image="h5ngff:test", interval=0.2, api=KubeConfig(url), peering=None, error_backoffs=(0.1, 0.2, 0.4), retry_delay=0.3)
+    """Operator settings for tests: sub-second passes and retries, no peering, pass counting."""
+    base = dict(image="h5ngff:test", interval=0.2, api=KubeConfig(url), peering=None, error_backoffs=(0.1, 0.2, 0.4), retry_delay=0.3,
+                delete_wait=20.0, metrics=OperatorMetrics())
     base.update(overrides)
     return OperatorConfig(**base)
+
+
+async def passes(cfg: OperatorConfig, name: str, n: int = 3, ns: str = "default", timeout: float = 15.0) -> None:
+    """Wait until the operator has finished ``n`` more reconcile passes of one ConversionJob:
+    "nothing happened" then means the operator looked ``n`` times (the first may have started
+    before the test's last change) and did nothing, not that a sleep was long enough."""
+    start = cfg.metrics.passes_of(ns, name)
+    await wait_for(lambda: cfg.metrics.passes_of(ns, name) >= start + n, timeout, f"{n} reconcile passes of {ns}/{name}")
 
 
 class OperatorThread:
@@ -209,13 +228,23 @@ async def operator_running(cfg: OperatorConfig):
 
 
 class Emulator(kmock.KubernetesEmulator):
-    """KMock plus ``metadata.generateName`` (kopf names its Events that way), as the API server."""
+    """KMock plus what the API server does and the operator relies on: ``metadata.generateName``
+    (kopf names its Events that way), a ``uid`` for every new object, and ``metadata.generation``
+    (1 on create, +1 on every change of ``spec``; status and metadata writes leave it)."""
 
     async def _handle(self, request):
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = f"{meta['generateName']}{next(_names):05d}"
+            meta.setdefault("uid", f"uid-{next(_names):05d}")
+            meta.setdefault("generation", 1)
+        elif request.action == kmock.action.UPDATE and not request.subresource and isinstance(request.data, dict) and "spec" in request.data:
+            key = (request.resource, request.namespace, request.name)
+            current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+            if current is not None and apply_merge_patch(current.get("spec") or {}, request.data["spec"]) != current.get("spec"):
+                generation = int((current.get("metadata") or {}).get("generation") or 1) + 1
+                request.data.setdefault("metadata", {})["generation"] = generation
         return await super()._handle(request)
 
 
@@ -229,3 +258,129 @@ async def emulator():
         # kr8s (dask-kubernetes' client) asks for "/version/"; KMock serves only "/version".
         k["get /version/"] << {"major": "1", "minor": "30", "gitVersion": "v1.30.0"}
         yield Cluster(k)
+
+
+class Kubelet:
+    """Plays the garbage collector, the Job controller, the kubelet and the Dask Operator for what
+    the operator made, with their real-Kubernetes semantics:
+
+    * a pod whose Job (or DaskCluster) is gone is deleted, as ownerReferences make the garbage
+      collector do; a DaskCluster gets a scheduler and ``workers`` worker pods (API objects only);
+    * a pod with a process carries a finalizer, so its deletion only marks it (deletionTimestamp,
+      "Terminating"); its process gets SIGTERM, SIGKILL after ``grace`` s, and the pod is gone
+      only once the process has exited, as the kubelet does;
+    * a process that exits ends its pod (Succeeded/Failed) and its Job (Complete/Failed);
+    * a Job whose pod vanished before it ended fails (runner Jobs have ``backoffLimit: 0``)."""
+
+    FINALIZER = "test.h5ngff.dev/kubelet"
+
+    def __init__(self, cluster: Cluster, grace: float = 2.0, workers: int = 2):
+        self.c = cluster
+        self.grace = grace
+        self.workers = workers
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self._done: set[str] = set()
+        self._clusters: set[str] = set()
+        self._pods_of: dict[str, str] = {}  #: Job name -> its pod's name
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "Kubelet":
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._task.cancel()
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                _signal_group(proc, 9)
+                await proc.wait()
+
+    async def run_pod(self, job_name: str, command: list[str] | None = None, env: dict[str, str] | None = None, cwd: str | None = None) -> str:
+        """Start the Job's pod: Running in the API, and ``command`` as a real process if given."""
+        import os
+
+        job = self.c.jobs()[job_name]
+        name = f"{job_name}-abcde"
+        template = job["spec"]["template"]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": "default", "labels": {**template["metadata"]["labels"], "job-name": job_name},
+                            "finalizers": [self.FINALIZER] if command else []},
+               "spec": template["spec"], "status": {"phase": "Running", "containerStatuses": [{"name": "runner", "state": {"running": {}}}]}}
+        resp = await self.c.k.post(PODS_PATH.format(ns="default"), json=pod)
+        assert resp.status in (200, 201), await resp.text()
+        await self.c.patch_job_status(job_name, {"active": 1})
+        self._pods_of[job_name] = name
+        if command:
+            log = open(os.path.join(cwd or ".", f"{name}.log"), "wb")
+            self.procs[name] = await asyncio.create_subprocess_exec(*command, env=env, cwd=cwd, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                                                                    start_new_session=True)
+        return name
+
+    async def _loop(self) -> None:
+        while True:
+            await self._collect()
+            await asyncio.sleep(0.05)
+
+    async def _collect(self) -> None:
+        jobs, clusters, pods = self.c.jobs(), self.c.live(DASK_RES), self.c.live(POD_RES)
+        for name in set(clusters) - self._clusters:
+            await self._dask_pods(name)
+        self._clusters = set(clusters)
+        for name, pod in pods.items():
+            labels = pod["metadata"].get("labels") or {}
+            owner_job, owner_cluster = labels.get("job-name"), labels.get("dask.org/cluster-name")
+            gone = (owner_job and owner_job not in jobs) or (owner_cluster and owner_cluster not in clusters)
+            if gone and not pod["metadata"].get("deletionTimestamp"):
+                await self.c.k.delete(f"{PODS_PATH.format(ns='default')}/{name}")
+        for job_name, pod_name in list(self._pods_of.items()):
+            job = self.c.jobs().get(job_name)
+            if job is not None and pod_name not in self.c.live(POD_RES) and not (job.get("status") or {}).get("conditions"):
+                del self._pods_of[job_name]
+                await self.c.patch_job_status(job_name, {"active": 0, "failed": 1, "conditions": [
+                    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]})
+        for name, proc in list(self.procs.items()):
+            pod = self.c.live(POD_RES).get(name)
+            if pod is None:
+                continue
+            if proc.returncode is None and pod["metadata"].get("deletionTimestamp") and name not in self._done:
+                self._done.add(name)
+                asyncio.ensure_future(self._terminate(name, proc))
+            elif proc.returncode is not None and name not in self._done:
+                self._done.add(name)
+                await self._ended(name, proc.returncode)
+
+    async def _dask_pods(self, cluster: str) -> None:
+        for role in ["scheduler"] + [f"default-worker-{i}" for i in range(self.workers)]:
+            pod = {"apiVersion": "v1", "kind": "Pod", "status": {"phase": "Pending"},
+                   "metadata": {"name": f"{cluster}-{role}", "namespace": "default", "labels": {"dask.org/cluster-name": cluster}}}
+            await self.c.k.post(PODS_PATH.format(ns="default"), json=pod)
+
+    async def _terminate(self, name: str, proc: asyncio.subprocess.Process) -> None:
+        _signal_group(proc, 15)
+        try:
+            await asyncio.wait_for(proc.wait(), self.grace)
+        except asyncio.TimeoutError:
+            _signal_group(proc, 9)
+            await proc.wait()
+        await self.c.k.patch(f"{PODS_PATH.format(ns='default')}/{name}", json={"metadata": {"finalizers": []}},
+                             headers={"Content-Type": "application/merge-patch+json"})
+
+    async def _ended(self, pod_name: str, code: int) -> None:
+        pod = self.c.live(POD_RES)[pod_name]
+        job_name = pod["metadata"]["labels"]["job-name"]
+        term = {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}
+        await self.c.k.patch(f"{PODS_PATH.format(ns='default')}/{pod_name}", json={"metadata": {"finalizers": []}, "status": {
+            "phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [{"name": "runner", "state": {"terminated": term}}]}},
+            headers={"Content-Type": "application/merge-patch+json"})
+        if job_name in self.c.jobs():
+            done = {"type": "Complete", "status": "True"} if code == 0 else {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}
+            await self.c.patch_job_status(job_name, {"active": 0, "succeeded" if code == 0 else "failed": 1, "conditions": [done]})
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    import os
+
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -14,6 +14,8 @@ import asyncio
 import os
 import signal
 import sys
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ import zarr
 
 from conftest import smooth, write_h5
 from h5ngff.operator.rbac import RUNNER_RULES, calls
-from operator_harness import emulator, fast_config, manifest, operator_running, wait_for
+from operator_harness import emulator, fast_config, manifest, operator_running, passes, wait_for
 from test_operator_kmock import env_of, phases
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
@@ -35,7 +37,9 @@ async def run_container(job: dict, api_url: str, cwd: str, backend: str = "local
     env = {**os.environ, **env_of(job),
            "H5NGFF_KUBE_API": api_url,  # instead of the pod's service account
            "H5NGFF_BACKEND": backend,  # "local": the one substitution, no DaskCluster pods here
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""), **extra_env}
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+           "H5NGFF_METRICS_LINGER": "0",  # no Prometheus here, unless a test scrapes (extra_env)
+           **extra_env}
     log_path = os.path.join(cwd, f"{job['metadata']['name']}.log")
     with open(log_path, "wb") as log:
         proc = await asyncio.create_subprocess_exec(*container["command"], *container["args"], env=env, cwd=container.get("workingDir", cwd),
@@ -47,6 +51,36 @@ async def run_container(job: dict, api_url: str, cwd: str, backend: str = "local
             code = await proc.wait()
     with open(log_path, errors="replace") as f:
         return code, f.read()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape_until(port: int, done, task: asyncio.Task, timeout: float = 150) -> dict:
+    """Scrape a runner's metrics every 0.2 s until ``done(samples)``; samples keyed by (name, phase label)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not task.done():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            time.sleep(0.2)
+            continue
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name_labels, value = line.rsplit(" ", 1)
+                name = name_labels.split("{")[0]
+                phase = name_labels.split('phase="')[1].split('"')[0] if 'phase="' in name_labels else ""
+                samples[(name, phase)] = float(value)
+        if done(samples):
+            return samples
+        time.sleep(0.2)
+    raise AssertionError("the runner's metrics never showed the final values (did it exit without lingering?)")
 
 
 async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp_path):
@@ -66,8 +100,15 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
         job = c.jobs()["scan-runner-1"]
         await c.patch_job_status("scan-runner-1", {"active": 1})
-        code, log = await run_container(job, c.url, str(tmp_path))
+        port = free_port()
+        runner = asyncio.create_task(run_container(job, c.url, str(tmp_path), H5NGFF_METRICS_PORT=str(port), H5NGFF_METRICS_LINGER="60"))
+        # Prometheus' part: scrape until the final values show; the runner lingers for that one scrape.
+        final = await asyncio.to_thread(scrape_until, port, lambda m: m.get(("h5ngff_job_phase", "Succeeded")) == 1, runner)
+        scraped_at = time.monotonic()
+        code, log = await runner
         assert code == 0, log
+        assert time.monotonic() - scraped_at < 20, "the runner lingered on after its final values were scraped"
+        assert "up to 60 s more" in log and final[("h5ngff_job_slabs_done_total", "")] == final[("h5ngff_job_planned_slabs", "")]
         await c.patch_job_status("scan-runner-1", {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
         await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
         status = c.status("scan")
@@ -80,7 +121,7 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
     assert progress["bytesRead"] >= data.nbytes and status["result"]["bytesWritten"] > 0
     assert status["runner"]["outcome"] == "Succeeded" and status["output"] == output
     assert phases(c, "scan") == ["Pending", "Planned", "Running", "Succeeded"]
-    assert {x["type"]: x["status"] for x in status["conditions"]} == {"Validated": "True", "Planned": "True", "Running": "False", "Complete": "True"}
+    assert {x["type"]: x["status"] for x in status["conditions"]} == {"Validated": "True", "OutputLease": "False", "Planned": "True", "Running": "False", "Complete": "True"}
 
     from ome_zarr_models.v05 import Image
 
@@ -95,7 +136,7 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
 async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retrying(tmp_path):
     spec = {"source": {"path": str(tmp_path / "missing.h5"), "dataset": "/volume/data"},
             "output": {"path": str(tmp_path / "out.ome.zarr")}, "backoffLimit": 3}
-    async with emulator() as c, operator_running(fast_config(c.url)):
+    async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("lost", spec))
         await wait_for(lambda: "lost-runner-1" in c.jobs(), what="runner Job")
         job = c.jobs()["lost-runner-1"]
@@ -104,6 +145,6 @@ async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retryi
         await c.patch_job_status("lost-runner-1", {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
         await wait_for(lambda: c.status("lost").get("phase") == "Failed", what="Failed")
         status = c.status("lost")
-        await asyncio.sleep(0.5)
+        await passes(cfg, "lost", 3)
         assert status["reason"] == "SourceUnreadable" and "missing.h5" in status["message"]
         assert list(c.jobs()) == ["lost-runner-1"]  # an unreadable input is not retried

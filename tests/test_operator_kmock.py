@@ -21,7 +21,7 @@ from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_RULES, calls
 from h5ngff.operator.reporter import StatusReporter
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.units import k8s_quantity
-from operator_harness import CJ_RES, DASK_RES, JOB_RES, OperatorThread, emulator, fast_config, manifest, operator_running, wait_for
+from operator_harness import CJ_RES, DASK_RES, JOB_RES, LEASE_RES, OperatorThread, emulator, fast_config, manifest, operator_running, passes, wait_for
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -33,10 +33,11 @@ SPEC = {
     "resources": {"workers": 2, "memoryPerWorker": "1Gi"},
     "pod": {"image": "registry.example/h5ngff:1", "volumes": VOLUMES, "volumeMounts": MOUNTS},
     "backoffLimit": 1,
+    "retry": {"intervalSeconds": 0},  # retry at once: backoff has its own test (test_operator_lifecycle.py)
 }
 RECORDED: dict[str, set] = {"operator": set(), "runner": set(), "other": set()}
 RECORDED_BY: list[str] = []
-TESTS_RECORDING = 9
+TESTS_RECORDING = 10
 
 
 def record(c) -> None:
@@ -74,10 +75,10 @@ async def report(reporter: StatusReporter, patch: dict, final: bool = False) -> 
 
 
 async def test_applying_a_job_yields_exactly_one_runner_job():
-    async with emulator() as c, operator_running(fast_config(c.url)):
+    async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
         await wait_for(lambda: c.status("scan").get("phase") == "Pending", what="Pending")
-        await asyncio.sleep(1.0)  # five more reconcile passes: none may create another Job
+        await passes(cfg, "scan", 5)  # five more reconcile passes: none may create another Job
         assert list(c.jobs()) == ["scan-runner-1"] and c.job_creations() == ["scan-runner-1"]
         job = c.jobs()["scan-runner-1"]
         pod = job["spec"]["template"]["spec"]
@@ -91,7 +92,10 @@ async def test_applying_a_job_yields_exactly_one_runner_job():
         assert json.loads(env_of(job)["H5NGFF_SPEC"])["source"] == SPEC["source"]
         status = c.status("scan")
         assert status["attempts"] == 1 and status["runnerJob"] == "scan-runner-1"
-        assert {c_["type"]: c_["status"] for c_ in status["conditions"]} == {"Validated": "True"}
+        assert {c_["type"]: c_["status"] for c_ in status["conditions"]} == {"Validated": "True", "OutputLease": "True"}
+        assert status["observedGeneration"] == 1 and {x["observedGeneration"] for x in status["conditions"]} == {1}
+        (lease,) = c.live(LEASE_RES).values()
+        assert lease["spec"]["holderIdentity"] == "default/scan/uid-scan" and status["outputLease"] == lease["metadata"]["name"]
         assert [e["reason"] for e in c.events()] == ["RunnerCreated"]
         record(c)
 
@@ -125,7 +129,7 @@ async def test_status_moves_through_the_phases_with_the_runner_and_the_job():
 
 
 async def test_an_oomkilled_runner_is_retried_up_to_the_backoff_limit():
-    async with emulator() as c, operator_running(fast_config(c.url)):
+    async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))  # backoffLimit 1: two attempts
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner 1")
         # A DaskCluster the dead attempt left behind must go before the retry starts.
@@ -145,8 +149,9 @@ async def test_an_oomkilled_runner_is_retried_up_to_the_backoff_limit():
         status = c.status("scan")
         assert status["reason"] == "BackoffLimitExceeded" and "OOMKilled" in status["message"]
         assert [f["attempt"] for f in status["failures"]] == [1, 2]
-        await asyncio.sleep(0.6)
+        await passes(cfg, "scan", 3)
         assert sorted(c.job_creations()) == ["scan-runner-1", "scan-runner-2"]
+        assert c.live(LEASE_RES) == {} and "outputLease" not in status  # the run ended: the path is free
         await wait_for(lambda: "BackoffLimitExceeded" in [e["reason"] for e in c.events()], what="event")
         reasons = [e["reason"] for e in c.events()]
         assert reasons.count("Retrying") == 1 and reasons.count("BackoffLimitExceeded") == 1
@@ -170,10 +175,10 @@ async def test_a_worker_oom_the_runner_reports_is_retried_with_its_reason():
 
 async def test_an_invalid_spec_fails_with_invalid_spec_and_creates_nothing():
     bad = {**SPEC, "resources": {"workers": 0}}
-    async with emulator() as c, operator_running(fast_config(c.url)):
+    async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("bad", bad))
         await wait_for(lambda: c.status("bad").get("phase") == "Failed", what="Failed")
-        await asyncio.sleep(0.6)
+        await passes(cfg, "bad", 3)
         status = c.status("bad")
         assert status["reason"] == "InvalidSpec"
         assert status["message"].startswith("resources.workers: Expected") and "Got 0 instead" in status["message"]
@@ -204,14 +209,32 @@ async def test_an_operator_restart_mid_flight_duplicates_nothing():
         job = build_runner_job(Owner("default", "scan", "uid-scan"), spec, 1, "registry.example/h5ngff:1")
         resp = await c.k.post("/apis/batch/v1/namespaces/default/jobs", json=job)
         assert resp.status == 200
-        async with operator_running(fast_config(c.url)):
+        async with operator_running(cfg := fast_config(c.url)):
             await wait_for(lambda: c.status("scan").get("attempts") == 1, what="adopted")
-            await asyncio.sleep(0.6)
-        async with operator_running(fast_config(c.url)):  # and once more, mid-run
-            await asyncio.sleep(0.8)
+            await passes(cfg, "scan", 3)
+        async with operator_running(cfg := fast_config(c.url)):  # and once more, mid-run
+            await passes(cfg, "scan", 4)
         assert list(c.jobs()) == ["scan-runner-1"]
         assert c.status("scan")["attempts"] == 1 and c.status("scan")["phase"] == "Pending"
         assert [e["reason"] for e in c.events()].count("RunnerCreated") == 1
+        record(c)
+
+
+async def test_a_runner_job_deleted_while_the_operator_was_down_is_a_failed_attempt():
+    """The restarted operator's index lacks the Job it saw before: it asks the API, and only
+    then counts the attempt as failed (RunnerDeleted) and resumes in the next one."""
+    async with emulator() as c:
+        async with operator_running(cfg := fast_config(c.url)):
+            await c.apply(manifest("scan", SPEC))
+            await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
+            await passes(cfg, "scan", 3)
+        resp = await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")
+        assert resp.status == 200
+        async with operator_running(fast_config(c.url)):
+            await wait_for(lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2, what="attempt 2")
+        assert c.status("scan")["failures"][-1]["reason"] == "RunnerDeleted"
+        assert c.job_creations() == ["scan-runner-1", "scan-runner-2"]
+        assert ("get", "batch", "jobs", "") in c.api_calls()["operator"]  # looked up before it counted as deleted
         record(c)
 
 
@@ -230,15 +253,18 @@ async def test_api_errors_409_500_and_watch_410_are_survived():
         k["patch", cjs, kmock.subresource("status")][:1] << 409 << {"kind": "Status", "code": 409, "reason": "Conflict", "message": "the object has been modified"}
         metrics = OperatorMetrics()
         server, _ = metrics.serve(0, addr="127.0.0.1")
-        async with operator_running(fast_config(c.url, metrics=metrics)):
+        async with operator_running(cfg := fast_config(c.url, metrics=metrics)):
             await c.apply(manifest("scan", SPEC))
             await wait_for(lambda: c.status("scan").get("attempts") == 1, timeout=30, what="reconciled despite errors")
-            await asyncio.sleep(0.6)
+            await passes(cfg, "scan", 3)
             assert list(c.jobs()) == ["scan-runner-1"]
             await c.patch_job_status("scan-runner-1", {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
             await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", timeout=30, what="Succeeded")
-        served = [r for r in k if r.resource in (jobs, cjs)]
-        assert any(r.action == kmock.action.WATCH and r.resource == cjs for r in served[1:])  # the watch was re-established
+            # Only a re-established watch brings this edit to the operator (the negative control:
+            # test_operator_lifecycle.py::test_a_watch_that_is_not_reestablished_is_detected).
+            await c.edit("scan", {"spec": {"backoffLimit": 3}})
+            await wait_for(lambda: c.status("scan").get("observedGeneration") == 2, timeout=10, what="an edit after the 410 observed")
+        assert sum(r.action == kmock.action.WATCH and r.resource == cjs for r in k) >= 2  # the watch was re-established
         record(c)
     # The operator's own metrics, scraped over HTTP: one job Succeeded, and the errors counted.
     scraped = await asyncio.to_thread(_scrape, server.server_port)
@@ -271,16 +297,17 @@ async def test_two_peered_replicas_act_once_and_fail_over():
         assert resp.status == 200
         standby = await OperatorThread(fast_config(c.url, peering="h5ngff", priority=10)).start()
         try:
-            async with operator_running(fast_config(c.url, peering="h5ngff", priority=20)):
+            async with operator_running(active := fast_config(c.url, peering="h5ngff", priority=20)):
                 await wait_for(lambda: len(_peers(c)) == 2, what="both replicas in the peering object")
                 await c.apply(manifest("one", SPEC))
                 await wait_for(lambda: "one-runner-1" in c.jobs(), what="runner of the first job")
-                await asyncio.sleep(1.0)
+                await passes(active, "one", 5)
+                assert standby.cfg.metrics.passes_of("default", "one") == 0  # the paused replica never reconciled
                 assert c.job_creations() == ["one-runner-1"]  # one replica acted, once
             await wait_for(lambda: len(_peers(c)) == 1, what="the active replica left the peering")
-            await c.apply(manifest("two", SPEC))
+            await c.apply(manifest("two", {**SPEC, "output": {"path": "/data/two.ome.zarr"}}))  # "one" holds /data/out.ome.zarr
             await wait_for(lambda: "two-runner-1" in c.jobs(), what="the standby took over")
-            await asyncio.sleep(0.6)
+            await passes(standby.cfg, "two", 3)
             assert c.job_creations() == ["one-runner-1", "two-runner-1"]
         finally:
             await standby.halt()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from h5ngff.engine.progress import Progress
+from h5ngff.operator.lease import LeaseState
 from h5ngff.operator.reconcile import JobSummary, Observed, failure_cause, job_summary, reconcile
 from h5ngff.operator.status import (
     ConversionJobStatus,
@@ -19,7 +20,8 @@ T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
 
 
 def observe(status=None, jobs=(), pods=(), backoff=2, checked=False, now=T1):
-    return Observed("scan", dict(status or {}), backoff, "/data/out.ome.zarr", tuple(jobs), tuple(pods), checked, now)
+    return Observed("scan", dict(status or {}), backoff, "/data/out.ome.zarr", tuple(jobs), tuple(pods), checked, now,
+                    conversion="c1", lease_name="lease-x", lease=LeaseState("lease-x", True))
 
 
 def apply(status, decision):
@@ -28,9 +30,9 @@ def apply(status, decision):
 
 def oom_pod(attempt=1, limit="1Gi"):
     return {
-        "metadata": {"name": f"scan-runner-{attempt}-x7k2p", "labels": {"h5ngff.dev/attempt": str(attempt)}},
+        "metadata": {"name": f"scan-runner-{attempt}-x7k2p", "labels": {"h5ngff.dev/attempt": str(attempt), "app.kubernetes.io/component": "runner"}},
         "spec": {"containers": [{"name": "runner", "resources": {"limits": {"memory": limit}}}]},
-        "status": {"containerStatuses": [{"name": "runner", "state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]},
+        "status": {"phase": "Failed", "containerStatuses": [{"name": "runner", "state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]},
     }
 
 
@@ -49,7 +51,8 @@ def test_a_new_job_gets_its_first_runner_and_pending():
 
 def test_a_missing_runner_of_the_current_attempt_is_ensured_not_a_new_attempt():
     s = {"phase": "Pending", "attempts": 2, "startTime": T0}
-    d = reconcile(observe(s))
+    assert reconcile(observe(s)).needs == {"pods"}  # an earlier attempt's pods must be gone first
+    d = reconcile(observe(s, checked=True))
     assert d.ensure_attempt == 2 and d.resume and d.event is None
     assert "attempts" not in d.patch
 
@@ -77,11 +80,13 @@ def test_a_failed_runner_without_a_report_needs_its_pods_looked_at():
 def test_an_oomkilled_runner_pod_is_retried_with_resume_until_the_backoff_limit():
     s = {"phase": "Running", "attempts": 1, "startTime": T0}
     d = reconcile(observe(s, [failed(1)], [oom_pod(1, "1Gi")], backoff=1, checked=True))
-    assert d.ensure_attempt == 2 and d.resume and d.delete_cluster
-    s = apply(s, d)
-    assert s["phase"] == "Pending" and s["attempts"] == 2 and s["reason"] == "OOMKilled"
-    assert s["failures"][0]["reason"] == "OOMKilled" and "1Gi" in s["failures"][0]["message"]
+    assert d.ensure_attempt is None and d.delete_cluster  # the next pass starts it, once the backoff passed
     assert d.event[:2] == ("Warning", "Retrying")
+    s = apply(s, d)
+    assert s["phase"] == "Pending" and s["attempts"] == 2 and s["reason"] == "OOMKilled" and s["nextRetryTime"] == T1
+    d = reconcile(observe(s, [failed(1)], [oom_pod(1, "1Gi")], backoff=1, checked=True))
+    assert d.ensure_attempt == 2 and d.resume
+    assert s["failures"][0]["reason"] == "OOMKilled" and "1Gi" in s["failures"][0]["message"]
     # attempt 2 fails the same way: backoffLimit 1 allows no third attempt
     d = reconcile(observe(s, [failed(1), failed(2)], [oom_pod(2)], backoff=1, checked=True))
     s = apply(s, d)
@@ -100,7 +105,7 @@ def test_worker_failures_the_runner_reports_are_retried(reason):
     s = {"phase": "Running", "attempts": 1, "runner": {"attempt": 1, "outcome": "Failed", "reason": reason, "message": "pod limit 286 MiB"}}
     d = reconcile(observe(s, [failed(1)]))
     assert not d.needs_pods  # the runner said why; no pod listing needed
-    assert d.ensure_attempt == 2 and apply(s, d)["failures"][-1]["reason"] == reason
+    assert apply(s, d)["attempts"] == 2 and apply(s, d)["failures"][-1]["reason"] == reason
     assert "runner" not in apply(s, d)  # the next attempt reports afresh
 
 
@@ -130,7 +135,7 @@ def test_a_runner_that_exited_without_reporting_says_so():
 
 def test_finished_jobs_are_left_alone():
     for phase in ("Succeeded", "Failed"):
-        d = reconcile(observe({"phase": phase, "attempts": 1}, [failed(1)]))
+        d = reconcile(observe({"phase": phase, "attempts": 1, "conversionHash": "c1", "observedGeneration": 1}, [failed(1)]))
         assert d == type(d)()
 
 

@@ -46,7 +46,7 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     o.add_argument("--runner-service-account", default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"), metavar="NAME",
                    help="Service account of runner pods when a job names none (needs the runner RBAC; the Helm chart creates h5ngff-runner).")
     o.add_argument("--namespace", action="append", default=[], metavar="NS", help="Serve only this namespace (repeatable; default: the whole cluster).")
-    o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of an unfinished job (default 5).")
+    o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of each ConversionJob (default 5; finished jobs too, without API calls).")
     o.add_argument("--peering", default="h5ngff", metavar="NAME", help="kopf peering object name, so replicas take turns (default h5ngff).")
     o.add_argument("--standalone", action="store_true", help="No peering: run as the only operator replica.")
     o.add_argument("--priority", type=int, metavar="N", help="Peering priority (default: random per process, so replicas never tie; the highest live one acts).")

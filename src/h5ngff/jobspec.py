@@ -2,7 +2,7 @@
 
 The conversion fields are inherited unchanged from :class:`~h5ngff.spec.ConversionSpec`, so the
 CLI, ``h5ngff run job.yaml`` and the CRD schema share one model. The Kubernetes fields (``pod``,
-``backoffLimit``, ``ttlSecondsAfterFinished``) are used only by the operator, for the runner Job
+``backoffLimit``, ``ttlSecondsAfterFinished``, ``retry``, ``activeDeadlineSeconds``) are used only by the operator, for the runner Job
 and the Dask pods; ``h5ngff run`` ignores them. They live in their own ``pod`` section because the
 conversion already has an ``image`` section (axes, scale, units), which a flat ``image: repo:tag``
 would collide with.
@@ -12,6 +12,8 @@ copying their schemas into our CRD would pin us to one Kubernetes version for no
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -22,6 +24,10 @@ from .spec import ConversionSpec, _Model, parse_model
 #: Kubernetes Job defaults, chosen for memory-planned batch work: a run that failed twice for the
 #: same reason (usually memory) will fail a third time, so retry twice, not Kubernetes' six.
 DEFAULT_BACKOFF_LIMIT = 2
+#: Retry backoff defaults (seconds), as the Spark operator's ``onFailureRetryInterval`` but
+#: doubling: a lost node or a full volume is rarely fixed in less than ten seconds.
+DEFAULT_RETRY_INTERVAL = 10
+DEFAULT_MAX_RETRY_INTERVAL = 300
 
 FreeForm = dict[str, Any]
 
@@ -55,16 +61,49 @@ class PodSettings(_Model):
         return self
 
 
+class RetryPolicy(_Model):
+    """How long the operator waits before each retry: ``intervalSeconds`` before the first,
+    doubling per failed attempt of the run, at most ``maxIntervalSeconds``."""
+
+    interval_seconds: int = Field(DEFAULT_RETRY_INTERVAL, ge=0, le=86400, description="Seconds before the first retry (default 10); doubled for each further one.")
+    max_interval_seconds: int = Field(DEFAULT_MAX_RETRY_INTERVAL, ge=0, le=86400, description="Longest wait between attempts (default 300).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "RetryPolicy":
+        if self.max_interval_seconds < self.interval_seconds:
+            raise ValueError(f"Expected maxIntervalSeconds >= intervalSeconds ({self.interval_seconds}). Got {self.max_interval_seconds} instead.")
+        return self
+
+    def delay(self, failures: int) -> int:
+        """Seconds to wait after the ``failures``-th failed attempt of a run (1, 2, ...)."""
+        if failures < 1 or self.interval_seconds == 0:
+            return 0
+        return min(self.max_interval_seconds, self.interval_seconds * 2 ** min(failures - 1, 30))
+
+
 class ConversionJobSpec(ConversionSpec):
     """A conversion, the pods that run it, and how often to retry."""
 
     pod: PodSettings = Field(default_factory=PodSettings)
     backoff_limit: int = Field(DEFAULT_BACKOFF_LIMIT, ge=0, le=20, description="Retries after a failed attempt (each resumes from the manifest); 0 = no retry. Default 2.")
     ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete finished runner Jobs (not the ConversionJob) this many seconds after they finish.")
+    retry: RetryPolicy = Field(default_factory=RetryPolicy, description="Backoff between attempts: exponential from intervalSeconds, capped at maxIntervalSeconds.")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="End a run (all its attempts and waits) that takes longer than this many seconds, with reason DeadlineExceeded.")
 
     def conversion(self) -> ConversionSpec:
         """Only the conversion fields: what the runner plans and converts."""
         return ConversionSpec(**{name: getattr(self, name) for name in ConversionSpec.model_fields})
+
+    def conversion_hash(self) -> str:
+        """What the operator compares across edits: the conversion fields and where the data is
+        (volumes, mounts, working directory). ``output.overwrite`` (what to do with an existing
+        output) and how the pods run (image, placement, retries, deadline) are left out, so
+        editing them never re-runs a finished conversion."""
+        wire = self.conversion().to_wire()
+        wire["output"].pop("overwrite", None)
+        pod = self.pod.to_wire()
+        wire["where"] = {k: pod[k] for k in ("volumes", "volumeMounts", "workingDir") if k in pod}
+        return hashlib.sha256(json.dumps(wire, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def parse_job_spec(data: Any) -> ConversionJobSpec:

@@ -14,7 +14,8 @@ Why a custom collector rather than prometheus_client Gauges/Counters:
   elsewhere (kernel, scheduler events, SpillBuffer, the driver); ``Counter`` only has ``inc()``.
 
 After the run the exporter keeps serving the final values until the process exits
-(``--metrics-linger`` keeps the process alive long enough for Prometheus to scrape them).
+(``--metrics-linger`` keeps the process alive long enough for Prometheus to scrape them; the
+Kubernetes runner lingers only until one scrape has read them, ``$H5NGFF_METRICS_LINGER`` s at most).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         yield from self.exporter.families()
+        self.exporter._scraped()
 
 
 class MetricsExporter:
@@ -67,6 +69,11 @@ class MetricsExporter:
         self._poller: ClusterPoller | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Completed scrapes, so ``linger`` can tell when the final values were read.
+        self.scrapes = 0
+        #: ``scrapes`` when the job reached Succeeded or Failed: later scrapes read the final values.
+        self._final_mark: int | None = None
+        self._scrape = threading.Condition()
         # Our own registry: the exposition is exactly our catalogue, whatever else the process
         # (an in-process Dask scheduler, say) registers in prometheus_client's global one.
         self.registry = CollectorRegistry(auto_describe=False)
@@ -96,7 +103,9 @@ class MetricsExporter:
             if before is None or (before.phase, before.slabs_done) != (snapshot.phase, snapshot.slabs_done):
                 self._state.last_progress = time.time()
             self._state.progress = snapshot
-            # Computed now, not at scrape time: after the run they must stay the final figures.
+        if snapshot.phase in ("Succeeded", "Failed"):
+            with self._scrape:
+                self._final_mark = self.scrapes            # Computed now, not at scrape time: after the run they must stay the final figures.
             self._state.throughput = snapshot.read_throughput if snapshot.phase not in ("Pending", "Planned") else None
             self._state.eta = snapshot.eta_seconds
 
@@ -178,11 +187,24 @@ class MetricsExporter:
             state = dataclasses.replace(self._state)
         return build_families(self.job, self.namespace, state)
 
-    def linger(self, seconds: float) -> None:
-        """Keep the process (and so the HTTP server) alive so Prometheus scrapes the final state."""
-        if seconds > 0:
-            log.info("Metrics: serving the final values for %.0f s more.", seconds)
-            time.sleep(seconds)
+    def _scraped(self) -> None:
+        with self._scrape:
+            self.scrapes += 1
+            self._scrape.notify_all()
+
+    def linger(self, seconds: float, until_scraped: bool = False) -> bool:
+        """Keep the process (and so the HTTP server) alive so Prometheus scrapes the final state:
+        ``seconds`` long, or with ``until_scraped`` only until one scrape has read the final
+        values (at most ``seconds``). True if a scrape happened while lingering."""
+        if seconds <= 0:
+            return False
+        with self._scrape:
+            before = self.scrapes if self._final_mark is None else self._final_mark
+            log.info("Metrics: serving the final values for %s%.0f s more.", "up to " if until_scraped else "", seconds)
+            if until_scraped:
+                return self._scrape.wait_for(lambda: self.scrapes > before, seconds)
+        time.sleep(seconds)
+        return self.scrapes > before
 
     def close(self) -> None:
         self.detach()

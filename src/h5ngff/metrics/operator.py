@@ -1,7 +1,7 @@
 """The operator's own Prometheus metrics: ConversionJobs by phase, and reconcile errors.
 
 The operator feeds them from its handlers (``observe``/``forget`` on every ConversionJob event,
-``reconcile_error`` when a pass fails); ``serve`` exposes them on ``/metrics``. The phase gauge
+``reconciled`` after every pass, ``reconcile_error`` when a pass fails); ``serve`` exposes them on ``/metrics``. The phase gauge
 is computed at scrape time from what the operator last saw, so it needs no bookkeeping of
 increments and decrements, and a restart rebuilds it from kopf's initial listing.
 """
@@ -40,6 +40,10 @@ class OperatorMetrics:
         self._phases: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self.errors = Counter("h5ngff_operator_reconcile_errors", "Failed reconcile passes, by error kind.", ["kind"], registry=self.registry)
+        self.passes = Counter("h5ngff_operator_reconcile_passes", "Completed reconcile passes over all ConversionJobs.", registry=self.registry)
+        #: Completed passes per ConversionJob (not exported: one series per job would grow without
+        #: bound); tests count them instead of sleeping ("N passes later, nothing happened").
+        self._passes: Tally = Tally()
         self.registry.register(_PhaseCollector(self))
 
     def observe(self, namespace: str, name: str, phase: str | None) -> None:
@@ -49,6 +53,15 @@ class OperatorMetrics:
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
             self._phases.pop((namespace, name), None)
+
+    def reconciled(self, namespace: str, name: str) -> None:
+        self.passes.inc()
+        with self._lock:
+            self._passes[(namespace, name)] += 1
+
+    def passes_of(self, namespace: str, name: str) -> int:
+        with self._lock:
+            return self._passes[(namespace, name)]
 
     def reconcile_error(self, kind: str) -> None:
         self.errors.labels(kind=kind).inc()

@@ -1,8 +1,9 @@
 """The kopf handlers: thin. They gather what the operator observes, call the pure
 ``reconcile`` and carry out its decision.
 
-One timer per unfinished ConversionJob does all the work, first at once when the object
-appears, then every ``interval`` seconds until the job reaches Succeeded or Failed. Runner Jobs
+One timer per ConversionJob does all the work, first at once when the object appears, then
+every ``interval`` seconds (finished jobs too: that is where a spec edit is noticed; such a pass
+makes no API call). Runner Jobs
 are watched through a kopf index, so a pass costs no API call unless something must change.
 Handlers are idempotent: children have deterministic names, an existing child is kept (HTTP 409
 means "already there"), and a pass that sees its own previous write not yet reflected in the
@@ -12,6 +13,7 @@ object waits for the watch to catch up instead of acting twice.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 import time
@@ -24,9 +26,10 @@ from ..backends.kubernetes import LABEL_COMPONENT, label_value
 from ..errors import SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
 from .kube import Conflict, Kube, KubeConfig, KubeError, Transient, namespaced
-from .manifests import API_VERSION, GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION, Owner, build_runner_job, dask_cluster_name
-from .reconcile import Decision, Observed, job_summary, reconcile
-from .status import TERMINAL_PHASES, invalid_patch, now
+from .lease import acquire, holder_identity, lease_body, lease_name, output_key, release
+from .manifests import API_VERSION, GROUP, KIND, LABEL_JOB, PLURAL, VERSION, Owner, build_runner_job, dask_cluster_name
+from .reconcile import Decision, Observed, job_summary, live_pods, reconcile
+from .status import TERMINAL_PHASES, now
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,9 @@ class OperatorConfig:
     error_backoffs: tuple[float, ...] = (1, 1, 2, 3, 5, 8, 13)
     #: Seconds a handler waits after a transient API error before trying again.
     retry_delay: float = 5.0
+    #: Seconds a deleted ConversionJob's finalizer waits for its pods to exit before it lets go
+    #: (the garbage collector removes what is left).
+    delete_wait: float = 120.0
     metrics: Any = None  #: an OperatorMetrics, or None
 
 
@@ -96,6 +102,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     async def startup(memo: kopf.Memo, **_: Any) -> None:
         memo.kube = await Kube.connect(cfg.api, agent=OPERATOR_AGENT)
         memo.expectations = {}
+        memo.parsed = {}
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -110,7 +117,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         if cfg.metrics is not None:
             cfg.metrics.forget(namespace, name) if type == "DELETED" else cfg.metrics.observe(namespace, name, status.get("phase"))
 
-    @kopf.timer(**CJ, interval=cfg.interval, when=_unfinished, backoff=cfg.retry_delay, id="reconcile", registry=registry)
+    @kopf.timer(**CJ, interval=cfg.interval, when=_not_deleted, backoff=cfg.retry_delay, id="reconcile", registry=registry)
     async def reconcile_job(body: kopf.Body, memo: kopf.Memo, runner_jobs: kopf.Index, **_: Any) -> None:
         try:
             await _reconcile(cfg, body, memo, runner_jobs)
@@ -122,19 +129,29 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay * 6) from None
 
     @kopf.on.delete(**CJ, backoff=cfg.retry_delay, id="delete_children", registry=registry)
-    async def delete_children(name: str, namespace: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    async def delete_children(name: str, namespace: str, uid: str, status: kopf.Status, memo: kopf.Memo, logger: kopf.Logger,
+                              runtime: Any, **_: Any) -> None:
         try:
-            removed = await remove_children(memo.kube, namespace, name)
+            left = await remove_children(memo.kube, Owner(namespace, name, uid), status.get("outputLease"))
         except Transient as exc:
             _count_error(cfg, "transient")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay) from None
-        logger.info("removed %d child object(s) of ConversionJob %s/%s", removed, namespace, name)
+        if left and runtime.total_seconds() < cfg.delete_wait:
+            # The finalizer holds the ConversionJob until its pods have exited, so a job that is
+            # gone never has a runner or worker still writing its output.
+            raise kopf.TemporaryError(f"waiting for {len(left)} pod(s) to exit: {', '.join(left[:5])}", delay=cfg.retry_delay)
+        if left:
+            logger.warning("giving up waiting for pod(s) %s after %.0f s; the garbage collector removes them", left, cfg.delete_wait)
+        memo.parsed.pop(uid, None)
+        logger.info("removed the children of ConversionJob %s/%s", namespace, name)
 
     return registry
 
 
-def _unfinished(status: kopf.Status, meta: kopf.Meta, **_: Any) -> bool:
-    return status.get("phase") not in TERMINAL_PHASES and not meta.get("deletionTimestamp")
+def _not_deleted(meta: kopf.Meta, **_: Any) -> bool:
+    # Every ConversionJob gets passes, finished ones too: a pass on a finished, unchanged job
+    # costs no API call, and it is where a spec edit is noticed (docs/operator.md, Lifecycle).
+    return not meta.get("deletionTimestamp")
 
 
 def _count_error(cfg: OperatorConfig, kind: str) -> None:
@@ -142,25 +159,48 @@ def _count_error(cfg: OperatorConfig, kind: str) -> None:
         cfg.metrics.reconcile_error(kind)
 
 
+def _parse(memo: kopf.Memo, body: kopf.Body) -> tuple[ConversionJobSpec | None, str | None]:
+    """The spec, validated once per generation: passes over finished jobs repeat every interval."""
+    meta, data = body["metadata"], dict(body.get("spec") or {})
+    key = json.dumps(data, sort_keys=True, default=str)
+    cached = memo.parsed.get(meta["uid"])
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    try:
+        result: tuple[ConversionJobSpec | None, str | None] = (parse_job_spec(data), None)
+    except SpecError as exc:
+        result = (None, str(exc))
+    memo.parsed[meta["uid"]] = (key, result)
+    return result
+
+
+def observe_job(owner: Owner, body: kopf.Body, spec: ConversionJobSpec | None, error: str | None, index: kopf.Index) -> Observed:
+    """What a pass knows without an API call: the object, its spec, and the runner Jobs index."""
+    meta, status = body["metadata"], dict(body.get("status") or {})
+    jobs = tuple(j for j in index.get((owner.namespace, label_value(owner.name)), ()) if j.owner_uid in ("", owner.uid))
+    common = dict(jobs=jobs, now=now(), generation=int(meta.get("generation") or 1), spec_error=error)
+    if spec is None:
+        return Observed(owner.name, status, 0, status.get("output") or "", **common)
+    delays = tuple(spec.retry.delay(n) for n in range(1, spec.backoff_limit + 2))
+    return Observed(owner.name, status, spec.backoff_limit, spec.output.path, conversion=spec.conversion_hash(), retry_delays=delays,
+                    deadline_seconds=spec.active_deadline_seconds, lease_name=lease_name(output_key(spec)), **common)
+
+
 async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, index: kopf.Index) -> None:
     meta, status = body["metadata"], dict(body.get("status") or {})
     owner = Owner(meta["namespace"], meta["name"], meta["uid"])
     if _stale(memo, owner.uid, status):
         return
-    try:
-        spec = parse_job_spec(dict(body.get("spec") or {}))
-    except SpecError as exc:
-        await _write_status(memo, owner, invalid_patch(str(exc), now()))
-        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
+    spec, error = _parse(memo, body)
+    if error is not None:
         _count_error(cfg, "invalid_spec")
-        raise kopf.PermanentError(f"InvalidSpec: {exc}") from None
-    jobs = tuple(j for j in index.get((owner.namespace, label_value(owner.name)), ()) if j.owner_uid in ("", owner.uid))
-    observed = Observed(owner.name, status, spec.backoff_limit, spec.output.path, jobs, now=now())
+    observed = observe_job(owner, body, spec, error, index)
     decision = reconcile(observed)
-    if decision.needs_pods:
-        attempt = int(status.get("attempts") or 0)
-        pods = await memo.kube.list(namespaced("v1", owner.namespace, "pods"), {LABEL_JOB: label_value(owner.name), LABEL_ATTEMPT: str(attempt)})
-        decision = reconcile(dataclasses.replace(observed, pods=tuple(pods), pods_checked=True))
+    for _ in range(4):  # each lookup at most once: the runner Job, pods (and Events), the Lease
+        if not decision.needs:
+            break
+        observed = await _look_up(memo.kube, owner, spec, observed, decision)
+        decision = reconcile(observed)
     await _carry_out(cfg, memo, owner, spec, decision)
     if decision.patch:
         await _write_status(memo, owner, decision.patch)
@@ -169,6 +209,36 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, inde
     if decision.event:
         kind, reason, message = decision.event
         kopf.event(body, type=kind, reason=reason, message=message)
+    if cfg.metrics is not None:
+        cfg.metrics.reconciled(owner.namespace, owner.name)
+
+
+async def _look_up(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, o: Observed, d: Decision) -> Observed:
+    update: dict[str, Any] = {}
+    if "job" in d.needs and not o.job_checked:
+        found = await kube.get(namespaced("batch/v1", owner.namespace, "jobs", o.status.get("runnerJob") or "-"))
+        summary = job_summary(found) if found else None
+        mine = summary is not None and summary.owner_uid in ("", owner.uid)
+        update.update(jobs=o.jobs + ((summary,) if mine else ()), job_checked=True)
+    if "pods" in d.needs and not o.pods_checked:
+        update.update(pods=tuple(await pods_of(kube, owner.namespace, owner.name)), pods_checked=True)
+    if "events" in d.needs and not o.events_checked:
+        events = await kube.list(namespaced("v1", owner.namespace, "events"), field_selector={"involvedObject.kind": "Job", "involvedObject.name": o.status.get("runnerJob") or ""})
+        update.update(events=tuple(events), events_checked=True)
+    if "lease" in d.needs and o.lease is None and spec is not None:
+        if d.release_lease:
+            await release(kube, owner.namespace, d.release_lease, holder_identity(owner.namespace, owner.name, owner.uid))
+        body = lease_body(output_key(spec), owner.namespace, owner.name, owner.uid, API_VERSION, KIND)
+        update["lease"] = await acquire(kube, body)
+    return dataclasses.replace(o, **update)
+
+
+async def pods_of(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The runner pods of every attempt and the pods of the job's DaskCluster."""
+    pods = await kube.list(namespaced("v1", namespace, "pods"), {LABEL_JOB: label_value(name)})
+    seen = {p["metadata"]["name"] for p in pods}
+    dask = await kube.list(namespaced("v1", namespace, "pods"), {"dask.org/cluster-name": dask_cluster_name(name)})
+    return pods + [p for p in dask if p["metadata"]["name"] not in seen]
 
 
 async def _write_status(memo: kopf.Memo, owner: Owner, patch: dict[str, Any]) -> None:
@@ -189,11 +259,17 @@ def _stale(memo: kopf.Memo, uid: str, status: dict[str, Any]) -> bool:
     return True
 
 
-async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: ConversionJobSpec, decision: Decision) -> None:
+async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: ConversionJobSpec | None, decision: Decision) -> None:
     kube: Kube = memo.kube
+    if decision.delete_job:
+        if await kube.delete(namespaced("batch/v1", owner.namespace, "jobs", decision.delete_job)):
+            log.info("deleted runner Job %s/%s", owner.namespace, decision.delete_job)
     if decision.delete_cluster:
         await kube.delete(namespaced("kubernetes.dask.org/v1", owner.namespace, "daskclusters", dask_cluster_name(owner.name)))
-    if decision.ensure_attempt is not None:
+    if decision.release_lease and "lease" not in decision.needs:
+        # Before the status write that forgets it: a failed write leaves a retry, never a leak.
+        await release(kube, owner.namespace, decision.release_lease, holder_identity(owner.namespace, owner.name, owner.uid))
+    if decision.ensure_attempt is not None and spec is not None:
         job = build_runner_job(owner, spec, decision.ensure_attempt, cfg.image, resume=decision.resume,
                                default_service_account=cfg.runner_service_account)
         try:
@@ -204,14 +280,17 @@ async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: C
             log.info("runner Job %s/%s already exists", owner.namespace, job["metadata"]["name"])
 
 
-async def remove_children(kube: Kube, namespace: str, name: str) -> int:
-    """Delete the runner Jobs (with their pods) and the DaskCluster of one ConversionJob."""
-    removed = 0
-    selector = {LABEL_JOB: label_value(name)}
-    for job in await kube.list(namespaced("batch/v1", namespace, "jobs"), selector):
-        removed += await kube.delete(namespaced("batch/v1", namespace, "jobs", job["metadata"]["name"]))
-    removed += await kube.delete(namespaced("kubernetes.dask.org/v1", namespace, "daskclusters", dask_cluster_name(name)))
-    return removed
+async def remove_children(kube: Kube, owner: Owner, lease: str | None) -> list[str]:
+    """Delete the runner Jobs (their pods go with them) and the DaskCluster of one ConversionJob;
+    give back its output Lease once nothing of it runs. Returns the pods still running."""
+    namespace, name = owner.namespace, owner.name
+    for job in await kube.list(namespaced("batch/v1", namespace, "jobs"), {LABEL_JOB: label_value(name)}):
+        await kube.delete(namespaced("batch/v1", namespace, "jobs", job["metadata"]["name"]))
+    await kube.delete(namespaced("kubernetes.dask.org/v1", namespace, "daskclusters", dask_cluster_name(name)))
+    left = live_pods(tuple(await pods_of(kube, namespace, name)))
+    if not left and lease:
+        await release(kube, namespace, lease, holder_identity(namespace, name, owner.uid))
+    return left
 
 
 async def run_operator(cfg: OperatorConfig, stop_flag: Any = None, ready_flag: Any = None, liveness: str | None = None) -> None:

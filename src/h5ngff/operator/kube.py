@@ -115,13 +115,15 @@ class Kube:
     async def get(self, path: str) -> dict[str, Any] | None:
         return await self._call("GET", path)
 
-    async def list(self, path: str, label_selector: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    async def list(self, path: str, label_selector: dict[str, str] | None = None, field_selector: dict[str, str] | None = None) -> list[dict[str, Any]]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in label_selector.items()))] if label_selector else []
+        if field_selector:
+            query.append(("fieldSelector", ",".join(f"{k}={v}" for k, v in field_selector.items())))
         result = await self._call("GET", path, query=query)
         items = (result or {}).get("items") or []
         # Filter here too: an API server (or emulator) that ignores the selector must not make us
         # touch another job's children.
-        return [i for i in items if _has_labels(i, label_selector or {})]
+        return [i for i in items if _has_labels(i, label_selector or {}) and _has_fields(i, field_selector or {})]
 
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("POST", path, body)
@@ -138,6 +140,16 @@ class Kube:
 def _has_labels(obj: dict[str, Any], wanted: dict[str, str]) -> bool:
     have = (obj.get("metadata") or {}).get("labels") or {}
     return all(have.get(k) == v for k, v in wanted.items())
+
+
+def _has_fields(obj: dict[str, Any], wanted: dict[str, str]) -> bool:
+    for path, value in wanted.items():
+        node: Any = obj
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node != value:
+            return False
+    return True
 
 
 def namespaced(group_version: str, namespace: str, plural: str, name: str | None = None, sub: str | None = None) -> str:

@@ -26,9 +26,10 @@ class Rule:
 OPERATOR_RULES: tuple[Rule, ...] = (
     Rule("h5ngff.dev", "conversionjobs", ("list", "watch", "patch"), "kopf watches ConversionJobs and patches its finalizer and annotations"),
     Rule("h5ngff.dev", "conversionjobs/status", ("patch",), "phase, attempts, conditions, failure reasons"),
-    Rule("batch", "jobs", ("list", "watch", "create", "delete"), "one runner Job per attempt; watched through a kopf index; deleted with the ConversionJob"),
-    Rule("", "pods", ("list",), "why a runner pod failed (OOMKilled, exit code)"),
-    Rule("", "events", ("create",), "Kubernetes Events for key transitions"),
+    Rule("batch", "jobs", ("get", "list", "watch", "create", "delete"), "one runner Job per attempt; watched through a kopf index (a Job missing there is looked up before it counts as deleted); deleted with the ConversionJob"),
+    Rule("", "pods", ("list",), "why a runner pod failed or does not start; a new attempt waits until the previous one's pods have exited"),
+    Rule("", "events", ("create", "list"), "Kubernetes Events for key transitions; the Job controller's FailedCreate events of a runner Job"),
+    Rule("coordination.k8s.io", "leases", ("get", "create", "delete"), "one writer per output path: a Lease per path, held while a job runs"),
     Rule("kubernetes.dask.org", "daskclusters", ("delete",), "removes a DaskCluster left by a failed attempt or a deleted job"),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "kopf discovers the resources it serves"),
     Rule("", "namespaces", ("list", "watch"), "kopf, when serving namespaces by pattern", exercised=False),

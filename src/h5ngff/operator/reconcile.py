@@ -1,59 +1,48 @@
 """The operator's decisions, as a pure function of what it observes.
 
-``reconcile(observed) -> Decision`` looks at a ConversionJob's status, its runner Job of the
-current attempt and that Job's pods, and says what to patch, which runner Job must exist, and
-which event to post. The kopf handlers only gather the inputs and carry the decision out, so
-every transition (retry, give up, succeed) is tested here without any API.
+``reconcile(observed) -> Decision`` looks at a ConversionJob's spec (its generation and the hash
+of its conversion fields), its status, the runner Job of the current attempt and, when asked
+for, the pods, Events and output Lease; it says what to patch, which runner Job must exist or
+go, and which event to post. The kopf handlers only gather the inputs and carry the decision
+out, so every lifecycle rule (docs/operator.md, "Lifecycle") is tested here without any API.
+
+A *run* is the conversion of one spec: attempts 1..n of it (retries), until Succeeded or Failed.
+The recorded outcome of a run is final: only an edit that changes the conversion starts a new
+run; children that vanish never do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .manifests import LABEL_ATTEMPT, runner_job_name
+from .diagnose import (  # noqa: F401  (re-exported: tests and handlers read them from here)
+    JobSummary,
+    failure_cause,
+    job_summary,
+    live_pods,
+    runner_report,
+    start_problem,
+)
+from .manifests import runner_job_name
 from .status import (
     PERMANENT_REASONS,
+    START_REASONS,
     TERMINAL_PHASES,
+    add_seconds,
+    at_generation,
+    condition,
     failed_patch,
     failure_record,
-    pending_patch,
+    invalid_patch,
+    seconds_between,
     set_condition,
     succeeded_patch,
 )
 
-#: Pod termination reasons the kubelet reports when the kernel killed a container at its limit.
-OOM_REASONS = frozenset({"OOMKilled"})
-
-
-@dataclass(frozen=True)
-class JobSummary:
-    """What the operator needs from a runner Job (kept in a kopf index, so it must be small)."""
-
-    name: str
-    attempt: int
-    state: str  #: pending, active, succeeded, failed
-    reason: str | None = None
-    message: str | None = None
-    #: uid of the controlling ConversionJob: a Job left by a deleted namesake is not ours.
-    owner_uid: str = ""
-
-
-def job_summary(job: dict[str, Any]) -> JobSummary:
-    meta = job.get("metadata") or {}
-    status = job.get("status") or {}
-    attempt = int((meta.get("labels") or {}).get(LABEL_ATTEMPT, "0") or 0)
-    conditions = {c.get("type"): c for c in status.get("conditions") or () if c.get("status") == "True"}
-    state = "pending"
-    if "Complete" in conditions or status.get("succeeded"):
-        state = "succeeded"
-    elif "Failed" in conditions or (status.get("failed") and not status.get("active")):
-        state = "failed"
-    elif status.get("active"):
-        state = "active"
-    failed = conditions.get("Failed") or {}
-    owner = next((r.get("uid", "") for r in meta.get("ownerReferences") or () if r.get("controller")), "")
-    return JobSummary(meta.get("name", ""), attempt, state, failed.get("reason"), failed.get("message"), owner)
+#: Status fields that describe one run; a new run starts without them.
+RUN_FIELDS = ("plan", "progress", "result", "runner", "failures", "reason", "message", "completionTime", "nextRetryTime", "runnerJobUid")
 
 
 @dataclass(frozen=True)
@@ -63,10 +52,24 @@ class Observed:
     backoff_limit: int
     output: str
     jobs: tuple[JobSummary, ...] = ()
-    #: Pods of the current attempt's runner Job (only looked up once it failed).
+    #: Pods of this ConversionJob (runner and Dask), only looked up when a decision needs them.
     pods: tuple[dict[str, Any], ...] = ()
     pods_checked: bool = False
     now: str = ""
+    generation: int = 1
+    #: Hash of the spec's conversion fields ("" when the spec is invalid).
+    conversion: str = ""
+    spec_error: str | None = None
+    #: Seconds to wait before a retry, by failed attempts of the run so far (1, 2, ...).
+    retry_delays: tuple[int, ...] = (0,)
+    deadline_seconds: int | None = None
+    #: The Lease of the spec's output path, and whether we got it (None: not asked yet).
+    lease_name: str = ""
+    lease: Any = None  #: a lease.LeaseState
+    events: tuple[dict[str, Any], ...] = ()
+    events_checked: bool = False
+    #: The current runner Job was looked up by name (the index did not have it).
+    job_checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,14 +77,22 @@ class Decision:
     patch: dict[str, Any] = field(default_factory=dict)
     #: The attempt whose runner Job must exist (created if missing; an existing one is kept).
     ensure_attempt: int | None = None
-    #: Resume instead of overwrite in that attempt (an earlier one may have written slabs).
+    #: Resume instead of overwrite in that attempt (an earlier one of the run may have written).
     resume: bool = False
-    #: Delete the DaskCluster an earlier attempt left behind before the next one starts.
+    #: Delete the DaskCluster an earlier attempt left behind.
     delete_cluster: bool = False
+    #: A runner Job to delete (the attempt of a run that was stopped).
+    delete_job: str | None = None
+    #: Acquire ``Observed.lease_name`` / release this Lease.
+    release_lease: str | None = None
     #: (type, reason, message) of a Kubernetes Event to post, or None.
     event: tuple[str, str, str] | None = None
-    #: The current runner Job failed and its pods must be looked at before deciding.
-    needs_pods: bool = False
+    #: What must be looked up before deciding: "job", "pods", "events", "lease".
+    needs: frozenset[str] = frozenset()
+
+    @property
+    def needs_pods(self) -> bool:
+        return "pods" in self.needs
 
 
 NOTHING = Decision()
@@ -89,102 +100,289 @@ NOTHING = Decision()
 
 def reconcile(o: Observed) -> Decision:
     status = o.status
-    if status.get("phase") in TERMINAL_PHASES:
-        return NOTHING
+    if o.spec_error is not None:
+        decision = _invalid(o)
+    elif _conversion_changed(o):
+        decision = _new_run(o)
+    elif status.get("phase") in TERMINAL_PHASES:
+        decision = _settled(o)
+    else:
+        decision = _in_flight(o, can_start=True)
+    if o.spec_error is None:
+        decision = _validated(o, decision)
+    return _stamp(o, decision)
+
+
+def _stamp(o: Observed, d: Decision) -> Decision:
+    """Every status write says which generation it describes (``observedGeneration``, also on
+    each condition), so a GitOps tool never reads an old outcome as the current spec's."""
+    if d.needs or (not d.patch and o.status.get("observedGeneration") == o.generation):
+        return d
+    patch = dict(d.patch)
+    patch["observedGeneration"] = o.generation
+    patch["conditions"] = at_generation(patch["conditions"] if "conditions" in patch else o.status.get("conditions"), o.generation)
+    if o.conversion and not o.status.get("conversionHash") and int(o.status.get("attempts") or 0):
+        patch.setdefault("conversionHash", o.conversion)  # a run from before hashes: adopt it
+    return dataclasses.replace(d, patch=patch)
+
+
+def _conversion_changed(o: Observed) -> bool:
+    status = o.status
+    if not int(status.get("attempts") or 0):
+        return True  # never started
+    recorded = status.get("conversionHash")
+    return bool(recorded) and recorded != o.conversion
+
+
+def _in_flight_now(status: dict[str, Any]) -> bool:
+    return status.get("phase") not in TERMINAL_PHASES and int(status.get("attempts") or 0) > 0
+
+
+def _current_job(o: Observed) -> JobSummary | None:
+    attempt = int(o.status.get("attempts") or 0)
+    return next((j for j in o.jobs if j.attempt == attempt), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting runs
+
+
+def _new_run(o: Observed) -> Decision:
+    """The conversion changed (or never ran): stop what runs, wait for its pods, take the
+    output's Lease, then start attempt 1 of the new run."""
+    status = o.status
+    job = _current_job(o)
+    if job is not None and _in_flight_now(status):
+        message = f"The conversion changed in generation {o.generation}: stopping attempt {status.get('attempts')} (runner Job {job.name}) to start a new run."
+        patch = {"phase": "Pending", "reason": "SpecChanged", "message": message,
+                 "conditions": set_condition(status.get("conditions"), "Running", "False", "SpecChanged", message, o.now)}
+        return Decision(patch, delete_job=job.name, delete_cluster=True, event=("Normal", "SpecChanged", message))
+    if int(status.get("attempts") or 0) and not o.pods_checked:
+        return Decision(needs=frozenset({"pods"}))
+    running = live_pods(o.pods)
+    if running:
+        message = f"Waiting for {len(running)} pod(s) of the stopped run to exit before the new run starts: {', '.join(running[:5])}."
+        return Decision({"reason": "SpecChanged", "message": message} if status.get("message") != message else {}, delete_cluster=True)
+    old_lease = status.get("outputLease")
+    release = old_lease if old_lease and old_lease != o.lease_name else None
+    if o.lease is None:
+        return Decision(needs=frozenset({"lease"}), release_lease=release)
+    if not o.lease.held:
+        return _output_busy(o, release)
+    return _start_run(o, release)
+
+
+def _output_busy(o: Observed, release: str | None) -> Decision:
+    status = o.status
+    since = f" since {o.lease.since}" if o.lease.since else ""
+    message = (f"Waiting for the output {o.output}: ConversionJob {o.lease.holder or '?'} writes it (Lease {o.lease.name}{since}). "
+               f"This job starts when that one ends or is deleted.")
+    patch: dict[str, Any] = {}
+    if status.get("reason") != "OutputBusy" or status.get("message") != message:
+        patch = {"phase": "Pending", "reason": "OutputBusy", "message": message, "output": o.output,
+                 "conditions": set_condition(status.get("conditions"), "OutputLease", "False", "OutputBusy", message, o.now)}
+        if release:
+            patch["outputLease"] = None
+    event = ("Normal", "OutputBusy", message) if status.get("reason") != "OutputBusy" else None
+    return Decision(patch, release_lease=release, event=event)
+
+
+def _start_run(o: Observed, release: str | None) -> Decision:
+    status = o.status
+    attempt = int(status.get("attempts") or 0) + 1
+    job = runner_job_name(o.name, attempt)
+    conditions = set_condition(None, "Validated", "True", "SpecValid", None, o.now)
+    conditions = set_condition(conditions, "OutputLease", "True", "Held", o.lease.name, o.now)
+    patch: dict[str, Any] = {name: None for name in RUN_FIELDS if status.get(name) is not None}
+    patch.update({"phase": "Pending", "attempts": attempt, "firstAttempt": attempt, "runnerJob": job, "output": o.output,
+                  "conversionHash": o.conversion, "outputLease": o.lease.name, "startTime": o.now, "conditions": conditions})
+    run = "" if attempt == 1 else f" for the changed spec (generation {o.generation})"
+    message = f"Created runner Job {job} (attempt 1 of {o.backoff_limit + 1}){run}."
+    return Decision(patch, ensure_attempt=attempt, release_lease=release, event=("Normal", "RunnerCreated", message))
+
+
+# ---------------------------------------------------------------------------------------------
+# A run in flight
+
+
+def _in_flight(o: Observed, can_start: bool) -> Decision:
+    status = o.status
     attempt = int(status.get("attempts") or 0)
-    if attempt == 0:
-        job = runner_job_name(o.name, 1)
-        return Decision(pending_patch(status, 1, job, o.output, o.now), ensure_attempt=1,
-                        event=("Normal", "RunnerCreated", f"Created runner Job {job} (attempt 1 of {o.backoff_limit + 1})."))
-    job = next((j for j in o.jobs if j.attempt == attempt), None)
+    job = _current_job(o)
+    overdue = _deadline_passed(o)
+    if overdue is not None:
+        return _final(o, "DeadlineExceeded", overdue, delete_job=job.name if job and job.state in ("pending", "active") else None)
     if job is None:
-        return Decision(_conditions_patch(status, o.now), ensure_attempt=attempt, resume=attempt > 1)
+        return _without_job(o, attempt, can_start)
+    seen = {"runnerJobUid": job.uid} if status.get("runnerJobUid") != job.uid else {}
     if job.state == "succeeded":
-        return Decision(succeeded_patch(status, o.now), event=("Normal", "Succeeded", f"Converted into {status.get('output') or o.output}."))
+        return _succeeded(o)
     if job.state == "failed":
-        if not o.pods_checked and _runner_report(status, attempt) is None:
-            return Decision(needs_pods=True)
-        return _after_failure(o, attempt, job)
-    return Decision(_conditions_patch(status, o.now))
+        report = runner_report(status, attempt)
+        if not o.pods_checked and not (report and report.get("outcome") == "Failed"):
+            return Decision(needs=frozenset({"pods"}))
+        reason, message = failure_cause(status, attempt, job, o.pods)
+        return _after_failure(o, attempt, reason, message, can_start)
+    if status.get("phase") == "Pending":
+        return _merge(_waiting_to_start(o, job), seen)
+    return Decision({**_conditions_patch(status, o.now), **seen})
 
 
-def _after_failure(o: Observed, attempt: int, job: JobSummary) -> Decision:
-    reason, message = failure_cause(o.status, attempt, job, o.pods)
-    failures = failure_record(attempt, reason, message, o.now, o.status.get("failures"))
+def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
+    """No runner Job of the current attempt: not created yet (a retry in its backoff), or gone."""
+    status = o.status
+    if status.get("runnerJobUid"):  # we saw it, so it was deleted (or its TTL ran out)
+        if not o.job_checked:  # or the watch has not caught up (a replica that just took over): ask
+            return Decision(needs=frozenset({"job"}))
+        report = runner_report(status, attempt)
+        if report is not None and report.get("outcome") == "Succeeded":
+            return _succeeded(o)  # it finished before it vanished: that outcome stands
+        if report is None and not o.pods_checked:
+            return Decision(needs=frozenset({"pods"}))
+        reason, message = failure_cause(status, attempt, None, o.pods)
+        return _after_failure(o, attempt, reason, message, can_start, event_reason="RunnerDeleted" if reason == "RunnerDeleted" else None)
+    if not can_start:
+        return _final(o, "InvalidSpec", f"Attempt {attempt} cannot start: {o.spec_error}")
+    retry_at = status.get("nextRetryTime")
+    if retry_at and seconds_between(o.now, retry_at) > 0:
+        return Decision(_conditions_patch(status, o.now))
+    if not o.pods_checked:
+        return Decision(needs=frozenset({"pods"}))
+    running = live_pods(o.pods)
+    if running:  # an earlier attempt's pods still run: never two writers of one output
+        message = f"Attempt {attempt} waits for {len(running)} pod(s) of the previous attempt to exit: {', '.join(running[:5])}."
+        return Decision({"message": message} if status.get("message") != message else {}, delete_cluster=True)
+    first = int(status.get("firstAttempt") or 1)
+    patch = {"nextRetryTime": None} if retry_at else {}
+    return Decision({**patch, **_conditions_patch(status, o.now)}, ensure_attempt=attempt, resume=attempt > first)
+
+
+def _waiting_to_start(o: Observed, job: JobSummary) -> Decision:
+    """The runner Job exists but the runner has not reported yet: say why its pod does not run."""
+    if not o.pods_checked:
+        return Decision(needs=frozenset({"pods", "events"}))
+    status = o.status
+    attempt = int(status.get("attempts") or 0)
+    pods = tuple(p for p in o.pods if ((p.get("metadata") or {}).get("labels") or {}).get("h5ngff.dev/attempt") == str(attempt))
+    problem = start_problem(pods, o.events, job.name)
+    if problem is None:
+        if status.get("reason") in START_REASONS:  # it got going after all
+            return Decision({"reason": None, "message": None,
+                             "conditions": set_condition(status.get("conditions"), "Running", "False", "Starting", None, o.now)})
+        return Decision(_conditions_patch(status, o.now))
+    reason, message = problem
+    if status.get("reason") == reason and status.get("message") == message:
+        return NOTHING
+    patch = {"reason": reason, "message": message, "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now)}
+    return Decision(patch, event=("Warning", reason, message) if status.get("reason") != reason else None)
+
+
+def _deadline_passed(o: Observed) -> str | None:
+    start = o.status.get("startTime")
+    if not o.deadline_seconds or not start or not o.now:
+        return None
+    took = seconds_between(start, o.now)
+    if took < o.deadline_seconds:
+        return None
+    waiting = f" (it was waiting: {o.status.get('reason')}: {o.status.get('message')})" if o.status.get("reason") in START_REASONS else ""
+    return (f"The run took longer than spec.activeDeadlineSeconds ({o.deadline_seconds} s; started {start}, {took:.0f} s ago){waiting}. "
+            f"Its runner and Dask cluster were stopped; raise the deadline or fix the cause to run it again.")
+
+
+def _released(o: Observed, patch: dict[str, Any]) -> dict[str, Any]:
+    """The run ended: its Lease goes back (before the status write that records the end)."""
+    patch = {**patch, "nextRetryTime": None, "outputLease": None}
+    if condition(o.status, "OutputLease"):
+        patch["conditions"] = set_condition(patch.get("conditions"), "OutputLease", "False", "Released", None, o.now)
+    return patch
+
+
+def _succeeded(o: Observed) -> Decision:
+    patch = _released(o, succeeded_patch(o.status, o.now))
+    return Decision(patch, release_lease=o.status.get("outputLease"),
+                    event=("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}."))
+
+
+def _final(o: Observed, reason: str, message: str, delete_job: str | None = None, failures: Any = None) -> Decision:
+    patch = _released(o, failed_patch(o.status, reason, message, o.now))
+    if failures is not None:
+        patch["failures"] = failures
+    return Decision(patch, delete_job=delete_job, delete_cluster=True, release_lease=o.status.get("outputLease"),
+                    event=("Warning", reason, message))
+
+
+def _after_failure(o: Observed, attempt: int, reason: str, message: str, can_retry: bool, event_reason: str | None = None) -> Decision:
+    status = o.status
+    failures = failure_record(attempt, reason, message, o.now, status.get("failures"))
     if reason in PERMANENT_REASONS:
-        patch = {**failed_patch(o.status, reason, message, o.now), "failures": failures}
-        return Decision(patch, delete_cluster=True, event=("Warning", reason, message))
-    if attempt <= o.backoff_limit:
-        nxt = attempt + 1
-        job_name = runner_job_name(o.name, nxt)
-        note = f"Attempt {attempt} failed ({reason}: {message}); retrying as attempt {nxt} of {o.backoff_limit + 1}, resuming from the manifest."
-        patch = {**pending_patch(o.status, nxt, job_name, o.output, o.now), "failures": failures, "runner": None, "reason": reason, "message": note}
-        patch["conditions"] = set_condition(patch["conditions"], "Running", "False", reason, message, o.now)
-        return Decision(patch, ensure_attempt=nxt, resume=True, delete_cluster=True, event=("Warning", "Retrying", note))
-    total = f"{attempt} attempt(s) failed (backoffLimit {o.backoff_limit}); the last one: {reason}: {message}"
-    patch = {**failed_patch(o.status, "BackoffLimitExceeded", total, o.now), "failures": failures}
-    return Decision(patch, delete_cluster=True, event=("Warning", "BackoffLimitExceeded", total))
+        return _final(o, reason, message, failures=failures)
+    first = int(status.get("firstAttempt") or 1)
+    run_attempts = attempt - first + 1
+    if not can_retry:
+        return _final(o, reason, f"Attempt {attempt} failed ({reason}: {message}); not retried, because the spec of "
+                                 f"generation {o.generation} is invalid: {o.spec_error}", failures=failures)
+    if run_attempts > o.backoff_limit:
+        total = f"{run_attempts} attempt(s) failed (backoffLimit {o.backoff_limit}); the last one: {reason}: {message}"
+        return _final(o, "BackoffLimitExceeded", total, failures=failures)
+    nxt = attempt + 1
+    delay = o.retry_delays[min(run_attempts, len(o.retry_delays)) - 1] if o.retry_delays else 0
+    note = (f"Attempt {attempt} failed ({reason}: {message}); retrying as attempt {nxt} ({run_attempts + 1} of {o.backoff_limit + 1}) "
+            f"in {delay} s, resuming from the manifest.")
+    patch = {"phase": "Pending", "attempts": nxt, "runnerJob": runner_job_name(o.name, nxt), "runnerJobUid": None,
+             "nextRetryTime": add_seconds(o.now, delay), "failures": failures, "runner": None, "reason": reason, "message": note,
+             "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now)}
+    return Decision(patch, delete_cluster=True, event=("Warning", event_reason or "Retrying", note))
 
 
-def _runner_report(status: dict[str, Any], attempt: int) -> dict[str, Any] | None:
-    report = status.get("runner") or None
-    if report and report.get("attempt") == attempt and report.get("outcome") == "Failed":
-        return report
-    return None
+# ---------------------------------------------------------------------------------------------
+# Finished runs and invalid specs
 
 
-def failure_cause(status: dict[str, Any], attempt: int, job: JobSummary, pods: tuple[dict[str, Any], ...]) -> tuple[str, str]:
-    """Why an attempt failed: the kubelet's word on an OOM-killed runner pod first (a killed
-    runner cannot report), then the runner's own report, then the Job's condition."""
-    oom = _oom_killed_pod(pods)
-    if oom is not None:
-        return "OOMKilled", oom
-    report = _runner_report(status, attempt)
-    if report is not None:
-        return report.get("reason") or "RunnerFailed", report.get("message") or ""
-    exited = _exited_pod(pods)
-    if exited is not None:
-        return "RunnerFailed", exited
-    detail = ": ".join(x for x in (job.reason, job.message) if x) or "no reason given"
-    return "RunnerFailed", f"Runner Job {job.name} failed ({detail})."
+def _settled(o: Observed) -> Decision:
+    """A finished run stays finished: only its generation stamp may change (an edit that did not
+    change the conversion), and a Lease left behind is given back."""
+    lease = o.status.get("outputLease")
+    if lease:
+        return Decision({"outputLease": None}, release_lease=lease)
+    return NOTHING
 
 
-def _terminated(pod: dict[str, Any]):
-    for cs in (pod.get("status") or {}).get("containerStatuses") or ():
-        state = cs.get("state") or {}
-        last = cs.get("lastState") or {}
-        term = state.get("terminated") or last.get("terminated")
-        if term:
-            yield cs.get("name", "runner"), term
+def _invalid(o: Observed) -> Decision:
+    """An invalid spec never starts anything. A job that never ran fails with InvalidSpec. A run
+    in flight continues to its end, without retries (no Running -> Failed -> Running flapping);
+    a finished run keeps its outcome. Validated=False (and one Warning Event) names the field."""
+    status = o.status
+    if not int(status.get("attempts") or 0):
+        if status.get("reason") == "InvalidSpec" and status.get("observedGeneration") == o.generation:
+            return NOTHING
+        return Decision(invalid_patch(o.spec_error, o.now), event=("Warning", "InvalidSpec", o.spec_error))
+    d = _in_flight(o, can_start=False) if _in_flight_now(status) else _settled(o)
+    if d.needs:
+        return d
+    cond = condition(status, "Validated") or {}
+    if cond.get("status") == "False" and cond.get("message") == o.spec_error:
+        return d
+    base = d.patch["conditions"] if "conditions" in d.patch else status.get("conditions")
+    conditions = set_condition(base, "Validated", "False", "InvalidSpec", o.spec_error, o.now)
+    kept = "the running attempt continues with the previous spec" if _in_flight_now(status) else f"the {status.get('phase')} outcome stands"
+    message = f"Generation {o.generation} is invalid; {kept}: {o.spec_error}"
+    return dataclasses.replace(d, patch={**d.patch, "conditions": conditions}, event=d.event or ("Warning", "InvalidSpec", message))
 
 
-def _memory_limit(pod: dict[str, Any]) -> str:
-    for c in (pod.get("spec") or {}).get("containers") or ():
-        limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
-        if limit:
-            return str(limit)
-    return "unknown"
+def _validated(o: Observed, d: Decision) -> Decision:
+    """A valid spec after an invalid edit: Validated is True again."""
+    cond = condition(o.status, "Validated")
+    if d.needs or cond is None or cond.get("status") == "True" or "attempts" in d.patch and d.patch.get("firstAttempt"):
+        return d
+    base = d.patch["conditions"] if "conditions" in d.patch else o.status.get("conditions")
+    return dataclasses.replace(d, patch={**d.patch, "conditions": set_condition(base, "Validated", "True", "SpecValid", None, o.now)})
 
 
-def _oom_killed_pod(pods: tuple[dict[str, Any], ...]) -> str | None:
-    for pod in pods:
-        for container, term in _terminated(pod):
-            if term.get("reason") in OOM_REASONS:
-                name = (pod.get("metadata") or {}).get("name", "?")
-                return (f"OOMKilled by the kernel: runner pod {name} (container {container}) exceeded its memory limit "
-                        f"{_memory_limit(pod)} (exit code {term.get('exitCode', 137)}). The runner holds no slab data; "
-                        f"report this with `h5ngff plan --json` output.")
-    return None
+# ---------------------------------------------------------------------------------------------
 
 
-def _exited_pod(pods: tuple[dict[str, Any], ...]) -> str | None:
-    for pod in pods:
-        for container, term in _terminated(pod):
-            if term.get("exitCode", 0) != 0:
-                name = (pod.get("metadata") or {}).get("name", "?")
-                why = term.get("reason") or "Error"
-                return f"Runner pod {name} exited with code {term.get('exitCode')} ({why}) before reporting; see `kubectl logs {name}`."
-    return None
+def _merge(d: Decision, patch: dict[str, Any]) -> Decision:
+    return dataclasses.replace(d, patch={**patch, **d.patch}) if patch and not d.needs else d
 
 
 def _conditions_patch(status: dict[str, Any], now: str) -> dict[str, Any]:

@@ -29,6 +29,10 @@ from .status import now, runner_report
 log = logging.getLogger(__name__)
 
 POD_LIMIT_ENV = "H5NGFF_POD_LIMIT"
+#: Seconds the runner keeps its metrics endpoint up after the attempt, until Prometheus has
+#: scraped the final values once: two of the Helm chart's 15 s PodMonitor intervals by default.
+METRICS_LINGER_ENV = "H5NGFF_METRICS_LINGER"
+DEFAULT_METRICS_LINGER = 30.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,20 @@ def main(args: RunnerArgs) -> int:
             reporter(runner_report(args.attempt, "Failed", now(), exc.reason, str(exc)), True)
             return exc.exit_code
         log.info("attempt %d of ConversionJob %s/%s on the %s backend", args.attempt, args.namespace, args.name, backend.name)
-        result = run_attempt(spec, backend, reporter, args.attempt, AttemptOptions(metrics=_exporter(spec)))
+        metrics = _exporter(spec)
+        result = run_attempt(spec, backend, reporter, args.attempt, AttemptOptions(metrics=metrics))
+        reporter.flush(10.0)  # the outcome goes to the API first; lingering must not delay it
+        if metrics is not None:
+            metrics.linger(metrics_linger(), until_scraped=True)
         return result.exit_code
     finally:
         reporter.close()
+
+
+def metrics_linger() -> float:
+    text = os.environ.get(METRICS_LINGER_ENV)
+    try:
+        return float(text) if text else DEFAULT_METRICS_LINGER
+    except ValueError:
+        log.warning("$%s=%r is not a number of seconds; lingering %.0f s", METRICS_LINGER_ENV, text, DEFAULT_METRICS_LINGER)
+        return DEFAULT_METRICS_LINGER

@@ -29,6 +29,10 @@ PHASES = ("Pending", "Planned", "Running", "Succeeded", "Failed")
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 #: Failures that the same spec will hit again on every attempt: retrying only wastes a pod.
 PERMANENT_REASONS = frozenset({"InvalidSpec", "BudgetTooSmall", "SourceUnreadable", "OutputConflict", "OutputUnwritable", "DiskFull"})
+#: Why a run's pods do not start, as the scheduler, kubelet or Job controller says (shown while
+#: Pending; ``activeDeadlineSeconds`` ends such a run).
+START_REASONS = frozenset({"Unschedulable", "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+                           "CreateContainerError", "FailedCreate"})
 #: How many failed attempts ``status.failures`` keeps (the newest); the count is in ``attempts``.
 MAX_FAILURE_RECORDS = 10
 #: The runner's ``progress`` patches are rate-limited to one per this many seconds (phase
@@ -38,7 +42,22 @@ PROGRESS_INTERVAL = 2.0
 
 def now() -> str:
     """RFC 3339 UTC time, seconds precision (what Kubernetes writes)."""
-    return datetime.datetime.now(tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(tz=datetime.timezone.utc).strftime(TIME_FORMAT)
+
+
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def parse_time(text: str) -> datetime.datetime:
+    return datetime.datetime.strptime(text, TIME_FORMAT).replace(tzinfo=datetime.timezone.utc)
+
+
+def add_seconds(text: str, seconds: float) -> str:
+    return (parse_time(text) + datetime.timedelta(seconds=seconds)).strftime(TIME_FORMAT)
+
+
+def seconds_between(earlier: str, later: str) -> float:
+    return (parse_time(later) - parse_time(earlier)).total_seconds()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,6 +74,7 @@ class Condition(_Status):
     reason: str | None = Field(None, description="CamelCase reason, e.g. OOMKilled.")
     message: str | None = None
     last_transition_time: str | None = None
+    observed_generation: int | None = Field(None, description="The metadata.generation this condition was set for.")
 
 
 class PlanSummary(_Status):
@@ -131,25 +151,39 @@ class ConversionJobStatus(_Status):
     runner: RunnerReport | None = None
     failures: list[FailureRecord] | None = None
     conditions: list[Condition] | None = None
+    observed_generation: int | None = Field(None, description="The metadata.generation the status describes: the operator has acted on that spec.")
+    conversion_hash: str | None = Field(None, description="Hash of the conversion fields of the current run's spec; an edit that changes it starts a new run.")
+    first_attempt: int | None = Field(None, description="The first attempt of the current run (attempt numbers keep counting across runs).")
+    runner_job_uid: str | None = Field(None, description="uid of the current attempt's runner Job once the operator saw it (a Job that vanishes after that was deleted).")
+    next_retry_time: str | None = Field(None, description="When the next attempt starts (retry backoff).")
+    output_lease: str | None = Field(None, description="The coordination.k8s.io Lease this job holds on its output path while it runs.")
 
 
 # ---------------------------------------------------------------------------------------------
 # Conditions
 
 
-def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: str, reason: str | None, message: str | None, when: str) -> list[dict[str, Any]]:
-    """A new list with ``type_`` set; ``lastTransitionTime`` changes only when ``status`` does."""
+def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: str, reason: str | None, message: str | None, when: str,
+                  generation: int | None = None) -> list[dict[str, Any]]:
+    """A new list with ``type_`` set; ``lastTransitionTime`` changes only when ``status`` does.
+    ``generation`` (else the one the condition had) becomes its ``observedGeneration``."""
     out = [dict(c) for c in conditions or () if c.get("type") != type_]
     old = next((c for c in conditions or () if c.get("type") == type_), None)
     changed = old is None or old.get("status") != status
     entry = {"type": type_, "status": status, "reason": reason, "message": message,
-             "lastTransitionTime": when if changed else old.get("lastTransitionTime", when)}
+             "lastTransitionTime": when if changed else old.get("lastTransitionTime", when),
+             "observedGeneration": generation if generation is not None else (old or {}).get("observedGeneration")}
     out.append({k: v for k, v in entry.items() if v is not None})
     return out
 
 
 def condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
     return next((c for c in status.get("conditions") or () if c.get("type") == type_), None)
+
+
+def at_generation(conditions: list[dict[str, Any]] | None, generation: int) -> list[dict[str, Any]]:
+    """Every condition stamped with ``generation``: the outcome they state holds for it too."""
+    return [{**c, "observedGeneration": generation} for c in conditions or ()]
 
 
 # ---------------------------------------------------------------------------------------------
