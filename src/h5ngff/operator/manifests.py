@@ -23,6 +23,7 @@ from ..backends.kubernetes import (
     labels,
     owner_reference,
     pod_placement,
+    with_scratch,
 )
 from ..jobspec import ConversionJobSpec
 from ..units import GiB, k8s_quantity
@@ -104,7 +105,7 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
         **container_storage(spec.pod),
     }
-    pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], **pod_placement(spec.pod)}
+    pod_spec = with_scratch({"restartPolicy": "Never", "containers": [container], **pod_placement(spec.pod)})
     # The runner needs its RBAC (docs/operator.md); a job may name its own account, else the
     # operator's default (the Helm chart creates h5ngff-runner and passes it).
     account = spec.pod.service_account_name or default_service_account
