@@ -17,7 +17,7 @@ import pytest
 from h5ngff.metrics.operator import OperatorMetrics
 from h5ngff.operator.kube import KubeConfig
 from h5ngff.operator.manifests import RUNNER_MEMORY, Owner, build_runner_job
-from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_RULES, calls
+from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_JOB_RULES, RUNNER_RULES, calls
 from h5ngff.operator.reporter import StatusReporter
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.units import k8s_quantity
@@ -299,5 +299,5 @@ async def test_recorded_api_calls_are_exactly_the_declared_rbac():
         pytest.skip("needs every recording test of this module to have run")
     assert RECORDED["other"] == set()
     assert RECORDED["operator"] == calls(OPERATOR_RULES)
-    assert RECORDED["runner"] <= calls(RUNNER_RULES)
+    assert RECORDED["runner"] <= calls(RUNNER_RULES + RUNNER_JOB_RULES)
     assert ("patch", "h5ngff.dev", "conversionjobs", "status") in RECORDED["runner"]

@@ -44,6 +44,7 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     o.add_argument("--image", default=os.environ.get("H5NGFF_IMAGE"), help="Image for runner and Dask pods when a job names none (default $H5NGFF_IMAGE).")
     o.add_argument("--runner-service-account", default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"), metavar="NAME",
                    help="Service account of runner pods when a job names none (needs the runner RBAC; the Helm chart creates h5ngff-runner).")
+    _policy_flags(o)
     o.add_argument("--namespace", action="append", default=[], metavar="NS", help="Serve only this namespace (repeatable; default: the whole cluster).")
     o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of an unfinished job (default 5).")
     o.add_argument("--peering", default="h5ngff", metavar="NAME", help="kopf peering object name, so replicas take turns (default h5ngff).")
@@ -61,6 +62,26 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     x.add_argument("--attempt", type=int, default=1)
     x.set_defaults(func=cmd_runner)
     _hide(sub, "runner")
+
+
+def _policy_flags(p: argparse.ArgumentParser) -> None:
+    """The tenant policy (operator/policy.py); the Helm chart sets these from its policy.* values."""
+    from .operator.policy import DEFAULT_VOLUME_TYPES
+
+    g = p.add_argument_group("tenant policy", "What a ConversionJob's spec.pod may ask for; a job asking for more fails with reason PolicyDenied.")
+    g.add_argument("--allowed-image", action="append", default=[], metavar="PATTERN",
+                   help="An image pattern (shell glob, e.g. 'registry.example.org/lab/*') spec.pod.image may name; repeatable. --image is always allowed.")
+    g.add_argument("--allowed-service-account", action="append", default=[], metavar="NAME",
+                   help="A service account spec.pod.serviceAccountName may name; repeatable. --runner-service-account is always allowed.")
+    g.add_argument("--allowed-volume-type", action="append", metavar="TYPE",
+                   help=f"A volume type (PodSpec field, e.g. csi) spec.pod.volumes may use; repeatable; replaces the default {', '.join(DEFAULT_VOLUME_TYPES)}.")
+
+
+def policy_from_args(args: argparse.Namespace):
+    from .operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
+
+    return TenantPolicy(tuple(args.allowed_image), tuple(args.allowed_service_account),
+                        tuple(args.allowed_volume_type) if args.allowed_volume_type else DEFAULT_VOLUME_TYPES)
 
 
 def _hide(sub: Any, name: str) -> None:
@@ -125,7 +146,7 @@ def cmd_operator(args: argparse.Namespace, console: Console) -> int:
         metrics = OperatorMetrics()
         metrics.serve(args.metrics_port)
     cfg = OperatorConfig(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account,
-                         interval=args.interval, namespaces=tuple(args.namespace),
+                         interval=args.interval, namespaces=tuple(args.namespace), policy=policy_from_args(args),
                          peering=None if args.standalone else args.peering, metrics=metrics)
     if args.priority is not None:
         cfg.priority = args.priority

@@ -24,7 +24,21 @@ from ..backends.kubernetes import LABEL_COMPONENT, label_value
 from ..errors import SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
 from .kube import Conflict, Kube, KubeConfig, KubeError, Transient, namespaced
-from .manifests import API_VERSION, GROUP, LABEL_ATTEMPT, LABEL_JOB, PLURAL, VERSION, Owner, build_runner_job, dask_cluster_name
+from .manifests import (
+    API_VERSION,
+    GROUP,
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    PLURAL,
+    VERSION,
+    Owner,
+    build_runner_job,
+    build_runner_role,
+    build_runner_role_binding,
+    dask_cluster_name,
+    runner_account,
+)
+from .policy import TenantPolicy, policy_violations
 from .reconcile import Decision, Observed, job_summary, reconcile
 from .status import TERMINAL_PHASES, invalid_patch, now
 
@@ -45,6 +59,8 @@ class OperatorConfig:
     image: str = DEFAULT_IMAGE
     #: Service account of runner pods when a ConversionJob names none (needs the runner RBAC).
     runner_service_account: str | None = None
+    #: What a ConversionJob may ask for beyond the two defaults above (operator/policy.py).
+    policy: TenantPolicy = field(default_factory=TenantPolicy)
     #: Seconds between reconcile passes of an unfinished job (a runner's end is noticed within it).
     interval: float = 5.0
     api: KubeConfig = field(default_factory=KubeConfig.from_env)
@@ -155,7 +171,8 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, inde
         _count_error(cfg, "invalid_spec")
         raise kopf.PermanentError(f"InvalidSpec: {exc}") from None
     jobs = tuple(j for j in index.get((owner.namespace, label_value(owner.name)), ()) if j.owner_uid in ("", owner.uid))
-    observed = Observed(owner.name, status, spec.backoff_limit, spec.output.path, jobs, now=now())
+    denial = "; ".join(policy_violations(spec, cfg.policy, cfg.image, cfg.runner_service_account)) or None
+    observed = Observed(owner.name, status, spec.backoff_limit, spec.output.path, jobs, now=now(), policy_denial=denial)
     decision = reconcile(observed)
     if decision.needs_pods:
         attempt = int(status.get("attempts") or 0)
@@ -194,6 +211,7 @@ async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: C
     if decision.delete_cluster:
         await kube.delete(namespaced("kubernetes.dask.org/v1", owner.namespace, "daskclusters", dask_cluster_name(owner.name)))
     if decision.ensure_attempt is not None:
+        await _ensure_runner_rbac(kube, owner, runner_account(spec, cfg.runner_service_account))
         job = build_runner_job(owner, spec, decision.ensure_attempt, cfg.image, resume=decision.resume,
                                default_service_account=cfg.runner_service_account)
         try:
@@ -202,6 +220,17 @@ async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: C
         except Conflict:
             # Created by an earlier pass (or a restarted operator): keep it, never make a twin.
             log.info("runner Job %s/%s already exists", owner.namespace, job["metadata"]["name"])
+
+
+async def _ensure_runner_rbac(kube: Kube, owner: Owner, account: str) -> None:
+    """The runner's permission to patch its own job's status (rbac.py's RUNNER_JOB_RULES),
+    before the runner exists; an existing Role or RoleBinding (an earlier attempt's) is kept."""
+    rbac = "rbac.authorization.k8s.io/v1"
+    for plural, obj in (("roles", build_runner_role(owner)), ("rolebindings", build_runner_role_binding(owner, account))):
+        try:
+            await kube.create(namespaced(rbac, owner.namespace, plural), obj)
+        except Conflict:
+            pass
 
 
 async def remove_children(kube: Kube, namespace: str, name: str) -> int:

@@ -27,10 +27,12 @@ from ..backends.kubernetes import (
 )
 from ..jobspec import ConversionJobSpec
 from ..units import GiB, k8s_quantity
+from .rbac import RUNNER_JOB_RULES, role_rules
 
 __all__ = [
     "GROUP", "VERSION", "PLURAL", "KIND", "API_VERSION", "LABEL_JOB", "LABEL_ATTEMPT", "Owner",
     "runner_job_name", "dask_cluster_name", "build_runner_job", "labels", "owner_reference",
+    "runner_account", "build_runner_role", "build_runner_role_binding",
 ]
 
 VERSION = "v1alpha1"
@@ -122,4 +124,38 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
         "kind": "Job",
         "metadata": {"name": name, "namespace": owner.namespace, "labels": meta_labels, "ownerReferences": [owner.reference()]},
         "spec": job_spec,
+    }
+
+
+def runner_account(spec: ConversionJobSpec, default_service_account: str | None) -> str:
+    """The service account the runner pod runs as (Kubernetes' ``default`` when none is named)."""
+    return spec.pod.service_account_name or default_service_account or "default"
+
+
+def runner_role_name(job_name: str) -> str:
+    return child_name(job_name, "runner-status")
+
+
+def build_runner_role(owner: Owner) -> dict[str, Any]:
+    """The Role letting a runner patch the status of its own ConversionJob and no other
+    (``resourceNames``); owned by the job, so it goes when the job goes."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": runner_role_name(owner.name), "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
+                     "ownerReferences": [owner.reference()]},
+        "rules": role_rules(RUNNER_JOB_RULES, resource_names=[owner.name]),
+    }
+
+
+def build_runner_role_binding(owner: Owner, account: str) -> dict[str, Any]:
+    """Binds :func:`build_runner_role` to the service account the runner pod runs as."""
+    name = runner_role_name(owner.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
+                     "ownerReferences": [owner.reference()]},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": owner.namespace}],
     }

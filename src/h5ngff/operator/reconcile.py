@@ -67,6 +67,9 @@ class Observed:
     pods: tuple[dict[str, Any], ...] = ()
     pods_checked: bool = False
     now: str = ""
+    #: Why the tenant policy (operator/policy.py) refuses this spec, or None. Checked first: a
+    #: denied job gets no child at all.
+    policy_denial: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ def reconcile(o: Observed) -> Decision:
     status = o.status
     if status.get("phase") in TERMINAL_PHASES:
         return NOTHING
+    if o.policy_denial:
+        return _policy_denied(o)
     attempt = int(status.get("attempts") or 0)
     if attempt == 0:
         job = runner_job_name(o.name, 1)
@@ -106,6 +111,14 @@ def reconcile(o: Observed) -> Decision:
             return Decision(needs_pods=True)
         return _after_failure(o, attempt, job)
     return Decision(_conditions_patch(status, o.now))
+
+
+def _policy_denied(o: Observed) -> Decision:
+    """Failed with reason PolicyDenied: no runner Job is ensured, so nothing is created. A cluster
+    an earlier attempt made (before the spec or the policy changed) is deleted."""
+    attempted = int(o.status.get("attempts") or 0) > 0
+    patch = failed_patch(o.status, "PolicyDenied", o.policy_denial or "", o.now)
+    return Decision(patch, delete_cluster=attempted, event=("Warning", "PolicyDenied", o.policy_denial or ""))
 
 
 def _after_failure(o: Observed, attempt: int, job: JobSummary) -> Decision:
