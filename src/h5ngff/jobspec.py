@@ -24,6 +24,8 @@ from .spec import ConversionSpec, _Model, parse_model
 DEFAULT_BACKOFF_LIMIT = 2
 
 FreeForm = dict[str, Any]
+#: At most this many volumes and volume mounts: bounds the CRD's CEL cost (operator/admission.py).
+MAX_VOLUMES = 64
 
 
 class PodSettings(_Model):
@@ -41,6 +43,8 @@ class PodSettings(_Model):
     @field_validator("volumes", "volume_mounts")
     @classmethod
     def _named(cls, v: list[FreeForm] | None) -> list[FreeForm] | None:
+        if v is not None and len(v) > MAX_VOLUMES:
+            raise ValueError(f"Expected at most {MAX_VOLUMES} entries. Got {len(v)} instead.")
         for item in v or ():
             if not isinstance(item.get("name"), str) or not item["name"]:
                 raise ValueError(f"Expected every entry to have a name. Got {item!r} instead.")
