@@ -26,6 +26,7 @@ from ..jobspec import ConversionJobSpec, parse_job_spec
 from .kube import Conflict, Kube, KubeConfig, KubeError, Transient, namespaced
 from .manifests import (
     API_VERSION,
+    DEFAULT_IMAGE,
     GROUP,
     LABEL_ATTEMPT,
     LABEL_JOB,
@@ -45,7 +46,6 @@ from .status import TERMINAL_PHASES, invalid_patch, now
 log = logging.getLogger(__name__)
 
 CJ = {"group": GROUP, "version": VERSION, "plural": PLURAL}
-DEFAULT_IMAGE = "ghcr.io/h5ngff/h5ngff:latest"
 OPERATOR_AGENT = "h5ngff-operator"
 #: How long a pass waits for its own previous status write to show up before acting anyway.
 CONSISTENCY_WINDOW = 15.0

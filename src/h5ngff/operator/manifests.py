@@ -35,6 +35,8 @@ __all__ = [
     "runner_account", "build_runner_role", "build_runner_role_binding",
 ]
 
+#: Image of runner and Dask pods when neither the ConversionJob nor ``--image`` names one.
+DEFAULT_IMAGE = "ghcr.io/h5ngff/h5ngff:latest"
 VERSION = "v1alpha1"
 PLURAL = "conversionjobs"
 KIND = "ConversionJob"
