@@ -323,3 +323,11 @@ def test_docs_list_every_rule():
         assert rule.message in docs, rule.message
     for rule in admission.SCHEMA_RULES:
         assert f"`{rule.path}`" in docs, rule.path
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "manifests/examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_example_manifests_pass_admission(schema, path):
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    assert model_accepts(doc["spec"]) and admission_errors(schema, doc["spec"]) == []
