@@ -181,6 +181,7 @@ INVALID = {
     "mount of no volume": edit("pod.volumeMounts", [{"name": "scratch", "mountPath": "/s"}]),
     "mount without volumes": edit("pod", {"volumeMounts": [{"name": "data", "mountPath": "/d"}]}),
     "65 volumes": edit("pod", {"volumes": [{"name": f"v{i}"} for i in range(65)]}),
+    "volume name too long": edit("pod", {"volumes": [{"name": "v" * 64}]}),
     "65 mounts": edit("pod.volumeMounts", [{"name": "data", "mountPath": f"/d{i}"} for i in range(65)]),
     "backoff 21": edit("backoffLimit", 21),
     "backoff -1": edit("backoffLimit", -1),
@@ -315,6 +316,8 @@ def test_lists_and_strings_cel_iterates_are_bounded(schema):
         assert admission.node_at(schema, path)["maxItems"] == admission.MAX_AXES, path
     for path in ("image.axes", "pyramid.axes", "resources.memoryPerWorker", "resources.memoryTotal"):
         assert admission.node_at(schema, path)["maxLength"] <= 64, path
+    assert admission.node_at(schema, "image.units")["items"]["maxLength"] <= 16
+    assert pod["volumes"]["items"]["properties"]["name"]["maxLength"] == pod["volumeMounts"]["items"]["properties"]["name"]["maxLength"] == 63
 
 
 def test_docs_list_every_rule():

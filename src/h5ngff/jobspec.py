@@ -26,6 +26,8 @@ DEFAULT_BACKOFF_LIMIT = 2
 FreeForm = dict[str, Any]
 #: At most this many volumes and volume mounts: bounds the CRD's CEL cost (operator/admission.py).
 MAX_VOLUMES = 64
+#: Kubernetes' limit for volume names (a DNS label); also bounds the CRD's CEL cost.
+MAX_VOLUME_NAME = 63
 
 
 class PodSettings(_Model):
@@ -48,6 +50,8 @@ class PodSettings(_Model):
         for item in v or ():
             if not isinstance(item.get("name"), str) or not item["name"]:
                 raise ValueError(f"Expected every entry to have a name. Got {item!r} instead.")
+            if len(item["name"]) > MAX_VOLUME_NAME:
+                raise ValueError(f"Expected names of at most {MAX_VOLUME_NAME} characters, as Kubernetes requires. Got {item['name']!r} instead.")
         return v
 
     @model_validator(mode="after")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from itertools import permutations
 from typing import Any
 
-from ..jobspec import MAX_VOLUMES
+from ..jobspec import MAX_VOLUME_NAME, MAX_VOLUMES
 from ..spec import MAX_AXES, MAX_QUANTITY_LENGTH, SPACE_UNITS, TIME_UNITS
 
 MiB64 = 64 << 20
@@ -132,19 +132,24 @@ def _positive_axis_list(path: str, why: str) -> SchemaRule:
     return SchemaRule(path, {"minItems": 1, "maxItems": MAX_AXES, "items": {"minimum": 1}}, why)
 
 
+_VOLUME_NAME = {"type": "string", "minLength": 1, "maxLength": MAX_VOLUME_NAME}
+
 SCHEMA_RULES: tuple[SchemaRule, ...] = (
     _positive_axis_list("output.chunks", "positive, one per axis, at most 5 axes (tczyx)"),
     _positive_axis_list("output.shards", "positive, one per axis, at most 5 axes (tczyx)"),
     _positive_axis_list("resources.slab", "positive, one per axis, at most 5 axes (tczyx)"),
     SchemaRule("image.axes", {"maxLength": MAX_AXES, "pattern": _axes_pattern()}, "parse_axes: t, then c, then 2 or 3 distinct spatial axes"),
     SchemaRule("image.scale", {"minItems": 1, "maxItems": MAX_AXES, "items": {"minimum": 0, "exclusiveMinimum": True}}, "a positive voxel size per axis"),
-    SchemaRule("image.units", {"maxItems": MAX_AXES, "items": {"enum": [*SPACE_UNITS, *TIME_UNITS, ""]}}, "NGFF (UDUNITS-2) unit names, '' for none"),
+    # maxLength adds nothing to the enum but bounds the CEL cost of matching a unit.
+    SchemaRule("image.units", {"maxItems": MAX_AXES, "items": {"enum": [*SPACE_UNITS, *TIME_UNITS, ""],
+                                                              "maxLength": max(map(len, SPACE_UNITS + TIME_UNITS))}},
+               "NGFF (UDUNITS-2) unit names, '' for none"),
     SchemaRule("pyramid.axes", {"maxLength": 3, "pattern": "^(" + "|".join(_spatial_permutations((3, 2, 1), "zyx")) + ")$"}, "distinct spatial axes"),
     SchemaRule("resources.memoryPerWorker", {"maxLength": MAX_QUANTITY_LENGTH, "pattern": QUANTITY_PATTERN}, "units.parse_bytes' grammar"),
     SchemaRule("resources.memoryTotal", {"maxLength": MAX_QUANTITY_LENGTH, "pattern": QUANTITY_PATTERN}, "units.parse_bytes' grammar"),
-    SchemaRule("pod.volumes", {"maxItems": MAX_VOLUMES, "items": {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}},
+    SchemaRule("pod.volumes", {"maxItems": MAX_VOLUMES, "items": {"required": ["name"], "properties": {"name": _VOLUME_NAME}}},
                "PodSettings._named; known to CEL so mounts can be matched to volumes"),
-    SchemaRule("pod.volumeMounts", {"maxItems": MAX_VOLUMES, "items": {"required": ["name"], "properties": {"name": {"type": "string", "minLength": 1}}}},
+    SchemaRule("pod.volumeMounts", {"maxItems": MAX_VOLUMES, "items": {"required": ["name"], "properties": {"name": _VOLUME_NAME}}},
                "PodSettings._named"),
 )
 
