@@ -149,3 +149,99 @@ def test_pods_as_built_before_this_change_fail():
         assert any(v.startswith("Running as Non-root") for v in found), where
         assert any(v.startswith("Seccomp") for v in found), where
         assert any(v.startswith("Capabilities") for v in found), where
+
+
+# --- readOnlyRootFilesystem, for real: the Dask processes on a read-only root -------------------
+
+RO_ROOT = """set -e
+mount -o remount,ro,bind /
+if [ "$SCRATCH" = 1 ]; then mount -t tmpfs -o size=512m tmpfs /tmp; fi
+exec "$@"
+"""
+
+
+def _read_only_root_works() -> str | None:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return "no unshare(1)"
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -o remount,ro,bind / && ! touch /ro-probe"],
+                           capture_output=True, timeout=30)
+    return None if probe.returncode == 0 else f"cannot make a read-only mount namespace here: {probe.stderr.decode()[:200]}"
+
+
+def _start(container: dict, tmp_path: Path, name: str, extra_args: list[str], extra_env: dict, scratch: bool):
+    """Run a built container's command (``dask scheduler|worker …`` with its env) in a private
+    mount namespace whose root filesystem is read-only, with a fresh /tmp only if ``scratch``
+    (the pod's emptyDir)."""
+    import os
+    import subprocess
+
+    script = tmp_path / "ro-root.sh"
+    script.write_text(RO_ROOT)
+    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]}, **extra_env, "SCRATCH": "1" if scratch else "0",
+           "PYTHONPATH": str(ROOT / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    args = [a.replace("$(DASK_WORKER_NAME)", name) for a in container["args"]]
+    module = {"worker": "distributed.cli.dask_worker", "scheduler": "distributed.cli.dask_scheduler"}[args[1]]
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", str(script), sys.executable, "-m", module, *args[2:], *extra_args]
+    log = open(tmp_path / f"{name}.log", "w+")
+    return subprocess.Popen(cmd, env=env, cwd="/", stdout=log, stderr=subprocess.STDOUT), log
+
+
+@pytest.mark.timeout(180)
+def test_the_scheduler_and_worker_run_on_a_read_only_root_with_the_scratch_volume(tmp_path):
+    """The scheduler and worker containers as built (args, env with HOME=/tmp) start and compute
+    with every filesystem read-only except the scratch /tmp; without the scratch volume the
+    worker cannot start (negative control), so the emptyDir is what makes
+    readOnlyRootFilesystem possible."""
+    import socket
+
+    from distributed import Client
+
+    reason = _read_only_root_works()
+    if reason:
+        pytest.skip(reason)
+    spec = job_spec(resources={"workers": 1, "threadsPerWorker": 1, "memoryPerWorker": "1Gi"}, pod={})
+    cluster = build_dask_cluster(plan_for(spec), ClusterOwner("ns", "ro", "u"), "img", spec.pod)
+    (scheduler,) = cluster["spec"]["scheduler"]["spec"]["containers"]
+    (worker,) = cluster["spec"]["worker"]["spec"]["containers"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    procs = []
+    try:
+        procs.append(_start(scheduler, tmp_path, "scheduler", ["--port", str(port), "--dashboard-address", ":0"], {}, scratch=True))
+        procs.append(_start(worker, tmp_path, "worker-ro", ["--dashboard-address", ":0"], {"DASK_SCHEDULER_ADDRESS": address}, scratch=True))
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(1, timeout=90)
+            (local_dir,) = client.run(lambda dask_worker: dask_worker.local_directory).values()
+            assert local_dir.startswith("/tmp/")
+            assert client.submit(lambda: sum(range(1000)), pure=False).result(timeout=60) == 499500
+
+            def cannot_write_root() -> str:
+                try:
+                    open("/h5ngff-probe", "w")
+                except OSError as exc:
+                    return exc.strerror
+                return "written"
+
+            assert set(client.run(cannot_write_root).values()) == {"Read-only file system"}
+            # negative control: the same worker without the scratch volume does not start
+            bare, log = _start(worker, tmp_path, "worker-bare", ["--dashboard-address", ":0"], {"DASK_SCHEDULER_ADDRESS": address}, scratch=False)
+            procs.append((bare, log))
+            code = bare.wait(timeout=90)
+            log.seek(0)
+            text = log.read()
+            # Python's tempfile finds no writable directory on the read-only root
+            assert code != 0 and "No usable temporary directory" in text, text[-2000:]
+            assert len(client.scheduler_info()["workers"]) == 1
+    finally:
+        for proc, log in procs:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except Exception:
+                proc.kill()
+            log.close()
