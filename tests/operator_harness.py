@@ -21,6 +21,7 @@ from h5ngff.patches import apply_merge_patch
 from h5ngff.metrics.operator import OperatorMetrics
 from h5ngff.operator.handlers import OperatorConfig, run_operator
 from h5ngff.operator.kube import KubeConfig
+from h5ngff.operator.policy import TenantPolicy
 
 VERBS = {"list", "watch", "get", "patch", "create", "delete", "update"}
 CJ_PATH = "/apis/h5ngff.dev/v1alpha1/namespaces/{ns}/conversionjobs"
@@ -31,6 +32,8 @@ JOB_RES = "batch/v1/jobs"
 POD_RES = "v1/pods"
 DASK_RES = "kubernetes.dask.org/v1/daskclusters"
 LEASE_RES = "coordination.k8s.io/v1/leases"
+ROLE_RES = "rbac.authorization.k8s.io/v1/roles"
+ROLEBINDING_RES = "rbac.authorization.k8s.io/v1/rolebindings"
 #: Who made a request, by its User-Agent.
 AGENTS = (("kmock/", "test"), ("kopf/", "operator"), ("h5ngff-operator/", "operator"), ("h5ngff-runner/", "runner"),
           ("kr8s/", "runner"))  # kr8s: dask-kubernetes' client, in the runner pod
@@ -43,6 +46,8 @@ def register_resources(k: kmock.KubernetesEmulator) -> None:
     k.resources[POD_RES] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[DASK_RES] = info(kind="DaskCluster", namespaced=True, verbs=VERBS)
     k.resources[LEASE_RES] = info(kind="Lease", namespaced=True, verbs=VERBS)
+    k.resources[ROLE_RES] = info(kind="Role", namespaced=True, verbs=VERBS)
+    k.resources[ROLEBINDING_RES] = info(kind="RoleBinding", namespaced=True, verbs=VERBS)
     # kopf starts watching only once the CRD resource itself is discoverable (DESIGN.md §4).
     k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
     k.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=VERBS)
@@ -172,8 +177,9 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: st
 
 def fast_config(url: str, **overrides: Any) -> OperatorConfig:
     """Operator settings for tests: sub-second passes and retries, no peering, pass counting."""
-    base = dict(image="h5ngff:test", interval=0.2, api=KubeConfig(url), peering=None, error_backoffs=(0.1, 0.2, 0.4), retry_delay=0.3,
-                delete_wait=20.0, metrics=OperatorMetrics())
+    # The tests' ConversionJobs name images of the test registry: the admin's policy allows them.
+    base = dict(image="h5ngff:test", policy=TenantPolicy(allowed_images=("registry.example/*",)), interval=0.2, api=KubeConfig(url), peering=None,
+                error_backoffs=(0.1, 0.2, 0.4), retry_delay=0.3, delete_wait=20.0, metrics=OperatorMetrics())
     base.update(overrides)
     return OperatorConfig(**base)
 

@@ -51,6 +51,8 @@ VALUE_SETS = {
                      "resources": {"requests": {"cpu": "100m", "memory": "300Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
                      "nodeSelector": {"node-role/infra": "true"}, "tolerations": [{"key": "infra", "operator": "Exists"}]},
         "metrics": {"enabled": False, "grafanaDashboard": {"namespace": "grafana"}},
+        "policy": {"allowedImages": ["registry.example.org/lab/*"], "allowedServiceAccounts": ["lab-runner"],
+                   "allowedVolumeTypes": ["persistentVolumeClaim", "csi"]},
     },
 }
 
@@ -161,6 +163,9 @@ def test_app_version_is_the_package_version():
     ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "/metrics/serviceMonitor/interval"),
     ({"operator": {"resources": {"limits": {"memory": "lots"}}}}, "/operator/resources/limits/memory"),
     ({"runner": {"serviceAccount": {"name": "Runner SA"}}}, "/runner/serviceAccount/name"),
+    ({"policy": {"allowedVolumeTypes": ["hostpath"]}}, "/policy/allowedVolumeTypes/0"),
+    ({"policy": {"allowedVolumeTypes": []}}, "/policy/allowedVolumeTypes"),
+    ({"policy": {"allowedServiceAccounts": ["Lab Runner"]}}, "/policy/allowedServiceAccounts/0"),
 ], ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
 def test_the_values_schema_rejects_bad_values(bad, where):
     with pytest.raises(helm_python.HelmValuesError) as err:
@@ -250,6 +255,18 @@ def test_operator_args_are_real_flags_of_h5ngff_operator(rendered, values):
     assert args.standalone is not peering
     if peering:
         assert args.peering == merged["operator"]["peering"]["name"]
+
+
+@pytest.mark.parametrize("values", ["defaults", "custom"])
+def test_the_tenant_policy_reaches_the_operator(rendered, values):
+    """policy.* values become the operator's TenantPolicy through its real flags."""
+    from h5ngff.clijob import policy_from_args
+    from h5ngff.operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
+
+    args = build_parser().parse_args(operator_container(rendered[values])["args"][1:])
+    expected = TenantPolicy() if values == "defaults" else TenantPolicy(("registry.example.org/lab/*",), ("lab-runner",), ("persistentVolumeClaim", "csi"))
+    assert policy_from_args(args) == expected
+    assert TenantPolicy().allowed_volume_types == DEFAULT_VOLUME_TYPES == tuple(yaml.safe_load((CHART / "values.yaml").read_text())["policy"]["allowedVolumeTypes"])
 
 
 def test_unknown_operator_flags_fail_the_parser():
@@ -369,14 +386,14 @@ def test_extra_verbs_are_detected(tmp_path):
     rules = chart / "files/rbac.yaml"
     doc = yaml.safe_load(rules.read_text())
     doc["operator"][0]["verbs"].append("delete")  # conversionjobs: list, watch, patch + delete
-    doc["runner"][0]["verbs"].append("update")  # conversionjobs/status: patch + update
+    doc["runner"][0]["verbs"].append("update")  # daskclusters: get, list, create, delete + update
     rules.write_text(yaml.safe_dump(doc))
     objs = render({"watch": {"clusterWide": True}}, chart=chart)
     grants = granted(objs, f"{RELEASE}-h5ngff-operator", NAMESPACE)[None]
     assert grants != expected_operator(True, False)
     assert grants - expected_operator(True, False) == {("delete", "h5ngff.dev", "conversionjobs", "")}
     runner = granted(objs, "h5ngff-runner", NAMESPACE)[NAMESPACE]
-    assert runner - calls(RUNNER_RULES, exercised_only=False) == {("update", "h5ngff.dev", "conversionjobs", "status")}
+    assert runner - calls(RUNNER_RULES, exercised_only=False) == {("update", "kubernetes.dask.org", "daskclusters", "")}
     assert rules.read_text() != rm.rbac_yaml()
 
 

@@ -22,7 +22,7 @@ import pytest
 import zarr
 
 from conftest import smooth, write_h5
-from h5ngff.operator.rbac import RUNNER_RULES, calls
+from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, calls
 from operator_harness import emulator, fast_config, manifest, operator_running, passes, wait_for
 from test_operator_kmock import env_of, phases
 
@@ -130,7 +130,7 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
     assert [a.name for a in image.ome_attributes.multiscales[0].axes] == ["z", "y", "x"]
     np.testing.assert_array_equal(group["0"][...], data)
     # The runner needed only what its RBAC grants.
-    assert runner_calls and runner_calls <= calls(RUNNER_RULES)
+    assert runner_calls and runner_calls <= calls(RUNNER_RULES + RUNNER_JOB_RULES)
 
 
 async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retrying(tmp_path):

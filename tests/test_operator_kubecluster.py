@@ -24,7 +24,7 @@ import pytest
 import zarr
 
 from conftest import smooth, write_h5
-from h5ngff.operator.rbac import RUNNER_RULES, calls
+from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, calls
 from operator_harness import DASK_RES, emulator, fast_config, manifest, operator_running, wait_for
 from test_operator_e2e import run_container
 from test_operator_kmock import phases
@@ -161,7 +161,7 @@ async def test_the_runner_converts_on_a_daskcluster_sized_by_its_plan(tmp_path):
 
     assert c.live(DASK_RES) == {}  # the runner deleted its DaskCluster
     # The runner pod, KubeCluster included, needs exactly the runner RBAC of rbac.py.
-    assert made["runner"] == calls(RUNNER_RULES) and made["other"] == set()
+    assert made["runner"] == calls(RUNNER_RULES + RUNNER_JOB_RULES) and made["other"] == set()
     assert phases(c, "scan") == ["Pending", "Planned", "Running", "Succeeded"]
     assert status["progress"]["percent"] == 100
     plan = status["plan"]

@@ -69,7 +69,8 @@ def test_runner_job_runs_the_hidden_runner_with_identity_owner_and_storage():
     assert c["command"] == ["h5ngff", "runner"]
     assert c["args"] == ["--namespace", "science", "--name", "scan-42", "--uid", "0b9f-uid", "--attempt", "1"]
     assert c["image"] == "ghcr.io/x/h5ngff:1"
-    assert c["volumeMounts"] == MOUNTS and pod["volumes"] == VOLUMES and c["workingDir"] == "/data"
+    # the user's volumes first, then the scratch emptyDir at /tmp (tests/test_pod_security.py)
+    assert c["volumeMounts"][:-1] == MOUNTS and pod["volumes"][:-1] == VOLUMES and c["workingDir"] == "/data"
     assert pod["serviceAccountName"] == "h5ngff-runner"
     assert pod["nodeSelector"] == {"pool": "highmem"} and pod["tolerations"][0]["key"] == "batch"
     assert pod["restartPolicy"] == "Never"
@@ -139,7 +140,7 @@ def test_worker_pods_carry_the_plan():
     assert env["DASK_DISTRIBUTED__WORKER__MEMORY__TARGET"] == str(t.target)
     assert env["DASK_DISTRIBUTED__WORKER__MEMORY__SPILL"] == str(t.spill)
     assert env["MALLOC_CONF"] == JEMALLOC_CONF and env["LD_PRELOAD"].endswith("libjemalloc.so.2")
-    assert pod["volumes"] == VOLUMES and c["volumeMounts"] == MOUNTS and c["workingDir"] == "/data"
+    assert pod["volumes"][:-1] == VOLUMES and c["volumeMounts"][:-1] == MOUNTS and c["workingDir"] == "/data"
     assert pod["nodeSelector"] == {"pool": "highmem"} and pod["automountServiceAccountToken"] is False
     meta = cluster["metadata"]
     assert meta["ownerReferences"][0]["uid"] == "0b9f-uid" and meta["labels"]["h5ngff.dev/attempt"] == "2"
@@ -159,7 +160,7 @@ def test_scheduler_pod_is_guaranteed_and_sized_apart_from_workers():
     (c,) = sched["spec"]["containers"]
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert parse_bytes(c["resources"]["limits"]["memory"]) == SCHEDULER_MEMORY
-    assert "volumes" not in sched["spec"]  # it reads no data
+    assert [v["name"] for v in sched["spec"]["volumes"]] == ["h5ngff-scratch"]  # it reads no data, only /tmp
     assert sched["service"]["selector"]["dask.org/cluster-name"] == dask_cluster_name("scan-42")
 
 

@@ -231,7 +231,8 @@ GOOD_SPECS = [
     patched({"output": {"shards": [128, 128, 192], "compressor": {"codec": "zstd", "clevel": 22}}}),
     patched({"output": {"compressor": {"codec": "none"}, "overwrite": True}}),
     patched({"output": {"compressor": {"codec": "blosc", "cname": "lz4hc", "clevel": 0, "shuffle": "noshuffle"}}}),
-    patched({"image": {"axes": "tczyx", "scale": [1.0, 1.0, 2.0, 0.5, 0.5], "units": ["second", "", "micrometer", "micrometer", "micrometer"], "name": "scan"}}),
+    patched({"output": {"chunks": [1, 1, 64, 64, 64]},
+             "image": {"axes": "tczyx", "scale": [1.0, 1.0, 2.0, 0.5, 0.5], "units": ["second", "", "micrometer", "micrometer", "micrometer"], "name": "scan"}}),
     patched({"pyramid": {"levels": "auto", "method": "max", "axes": "yx"}}),
     patched({"resources": {"workers": "auto", "threadsPerWorker": 4, "memoryTotal": "16GiB", "slab": [64, 704, 2008], "allocator": "glibc"}}),
     patched({"resources": {"workers": 4096, "memoryPerWorker": 2_000_000_000}}),
@@ -307,14 +308,15 @@ PLAN_ERRORS = [
     ("chunks-length", DS3, {"output": {"chunks": [64, 64]}}, "output.chunks", "Expected 3 entries, one per axis 'zyx'. Got [64, 64] instead."),
     ("shards-length", DS3, {"output": {"chunks": None, "shards": [128, 128]}}, "output.shards", "Expected 3 entries, one per axis 'zyx'. Got [128, 128] instead."),
     ("shards-vs-default-chunks", DS3, {"output": {"chunks": None, "shards": [64, 96, 64]}}, "output.shards", "Expected multiples of the chunk shape [64, 64, 64] on every axis. Got [64, 96, 64] instead (axis 'y')."),
-    ("axes-length", DS3, {"image": {"axes": "czyx"}}, "image.axes", "Expected 3 axes for a dataset of shape (100, 200, 300). Got 'czyx' (4 axes) instead."),
+    ("axes-length", DS3, {"output": {"chunks": None}, "image": {"axes": "czyx"}}, "image.axes", "Expected 3 axes for a dataset of shape (100, 200, 300). Got 'czyx' (4 axes) instead."),
     ("scale-length", DS3, {"image": {"scale": [1.0, 1.0]}}, "image.scale", "Expected 3 voxel sizes, one per axis 'zyx'. Got [1.0, 1.0] instead."),
     ("units-length", DS3, {"image": {"units": ["micrometer", "micrometer"]}}, "image.units", "Expected 3 units, one per axis 'zyx'. Got ['micrometer', 'micrometer'] instead."),
     ("units-time-on-space", DS3, {"image": {"units": ["second", "micrometer", "micrometer"]}}, "image.units", "Expected a space unit for axis 'z' (or '' for none). Got 'second' instead."),
-    ("units-space-on-time", DatasetInfo((5, 10, 10), "<u2", 2), {"image": {"axes": "tyx", "units": ["micrometer", "micrometer", "micrometer"]}}, "image.units", "Expected a time unit for axis 't' (or '' for none). Got 'micrometer' instead."),
+    # axes from the HDF5 attributes: with image.axes given, the spec alone is refused (below)
+    ("units-space-on-time", DatasetInfo((5, 10, 10), "<u2", 2, attr_axes="tyx"), {"image": {"units": ["micrometer", "micrometer", "micrometer"]}}, "image.units", "Expected a time unit for axis 't' (or '' for none). Got 'micrometer' instead."),
     ("units-on-channel", DatasetInfo((2, 10, 10, 10), "<u2", 2), {"output": {"chunks": [1, 8, 8, 8]}, "image": {"units": ["micrometer"] * 4}}, "image.units", "Expected a channel unit for axis 'c' (or '' for none). Got 'micrometer' instead."),
     ("levels-too-many", DS3, {"pyramid": {"levels": 11}}, "pyramid.levels", "Expected at most 10 levels for shape (100, 200, 300): level 9 is already one voxel along every downsampled axis. Got 11 instead."),
-    ("levels-without-axes", DatasetInfo((2, 100, 100), "<u2", 2), {"output": {"chunks": [1, 64, 64]}, "image": {"axes": "cyx"}, "pyramid": {"levels": 2, "axes": "z"}}, "pyramid.axes", "Expected axes present in the image axes 'cyx'. Got 'z' instead ('z' is not an image axis)."),
+    ("levels-without-axes", DatasetInfo((2, 100, 100), "<u2", 2, attr_axes="cyx"), {"output": {"chunks": [1, 64, 64]}, "pyramid": {"levels": 2, "axes": "z"}}, "pyramid.axes", "Expected axes present in the image axes 'cyx'. Got 'z' instead ('z' is not an image axis)."),
     ("one-dimension", DatasetInfo((100,), "<u2", 2), {"output": {"chunks": None}}, "source.dataset", "Expected a dataset with 2 to 5 dimensions (NGFF images are yx to tczyx). Got 1 dimension(s), shape (100,), instead."),
     ("slab-length", DS3, {"resources": {"slab": [64, 64]}}, "resources.slab", "Expected 3 entries, one per axis. Got [64, 64] instead."),
 ]
@@ -328,6 +330,25 @@ def test_planner_time_spec_errors_name_the_field(ds, patch, field, message):
     assert getattr(info.value, "field", field) == field
     assert str(info.value) == f"{field}: {message}"
     assert not isinstance(info.value, BudgetTooSmallError)
+
+
+SPEC_TIME_AXIS_ERRORS = [
+    ("chunks-vs-axes", {"image": {"axes": "czyx"}}, "output.chunks", "Expected 4 entries, one per axis 'czyx'. Got [64, 64, 64] instead."),
+    ("units-space-on-time", {"output": {"chunks": None}, "image": {"axes": "tyx", "units": ["micrometer"] * 3}}, "image.units",
+     "Expected a time unit for axis 't' (or '' for none). Got 'micrometer' instead."),
+    ("pyramid-axes", {"output": {"chunks": [1, 64, 64]}, "image": {"axes": "cyx"}, "pyramid": {"axes": "z"}}, "pyramid.axes",
+     "Expected axes present in the image axes 'cyx'. Got 'z' instead ('z' is not an image axis)."),
+    ("slab-vs-axes", {"image": {"axes": "zyx"}, "resources": {"slab": [64, 64]}}, "resources.slab", "Expected 3 entries, one per axis 'zyx'. Got [64, 64] instead."),
+]
+
+
+@pytest.mark.parametrize("patch, field, message", [row[1:] for row in SPEC_TIME_AXIS_ERRORS], ids=[row[0] for row in SPEC_TIME_AXIS_ERRORS])
+def test_per_axis_lists_that_contradict_image_axes_are_refused_by_the_spec(patch, field, message):
+    """With image.axes given, the planner's per-axis rules need no dataset: the model refuses
+    them, and so does the CRD at admission (tests/test_admission.py), with the planner's words."""
+    with pytest.raises(SpecError) as info:
+        parse_spec(patched(patch))
+    assert str(info.value) == f"{field}: {message}"
 
 
 def test_planner_time_errors_negative_control():

@@ -45,6 +45,7 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     o.add_argument("--image", default=os.environ.get("H5NGFF_IMAGE"), help="Image for runner and Dask pods when a job names none (default $H5NGFF_IMAGE).")
     o.add_argument("--runner-service-account", default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"), metavar="NAME",
                    help="Service account of runner pods when a job names none (needs the runner RBAC; the Helm chart creates h5ngff-runner).")
+    _policy_flags(o)
     o.add_argument("--namespace", action="append", default=[], metavar="NS", help="Serve only this namespace (repeatable; default: the whole cluster).")
     o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of each ConversionJob (default 5; finished jobs too, without API calls).")
     o.add_argument("--peering", default="h5ngff", metavar="NAME", help="kopf peering object name, so replicas take turns (default h5ngff).")
@@ -53,6 +54,7 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     o.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve the operator's Prometheus metrics on this port.")
     o.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
     o.set_defaults(func=cmd_operator)
+    _add_render(o)
 
     # The runner Job's container command; not for people, hence no help entry.
     x = sub.add_parser("runner")
@@ -62,6 +64,72 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     x.add_argument("--attempt", type=int, default=1)
     x.set_defaults(func=cmd_runner)
     _hide(sub, "runner")
+
+
+EPILOG_RENDER = """\
+examples:
+  h5ngff operator render job.yaml > rendered.yaml
+  h5ngff operator render job.yaml --image registry.example.org/lab/h5ngff:0.2.0 \\
+      --runner-service-account h5ngff-runner --allowed-volume-type csi
+  h5ngff operator render job.yaml --plan      # opens the HDF5 file: adds the DaskCluster
+  h5ngff operator render job.yaml --plan | kubectl apply --dry-run=server -f -
+
+Prints, as YAML, what the operator would create for the manifest with these settings (pass the
+same flags as the operator Deployment: the Helm chart's jobDefaults.image, runner.serviceAccount
+and policy.* values): the runner Job of attempt 1, and the Role and RoleBinding that let that
+runner patch its own job's status. With --plan, the DaskCluster the runner would create, its
+worker pods sized by the plan (source.path is read from this machine, relative to the current
+directory). ownerReferences carry metadata.uid if the manifest has one, else a placeholder.
+Exit status: 0 printed, 2 invalid manifest or refused by the policy (PolicyDenied).
+"""
+
+
+def _add_render(o: argparse.ArgumentParser) -> None:
+    sub = o.add_subparsers(dest="operator_command", metavar="render")
+    r = sub.add_parser("render", help="Print the objects the operator would create for a ConversionJob manifest.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_RENDER,
+                       description="Print the runner Job (and with --plan the DaskCluster) the operator would create, for review and GitOps diffs.")
+    r.add_argument("manifest", metavar="JOB.yaml", help="A ConversionJob manifest (apiVersion h5ngff.dev/v1alpha1).")
+    r.add_argument("--plan", action="store_true", help="Plan the conversion (opens the HDF5 file) and add the DaskCluster with its planned pod limits.")
+    r.add_argument("--image", default=os.environ.get("H5NGFF_IMAGE"), help="The operator's --image (default $H5NGFF_IMAGE, else the built-in default).")
+    r.add_argument("--runner-service-account", default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"), metavar="NAME",
+                   help="The operator's --runner-service-account.")
+    r.add_argument("--namespace", default="default", metavar="NS", help="Namespace of a manifest that names none (default: default).")
+    _policy_flags(r)
+    r.set_defaults(func=cmd_render)
+
+
+def cmd_render(args: argparse.Namespace, console: Console) -> int:
+    from .job import load_job
+    from .operator.manifests import DEFAULT_IMAGE
+    from .operator.render import RenderOptions, render_objects
+
+    opts = RenderOptions(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account,
+                         policy=policy_from_args(args), namespace=args.namespace, plan=args.plan)
+    objects = render_objects(load_job(args.manifest), opts)
+    sys.stdout.write(f"# h5ngff operator render {args.manifest}{' --plan' if args.plan else ''}: what the operator would create\n")
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120, explicit_start=True))
+    return 0
+
+
+def _policy_flags(p: argparse.ArgumentParser) -> None:
+    """The tenant policy (operator/policy.py); the Helm chart sets these from its policy.* values."""
+    from .operator.policy import DEFAULT_VOLUME_TYPES
+
+    g = p.add_argument_group("tenant policy", "What a ConversionJob's spec.pod may ask for; a job asking for more fails with reason PolicyDenied.")
+    g.add_argument("--allowed-image", action="append", default=[], metavar="PATTERN",
+                   help="An image pattern (shell glob, e.g. 'registry.example.org/lab/*') spec.pod.image may name; repeatable. --image is always allowed.")
+    g.add_argument("--allowed-service-account", action="append", default=[], metavar="NAME",
+                   help="A service account spec.pod.serviceAccountName may name; repeatable. --runner-service-account is always allowed.")
+    g.add_argument("--allowed-volume-type", action="append", metavar="TYPE",
+                   help=f"A volume type (PodSpec field, e.g. csi) spec.pod.volumes may use; repeatable; replaces the default {', '.join(DEFAULT_VOLUME_TYPES)}.")
+
+
+def policy_from_args(args: argparse.Namespace):
+    from .operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
+
+    return TenantPolicy(tuple(args.allowed_image), tuple(args.allowed_service_account),
+                        tuple(args.allowed_volume_type) if args.allowed_volume_type else DEFAULT_VOLUME_TYPES)
 
 
 def _hide(sub: Any, name: str) -> None:
@@ -126,7 +194,7 @@ def cmd_operator(args: argparse.Namespace, console: Console) -> int:
         metrics = OperatorMetrics()
         metrics.serve(args.metrics_port)
     cfg = OperatorConfig(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account,
-                         interval=args.interval, namespaces=tuple(args.namespace),
+                         interval=args.interval, namespaces=tuple(args.namespace), policy=policy_from_args(args),
                          peering=None if args.standalone else args.peering, metrics=metrics)
     if args.priority is not None:
         cfg.priority = args.priority

@@ -67,6 +67,12 @@ class SpecError(H5ngffError, ValueError):
         super().__init__(f"{field}: {message}" if field else message)
 
 
+class PolicyDeniedError(SpecError):
+    """A ConversionJob asks for more than the cluster admin's tenant policy allows."""
+
+    reason = "PolicyDenied"
+
+
 class PlanError(H5ngffError, ValueError):
     """The spec is valid but no plan can satisfy it."""
 

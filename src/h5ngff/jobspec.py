@@ -30,6 +30,10 @@ DEFAULT_RETRY_INTERVAL = 10
 DEFAULT_MAX_RETRY_INTERVAL = 300
 
 FreeForm = dict[str, Any]
+#: At most this many volumes and volume mounts: bounds the CRD's CEL cost (operator/admission.py).
+MAX_VOLUMES = 64
+#: Kubernetes' limit for volume names (a DNS label); also bounds the CRD's CEL cost.
+MAX_VOLUME_NAME = 63
 
 
 class PodSettings(_Model):
@@ -47,9 +51,13 @@ class PodSettings(_Model):
     @field_validator("volumes", "volume_mounts")
     @classmethod
     def _named(cls, v: list[FreeForm] | None) -> list[FreeForm] | None:
+        if v is not None and len(v) > MAX_VOLUMES:
+            raise ValueError(f"Expected at most {MAX_VOLUMES} entries. Got {len(v)} instead.")
         for item in v or ():
             if not isinstance(item.get("name"), str) or not item["name"]:
                 raise ValueError(f"Expected every entry to have a name. Got {item!r} instead.")
+            if len(item["name"]) > MAX_VOLUME_NAME:
+                raise ValueError(f"Expected names of at most {MAX_VOLUME_NAME} characters, as Kubernetes requires. Got {item['name']!r} instead.")
         return v
 
     @model_validator(mode="after")

@@ -44,6 +44,10 @@ TIME_UNITS = (
     "nanosecond", "petasecond", "picosecond", "second", "terasecond", "yoctosecond", "yottasecond",
     "zeptosecond", "zettasecond",
 )
+#: NGFF images have at most 5 axes (tczyx): a per-axis list with more entries can never fit.
+MAX_AXES = 5
+#: Longest byte-quantity string accepted; bounds the CRD's CEL cost (operator/admission.py).
+MAX_QUANTITY_LENGTH = 64
 BLOSC_CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
 CODECS = ("blosc", "zstd", "gzip", "none")
@@ -101,6 +105,8 @@ def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
         return None
     if not value:
         raise ValueError(f"Expected at least one positive integer. Got {value!r} instead.")
+    if len(value) > MAX_AXES:
+        raise ValueError(f"Expected at most {MAX_AXES} entries, one per axis (tczyx). Got {len(value)}: {value!r} instead.")
     bad = [v for v in value if v < 1]
     if bad:
         raise ValueError(f"Expected positive integers for every axis. Got {value!r} instead ({bad[0]} is not allowed).")
@@ -214,11 +220,15 @@ class ImageSpec(_Model):
     @field_validator("axes")
     @classmethod
     def _valid_axes(cls, v: str | None) -> str | None:
+        if v is not None and v != v.strip():
+            raise ValueError(f"Expected axis names without spaces, e.g. 'zyx'. Got {v!r} instead.")
         return None if v is None else parse_axes(v)
 
     @field_validator("units")
     @classmethod
     def _known_units(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and len(v) > MAX_AXES:
+            raise ValueError(f"Expected at most {MAX_AXES} units, one per axis (tczyx). Got {v!r} instead.")
         for unit in v or ():
             if unit and unit not in SPACE_UNITS + TIME_UNITS:
                 raise ValueError(
@@ -229,6 +239,8 @@ class ImageSpec(_Model):
     @field_validator("scale")
     @classmethod
     def _positive_scale(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and len(v) > MAX_AXES:
+            raise ValueError(f"Expected at most {MAX_AXES} voxel sizes, one per axis (tczyx). Got {v!r} instead.")
         if v is not None and (not v or any(not (s > 0 and math.isfinite(s)) for s in v)):
             raise ValueError(f"Expected a positive, finite voxel size for every axis. Got {v!r} instead.")
         return v
@@ -300,6 +312,8 @@ class ResourcesSpec(_Model):
     def _quantity(cls, v: int | str | None) -> int | str | None:
         if v is None:
             return None
+        if isinstance(v, str) and len(v) > MAX_QUANTITY_LENGTH:
+            raise ValueError(f"Expected a byte quantity such as 1Gi (at most {MAX_QUANTITY_LENGTH} characters). Got {len(v)} characters instead.")
         n = parse_bytes(v)
         if n < (64 << 20):
             raise ValueError(f"Expected at least 64Mi (a Python worker alone needs more). Got {v!r} instead.")
@@ -337,6 +351,37 @@ class ConversionSpec(_Model):
     pyramid: PyramidSpec = Field(default_factory=PyramidSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
 
+    @model_validator(mode="after")
+    def _agrees_with_axes(self) -> "ConversionSpec":
+        """With ``image.axes`` given, the per-axis lists must fit it. The planner checks the same
+        against the dataset (axes may also come from HDF5 attributes); checking here too lets the
+        CRD refuse them at admission (operator/admission.py mirrors these rules in CEL)."""
+        axes = self.image.axes
+        if axes is None:
+            return self
+        n = len(axes)
+        for name, value in (("output.chunks", self.output.chunks), ("output.shards", self.output.shards),
+                            ("image.scale", self.image.scale), ("resources.slab", self.resources.slab)):
+            if value is not None and len(value) != n:
+                raise _FieldError(name, f"Expected {n} entries, one per axis {axes!r}. Got {list(value)} instead.")
+        _check_units(self.image.units, axes)
+        missing = [a for a in self.pyramid.axes or "" if a not in axes]
+        if missing:
+            raise _FieldError("pyramid.axes", f"Expected axes present in the image axes {axes!r}. Got {self.pyramid.axes!r} instead ({missing[0]!r} is not an image axis).")
+        return self
+
+
+def _check_units(units: list[str] | None, axes: str) -> None:
+    """The planner's unit rules (planner/layout.py, resolve_scale_units) for explicit axes."""
+    if not units or (len(units) == 1 and units[0] in SPACE_UNITS):
+        return  # none, or one space unit for every spatial axis
+    if len(units) != len(axes):
+        raise _FieldError("image.units", f"Expected {len(axes)} units, one per axis {axes!r}. Got {units} instead.")
+    for axis, unit in zip(axes, units):
+        allowed = SPACE_UNITS if AXIS_TYPES[axis] == "space" else TIME_UNITS if axis == "t" else ()
+        if unit and unit not in allowed:
+            raise _FieldError("image.units", f"Expected a {AXIS_TYPES[axis]} unit for axis {axis!r} (or '' for none). Got {unit!r} instead.")
+
 
 def parse_axes(value: str) -> str:
     """Validate an NGFF axis string: time first, then channel, then 2 or 3 spatial axes."""
@@ -373,7 +418,7 @@ def _field_path(err: dict[str, Any]) -> str:
         parts.append(error.field)
     path = ""
     for p in parts:
-        path += f"[{p}]" if isinstance(p, int) else ("." if path else "") + to_camel(str(p))
+        path += f"[{p}]" if isinstance(p, int) else ("." if path else "") + ".".join(map(to_camel, str(p).split(".")))
     if extra is not None:
         path += ("." if path else "") + extra
     return path

@@ -57,6 +57,17 @@ WORKER_START_TIMEOUT = 600
 #: Seconds to wait for the Dask Operator to act on a DaskCluster (create/delete).
 RESOURCE_TIMEOUT = 300
 WORKER_DASHBOARD_PORT = 8788
+#: The image's non-root user and group (docker/Dockerfile's ``USER 10001:10001``; a test keeps
+#: them equal). Named numerically because kubelet can verify ``runAsNonRoot`` only for a numeric
+#: user: an image naming its user by name would be refused to start.
+RUN_AS_USER = 10001
+RUN_AS_GROUP = 10001
+#: The writable scratch directory of every container: the root filesystem is read-only, and
+#: Python's tempfile, matplotlib's and Dask's config caches, and a Dask worker's local directory
+#: (where it spills, ``dask-scratch-space``) all write under /tmp. Disk-backed, not memory-backed:
+#: a tmpfs would charge spilled data to the very pod memory limit the plan sizes.
+SCRATCH_VOLUME = "h5ngff-scratch"
+SCRATCH_PATH = "/tmp"
 
 
 def child_name(base: str, suffix: str, limit: int = MAX_NAME) -> str:
@@ -122,6 +133,42 @@ def container_storage(pod: PodSettings) -> dict[str, Any]:
     return out
 
 
+def pod_security_context() -> dict[str, Any]:
+    """The pod-level half of the ``restricted`` Pod Security Standard: a numeric non-root user
+    and the runtime's default seccomp profile. No fsGroup: a recursive chown of a large data
+    volume at every pod start would cost minutes, and the image's user 10001 is what wrote the
+    output before this context existed."""
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_GROUP,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    """The container-level half: no privilege escalation, no capabilities (h5ngff binds no port
+    below 1024 and changes no file ownership), and a read-only root filesystem (writes go to the
+    scratch volume and the user's volumes)."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def with_scratch(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """Give every container of ``pod_spec`` the pod's scratch emptyDir at /tmp (unless the user
+    mounts something there already) and HOME=/tmp, and set the restricted security contexts."""
+    containers = pod_spec["containers"]
+    needs_scratch = False
+    for c in containers:
+        c["securityContext"] = container_security_context()
+        if not any(m.get("mountPath") == SCRATCH_PATH for m in c.get("volumeMounts") or ()):
+            c["volumeMounts"] = [*(c.get("volumeMounts") or ()), {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_PATH}]
+            needs_scratch = True
+        env = c.setdefault("env", [])
+        if not any(e.get("name") == "HOME" for e in env):
+            env.append({"name": "HOME", "value": SCRATCH_PATH})  # ~/.config/dask and friends
+    if needs_scratch:
+        pod_spec["volumes"] = [*(pod_spec.get("volumes") or ()), {"name": SCRATCH_VOLUME, "emptyDir": {}}]
+    pod_spec["securityContext"] = pod_security_context()
+    return pod_spec
+
+
 def env_list(env: dict[str, str]) -> list[dict[str, str]]:
     return [{"name": k, "value": str(v)} for k, v in sorted(env.items())]
 
@@ -158,12 +205,12 @@ def build_worker_container(plan: Plan, image: str, pod: PodSettings, allocator_l
 
 
 def build_worker_pod_spec(plan: Plan, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
-    return {
+    return with_scratch({
         "containers": [build_worker_container(plan, image, pod, allocator_library)],
         # Workers read and write files only; they need no Kubernetes API access.
         "automountServiceAccountToken": False,
         **pod_placement(pod),
-    }
+    })
 
 
 def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[str, Any]:
@@ -185,7 +232,7 @@ def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[s
     if pod.image_pull_policy:
         container["imagePullPolicy"] = pod.image_pull_policy
     placement = {k: v for k, v in pod_placement(pod).items() if k != "volumes"}  # the scheduler touches no data
-    return {"containers": [container], "automountServiceAccountToken": False, **placement}
+    return with_scratch({"containers": [container], "automountServiceAccountToken": False, **placement})
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,14 @@ from typing import Any
 import yaml
 
 from ..jobspec import ConversionJobSpec
+from .admission import apply_rules
 from .manifests import GROUP, KIND, PLURAL, VERSION
 from .status import ConversionJobStatus
 
 #: JSON-schema keys the structural schema keeps (the rest, e.g. title and default, go).
 KEEP = {"type", "description", "properties", "items", "required", "enum", "minimum", "maximum", "minLength", "maxLength",
         "minItems", "maxItems", "pattern", "format", "additionalProperties",
-        "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields"}
+        "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "exclusiveMinimum"}
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
@@ -105,7 +106,8 @@ def _without_required(node: Any) -> Any:
 
 
 def build_crd() -> dict[str, Any]:
-    spec = schema_of(ConversionJobSpec)
+    # The admission rules (OpenAPI keys and CEL) the models check in validators.
+    spec = apply_rules(schema_of(ConversionJobSpec))
     # Only our own code writes the status, by merge patches; a "required" there could only make
     # the API server reject a partial write of ours.
     status = _without_required(schema_of(ConversionJobStatus))

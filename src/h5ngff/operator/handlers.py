@@ -27,14 +27,28 @@ from ..errors import SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
 from .kube import Conflict, Kube, KubeConfig, KubeError, Transient, namespaced
 from .lease import acquire, holder_identity, lease_body, lease_name, output_key, release
-from .manifests import API_VERSION, GROUP, KIND, LABEL_JOB, PLURAL, VERSION, Owner, build_runner_job, dask_cluster_name
+from .manifests import (
+    API_VERSION,
+    DEFAULT_IMAGE,
+    GROUP,
+    KIND,
+    LABEL_JOB,
+    PLURAL,
+    VERSION,
+    Owner,
+    build_runner_job,
+    build_runner_role,
+    build_runner_role_binding,
+    dask_cluster_name,
+    runner_account,
+)
+from .policy import TenantPolicy, policy_violations
 from .reconcile import Decision, Observed, job_summary, live_pods, reconcile
 from .status import TERMINAL_PHASES, now
 
 log = logging.getLogger(__name__)
 
 CJ = {"group": GROUP, "version": VERSION, "plural": PLURAL}
-DEFAULT_IMAGE = "ghcr.io/h5ngff/h5ngff:latest"
 OPERATOR_AGENT = "h5ngff-operator"
 #: How long a pass waits for its own previous status write to show up before acting anyway.
 CONSISTENCY_WINDOW = 15.0
@@ -48,6 +62,8 @@ class OperatorConfig:
     image: str = DEFAULT_IMAGE
     #: Service account of runner pods when a ConversionJob names none (needs the runner RBAC).
     runner_service_account: str | None = None
+    #: What a ConversionJob may ask for beyond the two defaults above (operator/policy.py).
+    policy: TenantPolicy = field(default_factory=TenantPolicy)
     #: Seconds between reconcile passes of an unfinished job (a runner's end is noticed within it).
     interval: float = 5.0
     api: KubeConfig = field(default_factory=KubeConfig.from_env)
@@ -195,6 +211,9 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, inde
     if error is not None:
         _count_error(cfg, "invalid_spec")
     observed = observe_job(owner, body, spec, error, index)
+    if spec is not None:
+        denial = "; ".join(policy_violations(spec, cfg.policy, cfg.image, cfg.runner_service_account)) or None
+        observed = dataclasses.replace(observed, policy_denial=denial)
     decision = reconcile(observed)
     for _ in range(4):  # each lookup at most once: the runner Job, pods (and Events), the Lease
         if not decision.needs:
@@ -270,6 +289,7 @@ async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: C
         # Before the status write that forgets it: a failed write leaves a retry, never a leak.
         await release(kube, owner.namespace, decision.release_lease, holder_identity(owner.namespace, owner.name, owner.uid))
     if decision.ensure_attempt is not None and spec is not None:
+        await _ensure_runner_rbac(kube, owner, runner_account(spec, cfg.runner_service_account))
         job = build_runner_job(owner, spec, decision.ensure_attempt, cfg.image, resume=decision.resume,
                                default_service_account=cfg.runner_service_account)
         try:
@@ -278,6 +298,17 @@ async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: C
         except Conflict:
             # Created by an earlier pass (or a restarted operator): keep it, never make a twin.
             log.info("runner Job %s/%s already exists", owner.namespace, job["metadata"]["name"])
+
+
+async def _ensure_runner_rbac(kube: Kube, owner: Owner, account: str) -> None:
+    """The runner's permission to patch its own job's status (rbac.py's RUNNER_JOB_RULES),
+    before the runner exists; an existing Role or RoleBinding (an earlier attempt's) is kept."""
+    rbac = "rbac.authorization.k8s.io/v1"
+    for plural, obj in (("roles", build_runner_role(owner)), ("rolebindings", build_runner_role_binding(owner, account))):
+        try:
+            await kube.create(namespaced(rbac, owner.namespace, plural), obj)
+        except Conflict:
+            pass
 
 
 async def remove_children(kube: Kube, owner: Owner, lease: str | None) -> list[str]:

@@ -23,15 +23,20 @@ from ..backends.kubernetes import (
     labels,
     owner_reference,
     pod_placement,
+    with_scratch,
 )
 from ..jobspec import ConversionJobSpec
 from ..units import GiB, k8s_quantity
+from .rbac import RUNNER_JOB_RULES, role_rules
 
 __all__ = [
     "GROUP", "VERSION", "PLURAL", "KIND", "API_VERSION", "LABEL_JOB", "LABEL_ATTEMPT", "Owner",
     "runner_job_name", "dask_cluster_name", "build_runner_job", "labels", "owner_reference",
+    "runner_account", "build_runner_role", "build_runner_role_binding",
 ]
 
+#: Image of runner and Dask pods when neither the ConversionJob nor ``--image`` names one.
+DEFAULT_IMAGE = "ghcr.io/h5ngff/h5ngff:latest"
 VERSION = "v1alpha1"
 PLURAL = "conversionjobs"
 KIND = "ConversionJob"
@@ -104,7 +109,7 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
         **container_storage(spec.pod),
     }
-    pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], **pod_placement(spec.pod)}
+    pod_spec = with_scratch({"restartPolicy": "Never", "containers": [container], **pod_placement(spec.pod)})
     # The runner needs its RBAC (docs/operator.md); a job may name its own account, else the
     # operator's default (the Helm chart creates h5ngff-runner and passes it).
     account = spec.pod.service_account_name or default_service_account
@@ -121,4 +126,38 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
         "kind": "Job",
         "metadata": {"name": name, "namespace": owner.namespace, "labels": meta_labels, "ownerReferences": [owner.reference()]},
         "spec": job_spec,
+    }
+
+
+def runner_account(spec: ConversionJobSpec, default_service_account: str | None) -> str:
+    """The service account the runner pod runs as (Kubernetes' ``default`` when none is named)."""
+    return spec.pod.service_account_name or default_service_account or "default"
+
+
+def runner_role_name(job_name: str) -> str:
+    return child_name(job_name, "runner-status")
+
+
+def build_runner_role(owner: Owner) -> dict[str, Any]:
+    """The Role letting a runner patch the status of its own ConversionJob and no other
+    (``resourceNames``); owned by the job, so it goes when the job goes."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": runner_role_name(owner.name), "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
+                     "ownerReferences": [owner.reference()]},
+        "rules": role_rules(RUNNER_JOB_RULES, resource_names=[owner.name]),
+    }
+
+
+def build_runner_role_binding(owner: Owner, account: str) -> dict[str, Any]:
+    """Binds :func:`build_runner_role` to the service account the runner pod runs as."""
+    name = runner_role_name(owner.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
+                     "ownerReferences": [owner.reference()]},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": owner.namespace}],
     }

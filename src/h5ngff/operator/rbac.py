@@ -30,6 +30,8 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     Rule("", "pods", ("list",), "why a runner pod failed or does not start; a new attempt waits until the previous one's pods have exited"),
     Rule("", "events", ("create", "list"), "Kubernetes Events for key transitions; the Job controller's FailedCreate events of a runner Job"),
     Rule("coordination.k8s.io", "leases", ("get", "create", "delete"), "one writer per output path: a Lease per path, held while a job runs"),
+    Rule("rbac.authorization.k8s.io", "roles", ("create",), "a Role per ConversionJob letting its runner patch that job's status only (RUNNER_JOB_RULES)"),
+    Rule("rbac.authorization.k8s.io", "rolebindings", ("create",), "binds that Role to the runner pod's service account"),
     Rule("kubernetes.dask.org", "daskclusters", ("delete",), "removes a DaskCluster left by a failed attempt or a deleted job"),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "kopf discovers the resources it serves"),
     Rule("", "namespaces", ("list", "watch"), "kopf, when serving namespaces by pattern", exercised=False),
@@ -38,8 +40,16 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     Rule("h5ngff.dev", "conversionjobs/finalizers", ("update",), "runner Jobs' ownerReferences set blockOwnerDeletion", exercised=False),
 )
 
+#: The runner's permission on its own ConversionJob, granted per job: the operator creates a Role
+#: with ``resourceNames: [<job>]`` and a RoleBinding to the runner pod's service account, both
+#: owned by the ConversionJob (garbage-collected with it). A namespace-wide grant would let one
+#: team's runner (any image the policy allows) rewrite every other job's status. The operator
+#: may create this Role because it holds the same permission itself (RBAC's escalation check).
+RUNNER_JOB_RULES: tuple[Rule, ...] = (
+    Rule("h5ngff.dev", "conversionjobs/status", ("patch",), "plan, progress, result and the attempt's outcome, of its own job only"),
+)
+
 RUNNER_RULES: tuple[Rule, ...] = (
-    Rule("h5ngff.dev", "conversionjobs/status", ("patch",), "plan, progress, result and the attempt's outcome"),
     Rule("kubernetes.dask.org", "daskclusters", ("get", "list", "create", "delete"), "dask-kubernetes' KubeCluster creates the run's cluster and deletes it after"),
     Rule("kubernetes.dask.org", "daskworkergroups", ("list",), "KubeCluster looks up the cluster's worker groups"),
     Rule("", "pods", ("get", "list"), "KubeCluster waits for the scheduler pod"),
@@ -58,6 +68,8 @@ def calls(rules: Iterable[Rule], exercised_only: bool = True) -> set[tuple[str, 
     return out
 
 
-def role_rules(rules: Iterable[Rule]) -> list[dict[str, Any]]:
-    """As RBAC ``rules:`` entries (one per rule, so each keeps its reason in docs)."""
-    return [{"apiGroups": [r.api_group], "resources": [r.resource], "verbs": list(r.verbs)} for r in rules]
+def role_rules(rules: Iterable[Rule], resource_names: list[str] | None = None) -> list[dict[str, Any]]:
+    """As RBAC ``rules:`` entries (one per rule, so each keeps its reason in docs), limited to
+    ``resource_names`` when given."""
+    names = {"resourceNames": list(resource_names)} if resource_names else {}
+    return [{"apiGroups": [r.api_group], "resources": [r.resource], **names, "verbs": list(r.verbs)} for r in rules]

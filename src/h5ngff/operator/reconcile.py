@@ -70,6 +70,9 @@ class Observed:
     events_checked: bool = False
     #: The current runner Job was looked up by name (the index did not have it).
     job_checked: bool = False
+    #: Why the tenant policy (operator/policy.py) refuses this spec, or None. A denied spec starts
+    #: nothing, and a run of it in flight is stopped; a finished outcome stays as it was.
+    policy_denial: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ def reconcile(o: Observed) -> Decision:
     status = o.status
     if o.spec_error is not None:
         decision = _invalid(o)
+    elif o.policy_denial is not None and (_conversion_changed(o) or _in_flight_now(status)):
+        decision = _policy_denied(o)
     elif _conversion_changed(o):
         decision = _new_run(o)
     elif status.get("phase") in TERMINAL_PHASES:
@@ -309,6 +314,17 @@ def _final(o: Observed, reason: str, message: str, delete_job: str | None = None
         patch["failures"] = failures
     return Decision(patch, delete_job=delete_job, delete_cluster=True, release_lease=o.status.get("outputLease"),
                     event=("Warning", reason, message))
+
+
+def _policy_denied(o: Observed) -> Decision:
+    """Failed with reason PolicyDenied: no runner Job, Lease or DaskCluster is created, and the
+    children of a run in flight (its spec was edited, or the policy tightened) are deleted."""
+    status = o.status
+    denial = o.policy_denial or ""
+    if status.get("phase") == "Failed" and status.get("reason") == "PolicyDenied" and status.get("message") == denial:
+        return NOTHING
+    job = _current_job(o) if _in_flight_now(status) else None
+    return _final(o, "PolicyDenied", denial, delete_job=job.name if job else None)
 
 
 def _after_failure(o: Observed, attempt: int, reason: str, message: str, can_retry: bool, event_reason: str | None = None) -> Decision:

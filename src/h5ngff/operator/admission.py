@@ -1,0 +1,221 @@
+"""Admission rules of the ConversionJob CRD: what the API server refuses at ``kubectl apply``.
+
+The pydantic models (``spec.py``, ``jobspec.py``) give the CRD its shape, types, enums and plain
+ranges (``crd.py``). The rules here add what a JSON schema derived from pydantic cannot say:
+OpenAPI keys the models check in validators (patterns, list lengths, item ranges), and CEL
+``x-kubernetes-validations`` for rules across fields and for ``int | 'auto'`` fields. Together
+they refuse exactly what the model refuses for the spec alone (``tests/test_admission.py`` runs a
+table of specs through both and demands the same verdict), so ``kubectl apply --dry-run=server``
+shows the error instead of the operator, minutes later.
+
+Kubernetes' CEL functions used beyond standard CEL: ``find`` (Kubernetes' regex library, 1.24+),
+to read a byte quantity's number. CEL cost: every list a rule iterates has ``maxItems`` and every
+string a rule matches has ``maxLength`` or a bounded pattern, so the API server's cost estimate
+stays far below its per-rule limit.
+
+Each rule's ``path`` is a dotted path into ``.spec`` (``[]`` = every item of a list).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import permutations
+from typing import Any
+
+from ..jobspec import MAX_VOLUME_NAME, MAX_VOLUMES
+from ..spec import MAX_AXES, MAX_QUANTITY_LENGTH, SPACE_UNITS, TIME_UNITS
+
+MiB64 = 64 << 20
+
+
+@dataclass(frozen=True)
+class SchemaRule:
+    """OpenAPI keys merged into the node at ``path``."""
+
+    path: str
+    keys: dict[str, Any]
+    why: str
+
+
+@dataclass(frozen=True)
+class CelRule:
+    """One ``x-kubernetes-validations`` entry on the node at ``path``."""
+
+    path: str
+    rule: str
+    message: str
+    field_path: str | None = None
+    why: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validation(self) -> dict[str, Any]:
+        out = {"rule": self.rule, "message": self.message}
+        if self.field_path:
+            out["fieldPath"] = self.field_path
+        return out
+
+
+def _spatial_permutations(lengths: tuple[int, ...], letters: str) -> list[str]:
+    return sorted({"".join(p) for n in lengths for p in permutations(letters, n)}, key=lambda s: (-len(s), s))
+
+
+def _axes_pattern() -> str:
+    """parse_axes as a pattern: optional t, optional c, then 2 or 3 distinct spatial axes; either
+    case, as the model lower-cases."""
+    spatial = "|".join("".join(f"[{c}{c.upper()}]" for c in p) for p in _spatial_permutations((3, 2), "zyx"))
+    return f"^[tT]?[cC]?({spatial})$"
+
+
+_NUMBER = "[0-9]*\\.?[0-9]+([eE][+-]?[0-9]+)?"
+#: units.parse_bytes' grammar: a number, optional spaces, then nothing, B, or k/M/G/T with an
+#: optional i and an optional B, in any case.
+QUANTITY_PATTERN = f"^\\s*{_NUMBER}\\s*([kKmMgGtT][iI]?)?[bB]?\\s*$"
+_MULTIPLIERS = [("[kK][iI]", 1 << 10), ("[kK]", 10**3), ("[mM][iI]", 1 << 20), ("[mM]", 10**6),
+                ("[gG][iI]", 1 << 30), ("[gG]", 10**9), ("[tT][iI]", 1 << 40), ("[tT]", 10**12)]
+
+
+def _quantity_bytes_expr() -> str:
+    """CEL for the byte count of a string ``self`` already matching QUANTITY_PATTERN."""
+    mult = "1.0"
+    for suffix, factor in reversed(_MULTIPLIERS):
+        mult = f"self.matches('[0-9.]\\\\s*{suffix}[bB]?\\\\s*$') ? {float(factor)!r} : {mult}"
+    return f"double(self.find('{_NUMBER.replace(chr(92), chr(92) * 2)}')) * ({mult})"
+
+
+def _quantity_rule(path: str, name: str) -> CelRule:
+    return CelRule(
+        path, f"type(self) == int ? self >= {MiB64} : (self.matches('{QUANTITY_PATTERN.replace(chr(92), chr(92) * 2)}') && {_quantity_bytes_expr()} >= {float(MiB64)!r})",
+        f"{name} must be at least 64Mi (a Python worker alone needs more), as a byte count or a quantity such as 1Gi or 512MiB",
+        why="units.parse_bytes and the 64Mi floor of ResourcesSpec._quantity",
+    )
+
+
+def _int_or_auto(path: str, low: int, high: int, name: str) -> CelRule:
+    return CelRule(path, f"type(self) == int ? self >= {low} && self <= {high} : self == 'auto'",
+                   f"{name} must be 'auto' or an integer from {low} to {high}", why="an int-or-string field: OpenAPI cannot range-check only its integers")
+
+
+def _per_axis(list_path: str, label: str) -> CelRule:
+    section, name = list_path.split(".")
+    root = f"self.{section}"
+    return CelRule(
+        "", f"!has(self.image) || !has(self.image.axes) || !has({root}) || !has({root}.{name}) || size({root}.{name}) == size(self.image.axes)",
+        f"{list_path} must have one entry per axis of image.axes", f".{list_path}", why=f"planner: {label}",
+    )
+
+
+#: Among NGFF's unit names (the schema's enum for image.units items), the time units are exactly
+#: these; every other one is a space unit. Shorter (and cheaper) than listing 49 names in CEL.
+TIME_UNIT_PATTERN = "^(.*second|minute|hour|day)$"
+
+
+def _unit_kind_rule() -> CelRule:
+    terms = []
+    for i in range(MAX_AXES):
+        u = f"self.image.units[{i}]"
+        kind = (f"(self.image.axes.matches('^.{{{i}}}[tT]') ? {u}.matches('{TIME_UNIT_PATTERN}') : "
+                f"!self.image.axes.matches('^.{{{i}}}[cC]') && !{u}.matches('{TIME_UNIT_PATTERN}'))")
+        terms.append(f"(size(self.image.units) <= {i} || {u} == '' || {kind})")
+    guard = "!has(self.image) || !has(self.image.axes) || !has(self.image.units) || size(self.image.units) != size(self.image.axes)"
+    return CelRule("", f"{guard} || ({' && '.join(terms)})",
+                   "image.units must give a space unit for z, y and x, a time unit for t, and '' for c", ".image.units",
+                   why="planner: resolve_scale_units")
+
+
+def _shard_multiple_rule() -> CelRule:
+    terms = " && ".join(f"(size(self.chunks) <= {i} || self.shards[{i}] % self.chunks[{i}] == 0)" for i in range(MAX_AXES))
+    return CelRule("output", f"!has(self.shards) || !has(self.chunks) || size(self.shards) != size(self.chunks) || ({terms})",
+                   "output.shards must be a multiple of output.chunks on every axis", ".shards", why="OutputSpec._shards_need_v3")
+
+
+def _positive_axis_list(path: str, why: str) -> SchemaRule:
+    return SchemaRule(path, {"minItems": 1, "maxItems": MAX_AXES, "items": {"minimum": 1}}, why)
+
+
+_VOLUME_NAME = {"type": "string", "minLength": 1, "maxLength": MAX_VOLUME_NAME}
+
+SCHEMA_RULES: tuple[SchemaRule, ...] = (
+    _positive_axis_list("output.chunks", "positive, one per axis, at most 5 axes (tczyx)"),
+    _positive_axis_list("output.shards", "positive, one per axis, at most 5 axes (tczyx)"),
+    _positive_axis_list("resources.slab", "positive, one per axis, at most 5 axes (tczyx)"),
+    SchemaRule("image.axes", {"maxLength": MAX_AXES, "pattern": _axes_pattern()}, "parse_axes: t, then c, then 2 or 3 distinct spatial axes"),
+    SchemaRule("image.scale", {"minItems": 1, "maxItems": MAX_AXES, "items": {"minimum": 0, "exclusiveMinimum": True}}, "a positive voxel size per axis"),
+    # maxLength adds nothing to the enum but bounds the CEL cost of matching a unit.
+    SchemaRule("image.units", {"maxItems": MAX_AXES, "items": {"enum": [*SPACE_UNITS, *TIME_UNITS, ""],
+                                                              "maxLength": max(map(len, SPACE_UNITS + TIME_UNITS))}},
+               "NGFF (UDUNITS-2) unit names, '' for none"),
+    SchemaRule("pyramid.axes", {"maxLength": 3, "pattern": "^(" + "|".join(_spatial_permutations((3, 2, 1), "zyx")) + ")$"}, "distinct spatial axes"),
+    SchemaRule("resources.memoryPerWorker", {"maxLength": MAX_QUANTITY_LENGTH, "pattern": QUANTITY_PATTERN}, "units.parse_bytes' grammar"),
+    SchemaRule("resources.memoryTotal", {"maxLength": MAX_QUANTITY_LENGTH, "pattern": QUANTITY_PATTERN}, "units.parse_bytes' grammar"),
+    SchemaRule("pod.volumes", {"maxItems": MAX_VOLUMES, "items": {"required": ["name"], "properties": {"name": _VOLUME_NAME}}},
+               "PodSettings._named; known to CEL so mounts can be matched to volumes"),
+    SchemaRule("pod.volumeMounts", {"maxItems": MAX_VOLUMES, "items": {"required": ["name"], "properties": {"name": _VOLUME_NAME}}},
+               "PodSettings._named"),
+)
+
+CEL_RULES: tuple[CelRule, ...] = (
+    _int_or_auto("resources.workers", 1, 4096, "resources.workers"),
+    _int_or_auto("pyramid.levels", 1, 16, "pyramid.levels"),
+    _quantity_rule("resources.memoryPerWorker", "resources.memoryPerWorker"),
+    _quantity_rule("resources.memoryTotal", "resources.memoryTotal"),
+    CelRule("resources", "!has(self.memoryPerWorker) || !has(self.memoryTotal)",
+            "give resources.memoryPerWorker or resources.memoryTotal, not both", ".memoryTotal", why="ResourcesSpec._one_budget"),
+    CelRule("output.compressor", "!has(self.cname) || !has(self.codec) || self.codec == 'blosc'",
+            "output.compressor.cname is for codec blosc only", ".cname", why="CompressorSpec._codec_options"),
+    CelRule("output.compressor", "!has(self.shuffle) || !has(self.codec) || self.codec == 'blosc'",
+            "output.compressor.shuffle is for codec blosc only", ".shuffle", why="CompressorSpec._codec_options"),
+    CelRule("output.compressor", "!has(self.clevel) || !has(self.codec) || self.codec != 'none'",
+            "output.compressor.clevel is not allowed with codec none", ".clevel", why="CompressorSpec._codec_options"),
+    CelRule("output.compressor",
+            "!has(self.clevel) || (has(self.codec) && self.codec == 'zstd' ? self.clevel >= 1 && self.clevel <= 22 : "
+            "has(self.codec) && self.codec == 'gzip' ? self.clevel >= 1 && self.clevel <= 9 : "
+            "!has(self.codec) || self.codec == 'blosc' ? self.clevel >= 0 && self.clevel <= 9 : true)",
+            "output.compressor.clevel must be 0-9 for blosc, 1-22 for zstd, 1-9 for gzip", ".clevel", why="CompressorSpec.LEVEL_RANGES"),
+    CelRule("output", "!has(self.shards) || !has(self.ngffVersion) || self.ngffVersion == '0.5'",
+            "output.shards needs ngffVersion '0.5' (Zarr v3)", ".shards", why="OutputSpec._shards_need_v3"),
+    CelRule("output", "!has(self.shards) || !has(self.chunks) || size(self.shards) == size(self.chunks)",
+            "output.shards must have as many entries as output.chunks", ".shards", why="OutputSpec._shards_need_v3"),
+    _shard_multiple_rule(),
+    _per_axis("output.chunks", "resolve_chunks"),
+    _per_axis("output.shards", "resolve_chunks"),
+    _per_axis("image.scale", "resolve_scale_units"),
+    _per_axis("resources.slab", "the slab has one entry per dataset axis"),
+    CelRule("", "!has(self.image) || !has(self.image.axes) || !has(self.image.units) || size(self.image.units) == 0 || "
+                "size(self.image.units) == size(self.image.axes) || (size(self.image.units) == 1 && self.image.units[0] != '' && "
+                f"!self.image.units[0].matches('{TIME_UNIT_PATTERN}'))",
+            "image.units must have one entry per axis of image.axes, or be one space unit for every spatial axis", ".image.units",
+            why="planner: resolve_scale_units"),
+    _unit_kind_rule(),
+    CelRule("", "!has(self.image) || !has(self.image.axes) || !has(self.pyramid) || !has(self.pyramid.axes) || "
+                "((!self.pyramid.axes.contains('z') || self.image.axes.matches('[zZ]')) && "
+                "(!self.pyramid.axes.contains('y') || self.image.axes.matches('[yY]')) && "
+                "(!self.pyramid.axes.contains('x') || self.image.axes.matches('[xX]')))",
+            "pyramid.axes must be axes of image.axes", ".pyramid.axes", why="planner: resolve_downsampled"),
+    CelRule("pod", "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == m.name))",
+            "every pod.volumeMounts entry must name one of pod.volumes", ".volumeMounts", why="PodSettings._mounts_name_volumes"),
+)
+
+
+def node_at(root: dict[str, Any], path: str) -> dict[str, Any]:
+    """The schema node of ``path`` (dotted, relative to ``.spec``; "" = ``.spec`` itself)."""
+    node = root
+    for part in filter(None, path.split(".")):
+        node = node["properties"][part]
+    return node
+
+
+def _merge(node: dict[str, Any], keys: dict[str, Any]) -> None:
+    for key, value in keys.items():
+        if isinstance(value, dict) and isinstance(node.get(key), dict):
+            _merge(node[key], value)
+        else:
+            node[key] = value
+
+
+def apply_rules(spec_schema: dict[str, Any]) -> dict[str, Any]:
+    """Add SCHEMA_RULES and CEL_RULES to the ``.spec`` schema (in place; returned too)."""
+    for rule in SCHEMA_RULES:
+        _merge(node_at(spec_schema, rule.path), rule.keys)
+    for rule in CEL_RULES:
+        node_at(spec_schema, rule.path).setdefault("x-kubernetes-validations", []).append(rule.validation())
+    return spec_schema

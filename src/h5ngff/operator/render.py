@@ -1,0 +1,79 @@
+"""``h5ngff operator render job.yaml``: the objects the operator would create for a manifest.
+
+For review and diffs in GitOps: the runner Job of attempt 1, the Role and RoleBinding that let
+that runner patch its own job's status, and (with ``plan=True``, which opens the HDF5 file)
+the DaskCluster the runner would create, sized by the plan. Everything comes from the same pure
+builders the operator and the runner use; nothing here builds a manifest of its own.
+
+The ConversionJob's uid is not known before the API server creates it: ownerReferences carry
+the manifest's ``metadata.uid`` when it has one, else ``PLACEHOLDER_UID``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..backends.kubernetes import ClusterOwner, KubernetesBackend, build_dask_cluster
+from ..errors import PolicyDeniedError
+from ..job import JobManifest
+from .manifests import DEFAULT_IMAGE, Owner, build_runner_job, build_runner_role, build_runner_role_binding, runner_account
+from .policy import TenantPolicy, policy_violations
+
+#: ownerReferences need the ConversionJob's uid, which only the API server assigns.
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+#: Where the h5ngff image keeps jemalloc (docker/Dockerfile's H5NGFF_JEMALLOC; a test keeps them
+#: equal): the worker pods' LD_PRELOAD, as the runner in that image would plan it.
+IMAGE_JEMALLOC = "/usr/local/lib/libjemalloc.so.2"
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """The operator's settings that shape what it creates (its command-line flags)."""
+
+    image: str = DEFAULT_IMAGE
+    runner_service_account: str | None = None
+    policy: TenantPolicy = field(default_factory=TenantPolicy)
+    #: Namespace for a manifest that names none (kubectl's current namespace, in effect).
+    namespace: str = "default"
+    #: Also plan (opens the HDF5 file) and render the DaskCluster.
+    plan: bool = False
+
+
+def render_objects(manifest: JobManifest, opts: RenderOptions) -> list[dict[str, Any]]:
+    """The Role, RoleBinding and runner Job (and with ``opts.plan`` the DaskCluster) the operator
+    and its runner would create for ``manifest``; raises PolicyDeniedError as the operator would
+    refuse it (reason PolicyDenied)."""
+    spec = manifest.spec
+    denial = policy_violations(spec, opts.policy, opts.image, opts.runner_service_account)
+    if denial:
+        raise PolicyDeniedError("spec.pod", "; ".join(denial))
+    namespace = manifest.namespace or opts.namespace
+    uid = (manifest.raw.get("metadata") or {}).get("uid") or PLACEHOLDER_UID
+    owner = Owner(namespace, manifest.name, uid)
+    objects = [
+        build_runner_role(owner),
+        build_runner_role_binding(owner, runner_account(spec, opts.runner_service_account)),
+        build_runner_job(owner, spec, 1, opts.image, default_service_account=opts.runner_service_account),
+    ]
+    if opts.plan:
+        objects.append(_dask_cluster(manifest, owner, opts))
+    return objects
+
+
+def _dask_cluster(manifest: JobManifest, owner: Owner, opts: RenderOptions) -> dict[str, Any]:
+    """Plan as the runner pod would (the kubernetes backend's capacity, the image's allocator) and
+    build its DaskCluster."""
+    from ..planner import DEFAULT_CONSTANTS, make_plan
+    from ..engine.source import inspect_source
+
+    spec = manifest.spec
+    image = spec.pod.image or opts.image
+    cluster_owner = ClusterOwner(owner.namespace, owner.name, owner.uid, attempt=1)
+    backend = KubernetesBackend(cluster_owner, image=image, pod=spec.pod)
+    dataset, _ = inspect_source(spec.source.path, spec.source.dataset)
+    # The image preloads jemalloc, so "auto" resolves to jemalloc in the runner pod whatever this
+    # machine has installed.
+    allocator = "glibc" if spec.resources.allocator == "glibc" else "jemalloc"
+    plan = make_plan(dataset, spec.conversion(), backend.capacity(), DEFAULT_CONSTANTS, allocator)
+    return build_dask_cluster(plan, cluster_owner, image, spec.pod, allocator_library=IMAGE_JEMALLOC)

@@ -1,0 +1,336 @@
+"""The CRD refuses at admission what the model refuses, and accepts what it accepts.
+
+Each row of the table is a ConversionJob ``.spec``; it goes through the pydantic model
+(``parse_job_spec``, what the operator and ``h5ngff run`` use) and through the CRD as the API
+server would check it (OpenAPI schema with a real JSON-schema validator, then every CEL rule
+with cel-python; tests/crd_admission.py). The verdicts must be equal. Negative controls: the
+CRD without its CEL rules, or without the added OpenAPI keys, disagrees on named rows; and
+every single rule is needed by some row (drop it and a row that must be refused is admitted).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from crd_admission import admission_errors, cel_errors, cel_failures, openapi_errors, program
+from h5ngff.errors import SpecError
+from h5ngff.jobspec import parse_job_spec
+from h5ngff.operator import admission
+from h5ngff.operator.crd import build_crd
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {
+    "source": {"path": "/data/in.h5", "dataset": "/volume/data"},
+    "output": {"path": "/data/out.ome.zarr", "ngffVersion": "0.5", "chunks": [64, 64, 64]},
+    "image": {"axes": "zyx", "scale": [2.0, 0.5, 0.5], "units": ["micrometer", "micrometer", "micrometer"]},
+    "pyramid": {"levels": 3, "method": "mean"},
+    "resources": {"workers": 2, "memoryPerWorker": "1Gi"},
+    "pod": {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c"}}], "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+}
+
+
+def spec_schema(cel: bool = True, schema_rules: bool = True, drop: object = None) -> dict:
+    saved = admission.CEL_RULES, admission.SCHEMA_RULES
+    admission.CEL_RULES = tuple(r for r in saved[0] if cel and r is not drop)
+    admission.SCHEMA_RULES = tuple(r for r in saved[1] if schema_rules and r is not drop)
+    try:
+        return build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    finally:
+        admission.CEL_RULES, admission.SCHEMA_RULES = saved
+
+
+def edit(path: str, value=..., delete: str | None = None, base: dict = BASE) -> dict:
+    """BASE with ``path`` (dotted) set to ``value``, or ``delete`` removed."""
+    doc = copy.deepcopy(base)
+    if delete:
+        *parents, last = delete.split(".")
+        node = doc
+        for p in parents:
+            node = node[p]
+        node.pop(last)
+    if value is not ...:
+        *parents, last = path.split(".")
+        node = doc
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return doc
+
+
+def no_axes(**sections) -> dict:
+    doc = edit("", delete="image")
+    for key, value in sections.items():
+        doc[key] = {**doc.get(key, {}), **value}
+    return doc
+
+
+VALID = {
+    "base": BASE,
+    "minimal": {"source": {"path": "a.h5", "dataset": "d"}, "output": {"path": "o"}},
+    "workers auto": edit("resources.workers", "auto"),
+    "workers 4096": edit("resources.workers", 4096),
+    "levels auto": edit("pyramid.levels", "auto"),
+    "levels 1": edit("pyramid.levels", 1),
+    "levels 16": edit("pyramid.levels", 16),
+    "memory int": edit("resources.memoryPerWorker", 64 << 20),
+    "memory 64Mi": edit("resources.memoryPerWorker", "64Mi"),
+    "memory 512MiB": edit("resources.memoryPerWorker", "512MiB"),
+    "memory 2e9": edit("resources.memoryPerWorker", "2e9"),
+    "memory 0.5 Gi": edit("resources.memoryPerWorker", "0.5 Gi"),
+    "memory 1.5gb": edit("resources.memoryPerWorker", "1.5gb"),
+    "memory 1T": edit("resources.memoryPerWorker", "1T"),
+    "memory 67108864 string": edit("resources.memoryPerWorker", "67108864"),
+    "memoryTotal": edit("resources.memoryTotal", "8Gi", delete="resources.memoryPerWorker"),
+    "shards multiple": edit("output.shards", [128, 256, 64]),
+    "shards 0.5 explicit": edit("output.shards", [64, 64, 64]),
+    "shards without chunks": edit("output.shards", [100, 100, 100], delete="output.chunks"),
+    "ngff 0.4 no shards": edit("output.ngffVersion", "0.4"),
+    "tczyx": edit("image", {"axes": "tczyx", "scale": [1, 1, 1, 1, 1], "units": ["second", "", "micrometer", "micrometer", "micrometer"]},
+                  base=edit("output.chunks", [1, 1, 64, 64, 64])),
+    "upper-case axes": edit("image.axes", "ZYX"),
+    "yx 2-D": edit("image", {"axes": "yx"}, base=edit("output.chunks", [256, 256])),
+    "one space unit": edit("image.units", ["nanometer"]),
+    "empty units": edit("image.units", []),
+    "empty unit strings": edit("image.units", ["", "", ""]),
+    "pyramid axes yx": edit("pyramid.axes", "yx"),
+    "no image axes, any lengths": no_axes(output={"chunks": [1, 64, 64, 64]}),
+    "blosc options": edit("output.compressor", {"codec": "blosc", "cname": "lz4", "clevel": 0, "shuffle": "noshuffle"}),
+    "default codec with options": edit("output.compressor", {"cname": "zlib", "clevel": 9}),
+    "zstd 22": edit("output.compressor", {"codec": "zstd", "clevel": 22}),
+    "gzip 1": edit("output.compressor", {"codec": "gzip", "clevel": 1}),
+    "codec none": edit("output.compressor", {"codec": "none"}),
+    "slab": edit("resources.slab", [64, 704, 2008]),
+    "threads 64": edit("resources.threadsPerWorker", 64),
+    "volume without type": edit("pod.volumes", [{"name": "data"}]),
+    "no mounts": edit("pod.volumeMounts", []),
+    "backoff 0": edit("backoffLimit", 0),
+}
+
+INVALID = {
+    "workers 0": edit("resources.workers", 0),
+    "workers 4097": edit("resources.workers", 4097),
+    "workers many": edit("resources.workers", "many"),
+    "levels -1": edit("pyramid.levels", -1),
+    "levels 0": edit("pyramid.levels", 0),
+    "levels 17": edit("pyramid.levels", 17),
+    "levels max": edit("pyramid.levels", "max"),
+    "memory malformed": edit("resources.memoryPerWorker", "1 gig"),
+    "memory unit only": edit("resources.memoryPerWorker", "Gi"),
+    "memory PiB": edit("resources.memoryPerWorker", "1Pi"),
+    "memory negative": edit("resources.memoryPerWorker", "-1Gi"),
+    "memory too small string": edit("resources.memoryPerWorker", "63Mi"),
+    "memory too small decimal": edit("resources.memoryPerWorker", "0.06Gi"),
+    "memory too small int": edit("resources.memoryPerWorker", 1 << 20),
+    "memory too small 64M": edit("resources.memoryPerWorker", "64M"),
+    "memory too long": edit("resources.memoryPerWorker", "1" * 60 + "    Gi"),
+    "memoryTotal malformed": edit("resources.memoryTotal", "lots", delete="resources.memoryPerWorker"),
+    "memoryTotal too long": edit("resources.memoryTotal", "8" + " " * 64 + "Gi", delete="resources.memoryPerWorker"),
+    "both budgets": edit("resources.memoryTotal", "8Gi"),
+    "threads 0": edit("resources.threadsPerWorker", 0),
+    "threads 65": edit("resources.threadsPerWorker", 65),
+    "chunks empty": no_axes(output={"chunks": []}),
+    "chunks zero": edit("output.chunks", [64, 0, 64]),
+    "chunks six": no_axes(output={"chunks": [1] * 6}),
+    "chunks vs axes": edit("output.chunks", [64, 64]),
+    "shards vs axes": no_axes(output={"chunks": [64, 64], "shards": [64, 64, 64]}),
+    "shards vs axes without chunks": edit("output.shards", [64, 64], delete="output.chunks"),
+    "shards not multiple": edit("output.shards", [64, 100, 64]),
+    "shards with 0.4": edit("output.ngffVersion", "0.4", base=edit("output.shards", [64, 64, 64])),
+    "shards zero": edit("output.shards", [0, 64, 64]),
+    "slab vs axes": edit("resources.slab", [64, 64]),
+    "slab zero": edit("resources.slab", [0, 64, 64]),
+    "scale vs axes": edit("image.scale", [1.0, 1.0]),
+    "scale zero": edit("image.scale", [0, 1, 1]),
+    "scale negative": edit("image.scale", [-1.0, 1.0, 1.0]),
+    "scale empty": no_axes(image={"scale": []}),
+    "scale six": no_axes(image={"scale": [1.0] * 6}),
+    "units unknown": edit("image.units", ["micron", "micron", "micron"]),
+    "units vs axes": edit("image.units", ["micrometer", "micrometer"]),
+    "one time unit": edit("image.units", ["second"]),
+    "time unit on z": edit("image.units", ["second", "micrometer", "micrometer"]),
+    "space unit on t": edit("image", {"axes": "tzyx", "units": ["micrometer", "micrometer", "micrometer", "micrometer"]}, base=edit("output.chunks", [1, 64, 64, 64])),
+    "unit on c": edit("image", {"axes": "czyx", "units": ["micrometer", "micrometer", "micrometer", "micrometer"]}, base=edit("output.chunks", [1, 64, 64, 64])),
+    "units six": no_axes(image={"units": [""] * 6}),
+    "axes unknown letter": edit("image.axes", "zyq"),
+    "axes repeated": edit("image.axes", "zzx"),
+    "axes order": edit("image.axes", "zyxc"),
+    "axes one spatial": edit("image", {"axes": "cx"}),
+    "axes with space": edit("image.axes", " zyx"),
+    "pyramid axes not in image": edit("image", {"axes": "yx"}, base=edit("pyramid.axes", "zyx", base=edit("output.chunks", [64, 64]))),
+    "pyramid axes letter": edit("pyramid.axes", "t"),
+    "pyramid axes repeated": edit("pyramid.axes", "yy"),
+    "pyramid axes empty": edit("pyramid.axes", ""),
+    "method median": edit("pyramid.method", "median"),
+    "codec lzma": edit("output.compressor", {"codec": "lzma"}),
+    "cname with zstd": edit("output.compressor", {"codec": "zstd", "cname": "lz4"}),
+    "shuffle with gzip": edit("output.compressor", {"codec": "gzip", "shuffle": "shuffle"}),
+    "clevel with none": edit("output.compressor", {"codec": "none", "clevel": 1}),
+    "blosc clevel 10": edit("output.compressor", {"clevel": 10}),
+    "zstd clevel 0": edit("output.compressor", {"codec": "zstd", "clevel": 0}),
+    "zstd clevel 23": edit("output.compressor", {"codec": "zstd", "clevel": 23}),
+    "gzip clevel 10": edit("output.compressor", {"codec": "gzip", "clevel": 10}),
+    "blosc clevel -1": edit("output.compressor", {"clevel": -1}),
+    "ngff 0.6": edit("output.ngffVersion", "0.6"),
+    "allocator tcmalloc": edit("resources.allocator", "tcmalloc"),
+    "pull policy": edit("pod.imagePullPolicy", "Sometimes"),
+    "volume without name": edit("pod.volumes", [{"emptyDir": {}}], base=edit("pod.volumeMounts", [])),
+    "volume empty name": edit("pod.volumes", [{"name": "", "emptyDir": {}}], base=edit("pod.volumeMounts", [])),
+    "mount of no volume": edit("pod.volumeMounts", [{"name": "scratch", "mountPath": "/s"}]),
+    "mount without volumes": edit("pod", {"volumeMounts": [{"name": "data", "mountPath": "/d"}]}),
+    "65 volumes": edit("pod", {"volumes": [{"name": f"v{i}"} for i in range(65)]}),
+    "volume name too long": edit("pod", {"volumes": [{"name": "v" * 64}]}),
+    "65 mounts": edit("pod.volumeMounts", [{"name": "data", "mountPath": f"/d{i}"} for i in range(65)]),
+    "backoff 21": edit("backoffLimit", 21),
+    "backoff -1": edit("backoffLimit", -1),
+    "ttl -1": edit("ttlSecondsAfterFinished", -1),
+    "typo": edit("resources.memoryPerWorkr", "1Gi"),
+    "no source": edit("", delete="source"),
+    "empty source path": edit("source.path", ""),
+    "empty output path": edit("output.path", ""),
+    "overwrite number": edit("output.overwrite", 2),
+    "units unknown, no axes": no_axes(image={"units": ["micron"]}),
+    "workers bool": edit("resources.workers", True),
+}
+
+#: Where the model is laxer than the API server, on purpose: it reads YAML files for `h5ngff
+#: run`, where an unquoted 0.5 is a float and "64" a string. The CRD's types refuse them, which
+#: is right for the API (kubectl prints the type error). Pinned so the list stays this short.
+COERCED = {
+    "ngffVersion float": edit("output.ngffVersion", 0.5),
+    "chunk as string": edit("output.chunks", ["64", 64, 64]),
+    "levels as string": edit("pyramid.levels", "3"),
+    "scale as string": edit("image.scale", ["2", 0.5, 0.5]),
+    "overwrite as string": edit("output.overwrite", "yes"),
+}
+
+
+def model_accepts(spec: dict) -> bool:
+    try:
+        parse_job_spec(spec)
+    except SpecError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    return spec_schema()
+
+
+@pytest.mark.parametrize("name", VALID)
+def test_valid_specs_pass_the_model_and_the_crd(schema, name):
+    assert model_accepts(VALID[name])
+    assert admission_errors(schema, VALID[name]) == []
+
+
+@pytest.mark.parametrize("name", INVALID)
+def test_invalid_specs_fail_the_model_and_the_crd(schema, name):
+    assert not model_accepts(INVALID[name])
+    assert admission_errors(schema, INVALID[name]) != []
+
+
+@pytest.mark.parametrize("name", COERCED)
+def test_the_only_disagreements_are_yaml_type_coercions(schema, name):
+    assert model_accepts(COERCED[name]) and admission_errors(schema, COERCED[name]) != []
+
+
+def test_the_issues_examples_are_refused_with_a_message_naming_the_field(schema):
+    assert cel_errors(schema, INVALID["workers 0"]) == ["spec.resources.workers: resources.workers must be 'auto' or an integer from 1 to 4096"]
+    assert cel_errors(schema, INVALID["levels -1"]) == ["spec.pyramid.levels: pyramid.levels must be 'auto' or an integer from 1 to 16"]
+    (error,) = admission_errors(schema, INVALID["memory malformed"])
+    assert error.startswith("resources.memoryPerWorker: '1 gig' does not match")
+
+
+# --- negative controls --------------------------------------------------------------------------
+
+
+ROWS = {**VALID, **INVALID}
+
+
+@pytest.fixture(scope="module")
+def model_verdicts() -> dict[str, bool]:
+    return {name: model_accepts(spec) for name, spec in ROWS.items()}
+
+
+@pytest.fixture(scope="module")
+def failures(schema) -> dict[str, list]:
+    """Each row's CEL failures under the full CRD (the variants below differ only in which
+    rules exist, so a dropped rule's failures are simply left out)."""
+    return {name: cel_failures(schema, spec) for name, spec in ROWS.items()}
+
+
+def disagreements(model_verdicts, failures, schema: dict, dropped_cel: set[str] | None = None) -> set[str]:
+    """Rows where the CRD (``schema``'s OpenAPI part, CEL rules less ``dropped_cel``; None = all
+    dropped) and the model disagree."""
+    out = set()
+    for name, spec in ROWS.items():
+        cel = [f for f in failures[name] if dropped_cel is not None and f[1] not in dropped_cel]
+        admitted = not openapi_errors(schema, spec) and not cel
+        if admitted != model_verdicts[name]:
+            out.add(name)
+    return out
+
+
+def test_without_cel_the_crd_admits_what_the_model_refuses(model_verdicts, failures, schema):
+    found = disagreements(model_verdicts, failures, schema, dropped_cel=None)
+    assert {"workers 0", "levels -1", "memory too small string", "both budgets", "shards not multiple", "chunks vs axes",
+            "mount of no volume", "clevel with none"} <= found
+
+
+def test_without_the_added_openapi_keys_the_crd_admits_what_the_model_refuses(model_verdicts, failures):
+    found = disagreements(model_verdicts, failures, spec_schema(schema_rules=False), dropped_cel=set())
+    assert {"chunks six", "units unknown, no axes", "axes repeated", "scale zero", "volume without name"} <= found
+
+
+def test_the_full_crd_agrees_with_the_model_on_every_row(model_verdicts, failures, schema):
+    assert disagreements(model_verdicts, failures, schema, dropped_cel=set()) == set()
+
+
+@pytest.mark.parametrize("rule", admission.CEL_RULES, ids=lambda r: f"{r.path or 'spec'}: {r.message[:50]}")
+def test_every_cel_rule_is_needed_by_some_row(model_verdicts, failures, schema, rule):
+    """Drop one rule: some row the model refuses is admitted. No rule is dead weight, and the
+    table covers every rule."""
+    assert disagreements(model_verdicts, failures, schema, dropped_cel={rule.rule}), f"no row needs {rule}"
+
+
+@pytest.mark.parametrize("rule", admission.SCHEMA_RULES, ids=lambda r: r.path)
+def test_every_openapi_rule_is_needed_by_some_row(model_verdicts, failures, rule):
+    assert disagreements(model_verdicts, failures, spec_schema(drop=rule), dropped_cel=set()), f"no row needs {rule}"
+
+
+def test_every_cel_rule_compiles_and_stays_small():
+    for rule in admission.CEL_RULES:
+        program(rule.rule)
+        assert len(rule.rule) < 4000 and rule.message
+
+
+def test_lists_and_strings_cel_iterates_are_bounded(schema):
+    """The API server estimates a rule's cost from maxItems/maxLength; unbounded inputs make a
+    CRD with list-iterating rules refused at install."""
+    pod = schema["properties"]["pod"]["properties"]
+    assert pod["volumes"]["maxItems"] == pod["volumeMounts"]["maxItems"] == admission.MAX_VOLUMES
+    for path in ("output.chunks", "output.shards", "resources.slab", "image.scale", "image.units"):
+        assert admission.node_at(schema, path)["maxItems"] == admission.MAX_AXES, path
+    for path in ("image.axes", "pyramid.axes", "resources.memoryPerWorker", "resources.memoryTotal"):
+        assert admission.node_at(schema, path)["maxLength"] <= 64, path
+    assert admission.node_at(schema, "image.units")["items"]["maxLength"] <= 16
+    assert pod["volumes"]["items"]["properties"]["name"]["maxLength"] == pod["volumeMounts"]["items"]["properties"]["name"]["maxLength"] == 63
+
+
+def test_docs_list_every_rule():
+    docs = (ROOT / "docs/operator.md").read_text()
+    for rule in admission.CEL_RULES:
+        assert rule.message in docs, rule.message
+    for rule in admission.SCHEMA_RULES:
+        assert f"`{rule.path}`" in docs, rule.path
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "manifests/examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_example_manifests_pass_admission(schema, path):
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    assert model_accepts(doc["spec"]) and admission_errors(schema, doc["spec"]) == []
