@@ -199,7 +199,6 @@ INVALID = {
 #: run`, where an unquoted 0.5 is a float and "64" a string. The CRD's types refuse them, which
 #: is right for the API (kubectl prints the type error). Pinned so the list stays this short.
 COERCED = {
-    "ngffVersion float": edit("output.ngffVersion", 0.5),
     "chunk as string": edit("output.chunks", ["64", 64, 64]),
     "levels as string": edit("pyramid.levels", "3"),
     "scale as string": edit("image.scale", ["2", 0.5, 0.5]),
@@ -235,6 +234,12 @@ def test_invalid_specs_fail_the_model_and_the_crd(schema, name):
 @pytest.mark.parametrize("name", COERCED)
 def test_the_only_disagreements_are_yaml_type_coercions(schema, name):
     assert model_accepts(COERCED[name]) and admission_errors(schema, COERCED[name]) != []
+
+
+def test_an_unquoted_ngff_version_is_refused_by_the_model_as_by_the_api_server(schema):
+    """It was the one YAML coercion the model accepted (issue 17, item 9): now both refuse it."""
+    unquoted = edit("output.ngffVersion", 0.5)
+    assert not model_accepts(unquoted) and admission_errors(schema, unquoted) != []
 
 
 def test_the_issues_examples_are_refused_with_a_message_naming_the_field(schema):

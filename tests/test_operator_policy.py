@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from h5ngff.jobspec import parse_job_spec
 from h5ngff.operator.manifests import Owner, build_runner_role, build_runner_role_binding, runner_account
 from h5ngff.operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy, policy_violations, volume_type
 from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, role_rules
+from h5ngff.operator.lease import LeaseState
 from h5ngff.operator.reconcile import Observed, reconcile
 from operator_harness import DASK_RES, JOB_RES, ROLE_RES, ROLEBINDING_RES, emulator, fast_config, manifest, operator_running, wait_for
 
@@ -76,8 +78,13 @@ def test_reconcile_denies_first_and_ensures_nothing():
     decision = reconcile(observed)
     assert decision.patch["phase"] == "Failed" and decision.patch["reason"] == "PolicyDenied"
     assert decision.ensure_attempt is None and decision.event[1] == "PolicyDenied"
-    # negative control: the same observation without a denial creates attempt 1
-    assert reconcile(Observed("scan", {}, 2, "/out")).ensure_attempt == 1
+    assert not decision.needs and decision.release_lease is None  # not even the output's Lease is asked for
+    # negative control: the same observation without a denial asks for the output's Lease, and
+    # with the Lease held creates attempt 1
+    assert reconcile(Observed("scan", {}, 2, "/out", lease_name="lease-a")).needs == {"lease"}
+    held = Observed("scan", {}, 2, "/out", lease_name="lease-a", lease=LeaseState("lease-a", True))
+    assert reconcile(held).ensure_attempt == 1
+    assert reconcile(dataclasses.replace(held, policy_denial="spec.pod.image 'evil:1' is not allowed")).ensure_attempt is None
 
 
 # --- the real operator against KMock ------------------------------------------------------------

@@ -55,9 +55,10 @@ def job_file(tmp_path, monkeypatch):
 
 def render(capsys, *args) -> tuple[int, list[dict], str]:
     code = main(["operator", "render", *map(str, args)])
-    out = capsys.readouterr().out
-    objs = [d for d in yaml.safe_load_all(out) if d] if code == 0 else []
-    return code, objs, out
+    captured = capsys.readouterr()
+    objs = [d for d in yaml.safe_load_all(captured.out) if d] if code == 0 else []
+    # Errors go to stderr (the exit-code table's rule); a failed render prints nothing on stdout.
+    return code, objs, captured.out if code == 0 else captured.out + captured.err
 
 
 def by_kind(objs: list[dict]) -> dict[str, dict]:
