@@ -30,7 +30,8 @@ from h5ngff.planner import DEFAULT_CONSTANTS
 from h5ngff.runner import plan_job, run_job
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes"}
+CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes",
+                  "h5ngff_worker_pod_nonreclaimable_bytes", "h5ngff_worker_pod_nonreclaimable_peak_bytes"}
 
 
 def volume(shape=(32, 256, 256)) -> np.ndarray:
@@ -148,6 +149,9 @@ def test_a_killed_worker_is_a_restart_and_an_oom_killed_one_is_an_oom_kill(tmp_p
             oom = _wait_for(exporter, "h5ngff_worker_nanny_restarts_total", "pod-0", 2)
         assert oom["h5ngff_worker_nanny_restarts_total"] >= 2
         assert oom["h5ngff_worker_memory_terminations_total"] == 0
+        # The pod's non-reclaimable peak: the killed task filled the pod (the kernel's kill record
+        # and the 25 ms samples), and never more than the limit the kernel enforces.
+        assert plan.memory.pod_limit // 2 < oom["h5ngff_worker_pod_nonreclaimable_peak_bytes"] <= plan.memory.pod_limit
     finally:
         exporter.close()
 

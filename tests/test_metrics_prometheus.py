@@ -37,7 +37,8 @@ PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 pytestmark = pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)")
 
 JOB, NAMESPACE, SCRAPE_JOB = "scrape-test", "h5ngff-tests", "h5ngff"
-CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes"}
+CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes",
+                  "h5ngff_worker_pod_nonreclaimable_bytes", "h5ngff_worker_pod_nonreclaimable_peak_bytes"}
 
 
 def free_port() -> int:

@@ -256,6 +256,8 @@ def test_a_killed_pod_is_restarted_and_the_run_completes(source, tmp_path, monke
     summary = run_job(plan_job(spec, backend), backend, [kill_a_nanny])
     assert killed and summary.status == "Succeeded"
     assert sum(w.pod_restarts for w in summary.workers) >= 1
+    # The restarted pod's new processes are the same pod, not a third worker.
+    assert [w.name for w in summary.workers] == ["pod-0", "pod-1"] and all(w.pod_nonreclaimable_peak for w in summary.workers)
     assert chunk_files(out) == chunk_files(clean)
 
 

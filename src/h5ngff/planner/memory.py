@@ -44,7 +44,8 @@ class MemoryConstants:
     codec_context_other: int = 1 * MiB
     #: Memory the nanny adds to the pod beside its worker: the nanny's own private memory (USS
     #: 43 MiB) and its multiprocessing resource tracker (6 MiB), measured with psutil on a running
-    #: ``dask worker`` pod. Shared library pages are already in the worker's RSS.
+    #: ``dask worker`` pod; their anonymous memory in emulated pods measured 49.7-50.0 MiB
+    #: (``nanny_anon_peak``, bench/pod_truth). Shared library pages are already in the worker's RSS.
     nanny: int = 52 * MiB
     #: HDF5's own buffers per open file: type conversion (1 MiB), sieve buffer, metadata cache.
     hdf5_internal: int = 4 * MiB
@@ -53,10 +54,11 @@ class MemoryConstants:
     allocator_slack_jemalloc: float = 0.04
     allocator_slack_glibc: float = 0.06
     #: Page cache of written chunk files is charged to the pod's cgroup; dirty pages cannot be
-    #: reclaimed until written back. The kernel throttles a cgroup's writers and reclaims clean
-    #: pages before it OOM-kills (a pod 16 MiB above its worker's peak RSS converted 147 MiB slabs
-    #: without a kill, docs/memory-model.md), so the room kept is small: this fraction of the bytes
-    #: one wave of slabs writes, and never less than the floor.
+    #: reclaimed until written back. Under the pod's pressure the kernel writes them back and
+    #: reclaims them instead of killing (at 0.8x a pod's measured non-reclaimable peak, its dirty
+    #: pages fell from 53 to 9 MiB and nothing was killed, docs/memory-model.md), so this room
+    #: buys speed, not safety, and is shared with the monitor overshoot: this fraction of the
+    #: bytes one wave of slabs writes, and never less than the floor.
     page_cache_fraction: float = 0.1
     page_cache_floor: int = 32 * MiB
     #: The predicted peak as a fraction of Dask's memory_limit: the rest is room for the nanny
@@ -75,7 +77,8 @@ class MemoryConstants:
     #: How often the nanny checks its worker's RSS (seconds), and the fastest a runaway task grows
     #: (bytes/s: about a slab read from page cache). Between two checks a worker can overshoot the
     #: terminate threshold by their product; the pod limit leaves that room so the nanny, not the
-    #: kernel, stops a worker that outgrows its plan.
+    #: kernel, stops a worker that outgrows its plan. Measured overshoot of a fault-injected task
+    #: at 1-2 GiB/s: 3-22 MiB above the threshold, every time terminated by Dask, never killed.
     monitor_interval: float = 0.02
     growth_rate: int = 2 << 30
 
