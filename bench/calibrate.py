@@ -135,7 +135,7 @@ def _write_random(path: str, shape, dtype: str, chunks, compression) -> None:
 
 def run_case(case: Case, workers: int, allocator: str, calibration: str | None = None) -> dict:
     source = source_for(case)
-    out = os.path.join(DATA, "out.ome.zarr")
+    out = os.path.join(DATA, f"out-{allocator}.ome.zarr")  # one per allocator: the two matrices may run side by side
     cmd = [
         sys.executable, "-m", "h5ngff.cli", "convert", f"{source}:/volume/data", out, "--overwrite", "--json",
         "--enforce-pod-limits", "--chunks", case.chunks, "--compressor", case.compressor, "--levels", str(case.levels),
