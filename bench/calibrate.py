@@ -96,7 +96,7 @@ def issue18_matrix() -> list[Case]:
         Case("shards float64 2 threads 2 levels", dtype="float64", shape=(64, 512, 1024), levels=2, flags=["--shards", "64,256,256", "--threads", "2", "--workers", "1"]),
         Case("4-D czyx u16 shards 2 levels", shape=(2, 64, 512, 1024), chunks="1,64,64,64", levels=2, flags=["--shards", "1,64,256,256"]),
         Case("5-D tczyx u16 2 levels", shape=(2, 2, 32, 512, 512), chunks="1,1,32,64,64", levels=2),
-        Case("memory-per-worker 320Mi shards", levels=2, flags=["--shards", "128,256,256", "--memory-per-worker", "320Mi"]),
+        Case("memory-per-worker 400Mi shards", levels=2, flags=["--shards", "128,256,256", "--memory-per-worker", "400Mi"]),
         Case("memory-total 700Mi workers auto", levels=2, flags=["--memory-total", "700Mi", "--workers", "auto"]),
         Case("gzip misaligned 50x100x100", layout="gzip", hdf5_chunks=(50, 100, 100), levels=2),
         Case("gzip misaligned shards", layout="gzip", hdf5_chunks=(50, 100, 100), levels=2, flags=["--shards", "128,128,128"]),
@@ -135,7 +135,7 @@ def _write_random(path: str, shape, dtype: str, chunks, compression) -> None:
 
 def run_case(case: Case, workers: int, allocator: str, calibration: str | None = None) -> dict:
     source = source_for(case)
-    out = os.path.join(DATA, "out.ome.zarr")
+    out = os.path.join(DATA, f"out-{allocator}.ome.zarr")  # one per allocator: the two matrices may run side by side
     cmd = [
         sys.executable, "-m", "h5ngff.cli", "convert", f"{source}:/volume/data", out, "--overwrite", "--json",
         "--enforce-pod-limits", "--chunks", case.chunks, "--compressor", case.compressor, "--levels", str(case.levels),

@@ -11,6 +11,8 @@ data), and a later pass held the shard file plus two decoded shards while readin
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import zarr
 
 from conftest import requires_cgroups, spec_for, write_h5
 from h5ngff.backends.local import LocalBackend
-from h5ngff.engine.chunkio import ArrayLayout, atomic_write, encode_chunk, read_region, write_block
+from h5ngff.engine.chunkio import ArrayLayout, read_region, write_block
 from h5ngff.engine.tasks import _MinMax
 from h5ngff.planner import Capacity, DatasetInfo, make_plan
 from h5ngff.planner.memory import BLOSC_MAX_OVERHEAD, shard_index_bytes
@@ -63,19 +65,43 @@ def test_streamed_shards_round_trip_through_zarr_and_partial_reads(tmp_path):
     assert (low, high) == (float(np.nanmin(data[:, :64])), float(np.nanmax(data[:, :64])))
 
 
-def _status(key: str) -> int:
+#: Run in a fresh interpreter: a process whose heap already holds freed memory (a pytest process
+#: after other tests) serves new allocations from resident pages, and its RSS would not rise.
+_MEASURE = """
+import math, sys
+import numpy as np
+from h5ngff.engine.chunkio import ArrayLayout, atomic_write, encode_chunk, write_block
+from h5ngff.spec import CompressorSpec
+
+def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
+mode, folder = sys.argv[1], sys.argv[2]
+chunks, shards = (32, 64, 64), (64, 256, 256)
+block = np.random.default_rng(2).random(shards, dtype=np.float32)
+codec = CompressorSpec(codec="blosc", cname="zstd", clevel=5, shuffle="bitshuffle")
+layout = ArrayLayout(folder, shards, chunks, shards, "<f4", 3, codec, 0, 0)
+# Steady state, as in a worker: the codec's context (a term of its own), the allocator's heap and
+# the imports the first write pulls in are in place before the measurement starts.
+write_block(ArrayLayout(folder + "/warm", shards, chunks, shards, "<f4", 3, codec, 0, 0), block, (0, 0, 0))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+start = status("VmRSS:")
+if mode == "streamed":
+    write_block(layout, block, (0, 0, 0))
+else:  # the assembly this replaced: every encoded chunk kept until the shard is written whole
+    pieces = [encode_chunk(layout, block[z : z + 32, y : y + 64, x : x + 64]) for z in range(0, 64, 32) for y in range(0, 256, 64) for x in range(0, 256, 64)]
+    atomic_write(folder + "/whole", pieces)
+print(status("VmHWM:") - start)
+"""
 
-def _peak_above_start(fn) -> int:
-    """How far this process's resident memory rose above its level at the start while ``fn`` ran
-    (the kernel's high-water mark, reset first through /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    start = _status("VmRSS:")
-    fn()
-    return _status("VmHWM:") - start
+
+def _rise(mode: str, folder) -> int:
+    """How far a fresh process's resident memory rises above its start while it writes one shard."""
+    folder.mkdir()
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, mode, str(folder)], capture_output=True, text=True, check=True)
+    return int(proc.stdout.split()[-1])
 
 
 def test_regression_a_shard_is_never_held_whole_while_written(tmp_path):
@@ -83,22 +109,14 @@ def test_regression_a_shard_is_never_held_whole_while_written(tmp_path):
     the plan's per-thread encode and shard terms. Negative control: the assembly this replaced
     (every encoded chunk kept until the shard is written whole) holds at least 0.8x the encoded
     shard more, which the plan no longer reserves."""
-    chunks, shards = (32, 64, 64), (64, 256, 256)
-    block = np.random.default_rng(2).random(shards, dtype=np.float32)
-    layout = _layout(tmp_path / "streamed", shards, chunks, shards)
-    chunk_bytes = math.prod(chunks) * 4
-    encode_chunk(layout, block[:32, :64, :64])  # warm the codec: its context is a term of its own
-    streamed = _peak_above_start(lambda: write_block(layout, block, (0, 0, 0)))
-    plan_per_thread = chunk_bytes + chunk_bytes + BLOSC_MAX_OVERHEAD + 2 * shard_index_bytes(block.nbytes, chunk_bytes)
+    chunk_bytes = 32 * 64 * 64 * 4
+    shard_bytes = 64 * 256 * 256 * 4
+    plan_per_thread = chunk_bytes + chunk_bytes + BLOSC_MAX_OVERHEAD + 2 * shard_index_bytes(shard_bytes, chunk_bytes)
+    streamed = _rise("streamed", tmp_path / "streamed")
     assert streamed <= plan_per_thread + 2 * MiB, f"writing a shard held {streamed / MiB:.1f} MiB; the plan reserves {plan_per_thread / MiB:.1f} MiB per thread"
-
-    def whole_shard_assembly():
-        pieces = [encode_chunk(layout, block[z : z + 32, y : y + 64, x : x + 64]) for z in range(0, 64, 32) for y in range(0, 256, 64) for x in range(0, 256, 64)]
-        atomic_write(str(tmp_path / "whole" / "shard"), pieces)
-
-    held = _peak_above_start(whole_shard_assembly)
-    encoded = (tmp_path / "whole" / "shard").stat().st_size
-    assert encoded > 0.8 * block.nbytes, "the data must be incompressible for this control to mean anything"
+    held = _rise("whole", tmp_path / "whole")
+    encoded = (tmp_path / "whole" / "whole").stat().st_size
+    assert encoded > 0.8 * shard_bytes, "the data must be incompressible for this control to mean anything"
     assert held >= 0.8 * encoded > plan_per_thread + 2 * MiB, f"old-style assembly held only {held / MiB:.1f} MiB"
 
 
