@@ -38,7 +38,8 @@ def write_ims(path, data: np.ndarray, voxel=(2.0, 0.5, 0.25), block=(4, 16, 16),
                     g = f.create_group(f"DataSet/ResolutionLevel {r}/TimePoint {t}/Channel {c}")
                     image = data[t, c][:: 2**r, :: 2**r, :: 2**r]
                     padded_shape = tuple(math.ceil(n / b) * b for n, b in zip(shape, block))
-                    padded = np.full(padded_shape, PADDING_VALUE, dtype=data.dtype)
+                    pad = min(PADDING_VALUE, np.iinfo(data.dtype).max) if data.dtype.kind in "iu" else PADDING_VALUE
+                    padded = np.full(padded_shape, pad, dtype=data.dtype)
                     padded[: shape[0], : shape[1], : shape[2]] = image
                     g.create_dataset("Data", data=padded, chunks=block, compression="gzip", compression_opts=2)
                     hist, _ = np.histogram(image, bins=256)
