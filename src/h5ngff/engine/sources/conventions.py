@@ -92,7 +92,8 @@ def _element_size(ds: h5py.Dataset, name: str, out: Physical) -> None:
     if size is None:
         return
     try:
-        values = tuple(float(v) for v in np.atleast_1d(size))
+        # Fiji writes float32: its shortest decimal (0.4, not 0.4000000059604645) is what was meant.
+        values = tuple(float(str(v)) for v in np.atleast_1d(size))
     except (TypeError, ValueError):
         out.conflicts["image.scale"] = f"{name!r}: element_size_um is {size!r}, not numbers. Set --scale (image.scale)."
         return
