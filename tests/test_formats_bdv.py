@@ -151,3 +151,11 @@ def test_pybdv_files_read_the_same_way(tmp_path, convert):
     assert summary.job.plan.axes == "czyx" and summary.job.plan.levels[0].scale == (1.0, 1.5, 0.3, 0.3)
     for k, expected in enumerate(reference_pyramid(data, (False, True, True, True), "mean", 2)):
         np.testing.assert_array_equal(zarr.open_array(f"{out}/{k}", mode="r")[...], expected)
+
+
+def test_a_single_view_is_zyx_and_read_exactly(tmp_path):
+    data = smooth((1, 1, 1, 5, 20, 18), "uint16", seed=6)
+    xml = write_npy2bdv(tmp_path / "one.h5", data, labels=("only",))
+    reader = open_source(spec_for(xml, "unused", dataset="/")).reader
+    assert reader.shape == (5, 20, 18) and reader.lead_shape == ()
+    np.testing.assert_array_equal(reader[(slice(0, 5), slice(3, 20), slice(0, 18))], data[0, 0, 0, :, 3:])

@@ -130,3 +130,35 @@ def test_cli_converts_an_ims_file_named_alone(ims_file, tmp_path):
     plan = json.loads(proc.stdout)["plan"]
     assert plan["axes"] == "tczyx" and plan["dataset"]["shape"] == [2, 3, 10, 37, 29]
     assert plan["dataset"]["channel_names"] == NAMES
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # three CLI runs, each starting a local cluster: minutes on a loaded machine
+def test_a_killed_imaris_run_resumes_bit_identical(ims_file, converted, tmp_path):
+    """Resume keyed on the composite source: kill a run mid-flight (slabs slowed by the fault
+    switch), re-run it, and get the chunk files of the uninterrupted run, byte for byte."""
+    import signal
+    import time
+
+    from test_engine_resume import chunk_files, manifest_lines
+
+    path, data, _ = ims_file
+    clean, summary = converted
+    total = summary.job.plan.n_tasks
+    flags = ["--chunks", "1,1,4,16,16", "--levels", str(LEVELS), "--slab", "1,2,8,37,29", "--workers", "2", "--no-progress"]
+    out = str(tmp_path / "killed.ome.zarr")
+    env = {**os.environ, "H5NGFF_FAULTS": "slab_sleep=0.4"}
+    proc = subprocess.Popen([sys.executable, "-m", "h5ngff.cli", "convert", path, out, *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 180
+    while manifest_lines(out) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    recorded = manifest_lines(out)
+    assert 0 < recorded < total, f"the kill must land mid-run ({recorded} of {total})"
+    result = subprocess.run([sys.executable, "-m", "h5ngff.cli", "convert", path, out, "--json", *flags], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    resumed = json.loads(result.stdout)
+    assert resumed["resumed"] is True and resumed["slabs_skipped"] >= recorded
+    assert chunk_files(out) == chunk_files(clean)
+    np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data)

@@ -128,3 +128,12 @@ def _czyx(tmp_path):
             for dim, label in zip(ds.dims, "czyx"):
                 dim.label = label
     return open_source(spec_for(path, str(tmp_path / "o"), dataset="/a,/b"))
+
+
+def test_options_of_another_container_are_refused(channels, tmp_path):
+    path, _ = channels
+    with pytest.raises(SpecError, match="source.tile only with a BigDataViewer source") as refused:
+        open_source(spec_for(path, "o", dataset="/ch0", source={"tile": 1}))
+    assert refused.value.field == "source.tile"
+    with pytest.raises(SpecError, match="source.stack only with several datasets"):
+        open_source(spec_for(path, "o", dataset="/ch0", source={"stack": "t"}))

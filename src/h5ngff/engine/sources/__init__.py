@@ -17,6 +17,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from ...errors import SpecError
 from ...spec import ConversionSpec, SourceSpec, parse_spec
 from .base import Opened, SlabSource, close_files, open_hdf5
 from .plain import is_selection, open_plain, open_stacked
@@ -42,6 +43,7 @@ def detect(source: SourceSpec) -> str:
 def open_source(spec: ConversionSpec) -> Opened:
     """Describe the spec's source: the planner's numbers, resume's identity, the workers' reader."""
     kind = detect(spec.source)
+    _check_options(spec.source, kind)
     if kind == "stacked":
         return open_stacked(spec)
     if kind == "imaris":
@@ -53,6 +55,15 @@ def open_source(spec: ConversionSpec) -> Opened:
 
         return open_bdv(spec)
     return open_plain(spec)
+
+
+def _check_options(source: SourceSpec, kind: str) -> None:
+    """Options of one container given for another are mistakes, not no-ops."""
+    if source.stack is not None and kind != "stacked":
+        raise SpecError("source.stack", f"Expected source.stack only with several datasets (e.g. /ch{{0..2}}). Got stack {source.stack!r} for a {kind} source instead.")
+    for name in ("tile", "angle", "illumination"):
+        if getattr(source, name) is not None and kind != "bdv":
+            raise SpecError(f"source.{name}", f"Expected source.{name} only with a BigDataViewer source. Got {name} {getattr(source, name)} for a {kind} source instead.")
 
 
 def slab_source(spec: ConversionSpec, cache_bytes: int) -> SlabSource:
