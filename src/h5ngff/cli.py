@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="Convert an HDF5 dataset to OME-Zarr.", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Plan, start a Dask cluster sized by the plan, convert, and report time and memory.", epilog=EPILOG_CONVERT)
-    c.add_argument("source", metavar="SOURCE", help="FILE.h5:/dataset, e.g. in.h5:/volume/data.")
+    c.add_argument("source", metavar="SOURCE", help="FILE.h5:/dataset (e.g. in.h5:/volume/data), several to stack (in.h5:/ch{0..2}), an Imaris FILE.ims, or a BigDataViewer dataset.xml (docs/formats.md).")
     c.add_argument("output", metavar="OUTPUT", help="Output directory, e.g. out.ome.zarr.")
     _common_run_flags(c, convert=True)
     add_spec_flags(c)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 from typing import Any
 
 from .errors import SpecError
@@ -48,12 +49,24 @@ def unrecognized_message(extras: list[str], parser: argparse.ArgumentParser) -> 
 
 
 def split_source(text: str) -> tuple[str, str]:
-    """``in.h5:/volume/data`` -> (file, dataset). The dataset is after the last ':' that starts a path."""
+    """``in.h5:/volume/data`` -> (file, dataset). The dataset is after the last ':' that starts a path;
+    a file alone (``scan.ims``, ``dataset.xml``) is ``/``, the whole container."""
     head, sep, tail = text.rpartition(":")
+    if _whole_container(text):
+        # A whole container (file.ims, dataset.xml): its reader finds the image (docs/formats.md).
+        return text, "/"
     # "in.h5:" or "in.h5:/" would name the root group, which is never an image.
     if not sep or not head or not tail.strip("/"):
         raise SpecError("source", f"Expected FILE.h5:/dataset, e.g. in.h5:/volume/data. Got {text!r} instead.")
     return head, tail if tail.startswith("/") else "/" + tail
+
+
+def _whole_container(text: str) -> bool:
+    """An Imaris file, a BigDataViewer XML, or a BigDataViewer HDF5 file with its XML beside it."""
+    lower = text.lower()
+    if lower.endswith((".ims", ".xml")):
+        return True
+    return lower.endswith((".h5", ".hdf5")) and os.path.exists(os.path.splitext(text)[0] + ".xml")
 
 
 def _ints(text: str, field: str) -> list[int]:
@@ -127,6 +140,11 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     pyr.add_argument("--levels", metavar="N|auto", help="Resolution levels including full resolution (default auto: halve until one chunk holds the smallest).")
     pyr.add_argument("--downsample", choices=["mean", "nearest", "max"], help="Downsampling method (default mean, exact).")
     pyr.add_argument("--downsample-axes", metavar="AXES", help="Axes to downsample, e.g. yx (default: every spatial axis).")
+    fmt = parser.add_argument_group("source formats (docs/formats.md)")
+    fmt.add_argument("--stack-axis", metavar="c|t|tc", help="New axes for several stacked datasets (FILE:/ch{0..2}, a list or a glob); default c.")
+    fmt.add_argument("--tile", type=int, metavar="N", help="BigDataViewer: convert this tile (when the file holds several).")
+    fmt.add_argument("--angle", type=int, metavar="N", help="BigDataViewer: convert this angle (when the file holds several).")
+    fmt.add_argument("--illumination", type=int, metavar="N", help="BigDataViewer: convert this illumination (when the file holds several).")
     res = parser.add_argument_group("resources")
     res.add_argument("--workers", metavar="N|auto", help="Dask worker processes (default auto: one per core).")
     res.add_argument("--threads", type=int, metavar="N", help="Threads per worker (default 1); each runs one slab.")
@@ -146,6 +164,10 @@ def _compressor(text: str, field: str) -> dict[str, Any]:
 
 #: Each flag (argparse dest) and the one spec field it sets, with its parser.
 FLAG_FIELDS: tuple[tuple[str, str, Any], ...] = (
+    ("stack_axis", "source.stack", _same),
+    ("tile", "source.tile", None),
+    ("angle", "source.angle", None),
+    ("illumination", "source.illumination", None),
     ("chunks", "output.chunks", _ints),
     ("shards", "output.shards", _ints),
     ("compressor", "output.compressor", _compressor),

@@ -19,7 +19,8 @@ from .backends.diagnostics import ClusterEvents, WorkerReport, classify_failure
 from .engine.driver import RunTotals, finish, run_conversion
 from .engine.output import prepare_output
 from .engine.progress import Broadcast, Listener
-from .engine.source import SourceIdentity, inspect_source
+from .engine.source import SourceIdentity
+from .engine.sources import open_source
 from .errors import H5ngffError, WorkersLostError
 from .planner import DEFAULT_CONSTANTS, DatasetInfo, MemoryConstants, Plan, make_plan
 from .spec import ConversionSpec
@@ -38,7 +39,8 @@ class PlannedJob:
 
 def plan_job(spec: ConversionSpec, backend, constants: MemoryConstants = DEFAULT_CONSTANTS) -> PlannedJob:
     """Inspect the source (metadata only) and plan the conversion for ``backend``."""
-    dataset, identity = inspect_source(spec.source.path, spec.source.dataset)
+    opened = open_source(spec)
+    dataset, identity = opened.info, opened.identity
     allocator = resolve_allocator(spec.resources.allocator)
     notices = []
     if spec.resources.allocator == "jemalloc" and allocator != "jemalloc":

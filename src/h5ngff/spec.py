@@ -114,10 +114,26 @@ def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
 
 
 class SourceSpec(_Model):
-    """The HDF5 input."""
+    """The HDF5 input: one dataset, several stacked, or a container (Imaris, BigDataViewer). See docs/formats.md."""
 
-    path: str = Field(min_length=1, description="Path to the HDF5 file, as the workers see it.")
-    dataset: str = Field(min_length=1, description="Path of the dataset inside the file, e.g. /volume/data.")
+    path: str = Field(min_length=1, description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it.")
+    dataset: str = Field(
+        min_length=1,
+        description="Path of the dataset inside the file, e.g. /volume/data; several to stack: /ch{0..2}, /a,/b or a glob /ch*; / for a whole Imaris or BigDataViewer file.",
+    )
+    # --- formats (docs/formats.md) ---
+    stack: str | None = Field(None, description="New axes for stacked datasets, one per {a..b} range or for a list or glob: c (default), t, or tc for two ranges.")
+    tile: Int | None = Field(None, ge=0, description="BigDataViewer: the tile to convert when the file holds several.")
+    angle: Int | None = Field(None, ge=0, description="BigDataViewer: the angle to convert when the file holds several.")
+    illumination: Int | None = Field(None, ge=0, description="BigDataViewer: the illumination to convert when the file holds several.")
+
+    @field_validator("stack")
+    @classmethod
+    def _stack_axes(cls, v: str | None) -> str | None:
+        if v is not None and (not v or any(a not in "tc" for a in v) or len(set(v)) != len(v)):
+            raise ValueError(f"Expected new axes from 't' and 'c', e.g. 'c', 't' or 'tc'. Got {v!r} instead.")
+        return v
+    # --- end formats ---
 
     @field_validator("dataset")
     @classmethod

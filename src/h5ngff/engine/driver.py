@@ -20,7 +20,8 @@ from ..planner.model import Plan
 from ..spec import ConversionSpec
 from .output import Output, finish_output
 from .progress import Broadcast
-from .tasks import HDF5Source, SlabResult, SlabTask, expected_units, run_slab
+from .sources import slab_source
+from .tasks import SlabResult, SlabTask, expected_units, run_slab
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: in
     p = plan.passes[pass_index]
     downsampled = tuple(f > 1 for f in plan.levels[-1].factors) if len(plan.levels) > 1 else tuple(False for _ in plan.axes)
     if p.source_level == -1:
-        source = HDF5Source(spec.source.path, spec.source.dataset, plan.hdf5_cache_bytes)
+        source = slab_source(spec, plan.hdf5_cache_bytes)
         src_shape = plan.dataset.shape
     else:
         source = output.layouts[p.source_level]

@@ -50,11 +50,14 @@ def omero(plan: Plan, windows: list[tuple[float, float]]) -> dict[str, Any]:
     """Channel rendering hints; the window is the min/max seen while converting."""
     kind = plan.dataset.dtype[1] if len(plan.dataset.dtype) > 1 else "f"
     channels = []
+    # A container's own channel names and colours, where it records one per channel.
+    names = plan.dataset.channel_names if len(plan.dataset.channel_names or ()) == len(windows) else None
+    colors = plan.dataset.channel_colors if len(plan.dataset.channel_colors or ()) == len(windows) else None
     for i, (low, high) in enumerate(windows):
         low, high = _json_number(low, kind), _json_number(high, kind)
         channels.append({
-            "label": f"Channel {i}",
-            "color": _COLORS[i % len(_COLORS)] if len(windows) > 1 else "FFFFFF",
+            "label": names[i] if names and names[i] else f"Channel {i}",
+            "color": colors[i] if colors else _COLORS[i % len(_COLORS)] if len(windows) > 1 else "FFFFFF",
             "active": True,
             "coefficient": 1.0,
             "family": "linear",
@@ -78,7 +81,8 @@ def _json_number(value: float, kind: str) -> float | int:
 def root_attributes(plan: Plan, spec: ConversionSpec, windows: list[tuple[float, float]], zarr_format: int) -> dict[str, Any]:
     ms = multiscale(plan, spec)
     om = omero(plan, windows)
-    provenance = {"version": __version__, "source": {"path": spec.source.path, "dataset": spec.source.dataset}}
+    # The whole source spec (stack axes, BDV tile...): verify --source rebuilds the same composite.
+    provenance = {"version": __version__, "source": spec.source.to_wire()}
     if zarr_format == 2:
         ms = {"version": "0.4", **ms}
         om = {"version": "0.4", **om}

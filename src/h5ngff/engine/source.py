@@ -1,4 +1,7 @@
-"""The HDF5 source: inspect its metadata for the planner, and read slabs inside workers.
+"""One plain HDF5 dataset: inspect its metadata for the planner, and read slabs inside workers.
+
+The containers (stacked datasets, Imaris, BigDataViewer) and the attribute conventions
+(axes, voxel sizes) live in ``engine.sources``, which builds on this module.
 
 Files are opened once per worker process and kept open (h5py objects cannot be pickled and
 reopening per task costs a metadata read each time).
@@ -22,10 +25,6 @@ log = logging.getLogger(__name__)
 
 #: numpy kinds an NGFF image may hold: bool, signed and unsigned integers, floats.
 SUPPORTED_KINDS = {"b": "bool", "i": "signed integer", "u": "unsigned integer", "f": "float"}
-_AXIS_NAMES = {
-    "t": "t", "time": "t", "c": "c", "ch": "c", "channel": "c", "channels": "c",
-    "z": "z", "y": "y", "x": "x",
-}
 _open: dict[tuple[str, str, int], h5py.Dataset] = {}
 
 
@@ -82,16 +81,12 @@ def _describe(ds: h5py.Dataset, path: str, name: str) -> DatasetInfo:
             f"source.dataset: {name!r} has {ds.ndim} dimension(s) (shape {ds.shape}); NGFF images have 2 to 5 (yx to tczyx)."
         )
     filters = tuple(_filter_names(ds))
-    axes, scale, units = _physical_attrs(ds)
     return DatasetInfo(
         shape=tuple(int(n) for n in ds.shape),
         dtype=output_dtype(dtype).str,
         itemsize=dtype.itemsize,
         hdf5_chunks=tuple(ds.chunks) if ds.chunks else None,
         hdf5_filters=filters,
-        attr_axes=axes,
-        attr_scale=scale,
-        attr_units=units,
     )
 
 
@@ -118,27 +113,6 @@ def _list_datasets(group: h5py.Group) -> list[str]:
     prefix = group.name.rstrip("/")
     group.visititems(lambda n, o: found.append(f"{prefix}/{n}") if isinstance(o, h5py.Dataset) else None)
     return found
-
-
-def _physical_attrs(ds: h5py.Dataset) -> tuple[str | None, tuple[float, ...] | None, tuple[str, ...] | None]:
-    """Axes from dimension labels, voxel sizes from ``element_size_um`` (ilastik, Fiji) where present."""
-    labels = [d.label for d in ds.dims] if ds.ndim else []
-    axes = None
-    if labels and all(label.lower() in _AXIS_NAMES for label in labels):
-        candidate = "".join(_AXIS_NAMES[label.lower()] for label in labels)
-        if len(set(candidate)) == len(candidate):
-            axes = candidate
-    scale = units = None
-    size = ds.attrs.get("element_size_um")
-    if size is not None:
-        values = tuple(float(v) for v in np.atleast_1d(size))
-        if len(values) == ds.ndim and all(v > 0 for v in values):
-            scale = values
-            guessed = axes or {2: "yx", 3: "zyx"}.get(ds.ndim, "")
-            units = tuple("micrometer" if a in "zyx" else "" for a in guessed) if guessed else None
-            if units is None:
-                scale = None
-    return axes, scale, units
 
 
 def open_dataset(path: str, dataset: str, cache_bytes: int) -> h5py.Dataset:

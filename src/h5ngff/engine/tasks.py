@@ -18,14 +18,7 @@ from . import faults
 from .buffers import keep_levels, level_buffer
 from .downsample import downsample, output_shape
 from .manifest import SlabRecord
-from .source import read_slab
-
-
-@dataclass(frozen=True)
-class HDF5Source:
-    path: str
-    dataset: str
-    cache_bytes: int
+from .sources.base import SlabSource
 
 
 @dataclass(frozen=True)
@@ -34,8 +27,8 @@ class SlabTask:
     slab: tuple[int, ...]
     #: The slab's region in the source's coordinates (HDF5, or the level ``source_level``).
     region: tuple[slice, ...]
-    #: HDF5Source for the first pass; the layout of the level read for later passes.
-    source: HDF5Source | ArrayLayout
+    #: The source container's reader for the first pass; the layout of the level read for later passes.
+    source: SlabSource | ArrayLayout
     #: Layouts of the levels to write, in order. The first pass writes the slab itself first.
     levels: tuple[ArrayLayout, ...]
     downsampled: tuple[bool, ...]
@@ -94,8 +87,8 @@ def run_slab(task: SlabTask) -> SlabResult:
     """Read, write and downsample one slab. Runs in a Dask worker."""
     seconds = {"read": 0.0, "write": 0.0, "downsample": 0.0}
     t0 = time.perf_counter()
-    if isinstance(task.source, HDF5Source):
-        block = read_slab(task.source.path, task.source.dataset, task.source.cache_bytes, task.region)
+    if isinstance(task.source, SlabSource):
+        block = task.source.read(task.region)
         first_factor = 1
     else:
         block = read_region(task.source, task.region)
@@ -132,7 +125,7 @@ def run_slab(task: SlabTask) -> SlabResult:
 def expected_units(task: SlabTask) -> dict[int, set[str]]:
     """The files a task will write, per level: what resume checks against the manifest."""
     expected: dict[int, set[str]] = {}
-    factor = 1 if isinstance(task.source, HDF5Source) else 2
+    factor = 1 if isinstance(task.source, SlabSource) else 2
     for i, layout in enumerate(task.levels):
         if i > 0:
             factor *= 2

@@ -17,7 +17,7 @@ from ..planner.grid import ceil_div
 from ..spec import CompressorSpec
 from .chunkio import TMP_MARK, ArrayLayout, read_unit
 from .output import completion_marker
-from .source import open_dataset
+from .sources import verify_source
 
 
 @dataclass
@@ -119,7 +119,8 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
             report.problems.append(f"level {ds.get('path')}: unreadable array metadata ({exc}).")
     source_ds = None
     if source is not None and layouts:
-        source_ds = open_dataset(source[0], source[1], 0)
+        recorded = attrs.get("h5ngff", {}).get("source") if isinstance(attrs.get("h5ngff"), dict) else None
+        source_ds = verify_source(source[0], source[1], recorded)
         report.compared_with_source = True
         if tuple(source_ds.shape) != layouts[0].shape:
             report.problems.append(f"level 0 has shape {layouts[0].shape}, the source {source[0]}:{source[1]} has {tuple(source_ds.shape)}.")

@@ -29,6 +29,9 @@ class DatasetInfo:
     attr_axes: str | None = None
     attr_scale: tuple[float, ...] | None = None
     attr_units: tuple[str, ...] | None = None
+    #: Channel names and colours (RRGGBB) a container records (Imaris, BigDataViewer), for omero.
+    channel_names: tuple[str, ...] | None = None
+    channel_colors: tuple[str, ...] | None = None
 
     @property
     def ndim(self) -> int:

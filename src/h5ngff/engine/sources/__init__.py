@@ -1,0 +1,81 @@
+"""Sources: a reader per container behind one interface (``base.Opened`` / ``base.SlabSource``).
+
+``open_source(spec)`` detects the container and describes it (metadata only):
+
+- a plain dataset: ``in.h5:/volume/data`` (``plain.open_plain``);
+- several datasets of one file stacked along new t or c axes: ``in.h5:/ch{0..2}``, a list
+  or a glob (``plain.open_stacked``);
+- an Imaris ``.ims`` file (``imaris.open_imaris``);
+- a BigDataViewer XML + HDF5 pair, named by either file (``bdv.open_bdv``).
+
+docs/formats.md says what is read from where.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+from ...errors import SpecError
+from ...spec import ConversionSpec, SourceSpec, parse_spec
+from .base import Opened, SlabSource, close_files, open_hdf5
+from .plain import is_selection, open_plain, open_stacked
+
+__all__ = ["Opened", "SlabSource", "close_files", "detect", "open_source", "slab_source", "verify_source"]
+
+
+def detect(source: SourceSpec) -> str:
+    """Which reader a source needs: plain, stacked, imaris or bdv."""
+    if source.path.lower().endswith(".xml"):
+        return "bdv"
+    if is_selection(source.dataset):
+        return "stacked"
+    if source.dataset.strip("/") == "":
+        with open_hdf5(source.path) as f:
+            if "DataSet" in f and "DataSetInfo" in f:
+                return "imaris"
+            if "s00" in f and "t00000" in f:
+                return "bdv"
+    return "plain"
+
+
+def open_source(spec: ConversionSpec) -> Opened:
+    """Describe the spec's source: the planner's numbers, resume's identity, the workers' reader."""
+    kind = detect(spec.source)
+    _check_options(spec.source, kind)
+    if kind == "stacked":
+        return open_stacked(spec)
+    if kind == "imaris":
+        from .imaris import open_imaris
+
+        return open_imaris(spec)
+    if kind == "bdv":
+        from .bdv import open_bdv
+
+        return open_bdv(spec)
+    return open_plain(spec)
+
+
+def _check_options(source: SourceSpec, kind: str) -> None:
+    """Options of one container given for another are mistakes, not no-ops."""
+    if source.stack is not None and kind != "stacked":
+        raise SpecError("source.stack", f"Expected source.stack only with several datasets (e.g. /ch{{0..2}}). Got stack {source.stack!r} for a {kind} source instead.")
+    for name in ("tile", "angle", "illumination"):
+        if getattr(source, name) is not None and kind != "bdv":
+            raise SpecError(f"source.{name}", f"Expected source.{name} only with a BigDataViewer source. Got {name} {getattr(source, name)} for a {kind} source instead.")
+
+
+def slab_source(spec: ConversionSpec, cache_bytes: int) -> SlabSource:
+    """The workers' reader with the plan's chunk cache."""
+    return replace(open_source(spec).reader, cache_bytes=cache_bytes)
+
+
+def verify_source(path: str, dataset: str, recorded: dict[str, Any] | None = None) -> SlabSource:
+    """The source ``verify --source`` compares with. Where the output's provenance names the same
+    file and selection, its other choices (stack axes, BDV tile/angle) apply too."""
+    source: dict[str, Any] = {"path": path, "dataset": dataset}
+    if recorded and os.path.abspath(str(recorded.get("path", ""))) == os.path.abspath(path) and recorded.get("dataset") == SourceSpec(path=path, dataset=dataset).dataset:
+        source = {**recorded, **source}
+    spec = parse_spec({"source": source, "output": {"path": "unused"}})
+    return open_source(spec).reader

@@ -1,0 +1,172 @@
+"""The one interface every source container sits behind.
+
+A source is an N-D image made of one or more HDF5 datasets ("pieces") in one file. The pieces
+tile a grid over the leading axes (``lead_shape``: none for a plain dataset; ``c`` for stacked
+channels; ``t, c`` for Imaris time points and channels) and each piece gives the trailing axes,
+read from the region ``[0, inner_shape)`` of its dataset (Imaris pads its blocks beyond the
+image; the padding is never read).
+
+The client describes a source once (``Opened``: the planner's ``DatasetInfo``, the identity that
+resume checks, and the picklable ``SlabSource`` the workers read with). Workers read slabs into
+their thread's slab buffer: a slab may span several pieces.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from itertools import product
+
+import h5py
+import hdf5plugin  # noqa: F401  registers blosc, zstd, lz4, bitshuffle... with HDF5
+import numpy as np
+
+from ...errors import SourceError, SourceNotFoundError, UnsupportedDatasetError
+from ...planner.model import DatasetInfo
+from ..buffers import slab_buffer
+from ..source import SUPPORTED_KINDS, SourceIdentity, _dtype_kind, _filter_names, output_dtype, read_slab
+
+#: rdcc_nslots should be a prime well above the number of cached chunks.
+CACHE_SLOTS = 10007
+_files: dict[str, h5py.File] = {}
+
+
+@dataclass(frozen=True)
+class SlabSource:
+    """What a worker needs to read any slab of a source: a few hundred bytes, pickled per task."""
+
+    path: str
+    #: Dataset path of every piece, in C order over ``lead_shape``.
+    pieces: tuple[str, ...]
+    lead_shape: tuple[int, ...]
+    #: The region of each piece that is image (the rest is padding), per trailing axis.
+    inner_shape: tuple[int, ...]
+    dtype: str
+    #: Read the bytes as this dtype and reinterpret them as ``dtype`` (BigDataViewer stores uint16
+    #: as int16); None reads ``dtype`` itself.
+    storage_dtype: str | None
+    #: The planned HDF5 chunk cache of one whole slab; a slab spanning k pieces gives each 1/k.
+    cache_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.lead_shape + self.inner_shape
+
+    @property
+    def plain(self) -> bool:
+        return not self.lead_shape and self.storage_dtype is None
+
+    def read(self, region: tuple[slice, ...]) -> np.ndarray:
+        """One slab, read straight into this thread's slab buffer; valid until its next slab."""
+        if self.plain:
+            # A single dataset keeps the engine's original path: opened once per process.
+            return read_slab(self.path, self.pieces[0], self.cache_bytes, region)
+        n = len(self.lead_shape)
+        lead, inner = region[:n], region[n:]
+        out = slab_buffer(tuple(r.stop - r.start for r in region), np.dtype(self.dtype))
+        target = out.view(np.dtype(self.storage_dtype)) if self.storage_dtype else out
+        spanned = math.prod(r.stop - r.start for r in lead)
+        f = _open_file(self.path)
+        for index in product(*(range(r.start, r.stop) for r in lead)):
+            name = self.pieces[int(np.ravel_multi_index(index, self.lead_shape))]
+            dest = target[tuple(i - r.start for i, r in zip(index, lead))]
+            _read_piece(f, name, self.cache_bytes // spanned, inner, dest, self.path)
+        return out
+
+    def __getitem__(self, region: tuple[slice, ...]) -> np.ndarray:
+        """A fresh copy of ``region`` (for verify, which compares outside the slab path)."""
+        return self.read(region).copy()
+
+
+def _open_file(path: str) -> h5py.File:
+    f = _files.get(path)
+    if f is None or not f.id.valid:
+        # The file's own default cache stays small: each piece is opened with its share below.
+        f = _files[path] = h5py.File(path, "r", rdcc_nbytes=1 << 20, rdcc_nslots=CACHE_SLOTS)
+    return f
+
+
+def _read_piece(f: h5py.File, name: str, cache_bytes: int, region: tuple[slice, ...], dest: np.ndarray, path: str) -> None:
+    """Read one piece's part of a slab. The dataset is opened for this read only, with its share
+    of the planned chunk cache, and closed after it: pieces a worker has left hold no cache."""
+    dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+    dapl.set_chunk_cache(CACHE_SLOTS, max(cache_bytes, 1 << 20), 0.75)
+    try:
+        ds = h5py.Dataset(h5py.h5d.open(f.id, name.encode(), dapl))
+        ds.read_direct(dest, source_sel=region)
+    except (OSError, RuntimeError, KeyError) as exc:
+        raise SourceError(f"Reading {name!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt.") from None
+    finally:
+        ds = None  # noqa: F841  closes the dataset and frees its chunk cache
+
+
+def _fmt(region: tuple[slice, ...]) -> str:
+    return "[" + ", ".join(f"{r.start}:{r.stop}" for r in region) + "]"
+
+
+def close_files() -> None:
+    for f in _files.values():
+        try:
+            f.close()
+        except Exception:
+            pass
+    _files.clear()
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A source as the client sees it: the planner's numbers, resume's identity, the workers' reader."""
+
+    info: DatasetInfo
+    identity: SourceIdentity
+    reader: SlabSource
+    #: What the source is, for messages and docs: plain, stacked, imaris, bdv.
+    kind: str = "plain"
+
+
+def identity(path: str, selection: str) -> SourceIdentity:
+    stat = os.stat(path)
+    return SourceIdentity(os.path.abspath(path), selection, stat.st_size, stat.st_mtime_ns)
+
+
+def open_hdf5(path: str, field: str = "source.path") -> h5py.File:
+    if not os.path.exists(path):
+        raise SourceNotFoundError(f"{field}: file {path!r} does not exist. Check the path (workers must see the same path).")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        raise SourceError(f"{field}: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?") from None
+
+
+def check_dtype(dtype: np.dtype, what: str) -> None:
+    if dtype.kind not in SUPPORTED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise UnsupportedDatasetError(
+            f"source.dataset: {what} has dtype {dtype} ({_dtype_kind(dtype)}); NGFF images hold numbers. "
+            f"Expected bool, int8-int64, uint8-uint64 or float16/32/64. Convert it, or choose another dataset."
+        )
+
+
+def piece_storage(datasets: list[h5py.Dataset]) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
+    """The HDF5 chunk shape and filters the planner prices for a set of pieces: the largest
+    chunk among them (every piece's cache share must hold its own chunks)."""
+    chunked = [tuple(ds.chunks) for ds in datasets if ds.chunks]
+    chunks = max(chunked, key=math.prod) if chunked else None
+    filters: tuple[str, ...] = ()
+    for ds in datasets:
+        filters = filters or tuple(_filter_names(ds))
+    return chunks, filters
+
+
+def composite_info(lead_shape: tuple[int, ...], inner_shape: tuple[int, ...], dtype: np.dtype, datasets: list[h5py.Dataset], **attrs) -> DatasetInfo:
+    """The planner's view of pieces stacked over ``lead_shape``: each piece is one HDF5 chunk deep
+    along the leading axes, so a slab's chunk cache covers exactly the pieces it spans."""
+    chunks, filters = piece_storage(datasets)
+    return DatasetInfo(
+        shape=tuple(lead_shape) + tuple(inner_shape),
+        dtype=output_dtype(dtype).str,
+        itemsize=dtype.itemsize,
+        hdf5_chunks=(1,) * len(lead_shape) + chunks if chunks else None,
+        hdf5_filters=filters,
+        **attrs,
+    )
