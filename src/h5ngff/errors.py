@@ -93,6 +93,13 @@ class OutputConflictError(OutputError, FileExistsError):
     exit_code = 2
 
 
+class OutputBusyError(OutputConflictError):
+    """Another run holds the output's lock (engine.lock); the message names it. Transient: the
+    output is free again once that run ends, so the operator may retry it."""
+
+    reason = "OutputBusy"
+
+
 class DiskFullError(OutputError):
     reason = "DiskFull"
 
