@@ -28,6 +28,17 @@ UNLOCKED = [sys.executable, "-c",
             "from h5ngff.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 
+JOB = """apiVersion: h5ngff.dev/v1alpha1
+kind: ConversionJob
+metadata: {{name: same-output}}
+spec:
+  source: {{path: {h5}, dataset: /volume/data}}
+  output: {{path: {out}, chunks: [8, 32, 32]}}
+  pyramid: {{levels: 2}}
+  resources: {{workers: 1}}
+"""
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     base = tmp_path_factory.mktemp("lock")
@@ -68,7 +79,9 @@ def _holders(pid: int, lock_file: str) -> list[int]:
 def test_a_second_convert_and_an_overwrite_are_refused_while_the_first_runs(source, tmp_path):
     h5, src = source
     out = str(tmp_path / "out.ome.zarr")
-    first = _start_slow(src, out, sleep=1.5)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.format(h5=h5, out=out))
+    first = _start_slow(src, out, sleep=2.0)
     try:
         lock_file = os.path.join(out, LOCK_NAME)
         assert _holders(first.pid, lock_file) == [first.pid]  # the driver only, never a worker
@@ -78,7 +91,9 @@ def test_a_second_convert_and_an_overwrite_are_refused_while_the_first_runs(sour
         assert "OutputBusy" in second.stdout and f"pid {first.pid}" in second.stdout.replace("\n", " ")
         overwrite = subprocess.run(CLI + ["convert", src, out, "--overwrite", "--json"] + FLAGS, capture_output=True, text=True)
         assert overwrite.returncode == 2 and json.loads(overwrite.stdout)["reason"] == "OutputBusy"
-        assert first.poll() is None  # both were refused while the first was still writing
+        run = subprocess.run(CLI + ["run", str(job), "--json", "--no-progress"], capture_output=True, text=True)
+        assert run.returncode == 2 and json.loads(run.stdout)["status"]["reason"] == "OutputBusy", run.stdout + run.stderr
+        assert first.poll() is None  # all three were refused while the first was still writing
         # Nothing was deleted: the first run's manifest and every file it had written are still there.
         assert _header(out) == header and written <= set(chunk_files(out))
         assert first.wait(timeout=300) == 0, first.stderr.read().decode()
@@ -117,15 +132,44 @@ def test_negative_control_without_the_lock_overwrite_deletes_the_running_output(
         _stop(first)
 
 
+def _slabs_written_twice(out: str) -> int:
+    """Slabs the manifest records more than once: each record is a writer that wrote its chunks."""
+    try:
+        with open(os.path.join(out, ".h5ngff", "manifest.jsonl")) as f:
+            keys = [tuple(json.loads(line)["slab"]) + (json.loads(line)["pass"],) for line in f if '"slab"' in line]
+    except (OSError, ValueError):
+        return 0
+    return len(keys) - len(set(keys))
+
+
 def test_negative_control_without_the_lock_a_second_convert_runs_beside_the_first(source, tmp_path):
+    """With the lock a no-op the second convert is not refused: it resumes the output the first is
+    still writing. Then either both write the same slabs (the manifest records them twice), or one
+    breaks the other (the resume sweeps the first's in-flight temporary chunk files, so its rename
+    fails): two writers on one output, which the lock exists to prevent."""
     _, src = source
     out = str(tmp_path / "out.ome.zarr")
-    first = _start_slow(src, out, sleep=1.0)
+    first = _start_slow(src, out, sleep=2.5)  # ~60 s: the second has time to start beside it
+    env = {**os.environ, "H5NGFF_FAULTS": "slab_sleep=0.2"}
+    second = subprocess.Popen(UNLOCKED + ["convert", src, out] + FLAGS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
     try:
-        second = subprocess.run(UNLOCKED + ["convert", src, out, "--json"] + FLAGS, capture_output=True, text=True, timeout=300)
-        assert second.returncode == 0 and json.loads(second.stdout)["resumed"]  # nothing stopped it
-        assert first.poll() is None  # two writers were on one output at once
+        deadline = time.monotonic() + 240
+        harm = None
+        while harm is None:
+            if _slabs_written_twice(out):
+                harm = "the same slab written by both"
+            elif first.poll() not in (None, 0):
+                harm = "the first run failed"
+            elif second.poll() not in (None, 0):
+                output = second.stdout.read()
+                assert "OutputBusy" not in output
+                harm = "the second run failed: " + output[-300:]
+            assert not (first.poll() == 0 and second.poll() == 0) or harm, "both finished without meeting"
+            assert time.monotonic() < deadline, "the unlocked second writer never met the first"
+            time.sleep(0.1)
     finally:
+        _stop(second)
         _stop(first)
 
 
