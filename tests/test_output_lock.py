@@ -81,7 +81,7 @@ def test_a_second_convert_and_an_overwrite_are_refused_while_the_first_runs(sour
     out = str(tmp_path / "out.ome.zarr")
     job = tmp_path / "job.yaml"
     job.write_text(JOB.format(h5=h5, out=out))
-    first = _start_slow(src, out, sleep=2.0)
+    first = _start_slow(src, out, sleep=3.0)  # ~70 s: three refused CLI starts fit in it
     try:
         lock_file = os.path.join(out, LOCK_NAME)
         assert _holders(first.pid, lock_file) == [first.pid]  # the driver only, never a worker
@@ -91,11 +91,12 @@ def test_a_second_convert_and_an_overwrite_are_refused_while_the_first_runs(sour
         assert "OutputBusy" in second.stdout and f"pid {first.pid}" in second.stdout.replace("\n", " ")
         overwrite = subprocess.run(CLI + ["convert", src, out, "--overwrite", "--json"] + FLAGS, capture_output=True, text=True)
         assert overwrite.returncode == 2 and json.loads(overwrite.stdout)["reason"] == "OutputBusy"
+        # Nothing was deleted: the first run's manifest and every file it had written are still there.
+        assert _header(out) == header and written <= set(chunk_files(out))
+        assert first.poll() is None  # checked while the first was still writing
         run = subprocess.run(CLI + ["run", str(job), "--json", "--no-progress"], capture_output=True, text=True)
         assert run.returncode == 2 and json.loads(run.stdout)["status"]["reason"] == "OutputBusy", run.stdout + run.stderr
         assert first.poll() is None  # all three were refused while the first was still writing
-        # Nothing was deleted: the first run's manifest and every file it had written are still there.
-        assert _header(out) == header and written <= set(chunk_files(out))
         assert first.wait(timeout=300) == 0, first.stderr.read().decode()
     finally:
         _stop(first)

@@ -161,8 +161,11 @@ def _comparable(path, ms, layouts, n_levels, source, report):
 
 
 def _compare_levels(source_ds, layouts, rule, report: VerifyReport, on_unit) -> None:
+    named = set(report.bad_units)  # a set: a wholly wrong level can name many thousand chunks
+
     def bad(level: int, key: str, message: str) -> None:
-        if (level, key) not in report.bad_units:
+        if (level, key) not in named:
+            named.add((level, key))
             report.bad_units.append((level, key))
         report.problems.append(message)
 
