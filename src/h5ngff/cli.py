@@ -55,7 +55,9 @@ examples:
   h5ngff convert scan.h5:/data out.ome.zarr --scheduler tcp://10.0.0.5:8786
 
 Re-running the same command after a crash resumes: finished slabs are skipped and the result is
-bit-identical. --overwrite starts fresh. Exit status: see h5ngff --help.
+bit-identical. --overwrite starts fresh. One run writes an output at a time: a second run on the
+same path fails OutputBusy, and --overwrite never deletes an output another run is writing.
+Exit status: see h5ngff --help.
 """
 
 
@@ -105,7 +107,7 @@ def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
     p.add_argument("--json", action="store_true", help="Print one JSON object instead of tables.")
     p.add_argument("--calibration", metavar="FILE", help="JSON file overriding the memory model's measured constants.")
     if convert:
-        p.add_argument("--overwrite", action="store_true", help="Replace an existing h5ngff or Zarr output instead of resuming it.")
+        p.add_argument("--overwrite", action="store_true", help="Replace an existing h5ngff or Zarr output instead of resuming it (never one another run is writing).")
         p.add_argument("--scheduler", metavar="ADDRESS", help="Use an existing Dask cluster (tcp://host:8786) instead of starting one.")
         p.add_argument("--enforce-pod-limits", action="store_true", help="Run each worker in its own memory cgroup limited to the planned pod limit, as on Kubernetes.")
         p.add_argument("--pod-limit", metavar="SIZE", help="Override the planned pod limit (with --enforce-pod-limits; for experiments).")

@@ -122,6 +122,13 @@ class OutputConflictError(OutputError, FileExistsError):
     reason = "OutputConflict"
 
 
+class OutputBusyError(OutputConflictError):
+    """Another run holds the output's lock (engine.lock); the message names it. Transient: the
+    output is free again once that run ends, so the operator may retry it."""
+
+    reason = "OutputBusy"
+
+
 class DiskFullError(OutputError):
     """The output's device filled up during the run: a failed run, resumable once space is freed."""
 

@@ -17,6 +17,7 @@ from .backends.allocator import resolve_allocator
 from .backends.base import MemorySampler
 from .backends.diagnostics import ClusterEvents, WorkerReport, classify_failure
 from .engine.driver import RunTotals, finish, run_conversion
+from .engine.lock import output_lock
 from .engine.output import prepare_output
 from .engine.progress import Broadcast, Listener
 from .engine.source import SourceIdentity
@@ -120,37 +121,10 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
     summary = RunSummary("Failed", job)
     start, started = time.perf_counter(), time.time()
     try:
-        output = prepare_output(job.plan, job.spec, job.source)
-        summary.resumed = output.resumed
-        if output.complete:
-            summary.totals = RunTotals(slabs_skipped=job.plan.n_tasks)
-            events.emit(phase="Succeeded", slabs_done=job.plan.n_tasks, slabs_skipped=job.plan.n_tasks, message="already complete")
-            summary.status = "Succeeded"
-            return summary
-        failure = None
-        with backend.session(job.plan) as session, (metrics.attached(session, job.plan) if metrics is not None else nullcontext()):
-            sampler = MemorySampler(session.client)
-            try:
-                with sampler:
-                    try:
-                        summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
-                    except (KilledWorker, WorkersLostError) as exc:
-                        failure = exc
-            finally:
-                # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
-                _collect_workers(summary, job.plan, sampler, session, started)
-        # The session has closed: the pods' counters are final (the backend re-read them after the
-        # last process stopped), so the message, the JSON and the metrics give the same counts.
-        if metrics is not None:
-            metrics.settle(summary.workers)
-        if failure is not None:
-            pod_limit = session.pod_limit or job.plan.memory.pod_limit
-            raise classify_failure(failure, summary.events, pod_limit, job.plan.memory.memory_limit, sum(w.oom_kills for w in summary.workers)) from None
-        events.emit(phase="Finalizing")
-        summary.seconds = time.perf_counter() - start
-        summary.status = "Succeeded"
-        finish(output, job.plan, job.spec, summary.to_dict(brief=True))
-        events.emit(phase="Succeeded")
+        # The driver holds the output's lock from before the output is inspected (or deleted by
+        # overwrite) until its completion marker is written; Dask workers never take it.
+        with output_lock(job.spec.output.path):
+            _convert(job, backend, events, summary, metrics, start, started)
         return summary
     except H5ngffError as exc:
         summary.error = exc
@@ -158,6 +132,40 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
         exc.summary = summary  # the CLI's --json and --memory-report show a failed run's figures too
         events.emit(phase="Failed", message=str(exc))
         raise
+
+
+def _convert(job: PlannedJob, backend, events: Broadcast, summary: RunSummary, metrics, start: float, started: float) -> None:
+    output = prepare_output(job.plan, job.spec, job.source)
+    summary.resumed = output.resumed
+    if output.complete:
+        summary.totals = RunTotals(slabs_skipped=job.plan.n_tasks)
+        events.emit(phase="Succeeded", slabs_done=job.plan.n_tasks, slabs_skipped=job.plan.n_tasks, message="already complete")
+        summary.status = "Succeeded"
+        return
+    failure = None
+    with backend.session(job.plan) as session, (metrics.attached(session, job.plan) if metrics is not None else nullcontext()):
+        sampler = MemorySampler(session.client)
+        try:
+            with sampler:
+                try:
+                    summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
+                except (KilledWorker, WorkersLostError) as exc:
+                    failure = exc
+        finally:
+            # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
+            _collect_workers(summary, job.plan, sampler, session, started)
+    # The session has closed: the pods' counters are final (the backend re-read them after the
+    # last process stopped), so the message, the JSON and the metrics give the same counts.
+    if metrics is not None:
+        metrics.settle(summary.workers)
+    if failure is not None:
+        pod_limit = session.pod_limit or job.plan.memory.pod_limit
+        raise classify_failure(failure, summary.events, pod_limit, job.plan.memory.memory_limit, sum(w.oom_kills for w in summary.workers)) from None
+    events.emit(phase="Finalizing")
+    summary.seconds = time.perf_counter() - start
+    summary.status = "Succeeded"
+    finish(output, job.plan, job.spec, summary.to_dict(brief=True))
+    events.emit(phase="Succeeded")
 
 
 def _collect_workers(summary: RunSummary, plan: Plan, sampler: MemorySampler, session, since: float) -> None:

@@ -258,6 +258,37 @@ def read_unit(layout: ArrayLayout, index: tuple[int, ...]) -> np.ndarray | None:
     return decode_unit(layout, data)
 
 
+def read_chunk(layout: ArrayLayout, chunk: tuple[int, ...]) -> np.ndarray | None:
+    """One chunk's decoded (padded) data, or None where it reads as the fill value: no file, or an
+    empty slot in its shard. A shard's index is checked, then only this chunk's bytes are read, so
+    ``verify`` holds one chunk, never a whole shard."""
+    if layout.shards is None:
+        return read_unit(layout, chunk)
+    per_shard = tuple(s // c for s, c in zip(layout.shards, layout.chunks))
+    shard = tuple(i // p for i, p in zip(chunk, per_shard))
+    inner = tuple(i % p for i, p in zip(chunk, per_shard))
+    tail = 16 * math.prod(per_shard) + 4
+    try:
+        f = open(layout.file(shard), "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size < tail:
+            raise ValueError(f"shard of {size} bytes is shorter than its index ({tail} bytes)")
+        f.seek(size - tail)
+        raw = f.read(tail)
+        if google_crc32c.value(raw[:-4]).to_bytes(4, "little") != raw[-4:]:
+            raise ValueError("shard index checksum mismatch")
+        offset, nbytes = (int(v) for v in np.frombuffer(raw[:-4], dtype="<u8").reshape(per_shard + (2,))[inner])
+        if offset == int(_EMPTY):
+            return None
+        if offset + nbytes > size - tail:
+            raise ValueError(f"inner chunk {inner} runs past the shard's data")
+        f.seek(offset)
+        return decode_chunk(layout, f.read(nbytes))
+
+
 def read_region(layout: ArrayLayout, region: tuple[slice, ...]) -> np.ndarray:
     """Read a region of a level, one file at a time (what a later pass streams from), into this
     thread's slab buffer (valid until the thread's next slab)."""

@@ -26,6 +26,7 @@ from ..planner.model import Plan
 from ..spec import ConversionSpec
 from .chunkio import TMP_MARK, ArrayLayout
 from .codecs import zarr_compressors
+from .lock import LOCK_NAME
 from .manifest import MANIFEST_DIR, Manifest, fingerprint
 from .ngff import root_attributes
 from .source import SourceIdentity
@@ -87,7 +88,8 @@ def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict
 
 def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> Output:
     """Create a fresh output, or reopen a resumable one, or refuse with a reason. Never deletes
-    anything that is not an h5ngff or Zarr output."""
+    anything that is not an h5ngff or Zarr output. The caller holds the output's lock
+    (``lock.output_lock``), so what is inspected here cannot change under us."""
     path = spec.output.path
     content = content_of(plan, spec, source)
     print_ = fingerprint(content)
@@ -128,7 +130,7 @@ def completion_marker(path: str) -> dict[str, Any] | None:
 
 
 def _is_empty_dir(path: str) -> bool:
-    return os.path.isdir(path) and not os.listdir(path)
+    return os.path.isdir(path) and not [name for name in os.listdir(path) if name != LOCK_NAME]
 
 
 def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> None:
@@ -175,10 +177,19 @@ def _refuse_existing(path: str, spec: ConversionSpec, content: dict[str, Any], e
 
 def _remove_replaceable(path: str) -> None:
     log.info("Removing the existing output %s (--overwrite).", path)
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    else:
+    if not os.path.isdir(path):
         os.unlink(path)
+        return
+    # Everything but the lock file we hold (engine.lock): removing the directory itself would
+    # unlink it, and a second run could then lock a fresh file and write here beside us.
+    for name in os.listdir(path):
+        if name == LOCK_NAME:
+            continue
+        entry = os.path.join(path, name)
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry)
+        else:
+            os.unlink(entry)
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -189,7 +200,9 @@ def _create(path: str, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLay
     fmt = zarr_format(spec)
     try:
         os.makedirs(path, exist_ok=True)
-        root = zarr.create_group(store=LocalStore(path), zarr_format=fmt, overwrite=True)
+        # Not overwrite=True: zarr would remove the whole directory, our held lock file with it.
+        # The directory holds nothing else by now (new, empty, or emptied by --overwrite).
+        root = zarr.create_group(store=LocalStore(path), zarr_format=fmt)
         compressors = zarr_compressors(spec.output.compressor, fmt)
         for layout in layouts:
             kwargs: dict[str, Any] = {}
