@@ -18,6 +18,7 @@ import pytest
 from conftest import smooth, write_h5
 from h5ngff.engine.lock import LOCK_NAME
 from h5ngff.engine.verify import verify_output
+from h5ngff.errors import ExitCode
 from test_engine_resume import chunk_files, manifest_lines
 
 CLI = [sys.executable, "-m", "h5ngff.cli"]
@@ -87,15 +88,15 @@ def test_a_second_convert_and_an_overwrite_are_refused_while_the_first_runs(sour
         assert _holders(first.pid, lock_file) == [first.pid]  # the driver only, never a worker
         header, written = _header(out), set(chunk_files(out))
         second = subprocess.run(CLI + ["convert", src, out] + FLAGS, capture_output=True, text=True)
-        assert second.returncode == 2, second.stdout + second.stderr
-        assert "OutputBusy" in second.stdout and f"pid {first.pid}" in second.stdout.replace("\n", " ")
+        assert second.returncode == ExitCode.OUTPUT_REFUSED, second.stdout + second.stderr
+        assert "OutputBusy" in second.stderr and f"pid {first.pid}" in second.stderr.replace("\n", " ")  # errors go to stderr
         overwrite = subprocess.run(CLI + ["convert", src, out, "--overwrite", "--json"] + FLAGS, capture_output=True, text=True)
-        assert overwrite.returncode == 2 and json.loads(overwrite.stdout)["reason"] == "OutputBusy"
+        assert overwrite.returncode == ExitCode.OUTPUT_REFUSED and json.loads(overwrite.stdout)["reason"] == "OutputBusy"
         # Nothing was deleted: the first run's manifest and every file it had written are still there.
         assert _header(out) == header and written <= set(chunk_files(out))
         assert first.poll() is None  # checked while the first was still writing
         run = subprocess.run(CLI + ["run", str(job), "--json", "--no-progress"], capture_output=True, text=True)
-        assert run.returncode == 2 and json.loads(run.stdout)["status"]["reason"] == "OutputBusy", run.stdout + run.stderr
+        assert run.returncode == ExitCode.OUTPUT_REFUSED and json.loads(run.stdout)["status"]["reason"] == "OutputBusy", run.stdout + run.stderr
         assert first.poll() is None  # all three were refused while the first was still writing
         assert first.wait(timeout=300) == 0, first.stderr.read().decode()
     finally:
@@ -186,7 +187,7 @@ def test_a_stale_lock_from_a_sigkilled_run_does_not_block_the_resume(source, tmp
     with open(lock_file, "r+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         blocked = subprocess.run(CLI + ["convert", src, out] + FLAGS, capture_output=True, text=True)
-        assert blocked.returncode == 2 and "OutputBusy" in blocked.stdout
+        assert blocked.returncode == ExitCode.OUTPUT_REFUSED and "OutputBusy" in blocked.stderr
     resumed = subprocess.run(CLI + ["convert", src, out, "--json"] + FLAGS, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     summary = json.loads(resumed.stdout)
