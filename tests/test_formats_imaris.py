@@ -101,7 +101,9 @@ def test_verify_compares_with_the_imaris_file(ims_file, converted, tmp_path):
     with h5py.File(changed, "r+") as f:  # negative control: one voxel of the last channel differs
         f["DataSet/ResolutionLevel 0/TimePoint 1/Channel 2/Data"][9, 36, 28] += 1
     report = verify_output(out, (changed, "/"))
-    assert not report.ok and len(report.bad_units) == 1
+    # verify compares every level with the source's pyramid: the voxel's chunk at each level differs
+    assert not report.ok and sorted(level for level, _ in report.bad_units) == [0, 1, 2]
+    assert {m.chunk[:2] for m in report.mismatches} == {(1, 2)}  # time point 1, channel 2 only
 
 
 def test_single_time_point_and_channel_is_zyx(tmp_path):
