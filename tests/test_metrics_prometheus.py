@@ -74,6 +74,8 @@ class PrometheusServer:
             with urllib.request.urlopen(url, timeout=10) as r:
                 body = json.load(r)
         except urllib.error.HTTPError as exc:  # a PromQL error: say which query and why
+            if exc.code == 503:  # the server answers before its TSDB is open: wait() tries again
+                raise ConnectionError(f"Prometheus is not ready yet (503) for {params}") from None
             raise AssertionError(f"Prometheus rejected {params}: {exc.read().decode()}") from None
         assert body["status"] == "success", body
         return body["data"]
