@@ -87,7 +87,9 @@ def source_array(source: str, dataset: str):
 
         reader = ims(source, squeeze_output=False)
         try:
-            yield da.from_array(reader)[0]
+            # Its reads always return 5-D blocks (an integer index does not drop the axis), so
+            # time point 0 is taken from each block rather than by indexing the reader.
+            yield da.from_array(reader).map_blocks(lambda block: block[0], drop_axis=0, dtype=reader.dtype)
         finally:
             reader.close()
     elif source.endswith(".xml"):
