@@ -31,9 +31,10 @@ def case_dir(data_dir: str, scale: float) -> str:
 
 
 def _identity(case: Case) -> dict:
-    return {"generator": GENERATOR_VERSION, "shape": list(case.shape), "dtype": case.dtype, "dataset": case.dataset,
-            "hdf5_chunks": list(case.hdf5_chunks) if case.hdf5_chunks else None, "compression": case.compression, "seed": 0,
-            "container": case.container}
+    identity = {"generator": GENERATOR_VERSION, "shape": list(case.shape), "dtype": case.dtype, "dataset": case.dataset,
+                "hdf5_chunks": list(case.hdf5_chunks) if case.hdf5_chunks else None, "compression": case.compression, "seed": 0}
+    # Only the containers add the key, so the HDF5 inputs already cached stay valid.
+    return identity | ({"container": case.container} if case.container != "h5" else {})
 
 
 def ensure_input(case: Case, scale: float, data_dir: str) -> tuple[str, dict]:
