@@ -25,6 +25,8 @@ CODEC = {"cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"}
 CODEC_TEXT = "blosc zstd:5 bitshuffle"
 #: Pyramid runs build this many levels (full resolution included), 2x per spatial axis per level.
 PYRAMID_LEVELS = 3
+#: (c, z, y, x) of the container cases (issue 15) at scale 1; y and x shrink with --scale as above.
+CONTAINER_CZYX = (2, 64, 2048, 2048)
 #: Bump when the generated data changes, so cached inputs are rebuilt.
 GENERATOR_VERSION = 1
 
@@ -44,6 +46,8 @@ class Case:
     hdf5_chunks: tuple[int, ...] | None
     compression: str | None
     dataset: str = "/volume/data"
+    #: "h5" (one dataset), or a microscopy container read whole: "ims" (Imaris), "bdv" (XML + HDF5)
+    container: str = "h5"
 
     @property
     def nbytes(self) -> int:
@@ -74,8 +78,11 @@ def scaled_yx(scale: float) -> tuple[int, int]:
 
 
 def build_cases(scale: float) -> dict[str, Case]:
-    """The reference float32 contiguous volume and its chunked-gzip uint16 4-D variant."""
+    """The reference float32 contiguous volume, its chunked-gzip uint16 4-D variant, and the same
+    uint16 image in an Imaris file and a BigDataViewer pair (bench/containers.py)."""
     y, x = scaled_yx(scale)
+    c, cz, cy, cx = CONTAINER_CZYX
+    cy, cx = (max(CHUNK, round(n * math.sqrt(scale))) for n in (cy, cx))
     z = FULL_ZYX[0]
     # The 4-D variant holds 2 channels of uint16, so it has the same bytes as the float32 case;
     # its HDF5 chunks are a common acquisition layout (one channel, 32 planes, 256x256 tiles).
@@ -83,6 +90,10 @@ def build_cases(scale: float) -> dict[str, Case]:
     return {
         "f32": Case("f32", "float32 3-D, contiguous (DESIGN.md §5)", (z, y, x), "float32", "zyx", None, None),
         "u16-4d": Case("u16-4d", "uint16 4-D (c=2), chunked gzip", (2, z, y, x), "uint16", "czyx", h5_chunks, "gzip"),
+        "imaris": Case("imaris", "Imaris .ims, uint16 c=2, gzip blocks padded beyond the image (issue 15)", (c, cz, cy, cx), "uint16",
+                       "czyx", (1, 16, 128, 160), "gzip", dataset="/", container="ims"),
+        "bdv": Case("bdv", "BigDataViewer XML + HDF5 (npy2bdv), uint16 as int16, c=2 setups (issue 15)", (c, cz, cy, cx), "uint16",
+                    "czyx", (1, 4, 256, 256), None, dataset="/", container="bdv"),
     }
 
 

@@ -12,13 +12,13 @@ import logging
 import os
 import time
 
-import h5py
 import numcodecs
 import numpy as np
 
 from h5ngff.sample import write_sample
 
 from .config import CODEC, GENERATOR_VERSION, Case, scale_tag
+from .containers import data_files, input_name, open_image, write_container
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +31,18 @@ def case_dir(data_dir: str, scale: float) -> str:
 
 
 def _identity(case: Case) -> dict:
-    return {"generator": GENERATOR_VERSION, "shape": list(case.shape), "dtype": case.dtype, "dataset": case.dataset,
-            "hdf5_chunks": list(case.hdf5_chunks) if case.hdf5_chunks else None, "compression": case.compression, "seed": 0}
+    identity = {"generator": GENERATOR_VERSION, "shape": list(case.shape), "dtype": case.dtype, "dataset": case.dataset,
+                "hdf5_chunks": list(case.hdf5_chunks) if case.hdf5_chunks else None, "compression": case.compression, "seed": 0}
+    # Only the containers add the key, so the HDF5 inputs already cached stay valid.
+    return identity | ({"container": case.container} if case.container != "h5" else {})
 
 
 def ensure_input(case: Case, scale: float, data_dir: str) -> tuple[str, dict]:
-    """Path of the case's HDF5 file (generated unless a matching one is cached) and its metadata."""
+    """Path of the case's HDF5 file, .ims or BDV .xml (generated unless a matching one is cached)
+    and its metadata."""
     folder = case_dir(data_dir, scale)
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{case.name}.h5")
+    path = os.path.join(folder, input_name(case))
     meta_path = path + ".json"
     identity = _identity(case)
     if os.path.exists(path) and os.path.exists(meta_path):
@@ -49,11 +52,18 @@ def ensure_input(case: Case, scale: float, data_dir: str) -> tuple[str, dict]:
             return path, meta
     log.warning("generating %s: %s", path, case.describe())
     start = time.perf_counter()
-    tmp = path + ".tmp"
-    # Written under a temporary name and renamed: an interrupted generation is never reused.
-    write_sample(tmp, case.dataset, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=0)
-    os.replace(tmp, path)
-    meta = {"identity": identity, "seconds": round(time.perf_counter() - start, 1), "file_bytes": os.path.getsize(path),
+    if case.container != "h5":
+        # The metadata file is written last: an interrupted generation is never reused.
+        for name in data_files(path) + [meta_path]:
+            if os.path.exists(name):
+                os.remove(name)
+        write_container(case, path)
+    else:
+        tmp = path + ".tmp"
+        # Written under a temporary name and renamed: an interrupted generation is never reused.
+        write_sample(tmp, case.dataset, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=0)
+        os.replace(tmp, path)
+    meta = {"identity": identity, "seconds": round(time.perf_counter() - start, 1), "file_bytes": sum(os.path.getsize(p) for p in data_files(path)),
             "blosc_ratio": round(blosc_ratio(path, case), 2)}
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=1)
@@ -72,8 +82,7 @@ def blosc_ratio(path: str, case: Case, max_chunks: int = 48) -> float:
     grid = [(zi, yi, xi) for zi in range(0, max(1, z - c + 1), c) for yi in range(0, max(1, y - c + 1), c) for xi in range(0, max(1, x - c + 1), c)]
     picks = grid[:: max(1, len(grid) // max_chunks)][:max_chunks]
     raw = enc = 0
-    with h5py.File(path, "r") as f:
-        ds = f[case.dataset]
+    with open_image(path, case) as ds:
         for zi, yi, xi in picks:
             block = np.ascontiguousarray(ds[lead + (slice(zi, zi + c), slice(yi, yi + c), slice(xi, xi + c))])
             raw += block.nbytes
@@ -82,10 +91,12 @@ def blosc_ratio(path: str, case: Case, max_chunks: int = 48) -> float:
 
 
 def warm_page_cache(path: str, block: int = 64 << 20) -> float:
-    """Read the file once so every tool starts from the same warm page cache. Returns seconds."""
+    """Read the file (a BDV XML: and its HDF5) once so every tool starts from the same warm page
+    cache. Returns seconds."""
     start = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(block)
-        while f.readinto(buf):
-            pass
+    buf = bytearray(block)
+    for name in data_files(path):
+        with open(name, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
     return time.perf_counter() - start

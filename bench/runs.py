@@ -25,6 +25,8 @@ class RunSpec:
     workers: int | None = None
     #: the h5ngff run that others with the same number of levels are compared to
     reference: bool = False
+    #: the case containers this run reads (bench/containers.py); others skip it
+    containers: tuple[str, ...] = ("h5",)
 
     @property
     def pyramid(self) -> bool:
@@ -36,13 +38,16 @@ def _peer(module: str) -> tuple[str, ...]:
 
 
 L = PYRAMID_LEVELS
+#: h5ngff reads the microscopy containers itself; ngff-zarr reads them through an independent reader
+#: (peers/common.source_array). bioformats2raw, the tool that reads Imaris, is Java: not installable here.
+ALL = ("h5", "ims", "bdv")
 DEFAULT_RUNS: tuple[RunSpec, ...] = (
-    RunSpec("h5ngff", "h5ngff", "h5ngff (defaults)", _peer("h5ngff_cli"), reference=True),
+    RunSpec("h5ngff", "h5ngff", "h5ngff (defaults)", _peer("h5ngff_cli"), reference=True, containers=ALL),
     RunSpec("h5ngff-user-slab", "h5ngff", "h5ngff --workers 8 --slab 64,704,X", _peer("h5ngff_cli"), user_slab=True, workers=8),
     RunSpec("h5ngff-pyramid", "h5ngff", f"h5ngff --levels {L} --downsample mean", _peer("h5ngff_cli"), levels=L, method="mean", reference=True),
     RunSpec("delayed-slab", "delayed-slab (zarr 3)", "ad-hoc delayed-slab script, zarr 3", _peer("delayed_slab"), user_slab=True),
     RunSpec("dask-rechunk", "dask rechunk", "da.from_array(h5).rechunk().to_zarr()", _peer("dask_rechunk")),
-    RunSpec("ngff-zarr", "ngff-zarr", "ngff-zarr (threaded dask)", _peer("ngffzarr")),
+    RunSpec("ngff-zarr", "ngff-zarr", "ngff-zarr (threaded dask)", _peer("ngffzarr"), containers=ALL),
     RunSpec("ngff-zarr-pyramid-binshrink", "ngff-zarr", f"ngff-zarr {L} levels ITKWASM_BIN_SHRINK", _peer("ngffzarr"), levels=L, method="ITKWASM_BIN_SHRINK"),
     RunSpec("ngff-zarr-pyramid-default", "ngff-zarr", f"ngff-zarr {L} levels default (gaussian)", _peer("ngffzarr"), levels=L, verify_as="shape"),
     RunSpec("ome-zarr-py", "ome-zarr-py", "ome-zarr-py write_image", _peer("omezarr")),

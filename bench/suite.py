@@ -271,23 +271,38 @@ def add_ratios(runs: list[RunResult], specs: list[RunSpec], limit: LimitResult |
 def run_case(cfg: SuiteConfig, case: Case, logs: str) -> CaseResult:
     source, meta = ensure_input(case, cfg.scale, cfg.data_dir)
     _say(f"[{case.name}] {case.describe()}, blosc ratio {meta.get('blosc_ratio')}")
+    specs = [spec for spec in cfg.runs if case.container in spec.containers]
+    if case.container != "h5":
+        # bench.limit reads one HDF5 dataset; a container case is compared tool against tool.
+        return _container_case(cfg, case, source, meta, specs, logs)
     first = _limit_said(case, run_limit(cfg, case, source, logs, "limit"))
-    rounds: dict[str, list[RunResult]] = {spec.id: [] for spec in cfg.runs}
+    runs = _run_rounds(cfg, case, source, specs, logs)
+    # Measured again after the tools, so a busy moment at the start does not flatter them.
+    limit, limit_error = best_limit(first, _limit_said(case, run_limit(cfg, case, source, logs, "limit-again")))
+    if limit is not None and cfg.cores > 1:
+        limit.parallel = run_parallel_limit(cfg, case, source, logs)
+    add_ratios(runs, specs, limit)
+    profiles = {spec.id: profile_run(cfg, spec, case, source, logs) for spec in specs if spec.id in cfg.profile}
+    return CaseResult(case, source, meta, limit, limit_error, runs, profiles)
+
+
+def _container_case(cfg: SuiteConfig, case: Case, source: str, meta: dict, specs: list[RunSpec], logs: str) -> CaseResult:
+    runs = _run_rounds(cfg, case, source, specs, logs)
+    add_ratios(runs, specs, None)
+    profiles = {spec.id: profile_run(cfg, spec, case, source, logs) for spec in specs if spec.id in cfg.profile}
+    return CaseResult(case, source, meta, None, "not applicable: the limit reads one HDF5 dataset, this case is a container", runs, profiles)
+
+
+def _run_rounds(cfg: SuiteConfig, case: Case, source: str, specs: list[RunSpec], logs: str) -> list[RunResult]:
+    rounds: dict[str, list[RunResult]] = {spec.id: [] for spec in specs}
     for number in range(cfg.repeat):
-        for spec in cfg.runs:
+        for spec in specs:
             r = run_one(cfg, spec, case, source, logs, f"-round{number + 1}" if number else "")
             took = f"{r.seconds:.2f} s" if r.seconds is not None else f"wall {r.wall:.1f} s"
             tag = f" (round {number + 1})" if cfg.repeat > 1 else ""
             _say(f"[{case.name}] {spec.id}{tag}: {r.status} {took}, peak {r.memory.get('peak_largest', 0) / 1e9:.2f} GB/proc; {r.message}")
             rounds[spec.id].append(r)
-    runs = [combine_rounds(rounds[spec.id]) for spec in cfg.runs]
-    # Measured again after the tools, so a busy moment at the start does not flatter them.
-    limit, limit_error = best_limit(first, _limit_said(case, run_limit(cfg, case, source, logs, "limit-again")))
-    if limit is not None and cfg.cores > 1:
-        limit.parallel = run_parallel_limit(cfg, case, source, logs)
-    add_ratios(runs, cfg.runs, limit)
-    profiles = {spec.id: profile_run(cfg, spec, case, source, logs) for spec in cfg.runs if spec.id in cfg.profile}
-    return CaseResult(case, source, meta, limit, limit_error, runs, profiles)
+    return [combine_rounds(rounds[spec.id]) for spec in specs]
 
 
 def _limit_said(case: Case, measured: tuple[LimitResult | None, str]) -> tuple[LimitResult | None, str]:

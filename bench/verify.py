@@ -22,6 +22,7 @@ import numpy as np
 import zarr
 
 from .config import CODEC, Case
+from .containers import open_image
 
 #: Blocks sampled per pyramid level, and their edge (in output voxels).
 SAMPLES, SAMPLE_EDGE = 6, 16
@@ -73,7 +74,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a == b
 
 
-def check_level0(ds: h5py.Dataset, arr: zarr.Array, case: Case) -> str | None:
+def check_level0(ds, arr: zarr.Array, case: Case) -> str | None:
     if arr.shape != ds.shape or np.dtype(arr.dtype) != ds.dtype:
         return f"level 0 is {arr.shape} {arr.dtype}, expected {ds.shape} {ds.dtype}"
     if tuple(arr.chunks) != case.chunks:
@@ -178,8 +179,7 @@ def verify(output: str, source: str, case: Case, levels: int, method: str, seed:
 def _verify_levels(arrays: list[zarr.Array], source: str, case: Case, method: str, seed: int) -> Verdict:
     spatial = tuple(range(len(case.shape) - 3, len(case.shape)))
     rng = np.random.default_rng(seed)
-    with h5py.File(source, "r") as f:
-        ds = f[case.dataset]
+    with open_image(source, case) as ds:
         problem = check_level0(ds, arrays[0], case)
         if problem:
             return Verdict(False, problem)

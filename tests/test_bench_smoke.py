@@ -170,3 +170,41 @@ def test_one_failed_round_fails_the_tool_however_fast_the_others_were():
     assert result.status == "FAILED" and result.seconds == 5.0 and result.rounds == [10.0, 5.0]
     # Negative control: with every round ok the same rounds give an ok result.
     assert combine_rounds([_round("ok", 10.0, 100), _round("ok", 5.0, 100)]).status == "ok"
+
+
+@pytest.mark.parametrize("name", ["imaris", "bdv"])
+def test_container_cases_are_verified_against_an_independent_reader(tmp_path, name):
+    """The Imaris and BDV cases (issue 15): the generated container reads back, through its
+    independent reader, as the image the verifier compares with; a copy that keeps Imaris's block
+    padding or BDV's raw int16 is failed (the negative controls)."""
+    from bench.config import build_cases
+    from bench.containers import data_files, open_image
+    from bench.data import ensure_input
+    from bench.peers.common import source_array
+
+    case = build_cases(SCALE)[name]
+    source, meta = ensure_input(case, SCALE, str(tmp_path / "data"))
+    assert [os.path.exists(p) for p in data_files(source)] == [True] * len(data_files(source))
+    with source_array(source, case.dataset) as independent:
+        expected = independent.compute()
+    with open_image(source, case) as image:
+        assert image.shape == case.shape == expected.shape and expected.dtype == np.uint16
+        np.testing.assert_array_equal(image[(slice(None),) * 4], expected)
+    assert 1.2 < meta["blosc_ratio"] < 6
+
+    def copy(data: np.ndarray, out: str) -> str:
+        zarr.create_array(str(tmp_path / out), data=data, chunks=case.chunks, compressors=zarr_blosc(), fill_value=0)
+        return str(tmp_path / out)
+
+    assert verify(copy(expected, "good.zarr"), source, case, 1, "mean").message == "L0 exact"
+    import h5py
+
+    with h5py.File(data_files(source)[-1], "r") as f:
+        if name == "imaris":  # the stored blocks, padding included
+            raw = np.stack([f[f"DataSet/ResolutionLevel 0/TimePoint 0/Channel {c}/Data"][...] for c in range(2)])
+            bad = verify(copy(raw, "bad.zarr"), source, case, 1, "mean").message
+            assert bad.startswith("level 0 is (2, 64, 128, 160) uint16, expected (2, 64, 92, 92)"), bad
+        else:  # the stored int16, not BDV's uint16
+            raw = np.stack([f[f"t00000/s{c:02d}/0/cells"][...] for c in range(2)])
+            bad = verify(copy(raw, "bad.zarr"), source, case, 1, "mean").message
+            assert bad.startswith("level 0 is (2, 64, 92, 92) int16, expected (2, 64, 92, 92) uint16"), bad

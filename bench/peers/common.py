@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -70,3 +71,31 @@ def dtype_of(source: str, dataset: str) -> tuple[tuple[int, ...], np.dtype]:
 
     with h5py.File(source, "r") as f:
         return f[dataset].shape, f[dataset].dtype
+
+
+@contextlib.contextmanager
+def source_array(source: str, dataset: str):
+    """The source as a Dask array, read the way a user of each container would without h5ngff:
+    an HDF5 dataset with h5py; an Imaris file with imaris-ims-file-reader (its (t, c, z, y, x)
+    array, cropped to the image, t dropped); a BigDataViewer pair with h5py on each setup's
+    ``t00000/sSS/0/cells`` stacked as channels, its int16 bytes viewed as uint16 (BDV's convention)."""
+    import dask.array as da
+    import h5py
+
+    if source.endswith(".ims"):
+        from imaris_ims_file_reader.ims import ims
+
+        reader = ims(source, squeeze_output=False)
+        try:
+            # Its reads always return 5-D blocks (an integer index does not drop the axis), so
+            # time point 0 is taken from each block rather than by indexing the reader.
+            yield da.from_array(reader).map_blocks(lambda block: block[0], drop_axis=0, dtype=reader.dtype)
+        finally:
+            reader.close()
+    elif source.endswith(".xml"):
+        with h5py.File(source[:-4] + ".h5", "r") as f:
+            setups = sorted(k for k in f if k.startswith("s"))
+            yield da.stack([da.from_array(f[f"t00000/{s}/0/cells"]) for s in setups]).view("uint16")
+    else:
+        with h5py.File(source, "r") as f:
+            yield da.from_array(f[dataset])

@@ -19,7 +19,9 @@ KEEP = ("seconds", "gb_per_s", "bytes_written", "stage_seconds", "predicted_peak
 
 
 def build_argv(args) -> list[str]:
-    argv = ["convert", f"{args.source}:{args.dataset}", args.out, "--json", "--no-progress",
+    # A container (Imaris, BDV XML) is named alone: h5ngff finds its datasets (docs/formats.md).
+    source = args.source if args.source.endswith((".ims", ".xml")) else f"{args.source}:{args.dataset}"
+    argv = ["convert", source, args.out, "--json", "--no-progress",
             "--chunks", ",".join(map(str, args.chunks)), "--compressor", "zstd:5:bitshuffle", "--axes", args.axes, "--levels", str(args.levels)]
     if args.levels > 1:
         argv += ["--downsample", args.method or "mean"]
