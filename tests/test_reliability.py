@@ -69,6 +69,60 @@ def test_worker_sigkilled_mid_slab_reruns_the_slab(source, tmp_path, monkeypatch
     assert verify_output(out).ok
 
 
+def _temporaries(path: str) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(path) for n in names if TMP_MARK in n]
+
+
+@pytest.mark.parametrize("sweep", [True, False], ids=["swept", "negative-control-no-sweep"])
+def test_regression_a_worker_killed_before_its_rename_leaves_no_temporary_file(tmp_path, monkeypatch, sweep):
+    """A worker SIGKILLed between writing a chunk's temporary file and renaming it left that file
+    in a finished output (seen as flaky kill tests under load): Dask re-ran the task, so the chunk
+    is whole, but verify reported the stale file. The driver now sweeps before the marker."""
+    data = smooth((16, 64, 128), "uint16", seed=5)
+    h5 = write_h5(tmp_path / "in.h5", data)
+    out = str(tmp_path / "out.ome.zarr")
+    monkeypatch.setenv("H5NGFF_FAULTS", "rename_sleep=0.4")  # every write pauses with its temporary file on disk
+    if not sweep:
+        monkeypatch.setattr("h5ngff.engine.output.sweep_temporary_files", lambda path: 0)
+    spec = spec_for(h5, out, output={"chunks": [8, 32, 32]}, resources={"workers": 2, "slab": [8, 64, 128]})
+    backend = LocalBackend()
+    killed: list[str] = []
+
+    def kill_a_writer():
+        for worker in worker_processes():  # the worker holding a temporary file open, before its rename
+            try:
+                held = [f.path for f in worker.open_files() if TMP_MARK in f.path]
+            except psutil.Error:
+                continue
+            if held and not killed:
+                killed.append(held[0])
+                worker.send_signal(signal.SIGKILL)
+
+    deadline = time.time() + 60
+    summary = None
+    watcher_stop = threading.Event()
+
+    def watch():  # progress events come per slab; this catches the window inside one
+        while not watcher_stop.is_set() and time.time() < deadline:
+            kill_a_writer()
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        summary = run_job(plan_job(spec, backend), backend)
+    finally:
+        watcher_stop.set()
+        thread.join()
+    assert killed, "the test must kill a worker while its temporary file exists"
+    assert summary.status == "Succeeded"
+    assert np.array_equal(zarr.open_array(os.path.join(out, "0"), mode="r")[:], data)
+    if sweep:
+        assert _temporaries(out) == [] and verify_output(out).ok
+    else:  # the old behaviour: the killed writer's file stays, and verify says so
+        assert _temporaries(out) and not verify_output(out).ok
+
+
 def test_reader_polling_never_sees_a_finished_image_over_partial_data(source, tmp_path):
     """Poll the output while a run writes it: whenever the NGFF metadata is visible, every chunk
     must already be there and decode."""

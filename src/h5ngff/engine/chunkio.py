@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import DiskFullError, OutputError, UnalignedWriteError
 from ..planner.grid import ceil_div
 from ..spec import CompressorSpec
+from . import faults
 from .buffers import slab_buffer
 from .codecs import chunk_codec
 
@@ -146,6 +147,7 @@ def atomic_file(path: str) -> Iterator[BinaryIO]:
     try:
         with open(tmp, "wb") as f:
             yield f
+            faults.before_rename()
         os.replace(tmp, path)
     except OSError as exc:
         _remove_quietly(tmp)

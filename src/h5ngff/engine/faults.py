@@ -6,6 +6,8 @@ variable (never by a spec or a flag): ``H5NGFF_FAULTS="slab_sleep=0.2,slab_extra
 * ``slab_extra_bytes``: each slab task allocates and touches this much memory beyond the plan,
   ``fault_growth_rate`` bytes per second (default 1 GiB/s) - a task that outgrows its plan.
 * ``slab_leak_bytes``: each slab task leaves this much memory behind for good - a leak.
+* ``rename_sleep``: seconds every chunk or shard write waits with its temporary file written and
+  still open, before the rename, so a test can find the writer and kill it there.
 """
 
 from __future__ import annotations
@@ -44,3 +46,12 @@ def at_slab_start() -> list[np.ndarray]:
         extra -= step
         time.sleep(step / rate)
     return held
+
+
+def before_rename() -> None:
+    """Apply ``rename_sleep`` (a dictionary lookup when no fault is set: this runs per chunk)."""
+    if ENV not in os.environ:
+        return
+    delay = active().get("rename_sleep")
+    if delay:
+        time.sleep(float(delay))

@@ -242,6 +242,10 @@ def sweep_temporary_files(path: str) -> int:
 
 def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, float]], summary: dict[str, Any]) -> None:
     """Write the NGFF metadata and the completion marker in one atomic rename, then drop the manifest."""
+    # A worker killed between writing a temporary file and renaming it leaves that file behind,
+    # while Dask re-ran its task elsewhere and the chunk itself is whole. Sweep before the marker:
+    # only the driver runs here, after every task, under the output's lock, so nothing is writing.
+    sweep_temporary_files(output.path)
     attrs = root_attributes(plan, spec, windows, output.zarr_format)
     attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
     if output.zarr_format == 3:
