@@ -154,8 +154,12 @@ def test_pods_as_built_before_this_change_fail():
 # --- readOnlyRootFilesystem, for real: the Dask processes on a read-only root -------------------
 
 RO_ROOT = """set -e
+if [ -n "$KEEP" ]; then mkdir -p /run/h5ngff-keep && mount --bind "$KEEP" /run/h5ngff-keep; fi
 mount -o remount,ro,bind /
-if [ "$SCRATCH" = 1 ]; then mount -t tmpfs -o size=512m tmpfs /tmp; fi
+if [ "$SCRATCH" = 1 ]; then
+  mount -t tmpfs -o size=512m tmpfs /tmp
+  if [ -n "$KEEP" ]; then mkdir -p "$KEEP" && mount --bind /run/h5ngff-keep "$KEEP"; fi
+fi
 exec "$@"
 """
 
@@ -181,7 +185,10 @@ def _start(container: dict, tmp_path: Path, name: str, extra_args: list[str], ex
     script = tmp_path / "ro-root.sh"
     script.write_text(RO_ROOT)
     env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]}, **extra_env, "SCRATCH": "1" if scratch else "0",
-           "PYTHONPATH": str(ROOT / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+           "PYTHONPATH": str(ROOT / "src"), "PYTHONDONTWRITEBYTECODE": "1",
+           # A checkout under /tmp (with its .venv) would vanish under the scratch mount: the
+           # script binds it back in. A pod's image has its code outside /tmp.
+           "KEEP": str(ROOT) if str(ROOT.resolve()).startswith("/tmp/") else ""}
     args = [a.replace("$(DASK_WORKER_NAME)", name) for a in container["args"]]
     module = {"worker": "distributed.cli.dask_worker", "scheduler": "distributed.cli.dask_scheduler"}[args[1]]
     cmd = ["unshare", "--mount", "--propagation", "private", "sh", str(script), sys.executable, "-m", module, *args[2:], *extra_args]
