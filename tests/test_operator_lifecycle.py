@@ -303,6 +303,9 @@ async def _edit_after_a_gone_watch(c, blind: bool) -> None:
         c.k["watch", cjs][1:] << silent
     async with operator_running(cfg := fast_config(c.url)):
         await wait_for(lambda: c.status("scan").get("attempts") == 1, what="reconciled")
+        # Edit only once the 410 was served and the next watch opened: an edit made before the
+        # 410 arrives is seen by the re-list that follows it, blind watch or not (a CI flake).
+        await wait_for(lambda: len([r for r in c.k if r.action == kmock.action.WATCH and r.resource == cjs]) >= 2, what="the watch after the 410")
         await c.edit("scan", {"spec": {"backoffLimit": 5}})
         await wait_for(lambda: c.status("scan").get("observedGeneration") == 2, timeout=5, what="generation 2 observed")
         await passes(cfg, "scan", 2)
