@@ -83,3 +83,24 @@ def read_ims_independently(path):
         return data.reshape(reader.shape), tuple(reader.resolution)
     finally:
         reader.close()
+
+
+def read_by_independent_clients(out: str, data: np.ndarray):
+    """Validate ``out`` with ome-zarr-models, check that ome-zarr-py and ngff-zarr read level 0 as
+    ``data``, and return ngff-zarr's multiscales for the caller's metadata checks."""
+    import warnings
+
+    import ngff_zarr
+    import zarr
+    from ome_zarr.io import parse_url
+    from ome_zarr.reader import Reader
+    from ome_zarr_models.v05 import Image
+
+    Image.from_zarr(zarr.open_group(out, mode="r"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        node = list(Reader(parse_url(out))())[0]
+    np.testing.assert_array_equal(np.asarray(node.data[0]), data)
+    multiscales = ngff_zarr.from_ngff_zarr(out)
+    np.testing.assert_array_equal(np.asarray(multiscales.images[0].data), data)
+    return multiscales

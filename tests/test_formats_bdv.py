@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import numpy as np
 import pytest
 import zarr
 
 from conftest import smooth, spec_for
+from formats_fixtures import read_by_independent_clients
 from h5ngff.engine.sources import open_source
 from h5ngff.engine.verify import verify_output
 from h5ngff.errors import SpecError
@@ -80,23 +80,12 @@ def test_every_level_equals_what_npy2bdv_reads(bdv, converted):
 
 
 def test_channel_names_and_independent_clients(bdv, converted):
-    import ngff_zarr
-    from ome_zarr.io import parse_url
-    from ome_zarr.reader import Reader
-    from ome_zarr_models.v05 import Image
-
     _, data = bdv
     out, _ = converted
     with open(os.path.join(out, "zarr.json")) as f:
         ome = json.load(f)["attributes"]["ome"]
     assert [c["label"] for c in ome["omero"]["channels"]] == ["488", "561"]
-    Image.from_zarr(zarr.open_group(out, mode="r"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        node = list(Reader(parse_url(out))())[0]
-    np.testing.assert_array_equal(np.asarray(node.data[0]), data)
-    ms = ngff_zarr.from_ngff_zarr(out)
-    np.testing.assert_array_equal(np.asarray(ms.images[0].data), data)
+    ms = read_by_independent_clients(out, data)
     assert ms.images[0].scale["z"] == 2.0 and ms.images[0].scale["x"] == 0.5
 
 
