@@ -222,7 +222,7 @@ def table(rows: list[dict], allocator: str) -> str:
 
 def pod_table(rows: list[dict], allocator: str) -> str:
     """Worker ratio and pod ratio side by side, with kills/restarts and the command of each case."""
-    unmeasured = "n/a (measured after merge)"
+    unmeasured = "not reported"  # a run without pod cgroups has no pod figures
     lines = [
         f"| case ({allocator}) | slab | passes | workers | predicted MiB | busiest worker MiB | ratio | pod limit MiB | pod non-reclaimable peak MiB | pod ratio | kills / restarts / terminations | verdict | command |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
