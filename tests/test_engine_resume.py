@@ -77,8 +77,9 @@ def kill_timing(fraction: float, seed: int) -> tuple[int, float]:
     return max(1, min(TOTAL_SLABS - 4, target)), rng.uniform(0.0, 0.04)
 
 
-@pytest.mark.parametrize("fraction", [0.30, 0.60, 0.95])
-@pytest.mark.parametrize("seed", [1, 2])
+# Three kill points, each with its own seed (the seed moves the kill by up to two slabs and 40 ms):
+# six combinations cost two and a half minutes of the suite and found nothing the three did not.
+@pytest.mark.parametrize(("fraction", "seed"), [(0.30, 1), (0.60, 2), (0.95, 3)])
 def test_killed_run_resumes_bit_identical(source, clean_run, fraction, seed):
     h5, data, base = source
     kill_after, extra_delay = kill_timing(fraction, seed)
