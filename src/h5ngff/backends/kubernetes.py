@@ -31,6 +31,7 @@ from distributed import Client
 from ..errors import ClusterError
 from ..jobspec import PodSettings
 from ..planner.model import Capacity, Plan
+from ..spec import ConversionSpec
 from ..units import GiB, k8s_quantity
 from .allocator import allocator_env
 from .base import Session, dask_env, dask_memory_config
@@ -283,6 +284,7 @@ class KubernetesBackend:
     """Runs each conversion on its own DaskCluster, created for the run and deleted after it."""
 
     name = "kubernetes"
+    owns_workers = True
 
     def __init__(self, owner: ClusterOwner, image: str, pod: PodSettings | None = None, default_workers: int = DEFAULT_WORKERS):
         self.owner = owner
@@ -293,6 +295,9 @@ class KubernetesBackend:
     def capacity(self) -> Capacity:
         # Nodes are not ours to count: the plan sizes the pods and Kubernetes finds room for them.
         return Capacity(cores=self.default_workers, memory_bytes=1 << 50, default_workers=self.default_workers)
+
+    def fit(self, spec: ConversionSpec) -> ConversionSpec:
+        return spec  # the pods are created as the plan sizes them
 
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
@@ -314,7 +319,7 @@ class KubernetesBackend:
             with Client(cluster, set_as_default=False) as client:
                 register_plugins(client)
                 _wait_for_workers(client, plan.workers, name)
-                yield Session(client, "kubernetes")
+                yield Session(client, self.name)
         finally:
             # Success or failure, the worker pods must go: they hold their full memory requests.
             cluster.close()
