@@ -25,8 +25,8 @@ import numpy as np
 import psutil
 import pytest
 import zarr
-
 from conftest import smooth, spec_for, write_h5
+
 from h5ngff.backends.base import Backend, Session, dask_memory_config
 from h5ngff.backends.diagnostics import ClusterEvents, WorkerReport
 from h5ngff.planner.model import Capacity, Plan
@@ -82,7 +82,6 @@ def worker_settings_function() -> Callable[..., dict[str, Any]]:
     def worker_settings(dask_worker=None) -> dict[str, Any]:
         import os
 
-        import dask
 
         return {"pid": os.getpid(), "nanny_pid": os.getppid(), "name": str(dask_worker.name), **{k: dask.config.get(k, None) for k in keys}}
 

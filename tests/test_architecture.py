@@ -7,6 +7,7 @@ on it, naming the contract that broke.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -156,6 +157,31 @@ def test_negative_control_each_contract_catches_a_violation(package_copy, tmp_pa
     broken_names = {c["name"] for c in contracts() if f"{c['name']} BROKEN" in flat}
     allowed = {name, contract_name("Layers"), contract_name("planner is pure"), contract_name("No import cycles")}
     assert broken_names <= allowed, broken_names
+
+
+#: The operator modules that build a backend (and so may import backends); every other operator
+#: module takes Kubernetes names, labels and pod conventions from h5ngff.k8s.
+OPERATOR_BUILDS_BACKENDS = {"h5ngff.operator.render", "h5ngff.operator.runner_cmd"}
+
+
+def operator_imports_of_backends(package_parent: Path) -> set[str]:
+    """Operator modules importing h5ngff.backends, in the package found under ``package_parent``
+    (grimp in a subprocess, so a broken copy never mixes with the real package)."""
+    code = ("import grimp, json; g = grimp.build_graph('h5ngff'); "
+            "print(json.dumps(sorted({m for m in g.find_descendants('h5ngff.operator') "
+            "for i in g.find_modules_directly_imported_by(m) if i.startswith('h5ngff.backends')})))")
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=package_parent)
+    assert proc.returncode == 0, proc.stderr
+    return set(json.loads(proc.stdout))
+
+
+def test_the_operator_takes_kubernetes_names_from_the_neutral_module(package_copy):
+    assert operator_imports_of_backends(ROOT / "src") <= OPERATOR_BUILDS_BACKENDS
+    # Negative control: the import the operator had before h5ngff.k8s is caught.
+    lease = package_copy / "h5ngff" / "operator" / "lease.py"
+    lease.write_text(lease.read_text() + "\nfrom ..backends.kubernetes import labels\n")
+    assert "h5ngff.operator.lease" in operator_imports_of_backends(package_copy)
 
 
 def test_negative_control_a_missing_optional_module_is_tolerated(package_copy, tmp_path):

@@ -24,12 +24,10 @@ from typing import Iterator
 
 import dask
 import pytest
-from distributed import Client, LocalCluster
-
 from backend_contract import (
+    SESSION_CHECKS,
     BackendContract,
     ContractViolation,
-    SESSION_CHECKS,
     check_failure_reported,
     check_protocol,
     check_session,
@@ -40,6 +38,8 @@ from backend_contract import (
     observe_session,
 )
 from conftest import requires_cgroups
+from distributed import Client, LocalCluster
+
 from h5ngff.backends.base import Backend, Session
 from h5ngff.backends.factory import BACKENDS, BackendOptions, make_backend
 from h5ngff.backends.kubernetes import ClusterOwner
@@ -107,10 +107,9 @@ class KubeHarness:
             self.ready.set()
 
     async def _main(self) -> None:
+        import kmock
         from operator_harness import emulator
         from test_operator_kubecluster import FakeDaskOperator
-
-        import kmock
 
         self._stop = asyncio.Event()
         async with emulator() as c, FakeDaskOperator(c, self.log_dir) as fake:

@@ -13,7 +13,7 @@ from distributed.scheduler import KilledWorker
 
 from . import __version__
 from .backends.allocator import resolve_allocator
-from .backends.base import Backend, MemorySampler, Session
+from .backends.base import Backend, Session
 from .backends.diagnostics import ClusterEvents, WorkerReport
 from .engine.driver import RunTotals, finish, run_conversion
 from .engine.lock import output_lock
@@ -22,6 +22,7 @@ from .engine.progress import Broadcast, Listener
 from .engine.source import SourceIdentity
 from .engine.sources import open_source
 from .errors import H5ngffError, WorkersLostError
+from .metrics.probes import ClusterPoller
 from .planner import DEFAULT_CONSTANTS, DatasetInfo, MemoryConstants, Plan, make_plan
 from .spec import ConversionSpec
 
@@ -130,17 +131,18 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
         summary.status = "Succeeded"
         return
     failure = None
-    with backend.session(job.plan) as session, (metrics.attached(session, job.plan) if metrics is not None else nullcontext()):
-        sampler = MemorySampler(session.client)
+    with backend.session(job.plan) as session:
+        # The one sampler of the workers: the report's peaks and timeline, and the metrics.
+        poller = ClusterPoller(session, job.plan)
         try:
-            with sampler:
+            with (metrics.attached(poller, job.plan) if metrics is not None else nullcontext()), poller.running():
                 try:
                     summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
                 except (KilledWorker, WorkersLostError) as exc:
                     failure = exc
         finally:
             # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
-            _collect_workers(summary, job.plan, sampler, session, started)
+            _collect_workers(summary, job.plan, poller, session, started)
     # The session has closed: the pods' counters are final (the backend re-read them after the
     # last process stopped), so the message, the JSON and the metrics give the same counts.
     if metrics is not None:
@@ -154,7 +156,7 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
     events.emit(phase="Succeeded")
 
 
-def _collect_workers(summary: RunSummary, plan: Plan, sampler: MemorySampler, session: Session, since: float) -> None:
+def _collect_workers(summary: RunSummary, plan: Plan, sampler: ClusterPoller, session: Session, since: float) -> None:
     try:
         summary.events = ClusterEvents.collect(session.client, since)
         summary.workers = session.worker_reports(plan, sampler.peaks, summary.events)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections import Counter
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -17,7 +15,7 @@ from distributed import Client
 from ..errors import WorkerFailedError
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
-from .diagnostics import ClusterEvents, WorkerReport, classify_failure, process_memory
+from .diagnostics import ClusterEvents, WorkerReport, classify_failure
 
 log = logging.getLogger(__name__)
 
@@ -44,58 +42,6 @@ def dask_env(config: dict[str, Any]) -> dict[str, str]:
         name = "DASK_" + key.upper().replace(".", "__").replace("-", "_")
         env[name] = str(value)
     return env
-
-
-class MemorySampler:
-    """Samples every worker's RSS through ``client.run`` in a background thread.
-
-    It keeps the highest value seen per worker (a restarted worker's high-water mark would
-    otherwise die with it) and a timeline for the memory report. Every sample costs the
-    scheduler and the workers a round trip on the cores doing the conversion, so the interval is
-    half a second and worker names are looked up only when an address is new.
-    """
-
-    def __init__(self, client: Client, interval: float = 0.5):
-        self.client = client
-        self.interval = interval
-        self.peaks: dict[str, int] = {}
-        #: (epoch seconds, worker name, RSS bytes)
-        self.timeline: list[tuple[float, str, int]] = []
-        self._names: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="h5ngff-memory-sampler", daemon=True)
-
-    def __enter__(self) -> "MemorySampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sample()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def _name(self, address: str) -> str:
-        if address not in self._names:
-            workers = self.client.scheduler_info(n_workers=-1)["workers"]
-            self._names.update({addr: str(info.get("name", addr)) for addr, info in workers.items()})
-        return self._names.get(address, address)
-
-    def sample(self) -> None:
-        try:
-            figures = self.client.run(process_memory, on_error="ignore")
-            now = time.time()  # absolute, so samples line up with progress events
-            for address, mem in figures.items():
-                if not isinstance(mem, dict):
-                    continue
-                name = mem.get("name") or self._name(address)
-                self.peaks[name] = max(self.peaks.get(name, 0), mem["peak_rss"])
-                self.timeline.append((now, name, mem["rss"]))
-        except Exception:  # a worker that is restarting, a closing cluster: try again next time
-            return
 
 
 def _nothing() -> None:
@@ -129,10 +75,6 @@ class Session:
     def enforced_pod_limit(self, plan: Plan) -> int:
         """The pod (job) memory limit the workers run under: the backend's override, else the plan's."""
         return self.pod_limit or plan.memory.pod_limit
-
-    def oom_kills(self) -> int:
-        self.refresh()
-        return sum(r.oom_kills for r in self.extra_reports.values())
 
     def worker_reports(self, plan: Plan, peaks: dict[str, int], events: ClusterEvents) -> list[WorkerReport]:
         """One report per worker (per pod where the backend has pods): a restarted process is
