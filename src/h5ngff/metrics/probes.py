@@ -140,8 +140,9 @@ class ClusterPoller:
     It serves both readers of the workers' memory: the run's report (each worker's highest RSS,
     kept across restarts because a restarted worker's high-water mark would otherwise die with
     it, and an RSS timeline for the memory report) and the metrics exporter (every snapshot, to
-    its listeners). Every poll costs the scheduler and the workers a few small round trips on
-    the cores doing the conversion, hence half a second between polls."""
+    its listeners). Every poll costs the scheduler and the workers round trips on the cores
+    doing the conversion, hence half a second between polls, and one round trip (each worker's
+    RSS) where nobody listens for the full snapshot."""
 
     def __init__(self, session: Session, plan: Plan):
         self.client = session.client
@@ -185,12 +186,16 @@ class ClusterPoller:
         self._sample()  # the final state, while the cluster is still up
 
     def _sample(self) -> None:
+        listeners = list(self.listeners)
         try:
+            if not listeners:  # the report alone needs each worker's RSS: one round trip
+                self._record_memory(time.time(), self.client.run(process_memory, on_error="ignore"))
+                return
             snapshot: ClusterSnapshot | None = self.poll()
         except Exception as exc:  # a restarting worker, a dying cluster: must not stop the run
             log.debug("cluster poll failed: %s", exc)
             snapshot = None
-        for listener in list(self.listeners):
+        for listener in listeners:
             listener(snapshot)
 
     def poll(self) -> ClusterSnapshot:
