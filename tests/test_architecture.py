@@ -7,6 +7,7 @@ on it, naming the contract that broke.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -46,8 +47,36 @@ def test_the_real_package_keeps_every_contract(tmp_path):
     # The rules the design names are all there.
     kinds = {c["name"]: c["type"] for c in contracts()}
     assert list(kinds.values()).count("layers") == 1
-    for fragment in ("planner is pure", "kopf only", "dask_kubernetes only", "prometheus_client only"):
+    assert list(kinds.values()).count("acyclic_siblings") == 1
+    for fragment in ("planner is pure", "kopf only", "dask_kubernetes only", "prometheus_client only", "No import cycles"):
         assert contract_name(fragment)
+
+
+def test_siblings_in_a_layer_are_independent():
+    """Every layer with more than one module uses "|" (independent), not ":" (siblings may
+    import each other, which let cli.py and clijob.py import each other)."""
+    (layers,) = [c["layers"] for c in contracts() if c["type"] == "layers"]
+    assert not [layer for layer in layers if ":" in layer], layers
+
+
+def test_no_import_cycle_in_the_package():
+    """The whole graph, not only siblings: no module reaches itself through top-level imports
+    (function-level imports included, as grimp sees them)."""
+    import grimp
+
+    graph = grimp.build_graph("h5ngff")
+    modules = sorted(m for m in graph.modules if m.startswith("h5ngff"))
+    cycles = []
+    for m in modules:
+        for imported in graph.find_modules_directly_imported_by(m):
+            if imported != m and imported.startswith("h5ngff") and not _is_package_of(imported, m) and not _is_package_of(m, imported) and graph.chain_exists(imported, m):
+                cycles.append((m, imported))
+    assert not cycles, cycles[:10]
+
+
+def _is_package_of(package: str, module: str) -> bool:
+    # A package's __init__ and its own modules import each other by design (re-exports).
+    return module.startswith(package + ".")
 
 
 def test_every_subpackage_is_a_regular_package():
@@ -99,6 +128,16 @@ VIOLATIONS = [
     ("operator/violation.py", "import dask_kubernetes\n", "dask_kubernetes only"),
     ("runner.py", "import prometheus_client\n", "prometheus_client only"),
     ("backends/violation.py", "from prometheus_client import Gauge\n", "prometheus_client only"),
+    # Siblings are independent ("|"): each of these was allowed while layers used ":".
+    ("clijob.py", "from .cli import build_parser\n", "Layers"),
+    ("clijob.py", "from . import cliverify\n", "Layers"),
+    ("backends/violation.py", "from ..engine import progress\n", "Layers"),
+    ("engine/violation.py", "from ..backends import cgroups\n", "Layers"),
+    ("jobspec.py", "from . import k8s\n", "Layers"),
+    ("units.py", "from . import errors\n", "Layers"),
+    # The layers say nothing inside a package: a cycle there breaks the acyclic contract.
+    ("engine/progress.py", "from . import driver\n", "No import cycles"),
+    ("operator/status.py", "from . import handlers\n", "No import cycles"),
 ]
 
 
@@ -113,10 +152,36 @@ def test_negative_control_each_contract_catches_a_violation(package_copy, tmp_pa
     # lint-imports wraps long names; compare with whitespace collapsed.
     flat = re.sub(r"\s+", " ", out)
     assert f"{name} BROKEN" in flat, out
-    # Only the contract concerned breaks (and, for planner imports, the layering it also breaks).
+    # Only the contract concerned breaks (and, for planner imports, the layering it also breaks;
+    # an upward import also closes a cycle).
     broken_names = {c["name"] for c in contracts() if f"{c['name']} BROKEN" in flat}
-    allowed = {name, contract_name("Layers"), contract_name("planner is pure")}
+    allowed = {name, contract_name("Layers"), contract_name("planner is pure"), contract_name("No import cycles")}
     assert broken_names <= allowed, broken_names
+
+
+#: The operator modules that build a backend (and so may import backends); every other operator
+#: module takes Kubernetes names, labels and pod conventions from h5ngff.k8s.
+OPERATOR_BUILDS_BACKENDS = {"h5ngff.operator.render", "h5ngff.operator.runner_cmd"}
+
+
+def operator_imports_of_backends(package_parent: Path) -> set[str]:
+    """Operator modules importing h5ngff.backends, in the package found under ``package_parent``
+    (grimp in a subprocess, so a broken copy never mixes with the real package)."""
+    code = ("import grimp, json; g = grimp.build_graph('h5ngff'); "
+            "print(json.dumps(sorted({m for m in g.find_descendants('h5ngff.operator') "
+            "for i in g.find_modules_directly_imported_by(m) if i.startswith('h5ngff.backends')})))")
+    env = {**os.environ, "PYTHONPATH": str(package_parent)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=package_parent)
+    assert proc.returncode == 0, proc.stderr
+    return set(json.loads(proc.stdout))
+
+
+def test_the_operator_takes_kubernetes_names_from_the_neutral_module(package_copy):
+    assert operator_imports_of_backends(ROOT / "src") <= OPERATOR_BUILDS_BACKENDS
+    # Negative control: the import the operator had before h5ngff.k8s is caught.
+    lease = package_copy / "h5ngff" / "operator" / "lease.py"
+    lease.write_text(lease.read_text() + "\nfrom ..backends.kubernetes import labels\n")
+    assert "h5ngff.operator.lease" in operator_imports_of_backends(package_copy)
 
 
 def test_negative_control_a_missing_optional_module_is_tolerated(package_copy, tmp_path):

@@ -420,7 +420,8 @@ def test_service_monitor_selects_the_metrics_service(rendered):
 def test_pod_monitor_selects_the_pods_h5ngff_builds(rendered):
     """The PodMonitor's selector matches the labels h5ngff puts on runner and Dask pods, and its
     ports are the ports those pods declare (the worker pods' Dask dashboard today)."""
-    from h5ngff.backends.kubernetes import WORKER_DASHBOARD_PORT, build_scheduler_pod_spec, build_worker_container, labels
+    from h5ngff.backends.kubernetes import WORKER_DASHBOARD_PORT, build_scheduler_pod_spec, build_worker_container
+    from h5ngff.k8s import labels
     from h5ngff.jobspec import PodSettings
 
     (monitor,) = find(rendered["monitoring"], "PodMonitor")

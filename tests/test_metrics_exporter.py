@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -14,18 +15,24 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from distributed import Client, LocalCluster
+
 from conftest import requires_cgroups, spec_for, write_h5
+from h5ngff.backends.base import Session
+from h5ngff.backends.diagnostics import ClusterEvents, process_memory, register_plugins
 from h5ngff.backends.external import ExternalBackend
 from h5ngff.backends.local import LocalBackend
 from h5ngff.engine.progress import Progress
 from h5ngff.errors import SpecError
 from h5ngff.metrics.exporter import MetricsExporter
 from h5ngff.metrics.families import BY_NAME
+from h5ngff.metrics.probes import ClusterPoller
 from h5ngff.planner import DEFAULT_CONSTANTS
 from h5ngff.runner import plan_job, run_job
 
@@ -63,7 +70,7 @@ def test_exporter_on_an_existing_cluster(shared_cluster, tmp_path):
     spec = spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [16, 64, 64]})
     backend = ExternalBackend(shared_cluster.scheduler_address)
     job = plan_job(spec, backend)
-    exporter = MetricsExporter(0, "existing", "tests", addr="127.0.0.1", interval=0.2)
+    exporter = MetricsExporter(0, "existing", "tests", addr="127.0.0.1")
     try:
         summary = run_job(job, backend, metrics=exporter)
         text = scrape(exporter.port)  # after the run: the final values are still served
@@ -126,9 +133,9 @@ def test_a_killed_worker_is_a_restart_and_an_oom_killed_one_is_an_oom_kill(tmp_p
     constants = dataclasses.replace(DEFAULT_CONSTANTS, terminate_fraction=False)
     backend = LocalBackend(enforce_pod_limits=True)
     plan = plan_job(spec, backend, constants).plan
-    exporter = MetricsExporter(0, "kills", "tests", addr="127.0.0.1", interval=0.2)
+    exporter = MetricsExporter(0, "kills", "tests", addr="127.0.0.1")
     try:
-        with backend.session(plan) as session, exporter.attached(session, plan):
+        with backend.session(plan) as session, _polled(exporter, session, plan):
             client = session.client
             assert _wait_for(exporter, "h5ngff_worker_cgroup_limit_bytes", "pod-0", 1)["h5ngff_worker_cgroup_limit_bytes"] == plan.memory.pod_limit
             (pid,) = client.run(os.getpid).values()
@@ -154,6 +161,63 @@ def test_a_killed_worker_is_a_restart_and_an_oom_killed_one_is_an_oom_kill(tmp_p
         assert plan.memory.pod_limit // 2 < oom["h5ngff_worker_pod_nonreclaimable_peak_bytes"] <= plan.memory.pod_limit
     finally:
         exporter.close()
+
+
+@contextmanager
+def _polled(exporter: MetricsExporter, session, plan):
+    """The exporter fed by the run's one sampler, polling every 0.2 s, as the runner does it."""
+    poller = ClusterPoller(session, plan)
+    with exporter.attached(poller, plan), poller.running(0.2):
+        yield poller
+
+
+def _hold(nbytes: int) -> int:
+    """Runs in a worker (shipped by value): allocate and touch ``nbytes`` and keep them."""
+    import builtins
+    import os
+
+    import numpy
+
+    builtins._h5ngff_held = numpy.ones(nbytes, dtype=numpy.uint8)
+    return os.getpid()
+
+
+def test_the_one_sampler_keeps_a_restarted_workers_peak_and_feeds_report_and_metrics(tmp_path):
+    """One poller serves both readers. For the run's report (what MemorySampler did): a worker's
+    peak is the highest of any of its processes, so a worker restarted after a spike keeps the
+    spike as its peak, and the RSS timeline shows the spike; for the metrics (what ClusterPoller
+    did): the exporter serves the same polls. The negative control is the restarted process's
+    own high-water mark, which no longer holds the spike."""
+    held = 256 << 20
+    cluster = LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="2GiB", processes=True, dashboard_address=None, silence_logs=logging.ERROR)
+    exporter = MetricsExporter(0, "sampler", "tests", addr="127.0.0.1")
+    try:
+        with Client(cluster, set_as_default=False) as client:
+            register_plugins(client)
+            session = Session(client, "local")
+            plan = plan_job(spec_for(write_h5(tmp_path / "in.h5", volume((16, 64, 64))), str(tmp_path / "out.ome.zarr")), LocalBackend()).plan
+            with _polled(exporter, session, plan) as poller:
+                (name,) = [str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+                (pid,) = client.run(_hold, held).values()
+                spike = _wait_for(exporter, "h5ngff_worker_rss_bytes", name, held)["h5ngff_worker_rss_bytes"]
+                os.kill(pid, signal.SIGKILL)
+                _wait_for(exporter, "h5ngff_worker_nanny_restarts_total", name, 1)
+                client.wait_for_workers(1, timeout=60)
+                deadline = time.time() + 30
+                while time.time() < deadline and not (poller.timeline and poller.timeline[-1][2] < held):
+                    time.sleep(0.2)  # until a poll has seen the restarted process
+                (after,) = client.run(process_memory).values()
+            reports = session.worker_reports(plan, poller.peaks, ClusterEvents.collect(client, poller.since))
+    finally:
+        exporter.close()
+        cluster.close()
+    assert spike >= held
+    assert after["pid"] != pid and after["peak_rss"] < held, after  # the new process never held it
+    assert poller.peaks[name] >= held  # ... but the worker's peak did
+    (report,) = reports
+    assert report.name == name and report.peak_rss >= held and report.nanny_restarts == 1, report
+    rss = [r for _, n, r in poller.timeline if n == name]
+    assert max(rss) >= held and rss[-1] < held, rss[-5:]
 
 
 def _free_port() -> int:

@@ -15,18 +15,9 @@ import pytest
 from distributed import Client, LocalCluster
 
 from h5ngff.backends.allocator import JEMALLOC_CONF
-from h5ngff.backends.kubernetes import (
-    MAX_CLUSTER_NAME,
-    SCHEDULER_MEMORY,
-    ClusterOwner,
-    KubernetesBackend,
-    build_dask_cluster,
-    build_worker_container,
-    child_name,
-    dask_cluster_name,
-    label_value,
-)
+from h5ngff.backends.kubernetes import SCHEDULER_MEMORY, ClusterOwner, KubernetesBackend, build_dask_cluster, build_worker_container
 from h5ngff.jobspec import PodSettings, parse_job_spec
+from h5ngff.k8s import MAX_CLUSTER_NAME, child_name, dask_cluster_name, label_value
 from h5ngff.operator.manifests import SPEC_ENV, Owner, build_runner_job, runner_job_name
 from h5ngff.planner import DEFAULT_CONSTANTS, DatasetInfo, make_plan
 from h5ngff.units import k8s_quantity, parse_bytes

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from h5ngff.backends.kubernetes import RUN_AS_GROUP, RUN_AS_USER, SCRATCH_PATH, ClusterOwner, build_dask_cluster
+from h5ngff.backends.kubernetes import ClusterOwner, build_dask_cluster
+from h5ngff.k8s import RUN_AS_GROUP, RUN_AS_USER, SCRATCH_PATH
 from h5ngff.operator.manifests import Owner, build_runner_job
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -12,13 +12,11 @@ from typing import Any
 from rich.console import Console
 
 from . import __version__
-from .cliargs import SuggestingParser, add_spec_flags, merge, spec_overrides, split_source
+from .cliargs import SuggestingParser, add_spec_flags, backend_from_args, constants_from_args, merge, spec_overrides, split_source
 from .clijob import add_job_commands
 from .cliverify import add_verify_command
 from .errors import ExitCode, H5ngffError, exit_code_table
-from .planner import DEFAULT_CONSTANTS, MemoryConstants
 from .spec import parse_spec
-from .units import parse_bytes
 
 log = logging.getLogger("h5ngff")
 
@@ -117,10 +115,6 @@ def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
         p.add_argument("--no-progress", action="store_true", help="No progress bar (logs only).")
 
 
-def _constants(args: argparse.Namespace) -> MemoryConstants:
-    return MemoryConstants.from_file(args.calibration) if getattr(args, "calibration", None) else DEFAULT_CONSTANTS
-
-
 def spec_from_args(args: argparse.Namespace) -> Any:
     from .job import is_manifest_path, load_job
 
@@ -137,27 +131,12 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     return parse_spec(merge(base, spec_overrides(args)))
 
 
-def _backend(args: argparse.Namespace):
-    if getattr(args, "kubernetes", False):
-        from .backends.kubernetes import ClusterOwner, KubernetesBackend
-
-        return KubernetesBackend(ClusterOwner("", "plan", ""), image="")
-    if getattr(args, "scheduler", None):
-        from .backends.external import ExternalBackend
-
-        return ExternalBackend(args.scheduler)
-    from .backends.local import LocalBackend
-
-    pod_limit = parse_bytes(args.pod_limit) if getattr(args, "pod_limit", None) else None
-    return LocalBackend(enforce_pod_limits=getattr(args, "enforce_pod_limits", False), pod_limit=pod_limit)
-
-
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from .report import plan_renderable
     from .runner import plan_job
 
     spec = spec_from_args(args)
-    job = plan_job(spec, _backend(args), _constants(args))
+    job = plan_job(spec, backend_from_args(args), constants_from_args(args))
     if args.json:
         print(json.dumps({"plan": job.plan.to_dict(), "notices": job.notices, "spec": job.spec.to_wire()}, indent=1))
     else:
@@ -175,8 +154,8 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     from .report import ProgressBar, plan_renderable, summary_renderable
     from .runner import plan_job, run_job
 
-    backend = _backend(args)
-    job = plan_job(spec, backend, _constants(args))
+    backend = backend_from_args(args)
+    job = plan_job(spec, backend, constants_from_args(args))
     check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster
     if not args.json:
         console.print(plan_renderable(job))

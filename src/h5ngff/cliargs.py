@@ -206,3 +206,25 @@ def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 #: Flags over a spec read from a file: flags win.
 merge = deep_merge
+
+
+def constants_from_args(args: argparse.Namespace) -> Any:
+    """The memory model's constants: ``--calibration FILE`` over the measured defaults."""
+    from .planner import DEFAULT_CONSTANTS, MemoryConstants
+
+    return MemoryConstants.from_file(args.calibration) if getattr(args, "calibration", None) else DEFAULT_CONSTANTS
+
+
+def backend_from_args(args: argparse.Namespace) -> Any:
+    """The backend the flags ask for, built by the one backend factory (backends/factory.py)."""
+    from .backends.factory import BackendOptions, make_backend
+    from .units import parse_bytes
+
+    if getattr(args, "kubernetes", False):
+        return make_backend("kubernetes")  # planning as the operator would; no cluster is started
+    if getattr(args, "scheduler", None):
+        return make_backend("external", BackendOptions(scheduler=args.scheduler))
+    if getattr(args, "enforce_pod_limits", False):
+        pod_limit = parse_bytes(args.pod_limit) if getattr(args, "pod_limit", None) else None
+        return make_backend("local-pods", BackendOptions(pod_limit=pod_limit))
+    return make_backend("local")

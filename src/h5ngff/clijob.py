@@ -138,7 +138,7 @@ def _hide(sub: Any, name: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from .cli import _backend, _constants
+    from .cliargs import backend_from_args, constants_from_args
     from .job import load_job
     from .operator.attempt import AttemptOptions, run_locally
     from .report import ProgressBar, plan_renderable
@@ -163,8 +163,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             entered.append(bar.__enter__())
 
     try:
-        options = AttemptOptions(_constants(args), [bar] if bar else [], show_plan, metrics=metrics)
-        status, result = run_locally(job.name, spec, _backend(args), options)
+        options = AttemptOptions(constants_from_args(args), [bar] if bar else [], show_plan, metrics=metrics)
+        status, result = run_locally(job.name, spec, backend_from_args(args), options)
     finally:
         for b in entered:
             b.__exit__(None, None, None)

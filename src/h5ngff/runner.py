@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +13,8 @@ from distributed.scheduler import KilledWorker
 
 from . import __version__
 from .backends.allocator import resolve_allocator
-from .backends.base import MemorySampler
-from .backends.diagnostics import ClusterEvents, WorkerReport, classify_failure
+from .backends.base import Backend, Session
+from .backends.diagnostics import ClusterEvents, WorkerReport
 from .engine.driver import RunTotals, finish, run_conversion
 from .engine.lock import output_lock
 from .engine.output import prepare_output
@@ -23,6 +22,7 @@ from .engine.progress import Broadcast, Listener
 from .engine.source import SourceIdentity
 from .engine.sources import open_source
 from .errors import H5ngffError, WorkersLostError
+from .metrics.probes import ClusterPoller
 from .planner import DEFAULT_CONSTANTS, DatasetInfo, MemoryConstants, Plan, make_plan
 from .spec import ConversionSpec
 
@@ -38,7 +38,7 @@ class PlannedJob:
     notices: list[str] = field(default_factory=list)
 
 
-def plan_job(spec: ConversionSpec, backend, constants: MemoryConstants = DEFAULT_CONSTANTS) -> PlannedJob:
+def plan_job(spec: ConversionSpec, backend: Backend, constants: MemoryConstants = DEFAULT_CONSTANTS) -> PlannedJob:
     """Inspect the source (metadata only) and plan the conversion for ``backend``."""
     opened = open_source(spec)
     dataset, identity = opened.info, opened.identity
@@ -46,21 +46,9 @@ def plan_job(spec: ConversionSpec, backend, constants: MemoryConstants = DEFAULT
     notices = []
     if spec.resources.allocator == "jemalloc" and allocator != "jemalloc":
         notices.append("resources.allocator is jemalloc but libjemalloc.so.2 is not installed here; workers use glibc (apt-get install libjemalloc2).")
-    spec = _with_cluster_budget(spec, backend)
+    spec = backend.fit(spec)
     plan = make_plan(dataset, spec, backend.capacity(), constants, allocator)
     return PlannedJob(spec, dataset, identity, plan, notices + list(plan.notices))
-
-
-def _with_cluster_budget(spec: ConversionSpec, backend) -> ConversionSpec:
-    """On an existing cluster the workers are what they are: plan for their count and limit."""
-    if getattr(backend, "name", "") != "external":
-        return spec
-    capacity = backend.capacity()
-    resources = spec.resources.model_copy(update={"workers": capacity.default_workers, "threads_per_worker": max(1, capacity.cores // max(1, capacity.default_workers or 1))})
-    limit = backend.memory_limit()
-    if limit and spec.resources.memory_per_worker is None and spec.resources.memory_total is None:
-        resources = resources.model_copy(update={"memory_per_worker": limit})
-    return spec.model_copy(update={"resources": resources})
 
 
 @dataclass
@@ -111,7 +99,7 @@ class RunSummary:
         return out
 
 
-def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, metrics=None) -> RunSummary:
+def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None = None, metrics=None) -> RunSummary:
     """Convert. Returns a summary; raises H5ngffError on failure (after emitting ``Failed``).
 
     ``metrics`` (a ``metrics.exporter.MetricsExporter``) hears every progress event and polls the
@@ -134,7 +122,7 @@ def run_job(job: PlannedJob, backend, listeners: list[Listener] | None = None, m
         raise
 
 
-def _convert(job: PlannedJob, backend, events: Broadcast, summary: RunSummary, metrics, start: float, started: float) -> None:
+def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunSummary, metrics, start: float, started: float) -> None:
     output = prepare_output(job.plan, job.spec, job.source)
     summary.resumed = output.resumed
     if output.complete:
@@ -143,24 +131,24 @@ def _convert(job: PlannedJob, backend, events: Broadcast, summary: RunSummary, m
         summary.status = "Succeeded"
         return
     failure = None
-    with backend.session(job.plan) as session, (metrics.attached(session, job.plan) if metrics is not None else nullcontext()):
-        sampler = MemorySampler(session.client)
+    with backend.session(job.plan) as session:
+        # The one sampler of the workers: the report's peaks and timeline, and the metrics.
+        poller = ClusterPoller(session, job.plan)
         try:
-            with sampler:
+            with (metrics.attached(poller, job.plan) if metrics is not None else nullcontext()), poller.running():
                 try:
                     summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
                 except (KilledWorker, WorkersLostError) as exc:
                     failure = exc
         finally:
             # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
-            _collect_workers(summary, job.plan, sampler, session, started)
+            _collect_workers(summary, job.plan, poller, session, started)
     # The session has closed: the pods' counters are final (the backend re-read them after the
     # last process stopped), so the message, the JSON and the metrics give the same counts.
     if metrics is not None:
         metrics.settle(summary.workers)
     if failure is not None:
-        pod_limit = session.pod_limit or job.plan.memory.pod_limit
-        raise classify_failure(failure, summary.events, pod_limit, job.plan.memory.memory_limit, sum(w.oom_kills for w in summary.workers)) from None
+        raise session.diagnose(failure, summary.events, job.plan, summary.workers) from None
     events.emit(phase="Finalizing")
     summary.seconds = time.perf_counter() - start
     summary.status = "Succeeded"
@@ -168,38 +156,12 @@ def _convert(job: PlannedJob, backend, events: Broadcast, summary: RunSummary, m
     events.emit(phase="Succeeded")
 
 
-def _collect_workers(summary: RunSummary, plan: Plan, sampler: MemorySampler, session, since: float) -> None:
+def _collect_workers(summary: RunSummary, plan: Plan, sampler: ClusterPoller, session: Session, since: float) -> None:
     try:
         summary.events = ClusterEvents.collect(session.client, since)
-        summary.workers = _worker_reports(plan, sampler, session, summary.events)
+        summary.workers = session.worker_reports(plan, sampler.peaks, summary.events)
         summary.timeline = sampler.timeline
         summary.pod_timeline = session.pod_timeline()
     except Exception:  # a broken cluster must not hide the error that broke it
         log.warning("Could not collect the workers' memory figures.", exc_info=True)
 
-
-def _worker_reports(plan: Plan, sampler: MemorySampler, session, events: ClusterEvents) -> list[WorkerReport]:
-    """One report per worker (per pod where pods are emulated): a restarted process is folded
-    into the worker or pod it replaced, and its peak is the highest any of its processes reached."""
-    session.refresh()
-    pods = session.extra_reports
-    kills = Counter(e.get("name") for e in events.oom_killed())
-    terminations = Counter(e.get("name") for e in events.memory_restarts)
-    last_peaks = events.terminated_peaks()
-    names = set(sampler.peaks) | set(last_peaks)
-    if pods:  # only pods exist: a name no pod has cannot be a worker of this run
-        names = set(pods) | {n for n in names if n in pods}
-    reports = []
-    for name in sorted(names, key=_natural):
-        report = pods.get(name) or WorkerReport(name=name, oom_kills=kills[name], memory_terminations=terminations[name])
-        report.peak_rss = max(report.peak_rss, sampler.peaks.get(name, 0), last_peaks.get(name, 0))
-        report.predicted_peak = plan.memory.predicted_peak
-        report.memory_limit = plan.memory.memory_limit
-        report.pod_limit = report.pod_limit or session.pod_limit or plan.memory.pod_limit
-        reports.append(report)
-    return reports
-
-
-def _natural(name: str) -> tuple:
-    digits = "".join(ch for ch in name if ch.isdigit())
-    return (name.rstrip("0123456789"), int(digits) if digits else -1)

@@ -1,19 +1,21 @@
-"""What every backend gives the runner: a capacity for planning, and a session with a client."""
+"""The backend contract: what every backend gives the runner (a capacity and a fitted spec for
+planning, then a session with a connected client), and the Dask settings every backend applies."""
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
+from collections import Counter
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-import dask
 from distributed import Client
 
+from ..errors import WorkerFailedError
 from ..planner.model import Capacity, Plan
-from .diagnostics import WorkerReport, process_memory
+from ..spec import ConversionSpec
+from .diagnostics import ClusterEvents, WorkerReport, classify_failure
 
 log = logging.getLogger(__name__)
 
@@ -42,69 +44,25 @@ def dask_env(config: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-class MemorySampler:
-    """Samples every worker's RSS through ``client.run`` in a background thread.
-
-    It keeps the highest value seen per worker (a restarted worker's high-water mark would
-    otherwise die with it) and a timeline for the memory report. Every sample costs the
-    scheduler and the workers a round trip on the cores doing the conversion, so the interval is
-    half a second and worker names are looked up only when an address is new.
-    """
-
-    def __init__(self, client: Client, interval: float = 0.5):
-        self.client = client
-        self.interval = interval
-        self.peaks: dict[str, int] = {}
-        #: (epoch seconds, worker name, RSS bytes)
-        self.timeline: list[tuple[float, str, int]] = []
-        self._names: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="h5ngff-memory-sampler", daemon=True)
-
-    def __enter__(self) -> "MemorySampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sample()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.sample()
-
-    def _name(self, address: str) -> str:
-        if address not in self._names:
-            workers = self.client.scheduler_info(n_workers=-1)["workers"]
-            self._names.update({addr: str(info.get("name", addr)) for addr, info in workers.items()})
-        return self._names.get(address, address)
-
-    def sample(self) -> None:
-        try:
-            figures = self.client.run(process_memory, on_error="ignore")
-            now = time.time()  # absolute, so samples line up with progress events
-            for address, mem in figures.items():
-                if not isinstance(mem, dict):
-                    continue
-                name = mem.get("name") or self._name(address)
-                self.peaks[name] = max(self.peaks.get(name, 0), mem["peak_rss"])
-                self.timeline.append((now, name, mem["rss"]))
-        except Exception:  # a worker that is restarting, a closing cluster: try again next time
-            return
-
-
 def _nothing() -> None:
     return None
 
 
 @dataclass
 class Session:
-    """A running cluster for one conversion."""
+    """A running cluster for one conversion: what ``Backend.session`` yields.
+
+    What differs between backends is data and methods here, never a name the runner tests: a
+    backend that knows more about its workers than Dask does (pod emulation: cgroup peaks, OOM
+    kills, whole-pod restarts) fills ``extra_reports``/``refresh``/``pod_timeline``; one that
+    enforces a pod limit other than the plan's sets ``pod_limit``; one that can tell more about a
+    failure (a scheduler's accounting, say) overrides ``diagnose``."""
 
     client: Client
+    #: The backend's name, for logs and messages.
     backend: str
-    #: Per-worker figures the backend knows beyond RSS (cgroup peaks, OOM kills, restarts).
+    #: Per-worker figures the backend knows beyond RSS (cgroup peaks, OOM kills, restarts), by
+    #: worker name. Where it is not empty, these are all the workers there are (one per pod).
     extra_reports: dict[str, WorkerReport] = field(default_factory=dict)
     #: Re-reads the figures behind ``extra_reports`` (cgroup counters, nanny logs).
     refresh: Callable[[], None] = _nothing
@@ -114,17 +72,80 @@ class Session:
     #: its pods' cgroups itself (pod emulation).
     pod_timeline: Callable[[], list[tuple[float, str, int]]] = list
 
-    def oom_kills(self) -> int:
+    def enforced_pod_limit(self, plan: Plan) -> int:
+        """The pod (job) memory limit the workers run under: the backend's override, else the plan's."""
+        return self.pod_limit or plan.memory.pod_limit
+
+    def worker_reports(self, plan: Plan, peaks: dict[str, int], events: ClusterEvents) -> list[WorkerReport]:
+        """One report per worker (per pod where the backend has pods): a restarted process is
+        folded into the worker or pod it replaced, and its peak is the highest any of its
+        processes reached. ``peaks`` are the sampled RSS high-water marks by worker name."""
         self.refresh()
-        return sum(r.oom_kills for r in self.extra_reports.values())
+        pods = self.extra_reports
+        kills = _by_name(events.oom_killed())
+        terminations = _by_name(events.memory_restarts)
+        # A worker process that exits non-zero is restarted by its nanny, on every backend.
+        restarts = _by_name(e for e in events.exits if e.get("exitcode") not in (0, None))
+        last_peaks = events.terminated_peaks()
+        names = set(peaks) | set(last_peaks) | set(restarts) | set(kills)
+        if pods:  # only pods exist: a name no pod has cannot be a worker of this run
+            names = set(pods) | {n for n in names if n in pods}
+        reports = []
+        for name in sorted(names, key=_natural):
+            report = pods.get(name) or WorkerReport(name=name, oom_kills=kills[name], memory_terminations=terminations[name])
+            report.nanny_restarts = max(report.nanny_restarts, restarts[name])
+            report.peak_rss = max(report.peak_rss, peaks.get(name, 0), last_peaks.get(name, 0))
+            report.predicted_peak = plan.memory.predicted_peak
+            report.memory_limit = plan.memory.memory_limit
+            report.pod_limit = report.pod_limit or self.enforced_pod_limit(plan)
+            reports.append(report)
+        return reports
+
+    def diagnose(self, failure: BaseException, events: ClusterEvents, plan: Plan, workers: list[WorkerReport]) -> WorkerFailedError:
+        """The error a run whose workers died fails with: who killed them, with the numbers."""
+        kills = sum(w.oom_kills for w in workers)
+        return classify_failure(failure, events, self.enforced_pod_limit(plan), plan.memory.memory_limit, kills)
 
 
+def _by_name(events: Iterable[dict[str, Any]]) -> Counter[str]:
+    return Counter(str(e["name"]) for e in events if e.get("name") is not None)
+
+
+def _natural(name: str) -> tuple:
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return (name.rstrip("0123456789"), int(digits) if digits else -1)
+
+
+@runtime_checkable
 class Backend(Protocol):
+    """Where the workers of a run come from. docs/backends.md is the contract in words;
+    tests/backend_contract.py checks it against every backend, for real.
+
+    A backend is built by ``backends.factory.make_backend`` (the one place that knows every
+    backend by name) and used by ``runner``: ``fit`` and ``capacity`` before planning, then one
+    ``session(plan)`` per run."""
+
+    #: Short name for logs and messages ("local", "external", ...). Never tested by the runner.
     name: str
+    #: True when ``session`` starts the workers itself, sized by the plan (its ``memory_limit``,
+    #: threads and Dask thresholds), and stops every worker process when it exits. False for a
+    #: cluster that exists before and after the session: the plan is fitted to its workers
+    #: (``fit``) and the session leaves them running.
+    owns_workers: bool
 
-    def capacity(self) -> Capacity: ...
+    def capacity(self) -> Capacity:
+        """Cores, memory and default worker count for the choices a spec leaves on ``auto``."""
+        ...
 
-    def session(self, plan: Plan, memory_conf: dict[str, Any]): ...
+    def fit(self, spec: ConversionSpec) -> ConversionSpec:
+        """The spec to plan with here: unchanged where the backend sizes its workers by the
+        plan; the workers' real count, threads and memory limit where they are given."""
+        ...
+
+    def session(self, plan: Plan) -> AbstractContextManager[Session]:
+        """A cluster of ``plan.workers`` connected workers (a client on it, our Dask plugins
+        registered) for the duration of the ``with`` block."""
+        ...
 
 
 def machine_capacity(default_workers: int | None = None) -> Capacity:
@@ -143,6 +164,3 @@ def machine_capacity(default_workers: int | None = None) -> Capacity:
         memory = min(memory, limit)
     return Capacity(cores=cores, memory_bytes=memory, default_workers=default_workers)
 
-
-def config_context(plan: Plan, extra: dict[str, Any]):
-    return dask.config.set({**dask_memory_config(plan), **extra})

@@ -13,28 +13,34 @@ from distributed import Client
 
 from ..errors import ClusterError
 from ..planner.model import Capacity, Plan
+from ..spec import ConversionSpec
 from .base import Session
 from .diagnostics import register_plugins
 
 
 class ExternalBackend:
     name = "external"
+    #: The cluster was there before the run and stays after it, its workers as they were.
+    owns_workers = False
 
     def __init__(self, address: str, timeout: float = 30):
         self.address = address
         self.timeout = timeout
-        self._client: Client | None = None
 
     def _connect(self) -> Client:
-        if self._client is None:
-            try:
-                self._client = Client(self.address, timeout=self.timeout, set_as_default=False)
-            except OSError as exc:
-                raise ClusterError(f"--scheduler: cannot reach the Dask scheduler at {self.address!r} ({exc}). Is it running, and is the address right?") from None
-        return self._client
+        try:
+            return Client(self.address, timeout=self.timeout, set_as_default=False)
+        except OSError as exc:
+            raise ClusterError(f"--scheduler: cannot reach the Dask scheduler at {self.address!r} ({exc}). Is it running, and is the address right?") from None
 
     def workers(self) -> dict:
-        return self._connect().scheduler_info(n_workers=-1)["workers"]
+        # A client of its own, closed at once: planning (``h5ngff plan --scheduler``) may never
+        # open a session, and a client left open would try to reconnect once the cluster is gone.
+        client = self._connect()
+        try:
+            return client.scheduler_info(n_workers=-1)["workers"]
+        finally:
+            client.close()
 
     def capacity(self) -> Capacity:
         workers = self.workers()
@@ -48,12 +54,22 @@ class ExternalBackend:
         limits = [w.get("memory_limit") for w in self.workers().values() if w.get("memory_limit")]
         return min(limits) if limits else None
 
+    def fit(self, spec: ConversionSpec) -> ConversionSpec:
+        """On an existing cluster the workers are what they are: plan for their count, threads
+        and (unless the spec sets a memory budget) their smallest memory limit."""
+        capacity = self.capacity()
+        workers = capacity.default_workers or 1
+        resources = spec.resources.model_copy(update={"workers": workers, "threads_per_worker": max(1, capacity.cores // workers)})
+        limit = self.memory_limit()
+        if limit and spec.resources.memory_per_worker is None and spec.resources.memory_total is None:
+            resources = resources.model_copy(update={"memory_per_worker": limit})
+        return spec.model_copy(update={"resources": resources})
+
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
         client = self._connect()
-        register_plugins(client)
         try:
-            yield Session(client, "external")
+            register_plugins(client)
+            yield Session(client, self.name)
         finally:
             client.close()
-            self._client = None

@@ -12,14 +12,14 @@ into a scheduler pod and ``plan.workers`` worker pods. Every worker pod carries 
 * the allocator environment (jemalloc's ``LD_PRELOAD`` and ``MALLOC_CONF``): it must be in place
   when the process starts, so it goes into the pod, not into Dask config.
 
-The manifests come from pure ``build_*`` functions (unit-tested without a cluster); only
+The manifests come from pure ``build_*`` functions (unit-tested without a cluster), with the
+names, labels and pod conventions the operator uses too (``h5ngff.k8s``); only
 ``KubernetesBackend.session`` talks to Kubernetes. This is the only module that imports
 ``dask_kubernetes``, and it imports it lazily: it takes about 2 s and only runner pods need it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from contextlib import contextmanager
@@ -30,7 +30,9 @@ from distributed import Client
 
 from ..errors import ClusterError
 from ..jobspec import PodSettings
+from ..k8s import GROUP, container_storage, dask_cluster_name, env_list, labels, owner_reference, pod_placement, with_scratch
 from ..planner.model import Capacity, Plan
+from ..spec import ConversionSpec
 from ..units import GiB, k8s_quantity
 from .allocator import allocator_env
 from .base import Session, dask_env, dask_memory_config
@@ -38,14 +40,6 @@ from .diagnostics import register_plugins
 
 log = logging.getLogger(__name__)
 
-GROUP = "h5ngff.dev"
-LABEL_JOB = f"{GROUP}/conversionjob"
-LABEL_ATTEMPT = f"{GROUP}/attempt"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-#: Kubernetes object names that end up in DNS labels and pod labels must fit 63 characters.
-MAX_NAME = 63
-#: dask-kubernetes names worker pods ``<cluster>-default-worker-<10 hex>`` (26 more characters).
-MAX_CLUSTER_NAME = MAX_NAME - len("-default-worker-0123456789")
 #: Workers for ``workers: auto`` on Kubernetes, where there is no core count to follow.
 DEFAULT_WORKERS = 4
 #: The scheduler holds task state only (slabs go worker -> storage); a few thousand tasks take
@@ -57,120 +51,6 @@ WORKER_START_TIMEOUT = 600
 #: Seconds to wait for the Dask Operator to act on a DaskCluster (create/delete).
 RESOURCE_TIMEOUT = 300
 WORKER_DASHBOARD_PORT = 8788
-#: The image's non-root user and group (docker/Dockerfile's ``USER 10001:10001``; a test keeps
-#: them equal). Named numerically because kubelet can verify ``runAsNonRoot`` only for a numeric
-#: user: an image naming its user by name would be refused to start.
-RUN_AS_USER = 10001
-RUN_AS_GROUP = 10001
-#: The writable scratch directory of every container: the root filesystem is read-only, and
-#: Python's tempfile, matplotlib's and Dask's config caches, and a Dask worker's local directory
-#: (where it spills, ``dask-scratch-space``) all write under /tmp. Disk-backed, not memory-backed:
-#: a tmpfs would charge spilled data to the very pod memory limit the plan sizes.
-SCRATCH_VOLUME = "h5ngff-scratch"
-SCRATCH_PATH = "/tmp"
-
-
-def child_name(base: str, suffix: str, limit: int = MAX_NAME) -> str:
-    """``<base>-<suffix>``, shortened with a hash of ``base`` when too long, so names stay unique
-    and deterministic (an operator restart must find the same child, not create a twin)."""
-    name = f"{base}-{suffix}"
-    if len(name) <= limit:
-        return name
-    digest = hashlib.sha256(base.encode()).hexdigest()[:8]
-    keep = limit - len(suffix) - len(digest) - 2
-    return f"{base[:keep].rstrip('-.')}-{digest}-{suffix}"
-
-
-def label_value(name: str) -> str:
-    """Label values are limited to 63 characters too (object names to 253): hash the rest."""
-    if len(name) <= MAX_NAME:
-        return name
-    return f"{name[:MAX_NAME - 9].rstrip('-.')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
-
-
-def dask_cluster_name(job_name: str) -> str:
-    return child_name(job_name, "dask", MAX_CLUSTER_NAME)
-
-
-def labels(job_name: str, component: str, attempt: int | None = None) -> dict[str, str]:
-    """The labels every child of a ConversionJob carries (selectors and cleanup use them)."""
-    out = {
-        "app.kubernetes.io/name": "h5ngff",
-        "app.kubernetes.io/managed-by": "h5ngff",
-        LABEL_COMPONENT: component,
-        LABEL_JOB: label_value(job_name),
-    }
-    if attempt is not None:
-        out[LABEL_ATTEMPT] = str(attempt)
-    return out
-
-
-def owner_reference(api_version: str, kind: str, name: str, uid: str, block: bool = True) -> dict[str, Any]:
-    """Makes the child garbage-collected with its ConversionJob."""
-    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": True, "blockOwnerDeletion": block}
-
-
-def pod_placement(pod: PodSettings) -> dict[str, Any]:
-    """The pod-level fields a user's ``spec.pod`` contributes to every pod."""
-    out: dict[str, Any] = {}
-    if pod.volumes:
-        out["volumes"] = [dict(v) for v in pod.volumes]
-    if pod.node_selector:
-        out["nodeSelector"] = dict(pod.node_selector)
-    if pod.tolerations:
-        out["tolerations"] = [dict(t) for t in pod.tolerations]
-    return out
-
-
-def container_storage(pod: PodSettings) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if pod.volume_mounts:
-        out["volumeMounts"] = [dict(m) for m in pod.volume_mounts]
-    if pod.working_dir:
-        out["workingDir"] = pod.working_dir
-    if pod.image_pull_policy:
-        out["imagePullPolicy"] = pod.image_pull_policy
-    return out
-
-
-def pod_security_context() -> dict[str, Any]:
-    """The pod-level half of the ``restricted`` Pod Security Standard: a numeric non-root user
-    and the runtime's default seccomp profile. No fsGroup: a recursive chown of a large data
-    volume at every pod start would cost minutes, and the image's user 10001 is what wrote the
-    output before this context existed."""
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_GROUP,
-            "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def container_security_context() -> dict[str, Any]:
-    """The container-level half: no privilege escalation, no capabilities (h5ngff binds no port
-    below 1024 and changes no file ownership), and a read-only root filesystem (writes go to the
-    scratch volume and the user's volumes)."""
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def with_scratch(pod_spec: dict[str, Any]) -> dict[str, Any]:
-    """Give every container of ``pod_spec`` the pod's scratch emptyDir at /tmp (unless the user
-    mounts something there already) and HOME=/tmp, and set the restricted security contexts."""
-    containers = pod_spec["containers"]
-    needs_scratch = False
-    for c in containers:
-        c["securityContext"] = container_security_context()
-        if not any(m.get("mountPath") == SCRATCH_PATH for m in c.get("volumeMounts") or ()):
-            c["volumeMounts"] = [*(c.get("volumeMounts") or ()), {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_PATH}]
-            needs_scratch = True
-        env = c.setdefault("env", [])
-        if not any(e.get("name") == "HOME" for e in env):
-            env.append({"name": "HOME", "value": SCRATCH_PATH})  # ~/.config/dask and friends
-    if needs_scratch:
-        pod_spec["volumes"] = [*(pod_spec.get("volumes") or ()), {"name": SCRATCH_VOLUME, "emptyDir": {}}]
-    pod_spec["securityContext"] = pod_security_context()
-    return pod_spec
-
-
-def env_list(env: dict[str, str]) -> list[dict[str, str]]:
-    return [{"name": k, "value": str(v)} for k, v in sorted(env.items())]
 
 
 def worker_env(plan: Plan, allocator_library: str | None = None) -> dict[str, str]:
@@ -283,6 +163,7 @@ class KubernetesBackend:
     """Runs each conversion on its own DaskCluster, created for the run and deleted after it."""
 
     name = "kubernetes"
+    owns_workers = True
 
     def __init__(self, owner: ClusterOwner, image: str, pod: PodSettings | None = None, default_workers: int = DEFAULT_WORKERS):
         self.owner = owner
@@ -293,6 +174,9 @@ class KubernetesBackend:
     def capacity(self) -> Capacity:
         # Nodes are not ours to count: the plan sizes the pods and Kubernetes finds room for them.
         return Capacity(cores=self.default_workers, memory_bytes=1 << 50, default_workers=self.default_workers)
+
+    def fit(self, spec: ConversionSpec) -> ConversionSpec:
+        return spec  # the pods are created as the plan sizes them
 
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
@@ -314,7 +198,7 @@ class KubernetesBackend:
             with Client(cluster, set_as_default=False) as client:
                 register_plugins(client)
                 _wait_for_workers(client, plan.workers, name)
-                yield Session(client, "kubernetes")
+                yield Session(client, self.name)
         finally:
             # Success or failure, the worker pods must go: they hold their full memory requests.
             cluster.close()

@@ -23,13 +23,14 @@ import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
-from typing import Iterator
+from typing import Any, Iterator
 
 import dask
 from distributed import Client, LocalCluster
 
 from ..errors import ClusterError
 from ..planner.model import Capacity, Plan
+from ..spec import ConversionSpec
 from .allocator import allocator_env
 from .base import Session, dask_env, dask_memory_config, machine_capacity
 from .cgroups import MemoryCgroup, create_pod_cgroup
@@ -42,15 +43,19 @@ WORKER_START_TIMEOUT = 120
 
 
 class LocalBackend:
-    name = "local"
+    owns_workers = True
 
     def __init__(self, enforce_pod_limits: bool = False, pod_limit: int | None = None):
         self.enforce_pod_limits = enforce_pod_limits
         #: Replaces the planned pod limit (experiments and negative controls).
         self.pod_limit = pod_limit
+        self.name = "local-pods" if enforce_pod_limits else "local"
 
     def capacity(self) -> Capacity:
         return machine_capacity()
+
+    def fit(self, spec: ConversionSpec) -> ConversionSpec:
+        return spec  # the workers are started as the plan sizes them
 
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
@@ -62,7 +67,7 @@ class LocalBackend:
                 client = stack.enter_context(Client(pods.scheduler_address, set_as_default=False))
                 register_plugins(client)
                 pods.wait_for_workers(client)
-                yield Session(client, "local-pods", pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline))
+                yield Session(client, self.name, pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline))
             else:
                 stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
                 stack.enter_context(workers_skip_main_module())
@@ -80,7 +85,7 @@ class LocalBackend:
                     )
                     client = stack.enter_context(Client(cluster, set_as_default=False))
                 register_plugins(client)
-                yield Session(client, "local")
+                yield Session(client, self.name)
 
 
 @contextmanager
@@ -123,7 +128,7 @@ def workers_skip_main_module() -> Iterator[None]:
     if main is None:
         yield
         return
-    hidden = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    hidden: dict[str, Any] = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
     main.__dict__["__spec__"] = ModuleSpec(f"{__package__}.worker_main", None)
     main.__dict__.pop("__file__", None)
     try:

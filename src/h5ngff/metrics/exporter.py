@@ -1,8 +1,9 @@
 """The Prometheus exporter every conversion run serves on ``--metrics-port``.
 
-``MetricsExporter`` is a progress listener (job progress) and, while attached to a running
-``Session``, polls the Dask cluster from the client side in a background thread (per-worker
-memory, limits, cgroup view, restarts, OOM kills). Prometheus scrapes the latest of both.
+``MetricsExporter`` is a progress listener (job progress) and, while attached to the run's
+``ClusterPoller`` (the one sampler of the workers, which the runner runs), a listener of its
+snapshots (per-worker memory, limits, cgroup view, restarts, OOM kills). Prometheus scrapes the
+latest of both.
 
 Why a custom collector rather than prometheus_client Gauges/Counters:
 
@@ -33,19 +34,15 @@ from prometheus_client.core import Metric
 
 from ..engine.progress import Progress
 from ..errors import SpecError
+from ..planner.model import Plan
 from .families import ExportState, build_families
-from .probes import ClusterPoller
+from .probes import ClusterPoller, ClusterSnapshot
 
 log = logging.getLogger(__name__)
 
 #: Environment variables the Kubernetes runner sets to label the series with the ConversionJob.
 JOB_NAME_ENV = "H5NGFF_JOB_NAME"
 JOB_NAMESPACE_ENV = "H5NGFF_JOB_NAMESPACE"
-#: Seconds between cluster polls: a Prometheus scrape interval is rarely shorter, and one poll is
-#: four small RPCs, cheap next to slab tasks that take seconds.
-DEFAULT_INTERVAL = 1.0
-#: How long detach waits for the poller's final poll before giving up on a broken cluster.
-FINAL_POLL_TIMEOUT = 10.0
 
 
 class _Collector:
@@ -60,15 +57,12 @@ class _Collector:
 class MetricsExporter:
     """Serves the metrics of one conversion job on ``addr:port`` (port 0 picks a free one)."""
 
-    def __init__(self, port: int, job: str, namespace: str = "local", addr: str = "0.0.0.0", interval: float = DEFAULT_INTERVAL):
+    def __init__(self, port: int, job: str, namespace: str = "local", addr: str = "0.0.0.0"):
         self.job = job
         self.namespace = namespace
-        self.interval = interval
         self._lock = threading.Lock()
         self._state = ExportState()
         self._poller: ClusterPoller | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         #: Completed scrapes, so ``linger`` can tell when the final values were read.
         self.scrapes = 0
         #: ``scrapes`` when the job reached Succeeded or Failed: later scrapes read the final values.
@@ -111,29 +105,27 @@ class MetricsExporter:
 
     # -- cluster polling ---------------------------------------------------------------------
 
-    def attach(self, session, plan) -> None:
-        """Start polling ``session``'s cluster (every ``interval`` s, first poll at once)."""
+    def attach(self, poller: ClusterPoller, plan: Plan) -> None:
+        """Export every snapshot ``poller`` reads from now on (the runner runs the poller)."""
         self.detach()
-        # The pod limit actually enforced where a backend overrides the plan's (an experiment).
-        pod_limit = getattr(session, "pod_limit", None) or plan.memory.pod_limit
-        self._poller = ClusterPoller(session.client, pod_limit, session.extra_reports, session.refresh)
+        self._poller = poller
         with self._lock:
             self._state.predicted_peak = plan.memory.predicted_peak
             self._state.passes = len(plan.passes)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="h5ngff-metrics-poller", daemon=True)
-        self._thread.start()
+        poller.listeners.append(self._snapshot)
 
     def detach(self) -> None:
-        """Stop polling after one final poll; the last figures stay exported."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join(timeout=FINAL_POLL_TIMEOUT + self.interval)
-        if self._thread.is_alive():
-            log.warning("Metrics: the final cluster poll did not finish in %.0f s; exporting the previous one.", FINAL_POLL_TIMEOUT)
-        self._thread = None
-        self._poller = None
+        """Stop listening; the last figures stay exported."""
+        if self._poller is not None:
+            self._poller.listeners.remove(self._snapshot)
+            self._poller = None
+
+    def _snapshot(self, snapshot: ClusterSnapshot | None) -> None:
+        with self._lock:
+            if snapshot is None:  # a poll of a dying cluster failed: counted, never fatal
+                self._state.poll_errors += 1
+            else:
+                self._state.snapshot = snapshot
 
     def settle(self, workers) -> None:
         """Export the run's final per-worker figures (``WorkerReport``), read once the cluster has
@@ -153,32 +145,12 @@ class MetricsExporter:
             self._state.snapshot = snapshot
 
     @contextmanager
-    def attached(self, session, plan):
-        self.attach(session, plan)
+    def attached(self, poller: ClusterPoller, plan: Plan) -> Iterator["MetricsExporter"]:
+        self.attach(poller, plan)
         try:
             yield self
         finally:
             self.detach()
-
-    def _loop(self) -> None:
-        self._poll()
-        while not self._stop.wait(self.interval):
-            self._poll()
-        self._poll()  # the final state, while the cluster is still up
-
-    def _poll(self) -> None:
-        poller = self._poller
-        if poller is None:
-            return
-        try:
-            snapshot = poller.poll()
-        except Exception as exc:  # a dying cluster must not stop the exporter (or the run)
-            log.debug("Metrics: cluster poll failed: %s", exc)
-            with self._lock:
-                self._state.poll_errors += 1
-            return
-        with self._lock:
-            self._state.snapshot = snapshot
 
     # -- serving -----------------------------------------------------------------------------
 

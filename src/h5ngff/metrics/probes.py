@@ -1,6 +1,8 @@
 """What the metrics exporter reads from a running Dask cluster, from the client side.
 
-One poll gathers, per worker:
+``ClusterPoller`` is the one sampler of a run's workers: the runner's per-worker peaks and memory
+timeline and the Prometheus exporter's figures come from the same polls. One poll gathers, per
+worker:
 
 * from the **scheduler** (``run_on_scheduler``): name, nanny, status, Dask ``memory_limit`` and the
   scheduler's own ``MemoryState`` (process, managed, unmanaged old/recent, spilled), i.e. exactly
@@ -16,18 +18,27 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from ..backends.base import Session
 from ..backends.cgroups import own_cgroup
 from ..backends.diagnostics import EXIT_TOPIC, MEMORY_RESTART_TOPIC, ClusterEvents, process_memory
+from ..planner.model import Plan
 
 log = logging.getLogger(__name__)
 
 #: SpillBuffer activities exported (distributed's own label values); absent ones are 0.
 SPILL_ACTIVITIES = ("disk-write", "disk-read")
+#: Seconds between polls of a run's workers: often enough for the memory timeline (a slab task
+#: takes seconds) and under any Prometheus scrape interval; one poll is four small round trips.
+SAMPLE_INTERVAL = 0.5
+#: How long the end of ``running`` waits for the final poll before giving up on a broken cluster.
+FINAL_POLL_TIMEOUT = 10.0
 
 
 @dataclass
@@ -113,7 +124,7 @@ def read_own_cgroup() -> CgroupFigures | None:
 
 def worker_probe(dask_worker=None) -> dict[str, Any]:
     """Runs on each worker (``client.run``): what only the worker process can see."""
-    figures: dict[str, Any] = dict(process_memory())
+    figures: dict[str, Any] = dict(process_memory(dask_worker))
     data = getattr(dask_worker, "data", None)
     # SpillBuffer's counters: absent when spilling is disabled (target and spill False).
     metrics = getattr(data, "cumulative_metrics", None) or {}
@@ -123,13 +134,21 @@ def worker_probe(dask_worker=None) -> dict[str, Any]:
 
 
 class ClusterPoller:
-    """Reads one ClusterSnapshot per ``poll()``; remembers worker names across restarts."""
+    """The one sampler of a run's workers: ``poll()`` reads one ClusterSnapshot; ``running()``
+    polls in a background thread for as long as the session is up.
 
-    def __init__(self, client, planned_pod_limit: int, extra_reports: dict | None = None, refresh: Callable[[], None] | None = None):
-        self.client = client
-        self.planned_pod_limit = planned_pod_limit
-        self.extra_reports = extra_reports if extra_reports is not None else {}
-        self.refresh = refresh
+    It serves both readers of the workers' memory: the run's report (each worker's highest RSS,
+    kept across restarts because a restarted worker's high-water mark would otherwise die with
+    it, and an RSS timeline for the memory report) and the metrics exporter (every snapshot, to
+    its listeners). Every poll costs the scheduler and the workers round trips on the cores
+    doing the conversion, hence half a second between polls, and one round trip (each worker's
+    RSS) where nobody listens for the full snapshot."""
+
+    def __init__(self, session: Session, plan: Plan):
+        self.client = session.client
+        self.planned_pod_limit = session.enforced_pod_limit(plan)
+        self.extra_reports = session.extra_reports
+        self.refresh = session.refresh
         #: Events older than this belong to earlier runs on the same (external) cluster.
         self.since = time.time()
         own = read_own_cgroup()
@@ -137,7 +156,47 @@ class ClusterPoller:
         self.names: dict[str, str] = {}  # worker or nanny address -> worker name
         #: Highest polled non-reclaimable memory per worker name (a lower bound between polls).
         self.nonreclaimable_peaks: dict[str, int] = {}
+        #: Highest RSS high-water mark of any process of each worker name.
+        self.peaks: dict[str, int] = {}
+        #: (epoch seconds, worker name, RSS bytes), for the memory report.
+        self.timeline: list[tuple[float, str, int]] = []
+        #: Called with each snapshot, or None for a poll that failed (the exporter counts those).
+        self.listeners: list[Callable[[ClusterSnapshot | None], None]] = []
         self._scheduler_view = scheduler_view_function()
+        self._stop = threading.Event()
+
+    @contextmanager
+    def running(self, interval: float = SAMPLE_INTERVAL) -> Iterator["ClusterPoller"]:
+        """Poll at once, every ``interval`` s, and once more at the end while the cluster is up."""
+        self._stop.clear()
+        thread = threading.Thread(target=self._loop, args=(interval,), name="h5ngff-cluster-poller", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join(timeout=FINAL_POLL_TIMEOUT + interval)
+            if thread.is_alive():
+                log.warning("The final cluster poll did not finish in %.0f s; the figures end at the previous one.", FINAL_POLL_TIMEOUT)
+
+    def _loop(self, interval: float) -> None:
+        self._sample()
+        while not self._stop.wait(interval):
+            self._sample()
+        self._sample()  # the final state, while the cluster is still up
+
+    def _sample(self) -> None:
+        listeners = list(self.listeners)
+        try:
+            if not listeners:  # the report alone needs each worker's RSS: one round trip
+                self._record_memory(time.time(), self.client.run(process_memory, on_error="ignore"))
+                return
+            snapshot: ClusterSnapshot | None = self.poll()
+        except Exception as exc:  # a restarting worker, a dying cluster: must not stop the run
+            log.debug("cluster poll failed: %s", exc)
+            snapshot = None
+        for listener in listeners:
+            listener(snapshot)
 
     def poll(self) -> ClusterSnapshot:
         view = self.client.run_on_scheduler(self._scheduler_view)
@@ -153,12 +212,23 @@ class ClusterPoller:
             if isinstance(probe, dict):
                 worker.rss, worker.peak_rss, worker.spill, worker.cgroup = probe["rss"], probe["peak_rss"], probe["spill"], probe["cgroup"]
             snapshot.workers[name] = worker
+        self._record_memory(snapshot.time, probes)
         self._drop_shared_cgroups(snapshot)
         for name, worker in snapshot.workers.items():
             if worker.cgroup is not None and worker.cgroup.nonreclaimable is not None:
                 self.nonreclaimable_peaks[name] = max(self.nonreclaimable_peaks.get(name, 0), worker.cgroup.nonreclaimable)
         self._count_events(snapshot)
         return snapshot
+
+    def _record_memory(self, now: float, probes: dict[str, Any]) -> None:
+        """Peaks and timeline by the name each worker reports itself: a worker that has left the
+        scheduler's view by the time of the poll is still counted under its own name."""
+        for address, probe in probes.items():
+            if not isinstance(probe, dict):
+                continue
+            name = probe.get("name") or self._name(address)
+            self.peaks[name] = max(self.peaks.get(name, 0), probe["peak_rss"])
+            self.timeline.append((now, name, probe["rss"]))
 
     def _drop_shared_cgroups(self, snapshot: ClusterSnapshot) -> None:
         """A cgroup shared with this client or with another worker is not the worker's pod: its

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..backends.kubernetes import LABEL_ATTEMPT, LABEL_COMPONENT
+from ..k8s import LABEL_ATTEMPT, LABEL_COMPONENT
 
 #: Pod termination reasons the kubelet reports when the kernel killed a container at its limit.
 OOM_REASONS = frozenset({"OOMKilled"})

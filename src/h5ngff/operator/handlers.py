@@ -22,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from ..backends.kubernetes import LABEL_COMPONENT, label_value
+from ..k8s import LABEL_COMPONENT, label_value
 from ..errors import SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
 from .kube import Conflict, Kube, KubeConfig, KubeError, Transient, namespaced

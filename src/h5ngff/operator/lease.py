@@ -22,7 +22,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.kubernetes import labels, owner_reference
+from ..k8s import labels, owner_reference
 from ..jobspec import ConversionJobSpec
 from .kube import Conflict, Kube, namespaced
 

@@ -2,8 +2,8 @@
 
 The Dask cluster's manifests (scheduler and worker pods sized by the plan) are built by the
 runner, in ``h5ngff.backends.kubernetes``: only the runner knows the plan, because only its pod
-can open the HDF5 file. Names, labels and owner references are shared with that module so the
-operator's cleanup finds everything the runner made.
+can open the HDF5 file. Names, labels, owner references and the pod conventions come from
+``h5ngff.k8s``, which both use, so the operator's cleanup finds everything the runner made.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.kubernetes import (
+from ..k8s import (
     GROUP,
     LABEL_ATTEMPT,
     LABEL_JOB,

@@ -18,13 +18,18 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import H5ngffError, SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
+from ..units import parse_bytes
 from .attempt import AttemptOptions, run_attempt
 from .manifests import BACKEND_ENV, METRICS_PORT_ENV, SPEC_ENV
 from .reporter import StatusReporter
 from .status import now, runner_report
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +59,18 @@ def spec_from_env() -> ConversionJobSpec:
     return parse_job_spec(data)
 
 
-def make_backend(args: RunnerArgs, spec: ConversionJobSpec):
+def runner_backend(args: RunnerArgs, spec: ConversionJobSpec) -> Backend:
+    """The backend ``$H5NGFF_BACKEND`` names (default kubernetes), from the one factory."""
+    from ..backends.factory import BACKENDS, BackendOptions, make_backend
+    from ..backends.kubernetes import ClusterOwner
+
     kind = os.environ.get(BACKEND_ENV, "kubernetes")
-    if kind in ("local", "local-pods"):
-        from ..backends.local import LocalBackend
-        from ..units import parse_bytes
-
-        limit = os.environ.get(POD_LIMIT_ENV)
-        return LocalBackend(enforce_pod_limits=kind == "local-pods", pod_limit=parse_bytes(limit) if limit else None)
-    if kind != "kubernetes":
+    if kind not in BACKENDS or kind == "external":  # a runner Job makes its own cluster
         raise SpecError("", f"Expected ${BACKEND_ENV} to be kubernetes, local or local-pods. Got {kind!r} instead.")
-    from ..backends.kubernetes import ClusterOwner, KubernetesBackend
-
-    owner = ClusterOwner(args.namespace, args.name, args.uid, args.attempt)
-    return KubernetesBackend(owner, image=spec.pod.image or "", pod=spec.pod)
+    limit = os.environ.get(POD_LIMIT_ENV)
+    options = BackendOptions(pod_limit=parse_bytes(limit) if limit else None, image=spec.pod.image or "", pod=spec.pod,
+                             owner=ClusterOwner(args.namespace, args.name, args.uid, args.attempt))
+    return make_backend(kind, options)
 
 
 def _exporter(spec: ConversionJobSpec):
@@ -89,7 +92,7 @@ def main(args: RunnerArgs) -> int:
     try:
         try:
             spec = spec_from_env()
-            backend = make_backend(args, spec)
+            backend = runner_backend(args, spec)
         except H5ngffError as exc:
             reporter(runner_report(args.attempt, "Failed", now(), exc.reason, str(exc)), True)
             return exc.exit_code

@@ -1,0 +1,87 @@
+"""The one place that turns a backend's name and options into a ``Backend``.
+
+Every entry point builds its backend here: the CLI (``convert``, ``plan``, ``run``) from its
+flags, the Kubernetes runner Job from ``$H5NGFF_BACKEND``. Adding a backend is one entry in
+``BACKENDS`` (plus the module that implements ``base.Backend``, and its class in the contract
+suite, tests/test_backend_contract.py); docs/backends.md says how.
+
+Each builder imports its module only when called: the kubernetes backend pulls in kr8s and
+dask-kubernetes lazily, and a laptop running ``h5ngff convert`` needs neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..errors import SpecError
+from .base import Backend
+
+if TYPE_CHECKING:
+    from ..jobspec import PodSettings
+    from .kubernetes import ClusterOwner
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What the builders may need; each reads only its own fields."""
+
+    #: external: the scheduler's address (tcp://host:8786).
+    scheduler: str | None = None
+    #: local-pods: replaces the planned pod limit (experiments and negative controls), bytes.
+    pod_limit: int | None = None
+    #: kubernetes: the ConversionJob the DaskCluster belongs to (None: planning only, as
+    #: ``h5ngff plan --kubernetes`` does).
+    owner: ClusterOwner | None = None
+    #: kubernetes: the image of the scheduler and worker pods.
+    image: str = ""
+    #: kubernetes: the job's spec.pod (volumes, placement, pull policy).
+    pod: PodSettings | None = None
+
+
+BackendBuilder = Callable[[BackendOptions], Backend]
+
+
+def _local(options: BackendOptions) -> Backend:
+    from .local import LocalBackend
+
+    return LocalBackend()
+
+
+def _local_pods(options: BackendOptions) -> Backend:
+    from .local import LocalBackend
+
+    return LocalBackend(enforce_pod_limits=True, pod_limit=options.pod_limit)
+
+
+def _external(options: BackendOptions) -> Backend:
+    from .external import ExternalBackend
+
+    if not options.scheduler:
+        raise SpecError("--scheduler", "Expected the address of a running Dask scheduler (tcp://host:8786). Got nothing instead.")
+    return ExternalBackend(options.scheduler)
+
+
+def _kubernetes(options: BackendOptions) -> Backend:
+    from .kubernetes import ClusterOwner, KubernetesBackend
+
+    owner = options.owner or ClusterOwner("", "plan", "")
+    return KubernetesBackend(owner, image=options.image, pod=options.pod)
+
+
+#: Every backend, by the name ``--backend``-like settings use ($H5NGFF_BACKEND in the runner Job).
+#: Register a new backend here (one line) and nowhere else.
+BACKENDS: dict[str, BackendBuilder] = {
+    "local": _local,
+    "local-pods": _local_pods,
+    "external": _external,
+    "kubernetes": _kubernetes,
+}
+
+
+def make_backend(kind: str, options: BackendOptions | None = None) -> Backend:
+    """The backend called ``kind``, built from ``options``."""
+    builder = BACKENDS.get(kind)
+    if builder is None:
+        raise SpecError("backend", f"Expected one of {', '.join(BACKENDS)}. Got {kind!r} instead.")
+    return builder(options or BackendOptions())

@@ -1,0 +1,138 @@
+"""Kubernetes conventions shared by the operator and the kubernetes backend: object names, labels,
+owner references, and the shape every h5ngff pod has (security contexts, the scratch volume,
+a user's spec.pod placement and storage).
+
+Neutral ground: the operator builds the runner Job with these and finds what the runner made by
+them; the kubernetes backend, in the runner pod, builds the DaskCluster with the same. Neither
+imports the other for them. Pure functions of their arguments (no Kubernetes client here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from .jobspec import PodSettings
+
+GROUP = "h5ngff.dev"
+LABEL_JOB = f"{GROUP}/conversionjob"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+#: Kubernetes object names that end up in DNS labels and pod labels must fit 63 characters.
+MAX_NAME = 63
+#: dask-kubernetes names worker pods ``<cluster>-default-worker-<10 hex>`` (26 more characters).
+MAX_CLUSTER_NAME = MAX_NAME - len("-default-worker-0123456789")
+#: The image's non-root user and group (docker/Dockerfile's ``USER 10001:10001``; a test keeps
+#: them equal). Named numerically because kubelet can verify ``runAsNonRoot`` only for a numeric
+#: user: an image naming its user by name would be refused to start.
+RUN_AS_USER = 10001
+RUN_AS_GROUP = 10001
+#: The writable scratch directory of every container: the root filesystem is read-only, and
+#: Python's tempfile, matplotlib's and Dask's config caches, and a Dask worker's local directory
+#: (where it spills, ``dask-scratch-space``) all write under /tmp. Disk-backed, not memory-backed:
+#: a tmpfs would charge spilled data to the very pod memory limit the plan sizes.
+SCRATCH_VOLUME = "h5ngff-scratch"
+SCRATCH_PATH = "/tmp"
+
+
+def child_name(base: str, suffix: str, limit: int = MAX_NAME) -> str:
+    """``<base>-<suffix>``, shortened with a hash of ``base`` when too long, so names stay unique
+    and deterministic (an operator restart must find the same child, not create a twin)."""
+    name = f"{base}-{suffix}"
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(base.encode()).hexdigest()[:8]
+    keep = limit - len(suffix) - len(digest) - 2
+    return f"{base[:keep].rstrip('-.')}-{digest}-{suffix}"
+
+
+def label_value(name: str) -> str:
+    """Label values are limited to 63 characters too (object names to 253): hash the rest."""
+    if len(name) <= MAX_NAME:
+        return name
+    return f"{name[:MAX_NAME - 9].rstrip('-.')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def dask_cluster_name(job_name: str) -> str:
+    return child_name(job_name, "dask", MAX_CLUSTER_NAME)
+
+
+def labels(job_name: str, component: str, attempt: int | None = None) -> dict[str, str]:
+    """The labels every child of a ConversionJob carries (selectors and cleanup use them)."""
+    out = {
+        "app.kubernetes.io/name": "h5ngff",
+        "app.kubernetes.io/managed-by": "h5ngff",
+        LABEL_COMPONENT: component,
+        LABEL_JOB: label_value(job_name),
+    }
+    if attempt is not None:
+        out[LABEL_ATTEMPT] = str(attempt)
+    return out
+
+
+def owner_reference(api_version: str, kind: str, name: str, uid: str, block: bool = True) -> dict[str, Any]:
+    """Makes the child garbage-collected with its ConversionJob."""
+    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": True, "blockOwnerDeletion": block}
+
+
+def pod_placement(pod: PodSettings) -> dict[str, Any]:
+    """The pod-level fields a user's ``spec.pod`` contributes to every pod."""
+    out: dict[str, Any] = {}
+    if pod.volumes:
+        out["volumes"] = [dict(v) for v in pod.volumes]
+    if pod.node_selector:
+        out["nodeSelector"] = dict(pod.node_selector)
+    if pod.tolerations:
+        out["tolerations"] = [dict(t) for t in pod.tolerations]
+    return out
+
+
+def container_storage(pod: PodSettings) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if pod.volume_mounts:
+        out["volumeMounts"] = [dict(m) for m in pod.volume_mounts]
+    if pod.working_dir:
+        out["workingDir"] = pod.working_dir
+    if pod.image_pull_policy:
+        out["imagePullPolicy"] = pod.image_pull_policy
+    return out
+
+
+def pod_security_context() -> dict[str, Any]:
+    """The pod-level half of the ``restricted`` Pod Security Standard: a numeric non-root user
+    and the runtime's default seccomp profile. No fsGroup: a recursive chown of a large data
+    volume at every pod start would cost minutes, and the image's user 10001 is what wrote the
+    output before this context existed."""
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_GROUP,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    """The container-level half: no privilege escalation, no capabilities (h5ngff binds no port
+    below 1024 and changes no file ownership), and a read-only root filesystem (writes go to the
+    scratch volume and the user's volumes)."""
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def with_scratch(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """Give every container of ``pod_spec`` the pod's scratch emptyDir at /tmp (unless the user
+    mounts something there already) and HOME=/tmp, and set the restricted security contexts."""
+    containers = pod_spec["containers"]
+    needs_scratch = False
+    for c in containers:
+        c["securityContext"] = container_security_context()
+        if not any(m.get("mountPath") == SCRATCH_PATH for m in c.get("volumeMounts") or ()):
+            c["volumeMounts"] = [*(c.get("volumeMounts") or ()), {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_PATH}]
+            needs_scratch = True
+        env = c.setdefault("env", [])
+        if not any(e.get("name") == "HOME" for e in env):
+            env.append({"name": "HOME", "value": SCRATCH_PATH})  # ~/.config/dask and friends
+    if needs_scratch:
+        pod_spec["volumes"] = [*(pod_spec.get("volumes") or ()), {"name": SCRATCH_VOLUME, "emptyDir": {}}]
+    pod_spec["securityContext"] = pod_security_context()
+    return pod_spec
+
+
+def env_list(env: dict[str, str]) -> list[dict[str, str]]:
+    return [{"name": k, "value": str(v)} for k, v in sorted(env.items())]
