@@ -223,7 +223,7 @@ def test_worker_memory_is_positive_and_within_the_pod_limit(scraped):
     plan = scraped.summary.job.plan
     assert set(_instant(scraped, f"h5ngff_worker_memory_limit_bytes{sel}").values()) == {plan.memory.memory_limit}
     assert set(_instant(scraped, f"h5ngff_worker_pod_limit_bytes{sel}").values()) == {scraped.pod_limit}
-    process = _instant(scraped, f'sum by (worker) (h5ngff_worker_memory_bytes{{type!="spilled"}})')
+    process = _instant(scraped, 'sum by (worker) (h5ngff_worker_memory_bytes{type!="spilled"})')
     assert all(0 < v <= scraped.pod_limit for v in process.values()), process
     if scraped.pods:  # the kernel's limit on each pod's cgroup is the planned one, and it held
         assert set(_instant(scraped, f"h5ngff_worker_cgroup_limit_bytes{sel}").values()) == {scraped.pod_limit}
@@ -243,7 +243,7 @@ def test_progress_reaches_the_total_and_matches_the_run(scraped):
     # Prometheus saw the job while it was writing, part-way through, not only the final state.
     done = scraped.prom.range(f"h5ngff_job_slabs_done_total{sel}", scraped.start, scraped.end)[0]["values"]
     assert any(0 < float(v) < planned for _, v in done), "no scrape caught the job mid-run"
-    writing = scraped.prom.range(f'h5ngff_job_phase{{phase="Writing"}} == 1', scraped.start, scraped.end)
+    writing = scraped.prom.range('h5ngff_job_phase{phase="Writing"} == 1', scraped.start, scraped.end)
     assert writing and len(writing[0]["values"]) >= 2
 
 

@@ -139,12 +139,12 @@ def test_the_checker_catches_an_apparmor_annotation():
 def test_pods_as_built_before_this_change_fail():
     """Negative control on the real builders: without the security contexts (as before
     issue 12) every h5ngff pod is refused by a namespace enforcing ``restricted``."""
-    for where, pod, annotations in PODS[:3]:
+    for where, pod, pod_annotations in PODS[:3]:
         bare = copy.deepcopy(pod)
         bare.pop("securityContext")
         for c in bare["containers"]:
             c.pop("securityContext")
-        found = violations(bare, annotations)
+        found = violations(bare, pod_annotations)
         assert any(v.startswith("Privilege Escalation") for v in found), where
         assert any(v.startswith("Running as Non-root") for v in found), where
         assert any(v.startswith("Seccomp") for v in found), where

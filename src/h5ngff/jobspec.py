@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .errors import SpecError
 from .spec import ConversionSpec, _Model, parse_model
 
 #: Kubernetes Job defaults, chosen for memory-planned batch work: a run that failed twice for the

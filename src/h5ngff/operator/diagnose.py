@@ -146,7 +146,7 @@ def _oom_killed_pod(pods: tuple[dict[str, Any], ...]) -> str | None:
 
 def _exited_pod(pods: tuple[dict[str, Any], ...]) -> str | None:
     for pod in pods:
-        for container, term in _terminated(pod):
+        for _container, term in _terminated(pod):
             if term.get("exitCode", 0) != 0:
                 name = (pod.get("metadata") or {}).get("name", "?")
                 why = term.get("reason") or "Error"

@@ -59,7 +59,7 @@ RUNNER_RULES: tuple[Rule, ...] = (
 
 def calls(rules: Iterable[Rule], exercised_only: bool = True) -> set[tuple[str, str, str, str]]:
     """(verb, apiGroup, resource, subresource) tuples, the form the tests record."""
-    out = set()
+    out: set[tuple[str, str, str, str]] = set()
     for rule in rules:
         if exercised_only and not rule.exercised:
             continue

@@ -104,7 +104,7 @@ NOTHING = Decision()
 def reconcile(o: Observed) -> Decision:
     status = o.status
     if o.spec_error is not None:
-        decision = _invalid(o)
+        decision = _invalid(o, o.spec_error)
     elif o.policy_denial is not None and (_conversion_changed(o) or _in_flight_now(status)):
         decision = _policy_denied(o)
     elif _conversion_changed(o):
@@ -363,7 +363,7 @@ def _settled(o: Observed) -> Decision:
     return NOTHING
 
 
-def _invalid(o: Observed) -> Decision:
+def _invalid(o: Observed, error: str) -> Decision:
     """An invalid spec never starts anything. A job that never ran fails with InvalidSpec. A run
     in flight continues to its end, without retries (no Running -> Failed -> Running flapping);
     a finished run keeps its outcome. Validated=False (and one Warning Event) names the field."""
@@ -371,17 +371,17 @@ def _invalid(o: Observed) -> Decision:
     if not int(status.get("attempts") or 0):
         if status.get("reason") == "InvalidSpec" and status.get("observedGeneration") == o.generation:
             return NOTHING
-        return Decision(invalid_patch(o.spec_error, o.now), event=("Warning", "InvalidSpec", o.spec_error))
+        return Decision(invalid_patch(error, o.now), event=("Warning", "InvalidSpec", error))
     d = _in_flight(o, can_start=False) if _in_flight_now(status) else _settled(o)
     if d.needs:
         return d
     cond = condition(status, "Validated") or {}
-    if cond.get("status") == "False" and cond.get("message") == o.spec_error:
+    if cond.get("status") == "False" and cond.get("message") == error:
         return d
     base = d.patch["conditions"] if "conditions" in d.patch else status.get("conditions")
-    conditions = set_condition(base, "Validated", "False", "InvalidSpec", o.spec_error, o.now)
+    conditions = set_condition(base, "Validated", "False", "InvalidSpec", error, o.now)
     kept = "the running attempt continues with the previous spec" if _in_flight_now(status) else f"the {status.get('phase')} outcome stands"
-    message = f"Generation {o.generation} is invalid; {kept}: {o.spec_error}"
+    message = f"Generation {o.generation} is invalid; {kept}: {error}"
     return dataclasses.replace(d, patch={**d.patch, "conditions": conditions}, event=d.event or ("Warning", "InvalidSpec", message))
 
 

@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from ..errors import SpecError
 from ..units import MiB
@@ -99,7 +100,7 @@ class MemoryConstants:
             raise SpecError("calibration", f"Expected a readable JSON file of memory constants. Got {path!s}: {exc}") from None
         return cls().with_overrides(data)
 
-    def with_overrides(self, data: dict) -> "MemoryConstants":
+    def with_overrides(self, data: dict[str, Any]) -> "MemoryConstants":
         known = {f.name for f in fields(self)}
         unknown = sorted(set(data) - known)
         if unknown:
