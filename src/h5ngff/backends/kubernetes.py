@@ -23,13 +23,12 @@ import hashlib
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 from distributed import Client
 
 from ..errors import ClusterError
-from ..jobspec import PodSettings
+from ..jobspec import API_VERSION, GROUP, KIND, Owner, PodSettings
 from ..planner.model import Capacity, Plan
 from ..units import GiB, k8s_quantity
 from .allocator import allocator_env
@@ -38,7 +37,6 @@ from .diagnostics import register_plugins
 
 log = logging.getLogger(__name__)
 
-GROUP = "h5ngff.dev"
 LABEL_JOB = f"{GROUP}/conversionjob"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -235,16 +233,8 @@ def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[s
     return with_scratch({"containers": [container], "automountServiceAccountToken": False, **placement})
 
 
-@dataclass(frozen=True)
-class ClusterOwner:
-    """The ConversionJob a Dask cluster belongs to (its name, namespace and uid)."""
-
-    namespace: str
-    name: str
-    uid: str
-    attempt: int = 1
-    api_version: str = f"{GROUP}/v1alpha1"
-    kind: str = "ConversionJob"
+#: The one owner class is jobspec.Owner; this name is kept for cli.py and operator/runner_cmd.py.
+ClusterOwner = Owner
 
 
 def build_dask_cluster(plan: Plan, owner: ClusterOwner, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
@@ -259,7 +249,7 @@ def build_dask_cluster(plan: Plan, owner: ClusterOwner, image: str, pod: PodSett
             "labels": labels(owner.name, "dask-cluster", owner.attempt),
             # blockOwnerDeletion would need update rights on conversionjobs/finalizers; the
             # operator's finalizer deletes the cluster anyway.
-            "ownerReferences": [owner_reference(owner.api_version, owner.kind, owner.name, owner.uid, block=False)],
+            "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid, block=False)],
         },
         "spec": {
             "idleTimeout": 0,

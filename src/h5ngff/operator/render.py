@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backends.kubernetes import ClusterOwner, KubernetesBackend, build_dask_cluster
+from ..backends.kubernetes import KubernetesBackend, build_dask_cluster
 from ..errors import PolicyDeniedError
 from ..job import JobManifest
 from .manifests import DEFAULT_IMAGE, Owner, build_runner_job, build_runner_role, build_runner_role_binding, runner_account
@@ -69,11 +69,10 @@ def _dask_cluster(manifest: JobManifest, owner: Owner, opts: RenderOptions) -> d
 
     spec = manifest.spec
     image = spec.pod.image or opts.image
-    cluster_owner = ClusterOwner(owner.namespace, owner.name, owner.uid, attempt=1)
-    backend = KubernetesBackend(cluster_owner, image=image, pod=spec.pod)
+    backend = KubernetesBackend(owner, image=image, pod=spec.pod)
     dataset, _ = inspect_source(spec.source.path, spec.source.dataset)
     # The image preloads jemalloc, so "auto" resolves to jemalloc in the runner pod whatever this
     # machine has installed.
     allocator = "glibc" if spec.resources.allocator == "glibc" else "jemalloc"
     plan = make_plan(dataset, spec.conversion(), backend.capacity(), DEFAULT_CONSTANTS, allocator)
-    return build_dask_cluster(plan, cluster_owner, image, spec.pod, allocator_library=IMAGE_JEMALLOC)
+    return build_dask_cluster(plan, owner, image, spec.pod, allocator_library=IMAGE_JEMALLOC)

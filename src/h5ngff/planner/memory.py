@@ -20,6 +20,9 @@ from ..units import MiB
 from .model import MemoryTerm, Thresholds, WorkerMemory
 
 BLOSC_MAX_OVERHEAD = 16
+#: Output elements the downsampler (engine.downsample) computes at a time: one definition for
+#: the engine that uses it and the memory model that prices it.
+STRIP_ELEMENTS = 1 << 16
 #: 8-byte temporaries per output element while a block is downsampled: the pairwise sums hold 4
 #: then 2 float64 (or int64) values per output element, and the integer mean's rounding adds a few.
 STRIP_TEMPORARIES = 6

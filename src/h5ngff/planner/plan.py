@@ -25,7 +25,7 @@ from .layout import (
     resolve_levels,
     resolve_scale_units,
 )
-from .memory import DEFAULT_CONSTANTS, MemoryConstants, PassShape, pass_terms, slab_output_bytes, worker_memory
+from .memory import DEFAULT_CONSTANTS, STRIP_ELEMENTS, MemoryConstants, PassShape, pass_terms, slab_output_bytes, worker_memory
 from .model import Capacity, DatasetInfo, MemoryTerm, Pass, Plan, Shape, WorkerMemory
 
 #: Above this a bigger slab reads no faster but holds more memory and leaves fewer tasks to
@@ -34,10 +34,6 @@ MAX_SLAB_BYTES = 512 * MiB
 #: Without a budget, local workers share this fraction of the machine's memory; the rest is
 #: for the client, the scheduler and the page cache.
 LOCAL_MEMORY_FRACTION = 0.8
-#: Workers for ``workers: auto`` where the capacity names no default (e.g. Kubernetes).
-FALLBACK_WORKERS = 4
-#: Output elements the downsampler computes at a time (engine.downsample.STRIP_ELEMENTS).
-MEAN_STRIP_ELEMENTS = 1 << 16
 #: Slabs per thread the planner aims for: the last slabs of a run leave cores idle for about half
 #: a slab's time, so many smaller slabs finish evenly; 8 keeps that tail near 6% of the run.
 SLABS_PER_THREAD = 8
@@ -409,7 +405,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
         shard_bytes=math.prod(ctx.shards) * ctx.itemsize if ctx.shards else None,
         reduction=reduction,
         levels_built=built,
-        strip_elements=min(elements // reduction, MEAN_STRIP_ELEMENTS) if built else 0,
+        strip_elements=min(elements // reduction, STRIP_ELEMENTS) if built else 0,
         from_hdf5=from_hdf5,
         hdf5_chunk_bytes=hdf5_chunk_bytes,
         hdf5_filtered=bool(ctx.ds.hdf5_filters),
