@@ -16,6 +16,7 @@ from h5ngff.backends import kubernetes
 from h5ngff.backends.base import dask_memory_config
 from h5ngff.engine import downsample
 from h5ngff.jobspec import parse_job_spec
+from h5ngff.metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
 from h5ngff.operator import manifests
 from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, MemoryConstants, Thresholds, make_plan
 from h5ngff.planner import memory, plan
@@ -110,6 +111,10 @@ def test_every_child_names_the_same_owner_as_the_crd():
     spec = parse_job_spec({"source": {"path": "/d/in.h5", "dataset": "/volume/data"}, "output": {"path": "/d/out.ome.zarr"}, "resources": {"workers": 2}})
     runner = manifests.build_runner_job(owner, spec, 1, "img")
     cluster = kubernetes.build_dask_cluster(_plan(DEFAULT_CONSTANTS), owner, "img", spec.pod)
+    # The runner's exporter labels its series with the names the runner Job sets.
+    env = {e["name"]: e.get("value") for e in runner["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (env[JOB_NAME_ENV], env[JOB_NAMESPACE_ENV]) == ("scan-42", "science")
+    assert _literals(JOB_NAME_ENV) == _literals(JOB_NAMESPACE_ENV) == ["metrics/exporter.py"]
     for child in (runner, cluster, manifests.build_runner_role(owner)):
         (ref,) = child["metadata"]["ownerReferences"]
         assert (ref["apiVersion"], ref["kind"], ref["name"], ref["uid"]) == (f"{crd['group']}/{crd['versions'][0]['name']}", crd["names"]["kind"], "scan-42", "uid-42")

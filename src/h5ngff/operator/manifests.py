@@ -24,6 +24,7 @@ from ..backends.kubernetes import (
     with_scratch,
 )
 from ..jobspec import API_VERSION, GROUP, KIND, VERSION, ConversionJobSpec, Owner
+from ..metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
 from ..units import GiB, k8s_quantity
 from .rbac import RUNNER_JOB_RULES, role_rules
 
@@ -85,8 +86,8 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
             SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True),
             BACKEND_ENV: "kubernetes",
             METRICS_PORT_ENV: str(RUNNER_METRICS_PORT),
-            "H5NGFF_JOB_NAME": owner.name,
-            "H5NGFF_JOB_NAMESPACE": owner.namespace,
+            JOB_NAME_ENV: owner.name,
+            JOB_NAMESPACE_ENV: owner.namespace,
         }),
         "ports": [{"name": "metrics", "containerPort": RUNNER_METRICS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},

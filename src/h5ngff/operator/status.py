@@ -172,7 +172,7 @@ def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: s
     old = next((c for c in conditions or () if c.get("type") == type_), None)
     changed = old is None or old.get("status") != status
     entry = {"type": type_, "status": status, "reason": reason, "message": message,
-             "lastTransitionTime": when if changed else old.get("lastTransitionTime", when),
+             "lastTransitionTime": when if changed else (old or {}).get("lastTransitionTime", when),
              "observedGeneration": generation if generation is not None else (old or {}).get("observedGeneration")}
     out.append({k: v for k, v in entry.items() if v is not None})
     return out
@@ -209,7 +209,7 @@ def invalid_patch(field_message: str, when: str) -> dict[str, Any]:
 def succeeded_patch(status: dict[str, Any], when: str) -> dict[str, Any]:
     conditions = set_condition(status.get("conditions"), "Running", "False", "Finished", None, when)
     conditions = set_condition(conditions, "Complete", "True", "Succeeded", status.get("output"), when)
-    patch = {"phase": Phase.SUCCEEDED.value, "reason": None, "message": None, "completionTime": when, "conditions": conditions}
+    patch: dict[str, Any] = {"phase": Phase.SUCCEEDED.value, "reason": None, "message": None, "completionTime": when, "conditions": conditions}
     progress = status.get("progress")
     if progress and progress.get("slabsTotal"):
         total = progress["slabsTotal"]
