@@ -76,7 +76,7 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
     clock = time.perf_counter
     with h5py.File(source, "r") as f:
         ds = f[dataset]
-        shape, ndim = ds.shape, ds.ndim
+        shape = ds.shape
         _create_array(out, shape, chunks, ds.dtype)
         slab_shape = _slab_shape(ds, chunks)
         buffer = np.empty(slab_shape, dtype=ds.dtype)
@@ -99,7 +99,7 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
                 t1 = clock()
                 encoded = codec.encode(block)
                 t2 = clock()
-                keys = [str((o + l) // c) for o, l, c in zip(origin, local, chunks)]
+                keys = [str((o + i) // c) for o, i, c in zip(origin, local, chunks)]
                 folder = os.path.join(out, "c", *keys[:-1])
                 if folder not in made_dirs:
                     os.makedirs(folder, exist_ok=True)

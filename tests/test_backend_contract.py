@@ -42,7 +42,7 @@ from distributed import Client, LocalCluster
 
 from h5ngff.backends.base import Backend, Session
 from h5ngff.backends.factory import BACKENDS, BackendOptions, make_backend
-from h5ngff.backends.kubernetes import ClusterOwner
+from h5ngff.jobspec import Owner
 from h5ngff.backends.local import LocalBackend
 from h5ngff.planner.model import Plan
 
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_the_factory_builds_every_registered_backend():
-    options = BackendOptions(scheduler="tcp://127.0.0.1:1", owner=ClusterOwner("ns", "job", "uid"), image="img")
+    options = BackendOptions(scheduler="tcp://127.0.0.1:1", owner=Owner("ns", "job", "uid"), image="img")
     for kind in BACKENDS:
         backend: Backend = make_backend(kind, options)
         check_protocol(backend)
@@ -150,7 +150,7 @@ class TestKubernetes(BackendContract):
     def new_backend(cls) -> Backend:
         # Each session its own DaskCluster name: the stand-in operator reacts to names.
         name = f"contract-{next(cls.names)}"
-        return make_backend("kubernetes", BackendOptions(owner=ClusterOwner("default", name, f"uid-{name}"), image="registry.example/h5ngff:1"))
+        return make_backend("kubernetes", BackendOptions(owner=Owner("default", name, f"uid-{name}"), image="registry.example/h5ngff:1"))
 
 
 # -- the negative control ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from bench.config import Case
 from bench.measure import run_measured
 from bench.peers.common import zarr_blosc
 from bench.runs import DEFAULT_RUNS, RunSpec
-from bench.suite import SuiteConfig
+from bench.suite import RunResult, SuiteConfig
 from bench.verify import verify
 
 from conftest import write_h5
@@ -149,9 +149,7 @@ def test_a_hung_tool_is_killed_at_the_timeout(tmp_path):
     assert not os.path.exists(f"/proc/{m.procs[0].pid}") or open(f"/proc/{m.procs[0].pid}/stat").read().split()[2] == "Z"
 
 
-def _round(status: str, seconds: float | None, peak: int) -> "RunResult":
-    from bench.suite import RunResult
-
+def _round(status: str, seconds: float | None, peak: int) -> RunResult:
     return RunResult("f32", "tool", "tool", "tool", 1, status, "", seconds=seconds, memory={"peak_largest": peak})
 
 

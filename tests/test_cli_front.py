@@ -17,7 +17,6 @@ from pathlib import Path
 
 import h5py
 import jsonschema
-import numpy as np
 import pytest
 import yaml
 

@@ -20,7 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from h5ngff.backends.kubernetes import ClusterOwner, KubernetesBackend
+from h5ngff.backends.kubernetes import KubernetesBackend
+from h5ngff.jobspec import Owner
 from h5ngff.errors import SpecError
 from h5ngff.job import load_job, parse_manifest
 from h5ngff.runner import plan_job
@@ -111,7 +112,7 @@ def test_each_example_plans_on_kubernetes(path, tmp_path):
     spec = job.spec.conversion()
     spec = spec.model_copy(update={"source": spec.source.model_copy(update={"path": str(source)}),
                                    "output": spec.output.model_copy(update={"path": str(tmp_path / "out.ome.zarr")})})
-    backend = KubernetesBackend(ClusterOwner("ns", job.name, "uid"), image="img")
+    backend = KubernetesBackend(Owner("ns", job.name, "uid"), image="img")
     planned = plan_job(spec, backend)
     plan = planned.plan
     assert plan.workers >= 1 and plan.memory.pod_limit > plan.memory.memory_limit > 0

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from h5ngff.engine.progress import Progress
 from h5ngff.metrics.assets import asset_path, dashboard_queries, iter_panels, load_dashboard, load_rules, referenced_metrics, rule_queries, unknown_metrics
 from h5ngff.metrics.families import BY_NAME, CATALOGUE, ExportState, build_families
+from h5ngff.metrics.operator import OPERATOR_METRICS, OperatorMetrics
 from h5ngff.metrics.probes import CgroupFigures, ClusterSnapshot, WorkerFigures
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -34,9 +35,11 @@ def test_dashboard_has_the_variables_and_panels_the_issue_asks_for():
     for panel in panels:  # every query goes to the chosen data source
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"]), panel["title"]
-        for target in panel["targets"]:
-            assert '$job"' in target["expr"] and '$namespace"' in target["expr"], (panel["title"], target["expr"])
     used = {title: set().union(*(referenced_metrics(t["expr"]) for t in p["targets"])) for p in panels for title in [p["title"]]}
+    for panel in panels:  # job panels filter on the variables; the operator's metrics have no job labels
+        operator = used[panel["title"]] <= set(OPERATOR_METRICS) and all("conversion_job" not in t["expr"] or 'conversion_job=""' in t["expr"] for t in panel["targets"])
+        for target in panel["targets"]:
+            assert operator or ('$job"' in target["expr"] and '$namespace"' in target["expr"]), (panel["title"], target["expr"])
 
     def panel_with(*metrics: str) -> list[str]:
         return [title for title, names in used.items() if set(metrics) <= names]
@@ -47,6 +50,11 @@ def test_dashboard_has_the_variables_and_panels_the_issue_asks_for():
     assert panel_with("h5ngff_job_slabs_done_total", "h5ngff_job_planned_slabs")
     assert panel_with("h5ngff_job_read_bytes_total")
     assert panel_with("h5ngff_worker_nanny_restarts_total", "h5ngff_worker_oom_kills_total")
+    # Issue 17: pass progress, the build info, and the operator's own metrics.
+    assert panel_with("h5ngff_job_current_pass", "h5ngff_job_planned_passes")
+    assert len(panel_with("h5ngff_build_info")) == 2  # the runner's (by job) and the operator's
+    assert panel_with("h5ngff_operator_conversionjobs")
+    assert panel_with("h5ngff_operator_reconcile_passes_total", "h5ngff_operator_reconcile_errors_total")
     stacked = [p for p in panels if "h5ngff_worker_memory_bytes" in used[p["title"]]]
     assert stacked[0]["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
 
@@ -54,7 +62,18 @@ def test_dashboard_has_the_variables_and_panels_the_issue_asks_for():
 def test_dashboard_and_rules_reference_only_exported_metrics():
     queries = dashboard_queries(load_dashboard()) + rule_queries(load_rules())
     assert len(queries) > 20 and all(referenced_metrics(q.expr) for q in queries)
-    assert unknown_metrics(queries, set(BY_NAME)) == {}
+    assert unknown_metrics(queries, set(BY_NAME) | set(OPERATOR_METRICS)) == {}
+
+
+def test_the_operator_catalogue_is_what_the_operator_exposes():
+    metrics = OperatorMetrics()
+    metrics.observe("imaging", "scan", "Running")
+    metrics.reconciled("imaging", "scan")
+    metrics.reconcile_error("transient")
+    text = generate_latest(metrics.registry).decode()
+    samples = set(re.findall(r"^(h5ngff_\w+)[{ ]", text, re.M)) - {n for n in re.findall(r"^(h5ngff_\w+_created)[{ ]", text, re.M)}
+    assert samples == set(OPERATOR_METRICS)
+    assert re.search(r'^h5ngff_build_info\{version="[^"]+"\} 1\.0$', text, re.M), text
 
 
 def test_a_panel_with_a_made_up_metric_is_reported():
@@ -63,7 +82,7 @@ def test_a_panel_with_a_made_up_metric_is_reported():
     panel = dict(dash["panels"][1])
     panel["targets"] = [{"refId": "A", "expr": 'h5ngff_worker_made_up_bytes{conversion_job=~"$job"} / h5ngff_worker_rss_bytes'}]
     dash["panels"] = dash["panels"] + [panel]
-    assert unknown_metrics(dashboard_queries(dash), set(BY_NAME)) == {f"panel {panel['title']!r} A": {"h5ngff_worker_made_up_bytes"}}
+    assert unknown_metrics(dashboard_queries(dash), set(BY_NAME) | set(OPERATOR_METRICS)) == {f"panel {panel['title']!r} A": {"h5ngff_worker_made_up_bytes"}}
 
 
 def full_state() -> ExportState:
@@ -100,7 +119,7 @@ def test_the_catalogue_is_exactly_what_the_exporter_emits_and_follows_prometheus
         assert metric.help.endswith(".") and metric.source
         assert "job" not in metric.labels  # Prometheus's own target label; see families.py
     worker = [line for line in text.splitlines() if line.startswith("h5ngff_worker_rss_bytes{")]
-    assert worker == ['h5ngff_worker_rss_bytes{conversion_job="scan",namespace="imaging",worker="pod-0"} 410.0']
+    assert worker == ['h5ngff_worker_rss_bytes{conversion_job="scan",conversion_job_namespace="imaging",worker="pod-0"} 410.0']
 
 
 @needs_promtool

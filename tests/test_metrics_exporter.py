@@ -85,7 +85,7 @@ def test_exporter_on_an_existing_cluster(shared_cluster, tmp_path):
     # Earlier tests may have killed workers of this shared cluster: only this run's exits count.
     assert set(by_worker(text, "h5ngff_worker_nanny_restarts_total").values()) == {0}
     values = samples(text)
-    labels = (("conversion_job", "existing"), ("namespace", "tests"))
+    labels = (("conversion_job", "existing"), ("conversion_job_namespace", "tests"))
     assert values[("h5ngff_job_slabs_done_total", labels)] == job.plan.n_tasks == values[("h5ngff_job_planned_slabs", labels)]
     assert values[("h5ngff_job_read_bytes_total", labels)] == summary.totals.bytes_read
     assert values[("h5ngff_job_phase", labels + (("phase", "Succeeded"),))] == 1
@@ -105,7 +105,7 @@ def test_listener_only_exports_the_job_phase_without_a_cluster():
         values = samples(scrape(exporter.port))
     finally:
         exporter.close()
-    labels = (("conversion_job", "nocluster"), ("namespace", "tests"))
+    labels = (("conversion_job", "nocluster"), ("conversion_job_namespace", "tests"))
     assert values[("h5ngff_job_phase", labels + (("phase", "Failed"),))] == 1
     assert values[("h5ngff_job_phase", labels + (("phase", "Writing"),))] == 0
     assert values[("h5ngff_job_slabs_done_total", labels)] == 3
@@ -251,7 +251,7 @@ def test_cli_serves_metrics_during_the_run_and_lingers_after_it(shared_cluster, 
            "--scheduler", shared_cluster.scheduler_address, "--json", "--metrics-port", str(port), "--metrics-linger", "3"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        labels = (("conversion_job", "cli-job"), ("namespace", "cli-ns"))
+        labels = (("conversion_job", "cli-job"), ("conversion_job_namespace", "cli-ns"))
         values = _scrape_until_succeeded(proc, port, labels)
         assert proc.poll() is None, "the process should still be lingering"
         assert any(name == "h5ngff_worker_rss_bytes" and value > 0 for (name, _), value in values.items())
@@ -275,7 +275,7 @@ def test_run_job_yaml_serves_metrics_labelled_by_the_manifest(shared_cluster, tm
     cmd = [sys.executable, "-m", "h5ngff.cli", "run", str(manifest), "--scheduler", shared_cluster.scheduler_address, "--json",
            "--metrics-port", str(port), "--metrics-linger", "3"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    labels = (("conversion_job", "scan-7"), ("namespace", "imaging"))
+    labels = (("conversion_job", "scan-7"), ("conversion_job_namespace", "imaging"))
     try:
         values = _scrape_until_succeeded(proc, port, labels)
         assert values[("h5ngff_job_slabs_done_total", labels)] == values[("h5ngff_job_planned_slabs", labels)] > 0
@@ -293,3 +293,41 @@ def test_a_port_in_use_is_an_input_error():
         held.listen()
         with pytest.raises(SpecError, match="--metrics-port: Expected a free TCP port"):
             MetricsExporter(held.getsockname()[1], "busy", addr="127.0.0.1")
+
+
+@pytest.mark.parametrize("command", ["convert", "run"])
+def test_the_exporter_answers_while_the_job_is_planned(shared_cluster, tmp_path, monkeypatch, command):
+    """Issue 17: the exporter used to start after planning, so Prometheus's first scrapes of a
+    runner were refused. Planning is intercepted here to scrape the port from inside it."""
+    from h5ngff import runner
+    from h5ngff.cli import main
+    from h5ngff.operator import attempt
+
+    h5 = write_h5(tmp_path / "in.h5", volume((16, 64, 64)))
+    port = _free_port()
+    seen: list[str] = []
+    module = runner if command == "convert" else attempt
+    real = module.plan_job
+
+    def planning(*args, **kwargs):
+        try:
+            seen.append(scrape(port))
+        except OSError as exc:
+            seen.append(f"refused: {exc}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "plan_job", planning)
+    out = tmp_path / "out.ome.zarr"
+    if command == "convert":
+        argv = ["convert", f"{h5}:/volume/data", str(out)]
+    else:
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text("apiVersion: h5ngff.dev/v1alpha1\nkind: ConversionJob\nmetadata: {name: early}\n"
+                            f"spec:\n  source: {{path: {h5}, dataset: /volume/data}}\n  output: {{path: {out}}}\n")
+        argv = ["run", str(manifest)]
+    assert main([*argv, "--scheduler", shared_cluster.scheduler_address, "--json", "--metrics-port", str(port)]) == 0
+    (during,) = seen
+    from h5ngff import __version__
+
+    assert f'h5ngff_build_info{{conversion_job="{"out" if command == "convert" else "early"}",conversion_job_namespace="local",version="{__version__}"}} 1.0' in during, during
+    assert "h5ngff_job_phase" not in during  # nothing planned yet: no progress series

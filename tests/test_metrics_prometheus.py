@@ -30,6 +30,7 @@ from h5ngff.backends.cgroups import cgroups_available
 from h5ngff.backends.local import LocalBackend
 from h5ngff.metrics.assets import RULES, Query, asset_path, dashboard_queries, load_dashboard, load_rules, referenced_metrics, rule_queries, substitute
 from h5ngff.metrics.exporter import MetricsExporter
+from h5ngff.metrics.operator import OPERATOR_METRICS, OperatorMetrics
 from h5ngff.runner import plan_job, run_job
 
 PROMETHEUS = "/usr/bin/prometheus"
@@ -37,6 +38,8 @@ PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 pytestmark = pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)")
 
 JOB, NAMESPACE, SCRAPE_JOB = "scrape-test", "h5ngff-tests", "h5ngff"
+OPERATOR_SCRAPE_JOB = "h5ngff-operator"
+POD_MONITOR_LABELS = {"namespace": NAMESPACE, "pod": f"{JOB}-runner-1-abcde", "container": "runner"}
 CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes",
                   "h5ngff_worker_pod_nonreclaimable_bytes", "h5ngff_worker_pod_nonreclaimable_peak_bytes"}
 
@@ -50,13 +53,16 @@ def free_port() -> int:
 class PrometheusServer:
     """/usr/bin/prometheus on a loopback port, scraping ``target`` every 0.5 s, with our rules."""
 
-    def __init__(self, directory, target: str):
+    def __init__(self, directory, target: str, operator_target: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": "500ms", "scrape_timeout": "400ms", "evaluation_interval": "500ms"},
             "rule_files": [asset_path(RULES)],
-            "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [{"targets": [target]}]}],
+            # The target labels a PodMonitor adds (namespace, pod, container): exported labels of
+            # the same names would be renamed exported_*, and the dashboard would filter on nothing.
+            "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [{"targets": [target], "labels": POD_MONITOR_LABELS}]},
+                               {"job_name": OPERATOR_SCRAPE_JOB, "static_configs": [{"targets": [operator_target], "labels": {"namespace": "h5ngff-system"}}]}],
         }
         path = os.path.join(directory, "prometheus.yml")
         with open(path, "w") as f:
@@ -123,8 +129,15 @@ class Scraped:
 def scraped(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
     exporter = MetricsExporter(0, JOB, NAMESPACE, addr="127.0.0.1")  # the runner polls every 0.5 s
+    # The operator's own metrics, for the dashboard's Operator row: two jobs seen, passes, an error.
+    operator = OperatorMetrics()
+    operator.observe(NAMESPACE, JOB, "Running")
+    operator.observe(NAMESPACE, "older", "Succeeded")
+    operator.reconciled(NAMESPACE, JOB)
+    operator.reconcile_error("transient")
+    operator_server, _ = operator.serve(0, addr="127.0.0.1")
     # Started first: Prometheus's service discovery hands out targets only after ~5 s.
-    prom = PrometheusServer(str(tmp), f"127.0.0.1:{exporter.port}")
+    prom = PrometheusServer(str(tmp), f"127.0.0.1:{exporter.port}", f"127.0.0.1:{operator_server.server_port}")
     try:
         # 128 slab tasks of 32x64x64: seconds of writing, so 0.5 s scrapes see it part-way through.
         shape = (64, 512, 512)
@@ -147,6 +160,8 @@ def scraped(tmp_path_factory):
     finally:
         prom.stop()
         exporter.close()
+        operator_server.shutdown()
+        operator_server.server_close()
 
 
 def relax(expr: str) -> str:
@@ -173,9 +188,16 @@ def check_series(result: list, query: Query, workers: set[str]) -> list[str]:
             if labels.get(query.label) in (None, ""):
                 problems.append(f"{query.where}: no {query.label!r} label in {labels}")
             continue
-        if labels.get("conversion_job") != JOB or labels.get("namespace") != NAMESPACE:
-            problems.append(f"{query.where}: labels {labels} lack conversion_job={JOB!r} namespace={NAMESPACE!r}")
-        if labels.get("job", SCRAPE_JOB) != SCRAPE_JOB or "exported_job" in labels or "exported_namespace" in labels:
+        if referenced_metrics(query.expr) <= set(OPERATOR_METRICS) and "conversion_job=~" not in query.expr:
+            # The operator's series carry no job labels; they come from its own scrape job.
+            if labels.get("job", OPERATOR_SCRAPE_JOB) != OPERATOR_SCRAPE_JOB or any(k.startswith("exported_") for k in labels):
+                problems.append(f"{query.where}: operator series from the wrong target or with clashing labels: {labels}")
+            if not all(math.isfinite(v) and v >= 0 for v in values):
+                problems.append(f"{query.where}: values not finite and >= 0: {values[:5]}")
+            continue
+        if labels.get("conversion_job") != JOB or labels.get("conversion_job_namespace") != NAMESPACE:
+            problems.append(f"{query.where}: labels {labels} lack conversion_job={JOB!r} conversion_job_namespace={NAMESPACE!r}")
+        if labels.get("job", SCRAPE_JOB) != SCRAPE_JOB or any(k.startswith("exported_") for k in labels):
             problems.append(f"{query.where}: our labels clash with Prometheus's target labels: {labels}")
         if "worker" in labels and labels["worker"] not in workers:
             problems.append(f"{query.where}: worker {labels['worker']!r} is not one of {sorted(workers)}")
@@ -201,7 +223,7 @@ def test_every_dashboard_and_rule_expression_returns_labelled_plausible_series(s
 
 def test_the_check_fails_for_a_metric_the_exporter_does_not_export(scraped):
     """Negative control: the same check, on a panel with a made-up metric, reports it."""
-    fake = Query("panel 'made up' A", 'h5ngff_worker_made_up_bytes{conversion_job=~"$job",namespace=~"$namespace"}')
+    fake = Query("panel 'made up' A", 'h5ngff_worker_made_up_bytes{conversion_job=~"$job",conversion_job_namespace=~"$namespace"}')
     problems = check_series(scraped.prom.range(substituted(fake, scraped.workers), scraped.start, scraped.end), fake, scraped.workers)
     assert problems and "no series" in problems[0]
     other = check_series(scraped.prom.range('label_replace(h5ngff_worker_rss_bytes, "conversion_job", "other", "", "")', scraped.start, scraped.end), fake, scraped.workers)
@@ -214,7 +236,7 @@ def _instant(scraped, expr: str) -> dict[str, float]:
 
 
 def test_worker_memory_is_positive_and_within_the_pod_limit(scraped):
-    sel = f'{{conversion_job="{JOB}",namespace="{NAMESPACE}"}}'
+    sel = f'{{conversion_job="{JOB}",conversion_job_namespace="{NAMESPACE}"}}'
     rss = scraped.prom.range(f"h5ngff_worker_rss_bytes{sel}", scraped.start, scraped.end)
     assert {s["metric"]["worker"] for s in rss} == scraped.workers
     for series in rss:
@@ -223,7 +245,7 @@ def test_worker_memory_is_positive_and_within_the_pod_limit(scraped):
     plan = scraped.summary.job.plan
     assert set(_instant(scraped, f"h5ngff_worker_memory_limit_bytes{sel}").values()) == {plan.memory.memory_limit}
     assert set(_instant(scraped, f"h5ngff_worker_pod_limit_bytes{sel}").values()) == {scraped.pod_limit}
-    process = _instant(scraped, f'sum by (worker) (h5ngff_worker_memory_bytes{{type!="spilled"}})')
+    process = _instant(scraped, 'sum by (worker) (h5ngff_worker_memory_bytes{type!="spilled"})')
     assert all(0 < v <= scraped.pod_limit for v in process.values()), process
     if scraped.pods:  # the kernel's limit on each pod's cgroup is the planned one, and it held
         assert set(_instant(scraped, f"h5ngff_worker_cgroup_limit_bytes{sel}").values()) == {scraped.pod_limit}
@@ -232,7 +254,7 @@ def test_worker_memory_is_positive_and_within_the_pod_limit(scraped):
 
 
 def test_progress_reaches_the_total_and_matches_the_run(scraped):
-    sel = f'{{conversion_job="{JOB}",namespace="{NAMESPACE}"}}'
+    sel = f'{{conversion_job="{JOB}",conversion_job_namespace="{NAMESPACE}"}}'
     totals = scraped.summary.totals
     planned = scraped.summary.job.plan.n_tasks
     assert _instant(scraped, f"h5ngff_job_planned_slabs{sel}") == {"": planned}
@@ -243,7 +265,7 @@ def test_progress_reaches_the_total_and_matches_the_run(scraped):
     # Prometheus saw the job while it was writing, part-way through, not only the final state.
     done = scraped.prom.range(f"h5ngff_job_slabs_done_total{sel}", scraped.start, scraped.end)[0]["values"]
     assert any(0 < float(v) < planned for _, v in done), "no scrape caught the job mid-run"
-    writing = scraped.prom.range(f'h5ngff_job_phase{{phase="Writing"}} == 1', scraped.start, scraped.end)
+    writing = scraped.prom.range('h5ngff_job_phase{phase="Writing"} == 1', scraped.start, scraped.end)
     assert writing and len(writing[0]["values"]) >= 2
 
 
@@ -268,3 +290,13 @@ def test_promtool_check_metrics_passes_on_the_real_scrape(scraped):
     bad = scraped.exposition.replace("# TYPE h5ngff_job_slabs_done_total counter", "# TYPE h5ngff_job_slabs_done_total gauge")
     result = subprocess.run([PROMTOOL, "check", "metrics"], input=bad, capture_output=True, text=True)
     assert result.returncode != 0 and "_total" in result.stdout + result.stderr
+
+
+def test_no_label_is_renamed_under_pod_monitor_target_labels(scraped):
+    """Issue 17: with a PodMonitor's target labels (namespace, pod, container) on the scrape, the
+    exporter's own labels keep their names: nothing becomes exported_*. Before the rename its
+    ``namespace`` label became ``exported_namespace`` here."""
+    renamed = scraped.prom.range('{__name__=~"h5ngff_.+", exported_namespace!=""} or {__name__=~"h5ngff_.+", exported_job!=""}', scraped.start, scraped.end)
+    assert renamed == []
+    (series,) = scraped.prom.range(f'h5ngff_job_planned_slabs{{conversion_job="{JOB}"}}', scraped.start, scraped.end)
+    assert series["metric"]["conversion_job_namespace"] == series["metric"]["namespace"] == NAMESPACE

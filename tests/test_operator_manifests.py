@@ -15,7 +15,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from h5ngff.backends.allocator import JEMALLOC_CONF
-from h5ngff.backends.kubernetes import SCHEDULER_MEMORY, ClusterOwner, KubernetesBackend, build_dask_cluster, build_worker_container
+from h5ngff.backends.kubernetes import SCHEDULER_MEMORY, KubernetesBackend, build_dask_cluster, build_worker_container
 from h5ngff.jobspec import PodSettings, parse_job_spec
 from h5ngff.k8s import MAX_CLUSTER_NAME, child_name, dask_cluster_name, label_value
 from h5ngff.operator.manifests import SPEC_ENV, Owner, build_runner_job, runner_job_name
@@ -43,7 +43,7 @@ def job_spec(**extra):
 
 def plan_for(spec, allocator="jemalloc"):
     ds = DatasetInfo(shape=(128, 512, 512), dtype="<u2", itemsize=2)
-    backend = KubernetesBackend(ClusterOwner("ns", "j", "u"), image="img")
+    backend = KubernetesBackend(Owner("ns", "j", "u"), image="img")
     return make_plan(ds, spec.conversion(), backend.capacity(), DEFAULT_CONSTANTS, allocator)
 
 
@@ -112,7 +112,7 @@ def test_child_names_are_deterministic_unique_and_short(name):
 def test_worker_pods_carry_the_plan():
     spec = job_spec()
     plan = plan_for(spec)
-    cluster = build_dask_cluster(plan, ClusterOwner("science", "scan-42", "0b9f-uid", attempt=2), "img:1", spec.pod)
+    cluster = build_dask_cluster(plan, Owner("science", "scan-42", "0b9f-uid", attempt=2), "img:1", spec.pod)
     worker = cluster["spec"]["worker"]
     assert worker["replicas"] == plan.workers == 3
     pod = worker["spec"]
@@ -147,7 +147,7 @@ def test_glibc_workers_get_the_tuned_glibc_env_not_jemalloc():
 def test_scheduler_pod_is_guaranteed_and_sized_apart_from_workers():
     spec = job_spec()
     plan = plan_for(spec)
-    sched = build_dask_cluster(plan, ClusterOwner("science", "scan-42", "u"), "img", spec.pod)["spec"]["scheduler"]
+    sched = build_dask_cluster(plan, Owner("science", "scan-42", "u"), "img", spec.pod)["spec"]["scheduler"]
     (c,) = sched["spec"]["containers"]
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert parse_bytes(c["resources"]["limits"]["memory"]) == SCHEDULER_MEMORY

@@ -121,7 +121,7 @@ async def test_the_same_job_runs_when_the_policy_allows_it():
         assert list(c.jobs()) == ["greedy-runner-1"]
         (role,) = c.live(ROLE_RES).values()
         (binding,) = c.live(ROLEBINDING_RES).values()
-    assert role == {**build_runner_role(Owner("default", "greedy", "uid-greedy")), **{"metadata": role["metadata"]}}
+    assert role == {**build_runner_role(Owner("default", "greedy", "uid-greedy")), "metadata": role["metadata"]}
     assert role["rules"] == [{"apiGroups": ["h5ngff.dev"], "resources": ["conversionjobs/status"], "resourceNames": ["greedy"], "verbs": ["patch"]}]
     assert role["metadata"]["ownerReferences"][0]["uid"] == "uid-greedy"
     # the test harness's operator has no default runner account: the pod runs as "default"

@@ -120,8 +120,8 @@ def test_every_rendered_object_validates_and_every_pod_is_restricted(capsys, job
                 kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
-        for where, pod, annotations in pod_specs(obj):
-            assert violations(pod, annotations) == [], where
+        for where, pod, pod_annotations in pod_specs(obj):
+            assert violations(pod, pod_annotations) == [], where
             pods += 1
     assert pods == 3  # runner, scheduler, worker
 

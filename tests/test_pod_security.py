@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from h5ngff.backends.kubernetes import ClusterOwner, build_dask_cluster
+from h5ngff.backends.kubernetes import build_dask_cluster
+from h5ngff.jobspec import Owner
 from h5ngff.k8s import RUN_AS_GROUP, RUN_AS_USER, SCRATCH_PATH
 from h5ngff.operator.manifests import Owner, build_runner_job
 
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def created_objects() -> list[dict]:
     spec = job_spec()
     runner = build_runner_job(Owner("science", "scan-42", "uid"), spec, 1, "img:1", default_service_account="h5ngff-runner")
-    cluster = build_dask_cluster(plan_for(spec), ClusterOwner("science", "scan-42", "uid"), "img:1", spec.pod)
+    cluster = build_dask_cluster(plan_for(spec), Owner("science", "scan-42", "uid"), "img:1", spec.pod)
     return [runner, cluster]
 
 
@@ -140,12 +141,12 @@ def test_the_checker_catches_an_apparmor_annotation():
 def test_pods_as_built_before_this_change_fail():
     """Negative control on the real builders: without the security contexts (as before
     issue 12) every h5ngff pod is refused by a namespace enforcing ``restricted``."""
-    for where, pod, annotations in PODS[:3]:
+    for where, pod, pod_annotations in PODS[:3]:
         bare = copy.deepcopy(pod)
         bare.pop("securityContext")
         for c in bare["containers"]:
             c.pop("securityContext")
-        found = violations(bare, annotations)
+        found = violations(bare, pod_annotations)
         assert any(v.startswith("Privilege Escalation") for v in found), where
         assert any(v.startswith("Running as Non-root") for v in found), where
         assert any(v.startswith("Seccomp") for v in found), where
@@ -211,7 +212,7 @@ def test_the_scheduler_and_worker_run_on_a_read_only_root_with_the_scratch_volum
     if reason:
         pytest.skip(reason)
     spec = job_spec(resources={"workers": 1, "threadsPerWorker": 1, "memoryPerWorker": "1Gi"}, pod={})
-    cluster = build_dask_cluster(plan_for(spec), ClusterOwner("ns", "ro", "u"), "img", spec.pod)
+    cluster = build_dask_cluster(plan_for(spec), Owner("ns", "ro", "u"), "img", spec.pod)
     (scheduler,) = cluster["spec"]["scheduler"]["spec"]["containers"]
     (worker,) = cluster["spec"]["worker"]["spec"]["containers"]
     with socket.socket() as s:

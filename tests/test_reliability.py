@@ -286,7 +286,7 @@ def test_names_from_input_cannot_escape_the_output(tmp_path, convert):
     convert(spec_for(h5, str(out), dataset="/b/data", image={"name": "../../../escape"}, pyramid={"levels": 1}))
     assert set(os.listdir(tmp_path)) == before | {"nested"}
     assert set(os.listdir(tmp_path / "nested")) == {"out.ome.zarr"}
-    for directory, _, files in os.walk(out):
+    for directory, _, _files in os.walk(out):
         assert os.path.realpath(directory).startswith(os.path.realpath(out))
     attrs = zarr.open_group(str(out), mode="r").attrs.asdict()
     assert attrs["ome"]["multiscales"][0]["name"] == "../../../escape"  # kept as metadata text only

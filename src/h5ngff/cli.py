@@ -149,14 +149,28 @@ def cmd_convert(args: argparse.Namespace, console: Console) -> int:
     return convert_spec(spec, args, console)
 
 
+def _start_metrics(spec, args: argparse.Namespace):
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    from .metrics.exporter import MetricsExporter
+
+    return MetricsExporter.for_spec(spec, args.metrics_port)
+
+
 def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     from .engine.output import check_output
     from .report import ProgressBar, plan_renderable, summary_renderable
     from .runner import plan_job, run_job
 
     backend = backend_from_args(args)
-    job = plan_job(spec, backend, constants_from_args(args))
-    check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster
+    metrics = _start_metrics(spec, args)  # before planning: Prometheus's first scrapes find the target up
+    try:
+        job = plan_job(spec, backend, constants_from_args(args))
+        check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     if not args.json:
         console.print(plan_renderable(job))
     listeners = []
@@ -164,11 +178,6 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     if not args.json and not args.no_progress:
         bar = ProgressBar(console)
         listeners.append(bar)
-    metrics = None
-    if getattr(args, "metrics_port", None) is not None:
-        from .metrics.exporter import MetricsExporter
-
-        metrics = MetricsExporter.for_spec(job.spec, args.metrics_port)
     try:
         if bar:
             with bar:

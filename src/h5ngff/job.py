@@ -13,10 +13,8 @@ from typing import Any
 import yaml
 
 from .errors import SpecError
-from .jobspec import ConversionJobSpec, parse_job_spec
+from .jobspec import API_VERSION, KIND, ConversionJobSpec, parse_job_spec
 
-API_VERSION = "h5ngff.dev/v1alpha1"
-KIND = "ConversionJob"
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 
 

@@ -14,12 +14,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .errors import SpecError
 from .spec import ConversionSpec, _Model, parse_model
+
+#: The ConversionJob resource, named once for the CRD, the operator's manifests, the Kubernetes
+#: backend's owner references and ``h5ngff run``'s manifest check.
+GROUP = "h5ngff.dev"
+VERSION = "v1alpha1"
+KIND = "ConversionJob"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ConversionJob that owns a run's children (runner Job, RBAC, Dask cluster): its identity
+    as the API reports it, and which attempt the children belong to."""
+
+    namespace: str
+    name: str
+    uid: str
+    attempt: int = 1
 
 #: Kubernetes Job defaults, chosen for memory-planned batch work: a run that failed twice for the
 #: same reason (usually memory) will fail a third time, so retry twice, not Kubernetes' six.

@@ -12,9 +12,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from .jobspec import PodSettings
+from .jobspec import GROUP, PodSettings
 
-GROUP = "h5ngff.dev"
 LABEL_JOB = f"{GROUP}/conversionjob"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_COMPONENT = "app.kubernetes.io/component"

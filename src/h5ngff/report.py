@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .engine.progress import Progress as ProgressEvent
+from .phases import Phase
 from .planner import Plan
 from .runner import PlannedJob, RunSummary
 from .units import MiB, format_bytes, k8s_quantity
@@ -80,7 +81,7 @@ def summary_renderable(summary: RunSummary) -> Group:
     head.add_column(style="bold")
     head.add_column()
     t = summary.totals
-    head.add_row("status", f"[green]{summary.status}[/green]" if summary.status == "Succeeded" else f"[red]{summary.status}[/red]")
+    head.add_row("status", f"[green]{summary.status}[/green]" if summary.status == Phase.SUCCEEDED else f"[red]{summary.status}[/red]")
     head.add_row("output", summary.job.spec.output.path + ("  (resumed)" if summary.resumed else ""))
     if t:
         head.add_row("time", f"{summary.seconds:.2f} s  ({_rate(summary.gb_per_s * 1e9)} of source data)")

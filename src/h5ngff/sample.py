@@ -54,7 +54,7 @@ def write_sample(path: str, dataset: str = "/volume/data", shape: tuple[int, ...
         for n, (index, z0) in enumerate(steps):
             z1 = min(z0 + depth, shape[-3])
             offset = sum(index) * 5
-            ds[index + (slice(z0, z1),)] = np.stack([_plane(offset + z, shape[-2:], rng, dt) for z in range(z0, z1)])
+            ds[index + (slice(z0, z1),)] = np.stack([_plane(offset + z, (shape[-2], shape[-1]), rng, dt) for z in range(z0, z1)])
             if progress:
                 progress(n + 1, len(steps))
     return path

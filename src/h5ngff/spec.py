@@ -49,8 +49,6 @@ MAX_AXES = 5
 #: Longest byte-quantity string accepted; bounds the CRD's CEL cost (operator/admission.py).
 MAX_QUANTITY_LENGTH = 64
 BLOSC_CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
-SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")
-CODECS = ("blosc", "zstd", "gzip", "none")
 #: Allowed compression levels per codec, inclusive. zstd's negative "fast" levels are excluded on
 #: purpose: they are rarely wanted for archives and complicate the level's meaning.
 LEVEL_RANGES = {"blosc": (0, 9), "zstd": (1, 22), "gzip": (1, 9)}

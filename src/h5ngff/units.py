@@ -46,10 +46,6 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def to_mib(n: float) -> float:
-    return n / MiB
-
-
 def k8s_quantity(n: int) -> str:
     """A Kubernetes memory quantity, rounded up to whole MiB so the limit is never below the plan."""
     return f"{math.ceil(n / MiB)}Mi"

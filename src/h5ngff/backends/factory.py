@@ -18,8 +18,7 @@ from ..errors import SpecError
 from .base import Backend
 
 if TYPE_CHECKING:
-    from ..jobspec import PodSettings
-    from .kubernetes import ClusterOwner
+    from ..jobspec import Owner, PodSettings
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class BackendOptions:
     pod_limit: int | None = None
     #: kubernetes: the ConversionJob the DaskCluster belongs to (None: planning only, as
     #: ``h5ngff plan --kubernetes`` does).
-    owner: ClusterOwner | None = None
+    owner: Owner | None = None
     #: kubernetes: the image of the scheduler and worker pods.
     image: str = ""
     #: kubernetes: the job's spec.pod (volumes, placement, pull policy).
@@ -63,9 +62,10 @@ def _external(options: BackendOptions) -> Backend:
 
 
 def _kubernetes(options: BackendOptions) -> Backend:
-    from .kubernetes import ClusterOwner, KubernetesBackend
+    from ..jobspec import Owner
+    from .kubernetes import KubernetesBackend
 
-    owner = options.owner or ClusterOwner("", "plan", "")
+    owner = options.owner or Owner("", "plan", "")
     return KubernetesBackend(owner, image=options.image, pod=options.pod)
 
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 from distributed import Client
 
 from ..errors import ClusterError
-from ..jobspec import PodSettings
-from ..k8s import GROUP, container_storage, dask_cluster_name, env_list, labels, owner_reference, pod_placement, with_scratch
+from ..jobspec import API_VERSION, KIND, Owner, PodSettings
+from ..k8s import container_storage, dask_cluster_name, env_list, labels, owner_reference, pod_placement, with_scratch
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
 from ..units import GiB, k8s_quantity
@@ -115,19 +114,8 @@ def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[s
     return with_scratch({"containers": [container], "automountServiceAccountToken": False, **placement})
 
 
-@dataclass(frozen=True)
-class ClusterOwner:
-    """The ConversionJob a Dask cluster belongs to (its name, namespace and uid)."""
 
-    namespace: str
-    name: str
-    uid: str
-    attempt: int = 1
-    api_version: str = f"{GROUP}/v1alpha1"
-    kind: str = "ConversionJob"
-
-
-def build_dask_cluster(plan: Plan, owner: ClusterOwner, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
+def build_dask_cluster(plan: Plan, owner: Owner, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
     """The ``DaskCluster`` resource (kubernetes.dask.org/v1) for one run of ``plan``."""
     name = dask_cluster_name(owner.name)
     return {
@@ -139,7 +127,7 @@ def build_dask_cluster(plan: Plan, owner: ClusterOwner, image: str, pod: PodSett
             "labels": labels(owner.name, "dask-cluster", owner.attempt),
             # blockOwnerDeletion would need update rights on conversionjobs/finalizers; the
             # operator's finalizer deletes the cluster anyway.
-            "ownerReferences": [owner_reference(owner.api_version, owner.kind, owner.name, owner.uid, block=False)],
+            "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid, block=False)],
         },
         "spec": {
             "idleTimeout": 0,
@@ -165,7 +153,7 @@ class KubernetesBackend:
     name = "kubernetes"
     owns_workers = True
 
-    def __init__(self, owner: ClusterOwner, image: str, pod: PodSettings | None = None, default_workers: int = DEFAULT_WORKERS):
+    def __init__(self, owner: Owner, image: str, pod: PodSettings | None = None, default_workers: int = DEFAULT_WORKERS):
         self.owner = owner
         self.image = image
         self.pod = pod or PodSettings()

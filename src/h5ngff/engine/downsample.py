@@ -23,11 +23,12 @@ from itertools import product
 
 import numpy as np
 
-#: Output elements computed at a time. Pairwise sums along the first downsampled axis hold
-#: 4 then 2 float64 values per output element, plus rounding temporaries for integers: about six
-#: 8-byte values, so a block costs ~6 MiB. The planner's memory model uses the same figures
-#: (planner.plan.MEAN_STRIP_ELEMENTS, planner.memory.STRIP_TEMPORARIES).
-STRIP_ELEMENTS = 1 << 16
+from ..planner.memory import STRIP_ELEMENTS
+
+# Output elements are computed STRIP_ELEMENTS at a time (defined in the planner, which prices it).
+# Pairwise sums along the first downsampled axis hold 4 then 2 float64 values per output element,
+# plus rounding temporaries for integers: about six 8-byte values (planner.memory.STRIP_TEMPORARIES),
+# so a block costs ~3 MiB.
 
 
 def output_shape(shape: tuple[int, ...], downsampled: tuple[bool, ...]) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 from distributed import Client, as_completed
 
 from ..errors import WorkersLostError
+from ..phases import Phase
 from ..planner.grid import grid_indices, region
 from ..planner.model import Plan
 from ..spec import ConversionSpec
@@ -72,7 +73,7 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
     total = plan.n_tasks
     skipped = sum(s for _, s in passes)
     totals.slabs_skipped = skipped
-    events.emit(phase="Writing", slabs_total=total, slabs_done=skipped, slabs_skipped=skipped, passes=len(plan.passes), started=time.time())
+    events.emit(phase=Phase.WRITING, slabs_total=total, slabs_done=skipped, slabs_skipped=skipped, passes=len(plan.passes), started=time.time())
     if skipped:
         log.info("Resume: %d of %d slab(s) are recorded and intact; %d to write.", skipped, total, total - skipped)
     token = uuid.uuid4().hex[:8]

@@ -6,10 +6,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..phases import Phase
+
 
 @dataclass
 class Progress:
-    phase: str = "Pending"  #: Pending, Planned, Writing, Finalizing, Succeeded, Failed
+    phase: str = Phase.PENDING  #: one of phases.RUN_PHASES
     slabs_done: int = 0
     slabs_total: int = 0
     #: Slabs found done in the manifest at start (resume), included in ``slabs_done``.

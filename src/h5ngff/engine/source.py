@@ -140,12 +140,3 @@ def read_slab(path: str, dataset: str, cache_bytes: int, region: tuple[slice, ..
 
 def _fmt(region: tuple[slice, ...]) -> str:
     return "[" + ", ".join(f"{r.start}:{r.stop}" for r in region) + "]"
-
-
-def close_all() -> None:
-    for ds in _open.values():
-        try:
-            ds.file.close()
-        except Exception:
-            pass
-    _open.clear()

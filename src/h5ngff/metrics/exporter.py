@@ -35,6 +35,7 @@ from prometheus_client.core import Metric
 from ..engine.progress import Progress
 from ..errors import SpecError
 from ..planner.model import Plan
+from ..phases import TERMINAL_PHASES, Phase
 from .families import ExportState, build_families
 from .probes import ClusterPoller, ClusterSnapshot
 
@@ -97,10 +98,10 @@ class MetricsExporter:
             if before is None or (before.phase, before.slabs_done) != (snapshot.phase, snapshot.slabs_done):
                 self._state.last_progress = time.time()
             self._state.progress = snapshot
-        if snapshot.phase in ("Succeeded", "Failed"):
+        if snapshot.phase in TERMINAL_PHASES:
             with self._scrape:
                 self._final_mark = self.scrapes            # Computed now, not at scrape time: after the run they must stay the final figures.
-            self._state.throughput = snapshot.read_throughput if snapshot.phase not in ("Pending", "Planned") else None
+            self._state.throughput = snapshot.read_throughput if snapshot.phase not in (Phase.PENDING, Phase.PLANNED) else None
             self._state.eta = snapshot.eta_seconds
 
     # -- cluster polling ---------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """Every metric h5ngff exports: one catalogue (name, type, labels, help, source), and a pure
 builder that turns the exporter's latest state into Prometheus metric families.
 
-Label names: ``conversion_job`` and ``namespace`` on everything, ``worker`` on per-worker series.
-Not ``job``: Prometheus attaches its own ``job`` label (the scrape job) to every scraped series and
-renames a clashing exported one to ``exported_job``, so dashboards could not filter on it. A
-clashing ``namespace`` (added by the Prometheus operator's pod/service monitors) is harmless: it is
-the pod's namespace, which is the ConversionJob's namespace.
+Label names: ``conversion_job`` and ``conversion_job_namespace`` on everything, ``worker`` on
+per-worker series. Not ``job`` nor ``namespace``: Prometheus attaches its own target labels, ``job``
+(the scrape job) everywhere and ``namespace`` (the pod's) under a PodMonitor, and renames a
+clashing exported label to ``exported_job``/``exported_namespace``, so the same dashboard query
+would match locally and miss under the Prometheus operator.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .. import __version__
 from ..engine.progress import Progress
+from ..phases import RUN_PHASES as PHASES
 from .probes import SPILL_ACTIVITIES, ClusterSnapshot, WorkerFigures
 
-JOB_LABELS = ("conversion_job", "namespace")
-PHASES = ("Pending", "Planned", "Writing", "Finalizing", "Succeeded", "Failed")
+JOB_LABELS = ("conversion_job", "conversion_job_namespace")
 MEMORY_TYPES = ("managed", "unmanaged_old", "unmanaged_recent", "spilled")
 
 
@@ -30,7 +31,7 @@ class MetricDef:
     help: str
     source: str  #: where the number comes from (for docs/metrics.md)
     worker: bool = False  #: per-worker (adds the ``worker`` label)
-    extra: tuple[str, ...] = ()  #: labels beyond conversion_job, namespace[, worker]
+    extra: tuple[str, ...] = ()  #: labels beyond JOB_LABELS[, worker]
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -46,7 +47,8 @@ def _worker(name, kind, help, source, extra=()):
 
 
 CATALOGUE: tuple[MetricDef, ...] = (
-    _job("h5ngff_job_phase", "gauge", "1 for the job's current phase (Pending, Planned, Writing, Finalizing, Succeeded, Failed), 0 for the others.", "progress events", ("phase",)),
+    _job("h5ngff_build_info", "gauge", "Always 1; the version label is the h5ngff that runs the job (served from before planning on).", "package version", ("version",)),
+    _job("h5ngff_job_phase", "gauge", f"1 for the job's current phase ({', '.join(PHASES)}), 0 for the others.", "progress events", ("phase",)),
     _job("h5ngff_job_planned_slabs", "gauge", "Slab tasks in the plan, all passes.", "plan"),
     _job("h5ngff_job_slabs_done_total", "counter", "Slab tasks finished, including those found done in the manifest at start.", "progress events"),
     _job("h5ngff_job_resumed_slabs", "gauge", "Slab tasks found done in the manifest at start (resume).", "progress events"),
@@ -98,22 +100,23 @@ class ExportState:
 class _Families:
     def __init__(self, job_values: tuple[str, str]):
         self.job_values = list(job_values)
-        self.families: dict[str, Metric] = {}
+        self.families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
 
-    def add(self, name: str, value: float, worker: str | None = None, extra: tuple[str, ...] = ()) -> None:
+    def add(self, name: str, value: float | None, worker: str | None = None, extra: tuple[str, ...] = ()) -> None:
         if value is None or (isinstance(value, float) and math.isnan(value)):
             return
         defn = BY_NAME[name]
         if name not in self.families:
             cls = CounterMetricFamily if defn.kind == "counter" else GaugeMetricFamily
             self.families[name] = cls(name, defn.help, labels=list(defn.labels))
-        values = self.job_values + ([worker] if defn.worker else []) + list(extra)
+        values = self.job_values + ([worker or ""] if defn.worker else []) + list(extra)
         self.families[name].add_metric(values, value)
 
 
 def build_families(conversion_job: str, namespace: str, state: ExportState) -> list[Metric]:
     """The metric families for one scrape (pure: the same state gives the same output)."""
     out = _Families((conversion_job, namespace))
+    out.add("h5ngff_build_info", 1.0, extra=(__version__,))
     _job_families(out, state)
     if state.snapshot is not None:
         out.add("h5ngff_exporter_last_poll_timestamp_seconds", state.snapshot.time)

@@ -11,10 +11,15 @@ from __future__ import annotations
 import threading
 from collections import Counter as Tally
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-PHASES = ("Pending", "Planned", "Running", "Succeeded", "Failed")
+from .. import __version__
+from ..phases import JOB_PHASES as PHASES
+
+#: The operator's metrics (the dashboard's Operator row; docs/metrics.md), beside the catalogue of
+#: the runner's exporter (families.CATALOGUE). Counters are exposed with ``_total``.
+OPERATOR_METRICS = ("h5ngff_build_info", "h5ngff_operator_conversionjobs", "h5ngff_operator_reconcile_errors_total", "h5ngff_operator_reconcile_passes_total")
 
 
 class _PhaseCollector:
@@ -45,6 +50,7 @@ class OperatorMetrics:
         #: bound); tests count them instead of sleeping ("N passes later, nothing happened").
         self._passes: Tally = Tally()
         self.registry.register(_PhaseCollector(self))
+        Info("h5ngff_build", "Always 1; the version label is the running operator's h5ngff.", registry=self.registry).info({"version": __version__})
 
     def observe(self, namespace: str, name: str, phase: str | None) -> None:
         with self._lock:

@@ -216,6 +216,6 @@ def apply_rules(spec_schema: dict[str, Any]) -> dict[str, Any]:
     """Add SCHEMA_RULES and CEL_RULES to the ``.spec`` schema (in place; returned too)."""
     for rule in SCHEMA_RULES:
         _merge(node_at(spec_schema, rule.path), rule.keys)
-    for rule in CEL_RULES:
-        node_at(spec_schema, rule.path).setdefault("x-kubernetes-validations", []).append(rule.validation())
+    for cel in CEL_RULES:
+        node_at(spec_schema, cel.path).setdefault("x-kubernetes-validations", []).append(cel.validation())
     return spec_schema

@@ -16,6 +16,7 @@ from ..engine.output import check_output
 from ..engine.progress import Progress
 from ..errors import H5ngffError
 from ..jobspec import ConversionJobSpec
+from ..phases import WRITING_PHASES
 from ..planner import DEFAULT_CONSTANTS, MemoryConstants
 from ..runner import PlannedJob, RunSummary, plan_job, run_job
 from .status import (
@@ -60,7 +61,7 @@ class ProgressForwarder:
         self._last = float("-inf")
 
     def __call__(self, progress: Progress) -> None:
-        if progress.phase not in ("Writing", "Finalizing"):
+        if progress.phase not in WRITING_PHASES:
             return  # Planned was reported with the plan; the outcome is reported by run_attempt
         if time.monotonic() - self._last < self.interval and progress.slabs_done < progress.slabs_total:
             return

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from ..jobspec import ConversionJobSpec
 from .admission import apply_rules
@@ -92,7 +93,7 @@ def structural(node: dict[str, Any]) -> dict[str, Any]:
     return {**{k: out[k] for k in order if k in out}, **{k: v for k, v in out.items() if k not in order}}
 
 
-def schema_of(model: type) -> dict[str, Any]:
+def schema_of(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True)
     return structural(_resolve({k: v for k, v in raw.items() if k != "$defs"}, raw.get("$defs", {})))
 

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ..k8s import LABEL_ATTEMPT, LABEL_COMPONENT
+from ..phases import TERMINAL_PHASES
 
 #: Pod termination reasons the kubelet reports when the kernel killed a container at its limit.
 OOM_REASONS = frozenset({"OOMKilled"})
+#: Kubernetes' own Pod phases after which a pod runs no more (not h5ngff.phases, though spelled alike).
+POD_ENDED = frozenset({"Succeeded", "Failed"})
 #: Container waiting reasons that mean the container will not start by itself soon.
 STUCK_WAITING = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
 
@@ -56,7 +59,7 @@ def job_summary(job: dict[str, Any]) -> JobSummary:
 def runner_report(status: dict[str, Any], attempt: int) -> dict[str, Any] | None:
     """The runner's own account of ``attempt``, if it delivered one."""
     report = status.get("runner") or None
-    if report and report.get("attempt") == attempt and report.get("outcome") in ("Succeeded", "Failed"):
+    if report and report.get("attempt") == attempt and report.get("outcome") in TERMINAL_PHASES:
         return report
     return None
 
@@ -93,7 +96,7 @@ def is_runner_pod(pod: dict[str, Any], attempt: int | None = None) -> bool:
 def live_pods(pods: tuple[dict[str, Any], ...]) -> list[str]:
     """Names of pods that may still run (and write): not yet Succeeded or Failed."""
     return sorted((p.get("metadata") or {}).get("name", "?") for p in pods
-                  if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
+                  if (p.get("status") or {}).get("phase") not in POD_ENDED)
 
 
 def start_problem(pods: tuple[dict[str, Any], ...], events: tuple[dict[str, Any], ...], job_name: str) -> tuple[str, str] | None:
@@ -146,7 +149,7 @@ def _oom_killed_pod(pods: tuple[dict[str, Any], ...]) -> str | None:
 
 def _exited_pod(pods: tuple[dict[str, Any], ...]) -> str | None:
     for pod in pods:
-        for container, term in _terminated(pod):
+        for _container, term in _terminated(pod):
             if term.get("exitCode", 0) != 0:
                 name = (pod.get("metadata") or {}).get("name", "?")
                 why = term.get("reason") or "Error"

@@ -44,7 +44,8 @@ from .manifests import (
 )
 from .policy import TenantPolicy, policy_violations
 from .reconcile import Decision, Observed, job_summary, live_pods, reconcile
-from .status import TERMINAL_PHASES, now
+from ..phases import TERMINAL_PHASES
+from .status import now
 
 log = logging.getLogger(__name__)
 

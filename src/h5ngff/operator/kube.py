@@ -80,7 +80,7 @@ def _classify(exc: BaseException, what: str) -> KubeError:
             return Conflict(text, status)
         if status == 429 or status >= 500:
             return Transient(text, status)
-        return KubeError(f"{text}: {(exc.body or '')[:300]}", status)
+        return KubeError(f"{text}: {str(exc.body or '')[:300]}", status)
     return Transient(f"{what}: {exc!r}")
 
 

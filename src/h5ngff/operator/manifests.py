@@ -9,11 +9,9 @@ can open the HDF5 file. Names, labels, owner references and the pod conventions 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from ..k8s import (
-    GROUP,
     LABEL_ATTEMPT,
     LABEL_JOB,
     child_name,
@@ -25,7 +23,8 @@ from ..k8s import (
     pod_placement,
     with_scratch,
 )
-from ..jobspec import ConversionJobSpec
+from ..jobspec import API_VERSION, GROUP, KIND, VERSION, ConversionJobSpec, Owner
+from ..metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
 from ..units import GiB, k8s_quantity
 from .rbac import RUNNER_JOB_RULES, role_rules
 
@@ -37,10 +36,7 @@ __all__ = [
 
 #: Image of runner and Dask pods when neither the ConversionJob nor ``--image`` names one.
 DEFAULT_IMAGE = "ghcr.io/h5ngff/h5ngff:latest"
-VERSION = "v1alpha1"
 PLURAL = "conversionjobs"
-KIND = "ConversionJob"
-API_VERSION = f"{GROUP}/{VERSION}"
 #: The runner plans (HDF5 metadata only) and drives the conversion: it holds the manifest and a
 #: few thousand futures, never slab data. 1 GiB is several times what that takes.
 RUNNER_MEMORY = 1 * GiB
@@ -55,18 +51,6 @@ BACKEND_ENV = "H5NGFF_BACKEND"
 #: Helm chart's PodMonitor scrapes the container port named "metrics".
 RUNNER_METRICS_PORT = 9465
 METRICS_PORT_ENV = "H5NGFF_METRICS_PORT"
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The ConversionJob that owns the children: its identity as the API reports it."""
-
-    namespace: str
-    name: str
-    uid: str
-
-    def reference(self) -> dict[str, Any]:
-        return owner_reference(API_VERSION, KIND, self.name, self.uid)
 
 
 def runner_job_name(job_name: str, attempt: int) -> str:
@@ -102,8 +86,8 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
             SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True),
             BACKEND_ENV: "kubernetes",
             METRICS_PORT_ENV: str(RUNNER_METRICS_PORT),
-            "H5NGFF_JOB_NAME": owner.name,
-            "H5NGFF_JOB_NAMESPACE": owner.namespace,
+            JOB_NAME_ENV: owner.name,
+            JOB_NAMESPACE_ENV: owner.namespace,
         }),
         "ports": [{"name": "metrics", "containerPort": RUNNER_METRICS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
@@ -124,7 +108,7 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": owner.namespace, "labels": meta_labels, "ownerReferences": [owner.reference()]},
+        "metadata": {"name": name, "namespace": owner.namespace, "labels": meta_labels, "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid)]},
         "spec": job_spec,
     }
 
@@ -145,7 +129,7 @@ def build_runner_role(owner: Owner) -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": {"name": runner_role_name(owner.name), "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
-                     "ownerReferences": [owner.reference()]},
+                     "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid)]},
         "rules": role_rules(RUNNER_JOB_RULES, resource_names=[owner.name]),
     }
 
@@ -157,7 +141,7 @@ def build_runner_role_binding(owner: Owner, account: str) -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
         "metadata": {"name": name, "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
-                     "ownerReferences": [owner.reference()]},
+                     "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid)]},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": owner.namespace}],
     }

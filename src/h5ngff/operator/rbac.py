@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from ..jobspec import GROUP
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -24,8 +26,8 @@ class Rule:
 
 
 OPERATOR_RULES: tuple[Rule, ...] = (
-    Rule("h5ngff.dev", "conversionjobs", ("list", "watch", "patch"), "kopf watches ConversionJobs and patches its finalizer and annotations"),
-    Rule("h5ngff.dev", "conversionjobs/status", ("patch",), "phase, attempts, conditions, failure reasons"),
+    Rule(GROUP, "conversionjobs", ("list", "watch", "patch"), "kopf watches ConversionJobs and patches its finalizer and annotations"),
+    Rule(GROUP, "conversionjobs/status", ("patch",), "phase, attempts, conditions, failure reasons"),
     Rule("batch", "jobs", ("get", "list", "watch", "create", "delete"), "one runner Job per attempt; watched through a kopf index (a Job missing there is looked up before it counts as deleted); deleted with the ConversionJob"),
     Rule("", "pods", ("list",), "why a runner pod failed or does not start; a new attempt waits until the previous one's pods have exited"),
     Rule("", "events", ("create", "list"), "Kubernetes Events for key transitions; the Job controller's FailedCreate events of a runner Job"),
@@ -37,7 +39,7 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     Rule("", "namespaces", ("list", "watch"), "kopf, when serving namespaces by pattern", exercised=False),
     Rule("kopf.dev", "clusterkopfpeerings", ("list", "watch", "patch"), "kopf peering between replicas (cluster-wide)"),
     Rule("kopf.dev", "kopfpeerings", ("list", "watch", "patch"), "kopf peering between replicas (with --namespace)", exercised=False),
-    Rule("h5ngff.dev", "conversionjobs/finalizers", ("update",), "runner Jobs' ownerReferences set blockOwnerDeletion", exercised=False),
+    Rule(GROUP, "conversionjobs/finalizers", ("update",), "runner Jobs' ownerReferences set blockOwnerDeletion", exercised=False),
 )
 
 #: The runner's permission on its own ConversionJob, granted per job: the operator creates a Role
@@ -46,7 +48,7 @@ OPERATOR_RULES: tuple[Rule, ...] = (
 #: team's runner (any image the policy allows) rewrite every other job's status. The operator
 #: may create this Role because it holds the same permission itself (RBAC's escalation check).
 RUNNER_JOB_RULES: tuple[Rule, ...] = (
-    Rule("h5ngff.dev", "conversionjobs/status", ("patch",), "plan, progress, result and the attempt's outcome, of its own job only"),
+    Rule(GROUP, "conversionjobs/status", ("patch",), "plan, progress, result and the attempt's outcome, of its own job only"),
 )
 
 RUNNER_RULES: tuple[Rule, ...] = (
@@ -59,7 +61,7 @@ RUNNER_RULES: tuple[Rule, ...] = (
 
 def calls(rules: Iterable[Rule], exercised_only: bool = True) -> set[tuple[str, str, str, str]]:
     """(verb, apiGroup, resource, subresource) tuples, the form the tests record."""
-    out = set()
+    out: set[tuple[str, str, str, str]] = set()
     for rule in rules:
         if exercised_only and not rule.exercised:
             continue

@@ -25,11 +25,11 @@ from .diagnose import (  # noqa: F401  (re-exported: tests and handlers read the
     runner_report,
     start_problem,
 )
-from .manifests import runner_job_name
+from ..phases import TERMINAL_PHASES, Phase
+from .manifests import LABEL_ATTEMPT, runner_job_name
 from .status import (
     PERMANENT_REASONS,
     START_REASONS,
-    TERMINAL_PHASES,
     add_seconds,
     at_generation,
     condition,
@@ -104,7 +104,7 @@ NOTHING = Decision()
 def reconcile(o: Observed) -> Decision:
     status = o.status
     if o.spec_error is not None:
-        decision = _invalid(o)
+        decision = _invalid(o, o.spec_error)
     elif o.policy_denial is not None and (_conversion_changed(o) or _in_flight_now(status)):
         decision = _policy_denied(o)
     elif _conversion_changed(o):
@@ -159,7 +159,7 @@ def _new_run(o: Observed) -> Decision:
     job = _current_job(o)
     if job is not None and _in_flight_now(status):
         message = f"The conversion changed in generation {o.generation}: stopping attempt {status.get('attempts')} (runner Job {job.name}) to start a new run."
-        patch = {"phase": "Pending", "reason": "SpecChanged", "message": message,
+        patch = {"phase": Phase.PENDING.value, "reason": "SpecChanged", "message": message,
                  "conditions": set_condition(status.get("conditions"), "Running", "False", "SpecChanged", message, o.now)}
         return Decision(patch, delete_job=job.name, delete_cluster=True, event=("Normal", "SpecChanged", message))
     if int(status.get("attempts") or 0) and not o.pods_checked:
@@ -184,7 +184,7 @@ def _output_busy(o: Observed, release: str | None) -> Decision:
                f"This job starts when that one ends or is deleted.")
     patch: dict[str, Any] = {}
     if status.get("reason") != "OutputBusy" or status.get("message") != message:
-        patch = {"phase": "Pending", "reason": "OutputBusy", "message": message, "output": o.output,
+        patch = {"phase": Phase.PENDING.value, "reason": "OutputBusy", "message": message, "output": o.output,
                  "conditions": set_condition(status.get("conditions"), "OutputLease", "False", "OutputBusy", message, o.now)}
         if release:
             patch["outputLease"] = None
@@ -199,7 +199,7 @@ def _start_run(o: Observed, release: str | None) -> Decision:
     conditions = set_condition(None, "Validated", "True", "SpecValid", None, o.now)
     conditions = set_condition(conditions, "OutputLease", "True", "Held", o.lease.name, o.now)
     patch: dict[str, Any] = {name: None for name in RUN_FIELDS if status.get(name) is not None}
-    patch.update({"phase": "Pending", "attempts": attempt, "firstAttempt": attempt, "runnerJob": job, "output": o.output,
+    patch.update({"phase": Phase.PENDING.value, "attempts": attempt, "firstAttempt": attempt, "runnerJob": job, "output": o.output,
                   "conversionHash": o.conversion, "outputLease": o.lease.name, "startTime": o.now, "conditions": conditions})
     run = "" if attempt == 1 else f" for the changed spec (generation {o.generation})"
     message = f"Created runner Job {job} (attempt 1 of {o.backoff_limit + 1}){run}."
@@ -228,7 +228,7 @@ def _in_flight(o: Observed, can_start: bool) -> Decision:
             return Decision(needs=frozenset({"pods"}))
         reason, message = failure_cause(status, attempt, job, o.pods)
         return _after_failure(o, attempt, reason, message, can_start)
-    if status.get("phase") == "Pending":
+    if status.get("phase") == Phase.PENDING:
         return _merge(_waiting_to_start(o, job), seen)
     return Decision({**_conditions_patch(status, o.now), **seen})
 
@@ -268,7 +268,7 @@ def _waiting_to_start(o: Observed, job: JobSummary) -> Decision:
         return Decision(needs=frozenset({"pods", "events"}))
     status = o.status
     attempt = int(status.get("attempts") or 0)
-    pods = tuple(p for p in o.pods if ((p.get("metadata") or {}).get("labels") or {}).get("h5ngff.dev/attempt") == str(attempt))
+    pods = tuple(p for p in o.pods if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT) == str(attempt))
     problem = start_problem(pods, o.events, job.name)
     if problem is None:
         if status.get("reason") in START_REASONS:  # it got going after all
@@ -321,7 +321,7 @@ def _policy_denied(o: Observed) -> Decision:
     children of a run in flight (its spec was edited, or the policy tightened) are deleted."""
     status = o.status
     denial = o.policy_denial or ""
-    if status.get("phase") == "Failed" and status.get("reason") == "PolicyDenied" and status.get("message") == denial:
+    if status.get("phase") == Phase.FAILED and status.get("reason") == "PolicyDenied" and status.get("message") == denial:
         return NOTHING
     job = _current_job(o) if _in_flight_now(status) else None
     return _final(o, "PolicyDenied", denial, delete_job=job.name if job else None)
@@ -344,7 +344,7 @@ def _after_failure(o: Observed, attempt: int, reason: str, message: str, can_ret
     delay = o.retry_delays[min(run_attempts, len(o.retry_delays)) - 1] if o.retry_delays else 0
     note = (f"Attempt {attempt} failed ({reason}: {message}); retrying as attempt {nxt} ({run_attempts + 1} of {o.backoff_limit + 1}) "
             f"in {delay} s, resuming from the manifest.")
-    patch = {"phase": "Pending", "attempts": nxt, "runnerJob": runner_job_name(o.name, nxt), "runnerJobUid": None,
+    patch = {"phase": Phase.PENDING.value, "attempts": nxt, "runnerJob": runner_job_name(o.name, nxt), "runnerJobUid": None,
              "nextRetryTime": add_seconds(o.now, delay), "failures": failures, "runner": None, "reason": reason, "message": note,
              "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now)}
     return Decision(patch, delete_cluster=True, event=("Warning", event_reason or "Retrying", note))
@@ -363,7 +363,7 @@ def _settled(o: Observed) -> Decision:
     return NOTHING
 
 
-def _invalid(o: Observed) -> Decision:
+def _invalid(o: Observed, error: str) -> Decision:
     """An invalid spec never starts anything. A job that never ran fails with InvalidSpec. A run
     in flight continues to its end, without retries (no Running -> Failed -> Running flapping);
     a finished run keeps its outcome. Validated=False (and one Warning Event) names the field."""
@@ -371,17 +371,17 @@ def _invalid(o: Observed) -> Decision:
     if not int(status.get("attempts") or 0):
         if status.get("reason") == "InvalidSpec" and status.get("observedGeneration") == o.generation:
             return NOTHING
-        return Decision(invalid_patch(o.spec_error, o.now), event=("Warning", "InvalidSpec", o.spec_error))
+        return Decision(invalid_patch(error, o.now), event=("Warning", "InvalidSpec", error))
     d = _in_flight(o, can_start=False) if _in_flight_now(status) else _settled(o)
     if d.needs:
         return d
     cond = condition(status, "Validated") or {}
-    if cond.get("status") == "False" and cond.get("message") == o.spec_error:
+    if cond.get("status") == "False" and cond.get("message") == error:
         return d
     base = d.patch["conditions"] if "conditions" in d.patch else status.get("conditions")
-    conditions = set_condition(base, "Validated", "False", "InvalidSpec", o.spec_error, o.now)
+    conditions = set_condition(base, "Validated", "False", "InvalidSpec", error, o.now)
     kept = "the running attempt continues with the previous spec" if _in_flight_now(status) else f"the {status.get('phase')} outcome stands"
-    message = f"Generation {o.generation} is invalid; {kept}: {o.spec_error}"
+    message = f"Generation {o.generation} is invalid; {kept}: {error}"
     return dataclasses.replace(d, patch={**d.patch, "conditions": conditions}, event=d.event or ("Warning", "InvalidSpec", message))
 
 
@@ -408,7 +408,7 @@ def _conditions_patch(status: dict[str, Any], now: str) -> dict[str, Any]:
     new = conditions
     if status.get("plan"):
         new = set_condition(new, "Planned", "True", "Planned", _plan_message(status["plan"]), now)
-    if phase == "Running":
+    if phase == Phase.RUNNING:
         new = set_condition(new, "Running", "True", "Writing", None, now)
     return {"conditions": new} if new != conditions else {}
 

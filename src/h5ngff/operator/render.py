@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.factory import BackendOptions, make_backend
-from ..backends.kubernetes import ClusterOwner, build_dask_cluster
+from ..backends.kubernetes import build_dask_cluster
 from ..errors import PolicyDeniedError
 from ..job import JobManifest
 from .manifests import DEFAULT_IMAGE, Owner, build_runner_job, build_runner_role, build_runner_role_binding, runner_account
@@ -70,11 +70,10 @@ def _dask_cluster(manifest: JobManifest, owner: Owner, opts: RenderOptions) -> d
 
     spec = manifest.spec
     image = spec.pod.image or opts.image
-    cluster_owner = ClusterOwner(owner.namespace, owner.name, owner.uid, attempt=1)
-    backend = make_backend("kubernetes", BackendOptions(owner=cluster_owner, image=image, pod=spec.pod))
+    backend = make_backend("kubernetes", BackendOptions(owner=owner, image=image, pod=spec.pod))
     dataset, _ = inspect_source(spec.source.path, spec.source.dataset)
     # The image preloads jemalloc, so "auto" resolves to jemalloc in the runner pod whatever this
     # machine has installed.
     allocator = "glibc" if spec.resources.allocator == "glibc" else "jemalloc"
     plan = make_plan(dataset, spec.conversion(), backend.capacity(), DEFAULT_CONSTANTS, allocator)
-    return build_dask_cluster(plan, cluster_owner, image, spec.pod, allocator_library=IMAGE_JEMALLOC)
+    return build_dask_cluster(plan, owner, image, spec.pod, allocator_library=IMAGE_JEMALLOC)

@@ -62,14 +62,14 @@ def spec_from_env() -> ConversionJobSpec:
 def runner_backend(args: RunnerArgs, spec: ConversionJobSpec) -> Backend:
     """The backend ``$H5NGFF_BACKEND`` names (default kubernetes), from the one factory."""
     from ..backends.factory import BACKENDS, BackendOptions, make_backend
-    from ..backends.kubernetes import ClusterOwner
+    from ..jobspec import Owner
 
     kind = os.environ.get(BACKEND_ENV, "kubernetes")
     if kind not in BACKENDS or kind == "external":  # a runner Job makes its own cluster
         raise SpecError("", f"Expected ${BACKEND_ENV} to be kubernetes, local or local-pods. Got {kind!r} instead.")
     limit = os.environ.get(POD_LIMIT_ENV)
     options = BackendOptions(pod_limit=parse_bytes(limit) if limit else None, image=spec.pod.image or "", pod=spec.pod,
-                             owner=ClusterOwner(args.namespace, args.name, args.uid, args.attempt))
+                             owner=Owner(args.namespace, args.name, args.uid, args.attempt))
     return make_backend(kind, options)
 
 

@@ -24,9 +24,9 @@ from ..engine.progress import Progress
 from ..planner.model import Plan
 from ..units import k8s_quantity
 from ..patches import apply_merge_patch, deep_merge
+# Status patches carry plain strings (``.value``): ``h5ngff run`` prints them with yaml.safe_dump.
+from ..phases import Phase
 
-PHASES = ("Pending", "Planned", "Running", "Succeeded", "Failed")
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 #: Failures that the same spec will hit again on every attempt: retrying only wastes a pod.
 PERMANENT_REASONS = frozenset({"InvalidSpec", "BudgetTooSmall", "SourceUnreadable", "OutputConflict", "OutputUnwritable", "DiskFull"})
 #: Why a run's pods do not start, as the scheduler, kubelet or Job controller says (shown while
@@ -137,6 +137,7 @@ class ResultSummary(_Status):
 class ConversionJobStatus(_Status):
     """The observed state of a ConversionJob."""
 
+    #: The CRD's enum: phases.JOB_PHASES (tests/test_phases.py keeps the two equal).
     phase: Literal["Pending", "Planned", "Running", "Succeeded", "Failed"] | None = None
     reason: str | None = Field(None, description="Why the job failed: InvalidSpec, SourceUnreadable, OutputConflict, OOMKilled, NannyTerminated, BackoffLimitExceeded, ...")
     message: str | None = None
@@ -171,7 +172,7 @@ def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: s
     old = next((c for c in conditions or () if c.get("type") == type_), None)
     changed = old is None or old.get("status") != status
     entry = {"type": type_, "status": status, "reason": reason, "message": message,
-             "lastTransitionTime": when if changed else old.get("lastTransitionTime", when),
+             "lastTransitionTime": when if changed else (old or {}).get("lastTransitionTime", when),
              "observedGeneration": generation if generation is not None else (old or {}).get("observedGeneration")}
     out.append({k: v for k, v in entry.items() if v is not None})
     return out
@@ -193,7 +194,7 @@ def at_generation(conditions: list[dict[str, Any]] | None, generation: int) -> l
 def pending_patch(status: dict[str, Any], attempt: int, job_name: str, output: str, when: str) -> dict[str, Any]:
     """A runner attempt was (or is about to be) started."""
     conditions = set_condition(status.get("conditions"), "Validated", "True", "SpecValid", None, when)
-    patch: dict[str, Any] = {"phase": "Pending", "attempts": attempt, "runnerJob": job_name, "output": output, "conditions": conditions}
+    patch: dict[str, Any] = {"phase": Phase.PENDING.value, "attempts": attempt, "runnerJob": job_name, "output": output, "conditions": conditions}
     if not status.get("startTime"):
         patch["startTime"] = when
     return patch
@@ -202,13 +203,13 @@ def pending_patch(status: dict[str, Any], attempt: int, job_name: str, output: s
 def invalid_patch(field_message: str, when: str) -> dict[str, Any]:
     conditions = set_condition(None, "Validated", "False", "InvalidSpec", field_message, when)
     conditions = set_condition(conditions, "Failed", "True", "InvalidSpec", field_message, when)
-    return {"phase": "Failed", "reason": "InvalidSpec", "message": field_message, "completionTime": when, "conditions": conditions}
+    return {"phase": Phase.FAILED.value, "reason": "InvalidSpec", "message": field_message, "completionTime": when, "conditions": conditions}
 
 
 def succeeded_patch(status: dict[str, Any], when: str) -> dict[str, Any]:
     conditions = set_condition(status.get("conditions"), "Running", "False", "Finished", None, when)
     conditions = set_condition(conditions, "Complete", "True", "Succeeded", status.get("output"), when)
-    patch = {"phase": "Succeeded", "reason": None, "message": None, "completionTime": when, "conditions": conditions}
+    patch: dict[str, Any] = {"phase": Phase.SUCCEEDED.value, "reason": None, "message": None, "completionTime": when, "conditions": conditions}
     progress = status.get("progress")
     if progress and progress.get("slabsTotal"):
         total = progress["slabsTotal"]
@@ -219,7 +220,7 @@ def succeeded_patch(status: dict[str, Any], when: str) -> dict[str, Any]:
 def failed_patch(status: dict[str, Any], reason: str, message: str, when: str) -> dict[str, Any]:
     conditions = set_condition(status.get("conditions"), "Running", "False", reason, None, when)
     conditions = set_condition(conditions, "Failed", "True", reason, message, when)
-    return {"phase": "Failed", "reason": reason, "message": message, "completionTime": when, "conditions": conditions}
+    return {"phase": Phase.FAILED.value, "reason": reason, "message": message, "completionTime": when, "conditions": conditions}
 
 
 def failure_record(attempt: int, reason: str, message: str, when: str, previous: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -255,7 +256,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
 
 
 def planned_patch(plan: Plan, when: str) -> dict[str, Any]:
-    return {"phase": "Planned", "plan": plan_summary(plan), "progress": progress_status(0, plan.n_tasks, when=when)}
+    return {"phase": Phase.PLANNED.value, "plan": plan_summary(plan), "progress": progress_status(0, plan.n_tasks, when=when)}
 
 
 def progress_summary(done: int, total: int) -> str:
@@ -280,7 +281,7 @@ def progress_status(done: int, total: int, skipped: int = 0, bytes_read: int = 0
 def progress_patch(progress: Progress, when: str) -> dict[str, Any]:
     """A runner progress event as a status patch (phase Running while slabs are written)."""
     body = progress_status(progress.slabs_done, progress.slabs_total, progress.slabs_skipped, progress.bytes_read, progress.bytes_written, when)
-    return {"phase": "Running", "progress": body}
+    return {"phase": Phase.RUNNING.value, "progress": body}
 
 
 def runner_report(attempt: int, outcome: str, when: str, reason: str | None = None, message: str | None = None) -> dict[str, Any]:
@@ -304,8 +305,3 @@ def result_summary(summary: dict[str, Any]) -> dict[str, Any]:
 #: Applying and combining status patches (re-exported for the operator's modules and tests).
 merge = apply_merge_patch
 combine = deep_merge
-
-
-def status_schema() -> dict[str, Any]:
-    """The JSON schema of ``.status`` (converted to a structural schema by ``crd.py``)."""
-    return ConversionJobStatus.model_json_schema(by_alias=True)

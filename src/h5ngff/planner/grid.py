@@ -45,21 +45,6 @@ def grid_indices(grid: Shape) -> Iterator[tuple[int, ...]]:
     return product(*(range(g) for g in grid))
 
 
-def flat_index(index: tuple[int, ...], grid: Shape) -> int:
-    flat = 0
-    for i, g in zip(index, grid):
-        flat = flat * g + i
-    return flat
-
-
-def unflat_index(flat: int, grid: Shape) -> tuple[int, ...]:
-    index = []
-    for g in reversed(grid):
-        flat, i = divmod(flat, g)
-        index.append(i)
-    return tuple(reversed(index))
-
-
 def align_up(slab: Shape, step: Shape, shape: Shape) -> Shape:
     """Round a requested slab up to whole steps (never beyond the array)."""
     return clip(tuple(ceil_div(s, t) * t for s, t in zip(slab, step)), shape)

@@ -155,7 +155,7 @@ def build_levels(shape: Shape, scale: tuple[float, ...], downsampled: tuple[bool
 
 
 def reduction(downsampled: tuple[bool, ...]) -> int:
-    return 2 ** sum(downsampled)
+    return 1 << sum(downsampled)
 
 
 def elements(shape: Shape) -> int:

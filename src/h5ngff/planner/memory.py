@@ -13,12 +13,16 @@ import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from ..errors import SpecError
 from ..units import MiB
 from .model import MemoryTerm, Thresholds, WorkerMemory
 
 BLOSC_MAX_OVERHEAD = 16
+#: Output elements the downsampler (engine.downsample) computes at a time: one definition for
+#: the engine that uses it and the memory model that prices it.
+STRIP_ELEMENTS = 1 << 16
 #: 8-byte temporaries per output element while a block is downsampled: the pairwise sums hold 4
 #: then 2 float64 (or int64) values per output element, and the integer mean's rounding adds a few.
 STRIP_TEMPORARIES = 6
@@ -99,7 +103,7 @@ class MemoryConstants:
             raise SpecError("calibration", f"Expected a readable JSON file of memory constants. Got {path!s}: {exc}") from None
         return cls().with_overrides(data)
 
-    def with_overrides(self, data: dict) -> "MemoryConstants":
+    def with_overrides(self, data: dict[str, Any]) -> "MemoryConstants":
         known = {f.name for f in fields(self)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -105,9 +105,11 @@ class Thresholds:
     pause: float | bool
     terminate: float
     #: The fraction of memory_limit the plan's predicted peak may fill (no pass peaks above it).
-    planned: float = 0.9
+    #: No defaults here: both come from MemoryConstants (planned_fraction, monitor_interval),
+    #: the figures the memory model was fitted with.
+    planned: float
     #: Seconds between the nanny's RSS checks.
-    monitor_interval: float = 0.1
+    monitor_interval: float
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,6 @@ class WorkerMemory:
     thresholds: Thresholds
     #: Why memory_limit is what it is (planned fraction, or the floor of room below terminate).
     memory_limit_why: str = ""
-
-    @property
-    def pod_request(self) -> int:
-        # requests == limits gives the pod Guaranteed QoS: it is the last to be evicted.
-        return self.pod_limit
 
 
 @dataclass(frozen=True)
@@ -158,11 +155,6 @@ class Plan:
     @property
     def slab(self) -> Shape:
         return self.passes[0].slab
-
-    @property
-    def write_unit(self) -> Shape:
-        """The unit that has exactly one writer: the shard where sharded, else the chunk."""
-        return self.shards or self.chunks
 
     @property
     def inflight_total(self) -> int:

@@ -9,6 +9,7 @@ thread has work and no slab is absurdly large.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..errors import BudgetTooSmallError, SpecError, UnsupportedDatasetError
@@ -24,8 +25,8 @@ from .layout import (
     resolve_levels,
     resolve_scale_units,
 )
-from .memory import DEFAULT_CONSTANTS, MemoryConstants, PassShape, pass_terms, slab_output_bytes, worker_memory
-from .model import Capacity, DatasetInfo, Pass, Plan, Shape, WorkerMemory
+from .memory import DEFAULT_CONSTANTS, STRIP_ELEMENTS, MemoryConstants, PassShape, pass_terms, slab_output_bytes, worker_memory
+from .model import Capacity, DatasetInfo, MemoryTerm, Pass, Plan, Shape, WorkerMemory
 
 #: Above this a bigger slab reads no faster but holds more memory and leaves fewer tasks to
 #: balance; a user's explicit ``slab`` may exceed it.
@@ -33,10 +34,6 @@ MAX_SLAB_BYTES = 512 * MiB
 #: Without a budget, local workers share this fraction of the machine's memory; the rest is
 #: for the client, the scheduler and the page cache.
 LOCAL_MEMORY_FRACTION = 0.8
-#: Workers for ``workers: auto`` where the capacity names no default (e.g. Kubernetes).
-FALLBACK_WORKERS = 4
-#: Output elements the downsampler computes at a time (engine.downsample.STRIP_ELEMENTS).
-MEAN_STRIP_ELEMENTS = 1 << 16
 #: Slabs per thread the planner aims for: the last slabs of a run leave cores idle for about half
 #: a slab's time, so many smaller slabs finish evenly; 8 keeps that tail near 6% of the run.
 SLABS_PER_THREAD = 8
@@ -99,15 +96,16 @@ def make_plan(
         return _plan_worker(ctx, [lv.shape for lv in levels], spec.resources.slab)
 
     workers, budget = _workers_and_budget(spec, capacity, threads)
-    auto_total = spec.resources.memory_total_bytes is not None and spec.resources.workers == "auto"
+    # With ``workers: auto`` a total budget is shared by as many workers as it can hold.
+    auto_total = spec.resources.memory_total_bytes if spec.resources.workers == "auto" else None
     try:
-        if auto_total:
-            (passes, memory, cache, notices), workers = _fit_total_budget(plan_with, workers, spec.resources.memory_total_bytes)
+        if auto_total is not None:
+            (passes, memory, cache, notices), workers = _fit_total_budget(plan_with, workers, auto_total)
         else:
             passes, memory, cache, notices = plan_with(workers, budget)
     except _NoSlabFits as exc:
-        tried = 1 if auto_total else workers
-        raise _budget_refusal(exc, plan_with, spec, capacity, tried, spec.resources.memory_total_bytes if auto_total else budget) from None
+        tried = 1 if auto_total is not None else workers
+        raise _budget_refusal(exc, plan_with, spec, capacity, tried, auto_total if auto_total is not None else budget) from None
     return Plan(
         dataset=ds,
         axes=axes,
@@ -153,6 +151,8 @@ def _workers_and_budget(spec: ConversionSpec, capacity: Capacity, threads: int) 
 
 
 _Attempt = tuple[tuple[Pass, ...], WorkerMemory, int, list[str]]
+_PlanWith = Callable[[int, "int | None"], _Attempt]
+_Fits = Callable[[Shape], bool]
 
 
 class _NoSlabFits(BudgetTooSmallError):
@@ -165,7 +165,7 @@ class _NoSlabFits(BudgetTooSmallError):
         super().__init__(what, minimum_bytes)
 
 
-def _fit_total_budget(plan_with, max_workers: int, total: int) -> tuple[_Attempt, int]:
+def _fit_total_budget(plan_with: _PlanWith, max_workers: int, total: int) -> tuple[_Attempt, int]:
     """Most workers whose plans fit ``total`` together: parallelism beats bigger slabs."""
     for workers in range(max_workers, 1, -1):
         try:
@@ -175,7 +175,7 @@ def _fit_total_budget(plan_with, max_workers: int, total: int) -> tuple[_Attempt
     return plan_with(1, total), 1
 
 
-def _smallest_budget(works, failed: int, hint: int) -> int:
+def _smallest_budget(works: Callable[[int], bool], failed: int, hint: int) -> int:
     """The smallest whole-MiB per-worker budget that plans, above one that did not.
 
     ``hint`` (the smallest candidate slab's pod limit) is not always it: with more budget an
@@ -193,7 +193,7 @@ def _smallest_budget(works, failed: int, hint: int) -> int:
     return hi * MiB
 
 
-def _budget_refusal(exc: _NoSlabFits, plan_with, spec: ConversionSpec, capacity: Capacity, workers: int, budget: int) -> BudgetTooSmallError:
+def _budget_refusal(exc: _NoSlabFits, plan_with: _PlanWith, spec: ConversionSpec, capacity: Capacity, workers: int, budget: int | None) -> BudgetTooSmallError:
     """The refusal a user sees: the smallest budget that really plans, in the field they set."""
 
     def works(per_worker: int) -> bool:
@@ -203,6 +203,8 @@ def _budget_refusal(exc: _NoSlabFits, plan_with, spec: ConversionSpec, capacity:
             return False
         return True
 
+    # A refusal needs a budget to refuse against: without one every slab fits.
+    assert budget is not None
     per_worker = _smallest_budget(works, budget, exc.minimum_bytes)
     r = spec.resources
     knobs = list(exc.knobs)
@@ -235,20 +237,22 @@ def _plan_worker(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] 
     cover the highest peak and its pod the largest page cache, which can come from different passes.
     Where that overshoots, plan the passes again under a budget lowered by the overshoot."""
     budget = ctx.budget
+    memory: WorkerMemory | None = None
     for _ in range(MAX_REPLANS):
         # Notices belong to one attempt: a failed attempt (another worker count or budget) must
         # not leave its re-alignment or HDF5 notice on the plan that is finally chosen.
         notices: list[str] = []
         passes, memory, cache = _plan_passes(ctx, level_shapes, user_slab, notices)
-        if budget is None or memory.pod_limit <= budget:
+        if budget is None or ctx.budget is None or memory.pod_limit <= budget:
             return passes, memory, cache, notices
         ctx = replace(ctx, budget=ctx.budget - (memory.pod_limit - budget))
+    assert memory is not None  # MAX_REPLANS > 0
     raise _NoSlabFits(f"the passes together need a pod limit of {format_bytes(memory.pod_limit)}", memory.pod_limit, [])
 
 
 def _plan_passes(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] | None, notices: list[str]) -> tuple[tuple[Pass, ...], WorkerMemory, int]:
     passes: list[Pass] = []
-    peaks: list[tuple[tuple, int]] = []  # (terms, bytes written per wave) of each pass
+    peaks: list[tuple[tuple[MemoryTerm, ...], int]] = []  # (terms, bytes written per wave) of each pass
     cache = 0
     source = -1  # the HDF5 dataset; later passes read the last level written
     top = len(level_shapes) - 1
@@ -267,7 +271,7 @@ def _plan_passes(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] 
     return tuple(passes), memory, cache
 
 
-def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, remaining: int, user_slab: list[int] | None, notices: list[str]):
+def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, remaining: int, user_slab: list[int] | None, notices: list[str]) -> tuple[Pass, int, int]:
     from_hdf5 = source == -1
     built_min = 0 if from_hdf5 else 1
     storage = ctx.ds.hdf5_chunks if from_hdf5 else None
@@ -310,7 +314,7 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
                 notices.append(realigned)
             # A slab chosen without HDF5 alignment may still be whole HDF5 chunks (e.g. the whole
             # array): then it cuts none, needs no chunk cache and deserves no notice.
-            straddles = bool(storage) and not align_storage and any(s % h and s != n for s, h, n in zip(slab, storage, src_shape))
+            straddles = storage is not None and not align_storage and any(s % h and s != n for s, h, n in zip(slab, storage, src_shape))
             if straddles:
                 notices.append(_unaligned_notice(ctx, unaligned_because))
             shape = _pass_shape(ctx, slab, from_hdf5, built, straddles)
@@ -344,7 +348,7 @@ def _acceptable(ctx: _Context, src_shape: Shape, min_slab: Shape, last_chance: b
     return math.prod(grid_shape(src_shape, min_slab)) >= wanted
 
 
-def _whole_rows(ctx: _Context, src_shape: Shape, min_slab: Shape, fits, last_chance: bool, wanted: int) -> Shape | None:
+def _whole_rows(ctx: _Context, src_shape: Shape, min_slab: Shape, fits: _Fits, last_chance: bool, wanted: int) -> Shape | None:
     """The smallest slab that spans whole rows of a contiguous dataset, if it is worth it.
 
     Contiguous HDF5 is stored row after row: a slab cut inside the last axis reads thousands of
@@ -392,7 +396,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
     if hdf5_chunks and straddles:
         # Keep every HDF5 chunk a slab touches in the cache, so each is decompressed once per slab.
         touched = math.prod(_chunks_touched(s, h, n) for s, h, n in zip(slab, hdf5_chunks, ctx.ds.shape))
-        cache = touched * hdf5_chunk_bytes
+        cache = touched * math.prod(hdf5_chunks) * ctx.itemsize
     return PassShape(
         slab_elements=elements,
         itemsize=ctx.itemsize,
@@ -401,7 +405,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
         shard_bytes=math.prod(ctx.shards) * ctx.itemsize if ctx.shards else None,
         reduction=reduction,
         levels_built=built,
-        strip_elements=min(elements // reduction, MEAN_STRIP_ELEMENTS) if built else 0,
+        strip_elements=min(elements // reduction, STRIP_ELEMENTS) if built else 0,
         from_hdf5=from_hdf5,
         hdf5_chunk_bytes=hdf5_chunk_bytes,
         hdf5_filtered=bool(ctx.ds.hdf5_filters),
@@ -424,7 +428,7 @@ def _memory_for(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
     return worker_memory(terms, ctx.threads * slab_output_bytes(shape), ctx.constants)
 
 
-def _fits(ctx: _Context, from_hdf5: bool, built: int, straddles: bool):
+def _fits(ctx: _Context, from_hdf5: bool, built: int, straddles: bool) -> _Fits:
     def fits(slab: Shape) -> bool:
         return ctx.budget is None or _memory_for(ctx, slab, from_hdf5, built, straddles).pod_limit <= ctx.budget
 

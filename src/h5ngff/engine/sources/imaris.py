@@ -127,7 +127,7 @@ def _channels(f: h5py.File, channels: list[int]) -> tuple[tuple[str, ...], tuple
         attrs = group.attrs if group is not None else {}
         names.append(text(attrs, "Name") or "")
         colors.append(_hex(text(attrs, "Color")))
-    return tuple(names), tuple(colors) if all(colors) else None
+    return tuple(names), tuple(c for c in colors if c) if all(colors) else None
 
 
 def _hex(rgb: str | None) -> str | None:

@@ -1,0 +1,123 @@
+"""One definition per fact (issue 17, "the house"): each fact that two modules used to spell out
+on their own now lives in one place. Each test fails if a second copy comes back or if the places
+that use the fact stop agreeing with it. (Phase names: tests/test_phases.py.)"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+from pathlib import Path
+
+import yaml
+
+from h5ngff import job, jobspec
+from h5ngff.backends import kubernetes
+from h5ngff.backends.base import dask_memory_config
+from h5ngff.engine import downsample
+from h5ngff.jobspec import parse_job_spec
+from h5ngff.metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
+from h5ngff.operator import manifests
+from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, MemoryConstants, Thresholds, make_plan
+from h5ngff.planner import memory, plan
+from h5ngff.spec import parse_spec
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "h5ngff"
+
+
+@functools.cache
+def _trees(package: Path) -> dict[str, ast.Module]:
+    return {str(path.relative_to(package)): ast.parse(path.read_text()) for path in sorted(package.rglob("*.py"))}
+
+
+def _assignments(name: str) -> list[str]:
+    """Modules of the package that assign ``name`` at module level (its definitions)."""
+    found = []
+    for where, tree in _trees(PACKAGE).items():
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                found.append(where)
+    return found
+
+
+def _literals(value: str) -> list[str]:
+    """Modules of the package holding the string literal ``value`` (docstrings aside)."""
+    found = []
+    for where, tree in _trees(PACKAGE).items():
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        if any(isinstance(n, ast.Constant) and n.value == value and id(n) not in docs for n in ast.walk(tree)):
+            found.append(where)
+    return found
+
+
+# --- the downsampler's strip size ------------------------------------------------------------------
+
+
+def test_the_strip_size_is_defined_once_in_the_planner_and_used_by_the_engine():
+    assert _assignments("STRIP_ELEMENTS") == ["planner/memory.py"]
+    assert _assignments("MEAN_STRIP_ELEMENTS") == []
+    assert downsample.STRIP_ELEMENTS == plan.STRIP_ELEMENTS == memory.STRIP_ELEMENTS
+
+
+def test_negative_control_the_scan_sees_a_second_definition(tmp_path, monkeypatch):
+    copy = tmp_path / "h5ngff"
+    (copy / "engine").mkdir(parents=True)
+    (copy / "engine" / "downsample.py").write_text("STRIP_ELEMENTS = 1 << 16\n")
+    (copy / "units.py").write_text('GROUP = "h5ngff.dev"\n')
+    monkeypatch.setitem(globals(), "PACKAGE", copy)
+    assert _assignments("STRIP_ELEMENTS") == ["engine/downsample.py"]
+    assert _literals("h5ngff.dev") == ["units.py"]
+
+
+# --- the Dask thresholds: one source, MemoryConstants ------------------------------------------------
+
+
+def test_thresholds_have_no_defaults_of_their_own():
+    """Thresholds said monitor_interval=0.1 while every plan used MemoryConstants' 0.02."""
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in dataclasses.fields(Thresholds))
+
+
+def _plan(constants: MemoryConstants):
+    spec = parse_spec({"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "out.ome.zarr"}, "resources": {"workers": 2}})
+    return make_plan(DatasetInfo((64, 256, 256), "<u2", 2), spec, Capacity(cores=2, memory_bytes=8 << 30), constants)
+
+
+def test_the_plan_and_the_dask_config_carry_the_constants():
+    for constants in (DEFAULT_CONSTANTS, dataclasses.replace(DEFAULT_CONSTANTS, monitor_interval=0.05, planned_fraction=0.8)):
+        t = _plan(constants).memory.thresholds
+        assert (t.planned, t.monitor_interval, t.terminate) == (constants.planned_fraction, constants.monitor_interval, constants.terminate_fraction)
+        config = dask_memory_config(_plan(constants))
+        assert config["distributed.worker.memory.monitor-interval"] == f"{round(constants.monitor_interval * 1000)}ms"
+        assert config["distributed.worker.memory.terminate"] == constants.terminate_fraction
+
+
+# --- the ConversionJob's identity: one owner class, one group/version/kind ----------------------------
+
+
+def test_one_owner_class():
+    assert manifests.Owner is jobspec.Owner
+    assert getattr(kubernetes, "ClusterOwner", jobspec.Owner) is jobspec.Owner  # a kept name, if any, is the same class
+    owners = [(where, n.name) for where, tree in _trees(PACKAGE).items() for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name.endswith("Owner")]
+    assert owners == [("jobspec.py", "Owner")]
+    assert _assignments("KIND") == ["jobspec.py"] and _assignments("API_VERSION") == ["jobspec.py"]
+    assert _assignments("GROUP") == ["jobspec.py"] and _literals("h5ngff.dev") == ["jobspec.py"]
+    assert _literals("ConversionJob") == ["jobspec.py"]
+
+
+def test_every_child_names_the_same_owner_as_the_crd():
+    crd = yaml.safe_load((PACKAGE / "operator" / "crd.yaml").read_text())["spec"]
+    assert (crd["group"], crd["names"]["kind"], crd["versions"][0]["name"]) == (jobspec.GROUP, jobspec.KIND, jobspec.VERSION)
+    assert (job.API_VERSION, job.KIND) == (jobspec.API_VERSION, jobspec.KIND)
+    owner = jobspec.Owner("science", "scan-42", "uid-42")
+    spec = parse_job_spec({"source": {"path": "/d/in.h5", "dataset": "/volume/data"}, "output": {"path": "/d/out.ome.zarr"}, "resources": {"workers": 2}})
+    runner = manifests.build_runner_job(owner, spec, 1, "img")
+    cluster = kubernetes.build_dask_cluster(_plan(DEFAULT_CONSTANTS), owner, "img", spec.pod)
+    # The runner's exporter labels its series with the names the runner Job sets.
+    env = {e["name"]: e.get("value") for e in runner["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (env[JOB_NAME_ENV], env[JOB_NAMESPACE_ENV]) == ("scan-42", "science")
+    assert _literals(JOB_NAME_ENV) == _literals(JOB_NAMESPACE_ENV) == ["metrics/exporter.py"]
+    for child in (runner, cluster, manifests.build_runner_role(owner)):
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["apiVersion"], ref["kind"], ref["name"], ref["uid"]) == (f"{crd['group']}/{crd['versions'][0]['name']}", crd["names"]["kind"], "scan-42", "uid-42")

@@ -1,0 +1,64 @@
+"""The static checks that scripts/test runs before pytest (ruff and mypy, configured in
+pyproject.toml) really fail on a finding, and mypy's strict mode reaches the modules it names.
+
+Each check runs on a small file in a temporary tree with the project's own configuration, next to
+a control that passes, so a configuration that silently checks nothing fails here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "pyproject.toml"
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=240)
+
+
+def test_ruff_fails_on_an_unused_import_and_a_bugbear_finding(tmp_path):
+    (tmp_path / "bad.py").write_text("import os\n\n\ndef f(x=[]):\n    return x\n")
+    (tmp_path / "good.py").write_text("import os\n\n\ndef f(x=None):\n    return os.sep, x\n")
+    bad = _run("ruff", "check", "--config", str(CONFIG), "--no-cache", "bad.py", cwd=tmp_path)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "F401" in bad.stdout and "B006" in bad.stdout
+    good = _run("ruff", "check", "--config", str(CONFIG), "--no-cache", "good.py", cwd=tmp_path)
+    assert good.returncode == 0, good.stdout + good.stderr
+
+
+def test_the_tree_passes_ruff():
+    done = _run("ruff", "check", "--no-cache", "src", "tests", "bench", "scripts", cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _package(tmp_path: Path, module: str, text: str) -> Path:
+    """A file at ``h5ngff/<module path>.py`` in a throwaway tree, so mypy names it as in the project."""
+    path = tmp_path.joinpath("h5ngff", *module.split(".")).with_suffix(".py")
+    folder = path.parent
+    while folder != tmp_path:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "__init__.py").touch()
+        folder = folder.parent
+    path.write_text(text)
+    return path
+
+
+UNTYPED = "def double(x):\n    return x * 2\n"
+
+
+def test_mypy_is_strict_on_the_planner_default_elsewhere_and_fails_on_a_finding(tmp_path):
+    """One mypy run (the slow part) over three files: an untyped function is a finding in
+    ``h5ngff.planner`` (strict) but not in ``h5ngff.engine`` (default mode), where a wrong return
+    type still is."""
+    files = [
+        _package(tmp_path, "planner.untyped", UNTYPED),
+        _package(tmp_path, "engine.untyped", UNTYPED),
+        _package(tmp_path, "engine.wrong", "def f() -> int:\n    return 'one'\n"),
+    ]
+    done = _run("mypy", "--config-file", str(CONFIG), "--no-incremental", "--cache-dir", str(tmp_path / "cache"),
+                *(str(f.relative_to(tmp_path)) for f in files), cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = {(line.split(":")[0], line.rsplit("[", 1)[-1].rstrip("]")) for line in done.stdout.splitlines() if ": error:" in line}
+    assert found == {("h5ngff/planner/untyped.py", "no-untyped-def"), ("h5ngff/engine/wrong.py", "return-value")}, done.stdout
