@@ -13,6 +13,7 @@ axis?) are checked by the planner, which still names the spec field in its error
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -54,6 +55,28 @@ CODECS = ("blosc", "zstd", "gzip", "none")
 #: Allowed compression levels per codec, inclusive. zstd's negative "fast" levels are excluded on
 #: purpose: they are rarely wanted for archives and complicate the level's meaning.
 LEVEL_RANGES = {"blosc": (0, 9), "zstd": (1, 22), "gzip": (1, 9)}
+
+#: URL schemes an output path may carry; a path without ``scheme://`` is a local directory.
+OUTPUT_SCHEMES: tuple[str, ...] = ()
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(path: str) -> str | None:
+    """``s3`` for ``s3://bucket/x``; None for a local path (``out:1.ome.zarr`` has no ``://``)."""
+    m = _SCHEME.match(path)
+    return m.group(1).lower() if m else None
+
+
+def parse_output_path(path: str) -> str:
+    """Refuse a URL whose scheme no store handles: it would otherwise be written as a local
+    directory named ``s3:`` while the user believes the data is in a bucket."""
+    scheme = url_scheme(path)
+    if scheme is not None and scheme not in OUTPUT_SCHEMES:
+        known = " or ".join(f"'{s}://'" for s in OUTPUT_SCHEMES)
+        expected = f"a local directory or a {known} URL" if known else "a local directory (no URL scheme is supported)"
+        raise ValueError(f"Expected {expected}. Got {path!r} instead ({scheme}:// is not supported; nothing was written).")
+    return path
+
 
 def _no_bool(value: Any) -> Any:
     # pydantic's lax mode reads True as 1: YAML's ``workers: yes`` would silently mean one worker.
@@ -194,6 +217,11 @@ class OutputSpec(_Model):
     shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
     compressor: CompressorSpec = Field(default_factory=CompressorSpec)
     overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
+
+    @field_validator("path")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        return parse_output_path(v)
 
     @field_validator("ngff_version", mode="before")
     @classmethod
