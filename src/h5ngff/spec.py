@@ -57,7 +57,7 @@ CODECS = ("blosc", "zstd", "gzip", "none")
 LEVEL_RANGES = {"blosc": (0, 9), "zstd": (1, 22), "gzip": (1, 9)}
 
 #: URL schemes an output path may carry; a path without ``scheme://`` is a local directory.
-OUTPUT_SCHEMES: tuple[str, ...] = ()
+OUTPUT_SCHEMES: tuple[str, ...] = ("s3",)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
@@ -211,12 +211,14 @@ class CompressorSpec(_Model):
 class OutputSpec(_Model):
     """The OME-Zarr output."""
 
-    path: str = Field(min_length=1, description="Output directory, conventionally ending in .ome.zarr.")
+    path: str = Field(min_length=1, description="Output directory, conventionally ending in .ome.zarr, or an s3://bucket/prefix URL (docs/engine.md, Stores).")
     ngff_version: Literal["0.4", "0.5"] = Field("0.5", description="0.5 writes Zarr v3 (default); 0.4 writes Zarr v2.")
     chunks: list[Int] | None = Field(None, description="Chunk shape, one entry per axis. Default: 64 per spatial axis in 3-D, 256 in 2-D, 1 for t and c.")
     shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
     compressor: CompressorSpec = Field(default_factory=CompressorSpec)
     overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
+    storage_options: dict[str, str] | None = Field(
+        None, description="Object store options for an s3:// path, e.g. endpoint, region, allow_http. Credentials belong in the environment (a Secret), not here.")
 
     @field_validator("path")
     @classmethod
@@ -238,6 +240,12 @@ class OutputSpec(_Model):
     @classmethod
     def _positive(cls, v: list[int] | None, info) -> list[int] | None:
         return _positive_ints(info.field_name, v)
+
+    @model_validator(mode="after")
+    def _options_need_a_url(self) -> "OutputSpec":
+        if self.storage_options and url_scheme(self.path) is None:
+            raise _FieldError("storageOptions", f"Expected storage options only with an s3:// output.path. Got {sorted(self.storage_options)} with the local path {self.path!r} instead.")
+        return self
 
     @model_validator(mode="after")
     def _shards_need_v3(self) -> "OutputSpec":

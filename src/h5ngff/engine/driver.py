@@ -82,7 +82,8 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
             output.manifest.append([result.record])
             _accumulate(totals, result)
             p = events.progress
-            events.emit(slabs_done=p.slabs_done + 1, bytes_read=p.bytes_read + result.bytes_read, bytes_written=p.bytes_written + result.bytes_written)
+            events.emit(slabs_done=p.slabs_done + 1, bytes_read=p.bytes_read + result.bytes_read, bytes_written=p.bytes_written + result.bytes_written,
+                        store_retries=p.store_retries + result.store_retries)
     totals.seconds = time.perf_counter() - start
     return totals
 
