@@ -54,7 +54,7 @@ class S3Endpoint:
     def env(self) -> dict[str, str]:
         """The AWS environment that points s3fs/botocore readers (ome-zarr-py, ngff-zarr) here."""
         return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": CREDENTIALS["access_key_id"],
-                "AWS_SECRET_ACCESS_KEY": CREDENTIALS["secret_access_key"], "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION}
+                "AWS_SECRET_ACCESS_KEY": CREDENTIALS["secret_access_key"], "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION, "AWS_ALLOW_HTTP": "true"}
 
 
 def start_moto() -> S3Endpoint:

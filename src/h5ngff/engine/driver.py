@@ -33,6 +33,8 @@ class RunTotals:
     slabs_skipped: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    #: Object store requests retried after transient errors (engine.stores.base.retrying).
+    store_retries: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: {"read": 0.0, "write": 0.0, "downsample": 0.0})
 
 
@@ -98,6 +100,7 @@ def _accumulate(totals: RunTotals, result: SlabResult) -> None:
     totals.slabs_written += 1
     totals.bytes_read += result.bytes_read
     totals.bytes_written += result.bytes_written
+    totals.store_retries += result.store_retries
     for stage, seconds in result.seconds.items():
         totals.stage_seconds[stage] = totals.stage_seconds.get(stage, 0.0) + seconds
 

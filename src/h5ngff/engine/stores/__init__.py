@@ -39,8 +39,10 @@ def split_url(url: str) -> tuple[str, str, str]:
 def open_store(path: str, options: Mapping[str, str] | None = None) -> Store:
     """The store rooted at ``path``: a local directory, or ``s3://bucket/prefix``. Cached per
     process and options, so every caller in a process shares one client (and its pool)."""
-    key = (path.rstrip("/"), tuple(sorted((options or {}).items())))
     with _lock:
+        if options is None:  # a caller that knows only the path: the options registered for it
+            options = _registered.get(path.rstrip("/"))
+        key = (path.rstrip("/"), tuple(sorted((options or {}).items())))
         store = _open.get(key)
         if store is None:
             if is_url(path):
