@@ -265,3 +265,13 @@ def test_a_credentials_secret_is_a_plain_secret_name_never_another_namespace(nam
 
     with pytest.raises(SpecError, match="pod.credentialsSecret"):
         job_spec(pod={"credentialsSecret": name})
+
+
+def test_the_output_lease_of_a_bucket_prefix_is_the_url_whatever_the_working_directory():
+    from h5ngff.operator.lease import output_key
+
+    a = job_spec(output={"path": "s3://scans/run-7/out.ome.zarr"})
+    b = job_spec(output={"path": "s3://scans/run-7//out.ome.zarr/"}, pod={"workingDir": "/elsewhere"})
+    assert output_key(a) == output_key(b) == "url:s3://scans/run-7/out.ome.zarr"
+    # Control: a relative local path does depend on the working directory.
+    assert output_key(job_spec(output={"path": "out.ome.zarr"})) != output_key(job_spec(output={"path": "out.ome.zarr"}, pod={"workingDir": "/elsewhere"}))
