@@ -26,15 +26,21 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
 CODEC = "blosc:zstd:5:bitshuffle"
 
+# ngff-zarr 0.50 writes only to local directories ("write to a local directory and upload
+# afterwards for remote targets", its own error for an s3:// URL), so the peer does exactly that:
+# to_ngff_zarr into a temporary directory, then an s3fs recursive upload, timed together.
 NGFF_ZARR_PEER = r"""
-import sys, h5py, dask.array as da, ngff_zarr as nz
+import os, sys, shutil, tempfile, h5py, dask.array as da, ngff_zarr as nz, s3fs
 from zarr.codecs import BloscCodec
 src, out = sys.argv[1], sys.argv[2]
+local = tempfile.mkdtemp(prefix="ngffzarr-") + "/out.ome.zarr"
 with h5py.File(src, "r") as f:
     data = da.from_array(f["/volume/data"], chunks=(64, 64, 64))
     image = nz.to_ngff_image(data, dims=["z", "y", "x"])
     ms = nz.to_multiscales(image, scale_factors=[], chunks={"z": 64, "y": 64, "x": 64})
-    nz.to_ngff_zarr(out, ms, version="0.5", compressors=[BloscCodec(cname="zstd", clevel=5, shuffle="bitshuffle")])
+    nz.to_ngff_zarr(local, ms, version="0.5", compressors=[BloscCodec(cname="zstd", clevel=5, shuffle="bitshuffle")])
+s3fs.S3FileSystem().put(local + "/", out.removeprefix("s3://") + "/", recursive=True)
+shutil.rmtree(os.path.dirname(local))
 """
 
 
