@@ -80,7 +80,10 @@ def same_as_source(url_or_path: str, source: str, endpoint: str) -> bool:
     store = url_or_path
     if url_or_path.startswith("s3://"):
         store = FsspecStore.from_url(url_or_path, storage_options={"endpoint_url": endpoint, "key": KEY["AWS_ACCESS_KEY_ID"], "secret": KEY["AWS_SECRET_ACCESS_KEY"]}, read_only=True)
-    level0 = zarr.open_group(store, mode="r")["0"]
+    group = zarr.open_group(store, mode="r")
+    attrs = group.attrs.asdict()
+    multiscales = attrs.get("ome", attrs).get("multiscales")
+    level0 = group[multiscales[0]["datasets"][0]["path"]]  # ngff-zarr names its levels scale0/image
     with h5py.File(source, "r") as f:
         ds = f["/volume/data"]
         return all(np.array_equal(level0[z : z + 64], ds[z : z + 64]) for z in range(0, ds.shape[0], 64))

@@ -212,6 +212,9 @@ def test_overwrite_replaces_only_our_own_output(source, s3, convert):
     # Ours (finished), with a stray object of a different conversion's shape: --overwrite replaces it.
     ours = f"s3://{bucket}/ours.ome.zarr"
     convert(_spec(h5, ours, s3.options(), chunks=[8, 16, 16]))
+    before = s3.keys(bucket, "ours.ome.zarr/")
+    again = convert(_spec(h5, ours, s3.options(), chunks=[8, 16, 16]))  # finished: nothing rewritten
+    assert again.resumed and s3.keys(bucket, "ours.ome.zarr/") == before
     client.put_object(Bucket=bucket, Key="ours.ome.zarr/stray", Body=b"x")
     with pytest.raises(OutputConflictError, match="different conversion"):
         convert(_spec(h5, ours, s3.options()))
