@@ -82,3 +82,14 @@ requires_cgroups = pytest.mark.skipif(cgroups_available() is not None, reason=f"
 def pytest_report_header(config):
     reason = cgroups_available()
     return [f"h5ngff: memory cgroups {'available' if reason is None else 'unavailable: ' + reason}", f"cpus: {os.cpu_count()}"]
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 endpoint on 127.0.0.1 (moto server mode), once per session (tests/s3_server.py)."""
+    pytest.importorskip("moto.server", reason="moto[server] is not installed (scripts/setup installs the s3 extra)")
+    from s3_server import start_moto
+
+    endpoint = start_moto()
+    yield endpoint
+    endpoint.server.stop()

@@ -85,9 +85,11 @@ def read_ims_independently(path):
         reader.close()
 
 
-def read_by_independent_clients(out: str, data: np.ndarray):
+def read_by_independent_clients(out: str, data: np.ndarray, storage_options: dict | None = None):
     """Validate ``out`` with ome-zarr-models, check that ome-zarr-py and ngff-zarr read level 0 as
-    ``data``, and return ngff-zarr's multiscales for the caller's metadata checks."""
+    ``data``, and return ngff-zarr's multiscales for the caller's metadata checks. An ``s3://``
+    URL is read through fsspec/s3fs with ``storage_options`` (the caller points the AWS
+    environment at the endpoint too, for ome-zarr-py, which takes no options)."""
     import warnings
 
     import ngff_zarr
@@ -96,11 +98,16 @@ def read_by_independent_clients(out: str, data: np.ndarray):
     from ome_zarr.reader import Reader
     from ome_zarr_models.v05 import Image
 
-    Image.from_zarr(zarr.open_group(out, mode="r"))
+    store = out
+    if storage_options is not None:
+        from zarr.storage import FsspecStore
+
+        store = FsspecStore.from_url(out, storage_options=storage_options, read_only=True)
+    Image.from_zarr(zarr.open_group(store, mode="r"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         node = list(Reader(parse_url(out))())[0]
     np.testing.assert_array_equal(np.asarray(node.data[0]), data)
-    multiscales = ngff_zarr.from_ngff_zarr(out)
+    multiscales = ngff_zarr.from_ngff_zarr(out, storage_options=storage_options) if storage_options is not None else ngff_zarr.from_ngff_zarr(out)
     np.testing.assert_array_equal(np.asarray(multiscales.images[0].data), data)
     return multiscales

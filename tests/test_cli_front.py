@@ -228,6 +228,18 @@ def test_output_conflicts_are_refused_before_the_plan_and_the_cluster(small, tmp
     assert run.returncode == ExitCode.OUTPUT_REFUSED and "OutputConflict" in run.stdout and "predicted peak RSS" not in run.stdout
 
 
+def test_an_unsupported_url_scheme_is_refused_not_written_as_a_local_directory(small, tmp_path):
+    # Before the fix `convert in.h5:/d gs://bucket/x` exited 0 after writing ./gs:/bucket/x.
+    proc = h5ngff("convert", f"{small / 'small.h5'}:/volume/data", "gs://bucket/x.ome.zarr", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr
+    assert "output.path" in proc.stderr and "gs:// is not supported" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    no_traceback(proc)
+    # Control: a local name with a colon (no "://") is still a local directory, planned as before.
+    plan = h5ngff("plan", f"{small / 'small.h5'}:/volume/data", "out:1.ome.zarr", "--json", cwd=tmp_path)
+    assert plan.returncode == 0 and json.loads(plan.stdout)["spec"]["output"]["path"] == "out:1.ome.zarr", plan.stderr
+
+
 def test_one_exit_code_table_in_code_help_and_readme():
     codes = {int(c) for c in ExitCode}
     assert {0, 1, 2, 130} <= codes

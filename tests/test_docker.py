@@ -91,7 +91,7 @@ def problems(text: str) -> list[str]:
         out.append("the builder does not pin the locked versions")
     install = [(c, " ".join(c.value)) for c in final if c.cmd == "RUN" and "pip install" in " ".join(c.value)]
     from_builder = [c for c, _ in install if any("from=builder" in f for f in c.flags)] + [c for c in final if c.cmd == "COPY" and "--from=builder" in c.flags]
-    if not install or not from_builder or not any("--no-index" in t and '"h5ngff[kubernetes]"' in t for _, t in install):
+    if not install or not from_builder or not any("--no-index" in t and '"h5ngff[kubernetes,s3]"' in t for _, t in install):
         out.append("h5ngff[kubernetes] is not installed from the builder's wheels")
     if not any(re.search(r"apt-get install[^&]*\blibjemalloc2\b", r) for r in runs):
         out.append("libjemalloc2 is not installed")
@@ -136,7 +136,7 @@ TEXT = DOCKERFILE.read_text()
     (lambda t: t.replace("USER 10001:10001\n", ""), "non-root"),
     (lambda t: re.sub(r"(?s)HEALTHCHECK .*?healthcheck\"\]\n", "", t), "no HEALTHCHECK"),
     (lambda t: t.replace('ENTRYPOINT ["/usr/bin/tini", "--"]', 'ENTRYPOINT ["h5ngff"]'), "ENTRYPOINT"),
-    (lambda t: t.replace('"h5ngff[kubernetes]"', '"h5ngff"'), "h5ngff[kubernetes] is not installed"),
+    (lambda t: t.replace('"h5ngff[kubernetes,s3]"', '"h5ngff"'), "h5ngff[kubernetes] is not installed"),
     (lambda t: t.replace("RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \\", "RUN \\"), "h5ngff[kubernetes] is not installed"),
     (lambda t: t.replace(" -c requirements/lock.txt", ""), "does not pin the locked versions"),
 ], ids=["floating-minor", "latest", "single-stage", "no-jemalloc", "no-preload", "other-malloc-conf", "user-root",

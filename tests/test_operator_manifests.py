@@ -217,3 +217,52 @@ def test_runner_pods_get_the_default_service_account_and_serve_metrics():
     own = build_runner_job(OWNER, job_spec(pod={"serviceAccountName": "mine"}), 1, "img", default_service_account="h5ngff-runner")
     assert own["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
     assert "serviceAccountName" not in build_runner_job(OWNER, spec, 1, "img")["spec"]["template"]["spec"]
+
+
+def _containers(obj):
+    """Every container dict anywhere in a rendered manifest."""
+    if isinstance(obj, dict):
+        if "image" in obj and "name" in obj and ("args" in obj or "command" in obj):
+            yield obj
+        for value in obj.values():
+            yield from _containers(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _containers(value)
+
+
+def test_an_s3_output_gets_its_credentials_from_a_namespace_local_secret_in_runner_and_workers():
+    spec = job_spec(output={"path": "s3://scans/run-7/out.ome.zarr", "storageOptions": {"region": "eu-west-1"}},
+                    pod={"credentialsSecret": "s3-writer"})
+    runner = build_runner_job(OWNER, spec, attempt=1, default_image="img")
+    plan = plan_for(spec)
+    cluster = build_dask_cluster(plan, Owner("science", "scan-42", "0b9f-uid"), "img", spec.pod)
+    (rc,) = runner["spec"]["template"]["spec"]["containers"]
+    (wc,) = cluster["spec"]["worker"]["spec"]["containers"]
+    for c in (rc, wc):
+        # A secretRef has no namespace: the kubelet resolves it in the pod's (the job's) namespace.
+        assert c["envFrom"] == [{"secretRef": {"name": "s3-writer"}}]
+    assert json.loads(next(e["value"] for e in rc["env"] if e["name"] == SPEC_ENV))["pod"]["credentialsSecret"] == "s3-writer"
+    assert "secretKeyRef" not in json.dumps(runner) and "AWS_SECRET_ACCESS_KEY" not in json.dumps(runner)
+    # Negative control: without the field no container gets any envFrom.
+    plain = job_spec()
+    assert not [c for c in _containers(build_runner_job(OWNER, plain, 1, "img")) if "envFrom" in c]
+    assert not [c for c in _containers(build_dask_cluster(plan_for(plain), Owner("science", "scan-42", "u"), "img", plain.pod)) if "envFrom" in c]
+
+
+@pytest.mark.parametrize("name", ["other-ns/s3-writer", "S3Writer", "", "-x"])
+def test_a_credentials_secret_is_a_plain_secret_name_never_another_namespace(name):
+    from h5ngff.errors import SpecError
+
+    with pytest.raises(SpecError, match="pod.credentialsSecret"):
+        job_spec(pod={"credentialsSecret": name})
+
+
+def test_the_output_lease_of_a_bucket_prefix_is_the_url_whatever_the_working_directory():
+    from h5ngff.operator.lease import output_key
+
+    a = job_spec(output={"path": "s3://scans/run-7/out.ome.zarr"})
+    b = job_spec(output={"path": "s3://scans/run-7//out.ome.zarr/"}, pod={"workingDir": "/elsewhere"})
+    assert output_key(a) == output_key(b) == "url:s3://scans/run-7/out.ome.zarr"
+    # Control: a relative local path does depend on the working directory.
+    assert output_key(job_spec(output={"path": "out.ome.zarr"})) != output_key(job_spec(output={"path": "out.ome.zarr"}, pod={"workingDir": "/elsewhere"}))

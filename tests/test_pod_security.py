@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from h5ngff.backends.kubernetes import build_dask_cluster
-from h5ngff.jobspec import Owner
 from h5ngff.k8s import RUN_AS_GROUP, RUN_AS_USER, SCRATCH_PATH
 from h5ngff.operator.manifests import Owner, build_runner_job
 

@@ -82,6 +82,8 @@ BAD_SPECS = [
     ("cname-with-gzip", {"output": {"compressor": {"codec": "gzip", "cname": "zstd"}}}, "output.compressor.cname", "Expected cname only with codec 'blosc'. Got cname='zstd' with codec 'gzip'"),
     ("shuffle-with-zstd", {"output": {"compressor": {"codec": "zstd", "shuffle": "shuffle"}}}, "output.compressor.shuffle", "Expected shuffle only with codec 'blosc'. Got shuffle='shuffle' with codec 'zstd'"),
     ("clevel-boolean", {"output": {"compressor": {"clevel": True}}}, "output.compressor.clevel", "Expected a number, not a boolean. Got True"),
+    ("output-url-scheme-unsupported", {"output": {"path": "gs://bucket/x.ome.zarr"}}, "output.path", "Got 'gs://bucket/x.ome.zarr' instead (gs:// is not supported; nothing was written)"),
+    ("output-url-scheme-file", {"output": {"path": "file:///data/x.ome.zarr"}}, "output.path", "(file:// is not supported"),
     ("overwrite-not-bool", {"output": {"overwrite": "maybe"}}, "output.overwrite", "Expected a valid boolean. Got 'maybe'"),
     # image
     ("axes-unknown-letter", {"image": {"axes": "zyq"}}, "image.axes", "Expected distinct axis names from 't', 'c', 'z', 'y', 'x', e.g. 'tczyx'. Got 'zyq'"),

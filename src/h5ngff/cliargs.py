@@ -131,6 +131,7 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--shards", metavar="Z,Y,X", help="Shard shape, a multiple of --chunks (NGFF 0.5 only): fewer, larger files.")
     out.add_argument("--compressor", metavar="SPEC", help=COMPRESSOR_HELP)
     out.add_argument("--ngff-version", choices=["0.4", "0.5"], help="0.5 = Zarr v3 (default); 0.4 = Zarr v2 for older viewers.")
+    add_storage_option_flag(out)
     img = parser.add_argument_group("image metadata")
     img.add_argument("--axes", help="Axis names, e.g. tczyx. Default: from HDF5 dimension labels, else by number of dimensions.")
     img.add_argument("--scale", metavar="S,S,S", help="Voxel size per axis. Default: element_size_um attribute, else 1.")
@@ -188,9 +189,28 @@ FLAG_FIELDS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
+def add_storage_option_flag(group) -> None:
+    group.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_option",
+                       help="Object store option for an s3:// output, repeatable: endpoint=http://host:9000, region=eu-west-1, allow_http=true. "
+                            "Credentials come from the AWS environment (AWS_ACCESS_KEY_ID, ...).")
+
+
+def parse_storage_options(items: list[str] | None) -> dict[str, str]:
+    """``["endpoint=http://h:9000", "allow_http=true"]`` -> a dict; refuses an item without '='."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError("output.storageOptions", f"Expected --storage-option KEY=VALUE, e.g. endpoint=http://127.0.0.1:9000. Got {item!r} instead.")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The nested spec dict the flags given on the command line describe (unset flags omitted)."""
     spec: dict[str, dict[str, Any]] = {}
+    if getattr(args, "storage_option", None):
+        spec["output"] = {"storageOptions": parse_storage_options(args.storage_option)}
     for dest, field, parse in FLAG_FIELDS:
         value = getattr(args, dest, None)
         if value is None or value == "":

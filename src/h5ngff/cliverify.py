@@ -9,7 +9,8 @@ import os
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-from .cliargs import split_source
+from .cliargs import add_storage_option_flag, parse_storage_options, split_source
+from .spec import parse_output_path, url_scheme
 from .errors import OutputNotFoundError
 
 EPILOG = """\
@@ -28,21 +29,23 @@ def add_verify_command(sub) -> None:
     v.add_argument("output", metavar="OUTPUT", help="An OME-Zarr written by h5ngff.")
     v.add_argument("--source", metavar="FILE.h5:/dataset", help="Also compare every level with the pyramid computed from this HDF5 dataset.")
     v.add_argument("--json", action="store_true", help="Print the report as one JSON object.")
+    add_storage_option_flag(v)
     v.set_defaults(func=cmd_verify)
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from .engine.verify import verify_output  # zarr and h5py load only when needed
 
-    source = _checked_inputs(args.output, args.source)
+    options = parse_storage_options(args.storage_option)
+    source = _checked_inputs(args.output, args.source, options)
     if args.json:
-        report = verify_output(args.output, source)
+        report = verify_output(args.output, source, storage_options=options)
         print(json.dumps(report.to_dict(), indent=1))
         return 0 if report.ok else 1
     with Progress(TextColumn("verify"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=console) as bar:
         task = bar.add_task("verify", total=None)
         report = verify_output(args.output, source, on_unit=lambda: bar.advance(task),
-                               on_total=lambda n: bar.update(task, total=n))
+                               on_total=lambda n: bar.update(task, total=n), storage_options=options)
     checked = f"{report.units_checked} chunk/shard files in {report.levels} level(s)"
     if report.ok:
         equal = f", all {report.levels_compared} level(s) equal to the pyramid computed from the source" if report.compared_with_source else ""
@@ -56,10 +59,12 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     return 1
 
 
-def _checked_inputs(output: str, source_text: str | None) -> tuple[str, str] | None:
+def _checked_inputs(output: str, source_text: str | None, options: dict[str, str] | None = None) -> tuple[str, str] | None:
     """Refuse a missing output or an unreadable source up front, with convert's own source
     errors (not a traceback from deep inside the comparison)."""
-    if not os.path.exists(output):
+    if url_scheme(output) is not None:
+        _check_object_output(output, options or {})
+    elif not os.path.exists(output):
         raise OutputNotFoundError(f"{output!r} does not exist. Expected the path of an OME-Zarr that h5ngff wrote.")
     if source_text is None:
         return None
@@ -68,3 +73,16 @@ def _checked_inputs(output: str, source_text: str | None) -> tuple[str, str] | N
     path, dataset = split_source(source_text)
     inspect_source(path, dataset)  # metadata only: the file opens, the dataset exists and is numeric
     return path, dataset
+
+
+def _check_object_output(url: str, options: dict[str, str]) -> None:
+    """An s3:// output must have a scheme we know and hold at least one object."""
+    from .engine.stores import open_store
+    from .errors import SpecError
+
+    try:
+        parse_output_path(url)
+    except ValueError as exc:
+        raise SpecError("OUTPUT", str(exc)) from None
+    if not open_store(url, options).list(""):
+        raise OutputNotFoundError(f"{url!r} holds no objects. Expected the URL of an OME-Zarr that h5ngff wrote.")

@@ -65,6 +65,10 @@ class PodSettings(_Model):
     service_account_name: str | None = Field(None, description="Service account of the runner pod (workers get no API access); it must be allowed to manage DaskClusters and patch conversionjobs/status.")
     node_selector: dict[str, str] | None = Field(None, description="nodeSelector of the runner and worker pods.")
     tolerations: list[FreeForm] | None = Field(None, description="Tolerations of the runner and worker pods.")
+    credentials_secret: str | None = Field(
+        None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Name of a Secret in the job's own namespace whose keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
+                    "AWS_ENDPOINT_URL, ...) become environment variables of the runner and every worker: credentials for an s3:// output.")
 
     @field_validator("volumes", "volume_mounts")
     @classmethod

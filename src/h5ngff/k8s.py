@@ -94,6 +94,12 @@ def container_storage(pod: PodSettings) -> dict[str, Any]:
         out["workingDir"] = pod.working_dir
     if pod.image_pull_policy:
         out["imagePullPolicy"] = pod.image_pull_policy
+    if pod.credentials_secret:
+        # A secretRef has no namespace field: the kubelet reads the Secret from the pod's own
+        # namespace, so a tenant can only ever name its own Secrets, and the operator never
+        # reads it (no Secret RBAC). Not optional: a missing Secret keeps the pod from starting
+        # (CreateContainerConfigError) rather than writing with no credentials.
+        out["envFrom"] = [{"secretRef": {"name": pod.credentials_secret}}]
     return out
 
 

@@ -83,6 +83,7 @@ class RunSummary:
             "seconds": round(self.seconds, 3),
             "bytes_read": self.totals.bytes_read if self.totals else 0,
             "bytes_written": self.totals.bytes_written if self.totals else 0,
+            "store_retries": self.totals.store_retries if self.totals else 0,
             "gb_per_s": round(self.gb_per_s, 3),
             "slabs_written": self.totals.slabs_written if self.totals else 0,
             "slabs_skipped": self.totals.slabs_skipped if self.totals else 0,

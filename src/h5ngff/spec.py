@@ -13,6 +13,7 @@ axis?) are checked by the planner, which still names the spec field in its error
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -52,6 +53,28 @@ BLOSC_CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
 #: Allowed compression levels per codec, inclusive. zstd's negative "fast" levels are excluded on
 #: purpose: they are rarely wanted for archives and complicate the level's meaning.
 LEVEL_RANGES = {"blosc": (0, 9), "zstd": (1, 22), "gzip": (1, 9)}
+
+#: URL schemes an output path may carry; a path without ``scheme://`` is a local directory.
+OUTPUT_SCHEMES: tuple[str, ...] = ("s3",)
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(path: str) -> str | None:
+    """``s3`` for ``s3://bucket/x``; None for a local path (``out:1.ome.zarr`` has no ``://``)."""
+    m = _SCHEME.match(path)
+    return m.group(1).lower() if m else None
+
+
+def parse_output_path(path: str) -> str:
+    """Refuse a URL whose scheme no store handles: it would otherwise be written as a local
+    directory named ``s3:`` while the user believes the data is in a bucket."""
+    scheme = url_scheme(path)
+    if scheme is not None and scheme not in OUTPUT_SCHEMES:
+        known = " or ".join(f"'{s}://'" for s in OUTPUT_SCHEMES)
+        expected = f"a local directory or a {known} URL" if known else "a local directory (no URL scheme is supported)"
+        raise ValueError(f"Expected {expected}. Got {path!r} instead ({scheme}:// is not supported; nothing was written).")
+    return path
+
 
 def _no_bool(value: Any) -> Any:
     # pydantic's lax mode reads True as 1: YAML's ``workers: yes`` would silently mean one worker.
@@ -186,12 +209,19 @@ class CompressorSpec(_Model):
 class OutputSpec(_Model):
     """The OME-Zarr output."""
 
-    path: str = Field(min_length=1, description="Output directory, conventionally ending in .ome.zarr.")
+    path: str = Field(min_length=1, description="Output directory, conventionally ending in .ome.zarr, or an s3://bucket/prefix URL (docs/engine.md, Stores).")
     ngff_version: Literal["0.4", "0.5"] = Field("0.5", description="0.5 writes Zarr v3 (default); 0.4 writes Zarr v2.")
     chunks: list[Int] | None = Field(None, description="Chunk shape, one entry per axis. Default: 64 per spatial axis in 3-D, 256 in 2-D, 1 for t and c.")
     shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
     compressor: CompressorSpec = Field(default_factory=CompressorSpec)
     overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
+    storage_options: dict[str, str] | None = Field(
+        None, description="Object store options for an s3:// path, e.g. endpoint, region, allow_http. Credentials belong in the environment (a Secret), not here.")
+
+    @field_validator("path")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        return parse_output_path(v)
 
     @field_validator("ngff_version", mode="before")
     @classmethod
@@ -208,6 +238,12 @@ class OutputSpec(_Model):
     @classmethod
     def _positive(cls, v: list[int] | None, info) -> list[int] | None:
         return _positive_ints(info.field_name, v)
+
+    @model_validator(mode="after")
+    def _options_need_a_url(self) -> "OutputSpec":
+        if self.storage_options and url_scheme(self.path) is None:
+            raise _FieldError("storageOptions", f"Expected storage options only with an s3:// output.path. Got {sorted(self.storage_options)} with the local path {self.path!r} instead.")
+        return self
 
     @model_validator(mode="after")
     def _shards_need_v3(self) -> "OutputSpec":

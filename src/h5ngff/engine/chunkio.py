@@ -10,6 +10,7 @@ The bytes are exactly zarr's: tests read every codec, format and sharding back w
 from __future__ import annotations
 
 import errno
+import io
 import math
 import os
 import uuid
@@ -27,6 +28,7 @@ from ..spec import CompressorSpec
 from . import faults
 from .buffers import slab_buffer
 from .codecs import chunk_codec
+from .stores import is_url, register, store_for
 
 Shape = tuple[int, ...]
 #: Temporary files carry this marker; a resumed run deletes the ones a killed run left behind.
@@ -48,6 +50,8 @@ class ArrayLayout:
     compressor: CompressorSpec
     level: int = 0
     fill_value: float | int | bool = 0
+    #: Storage options of an object-store output (sorted items), None for a local directory.
+    storage_options: tuple[tuple[str, str], ...] | None = None
 
     @property
     def unit(self) -> Shape:
@@ -139,6 +143,10 @@ def shard_index_bytes(layout: ArrayLayout) -> int:
 def atomic_file(path: str) -> Iterator[BinaryIO]:
     """A file written through a temporary name and renamed onto ``path`` once the block exits
     cleanly: a reader or a resumed run never sees half a chunk or shard."""
+    if is_url(path):  # an object store: one whole PUT, no temporary name (engine.stores)
+        with _object_file(path) as f:
+            yield f
+        return
     directory, name = os.path.split(path)
     if directory not in _made_dirs:
         os.makedirs(directory, exist_ok=True)
@@ -157,6 +165,25 @@ def atomic_file(path: str) -> Iterator[BinaryIO]:
     except BaseException:
         _remove_quietly(tmp)
         raise
+
+
+@contextmanager
+def _object_file(url: str) -> Iterator[BinaryIO]:
+    """Buffer a unit in memory and PUT it whole once the block exits cleanly (the upload buffer
+    of the memory plan): a PUT is atomic, so a reader sees the old object or the new one."""
+    buffer = io.BytesIO()
+    yield buffer
+    faults.before_rename()
+    store, key = store_for(url)
+    store.put(key, buffer.getbuffer())
+
+
+def _object_bytes(url: str) -> bytes | None:
+    store, key = store_for(url)
+    try:
+        return store.get(key)
+    except KeyError:
+        return None
 
 
 def atomic_write(path: str, pieces: list[bytes]) -> int:
@@ -252,6 +279,9 @@ def decode_unit(layout: ArrayLayout, data: bytes) -> np.ndarray:
 
 def read_unit(layout: ArrayLayout, index: tuple[int, ...]) -> np.ndarray | None:
     """One unit's decoded data, or None where no file exists (reads as the fill value)."""
+    if is_url(layout.path):
+        data = _object_bytes(layout.file(index))
+        return None if data is None else decode_unit(layout, data)
     try:
         with open(layout.file(index), "rb") as f:
             data = f.read()
@@ -266,6 +296,8 @@ def read_chunk(layout: ArrayLayout, chunk: tuple[int, ...]) -> np.ndarray | None
     ``verify`` holds one chunk, never a whole shard."""
     if layout.shards is None:
         return read_unit(layout, chunk)
+    if is_url(layout.path):
+        return _object_chunk(layout, chunk)
     per_shard = tuple(s // c for s, c in zip(layout.shards, layout.chunks))
     shard = tuple(i // p for i, p in zip(chunk, per_shard))
     inner = tuple(i % p for i, p in zip(chunk, per_shard))
@@ -316,6 +348,9 @@ def _read_shard_into(layout: ArrayLayout, index: tuple[int, ...], out: np.ndarra
     into ``out``, reading each chunk's bytes on its own. Holds the index, one encoded and one
     decoded chunk: never the whole shard file nor its decoded array (which cost two decoded shards
     and the file per thread before, issue 18)."""
+    if is_url(layout.path):
+        _object_shard_into(layout, index, out, region)
+        return
     try:
         f = open(layout.file(index), "rb")
     except FileNotFoundError:
@@ -340,3 +375,32 @@ def _read_shard_into(layout: ArrayLayout, index: tuple[int, ...], out: np.ndarra
                 continue
             chunk = decode_chunk(layout, os.pread(f.fileno(), nbytes, offset))
             out[dst] = chunk[tuple(slice(i.start - s, i.stop - s) for i, s in zip(inter, start))]
+
+
+def _object_chunk(layout: ArrayLayout, chunk: tuple[int, ...]) -> np.ndarray | None:
+    """One chunk of a sharded level in an object store: the shard object is fetched whole (one
+    GET; a ranged read per chunk would cost a request per chunk) and decoded."""
+    per_shard = shard_grid(layout)
+    shard = tuple(i // p for i, p in zip(chunk, per_shard))
+    decoded = read_unit(layout, shard)
+    if decoded is None:
+        return None
+    place = tuple(slice((i % p) * c, (i % p + 1) * c) for i, p, c in zip(chunk, per_shard, layout.chunks))
+    return decoded[place]
+
+
+def _object_shard_into(layout: ArrayLayout, index: tuple[int, ...], out: np.ndarray, region: tuple[slice, ...]) -> None:
+    decoded = read_unit(layout, index)
+    if decoded is None:
+        out[...] = layout.fill_value
+        return
+    origin = tuple(i * s for i, s in zip(index, layout.shards))
+    out[...] = decoded[tuple(slice(r.start - o, r.stop - o) for r, o in zip(region, origin))]
+
+
+def attach_stores(layouts) -> None:
+    """Tell this process's stores where the object-store levels among ``layouts`` live and with
+    which options (a Dask worker learns it from its first task; cheap to repeat)."""
+    for layout in layouts:
+        if isinstance(layout, ArrayLayout) and layout.storage_options is not None:
+            register(os.path.dirname(layout.path), dict(layout.storage_options))

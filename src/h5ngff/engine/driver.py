@@ -34,6 +34,8 @@ class RunTotals:
     slabs_skipped: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    #: Object store requests retried after transient errors (engine.stores.base.retrying).
+    store_retries: int = 0
     stage_seconds: dict[str, float] = field(default_factory=lambda: {"read": 0.0, "write": 0.0, "downsample": 0.0})
 
 
@@ -83,7 +85,8 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
             output.manifest.append([result.record])
             _accumulate(totals, result)
             p = events.progress
-            events.emit(slabs_done=p.slabs_done + 1, bytes_read=p.bytes_read + result.bytes_read, bytes_written=p.bytes_written + result.bytes_written)
+            events.emit(slabs_done=p.slabs_done + 1, bytes_read=p.bytes_read + result.bytes_read, bytes_written=p.bytes_written + result.bytes_written,
+                        store_retries=p.store_retries + result.store_retries)
     totals.seconds = time.perf_counter() - start
     return totals
 
@@ -98,6 +101,7 @@ def _accumulate(totals: RunTotals, result: SlabResult) -> None:
     totals.slabs_written += 1
     totals.bytes_read += result.bytes_read
     totals.bytes_written += result.bytes_written
+    totals.store_retries += result.store_retries
     for stage, seconds in result.seconds.items():
         totals.stage_seconds[stage] = totals.stage_seconds.get(stage, 0.0) + seconds
 

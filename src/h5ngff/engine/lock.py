@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from ..errors import OutputBusyError, OutputError
+from ..spec import url_scheme
 
 LOCK_NAME = ".h5ngff.lock"
 #: A lock file can be unlinked by its releasing holder between our open and our flock: start over
@@ -51,8 +52,8 @@ def output_lock(path: str) -> Iterator[None]:
     """Hold the output's lock for the block, or raise OutputBusyError naming the holder.
 
     An output that exists but is not a directory is not locked: nothing will be written there
-    (``prepare_output`` refuses it)."""
-    if os.path.exists(path) and not os.path.isdir(path):
+    (``prepare_output`` refuses it). An object-store URL has no flock: see engine.objoutput."""
+    if url_scheme(path) is not None or (os.path.exists(path) and not os.path.isdir(path)):
         yield
         return
     try:

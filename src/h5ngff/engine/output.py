@@ -29,6 +29,8 @@ from .codecs import zarr_compressors
 from .lock import LOCK_NAME
 from .manifest import MANIFEST_DIR, Manifest, fingerprint
 from .ngff import root_attributes
+from .objoutput import ObjectManifest, create_object_output, finish_object_output, inspect_object_output, object_marker, output_store, refuse_foreign, remove_ours
+from .stores import is_url, open_store
 from .source import SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ def level_layouts(plan: Plan, spec: ConversionSpec) -> tuple[ArrayLayout, ...]:
             compressor=spec.output.compressor,
             level=level.index,
             fill_value=fill,
+            storage_options=tuple(sorted((spec.output.storage_options or {}).items())) if is_url(spec.output.path) else None,
         )
         for level in plan.levels
     )
@@ -95,6 +98,8 @@ def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> 
     print_ = fingerprint(content)
     layouts = level_layouts(plan, spec)
     fmt = zarr_format(spec)
+    if is_url(path):
+        return _prepare_object_output(plan, spec, content, layouts)
     if os.path.exists(path) and not _is_empty_dir(path):
         existing = Manifest.load(path) if os.path.isdir(path) else None
         finished = completion_marker(path)
@@ -114,8 +119,10 @@ def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> 
     return Output(path, fmt, layouts, manifest, print_, resumed=False)
 
 
-def completion_marker(path: str) -> dict[str, Any] | None:
+def completion_marker(path: str, storage_options: dict[str, str] | None = None) -> dict[str, Any] | None:
     """The ``h5ngff`` root attribute of a finished output (None if absent or unfinished)."""
+    if is_url(path):
+        return object_marker(open_store(path, storage_options))
     for name in ("zarr.json", ".zattrs"):
         try:
             with open(os.path.join(path, name)) as f:
@@ -137,6 +144,14 @@ def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> No
     """Refuse an output that ``prepare_output`` would refuse, writing nothing: the CLI and the
     runner call it before they print the plan and start a cluster, so a conflict costs no wait."""
     path = spec.output.path
+    if is_url(path):
+        store = output_store(spec)
+        present, manifest, marker = inspect_object_output(store)  # a 403 or a missing bucket fails here, before the cluster
+        if present:
+            refuse_foreign(store, manifest, marker)
+            if not spec.output.overwrite:
+                _refuse_existing(path, spec, content_of(plan, spec, source), manifest, marker)
+        return
     if os.path.exists(path) and not _is_empty_dir(path):
         existing = Manifest.load(path) if os.path.isdir(path) else None
         _refuse_existing(path, spec, content_of(plan, spec, source), existing, completion_marker(path))
@@ -197,34 +212,39 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def _create(path: str, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:
-    fmt = zarr_format(spec)
     try:
         os.makedirs(path, exist_ok=True)
         # Not overwrite=True: zarr would remove the whole directory, our held lock file with it.
         # The directory holds nothing else by now (new, empty, or emptied by --overwrite).
-        root = zarr.create_group(store=LocalStore(path), zarr_format=fmt)
-        compressors = zarr_compressors(spec.output.compressor, fmt)
-        for layout in layouts:
-            kwargs: dict[str, Any] = {}
-            if fmt == 2:
-                kwargs["chunk_key_encoding"] = {"name": "v2", "separator": "/"}
-            else:
-                kwargs["dimension_names"] = list(plan.axes)
-                if layout.shards:
-                    kwargs["shards"] = layout.shards
-            root.create_array(
-                name=str(layout.level),
-                shape=layout.shape,
-                chunks=layout.chunks,
-                dtype=layout.dtype,
-                compressors=compressors,
-                fill_value=layout.fill_value,
-                **kwargs,
-            )
+        _create_arrays(LocalStore(path), plan, spec, layouts)
     except PermissionError as exc:
         raise OutputError(f"output.path: cannot create {path!r}: permission denied ({exc.filename}). Choose a writable location.") from None
     except OSError as exc:
         raise OutputError(f"output.path: cannot create {path!r}: {exc.strerror or exc}. Choose a writable location.") from None
+
+
+def _create_arrays(store: Any, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:
+    """The root group and every level's array metadata, no ``ome`` attributes yet (zarr writes them)."""
+    fmt = zarr_format(spec)
+    root = zarr.create_group(store=store, zarr_format=fmt)
+    compressors = zarr_compressors(spec.output.compressor, fmt)
+    for layout in layouts:
+        kwargs: dict[str, Any] = {}
+        if fmt == 2:
+            kwargs["chunk_key_encoding"] = {"name": "v2", "separator": "/"}
+        else:
+            kwargs["dimension_names"] = list(plan.axes)
+            if layout.shards:
+                kwargs["shards"] = layout.shards
+        root.create_array(
+            name=str(layout.level),
+            shape=layout.shape,
+            chunks=layout.chunks,
+            dtype=layout.dtype,
+            compressors=compressors,
+            fill_value=layout.fill_value,
+            **kwargs,
+        )
 
 
 def sweep_temporary_files(path: str) -> int:
@@ -242,6 +262,11 @@ def sweep_temporary_files(path: str) -> int:
 
 def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, float]], summary: dict[str, Any]) -> None:
     """Write the NGFF metadata and the completion marker in one atomic rename, then drop the manifest."""
+    if is_url(output.path):
+        attrs = root_attributes(plan, spec, windows, output.zarr_format)
+        attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
+        finish_object_output(output_store(spec), attrs, output.zarr_format)
+        return
     # A worker killed between writing a temporary file and renaming it leaves that file behind,
     # while Dask re-ran its task elsewhere and the chunk itself is whole. Sweep before the marker:
     # only the driver runs here, after every task, under the output's lock, so nothing is writing.
@@ -263,6 +288,28 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
         os.fsync(f.fileno())
     os.replace(tmp, target)
     shutil.rmtree(manifest_dir(output.path), ignore_errors=True)
+
+
+def _prepare_object_output(plan: Plan, spec: ConversionSpec, content: dict[str, Any], layouts: tuple[ArrayLayout, ...]) -> Output:
+    """prepare_output for an s3:// output (engine.objoutput has the rules)."""
+    path, fmt, print_ = spec.output.path, zarr_format(spec), fingerprint(content)
+    store = output_store(spec)
+    present, manifest, marker = inspect_object_output(store)
+    if present:
+        refuse_foreign(store, manifest, marker)
+        if spec.output.overwrite:
+            remove_ours(store)
+        else:
+            _refuse_existing(path, spec, content, manifest, marker)
+            if manifest is None:
+                log.info("%s is already complete; nothing to do.", path)
+                return Output(path, fmt, layouts, ObjectManifest(store), print_, resumed=True, complete=True)
+            log.info("Resuming %s: %d slab(s) already recorded.", path, len(manifest.records))
+            return Output(path, fmt, layouts, manifest, print_, resumed=True)
+    create_object_output(store, lambda memory: _create_arrays(memory, plan, spec, layouts))
+    manifest = ObjectManifest(store)
+    manifest.start(content)
+    return Output(path, fmt, layouts, manifest, print_, resumed=False)
 
 
 def manifest_dir(path: str) -> str:

@@ -18,6 +18,8 @@ class Progress:
     slabs_skipped: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    #: Object store requests retried after a transient error (5xx, throttling, resets).
+    store_retries: int = 0
     pass_index: int = 0
     passes: int = 0
     started: float = field(default_factory=time.time)

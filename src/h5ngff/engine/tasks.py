@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .chunkio import ArrayLayout, read_region, write_block
+from .chunkio import ArrayLayout, attach_stores, read_region, write_block
 from . import faults
 from .buffers import keep_levels, level_buffer
 from .downsample import downsample, output_shape
 from .manifest import SlabRecord
 from .sources.base import SlabSource
+from .stores import store_retries
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class SlabResult:
     bytes_read: int
     bytes_written: int
     seconds: dict[str, float] = field(default_factory=dict)
+    #: Requests to the object store that were retried (transient errors) while this slab ran.
+    store_retries: int = 0
 
 
 class _MinMax:
@@ -86,6 +89,8 @@ class _MinMax:
 def run_slab(task: SlabTask) -> SlabResult:
     """Read, write and downsample one slab. Runs in a Dask worker."""
     seconds = {"read": 0.0, "write": 0.0, "downsample": 0.0}
+    attach_stores((task.source, *task.levels))
+    retries_before = store_retries.mine()
     t0 = time.perf_counter()
     if isinstance(task.source, SlabSource):
         block = task.source.read(task.region)
@@ -119,7 +124,7 @@ def run_slab(task: SlabTask) -> SlabResult:
     del block, injected
     keep_levels(len(task.levels) if first_factor == 2 else len(task.levels) - 1)
     record = SlabRecord(task.pass_index, task.slab, units, minmax.stats())
-    return SlabResult(record, bytes_read, bytes_written, seconds)
+    return SlabResult(record, bytes_read, bytes_written, seconds, store_retries=store_retries.mine() - retries_before)
 
 
 def expected_units(task: SlabTask) -> dict[int, set[str]]:

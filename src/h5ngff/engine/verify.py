@@ -20,6 +20,7 @@ from .chunkio import TMP_MARK, ArrayLayout, read_unit
 from .levelcheck import SOURCE_CACHE_BYTES, LevelComparison, Mismatch, PyramidRule, chunk_count, pyramid_rule
 from .output import completion_marker
 from .sources import verify_source
+from .stores import is_url, register, store_for
 
 
 @dataclass
@@ -52,6 +53,8 @@ class VerifyReport:
 
 
 def _root_attributes(path: str) -> tuple[int, dict[str, Any]]:
+    if is_url(path):
+        return _object_root_attributes(path)
     if os.path.exists(os.path.join(path, "zarr.json")):
         with open(os.path.join(path, "zarr.json")) as f:
             return 3, json.load(f).get("attributes", {})
@@ -98,21 +101,26 @@ def _compressor_from_zarr(meta: dict[str, Any], fmt: int) -> tuple[CompressorSpe
 
 def level_layout(path: str, level_path: str, fmt: int, level: int) -> ArrayLayout:
     meta_file = os.path.join(path, level_path, "zarr.json" if fmt == 3 else ".zarray")
-    with open(meta_file) as f:
-        meta = json.load(f)
+    if is_url(path):
+        meta = json.loads(_object_bytes_or_raise(meta_file))
+    else:
+        with open(meta_file) as f:
+            meta = json.load(f)
     compressor, chunks, shards = _compressor_from_zarr(meta, fmt)
     dtype = np.dtype(meta["dtype"]).str if fmt == 2 else np.dtype(meta["data_type"] if meta["data_type"] != "bool" else "?").newbyteorder("<").str
     return ArrayLayout(os.path.join(path, level_path), tuple(meta["shape"]), chunks, shards, dtype, fmt, compressor, level, meta.get("fill_value") or 0)
 
 
 def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Callable[[], None] | None = None,
-                  on_total: Callable[[int], None] | None = None) -> VerifyReport:
+                  on_total: Callable[[int], None] | None = None, storage_options: dict[str, str] | None = None) -> VerifyReport:
     """Check everything; problems are collected, not raised, so the report names them all.
 
     With ``source``, every level is compared with the pyramid computed from it
     (``levelcheck``); levels that cannot be compared are still decoded. ``on_total(n)`` is told
     how many ``on_unit()`` calls follow (files decoded plus chunks compared)."""
     report = VerifyReport(path)
+    if is_url(path):
+        register(path, storage_options or {})
     try:
         fmt, attrs = _root_attributes(path)
         ms = _multiscales(fmt, attrs)
@@ -198,7 +206,28 @@ def _check_units(layout: ArrayLayout, report: VerifyReport, on_unit) -> None:
             on_unit()
 
 
+def _object_bytes_or_raise(url: str) -> bytes:
+    store, key = store_for(url)
+    try:
+        return store.get(key)
+    except KeyError:
+        raise FileNotFoundError(url) from None
+
+
+def _object_root_attributes(url: str) -> tuple[int, dict[str, Any]]:
+    """The root attributes of an output in an object store (engine.stores; GETs, no listing)."""
+    for fmt, name in ((3, "zarr.json"), (2, ".zattrs")):
+        try:
+            doc = json.loads(_object_bytes_or_raise(f"{url.rstrip('/')}/{name}"))
+        except FileNotFoundError:
+            continue
+        return fmt, doc.get("attributes", {}) if fmt == 3 else doc
+    raise VerificationError(f"{url!r} is not a Zarr group (no zarr.json or .zattrs).")
+
+
 def _stale_temporaries(path: str, report: VerifyReport) -> None:
+    if is_url(path):
+        return  # objects are written whole: there are no temporaries to leave behind
     for directory, _, files in os.walk(path):
         for name in files:
             if TMP_MARK in name:

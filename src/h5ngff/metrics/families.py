@@ -56,6 +56,7 @@ CATALOGUE: tuple[MetricDef, ...] = (
     _job("h5ngff_job_current_pass", "gauge", "Index of the pass being written (0-based).", "progress events"),
     _job("h5ngff_job_read_bytes_total", "counter", "Uncompressed bytes read from the HDF5 source (or from a lower level for later passes).", "progress events"),
     _job("h5ngff_job_written_bytes_total", "counter", "Encoded bytes written to the Zarr store.", "progress events"),
+    _job("h5ngff_store_retries_total", "counter", "Object store requests retried after a transient error (5xx, throttling, reset connection), summed over the workers' finished slabs.", "progress events"),
     _job("h5ngff_job_read_throughput_bytes_per_second", "gauge", "Source bytes read per second, averaged since the writing phase started.", "progress events"),
     _job("h5ngff_job_eta_seconds", "gauge", "Estimated seconds until every slab is written (absent until the first fresh slab finishes).", "progress events"),
     _job("h5ngff_job_last_progress_timestamp_seconds", "gauge", "Unix time of the last phase change or finished slab.", "progress events"),
@@ -138,6 +139,7 @@ def _job_families(out: _Families, state: ExportState) -> None:
     out.add("h5ngff_job_current_pass", p.pass_index)
     out.add("h5ngff_job_read_bytes_total", p.bytes_read)
     out.add("h5ngff_job_written_bytes_total", p.bytes_written)
+    out.add("h5ngff_store_retries_total", p.store_retries)
     out.add("h5ngff_job_read_throughput_bytes_per_second", state.throughput)
     out.add("h5ngff_job_eta_seconds", state.eta)
     out.add("h5ngff_job_last_progress_timestamp_seconds", state.last_progress)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..k8s import labels, owner_reference
+from ..spec import url_scheme
 from ..jobspec import ConversionJobSpec
 from .kube import Conflict, Kube, namespaced
 
@@ -42,6 +43,11 @@ class LeaseState:
 def output_key(spec: ConversionJobSpec) -> str:
     """What identifies an output location across pods: the claim and path inside it, or the path."""
     path = spec.output.path
+    if url_scheme(path) is not None:
+        # A bucket prefix is the same output from every pod and every namespace's point of view;
+        # the working directory and the volumes do not change it.
+        scheme, _, rest = path.partition("://")
+        return f"url:{scheme.lower()}://{posixpath.normpath('/' + rest).lstrip('/')}"
     if not posixpath.isabs(path):
         path = posixpath.join(spec.pod.working_dir or "", path) if spec.pod.working_dir else path
     path = posixpath.normpath(path)

@@ -93,6 +93,15 @@ class MemoryConstants:
     #: at 1-2 GiB/s: 3-22 MiB above the threshold, every time terminated by Dask, never killed.
     monitor_interval: float = 0.02
     growth_rate: int = 2 << 30
+    #: An object-store output (s3://): obstore imported, its Rust runtime's threads and its HTTP
+    #: connection pool, once per worker process. Measured 18.5-18.8 MiB of RSS for 1-4 writer
+    #: threads putting 1 MiB objects (bench/store_clients.py --memory): the pool and the runtime
+    #: do not grow with the writer threads.
+    object_store_client: int = 20 * MiB
+    #: A unit bound for an object store is held whole in memory until its PUT returns: the
+    #: BytesIO it is streamed into (grown by doubling-ish steps) and the request body the client
+    #: sends from it. Bytes held per encoded byte, per thread.
+    object_store_buffer_factor: float = 2.0
 
     @classmethod
     def from_file(cls, path: str | Path) -> "MemoryConstants":
@@ -136,6 +145,8 @@ class PassShape:
     hdf5_cache_bytes: int
     #: The output codec is zstd (alone or inside blosc).
     zstd: bool = False
+    #: The output is an object store: units are held whole for their PUT (object_store_terms).
+    object_store: bool = False
 
 
 def encoded_bound(nbytes: int) -> int:
@@ -181,10 +192,39 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         # Chunk files of the previous level are read and decoded one at a time into the slab.
         # Shards too are read one inner chunk at a time, straight into the slab (engine.chunkio).
         terms.append(MemoryTerm("level read buffers", T * (encoded_bound(shape.chunk_bytes) + shape.chunk_bytes), "per thread: one encoded chunk + one decoded chunk"))
+    if shape.object_store:
+        terms.extend(object_store_terms(shape, c))
     dynamic = sum(t.bytes for t in terms[1:])
     slack = c.allocator_slack_jemalloc if allocator == "jemalloc" else c.allocator_slack_glibc
     terms.append(MemoryTerm("allocator slack", math.ceil(slack * dynamic), f"{slack:.0%} of the buffers above ({allocator})"))
     return tuple(terms)
+
+
+#: Mirrors engine.stores.s3: objects above MULTIPART_THRESHOLD go up in PART_SIZE parts, at most
+#: PART_CONCURRENCY of them in flight per upload.
+MULTIPART_THRESHOLD = 64 * MiB
+PART_SIZE = 16 * MiB
+PART_CONCURRENCY = 2
+
+
+def object_store_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]:
+    """The network path's terms: the client once per worker, and per thread the whole unit held
+    for its PUT (plus the multipart parts in flight for a unit above the threshold). A later
+    pass reads a shard object whole (one GET) and decodes it whole."""
+    T = shape.threads
+    unit = encoded_bound(shape.shard_bytes or shape.chunk_bytes)
+    buffer = math.ceil(c.object_store_buffer_factor * unit)
+    why = f"per thread: one encoded {'shard' if shape.shard_bytes else 'chunk'} ({unit / MiB:.1f} MiB) x {c.object_store_buffer_factor} held until its PUT returns"
+    if unit > MULTIPART_THRESHOLD:
+        buffer += PART_CONCURRENCY * PART_SIZE
+        why += f" + {PART_CONCURRENCY} multipart parts of {PART_SIZE / MiB:.0f} MiB in flight"
+    terms = [
+        MemoryTerm("object store client", c.object_store_client, "obstore, its runtime threads and connection pool, once per worker"),
+        MemoryTerm("object store upload buffers", T * buffer, why),
+    ]
+    if shape.shard_bytes and not shape.from_hdf5:
+        terms.append(MemoryTerm("object store shard reads", T * (unit + shape.shard_bytes), "per thread: one shard object fetched whole + decoded whole (a later pass)"))
+    return terms
 
 
 def shard_index_bytes(shard_bytes: int, chunk_bytes: int) -> int:

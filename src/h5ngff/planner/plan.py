@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..errors import BudgetTooSmallError, SpecError, UnsupportedDatasetError
-from ..spec import ConversionSpec
+from ..spec import ConversionSpec, url_scheme
 from ..units import MiB, format_bytes
 from .grid import align_up, clip, grid_shape, greedy_slab, slab_step
 from .layout import (
@@ -68,6 +68,8 @@ class _Context:
     constants: MemoryConstants
     #: The output codec is zstd (inside blosc or plain), whose compression context is large.
     zstd: bool = False
+    #: The output is an object store (s3://): units are buffered whole and PUT (engine.stores).
+    object_store: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -92,7 +94,7 @@ def make_plan(
     threads = spec.resources.threads_per_worker
 
     def plan_with(workers: int, budget: int | None) -> _Attempt:
-        ctx = _Context(ds, shards or chunks, chunks, shards, downsampled, threads, workers * threads, budget, allocator, constants, _uses_zstd(spec))
+        ctx = _Context(ds, shards or chunks, chunks, shards, downsampled, threads, workers * threads, budget, allocator, constants, _uses_zstd(spec), url_scheme(spec.output.path) is not None)
         return _plan_worker(ctx, [lv.shape for lv in levels], spec.resources.slab)
 
     workers, budget = _workers_and_budget(spec, capacity, threads)
@@ -411,6 +413,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
         hdf5_filtered=bool(ctx.ds.hdf5_filters),
         hdf5_cache_bytes=cache,
         zstd=ctx.zstd,
+        object_store=ctx.object_store,
     )
 
 

@@ -1,0 +1,149 @@
+"""Object storage (issue 14): the single-level seed case written by h5ngff to local disk, by
+h5ngff to a loopback S3 endpoint (moto's server, in its own process), and by ngff-zarr to the
+same endpoint, in one run, every output read back through the endpoint and compared with the
+source.
+
+    .venv/bin/python bench/s3_write.py [--scale 0.05] [--repeat 2] [--data-dir bench/data]
+
+Target (issue 14): h5ngff to the endpoint within 1.3x of h5ngff to disk, and faster than
+ngff-zarr to the same endpoint. Each figure is the fastest of ``--repeat`` interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+CODEC = "blosc:zstd:5:bitshuffle"
+
+# ngff-zarr 0.50 writes only to local directories ("write to a local directory and upload
+# afterwards for remote targets", its own error for an s3:// URL), so the peer does exactly that:
+# to_ngff_zarr into a temporary directory, then an s3fs recursive upload, timed together.
+NGFF_ZARR_PEER = r"""
+import os, sys, shutil, tempfile, h5py, dask.array as da, ngff_zarr as nz, s3fs
+from zarr.codecs import BloscCodec
+src, out = sys.argv[1], sys.argv[2]
+local = tempfile.mkdtemp(prefix="ngffzarr-") + "/out.ome.zarr"
+with h5py.File(src, "r") as f:
+    data = da.from_array(f["/volume/data"], chunks=(64, 64, 64))
+    image = nz.to_ngff_image(data, dims=["z", "y", "x"])
+    ms = nz.to_multiscales(image, scale_factors=[], chunks={"z": 64, "y": 64, "x": 64})
+    nz.to_ngff_zarr(local, ms, version="0.5", compressors=[BloscCodec(cname="zstd", clevel=5, shuffle="bitshuffle")])
+s3fs.S3FileSystem().put(local + "/", out.removeprefix("s3://") + "/", recursive=True)
+shutil.rmtree(os.path.dirname(local))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("moto did not start")
+
+
+def timed(argv: list[str], env: dict[str, str]) -> float:
+    t = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t
+    if proc.returncode:
+        raise RuntimeError(f"{argv[:4]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return seconds
+
+
+def same_as_source(url_or_path: str, source: str, endpoint: str) -> bool:
+    import h5py
+    import numpy as np
+    import zarr
+    from zarr.storage import FsspecStore
+
+    store = url_or_path
+    if url_or_path.startswith("s3://"):
+        store = FsspecStore.from_url(url_or_path, storage_options={"endpoint_url": endpoint, "key": KEY["AWS_ACCESS_KEY_ID"], "secret": KEY["AWS_SECRET_ACCESS_KEY"]}, read_only=True)
+    group = zarr.open_group(store, mode="r")
+    attrs = group.attrs.asdict()
+    multiscales = attrs.get("ome", attrs).get("multiscales")
+    level0 = group[multiscales[0]["datasets"][0]["path"]]  # ngff-zarr names its levels scale0/image
+    with h5py.File(source, "r") as f:
+        ds = f["/volume/data"]
+        return all(np.array_equal(level0[z : z + 64], ds[z : z + 64]) for z in range(0, ds.shape[0], 64))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=float, default=0.05)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--data-dir", default=str(ROOT / "bench" / "data"))
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "src"))
+    sys.path.insert(0, str(ROOT))
+    from bench.config import scaled_yx
+    from h5ngff.sample import write_sample
+
+    y, x = scaled_yx(args.scale)
+    source = os.path.join(args.data_dir, f"s3-seed-{args.scale:g}.h5")
+    if not os.path.exists(source):
+        os.makedirs(args.data_dir, exist_ok=True)
+        write_sample(source, "/volume/data", (150, y, x), "float32")
+    nbytes = 150 * y * x * 4
+    moto, endpoint = start_moto()
+    env = {**os.environ, **KEY, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true", "PYTHONPATH": str(ROOT / "src")}
+    h5ngff = [sys.executable, "-m", "h5ngff.cli", "convert", f"{source}:/volume/data"]
+    common = ["--levels", "1", "--chunks", "64,64,64", "--compressor", CODEC, "--no-progress", "--json"]
+    work = tempfile.mkdtemp(prefix="h5ngff-s3-bench-")
+    times: dict[str, list[float]] = {"h5ngff -> disk": [], "h5ngff -> s3": [], "ngff-zarr -> s3": []}
+    exact: dict[str, bool] = {}
+    try:
+        import botocore.session
+
+        client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                                                               aws_access_key_id=KEY["AWS_ACCESS_KEY_ID"], aws_secret_access_key=KEY["AWS_SECRET_ACCESS_KEY"])
+        client.create_bucket(Bucket="bench")
+        for r in range(args.repeat):
+            disk = os.path.join(work, f"disk-{r}.ome.zarr")
+            runs = {
+                "h5ngff -> disk": (h5ngff + [disk] + common, disk),
+                "h5ngff -> s3": (h5ngff + [f"s3://bench/h5ngff-{r}.ome.zarr"] + common, f"s3://bench/h5ngff-{r}.ome.zarr"),
+                "ngff-zarr -> s3": ([sys.executable, "-c", NGFF_ZARR_PEER, source, f"s3://bench/ngffzarr-{r}.ome.zarr"], f"s3://bench/ngffzarr-{r}.ome.zarr"),
+            }
+            for name, (argv, out) in runs.items():
+                times[name].append(timed(argv, env))
+                exact[name] = exact.get(name, True) and same_as_source(out, source, endpoint)
+                print(f"round {r + 1}: {name:16s} {times[name][-1]:6.2f} s  exact={exact[name]}", flush=True)
+            shutil.rmtree(disk, ignore_errors=True)
+    finally:
+        moto.terminate()
+        moto.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    best = {k: min(v) for k, v in times.items()}
+    print(f"\nseed case (150, {y}, {x}) float32, {nbytes / 1e9:.3f} GB, single level, (64,64,64) chunks, {CODEC}; best of {args.repeat}:")
+    for name, s in best.items():
+        print(f"| {name} | {s:.2f} s | {nbytes / s / 1e6:.0f} MB/s | exact {exact[name]} |")
+    print(f"h5ngff s3/disk = {best['h5ngff -> s3'] / best['h5ngff -> disk']:.2f}x (target <= 1.3); "
+          f"ngff-zarr s3 / h5ngff s3 = {best['ngff-zarr -> s3'] / best['h5ngff -> s3']:.2f}x (target > 1)")
+    print(json.dumps({"best_seconds": best, "exact": exact, "shape": [150, y, x], "repeat": args.repeat}))
+    return 0 if all(exact.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

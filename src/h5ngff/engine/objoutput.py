@@ -1,0 +1,148 @@
+"""An output in an object store (``s3://bucket/prefix``): the same guarantees as a directory.
+
+- Every chunk or shard is one object written by one PUT (chunkio; a large one a multipart upload
+  that is completed or aborted), so no temporary names and no sweep.
+- The array metadata is written first, with no ``ome`` attributes; the root ``zarr.json`` (or
+  ``.zattrs``) with the NGFF metadata and the completion marker is written last, one PUT; then the
+  manifest is deleted. A reader polling the bucket never sees a finished image over missing chunks.
+- The manifest lives in the bucket under ``.h5ngff/manifest/``: S3 has no append, so each
+  recorded batch is its own small object, and loading lists them in order.
+- ``--overwrite`` deletes only an output of ours, found by its manifest or its completion marker;
+  any other object under the prefix (a foreign Zarr included) makes it refuse.
+- There is no cross-run lock on a bucket (no flock): on Kubernetes the operator's Lease per output
+  path keeps one writer; by hand, do not start two runs on one prefix (docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Iterable
+
+from zarr.storage import MemoryStore
+
+from ..errors import OutputConflictError
+from .manifest import FORMAT_VERSION, MANIFEST_DIR, Manifest, SlabRecord, fingerprint
+from .stores import Store, open_store, register
+
+log = logging.getLogger(__name__)
+MANIFEST_PREFIX = f"{MANIFEST_DIR}/manifest/"
+
+
+class ObjectManifest(Manifest):
+    """The resume manifest as objects: ``.h5ngff/manifest/<seq>-<id>.jsonl``, one per append."""
+
+    def __init__(self, store: Store):
+        super().__init__(store.root)
+        self.store = store
+        self._seq = 0
+
+    @classmethod
+    def load_from(cls, store: Store) -> "ObjectManifest | None":
+        m = cls(store)
+        keys = sorted(store.list(MANIFEST_PREFIX))
+        for key in keys:
+            for raw in store.get(key).split(b"\n"):
+                if raw.strip():
+                    m._entry(json.loads(raw))
+        m._seq = len(keys)
+        return m if m.header else None
+
+    def _entry(self, entry: dict[str, Any]) -> None:
+        if entry.get("kind") == "header":
+            self.header = entry
+        elif entry.get("kind") == "slab":
+            self._add(SlabRecord(entry["pass"], tuple(entry["slab"]), [tuple(u) for u in entry["units"]], [tuple(s) for s in entry.get("stats", [])]))
+
+    def _put(self, lines: list[str]) -> None:
+        # The sequence number orders the objects (a lexical list); the random part keeps a
+        # resumed run from overwriting a batch if two ever raced.
+        self.store.put(f"{MANIFEST_PREFIX}{self._seq:010d}-{uuid.uuid4().hex[:8]}.jsonl", ("\n".join(lines) + "\n").encode())
+        self._seq += 1
+
+    def start(self, content: dict[str, Any]) -> None:
+        self.header = {"kind": "header", "format": FORMAT_VERSION, "fingerprint": fingerprint(content), "content": content, "created": time.time()}
+        self.records, self.units, self._seq = [], {}, 0
+        self._put([json.dumps(self.header)])
+
+    def append(self, records: Iterable[SlabRecord]) -> None:
+        lines = []
+        for r in records:
+            self._add(r)
+            lines.append(json.dumps({"kind": "slab", "pass": r.pass_index, "slab": list(r.slab), "units": [list(u) for u in r.units], "stats": [list(s) for s in r.stats]}))
+        if lines:
+            self._put(lines)
+
+    def verified_units(self, level_paths: dict[int, str]) -> dict[int, set[str]]:
+        """Recorded objects that exist with their recorded size: one LIST per level."""
+        good: dict[int, set[str]] = {}
+        for level, entries in self.units.items():
+            if level not in level_paths:
+                continue
+            sizes = self.store.list(f"{level}/")
+            good[level] = {key for key, n in entries.items() if sizes.get(f"{level}/{key}") == n}
+        return good
+
+
+def output_store(spec) -> Store:
+    options = spec.output.storage_options or {}
+    register(spec.output.path, options)
+    return open_store(spec.output.path, options)
+
+
+def object_marker(store: Store) -> dict[str, Any] | None:
+    """The ``h5ngff`` root attribute of a finished output in ``store`` (None if unfinished)."""
+    for name in ("zarr.json", ".zattrs"):
+        try:
+            doc = json.loads(store.get(name))
+        except (KeyError, ValueError):
+            continue
+        attrs = doc.get("attributes", {}) if name == "zarr.json" else doc
+        marker = attrs.get("h5ngff") if isinstance(attrs, dict) else None
+        if isinstance(marker, dict) and marker.get("complete"):
+            return marker
+    return None
+
+
+def inspect_object_output(store: Store) -> tuple[bool, ObjectManifest | None, dict[str, Any] | None]:
+    """(anything under the prefix, our manifest, our completion marker)."""
+    keys = store.list("")
+    if not keys:
+        return False, None, None
+    return True, ObjectManifest.load_from(store), object_marker(store)
+
+
+def refuse_foreign(store: Store, manifest, marker) -> None:
+    if manifest is None and marker is None:
+        raise OutputConflictError(
+            f"output.path: {store.root!r} holds objects that h5ngff did not write (no manifest, no completion marker), so it is "
+            f"neither resumed nor replaced, with or without --overwrite. Choose another prefix, or delete those objects yourself."
+        )
+
+
+def create_object_output(store: Store, create_arrays) -> None:
+    """Build the group and every level's array metadata in memory with zarr (``create_arrays``
+    takes the root group), then PUT each metadata document: the bytes are zarr's own."""
+    memory = MemoryStore()
+    create_arrays(memory)
+    for key, buffer in sorted(memory._store_dict.items()):
+        store.put(key, buffer.to_bytes())
+
+
+def finish_object_output(store: Store, attrs: dict[str, Any], zarr_format: int) -> None:
+    """NGFF metadata and completion marker in one PUT of the root document, then drop the manifest."""
+    if zarr_format == 3:
+        doc = json.loads(store.get("zarr.json"))
+        doc["attributes"] = attrs
+        store.put("zarr.json", json.dumps(doc, indent=2, default=str).encode())
+    else:
+        store.put(".zattrs", json.dumps(attrs, indent=2, default=str).encode())
+    store.delete_prefix(f"{MANIFEST_DIR}/")
+
+
+def remove_ours(store: Store) -> int:
+    log.info("Removing the existing h5ngff output %s (--overwrite).", store.root)
+    return store.delete_prefix("")
+

@@ -1,0 +1,99 @@
+"""The Store protocol and the retry policy every networked store shares.
+
+Semantics every store keeps (tests/test_stores.py runs one contract suite against each):
+
+- ``put(key, data)`` makes the object whole or not at all: no reader ever sees part of it;
+- ``get`` of a missing key raises ``KeyError``; ``size`` returns None for it;
+- ``list(prefix)`` gives every object under ``prefix`` with its size (recursive);
+- ``delete_prefix(prefix)`` removes every object under ``prefix`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, TypeVar
+
+from ...errors import OutputError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Store(Protocol):
+    #: Where the store is rooted, as the user wrote it (a directory or a URL).
+    root: str
+
+    def put(self, key: str, data: bytes | memoryview | Iterable[bytes]) -> int: ...
+    def get(self, key: str) -> bytes: ...
+    def size(self, key: str) -> int | None: ...
+    def list(self, prefix: str = "") -> dict[str, int]: ...
+    def delete_prefix(self, prefix: str) -> int: ...
+
+
+class TransientStoreError(Exception):
+    """A failure worth retrying: 5xx, throttling (503 SlowDown), a reset or timed-out connection."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff with full jitter (AWS's recommendation for S3 503 SlowDown)."""
+
+    #: Attempts per request, the first included. 8 attempts span about 13 s of backoff: longer
+    #: than an S3 prefix's throttling burst, short enough that a dead endpoint fails the slab soon.
+    attempts: int = 8
+    #: Seconds before the first retry; doubles per retry, capped at ``max_delay``.
+    base_delay: float = 0.1
+    max_delay: float = 5.0
+
+    def delay(self, retry: int) -> float:
+        return random.uniform(0, min(self.max_delay, self.base_delay * 2**retry))
+
+
+class StoreRetries:
+    """Retries made by this process's stores (h5ngff_store_retries_total sums them over workers)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread = threading.local()
+        self.count = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+        self._thread.count = self.mine() + 1
+
+    def mine(self) -> int:
+        """Retries made by the calling thread (a slab runs in one thread)."""
+        return getattr(self._thread, "count", 0)
+
+
+store_retries = StoreRetries()
+
+
+def retrying(call: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy(), classify: Callable[[BaseException], Exception] | None = None) -> T:
+    """Run ``call``; retry a transient failure (as ``classify`` maps it) with backoff, up to the
+    policy's attempts; raise a permanent one at once. ``classify`` returns a TransientStoreError
+    to retry, or the exception to raise."""
+    for attempt in range(policy.attempts):
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - every client error goes through classify
+            mapped = classify(exc) if classify else exc
+            if mapped is exc:
+                raise
+            if not isinstance(mapped, TransientStoreError):
+                raise mapped from exc
+            if attempt + 1 == policy.attempts:
+                raise OutputError(
+                    f"{what}: still failing after {policy.attempts} attempts ({mapped}). The object store is unavailable or "
+                    f"throttling; re-run the same command to resume (finished slabs are kept)."
+                ) from exc
+            store_retries.add()
+            pause = policy.delay(attempt)
+            log.info("%s: %s; retry %d of %d in %.2f s.", what, mapped, attempt + 1, policy.attempts - 1, pause)
+            time.sleep(pause)
+    raise AssertionError("unreachable")

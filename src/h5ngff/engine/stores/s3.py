@@ -1,0 +1,182 @@
+"""An S3-compatible bucket as a Store, through obstore (Rust's object_store; chosen by measurement,
+docs/engine.md "Choosing the S3 client").
+
+Credentials, region and endpoint come from the standard AWS environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
+``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``), overridden by storage options (spec
+``output.storageOptions``, CLI ``--storage-option KEY=VALUE``).
+
+obstore's own retries are switched off: ``base.retrying`` retries here, so every retry is counted
+(h5ngff_store_retries_total) and a permanent error (403, no such bucket) is never retried.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from datetime import timedelta
+from typing import Any, Iterable
+
+import obstore
+from obstore import exceptions as obx
+from obstore.store import S3Store as _ObS3Store
+
+from ...errors import OutputError, SpecError
+from .base import RetryPolicy, TransientStoreError, retrying
+
+#: Options of the HTTP client rather than of S3 (obstore's ClientConfig).
+CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "user_agent"}
+#: Our own options: when to switch to a multipart upload, and its part size.
+OWN_KEYS = {"multipart_threshold", "part_size", "retries"}
+#: Friendly aliases (the names s3fs and the AWS CLI use) -> obstore's keys.
+ALIASES = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint", "region_name": "region", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}
+#: Objects above this many bytes go up as a multipart upload (S3 caps one PUT at 5 GiB; parts
+#: let a large shard's upload be retried part by part instead of whole).
+MULTIPART_THRESHOLD = 64 * 2**20
+#: Multipart part size: S3's minimum is 5 MiB (except the last part).
+PART_SIZE = 16 * 2**20
+#: Parts of one multipart upload in flight at once: the parts buffered per upload (memory plan).
+PART_CONCURRENCY = 2
+_STATUS = re.compile(r"\b(?:status(?: code)?:?\s*|HTTP/1\.1 )(\d{3})\b", re.I)
+_PERMANENT_CODES = ("AccessDenied", "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "InvalidBucketName")
+_WHAT_TO_CHANGE = {
+    "AccessDenied": "grant the credentials s3:PutObject, s3:GetObject, s3:ListBucket and s3:DeleteObject on the bucket, or use other credentials",
+    "NoSuchBucket": "create the bucket or correct its name in output.path",
+    "InvalidAccessKeyId": "check AWS_ACCESS_KEY_ID (or the Secret the job names)",
+    "SignatureDoesNotMatch": "check AWS_SECRET_ACCESS_KEY (or the Secret the job names)",
+}
+
+
+def parse_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Split storage options into (S3 config, client options, ours), aliases resolved."""
+    config: dict[str, Any] = {}
+    client: dict[str, Any] = {}
+    own: dict[str, Any] = {}
+    for raw, value in options.items():
+        key = ALIASES.get(raw.lower(), raw.lower())
+        if key.startswith("aws_") and key[4:] in CLIENT_KEYS | {"endpoint", "region"}:
+            key = key[4:]
+        if key in OWN_KEYS:
+            own[key] = int(value)
+        elif key in CLIENT_KEYS:
+            client[key] = str(value).lower() in ("1", "true", "yes") if key.startswith("allow") else value
+        else:
+            config[key] = value
+    return config, client, own
+
+
+def _env_client_options() -> dict[str, Any]:
+    allow = os.environ.get("AWS_ALLOW_HTTP", "")
+    return {"allow_http": True} if allow.lower() in ("1", "true", "yes") else {}
+
+
+class S3Store:
+    def __init__(self, bucket: str, prefix: str, options: dict[str, Any] | None = None):
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.root = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        config, client, own = parse_options(options or {})
+        self.multipart_threshold = own.get("multipart_threshold", MULTIPART_THRESHOLD)
+        self.part_size = max(5 * 2**20, own.get("part_size", PART_SIZE))
+        self.policy = RetryPolicy(attempts=own.get("retries", RetryPolicy.attempts))
+        client = {**_env_client_options(), "connect_timeout": "5s", "timeout": "120s", **client}
+        if "endpoint" not in config and os.environ.get("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL")):
+            config["endpoint"] = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ["AWS_ENDPOINT_URL"]
+        try:
+            # The options are the user's KEY=VALUE strings: obstore checks them (raising the error
+            # below), so the TypedDicts of its stubs cannot be met statically.
+            self._store = _ObS3Store(bucket, prefix=self.prefix or None, config=config, client_options=client,  # type: ignore[arg-type]
+                                     retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)})
+        except obx.BaseError as exc:
+            raise SpecError("output.storageOptions", f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {exc}") from None
+
+    @classmethod
+    def from_url(cls, url: str, options: dict[str, Any]) -> "S3Store":
+        scheme, _, rest = url.partition("://")
+        bucket, _, prefix = rest.partition("/")
+        return cls(bucket, prefix, options)
+
+    def __reduce__(self):  # a Dask task may carry it: rebuild the client on the other side
+        raise TypeError("S3Store is per process; pass the URL and options instead")
+
+    # -- errors --------------------------------------------------------------------------------
+    def _classify(self, what: str):
+        def classify(exc: BaseException) -> BaseException:
+            if isinstance(exc, _Missing):
+                return exc
+            text = str(exc)
+            code = next((c for c in _PERMANENT_CODES if c in text), None)
+            status = _STATUS.search(text)
+            if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError)) or code or (status and status.group(1) in ("400", "401", "403", "404", "405")):
+                code = code or ("AccessDenied" if isinstance(exc, obx.PermissionDeniedError) or (status and status.group(1) == "403") else "request refused")
+                hint = _WHAT_TO_CHANGE.get(code, "check the bucket, the endpoint and the credentials")
+                first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+                return OutputError(f"{what}: {self.root} refused the request ({code}): {first}. To fix: {hint}.")
+            return TransientStoreError(text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__)
+        return classify
+
+    def _call(self, what: str, call):
+        return retrying(call, what, self.policy, self._classify(what))
+
+    # -- the protocol --------------------------------------------------------------------------
+    def put(self, key: str, data: bytes | memoryview | Iterable[bytes]) -> int:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            data = b"".join(data)
+        n = len(data)
+        if n <= self.multipart_threshold:
+            self._call(f"PUT {key}", lambda: obstore.put(self._store, key, data, use_multipart=False))
+        else:
+            # A failed multipart upload is retried whole from the held buffer; obstore aborts the
+            # failed upload (tests/test_s3_store.py lists the bucket's uploads to check).
+            self._call(f"multipart PUT {key}", lambda: obstore.put(self._store, key, io.BytesIO(data), use_multipart=True,
+                                                                  chunk_size=self.part_size, max_concurrency=PART_CONCURRENCY))
+        return n
+
+    def get(self, key: str) -> bytes:
+        try:
+            return bytes(self._call(f"GET {key}", lambda: _get_or_missing(self._store, key)))
+        except _Missing:
+            raise KeyError(key) from None
+
+    def size(self, key: str) -> int | None:
+        try:
+            return int(self._call(f"HEAD {key}", lambda: _head_or_missing(self._store, key))["size"])
+        except _Missing:
+            return None
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        def run() -> dict[str, int]:
+            out: dict[str, int] = {}
+            for batch in obstore.list(self._store, prefix=prefix.rstrip("/") or None, chunk_size=1000):
+                for meta in batch:
+                    if meta["path"].startswith(prefix):
+                        out[meta["path"]] = int(meta["size"])
+            return out
+
+        return self._call(f"LIST {prefix or '/'}", run)
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = sorted(self.list(prefix))
+        for i in range(0, len(keys), 1000):  # S3's DeleteObjects takes at most 1000 keys
+            batch = keys[i : i + 1000]
+            self._call(f"DELETE {len(batch)} objects under {prefix or '/'}", lambda batch=batch: obstore.delete(self._store, batch))
+        return len(keys)
+
+
+class _Missing(Exception):
+    pass
+
+
+def _get_or_missing(store, key: str):
+    try:
+        return obstore.get(store, key).bytes()
+    except (obx.NotFoundError, FileNotFoundError):
+        raise _Missing from None
+
+
+def _head_or_missing(store, key: str):
+    try:
+        return obstore.head(store, key)
+    except (obx.NotFoundError, FileNotFoundError):
+        raise _Missing from None
