@@ -194,6 +194,7 @@ class OutputSpec(_Model):
     shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
     compressor: CompressorSpec = Field(default_factory=CompressorSpec)
     overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
+    checksums: bool = Field(True, description="A CRC32C per chunk file: NGFF 0.5 writes the Zarr v3 crc32c codec, 0.4 a sidecar (.h5ngff/checksums); h5ngff verify checks them.")
 
     @field_validator("ngff_version", mode="before")
     @classmethod
