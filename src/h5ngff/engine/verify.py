@@ -209,45 +209,34 @@ def _compare_levels(source_ds, levels, rule, report: VerifyReport, on_unit) -> N
 
 
 def _check_units(level: StoredLevel, report: VerifyReport, on_unit) -> None:
-    """Decode every unit once (levels not compared with a source); a unit that fails is decoded
-    again chunk by chunk, so every bad inner chunk of a shard is named, not just the first."""
+    """Decode every chunk of every unit once (levels not compared with a source), one chunk at a
+    time: every bad inner chunk of a shard is named, not just the first."""
     for unit in product(*(range(g) for g in level.unit_grid)):
         report.units_checked += 1
         key = level.key(unit)
         if level.missing(unit):
             report.bad(level.level, key, f"level {level.level} {key}: missing.")
+        elif (index := level.index_problem(unit)) is not None:
+            report.bad(level.level, key, f"level {level.level} {key}: {index}")
         else:
-            try:
-                if level.recorded is not None:
-                    level.check_recorded(unit)
-                level.read(level.unit_region(unit))
-            except Exception as exc:
-                _unit_failed(level, unit, key, exc, report)
+            for chunk in level.inner_chunks(unit):
+                try:
+                    level.read_chunk(chunk)
+                except Exception as exc:  # any decode failure is a bad chunk, whatever the codec raises
+                    _chunk_failed(level, key, chunk, exc, report)
         if on_unit:
             on_unit()
 
 
-def _unit_failed(level: StoredLevel, unit, key: str, exc: Exception, report: VerifyReport) -> None:
-    index = level.index_problem(unit)
-    if level.shards is None or index is not None:
-        if isinstance(exc, ChecksumMismatch) and index is None:
-            report.checksum(level.level, key, unit, exc)
-        report.bad(level.level, key, f"level {level.level} {key}: {index or _failure(exc)}")
-        return
-    for chunk in level.inner_chunks(unit):
-        try:
-            level.read_chunk(chunk)
-        except Exception as inner_exc:
-            inner = tuple(c % (s // k) for c, s, k in zip(chunk, level.shards, level.chunks))
-            if isinstance(inner_exc, ChecksumMismatch):
-                report.checksum(level.level, key, chunk, inner_exc)
-            report.bad(level.level, key, f"level {level.level} {key}, inner chunk {inner} (chunk {chunk}): {_failure(inner_exc)}")
-
-
-def _failure(exc: Exception) -> str:
+def _chunk_failed(level: StoredLevel, key: str, chunk: tuple[int, ...], exc: Exception, report: VerifyReport) -> None:
+    where = key
+    if level.shards is not None:
+        where = f"{key}, inner chunk {tuple(c % (s // k) for c, s, k in zip(chunk, level.shards, level.chunks))} (chunk {chunk})"
     if isinstance(exc, ChecksumMismatch):
-        return str(exc)
-    return f"does not decode ({type(exc).__name__}: {exc})."
+        report.checksum(level.level, key, chunk, exc)
+        report.bad(level.level, key, f"level {level.level} {where}: {exc}")
+    else:
+        report.bad(level.level, key, f"level {level.level} {where}: does not decode ({type(exc).__name__}: {exc}).")
 
 
 def _stale_temporaries(path: str, report: VerifyReport) -> None:
