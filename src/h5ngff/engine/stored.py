@@ -217,13 +217,6 @@ class StoredLevel:
             raise checksum_error(exc) or exc
         return data[tuple(slice(0, min(k, n - i * k)) for i, k, n in zip(chunk, self.chunks, self.shape))]
 
-    def check_recorded(self, unit: tuple[int, ...]) -> None:
-        """Zarr v2: the file's raw bytes against the CRC32C the writer recorded in the sidecar."""
-        key = self.key(unit)
-        raw = self._get(key)
-        if raw is not None:
-            self._check_crc(key, raw)
-
     def _check_crc(self, key: str, raw) -> None:
         expected = (self.recorded or {}).get(key)
         actual = f"{google_crc32c.value(raw.as_numpy_array()):08x}"

@@ -91,7 +91,7 @@ def _root(path: str) -> tuple[int, dict[str, Any]]:
 def _multiscales(fmt: int, attrs: dict[str, Any]) -> dict[str, Any]:
     ms = attrs.get("ome", {}).get("multiscales") if fmt == 3 else attrs.get("multiscales")
     if not ms:
-        raise VerificationError("no OME-NGFF metadata (multiscales): the output is unfinished or not an OME-Zarr image.")
+        raise VerificationError("no OME-NGFF multiscales metadata: the output is unfinished or not an OME-Zarr image.")
     return ms[0]
 
 
