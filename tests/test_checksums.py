@@ -166,23 +166,26 @@ def _sidecars(out: str) -> dict[str, bytes]:
     return {name: open(os.path.join(base, name), "rb").read() for name in sorted(os.listdir(base))}
 
 
-def test_v2_killed_run_resumes_to_the_same_chunks_and_sidecar(tmp_path):
+def test_v2_killed_run_resumes_to_the_same_chunks_and_sidecar(convert, tmp_path):
     """One kill mid-run, then a resume: the chunks and the checksum sidecar are byte-identical to
-    an uninterrupted run's, and the sidecar's CRCs are those of the files (computed here)."""
+    an uninterrupted run's, and the sidecar's CRCs are those of the files (computed here). The
+    killed run is a real CLI process group; the other two use the shared cluster."""
     data = smooth((48, 256, 512), "uint16", seed=11)  # 24 slabs of FLAGS' 16x64x256
     h5 = write_h5(tmp_path / "in.h5", data)
-    flags = FLAGS + ["--ngff-version", "0.4"]
     clean, out = str(tmp_path / "clean.ome.zarr"), str(tmp_path / "killed.ome.zarr")
-    subprocess.run(CLI + ["convert", f"{h5}:/volume/data", clean] + flags, check=True, capture_output=True)
-    proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out] + flags, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    output = {"chunks": [8, 32, 32], "compressor": {"codec": "gzip", "clevel": 3}, "ngffVersion": "0.4"}
+    same = dict(output=output, pyramid={"levels": 2}, resources={"slab": [16, 64, 256]})  # = FLAGS
+    convert(spec_for(h5, clean, **same))
+    proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out, "--ngff-version", "0.4"] + FLAGS,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 120
     while manifest_lines(out) < 8 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert 0 < manifest_lines(out) < 24 and not os.path.exists(os.path.join(out, SIDECAR_DIR))
-    result = subprocess.run(CLI + ["convert", f"{h5}:/volume/data", out, "--json"] + flags, check=True, capture_output=True, text=True)
-    assert json.loads(result.stdout)["slabs_skipped"] >= 8
+    summary = convert(spec_for(h5, out, **same))
+    assert summary.resumed and summary.totals.slabs_skipped >= 8
     assert chunk_files(out) == chunk_files(clean)
     assert _sidecars(out) == _sidecars(clean)
     for level in (0, 1):
