@@ -27,6 +27,8 @@ class RunSpec:
     reference: bool = False
     #: the case containers this run reads (bench/containers.py); others skip it
     containers: tuple[str, ...] = ("h5",)
+    #: h5ngff only: False passes --no-checksums (the cost of the crc32c codec, docs/benchmarks.md)
+    checksums: bool = True
 
     @property
     def pyramid(self) -> bool:
@@ -43,6 +45,7 @@ L = PYRAMID_LEVELS
 ALL = ("h5", "ims", "bdv")
 DEFAULT_RUNS: tuple[RunSpec, ...] = (
     RunSpec("h5ngff", "h5ngff", "h5ngff (defaults)", _peer("h5ngff_cli"), reference=True, containers=ALL),
+    RunSpec("h5ngff-no-checksums", "h5ngff", "h5ngff --no-checksums", _peer("h5ngff_cli"), checksums=False),
     RunSpec("h5ngff-user-slab", "h5ngff", "h5ngff --workers 8 --slab 64,704,X", _peer("h5ngff_cli"), user_slab=True, workers=8),
     RunSpec("h5ngff-pyramid", "h5ngff", f"h5ngff --levels {L} --downsample mean", _peer("h5ngff_cli"), levels=L, method="mean", reference=True),
     RunSpec("delayed-slab", "delayed-slab (zarr 3)", "ad-hoc delayed-slab script, zarr 3", _peer("delayed_slab"), user_slab=True),

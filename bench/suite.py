@@ -210,6 +210,8 @@ def peer_argv(spec: RunSpec, case: Case, source: str, out: str, result_path: str
         argv += ["--slab", ",".join(map(str, case.user_slab))]
     if spec.workers:
         argv += ["--workers", str(spec.workers)]
+    if not spec.checksums:
+        argv += ["--no-checksums"]
     return argv
 
 

@@ -49,7 +49,7 @@ def main() -> None:
     baseline = _peak_of([sys.executable, "-c", "import h5ngff.cliverify, h5ngff.engine.verify, h5py, zarr"])[2]
     code, seconds, peak = _peak_of(CLI + ["verify", out, "--source", f"{h5}:/volume/data", "--json"])
     from h5ngff.engine.levelcheck import PyramidRule, memory_bound
-    from h5ngff.engine.verify import level_layout
+    from h5ngff.engine.existing import level_layout
 
     fmt = 3
     layouts = [level_layout(out, str(k), fmt, k) for k in range(a.levels)]

@@ -31,6 +31,7 @@ def peer_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--method", default="", help="pyramid method, in the tool's own words")
     p.add_argument("--slab", type=_ints, help="read slab (scripts that read by slab)")
     p.add_argument("--workers", type=int, help="worker processes (default: one per core)")
+    p.add_argument("--no-checksums", action="store_true", help="h5ngff only: no crc32c per chunk")
     return p.parse_args(argv)
 
 

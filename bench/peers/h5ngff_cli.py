@@ -29,6 +29,8 @@ def build_argv(args) -> list[str]:
         argv += ["--workers", str(args.workers)]
     if args.slab:
         argv += ["--slab", ",".join(map(str, args.slab))]
+    if args.no_checksums:
+        argv += ["--no-checksums"]
     return argv
 
 

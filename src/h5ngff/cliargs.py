@@ -132,6 +132,8 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--compressor", metavar="SPEC", help=COMPRESSOR_HELP)
     out.add_argument("--ngff-version", choices=["0.4", "0.5"], help="0.5 = Zarr v3 (default); 0.4 = Zarr v2 for older viewers.")
     add_storage_option_flag(out)
+    out.add_argument("--no-checksums", dest="checksums", action="store_const", const=False,
+                     help="Write no CRC32C per chunk (default: the Zarr v3 crc32c codec for 0.5, a sidecar for 0.4; verify checks them).")
     img = parser.add_argument_group("image metadata")
     img.add_argument("--axes", help="Axis names, e.g. tczyx. Default: from HDF5 dimension labels, else by number of dimensions.")
     img.add_argument("--scale", metavar="S,S,S", help="Voxel size per axis. Default: element_size_um attribute, else 1.")
@@ -173,6 +175,7 @@ FLAG_FIELDS: tuple[tuple[str, str, Any], ...] = (
     ("shards", "output.shards", _ints),
     ("compressor", "output.compressor", _compressor),
     ("ngff_version", "output.ngffVersion", _same),
+    ("checksums", "output.checksums", None),
     ("axes", "image.axes", _same),
     ("scale", "image.scale", _floats),
     ("units", "image.units", None),  # needs --axes too: see spec_overrides

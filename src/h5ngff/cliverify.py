@@ -15,7 +15,9 @@ from .errors import OutputNotFoundError
 
 EPILOG = """\
 Checks that the OME-NGFF metadata is present, that the completion marker is set, that every chunk
-(or shard) of every level exists and decodes, and with --source that EVERY level equals the pyramid
+(or shard) of every level decodes and matches its CRC32C (NGFF 0.5: the crc32c codec; 0.4: the
+.h5ngff-checksums sidecar; both unless converted with --no-checksums), all read through
+zarr-python rather than h5ngff's writer, and with --source that EVERY level equals the pyramid
 computed from the HDF5 dataset (same downsampling, rounding and edge rule as the writer), one chunk
 at a time: memory stays bounded (docs/engine.md). Exit status 0: all good; 1: problems found (each
 bad chunk is named with its level, chunk index and voxel ranges); 2: the output does not exist, or
@@ -46,7 +48,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         task = bar.add_task("verify", total=None)
         report = verify_output(args.output, source, on_unit=lambda: bar.advance(task),
                                on_total=lambda n: bar.update(task, total=n), storage_options=options)
-    checked = f"{report.units_checked} chunk/shard files in {report.levels} level(s)"
+    checked = f"{report.units_checked} chunk/shard files in {report.levels} level(s), checksums: {report.checksums}"
     if report.ok:
         equal = f", all {report.levels_compared} level(s) equal to the pyramid computed from the source" if report.compared_with_source else ""
         console.print(f"[green]ok[/green]: {args.output}: {checked}, complete{equal}.")

@@ -215,6 +215,7 @@ class OutputSpec(_Model):
     shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
     compressor: CompressorSpec = Field(default_factory=CompressorSpec)
     overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
+    checksums: bool = Field(True, description="A CRC32C per chunk file: NGFF 0.5 writes the Zarr v3 crc32c codec, 0.4 a sidecar (.h5ngff-checksums/, local outputs only); h5ngff verify checks them.")
     storage_options: dict[str, str] | None = Field(
         None, description="Object store options for an s3:// path, e.g. endpoint, region, allow_http. Credentials belong in the environment (a Secret), not here.")
 
@@ -243,6 +244,24 @@ class OutputSpec(_Model):
     def _options_need_a_url(self) -> "OutputSpec":
         if self.storage_options and url_scheme(self.path) is None:
             raise _FieldError("storageOptions", f"Expected storage options only with an s3:// output.path. Got {sorted(self.storage_options)} with the local path {self.path!r} instead.")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_sidecar_in_a_bucket(cls, data: Any) -> Any:
+        # NGFF 0.4's checksums live in a sidecar written beside the chunk files, and the object
+        # store writer writes none: a 0.4 bucket output defaults to no checksums (0.5's crc32c
+        # codec travels inside every chunk and works on every store).
+        if isinstance(data, dict) and "checksums" not in data and isinstance(data.get("path"), str) and url_scheme(data["path"]):
+            if str(data.get("ngffVersion", data.get("ngff_version", "0.5"))) == "0.4":
+                data = {**data, "checksums": False}
+        return data
+
+    @model_validator(mode="after")
+    def _sidecar_needs_a_directory(self) -> "OutputSpec":
+        if self.checksums and self.ngff_version == "0.4" and url_scheme(self.path):
+            raise _FieldError("checksums", "Expected checksums with ngffVersion '0.4' only for a local output (their sidecar is a directory beside the chunks). "
+                                           "Got an object-store path instead: use ngffVersion '0.5' (checksums inside every chunk) or checksums: false.")
         return self
 
     @model_validator(mode="after")

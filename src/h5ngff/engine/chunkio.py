@@ -52,6 +52,14 @@ class ArrayLayout:
     fill_value: float | int | bool = 0
     #: Storage options of an object-store output (sorted items), None for a local directory.
     storage_options: tuple[tuple[str, str], ...] | None = None
+    #: A CRC32C per chunk: in Zarr v3 the crc32c codec's 4 bytes end every chunk; in Zarr v2 the
+    #: slab task reports each file's CRC32C for the sidecar (``engine.checksums``).
+    checksums: bool = False
+
+    @property
+    def crc_codec(self) -> bool:
+        """Chunks end in the Zarr v3 crc32c codec's 4 bytes."""
+        return self.checksums and self.zarr_format == 3
 
     @property
     def unit(self) -> Shape:
@@ -97,6 +105,17 @@ def encode_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk=None, unit=Non
     return chunk.tobytes() if codec is None else bytes(codec.encode(chunk))
 
 
+def checksum_piece(data) -> bytes:
+    """The Zarr v3 crc32c codec's suffix: the CRC32C of ``data``, 4 bytes little-endian. Written as
+    a separate piece after the chunk's bytes, so no copy of the encoded chunk is made."""
+    return google_crc32c.value(data).to_bytes(4, "little")
+
+
+def stored_pieces(layout: ArrayLayout, data: bytes) -> list[bytes]:
+    """What one chunk's file (or slot in a shard) holds: its encoded bytes, then its checksum."""
+    return [data, checksum_piece(data)] if layout.crc_codec else [data]
+
+
 def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start: Shape, on_chunk=None) -> None:
     """Stream one shard into ``f``: inner chunks in C order, each written as soon as it is encoded,
     then the index (offset, nbytes per chunk, little-endian uint64) and its CRC32C: zarr's
@@ -118,11 +137,12 @@ def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start
             continue  # wholly outside the array: stays empty, as zarr leaves it
         local = tuple(slice(s, min(s + c, b)) for s, c, b in zip(start, layout.chunks, block.shape))
         where = tuple(slice(s0 + r.start, s0 + r.stop) for s0, r in zip(shard_start, local))
-        data = encode_chunk(layout, block[local], on_chunk, where)
-        f.write(data)
-        index[inner] = (offset, len(data))
-        offset += len(data)
-        del data  # before the next chunk is encoded: one encoded chunk at a time
+        pieces = stored_pieces(layout, encode_chunk(layout, block[local], on_chunk, where))
+        f.writelines(pieces)
+        nbytes = sum(len(p) for p in pieces)
+        index[inner] = (offset, nbytes)
+        offset += nbytes
+        del pieces  # before the next chunk is encoded: one encoded chunk at a time
     raw_index = index.tobytes()
     f.write(raw_index)
     f.write(google_crc32c.value(raw_index).to_bytes(4, "little"))
@@ -200,12 +220,14 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=None) -> list[tuple[str, int]]:
+def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=None, on_file=None) -> list[tuple[str, int]]:
     """Write every unit of ``block`` (placed at ``origin`` in the level). The block must cover whole
     units (or reach the array's edge): that is what makes each unit's writer unique.
 
     ``on_chunk(sub_block, unit_region)`` sees each unit's data while it is still in cache, which is
-    where the engine takes its min/max for the omero window.
+    where the engine takes its min/max for the omero window. ``on_file(key, pieces)`` sees the
+    bytes of each chunk file written (unsharded levels), which is where Zarr v2 outputs take the
+    CRC32C for their checksum sidecar.
     """
     region = tuple(slice(o, o + n) for o, n in zip(origin, block.shape))
     check_alignment(layout, region)
@@ -215,7 +237,11 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
         local = tuple(slice(u.start - o, u.stop - o) for u, o in zip(unit, origin))
         sub = block[local]
         if layout.shards is None:
-            nbytes = atomic_write(layout.file(index), [encode_chunk(layout, sub, on_chunk, unit)])
+            pieces = stored_pieces(layout, encode_chunk(layout, sub, on_chunk, unit))
+            nbytes = atomic_write(layout.file(index), pieces)
+            if on_file is not None:
+                on_file(layout.key(index), pieces)
+            del pieces
         else:
             with atomic_file(layout.file(index)) as f:
                 write_shard(f, layout, sub, tuple(u.start for u in unit), on_chunk)
@@ -236,12 +262,26 @@ def check_alignment(layout: ArrayLayout, region: tuple[slice, ...]) -> None:
 
 
 def decode_chunk(layout: ArrayLayout, data: bytes) -> np.ndarray:
+    if layout.crc_codec:
+        data = checked_payload(data)
     codec = chunk_codec(layout.compressor)
     raw = data if codec is None else codec.decode(data)
     arr = np.frombuffer(raw, dtype=layout.dtype)
     if arr.size != math.prod(layout.chunks):
         raise ValueError(f"decoded {arr.size} elements, expected {math.prod(layout.chunks)}")
     return arr.reshape(layout.chunks)
+
+
+def checked_payload(data: bytes) -> np.ndarray:
+    """A chunk's bytes without the crc32c codec's suffix, after checking it (a view: no copy)."""
+    view = np.frombuffer(data, dtype=np.uint8)  # google_crc32c takes arrays, not memoryviews
+    if len(view) < 4:
+        raise ValueError(f"chunk of {len(view)} bytes is shorter than its 4-byte CRC32C")
+    payload = view[:-4]
+    stored, computed = view[-4:].tobytes(), checksum_piece(payload)
+    if stored != computed:
+        raise ValueError(f"CRC32C mismatch: stored {stored.hex()}, computed {computed.hex()}")
+    return payload
 
 
 def parse_shard_index(layout: ArrayLayout, tail: bytes, data_bytes: int) -> np.ndarray:

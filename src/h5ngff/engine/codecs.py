@@ -37,14 +37,29 @@ def chunk_codec(spec: CompressorSpec) -> numcodecs.abc.Codec | None:
     return None
 
 
-def zarr_compressors(spec: CompressorSpec, zarr_format: int):
-    """The ``compressors`` argument of ``zarr.create_array`` for this spec (None: no compression)."""
+def zarr_compressors(spec: CompressorSpec, zarr_format: int, checksums: bool = False):
+    """The ``compressors`` argument of ``zarr.create_array`` for this spec (None: no compression).
+
+    With ``checksums`` in Zarr v3 the crc32c codec comes last, so every stored chunk ends in the
+    CRC32C of its compressed bytes (``chunkio.checksum_piece``). Zarr v2 has no such codec: h5ngff
+    records its checksums in a sidecar instead (``engine.checksums``)."""
+    if zarr_format == 3 and checksums:
+        from zarr.codecs import Crc32cCodec
+
+        inner = _v3_compressor(spec)
+        return [Crc32cCodec()] if inner is None else [inner, Crc32cCodec()]
     if spec.codec == "none":
         return None
     if zarr_format == 2:
         return GZip(level=spec.level) if spec.codec == "gzip" else chunk_codec(spec)
+    return _v3_compressor(spec)
+
+
+def _v3_compressor(spec: CompressorSpec):
     from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
+    if spec.codec == "none":
+        return None
     if spec.codec == "blosc":
         return BloscCodec(cname=spec.blosc_cname, clevel=spec.level, shuffle=spec.blosc_shuffle)
     if spec.codec == "zstd":

@@ -13,7 +13,8 @@ Memory held at once: per level of the recursion one block of 2**d chunks plus on
 most ``levels * (2**d + 1) + 2`` chunks (the +2: the stored chunk being compared and its encoded
 bytes), plus the downsampler's strip temporaries (``downsample.STRIP_ELEMENTS``, ~3 MiB) and the
 source's HDF5 chunk cache (``SOURCE_CACHE_BYTES``). No whole level is ever loaded; sharded levels
-are read one inner chunk at a time (``chunkio.read_chunk``).
+are read one inner chunk at a time, by zarr-python (``stored.StoredLevel.read_chunk``), never with
+the writer's own ``chunkio``.
 
 Why the result equals the writer's pyramid bit for bit: chunk starts are even in the level below
 (2 * c * chunk), so no 2-block straddles two of our blocks, and the only odd edge is the array's
@@ -26,7 +27,6 @@ against an independent NumPy reference (tests/reference.py) so a shared bug cann
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Sequence
@@ -34,10 +34,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..planner.grid import ceil_div
-from .chunkio import ArrayLayout, read_chunk
 from .downsample import STRIP_ELEMENTS, downsample, output_shape
-from .manifest import Manifest
-from .output import completion_marker
+from .stored import ChecksumMismatch, StoredLevel
 
 #: HDF5 chunk cache for the source while verifying: holds the HDF5 chunks under a tile of output
 #: chunks, so a chunked (e.g. gzip) source is not decompressed once per output chunk it overlaps.
@@ -67,12 +65,9 @@ class Mismatch:
                 "differing_voxels": self.differing, "voxels": self.voxels}
 
 
-def pyramid_rule(path: str, multiscale: dict[str, Any], layouts: Sequence[ArrayLayout]) -> PyramidRule | str:
-    """How the levels were built (from the output's own record), or why that cannot be told."""
-    content = (completion_marker(path) or {}).get("content")
-    if not content:
-        manifest = Manifest.load(path) if os.path.isdir(path) else None
-        content = manifest.content if manifest is not None else {}
+def pyramid_rule(content: dict[str, Any], multiscale: dict[str, Any], layouts: Sequence[StoredLevel]) -> PyramidRule | str:
+    """How the levels were built (from the output's own record, ``content``: the completion
+    marker's or the manifest's), or why that cannot be told."""
     method = content.get("method") or multiscale.get("type")
     if len(layouts) == 1:
         return PyramidRule(method or "mean", (False,) * len(layouts[0].shape))
@@ -89,19 +84,22 @@ def pyramid_rule(path: str, multiscale: dict[str, Any], layouts: Sequence[ArrayL
     return PyramidRule(method, downsampled)
 
 
-def chunk_count(layout: ArrayLayout) -> int:
+def chunk_count(layout: StoredLevel) -> int:
     return math.prod(ceil_div(n, c) for n, c in zip(layout.shape, layout.chunks))
 
 
 class LevelComparison:
     """Walks the expected pyramid and reports every stored chunk that differs from it.
 
-    ``bad(level, key, message)`` is told about each bad unit file once; ``on_chunk()`` after each
-    chunk compared (the progress bar)."""
+    ``bad(level, key, message)`` is told about each bad chunk; ``on_chunk()`` after each chunk
+    compared (the progress bar); ``on_checksum(level, key, chunk, mismatch)`` about each chunk
+    whose bytes fail their CRC32C."""
 
-    def __init__(self, source, layouts: Sequence[ArrayLayout], rule: PyramidRule,
-                 bad: Callable[[int, str, str], None], on_chunk: Callable[[], None] | None = None):
+    def __init__(self, source, layouts: Sequence[StoredLevel], rule: PyramidRule,
+                 bad: Callable[[int, str, str], None], on_chunk: Callable[[], None] | None = None,
+                 on_checksum: Callable[[int, str, tuple[int, ...], ChecksumMismatch], None] | None = None):
         self.source = source
+        self.on_checksum = on_checksum
         self.layouts = layouts
         self.rule = rule
         self.bad = bad
@@ -139,28 +137,46 @@ class LevelComparison:
             block[local] = self.expected(level - 1, child)
         return block
 
-    def _compare(self, layout: ArrayLayout, chunk: tuple[int, ...], region: tuple[slice, ...], expected: np.ndarray) -> None:
+    def _compare(self, layout: StoredLevel, chunk: tuple[int, ...], region: tuple[slice, ...], expected: np.ndarray) -> None:
         self.compared += 1
         unit = _unit_of(layout, chunk)
         key = layout.key(unit)
         try:
             if (layout.level, key) in self.broken:
-                return  # its file is missing or broken: said once, not once per inner chunk
-            try:
-                stored = read_chunk(layout, chunk)
-            except Exception as exc:  # any decode failure is a bad unit, whatever the codec raises
-                return self._bad(layout.level, key, f"does not decode ({type(exc).__name__}: {exc}).", broken=True)
-            if stored is None and not os.path.exists(layout.file(unit)):
+                return  # its file is missing or its shard index broken: said once, not per inner chunk
+            if layout.missing(unit):
                 return self._bad(layout.level, key, "missing.", broken=True)
+            try:
+                # An absent chunk of a finished output reads as the fill value (a skipped all-fill
+                # chunk), and is compared as such.
+                stored = layout.read_chunk(chunk)
+            except Exception as exc:  # any decode failure is a bad chunk, whatever the codec raises
+                self._unreadable(layout, unit, key, chunk, exc)
+                if not (isinstance(exc, ChecksumMismatch) and layout.recorded is not None):
+                    return
+                # A Zarr v2 file that fails its sidecar CRC may still decode: say how it differs too.
+                stored = layout.read_chunk(chunk, check=False)
             self._differences(layout, key, chunk, region, stored, expected)
         finally:
             if self.on_chunk:
                 self.on_chunk()
 
+    def _unreadable(self, layout: StoredLevel, unit, key: str, chunk: tuple[int, ...], exc: Exception) -> None:
+        index = layout.index_problem(unit)
+        if index is not None:
+            return self._bad(layout.level, key, index, broken=True)
+        where = key if layout.shards is None else f"{key}, inner chunk {_inner(layout, chunk)} (chunk {chunk})"
+        if isinstance(exc, ChecksumMismatch):
+            if self.on_checksum:
+                self.on_checksum(layout.level, key, chunk, exc)
+            return self.bad(layout.level, key, f"level {layout.level} {where}: {exc}")
+        # An unsharded chunk is its own file: said once. In a shard the other chunks are still read.
+        self.bad(layout.level, key, f"level {layout.level} {where}: does not decode ({type(exc).__name__}: {exc}).")
+        if layout.shards is None:
+            self.broken.add((layout.level, key))
+
     def _differences(self, layout, key, chunk, region, stored, expected) -> None:
         view = tuple(slice(0, r.stop - r.start) for r in region)
-        if stored is None:  # an empty slot in its shard: reads as the fill value
-            stored = np.full(expected.shape, layout.fill_value, dtype=expected.dtype)
         # Compared bitwise, so NaN equals the same NaN and -0.0 differs from 0.0.
         bits = np.dtype(f"u{expected.dtype.itemsize}")
         differ = np.ascontiguousarray(stored[view]).view(bits) != np.ascontiguousarray(expected).view(bits)
@@ -169,7 +185,7 @@ class LevelComparison:
             return
         first = tuple(int(i) for i in np.argwhere(differ)[0])
         ranges = tuple((r.start, r.stop) for r in region)
-        where = f"{key}" if layout.shards is None else f"{key}, inner chunk {tuple(c % (s // k) for c, s, k in zip(chunk, layout.shards, layout.chunks))}"
+        where = f"{key}" if layout.shards is None else f"{key}, inner chunk {_inner(layout, chunk)}"
         self.mismatches.append(Mismatch(layout.level, key, chunk, ranges, count, int(differ.size)))
         voxel = tuple(r.start + i for r, i in zip(region, first))
         self._bad(layout.level, key,
@@ -183,18 +199,23 @@ class LevelComparison:
         self.bad(level, key, f"level {level} {key}: {message}")
 
 
-def _chunk_region(layout: ArrayLayout, chunk: tuple[int, ...]) -> tuple[slice, ...]:
+def _inner(layout, chunk: tuple[int, ...]) -> tuple[int, ...]:
+    """A chunk's index inside its shard."""
+    return tuple(c % (s // k) for c, s, k in zip(chunk, layout.shards, layout.chunks))
+
+
+def _chunk_region(layout, chunk: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(chunk, layout.chunks, layout.shape))
 
 
-def _unit_of(layout: ArrayLayout, chunk: tuple[int, ...]) -> tuple[int, ...]:
+def _unit_of(layout, chunk: tuple[int, ...]) -> tuple[int, ...]:
     """The index of the file (chunk, or the shard holding it) that stores ``chunk``."""
     if layout.shards is None:
         return chunk
     return tuple(c // (s // k) for c, s, k in zip(chunk, layout.shards, layout.chunks))
 
 
-def memory_bound(layouts: Sequence[ArrayLayout], rule: PyramidRule) -> int:
+def memory_bound(layouts: Sequence[StoredLevel], rule: PyramidRule) -> int:
     """Bytes ``LevelComparison`` holds at most (besides the interpreter), as the module says:
     per level one block of 2**d chunks plus its result, four chunk-sized buffers for the compare
     (source read and its cast, the encoded and decoded stored chunk), the downsampler's float64

@@ -42,6 +42,8 @@ class SlabRecord:
     units: list[tuple[int, str, int]]
     #: (channel, min, max) seen in level 0, for the omero window.
     stats: list[tuple[int, float, float]] = field(default_factory=list)
+    #: (level, key, crc32c hex) of every file written, for Zarr v2's checksum sidecar (engine.checksums).
+    checksums: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 class Manifest:
@@ -55,6 +57,8 @@ class Manifest:
         self.records: list[SlabRecord] = []
         #: level -> key -> size of every file the manifest vouches for
         self.units: dict[int, dict[str, int]] = {}
+        #: level -> key -> CRC32C of every file recorded with one (Zarr v2 with checksums)
+        self.checksums: dict[int, dict[str, str]] = {}
         self._synced = 0.0
 
     # -- reading ---------------------------------------------------------------------------
@@ -80,13 +84,16 @@ class Manifest:
             if entry.get("kind") == "header":
                 m.header = entry
             elif entry.get("kind") == "slab":
-                m._add(SlabRecord(entry["pass"], tuple(entry["slab"]), [tuple(u) for u in entry["units"]], [tuple(s) for s in entry.get("stats", [])]))
+                m._add(SlabRecord(entry["pass"], tuple(entry["slab"]), [tuple(u) for u in entry["units"]], [tuple(s) for s in entry.get("stats", [])],
+                                  [tuple(c) for c in entry.get("crc", [])]))
         return m if m.header else None
 
     def _add(self, record: SlabRecord) -> None:
         self.records.append(record)
         for level, key, nbytes in record.units:
             self.units.setdefault(level, {})[key] = nbytes
+        for level, key, crc in record.checksums:  # a rewritten slab's record comes later and wins
+            self.checksums.setdefault(level, {})[key] = crc
 
     @property
     def fingerprint(self) -> str | None:
@@ -132,12 +139,16 @@ class Manifest:
             os.fsync(f.fileno())
         self.records = []
         self.units = {}
+        self.checksums = {}
 
     def append(self, records: Iterable[SlabRecord]) -> None:
         lines = []
         for r in records:
             self._add(r)
-            lines.append(json.dumps({"kind": "slab", "pass": r.pass_index, "slab": list(r.slab), "units": [list(u) for u in r.units], "stats": [list(s) for s in r.stats]}))
+            line = {"kind": "slab", "pass": r.pass_index, "slab": list(r.slab), "units": [list(u) for u in r.units], "stats": [list(s) for s in r.stats]}
+            if r.checksums:
+                line["crc"] = [list(c) for c in r.checksums]
+            lines.append(json.dumps(line))
         if not lines:
             return
         # The write reaches the kernel at once, so a killed client loses nothing it recorded; the

@@ -25,6 +25,7 @@ from ..errors import OutputConflictError, OutputError
 from ..planner.model import Plan
 from ..spec import ConversionSpec
 from .chunkio import TMP_MARK, ArrayLayout
+from .checksums import write_sidecars
 from .codecs import zarr_compressors
 from .lock import LOCK_NAME
 from .manifest import MANIFEST_DIR, Manifest, fingerprint
@@ -68,6 +69,7 @@ def level_layouts(plan: Plan, spec: ConversionSpec) -> tuple[ArrayLayout, ...]:
             level=level.index,
             fill_value=fill,
             storage_options=tuple(sorted((spec.output.storage_options or {}).items())) if is_url(spec.output.path) else None,
+            checksums=spec.output.checksums,
         )
         for level in plan.levels
     )
@@ -86,6 +88,8 @@ def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict
         "levels": len(plan.levels),
         "method": spec.pyramid.method,
         "downsampled": [lv > 1 for lv in plan.levels[-1].factors] if len(plan.levels) > 1 else None,
+        # Only when on, so outputs written before checksums existed still resume with --no-checksums.
+        **({"checksums": "crc32c"} if spec.output.checksums else {}),
     }
 
 
@@ -227,7 +231,7 @@ def _create_arrays(store: Any, plan: Plan, spec: ConversionSpec, layouts: tuple[
     """The root group and every level's array metadata, no ``ome`` attributes yet (zarr writes them)."""
     fmt = zarr_format(spec)
     root = zarr.create_group(store=store, zarr_format=fmt)
-    compressors = zarr_compressors(spec.output.compressor, fmt)
+    compressors = zarr_compressors(spec.output.compressor, fmt, spec.output.checksums)
     for layout in layouts:
         kwargs: dict[str, Any] = {}
         if fmt == 2:
@@ -271,6 +275,8 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
     # while Dask re-ran its task elsewhere and the chunk itself is whole. Sweep before the marker:
     # only the driver runs here, after every task, under the output's lock, so nothing is writing.
     sweep_temporary_files(output.path)
+    if output.zarr_format == 2 and spec.output.checksums:  # before the marker: a finished output has them
+        write_sidecars(output.path, output.manifest.checksums, {lay.level: os.path.basename(lay.path) for lay in output.layouts})
     attrs = root_attributes(plan, spec, windows, output.zarr_format)
     attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
     if output.zarr_format == 3:

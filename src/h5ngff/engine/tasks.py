@@ -17,6 +17,7 @@ from .chunkio import ArrayLayout, attach_stores, read_region, write_block
 from . import faults
 from .buffers import keep_levels, level_buffer
 from .downsample import downsample, output_shape
+from .checksums import FileChecksums
 from .manifest import SlabRecord
 from .sources.base import SlabSource
 from .stores import store_retries
@@ -104,6 +105,7 @@ def run_slab(task: SlabTask) -> SlabResult:
 
     units: list[tuple[int, str, int]] = []
     minmax = _MinMax(task.channel_axis)
+    crcs = FileChecksums()
     bytes_written = 0
     factor = 1
     for i, layout in enumerate(task.levels):
@@ -117,13 +119,13 @@ def run_slab(task: SlabTask) -> SlabResult:
         origin = tuple(r.start // (factor if d else 1) for r, d in zip(task.region, task.downsampled))
         t = time.perf_counter()
         stats = minmax if layout.level == 0 else None
-        for key, nbytes in write_block(layout, block, origin, on_chunk=stats):
+        for key, nbytes in write_block(layout, block, origin, on_chunk=stats, on_file=crcs.on_file(layout)):
             units.append((layout.level, key, nbytes))
             bytes_written += nbytes
         seconds["write"] += time.perf_counter() - t
     del block, injected
     keep_levels(len(task.levels) if first_factor == 2 else len(task.levels) - 1)
-    record = SlabRecord(task.pass_index, task.slab, units, minmax.stats())
+    record = SlabRecord(task.pass_index, task.slab, units, minmax.stats(), crcs.entries)
     return SlabResult(record, bytes_read, bytes_written, seconds, store_retries=store_retries.mine() - retries_before)
 
 

@@ -1,26 +1,33 @@
-"""``h5ngff verify``: check an output's metadata, its completion marker and every chunk, and
-optionally compare every level with the pyramid computed from the HDF5 source (``levelcheck``),
-streaming one chunk or write unit at a time so memory stays bounded whatever the image size."""
+"""``h5ngff verify``: check an output's metadata, its completion marker, its checksums and every
+chunk, and optionally compare every level with the pyramid computed from the HDF5 source
+(``levelcheck``), streaming one chunk or write unit at a time so memory stays bounded whatever
+the image size.
+
+Everything is read through zarr-python (``engine.stored``): the root attributes, each level's
+array metadata, and every chunk, decoded by zarr's codec pipeline and checked by its crc32c
+codec. None of the writer's own chunk code (``chunkio``) is used, so a bug shared by the
+writer's encoder and decoder cannot pass (tests/test_checksums.py injects one).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Callable
 
-import numpy as np
+import zarr
 
 from ..errors import VerificationError
-from ..spec import CompressorSpec
-from .chunkio import TMP_MARK, ArrayLayout, read_unit
+from .checksums import SIDECAR_DIR, load_sidecar, sidecar_path
+from .chunkio import TMP_MARK
 from .levelcheck import SOURCE_CACHE_BYTES, LevelComparison, Mismatch, PyramidRule, chunk_count, pyramid_rule
-from .output import completion_marker
+from .manifest import Manifest
 from .sources import verify_source
-from .stores import is_url, register, store_for
+from .stored import ChecksumMismatch, StoredLevel, open_levels
+from .stores import is_url, open_store
 
 
 @dataclass
@@ -37,6 +44,12 @@ class VerifyReport:
     levels_compared: int = 0
     chunks_compared: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
+    #: How chunk bytes are checked: "crc32c codec" (Zarr v3), "sidecar" (Zarr v2) or "none".
+    checksums: str = "none"
+    #: Every chunk whose bytes fail their CRC32C: level, key, chunk, expected and actual CRC.
+    checksum_mismatches: list[dict[str, Any]] = field(default_factory=list)
+    #: The library that validated the OME-NGFF metadata (None: not installed, not validated).
+    metadata_validator: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -47,21 +60,33 @@ class VerifyReport:
             "path": self.path, "ok": self.ok, "complete": self.complete, "levels": self.levels,
             "units_checked": self.units_checked, "compared_with_source": self.compared_with_source,
             "levels_compared": self.levels_compared, "chunks_compared": self.chunks_compared,
+            "checksums": self.checksums, "metadata_validator": self.metadata_validator,
             "problems": self.problems, "bad_units": [{"level": lv, "key": k} for lv, k in self.bad_units],
-            "mismatches": [m.to_dict() for m in self.mismatches],
+            "mismatches": [m.to_dict() for m in self.mismatches], "checksum_mismatches": self.checksum_mismatches,
         }
 
+    def bad(self, level: int, key: str, message: str) -> None:
+        if (level, key) not in self._named:
+            self._named.add((level, key))
+            self.bad_units.append((level, key))
+        self.problems.append(message)
 
-def _root_attributes(path: str) -> tuple[int, dict[str, Any]]:
-    if is_url(path):
-        return _object_root_attributes(path)
-    if os.path.exists(os.path.join(path, "zarr.json")):
-        with open(os.path.join(path, "zarr.json")) as f:
-            return 3, json.load(f).get("attributes", {})
-    if os.path.exists(os.path.join(path, ".zattrs")):
-        with open(os.path.join(path, ".zattrs")) as f:
-            return 2, json.load(f)
-    raise VerificationError(f"{path!r} is not a Zarr group (no zarr.json or .zattrs).")
+    def checksum(self, level: int, key: str, chunk: tuple[int, ...] | None, mismatch: ChecksumMismatch) -> None:
+        self.checksum_mismatches.append({"level": level, "key": key, "chunk": None if chunk is None else list(chunk),
+                                         "expected": mismatch.expected, "actual": mismatch.actual})
+
+    def __post_init__(self) -> None:
+        # A set beside the list: a wholly wrong level can name many thousand chunks.
+        self._named: set[tuple[int, str]] = set()
+
+
+def _root(root: Any, path: str) -> tuple[int, dict[str, Any]]:
+    """The root group's Zarr format and attributes, as zarr-python reads them."""
+    try:
+        group = zarr.open_group(root, mode="r")
+    except Exception:  # zarr raises several types for "no group here"
+        raise VerificationError(f"{path!r} is not a Zarr group (no zarr.json or .zattrs).") from None
+    return group.metadata.zarr_format, dict(group.attrs)
 
 
 def _multiscales(fmt: int, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -71,44 +96,60 @@ def _multiscales(fmt: int, attrs: dict[str, Any]) -> dict[str, Any]:
     return ms[0]
 
 
-def _compressor_from_zarr(meta: dict[str, Any], fmt: int) -> tuple[CompressorSpec, tuple[int, ...], tuple[int, ...] | None]:
-    """Our compressor spec, chunks and shards, read back from an array's own metadata."""
-    if fmt == 2:
-        comp = meta.get("compressor")
-        chunks = tuple(meta["chunks"])
-        if comp is None:
-            return CompressorSpec(codec="none"), chunks, None
-        if comp["id"] == "blosc":
-            shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}[comp["shuffle"]]
-            return CompressorSpec(codec="blosc", cname=comp["cname"], clevel=comp["clevel"], shuffle=shuffle), chunks, None
-        return CompressorSpec(codec=comp["id"], clevel=comp.get("level")), chunks, None
-    codecs = meta["codecs"]
-    chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
-    shards = None
-    if codecs[0]["name"] == "sharding_indexed":
-        shards = chunks
-        chunks = tuple(codecs[0]["configuration"]["chunk_shape"])
-        codecs = codecs[0]["configuration"]["codecs"]
-    inner = [c for c in codecs if c["name"] != "bytes"]
-    if not inner:
-        return CompressorSpec(codec="none"), chunks, shards
-    c = inner[0]
-    conf = c.get("configuration", {})
-    if c["name"] == "blosc":
-        return CompressorSpec(codec="blosc", cname=conf["cname"], clevel=conf["clevel"], shuffle=conf["shuffle"]), chunks, shards
-    return CompressorSpec(codec=c["name"], clevel=conf.get("level")), chunks, shards
+def _validate_metadata(root: Any, fmt: int, report: VerifyReport) -> None:
+    """Validate the NGFF metadata with ome-zarr-models where it is installed (a test and dev
+    dependency, ~1 s to import); without it, verify checks only what it reads."""
+    try:
+        import ome_zarr_models
+        from ome_zarr_models import v04, v05
+    except ImportError:
+        return
+    report.metadata_validator = f"ome-zarr-models {getattr(ome_zarr_models, '__version__', '')}".strip()
+    try:
+        (v05 if fmt == 3 else v04).Image.from_zarr(zarr.open_group(root, mode="r"))
+    except Exception as exc:
+        report.problems.append(f"the OME-NGFF metadata does not validate with {report.metadata_validator}: {str(exc)[:500]}")
 
 
-def level_layout(path: str, level_path: str, fmt: int, level: int) -> ArrayLayout:
-    meta_file = os.path.join(path, level_path, "zarr.json" if fmt == 3 else ".zarray")
-    if is_url(path):
-        meta = json.loads(_object_bytes_or_raise(meta_file))
-    else:
-        with open(meta_file) as f:
-            meta = json.load(f)
-    compressor, chunks, shards = _compressor_from_zarr(meta, fmt)
-    dtype = np.dtype(meta["dtype"]).str if fmt == 2 else np.dtype(meta["data_type"] if meta["data_type"] != "bool" else "?").newbyteorder("<").str
-    return ArrayLayout(os.path.join(path, level_path), tuple(meta["shape"]), chunks, shards, dtype, fmt, compressor, level, meta.get("fill_value") or 0)
+def _content(path: str, marker: dict[str, Any] | None) -> dict[str, Any]:
+    """What the writer recorded about the conversion: from the completion marker, else the manifest."""
+    if marker and isinstance(marker.get("content"), dict):
+        return marker["content"]
+    manifest = Manifest.load(path) if os.path.isdir(path) else None
+    return manifest.content if manifest is not None else {}
+
+
+def _sidecars(path: str, fmt: int, content: dict[str, Any], n_levels: int, report: VerifyReport) -> dict[int, dict[str, str] | None] | None:
+    """Zarr v2: every level's recorded CRC32Cs, where the conversion kept them. They are written
+    at completion, so an unfinished output (already reported) is not checked against them."""
+    if fmt != 2 or content.get("checksums") != "crc32c" or not report.complete:
+        return None
+    report.checksums = "sidecar"
+    sidecars: dict[int, dict[str, str] | None] = {}
+    for level in range(n_levels):
+        name = os.path.relpath(sidecar_path(path, level), path)
+        try:
+            sidecars[level] = load_sidecar(path, level)
+        except ValueError as exc:
+            sidecars[level] = None
+            report.problems.append(f"{exc}: level {level}'s chunk files cannot be checked against their checksums.")
+            continue
+        if sidecars[level] is None:
+            report.problems.append(f"no checksum sidecar {name}: the conversion recorded one, so level {level}'s chunk files cannot be checked. "
+                                   f"Restore {SIDECAR_DIR}/ from the original output, or re-convert.")
+    return sidecars
+
+
+def zarr_root(path: str, storage_options: dict[str, str] | None = None) -> Any:
+    """What zarr-python opens: the directory itself, or for an ``s3://`` output zarr's
+    ObjectStore over the same obstore client the writer used (same options, endpoint and
+    credentials), read-only."""
+    if not is_url(path):
+        return path
+    from zarr.storage import ObjectStore
+
+    store = open_store(path, storage_options or {})
+    return ObjectStore(store._store, read_only=True)  # type: ignore[attr-defined]
 
 
 def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Callable[[], None] | None = None,
@@ -119,110 +160,97 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
     (``levelcheck``); levels that cannot be compared are still decoded. ``on_total(n)`` is told
     how many ``on_unit()`` calls follow (files decoded plus chunks compared)."""
     report = VerifyReport(path)
-    if is_url(path):
-        register(path, storage_options or {})
+    root = zarr_root(path, storage_options)
     try:
-        fmt, attrs = _root_attributes(path)
+        fmt, attrs = _root(root, path)
         ms = _multiscales(fmt, attrs)
     except VerificationError as exc:
         report.problems.append(str(exc))
         return report
-    report.complete = completion_marker(path) is not None
+    marker = attrs.get("h5ngff") if isinstance(attrs.get("h5ngff"), dict) else None
+    report.complete = bool(marker and marker.get("complete"))
     if not report.complete:
         report.problems.append("no completion marker (h5ngff.complete): the conversion did not finish; re-run it to resume.")
+    _validate_metadata(root, fmt, report)
+    content = _content(path, marker)
     datasets = ms.get("datasets", [])
     report.levels = len(datasets)
-    layouts = []
-    for index, ds in enumerate(datasets):
-        try:
-            layouts.append(level_layout(path, ds["path"], fmt, index))
-        except (OSError, KeyError, ValueError) as exc:
-            report.problems.append(f"level {ds.get('path')}: unreadable array metadata ({exc}).")
+    sidecars = _sidecars(path, fmt, content, len(datasets), report)
+    levels, problems = open_levels(root, ms, report.complete, sidecars)
+    report.problems.extend(problems)
+    if fmt == 3 and levels and all(lv.crc_codec for lv in levels):
+        report.checksums = "crc32c codec"
     source_ds, compared, rule = None, [], None
-    if source is not None and layouts:
-        recorded = attrs.get("h5ngff", {}).get("source") if isinstance(attrs.get("h5ngff"), dict) else None
-        source_ds, compared, rule = _comparable(path, ms, layouts, len(datasets), source, report, recorded)
-    decoded = [lay for lay in layouts if lay not in compared]
+    if source is not None and levels:
+        recorded = marker.get("source") if marker else None
+        source_ds, compared, rule = _comparable(ms, levels, len(datasets), source, report, content, recorded)
+    decoded = [lv for lv in levels if lv not in compared]
     if on_total:
-        on_total(sum(chunk_count(lay) for lay in compared) + sum(math.prod(lay.unit_grid) for lay in decoded))
+        on_total(sum(chunk_count(lv) for lv in compared) + sum(math.prod(lv.unit_grid) for lv in decoded))
     if compared:
         _compare_levels(source_ds, compared, rule, report, on_unit)
-    for layout in decoded:
-        _check_units(layout, report, on_unit)
+    for level in decoded:
+        _check_units(level, report, on_unit)
     _stale_temporaries(path, report)
     return report
 
 
-def _comparable(path, ms, layouts, n_levels, source, report, recorded=None):
+def _comparable(ms, levels, n_levels, source, report, content, recorded=None):
     """The source (a plain dataset or a composite: stacked, Imaris, BDV), the levels that can be
     compared with it, and the pyramid rule."""
     source_ds = dataclasses.replace(verify_source(source[0], source[1], recorded), cache_bytes=SOURCE_CACHE_BYTES)
     report.compared_with_source = True
-    if layouts[0].level != 0 or tuple(source_ds.shape) != layouts[0].shape:
-        report.problems.append(f"level 0 has shape {layouts[0].shape}, the source {source[0]}:{source[1]} has {tuple(source_ds.shape)}.")
+    if levels[0].level != 0 or tuple(source_ds.shape) != levels[0].shape:
+        report.problems.append(f"level 0 has shape {levels[0].shape}, the source {source[0]}:{source[1]} has {tuple(source_ds.shape)}.")
         return None, [], None
-    if len(layouts) < n_levels:  # some level's metadata is unreadable: only level 0 is safe to compare
-        return source_ds, layouts[:1], PyramidRule("mean", (False,) * len(layouts[0].shape))
-    rule = pyramid_rule(path, ms, layouts)
+    if len(levels) < n_levels:  # some level's metadata is unreadable: only level 0 is safe to compare
+        return source_ds, levels[:1], PyramidRule("mean", (False,) * len(levels[0].shape))
+    rule = pyramid_rule(content, ms, levels)
     if isinstance(rule, str):
         report.problems.append(rule)
-        return source_ds, layouts[:1], PyramidRule("mean", (False,) * len(layouts[0].shape))
-    report.levels_compared = len(layouts)
-    return source_ds, layouts, rule
+        return source_ds, levels[:1], PyramidRule("mean", (False,) * len(levels[0].shape))
+    report.levels_compared = len(levels)
+    return source_ds, levels, rule
 
 
-def _compare_levels(source_ds, layouts, rule, report: VerifyReport, on_unit) -> None:
-    named = set(report.bad_units)  # a set: a wholly wrong level can name many thousand chunks
-
-    def bad(level: int, key: str, message: str) -> None:
-        if (level, key) not in named:
-            named.add((level, key))
-            report.bad_units.append((level, key))
-        report.problems.append(message)
-
-    walk = LevelComparison(source_ds, layouts, rule, bad, on_unit)
+def _compare_levels(source_ds, levels, rule, report: VerifyReport, on_unit) -> None:
+    walk = LevelComparison(source_ds, levels, rule, report.bad, on_unit, on_checksum=report.checksum)
     walk.run()
-    report.levels_compared = max(report.levels_compared, len(layouts))
+    report.levels_compared = max(report.levels_compared, len(levels))
     report.chunks_compared += walk.compared
-    report.units_checked += sum(math.prod(lay.unit_grid) for lay in layouts)
+    report.units_checked += sum(math.prod(lv.unit_grid) for lv in levels)
     report.mismatches.extend(walk.mismatches)
 
 
-def _check_units(layout: ArrayLayout, report: VerifyReport, on_unit) -> None:
-    """Decode every unit once (levels not compared with a source)."""
-    for index in product(*(range(g) for g in layout.unit_grid)):
+def _check_units(level: StoredLevel, report: VerifyReport, on_unit) -> None:
+    """Decode every chunk of every unit once (levels not compared with a source), one chunk at a
+    time: every bad inner chunk of a shard is named, not just the first."""
+    for unit in product(*(range(g) for g in level.unit_grid)):
         report.units_checked += 1
-        key = layout.key(index)
-        try:
-            unit = read_unit(layout, index)
-        except Exception as exc:  # any decode failure is a bad chunk, whatever the codec raises
-            report.bad_units.append((layout.level, key))
-            report.problems.append(f"level {layout.level} {key}: does not decode ({type(exc).__name__}: {exc}).")
+        key = level.key(unit)
+        if level.missing(unit):
+            report.bad(level.level, key, f"level {level.level} {key}: missing.")
+        elif (index := level.index_problem(unit)) is not None:
+            report.bad(level.level, key, f"level {level.level} {key}: {index}")
         else:
-            if unit is None:
-                report.bad_units.append((layout.level, key))
-                report.problems.append(f"level {layout.level} {key}: missing.")
+            for chunk in level.inner_chunks(unit):
+                try:
+                    level.read_chunk(chunk)
+                except Exception as exc:  # any decode failure is a bad chunk, whatever the codec raises
+                    _chunk_failed(level, key, chunk, exc, report)
         if on_unit:
             on_unit()
 
 
-def _object_bytes_or_raise(url: str) -> bytes:
-    store, key = store_for(url)
-    try:
-        return store.get(key)
-    except KeyError:
-        raise FileNotFoundError(url) from None
-
-
-def _object_root_attributes(url: str) -> tuple[int, dict[str, Any]]:
-    """The root attributes of an output in an object store (engine.stores; GETs, no listing)."""
-    for fmt, name in ((3, "zarr.json"), (2, ".zattrs")):
-        try:
-            doc = json.loads(_object_bytes_or_raise(f"{url.rstrip('/')}/{name}"))
-        except FileNotFoundError:
-            continue
-        return fmt, doc.get("attributes", {}) if fmt == 3 else doc
-    raise VerificationError(f"{url!r} is not a Zarr group (no zarr.json or .zattrs).")
+def _chunk_failed(level: StoredLevel, key: str, chunk: tuple[int, ...], exc: Exception, report: VerifyReport) -> None:
+    where = key
+    if level.shards is not None:
+        where = f"{key}, inner chunk {tuple(c % (s // k) for c, s, k in zip(chunk, level.shards, level.chunks))} (chunk {chunk})"
+    if isinstance(exc, ChecksumMismatch):
+        report.checksum(level.level, key, chunk, exc)
+        report.bad(level.level, key, f"level {level.level} {where}: {exc}")
+    else:
+        report.bad(level.level, key, f"level {level.level} {where}: does not decode ({type(exc).__name__}: {exc}).")
 
 
 def _stale_temporaries(path: str, report: VerifyReport) -> None:
@@ -232,3 +260,4 @@ def _stale_temporaries(path: str, report: VerifyReport) -> None:
         for name in files:
             if TMP_MARK in name:
                 report.problems.append(f"stale temporary file {os.path.relpath(os.path.join(directory, name), path)} (an interrupted write).")
+

@@ -1,0 +1,89 @@
+"""CRC32C checksums of NGFF 0.4 (Zarr v2) chunk files, kept in a sidecar that ``verify`` reads.
+
+Zarr v3 has a crc32c codec, so NGFF 0.5 outputs carry a checksum inside every chunk
+(``chunkio.stored_pieces``). Zarr v2 has none, so for NGFF 0.4 each slab task takes the CRC32C
+of every chunk file it writes (the whole file's bytes, as stored), the client records them in the
+manifest with the slab, and ``finish_output`` writes them, per level, to
+
+    OUT/.h5ngff-checksums/<level>.json
+    {"format": "h5ngff-checksums/1", "algorithm": "crc32c", "level": 0, "array": "0",
+     "chunks": {"0/0/0": "1c2a3b4d", ...}}
+
+``chunks`` maps every chunk key written (relative to the level's array, as in the store) to the
+CRC32C (Castagnoli, as in Zarr v3's crc32c codec) of the file's bytes, 8 lowercase hex digits,
+keys sorted. A key that is absent was never written (an all-fill chunk skipped, or none). Only
+the client writes the sidecar, once, from the manifest, before the completion marker: one writer
+per file, and a resumed run (whose manifest holds the first run's records) writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+import google_crc32c
+
+from .chunkio import TMP_MARK
+
+SIDECAR_DIR = ".h5ngff-checksums"
+SIDECAR_FORMAT = "h5ngff-checksums/1"
+
+
+def crc32c_hex(pieces: Iterable[bytes]) -> str:
+    """The CRC32C of the concatenated pieces (one file's bytes), as 8 hex digits."""
+    crc = 0
+    for piece in pieces:
+        crc = google_crc32c.extend(crc, piece)
+    return f"{crc:08x}"
+
+
+class FileChecksums:
+    """``write_block``'s ``on_file``: collects (level, key, crc) of every file a slab writes."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, str, str]] = []
+        self.level = 0
+
+    def on_file(self, layout) -> "FileChecksums | None":
+        """The callback for one level's ``write_block`` (None where no sidecar is kept: Zarr v3
+        carries its checksums in the chunks, and checksums may be off)."""
+        if not layout.checksums or layout.zarr_format != 2:
+            return None
+        self.level = layout.level
+        return self
+
+    def __call__(self, key: str, pieces: list[bytes]) -> None:
+        self.entries.append((self.level, key, crc32c_hex(pieces)))
+
+
+def sidecar_path(root: str, level: int) -> str:
+    return os.path.join(root, SIDECAR_DIR, f"{level}.json")
+
+
+def write_sidecars(root: str, checksums: dict[int, dict[str, str]], level_paths: dict[int, str]) -> None:
+    """One sidecar per level (levels with no file written get an empty one), each through a
+    temporary name and a rename."""
+    os.makedirs(os.path.join(root, SIDECAR_DIR), exist_ok=True)
+    for level, array in sorted(level_paths.items()):
+        doc = {"format": SIDECAR_FORMAT, "algorithm": "crc32c", "level": level, "array": array,
+               "chunks": dict(sorted(checksums.get(level, {}).items()))}
+        target = sidecar_path(root, level)
+        tmp = target + TMP_MARK + "crc"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=0)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+
+
+def load_sidecar(root: str, level: int) -> dict[str, str] | None:
+    """key -> CRC32C of one level (None: no sidecar). Raises ValueError on a malformed one."""
+    try:
+        with open(sidecar_path(root, level)) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT or not isinstance(doc.get("chunks"), dict):
+        raise ValueError(f"{sidecar_path(root, level)} is not an {SIDECAR_FORMAT} sidecar")
+    return doc["chunks"]

@@ -1,0 +1,57 @@
+"""The writer's ``ArrayLayout`` of a level of an existing output, read back from its metadata.
+
+Tests and benches use it to write into (or damage) an output with the engine's own writer.
+``verify`` does not: it reads through zarr-python (``engine.stored``), independently of the writer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from ..spec import CompressorSpec
+from .chunkio import ArrayLayout
+
+
+def _compressor_from_zarr(meta: dict[str, Any], fmt: int) -> tuple[CompressorSpec, tuple[int, ...], tuple[int, ...] | None, bool]:
+    """Our compressor spec, chunks, shards and whether chunks carry the crc32c codec."""
+    if fmt == 2:
+        comp = meta.get("compressor")
+        chunks = tuple(meta["chunks"])
+        if comp is None:
+            return CompressorSpec(codec="none"), chunks, None, False
+        if comp["id"] == "blosc":
+            shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}[comp["shuffle"]]
+            return CompressorSpec(codec="blosc", cname=comp["cname"], clevel=comp["clevel"], shuffle=shuffle), chunks, None, False
+        return CompressorSpec(codec=comp["id"], clevel=comp.get("level")), chunks, None, False
+    codecs = meta["codecs"]
+    chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+    shards = None
+    if codecs[0]["name"] == "sharding_indexed":
+        shards = chunks
+        chunks = tuple(codecs[0]["configuration"]["chunk_shape"])
+        codecs = codecs[0]["configuration"]["codecs"]
+    crc = any(c["name"] == "crc32c" for c in codecs)
+    inner = [c for c in codecs if c["name"] not in ("bytes", "crc32c")]
+    if not inner:
+        return CompressorSpec(codec="none"), chunks, shards, crc
+    c = inner[0]
+    conf = c.get("configuration", {})
+    if c["name"] == "blosc":
+        return CompressorSpec(codec="blosc", cname=conf["cname"], clevel=conf["clevel"], shuffle=conf["shuffle"]), chunks, shards, crc
+    return CompressorSpec(codec=c["name"], clevel=conf.get("level")), chunks, shards, crc
+
+
+def level_layout(path: str, level_path: str, fmt: int, level: int, checksums: bool | None = None) -> ArrayLayout:
+    """``checksums``: Zarr v2 keeps them in a sidecar, which the metadata does not show; in
+    Zarr v3 the crc32c codec in the metadata decides (the argument is ignored)."""
+    meta_file = os.path.join(path, level_path, "zarr.json" if fmt == 3 else ".zarray")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    compressor, chunks, shards, crc = _compressor_from_zarr(meta, fmt)
+    dtype = np.dtype(meta["dtype"]).str if fmt == 2 else np.dtype(meta["data_type"] if meta["data_type"] != "bool" else "?").newbyteorder("<").str
+    return ArrayLayout(os.path.join(path, level_path), tuple(meta["shape"]), chunks, shards, dtype, fmt, compressor, level,
+                       meta.get("fill_value") or 0, checksums=crc if fmt == 3 else bool(checksums))
