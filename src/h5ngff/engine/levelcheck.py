@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..planner.grid import ceil_div
-from .chunkio import ArrayLayout, read_chunk
+from .chunkio import ArrayLayout, is_fill_chunk, read_chunk
 from .downsample import STRIP_ELEMENTS, downsample, output_shape
 from .manifest import Manifest
 from .output import completion_marker
@@ -151,6 +151,8 @@ class LevelComparison:
             except Exception as exc:  # any decode failure is a bad unit, whatever the codec raises
                 return self._bad(layout.level, key, f"does not decode ({type(exc).__name__}: {exc}).", broken=True)
             if stored is None and not os.path.exists(layout.file(unit)):
+                if is_fill_chunk(np.ascontiguousarray(expected), layout.fill_value):
+                    return  # the fill value everywhere: left out by the writer, reads as the fill value
                 return self._bad(layout.level, key, "missing.", broken=True)
             self._differences(layout, key, chunk, region, stored, expected)
         finally:

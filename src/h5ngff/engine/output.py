@@ -240,7 +240,7 @@ def sweep_temporary_files(path: str) -> int:
     return removed
 
 
-def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, float]], summary: dict[str, Any]) -> None:
+def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, ...]], summary: dict[str, Any]) -> None:
     """Write the NGFF metadata and the completion marker in one atomic rename, then drop the manifest."""
     # A worker killed between writing a temporary file and renaming it leaves that file behind,
     # while Dask re-ran its task elsewhere and the chunk itself is whole. Sweep before the marker:
@@ -248,6 +248,8 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
     sweep_temporary_files(output.path)
     attrs = root_attributes(plan, spec, windows, output.zarr_format)
     attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
+    # Units left out as the fill value everywhere, per level: verify tells them from missing ones.
+    attrs["h5ngff"]["emptyUnits"] = {str(level): n for level, n in sorted(output.manifest.empty_units().items()) if n}
     if output.zarr_format == 3:
         target = os.path.join(output.path, "zarr.json")
         with open(target) as f:

@@ -139,8 +139,9 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
         on_total(sum(chunk_count(lay) for lay in compared) + sum(math.prod(lay.unit_grid) for lay in decoded))
     if compared:
         _compare_levels(source_ds, compared, rule, report, on_unit)
+    marker = completion_marker(path) or {}
     for layout in decoded:
-        _check_units(layout, report, on_unit)
+        _check_units(layout, report, on_unit, int((marker.get("emptyUnits") or {}).get(str(layout.level), 0)))
     _stale_temporaries(path, report)
     return report
 
@@ -180,8 +181,11 @@ def _compare_levels(source_ds, layouts, rule, report: VerifyReport, on_unit) -> 
     report.mismatches.extend(walk.mismatches)
 
 
-def _check_units(layout: ArrayLayout, report: VerifyReport, on_unit) -> None:
-    """Decode every unit once (levels not compared with a source)."""
+def _check_units(layout: ArrayLayout, report: VerifyReport, on_unit, recorded_empty: int = 0) -> None:
+    """Decode every unit once (levels not compared with a source). Units the writer left out as
+    the fill value everywhere are absent legitimately: the completion marker records how many
+    per level (``emptyUnits``); absent units beyond that count are missing."""
+    absent = []
     for index in product(*(range(g) for g in layout.unit_grid)):
         report.units_checked += 1
         key = layout.key(index)
@@ -192,10 +196,14 @@ def _check_units(layout: ArrayLayout, report: VerifyReport, on_unit) -> None:
             report.problems.append(f"level {layout.level} {key}: does not decode ({type(exc).__name__}: {exc}).")
         else:
             if unit is None:
-                report.bad_units.append((layout.level, key))
-                report.problems.append(f"level {layout.level} {key}: missing.")
+                absent.append(key)
         if on_unit:
             on_unit()
+    if len(absent) == recorded_empty:
+        return
+    for key in absent:  # which of them are the empty ones is unknown without the source
+        report.bad_units.append((layout.level, key))
+        report.problems.append(f"level {layout.level} {key}: missing ({len(absent)} absent, {recorded_empty} recorded as the fill value everywhere; verify --source tells which).")
 
 
 def _stale_temporaries(path: str, report: VerifyReport) -> None:
