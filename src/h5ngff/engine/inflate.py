@@ -16,6 +16,7 @@ Memory: one compressed and one decompressed HDF5 chunk at a time, which the plan
 from __future__ import annotations
 
 import math
+import os
 from itertools import product
 
 import h5py
@@ -27,12 +28,14 @@ except ImportError:  # pragma: no cover - the lock pins it
     _libdeflate = None
 
 _DEFLATE = 1  # H5Z_FILTER_DEFLATE
+#: Set (to anything) to read through h5py's own filter: the baseline bench.cpu_work compares with.
+DISABLE_ENV = "H5NGFF_NO_LIBDEFLATE"
 
 
 def direct_deflate(ds: h5py.Dataset) -> bool:
     """Whether ``ds`` can be read by :func:`read_deflate`: chunked, deflate its only filter, a
     plain numeric dtype, and libdeflate installed."""
-    if _libdeflate is None or ds.chunks is None or ds.dtype.kind not in "biuf" or ds.dtype.fields:
+    if _libdeflate is None or DISABLE_ENV in os.environ or ds.chunks is None or ds.dtype.kind not in "biuf" or ds.dtype.fields:
         return False
     plist = ds.id.get_create_plist()
     return plist.get_nfilters() == 1 and plist.get_filter(0)[0] == _DEFLATE
