@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,6 +133,6 @@ def test_resume_trusts_recorded_empty_units_and_removes_a_stale_file(tmp_path, c
     for level in ("0", "1"):
         assert stored_files(os.path.join(out, level)) == stored_files(os.path.join(clean, level))
         for name in stored_files(os.path.join(clean, level)):
-            assert open(os.path.join(out, level, name), "rb").read() == open(os.path.join(clean, level, name), "rb").read()
-    ome = [json.load(open(os.path.join(p, "zarr.json")))["attributes"]["ome"] for p in (out, clean)]
+            assert Path(out, level, name).read_bytes() == Path(clean, level, name).read_bytes()
+    ome = [json.loads(Path(p, "zarr.json").read_text())["attributes"]["ome"] for p in (out, clean)]
     assert ome[0] == ome[1]
