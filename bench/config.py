@@ -48,6 +48,9 @@ class Case:
     dataset: str = "/volume/data"
     #: "h5" (one dataset), or a microscopy container read whole: "ims" (Imaris), "bdv" (XML + HDF5)
     container: str = "h5"
+    #: Fraction of the y extent (from the end, whole output chunks) set to zero: that share of the
+    #: output chunks is the fill value everywhere (issue 16's sparse case). 0: dense.
+    sparse: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +92,8 @@ def build_cases(scale: float) -> dict[str, Case]:
     h5_chunks = (1, 32, min(256, y), min(256, x))
     return {
         "f32": Case("f32", "float32 3-D, contiguous (DESIGN.md §5)", (z, y, x), "float32", "zyx", None, None),
+        # The same volume with 2/3 of its chunks zero (issue 16): empty chunks cost no encode or file.
+        "f32-sparse": Case("f32-sparse", "float32 3-D, contiguous, 2/3 of the chunks zero", (z, y, x), "float32", "zyx", None, None, sparse=2 / 3),
         "u16-4d": Case("u16-4d", "uint16 4-D (c=2), chunked gzip", (2, z, y, x), "uint16", "czyx", h5_chunks, "gzip"),
         "imaris": Case("imaris", "Imaris .ims, uint16 c=2, gzip blocks padded beyond the image (issue 15)", (c, cz, cy, cx), "uint16",
                        "czyx", (1, 16, 128, 160), "gzip", dataset="/", container="ims"),

@@ -17,7 +17,7 @@ import numpy as np
 
 from h5ngff.sample import write_sample
 
-from .config import CODEC, GENERATOR_VERSION, Case, scale_tag
+from .config import CHUNK, CODEC, GENERATOR_VERSION, Case, scale_tag
 from .containers import data_files, input_name, open_image, write_container
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,21 @@ def _identity(case: Case) -> dict:
     identity = {"generator": GENERATOR_VERSION, "shape": list(case.shape), "dtype": case.dtype, "dataset": case.dataset,
                 "hdf5_chunks": list(case.hdf5_chunks) if case.hdf5_chunks else None, "compression": case.compression, "seed": 0}
     # Only the containers add the key, so the HDF5 inputs already cached stay valid.
+    identity |= {"sparse": round(case.sparse, 4)} if case.sparse else {}
     return identity | ({"container": case.container} if case.container != "h5" else {})
+
+
+def _zero_tail(path: str, case: Case) -> None:
+    """Zero the last ``case.sparse`` of the y extent, in whole output chunks, one z-plane at a time."""
+    import h5py
+
+    y = case.shape[-2]
+    first = min(y, -(-round((1 - case.sparse) * y) // CHUNK) * CHUNK)
+    with h5py.File(path, "r+") as f:
+        ds = f[case.dataset]
+        zeros = np.zeros(ds.shape[-2:], dtype=ds.dtype)[first:]
+        for z in range(case.shape[-3]):
+            ds[..., z, first:, :] = zeros
 
 
 def ensure_input(case: Case, scale: float, data_dir: str) -> tuple[str, dict]:
@@ -62,6 +76,8 @@ def ensure_input(case: Case, scale: float, data_dir: str) -> tuple[str, dict]:
         tmp = path + ".tmp"
         # Written under a temporary name and renamed: an interrupted generation is never reused.
         write_sample(tmp, case.dataset, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=0)
+        if case.sparse:
+            _zero_tail(tmp, case)
         os.replace(tmp, path)
     meta = {"identity": identity, "seconds": round(time.perf_counter() - start, 1), "file_bytes": sum(os.path.getsize(p) for p in data_files(path)),
             "blosc_ratio": round(blosc_ratio(path, case), 2)}

@@ -70,7 +70,8 @@ def expected_buffer_terms(p, chunks, shards, itemsize: int, threads: int, downsa
     """The buffer terms of pass ``p`` by the documented formula (bytes). With T threads, a slab of
     S bytes and chunks of C bytes: slab T*S; chunk and encode T*(2C + 16 + codec context); shard
     assembly T*2*(16 * inner chunks + 4) (the index only: chunks are streamed); level read buffers
-    T*(2C + 16) in later passes; pyramid buffers T*(S/R + S/R^2 + ... + 48 * strip)."""
+    T*(2C + 16) in later passes; pyramid buffers T*(S/R + S/R^2 + ... + 48 * strip); window
+    histogram T*(22 * (elements/127 + 1) + 1 MiB + C) in the first pass."""
     slab_elements = 1
     for s in p.slab:
         slab_elements *= s
@@ -95,4 +96,6 @@ def expected_buffer_terms(p, chunks, shards, itemsize: int, threads: int, downsa
         terms["pyramid buffers"] = threads * (levels + strip * 8 * 6)
     if p.source_level != -1:
         terms["level read buffers"] = threads * (2 * chunk + 16)
+    else:  # the omero window's sample: 1 in 127 elements x 22 B, two dense 65536-bin arrays, an edge chunk copy
+        terms["window histogram"] = threads * ((slab_elements // 127 + 1) * 22 + 2 * 65536 * 8 + chunk)
     return terms

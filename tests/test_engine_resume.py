@@ -102,6 +102,8 @@ def test_killed_run_resumes_bit_identical(source, clean_run, fraction, seed):
     assert summary["slabs_written"] + summary["slabs_skipped"] == TOTAL_SLABS == summary["plan"]["n_tasks"]
     assert chunk_files(out) == chunk_files(clean_run)
     assert ome_attributes(out) == ome_attributes(clean_run)
+    window = ome_attributes(out)["omero"]["channels"][0]["window"]
+    assert window["start"] > window["min"] and window["end"] < window["max"], "the quantile window, merged from per-slab histograms, is compared"
     np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data)
 
 

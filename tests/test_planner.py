@@ -61,7 +61,7 @@ def test_headline_slab_is_exactly_the_users(headline):
 def test_headline_explains_every_mib(headline):
     c = DEFAULT_CONSTANTS
     terms = {t.name: t.bytes for t in headline.memory.terms}
-    assert list(terms) == ["interpreter", "slab buffers", "chunk and encode buffers", "hdf5 cache and decompression", "allocator slack"]
+    assert list(terms) == ["interpreter", "slab buffers", "chunk and encode buffers", "window histogram", "hdf5 cache and decompression", "allocator slack"]
     assert terms["slab buffers"] == 64 * 704 * 2008 * 4
     assert terms["interpreter"] == c.interpreter_baseline
     chunk = 64**3 * 4

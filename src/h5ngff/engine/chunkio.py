@@ -29,6 +29,9 @@ from . import faults
 from .buffers import slab_buffer
 from .codecs import chunk_codec
 from .stores import is_url, register, store_for
+#: The recorded size of a unit not stored because it is the fill value everywhere. No stored unit
+#: has 0 bytes (an encoded chunk has a header; a shard has its index).
+from .manifest import EMPTY_UNIT_BYTES
 
 Shape = tuple[int, ...]
 #: Temporary files carry this marker; a resumed run deletes the ones a killed run left behind.
@@ -97,10 +100,20 @@ def _padded(block: np.ndarray, shape: Shape, fill) -> np.ndarray:
 
 
 def encode_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk=None, unit=None) -> bytes:
+    data = encode_stored_chunk(layout, block, on_chunk, unit, skip_empty=False)
+    assert data is not None
+    return data
+
+
+def encode_stored_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk=None, unit=None, skip_empty: bool = True) -> bytes | None:
+    """The chunk's encoded bytes, or None for a chunk that is the fill value everywhere: it is
+    not stored, as zarr does with ``write_empty_chunks=False``, and reads back as the fill value."""
     chunk = _padded(block, layout.chunks, layout.fill_value)
     if on_chunk is not None:
         # Statistics on the contiguous copy while it is in cache; edge chunks only over real data.
         on_chunk(chunk if chunk.shape == block.shape else block, unit)
+    if skip_empty and is_fill_chunk(chunk, layout.fill_value):
+        return None
     codec = chunk_codec(layout.compressor)
     return chunk.tobytes() if codec is None else bytes(codec.encode(chunk))
 
@@ -116,7 +129,23 @@ def stored_pieces(layout: ArrayLayout, data: bytes) -> list[bytes]:
     return [data, checksum_piece(data)] if layout.crc_codec else [data]
 
 
-def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start: Shape, on_chunk=None) -> None:
+#: Elements of a chunk looked at before it is scanned whole: data almost always has a non-zero
+#: among them, so a dense chunk costs ~5 us (a full scan of 1 MiB costs ~40 us).
+_EMPTY_PROBE_STRIDE = 61
+
+
+def is_fill_chunk(chunk: np.ndarray, fill) -> bool:
+    """Whether a C-contiguous chunk equals a zero fill value bit for bit (-0.0 and NaN payloads are
+    data, so the bytes are compared, not the values). A non-zero fill value is never skipped."""
+    if fill:
+        return False
+    flat = chunk.reshape(-1)
+    if flat[::_EMPTY_PROBE_STRIDE].any():  # NaN and non-zero values are True: stops at once
+        return False
+    return not int(flat.view(np.uint8).max(initial=0))
+
+
+def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start: Shape, on_chunk=None) -> int:
     """Stream one shard into ``f``: inner chunks in C order, each written as soon as it is encoded,
     then the index (offset, nbytes per chunk, little-endian uint64) and its CRC32C: zarr's
     ``sharding_indexed`` codec with the index at the end.
@@ -125,27 +154,35 @@ def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start
     the shard was written whole cost up to 1.7x the encoded shard (allocator size classes around
     each ~1 MiB piece) and broke the plan on incompressible data (docs/memory-model.md, issue 18).
     ``on_chunk`` sees each inner chunk, as in ``write_block``: per chunk, so its temporaries (e.g.
-    the finite-value copy of a float chunk with NaN) stay chunk-sized, never shard-sized.
+    the finite-value copy of a float chunk with NaN) stay chunk-sized, never shard-sized. An inner
+    chunk that is the fill value everywhere is left out (its index entry stays empty, 2^64-1).
+    Returns the number of inner chunks stored.
     """
     assert layout.shards is not None
     inner_grid = shard_grid(layout)
     index = np.full(inner_grid + (2,), _EMPTY, dtype="<u8")
-    offset = 0
+    offset = stored = 0
     for inner in product(*(range(g) for g in inner_grid)):
         start = tuple(i * c for i, c in zip(inner, layout.chunks))
         if any(s0 + s >= n for s0, s, n in zip(shard_start, start, layout.shape)):
             continue  # wholly outside the array: stays empty, as zarr leaves it
         local = tuple(slice(s, min(s + c, b)) for s, c, b in zip(start, layout.chunks, block.shape))
         where = tuple(slice(s0 + r.start, s0 + r.stop) for s0, r in zip(shard_start, local))
-        pieces = stored_pieces(layout, encode_chunk(layout, block[local], on_chunk, where))
+        data = encode_stored_chunk(layout, block[local], on_chunk, where)
+        if data is None:
+            continue
+        pieces = stored_pieces(layout, data)
+        del data
         f.writelines(pieces)
         nbytes = sum(len(p) for p in pieces)
         index[inner] = (offset, nbytes)
         offset += nbytes
+        stored += 1
         del pieces  # before the next chunk is encoded: one encoded chunk at a time
     raw_index = index.tobytes()
     f.write(raw_index)
     f.write(google_crc32c.value(raw_index).to_bytes(4, "little"))
+    return stored
 
 
 def shard_grid(layout: ArrayLayout) -> Shape:
@@ -198,7 +235,7 @@ def _object_file(url: str) -> Iterator[BinaryIO]:
     store.put(key, buffer.getbuffer())
 
 
-def _object_bytes(url: str) -> bytes | None:
+def object_bytes(url: str) -> bytes | None:
     store, key = store_for(url)
     try:
         return store.get(key)
@@ -228,6 +265,9 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
     where the engine takes its min/max for the omero window. ``on_file(key, pieces)`` sees the
     bytes of each chunk file written (unsharded levels), which is where Zarr v2 outputs take the
     CRC32C for their checksum sidecar.
+
+    A unit that is the fill value everywhere is not stored (``EMPTY_UNIT_BYTES`` is its size in
+    the result): any file a killed run left at its name is removed, so it reads as the fill value.
     """
     region = tuple(slice(o, o + n) for o, n in zip(origin, block.shape))
     check_alignment(layout, region)
@@ -237,17 +277,36 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
         local = tuple(slice(u.start - o, u.stop - o) for u, o in zip(unit, origin))
         sub = block[local]
         if layout.shards is None:
-            pieces = stored_pieces(layout, encode_chunk(layout, sub, on_chunk, unit))
-            nbytes = atomic_write(layout.file(index), pieces)
-            if on_file is not None:
-                on_file(layout.key(index), pieces)
-            del pieces
+            data = encode_stored_chunk(layout, sub, on_chunk, unit)
+            if data is None:
+                nbytes = EMPTY_UNIT_BYTES
+            else:
+                pieces = stored_pieces(layout, data)
+                del data
+                nbytes = atomic_write(layout.file(index), pieces)
+                if on_file is not None:
+                    on_file(layout.key(index), pieces)
+                del pieces
         else:
-            with atomic_file(layout.file(index)) as f:
-                write_shard(f, layout, sub, tuple(u.start for u in unit), on_chunk)
-                nbytes = f.tell()
+            nbytes = _write_shard_file(layout, index, sub, unit, on_chunk)
+        if nbytes == EMPTY_UNIT_BYTES:
+            _remove_quietly(layout.file(index))
         written.append((layout.key(index), nbytes))
     return written
+
+
+class _NothingStored(Exception):
+    """Every inner chunk of a shard is the fill value: its temporary file is dropped."""
+
+
+def _write_shard_file(layout: ArrayLayout, index: tuple[int, ...], sub: np.ndarray, unit: tuple[slice, ...], on_chunk) -> int:
+    try:
+        with atomic_file(layout.file(index)) as f:
+            if not write_shard(f, layout, sub, tuple(u.start for u in unit), on_chunk):
+                raise _NothingStored  # atomic_file removes the temporary file, renames nothing
+            return f.tell()
+    except _NothingStored:
+        return EMPTY_UNIT_BYTES
 
 
 def check_alignment(layout: ArrayLayout, region: tuple[slice, ...]) -> None:
@@ -320,7 +379,7 @@ def decode_unit(layout: ArrayLayout, data: bytes) -> np.ndarray:
 def read_unit(layout: ArrayLayout, index: tuple[int, ...]) -> np.ndarray | None:
     """One unit's decoded data, or None where no file exists (reads as the fill value)."""
     if is_url(layout.path):
-        data = _object_bytes(layout.file(index))
+        data = object_bytes(layout.file(index))
         return None if data is None else decode_unit(layout, data)
     try:
         with open(layout.file(index), "rb") as f:

@@ -3,7 +3,9 @@ bound on tasks in flight, record each finished slab in the manifest, then write 
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import threading
 import time
 import uuid
@@ -19,10 +21,13 @@ from ..phases import Phase
 from ..planner.grid import grid_indices, region
 from ..planner.model import Plan
 from ..spec import ConversionSpec
+from .chunkio import object_bytes
 from .output import Output, finish_output
 from .progress import Broadcast
 from .sources import slab_source
+from .stores import is_url
 from .tasks import SlabResult, SlabTask, expected_units, run_slab
+from .window import histogram_file, windows
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,14 @@ def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: in
         src_shape = source.shape
     levels = tuple(output.layouts[k] for k in p.levels)
     channel_axis = plan.axes.index("c") if "c" in plan.axes else None
+    stats_dir = histogram_dir(output) if p.source_level == -1 else None
     for index in grid_indices(p.grid):
-        yield SlabTask(pass_index, index, region(src_shape, p.slab, index), source, levels, downsampled, spec.pyramid.method, channel_axis)
+        yield SlabTask(pass_index, index, region(src_shape, p.slab, index), source, levels, downsampled, spec.pyramid.method, channel_axis, stats_dir)
+
+
+def histogram_dir(output: Output) -> str:
+    """Per-slab histograms live beside the manifest and go with it when the output is finished."""
+    return os.path.join(output.manifest.dir, "hist")
 
 
 def pending_tasks(tasks: Iterable[SlabTask], verified: dict[int, set[str]]) -> tuple[list[SlabTask], int]:
@@ -94,7 +105,27 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
 def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict) -> None:
     """Metadata and completion marker, last of all."""
     channels = plan.dataset.shape[plan.axes.index("c")] if "c" in plan.axes else 1
-    finish_output(output, plan, spec, output.manifest.windows(channels), summary)
+    finish_output(output, plan, spec, channel_windows(output, channels), summary)
+
+
+def channel_windows(output: Output, channels: int) -> list[tuple[float, float, float, float]]:
+    """(min, max, start, end) per channel from the slabs the manifest records (engine.window)."""
+    ranges = output.manifest.windows(channels)
+    paths: list[str | io.BytesIO] = []  # files, or a bucket output's objects read whole
+    for record in output.manifest.records:
+        if record.stats:
+            path = histogram_file(histogram_dir(output), record.pass_index, record.slab)
+            if is_url(path):  # a bucket output keeps them as objects beside its manifest
+                data = object_bytes(path)
+                if data is not None:
+                    paths.append(io.BytesIO(data))
+                    continue
+            elif os.path.exists(path):
+                paths.append(path)
+                continue
+            # a manifest written before histograms existed: the window covers the rest
+            log.warning("No histogram for slab %s (%s); the window is taken from the other slabs.", record.slab, path)
+    return windows(ranges, paths)
 
 
 def _accumulate(totals: RunTotals, result: SlabResult) -> None:

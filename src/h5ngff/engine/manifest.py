@@ -23,6 +23,9 @@ from typing import Any, Iterable
 
 log = logging.getLogger(__name__)
 
+#: The recorded size of a unit left out because it is the fill value everywhere (engine.chunkio).
+EMPTY_UNIT_BYTES = 0
+
 MANIFEST_DIR = ".h5ngff"
 MANIFEST_FILE = "manifest.jsonl"
 FORMAT_VERSION = 1
@@ -104,7 +107,8 @@ class Manifest:
         return {} if self.header is None else self.header.get("content", {})
 
     def verified_units(self, level_paths: dict[int, str]) -> dict[int, set[str]]:
-        """Recorded files that still exist with their recorded size."""
+        """Recorded files that still exist with their recorded size, and recorded empty units
+        (size 0: the fill value everywhere, never stored) that still have no file."""
         good: dict[int, set[str]] = {}
         for level, entries in self.units.items():
             base = level_paths.get(level)
@@ -116,8 +120,16 @@ class Manifest:
                     if os.stat(os.path.join(base, key)).st_size == nbytes:
                         ok.add(key)
                 except FileNotFoundError:
-                    pass
+                    if nbytes == EMPTY_UNIT_BYTES:
+                        ok.add(key)
         return good
+
+    def empty_units(self) -> dict[int, int]:
+        """Per level, how many units were left out as the fill value everywhere."""
+        counts: dict[int, int] = {}
+        for level, entries in self.units.items():
+            counts[level] = sum(1 for nbytes in entries.values() if nbytes == EMPTY_UNIT_BYTES)
+        return counts
 
     def windows(self, channels: int) -> list[tuple[float, float]]:
         low = [float("inf")] * channels

@@ -46,15 +46,19 @@ def multiscale(plan: Plan, spec: ConversionSpec) -> dict[str, Any]:
     }
 
 
-def omero(plan: Plan, windows: list[tuple[float, float]]) -> dict[str, Any]:
-    """Channel rendering hints; the window is the min/max seen while converting."""
+def omero(plan: Plan, windows: list[tuple[float, ...]]) -> dict[str, Any]:
+    """Channel rendering hints. ``windows`` holds (min, max, start, end) per channel: min/max is
+    the data's exact range (the viewer's slider range), start/end the rendering window, the 0.1 %
+    and 99.9 % quantiles (engine.window). A (min, max) pair is its own window."""
     kind = plan.dataset.dtype[1] if len(plan.dataset.dtype) > 1 else "f"
     channels = []
     # A container's own channel names and colours, where it records one per channel.
     names = plan.dataset.channel_names if len(plan.dataset.channel_names or ()) == len(windows) else None
     colors = plan.dataset.channel_colors if len(plan.dataset.channel_colors or ()) == len(windows) else None
-    for i, (low, high) in enumerate(windows):
+    for i, window in enumerate(windows):
+        low, high, start, end = window if len(window) == 4 else (*window, *window)
         low, high = _json_number(low, kind), _json_number(high, kind)
+        start, end = _json_number(start, kind, math.floor), _json_number(end, kind, math.ceil)
         channels.append({
             "label": names[i] if names and names[i] else f"Channel {i}",
             "color": colors[i] if colors else _COLORS[i % len(_COLORS)] if len(windows) > 1 else "FFFFFF",
@@ -62,7 +66,7 @@ def omero(plan: Plan, windows: list[tuple[float, float]]) -> dict[str, Any]:
             "coefficient": 1.0,
             "family": "linear",
             "inverted": False,
-            "window": {"min": low, "max": high, "start": low, "end": high},
+            "window": {"min": low, "max": high, "start": start, "end": end},
         })
     z = plan.axes.find("z")
     rdefs: dict[str, Any] = {"model": "color" if len(windows) > 1 else "greyscale", "defaultT": 0}
@@ -71,14 +75,14 @@ def omero(plan: Plan, windows: list[tuple[float, float]]) -> dict[str, Any]:
     return {"channels": channels, "rdefs": rdefs}
 
 
-def _json_number(value: float, kind: str) -> float | int:
+def _json_number(value: float, kind: str, to_int=int) -> float | int:
     # JSON has no NaN or Infinity; windows are taken over finite values, 0 where none exist.
     if not math.isfinite(value):
         return 0.0
-    return int(value) if kind in "iub" else float(value)
+    return int(to_int(value)) if kind in "iub" else float(value)
 
 
-def root_attributes(plan: Plan, spec: ConversionSpec, windows: list[tuple[float, float]], zarr_format: int) -> dict[str, Any]:
+def root_attributes(plan: Plan, spec: ConversionSpec, windows: list[tuple[float, ...]], zarr_format: int) -> dict[str, Any]:
     ms = multiscale(plan, spec)
     om = omero(plan, windows)
     # The whole source spec (stack axes, BDV tile...): verify --source rebuilds the same composite.

@@ -264,11 +264,12 @@ def sweep_temporary_files(path: str) -> int:
     return removed
 
 
-def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, float]], summary: dict[str, Any]) -> None:
+def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, ...]], summary: dict[str, Any]) -> None:
     """Write the NGFF metadata and the completion marker in one atomic rename, then drop the manifest."""
     if is_url(output.path):
         attrs = root_attributes(plan, spec, windows, output.zarr_format)
         attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
+        attrs["h5ngff"]["emptyUnits"] = {str(level): n for level, n in sorted(output.manifest.empty_units().items()) if n}
         finish_object_output(output_store(spec), attrs, output.zarr_format)
         return
     # A worker killed between writing a temporary file and renaming it leaves that file behind,
@@ -279,6 +280,8 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
         write_sidecars(output.path, output.manifest.checksums, {lay.level: os.path.basename(lay.path) for lay in output.layouts})
     attrs = root_attributes(plan, spec, windows, output.zarr_format)
     attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
+    # Units left out as the fill value everywhere, per level: verify tells them from missing ones.
+    attrs["h5ngff"]["emptyUnits"] = {str(level): n for level, n in sorted(output.manifest.empty_units().items()) if n}
     if output.zarr_format == 3:
         target = os.path.join(output.path, "zarr.json")
         with open(target) as f:

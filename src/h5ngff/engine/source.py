@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import DatasetNotFoundError, SourceError, SourceNotFoundError, UnsupportedDatasetError
 from ..planner.model import DatasetInfo
 from .buffers import slab_buffer
+from .inflate import direct_deflate, read_deflate
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +133,11 @@ def read_slab(path: str, dataset: str, cache_bytes: int, region: tuple[slice, ..
     ds = open_dataset(path, dataset, cache_bytes)
     out = slab_buffer(tuple(r.stop - r.start for r in region), output_dtype(ds.dtype))
     try:
-        ds.read_direct(out, source_sel=region)
-    except (OSError, RuntimeError) as exc:
+        if direct_deflate(ds) and out.dtype == ds.dtype:
+            read_deflate(ds, region, out)  # libdeflate: half HDF5's inflate time (engine.inflate)
+        else:
+            ds.read_direct(out, source_sel=region)
+    except (OSError, RuntimeError, ValueError) as exc:
         raise SourceError(f"Reading {dataset!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt.") from None
     return out
 

@@ -21,6 +21,7 @@ from .checksums import FileChecksums
 from .manifest import SlabRecord
 from .sources.base import SlabSource
 from .stores import store_retries
+from .window import SampledHistogram, histogram_file, write_histogram
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class SlabTask:
     method: str
     #: Axis of the channels for per-channel min/max, or None (one window for all).
     channel_axis: int | None
+    #: Where the first pass writes each slab's sampled histogram (engine.window), or None.
+    stats_dir: str | None = None
 
     @property
     def key(self) -> str:
@@ -54,10 +57,12 @@ class SlabResult:
 
 
 class _MinMax:
-    """Running min/max per channel over finite values, fed one chunk at a time."""
+    """Running min/max per channel over finite values, fed one chunk at a time; with a
+    ``histogram``, also the chunk's sample for the quantile window (engine.window)."""
 
-    def __init__(self, channel_axis: int | None):
+    def __init__(self, channel_axis: int | None, histogram: SampledHistogram | None = None):
         self.channel_axis = channel_axis
+        self.histogram = histogram
         self.low: dict[int, float] = {}
         self.high: dict[int, float] = {}
 
@@ -66,10 +71,13 @@ class _MinMax:
             self._update(0, block)
             return
         start = unit[self.channel_axis].start
+        before = (slice(None),) * self.channel_axis
         for i in range(block.shape[self.channel_axis]):
-            self._update(start + i, np.take(block, i, axis=self.channel_axis))
+            self._update(start + i, block[before + (i,)])  # a view: np.take copied every chunk
 
     def _update(self, channel: int, data: np.ndarray) -> None:
+        if self.histogram is not None:
+            self.histogram.add(channel, data)
         if data.dtype.kind == "b":
             lo, hi = float(data.min()), float(data.max())
         else:
@@ -104,8 +112,9 @@ def run_slab(task: SlabTask) -> SlabResult:
     injected = faults.at_slab_start()
 
     units: list[tuple[int, str, int]] = []
-    minmax = _MinMax(task.channel_axis)
     crcs = FileChecksums()
+    histogram = SampledHistogram(task.levels[0].dtype) if task.stats_dir and task.levels[0].level == 0 else None
+    minmax = _MinMax(task.channel_axis, histogram)
     bytes_written = 0
     factor = 1
     for i, layout in enumerate(task.levels):
@@ -124,6 +133,8 @@ def run_slab(task: SlabTask) -> SlabResult:
             bytes_written += nbytes
         seconds["write"] += time.perf_counter() - t
     del block, injected
+    if histogram is not None and task.stats_dir is not None:
+        write_histogram(histogram_file(task.stats_dir, task.pass_index, task.slab), histogram.mode, histogram.sparse())
     keep_levels(len(task.levels) if first_factor == 2 else len(task.levels) - 1)
     record = SlabRecord(task.pass_index, task.slab, units, minmax.stats(), crcs.entries)
     return SlabResult(record, bytes_read, bytes_written, seconds, store_retries=store_retries.mine() - retries_before)

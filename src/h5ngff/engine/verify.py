@@ -189,8 +189,10 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
         on_total(sum(chunk_count(lv) for lv in compared) + sum(math.prod(lv.unit_grid) for lv in decoded))
     if compared:
         _compare_levels(source_ds, compared, rule, report, on_unit)
+    empty_units = marker.get("emptyUnits") if marker else None
     for level in decoded:
-        _check_units(level, report, on_unit)
+        recorded_empty = None if not isinstance(empty_units, dict) else int(empty_units.get(str(level.level), 0))
+        _check_units(level, report, on_unit, recorded_empty)
     _stale_temporaries(path, report)
     return report
 
@@ -222,14 +224,21 @@ def _compare_levels(source_ds, levels, rule, report: VerifyReport, on_unit) -> N
     report.mismatches.extend(walk.mismatches)
 
 
-def _check_units(level: StoredLevel, report: VerifyReport, on_unit) -> None:
+def _check_units(level: StoredLevel, report: VerifyReport, on_unit, recorded_empty: int | None = None) -> None:
     """Decode every chunk of every unit once (levels not compared with a source), one chunk at a
-    time: every bad inner chunk of a shard is named, not just the first."""
+    time: every bad inner chunk of a shard is named, not just the first.
+
+    Units the writer left out as the fill value everywhere are absent legitimately: the completion
+    marker records how many per level (``emptyUnits``); absent units beyond that count are
+    missing. (None: a marker from before the count, whose absent units are all accepted.)"""
+    absent = []
     for unit in product(*(range(g) for g in level.unit_grid)):
         report.units_checked += 1
         key = level.key(unit)
         if level.missing(unit):
             report.bad(level.level, key, f"level {level.level} {key}: missing.")
+        elif recorded_empty is not None and not level.exists(unit):
+            absent.append(key)
         elif (index := level.index_problem(unit)) is not None:
             report.bad(level.level, key, f"level {level.level} {key}: {index}")
         else:
@@ -240,6 +249,10 @@ def _check_units(level: StoredLevel, report: VerifyReport, on_unit) -> None:
                     _chunk_failed(level, key, chunk, exc, report)
         if on_unit:
             on_unit()
+    if recorded_empty is None or len(absent) == recorded_empty:
+        return
+    for key in absent:  # which of them are the empty ones is unknown without the source
+        report.bad(level.level, key, f"level {level.level} {key}: missing ({len(absent)} absent, {recorded_empty} recorded as the fill value everywhere; verify --source tells which).")
 
 
 def _chunk_failed(level: StoredLevel, key: str, chunk: tuple[int, ...], exc: Exception, report: VerifyReport) -> None:

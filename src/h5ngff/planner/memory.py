@@ -30,6 +30,13 @@ STRIP_TEMPORARIES = 6
 SHARD_INDEX_ENTRY = 16
 #: The shard index is held as an array while chunks are written and serialised once at the end.
 SHARD_INDEX_COPIES = 2
+#: The omero window's histogram (engine.window) counts one element in this many of each chunk.
+WINDOW_SAMPLE_STRIDE = 127
+#: Bytes per sampled element a slab task holds at most: its uint16 key, the concatenated copy
+#: counted at the end, the sparse (uint16 key, uint32 count) pairs and the .npz bytes (twice).
+WINDOW_BYTES_PER_SAMPLE = 22
+#: The dense counts of one channel (65536 int64 bins) and the indices of its non-empty bins.
+WINDOW_DENSE_BYTES = 2 * 65536 * 8
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,7 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         strip = shape.strip_elements * 8 * STRIP_TEMPORARIES
         terms.append(MemoryTerm("pyramid buffers", T * (levels + strip), f"per thread: {shape.levels_built} level buffer(s) ({levels / MiB:.1f} MiB, 1/{shape.reduction} of the slab and less) + one block of temporaries ({strip / MiB:.1f} MiB)"))
     if shape.from_hdf5:
+        terms.append(window_term(shape))
         hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
         why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB + HDF5 internal buffers"
         if shape.hdf5_filtered and shape.hdf5_cache_bytes:
@@ -225,6 +233,15 @@ def object_store_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]
     if shape.shard_bytes and not shape.from_hdf5:
         terms.append(MemoryTerm("object store shard reads", T * (unit + shape.shard_bytes), "per thread: one shard object fetched whole + decoded whole (a later pass)"))
     return terms
+
+
+def window_term(shape: PassShape) -> MemoryTerm:
+    """The first pass samples level 0 for the omero window's quantiles (engine.window)."""
+    samples = shape.slab_elements // WINDOW_SAMPLE_STRIDE + 1
+    held = samples * WINDOW_BYTES_PER_SAMPLE + WINDOW_DENSE_BYTES + shape.chunk_bytes
+    return MemoryTerm("window histogram", shape.threads * held,
+                      f"per thread: 1 in {WINDOW_SAMPLE_STRIDE} elements sampled ({samples} x {WINDOW_BYTES_PER_SAMPLE} B as keys, counts and file), "
+                      f"one channel's dense counts ({WINDOW_DENSE_BYTES / MiB:.0f} MiB) and the contiguous copy of an edge chunk")
 
 
 def shard_index_bytes(shard_bytes: int, chunk_bytes: int) -> int:
