@@ -228,3 +228,51 @@ def test_an_unwritable_bucket_is_an_output_error_not_a_crash(source, s3, convert
     h5, _ = source
     with pytest.raises(OutputError, match="NoSuchBucket"):
         convert(_spec(h5, "s3://no-such-bucket-h5ngff/x.ome.zarr", s3.options()))
+
+
+def test_a_sparse_bucket_output_skips_empty_chunks_and_keeps_the_quantile_window(source, s3, convert, tmp_path):
+    """Empty chunks, checksums and the window, merged with the bucket path: a chunk that is zero
+    everywhere is no object, verify counts it as recorded (``emptyUnits``) and not as missing,
+    and the omero window comes from the per-slab histograms kept as objects in the bucket, equal
+    to the same conversion's on disk. Control: deleting one stored chunk is still found."""
+    from h5ngff.engine.verify import verify_output
+
+    _, data = source
+    sparse = data.copy()
+    sparse[:, :, 40:] = 0  # every chunk at x >= 64 is all zero (chunks are 32 wide)
+    sparse[0, 0, 0] = 65535  # a hot pixel: the window's end must stay near the background
+    h5 = write_h5(tmp_path / "sparse.h5", sparse)
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/sparse.ome.zarr"
+    convert(_spec(h5, url, s3.options(), compressor={"codec": "zstd"}))
+    local = str(tmp_path / "sparse.ome.zarr")
+    convert(_spec(h5, local, None, compressor={"codec": "zstd"}))
+
+    group = _zarr_group(url, s3)
+    np.testing.assert_array_equal(group["0"][...], sparse)
+    marker = group.attrs["h5ngff"]
+    assert marker["emptyUnits"].get("0", 0) > 0, marker.get("emptyUnits")
+    keys = s3.keys(bucket)
+    assert "sparse.ome.zarr/0/c/0/0/2" not in keys and "sparse.ome.zarr/0/c/0/0/0" in keys
+    local_root = zarr.open_group(local, mode="r")
+    assert group.attrs["ome"]["omero"] == local_root.attrs["ome"]["omero"]
+    window = group.attrs["ome"]["omero"]["channels"][0]["window"]
+    assert window["max"] == 65535 and window["end"] < 65535, window
+    assert sorted(k[len("sparse.ome.zarr/"):] for k in keys if "/c/" in k and k.startswith("sparse.ome.zarr/0/")) == sorted(
+        str(p.relative_to(local)) for p in Path(local, "0").rglob("*") if p.is_file() and "/c/" in str(p))
+    report = verify_output(url, storage_options=s3.options())
+    assert report.ok and report.checksums == "crc32c codec", report.problems
+
+    s3.client().delete_object(Bucket=bucket, Key="sparse.ome.zarr/0/c/0/0/0")  # negative control
+    broken = verify_output(url, storage_options=s3.options())
+    assert not broken.ok and "missing" in " ".join(broken.problems), broken.problems
+
+
+def test_ngff_04_in_a_bucket_has_no_sidecar_checksums():
+    from h5ngff.spec import OutputSpec
+
+    assert OutputSpec(path="s3://b/x.ome.zarr", ngffVersion="0.4").checksums is False
+    assert OutputSpec(path="s3://b/x.ome.zarr").checksums is True  # 0.5: the crc32c codec travels in the chunks
+    assert OutputSpec(path="/data/x.ome.zarr", ngffVersion="0.4").checksums is True  # control: a local sidecar
+    with pytest.raises(ValueError, match="checksums"):
+        OutputSpec(path="s3://b/x.ome.zarr", ngffVersion="0.4", checksums=True)
