@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from . import __version__
-from .cliargs import SuggestingParser, add_spec_flags, merge, spec_overrides, split_source
+from .cliargs import SuggestingParser, add_backend_flags, add_spec_flags, merge, slurm_overrides, spec_overrides, split_source
 from .clijob import add_job_commands
 from .cliverify import add_verify_command
 from .errors import ExitCode, H5ngffError, exit_code_table
@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
     p.add_argument("--json", action="store_true", help="Print one JSON object instead of tables.")
+    add_backend_flags(p)
     p.add_argument("--calibration", metavar="FILE", help="JSON file overriding the memory model's measured constants.")
     if convert:
         p.add_argument("--overwrite", action="store_true", help="Replace an existing h5ngff or Zarr output instead of resuming it (never one another run is writing).")
@@ -137,7 +138,16 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     return parse_spec(merge(base, spec_overrides(args)))
 
 
-def _backend(args: argparse.Namespace):
+def _backend(args: argparse.Namespace, slurm=None):
+    """The backend the flags name; ``slurm`` is a manifest's slurm: block (flags override it)."""
+    if getattr(args, "backend", None) == "slurm":
+        from .backends.slurm import SlurmBackend
+        from .spec import SlurmSpec, parse_model
+
+        base = slurm.to_wire() if slurm is not None else {}
+        settings = parse_model(SlurmSpec, merge(base, slurm_overrides(args)))
+        job_mem = parse_bytes(args.slurm_job_mem) if getattr(args, "slurm_job_mem", None) else None
+        return SlurmBackend(settings, job_mem=job_mem)
     if getattr(args, "kubernetes", False):
         from .backends.kubernetes import ClusterOwner, KubernetesBackend
 
@@ -157,12 +167,30 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from .runner import plan_job
 
     spec = spec_from_args(args)
-    job = plan_job(spec, _backend(args), _constants(args))
+    backend = _backend(args, _manifest_slurm(args))
+    job = plan_job(spec, backend, _constants(args))
+    script = backend.job_script(job.plan) if getattr(backend, "name", "") == "slurm" else None
     if args.json:
-        print(json.dumps({"plan": job.plan.to_dict(), "notices": job.notices, "spec": job.spec.to_wire()}, indent=1))
+        document = {"plan": job.plan.to_dict(), "notices": job.notices, "spec": job.spec.to_wire()}
+        if script is not None:
+            from .report import slurm_job_dict
+
+            document["slurm"] = slurm_job_dict(script)
+        print(json.dumps(document, indent=1))
     else:
         console.print(plan_renderable(job))
+        if script is not None:
+            from .report import slurm_job_renderable
+
+            console.print(slurm_job_renderable(job.plan, script))
     return 0
+
+
+def _manifest_slurm(args: argparse.Namespace):
+    """The slurm: block of a ConversionJob manifest given as SOURCE, if any."""
+    from .job import is_manifest_path, load_job
+
+    return load_job(args.source).spec.slurm if is_manifest_path(args.source) else None
 
 
 def cmd_convert(args: argparse.Namespace, console: Console) -> int:
@@ -175,7 +203,7 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     from .report import ProgressBar, plan_renderable, summary_renderable
     from .runner import plan_job, run_job
 
-    backend = _backend(args)
+    backend = _backend(args, _manifest_slurm(args))
     job = plan_job(spec, backend, _constants(args))
     check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster
     if not args.json:

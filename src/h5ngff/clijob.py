@@ -164,7 +164,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
     try:
         options = AttemptOptions(_constants(args), [bar] if bar else [], show_plan, metrics=metrics)
-        status, result = run_locally(job.name, spec, _backend(args), options)
+        status, result = run_locally(job.name, spec, _backend(args, spec.slurm), options)
     finally:
         for b in entered:
             b.__exit__(None, None, None)

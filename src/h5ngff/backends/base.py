@@ -113,6 +113,8 @@ class Session:
     #: (epoch seconds, pod name, non-reclaimable bytes) of every pod, where the backend samples
     #: its pods' cgroups itself (pod emulation).
     pod_timeline: Callable[[], list[tuple[float, str, int]]] = list
+    #: What the enforced limit is called where this backend runs (messages name it).
+    limit_name: str = "pod limit"
 
     def oom_kills(self) -> int:
         self.refresh()

@@ -1,0 +1,88 @@
+"""What SLURM says about our jobs, through its own commands (``scontrol``, ``squeue``, ``scancel``),
+and the pure readings of their output and of the jobs' ``.err`` files.
+
+Only ``scontrol show job`` is used for states: sites without slurmdbd have no ``sacct``, and
+``scontrol`` keeps a finished job for ``MinJobAge`` seconds (300 by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+#: slurmstepd's line when the job's memory cgroup OOM-killed something, e.g. "slurmstepd-vm:
+#: error: Detected 1 oom-kill event(s) in StepId=12.batch. Some of your processes may have been
+#: killed by the cgroup out-of-memory handler." It is written when the step ends.
+OOM_EVENTS = re.compile(r"Detected (\d+) oom-kill event\(s\)")
+#: The same enforcement by slurmd's sampling (JobAcctGatherParams=OverMemoryKill).
+OVER_MEMORY = re.compile(r"exceeded (?:job )?memory limit")
+#: Job states after which a job holds no resources.
+FINISHED = {"COMPLETED", "CANCELLED", "FAILED", "OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+COMMAND_TIMEOUT = 30
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    state: str
+    #: SLURM's reason: why it pends (Resources, Priority, QOSMaxMemoryPerJob, ...) or ended.
+    reason: str
+    exit_code: str = ""
+    mem: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+
+def parse_scontrol_job(text: str) -> JobState | None:
+    """``scontrol show job -o ID`` (one line of Key=Value pairs) -> JobState."""
+    fields = dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", text))
+    if "JobId" not in fields:
+        return None
+    return JobState(fields["JobId"], fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None"),
+                    fields.get("ExitCode", ""), fields.get("MinMemoryNode", "") or fields.get("MinMemoryCPU", ""))
+
+
+def oom_events(err_text: str) -> int:
+    """How many times the job's cgroup OOM-killed a process, as slurmstepd reports it."""
+    kills = sum(int(n) for n in OOM_EVENTS.findall(err_text))
+    return kills + len(OVER_MEMORY.findall(err_text))
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
+
+
+def job_state(job_id: str) -> JobState | None:
+    """The job as ``scontrol`` sees it, or None once SLURM forgot it (or cannot be asked)."""
+    try:
+        proc = _run(["scontrol", "show", "job", "-o", str(job_id)])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scontrol show job %s failed: %s", job_id, exc)
+        return None
+    return parse_scontrol_job(proc.stdout) if proc.returncode == 0 else None
+
+
+def queued_ids(job_name: str) -> list[str]:
+    """Ids of this run's jobs still in the queue (pending, running or completing)."""
+    try:
+        proc = _run(["squeue", "-h", "-n", job_name, "-o", "%i"])
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return proc.stdout.split()
+
+
+def cancel_by_name(job_name: str) -> None:
+    """Cancel every job of this run, by its unique job name: this also catches a job whose
+    submission was answered after the client stopped listening."""
+    try:
+        proc = _run(["scancel", "--name", job_name])
+        if proc.returncode:
+            log.warning("scancel --name %s: %s", job_name, proc.stderr.strip())
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scancel --name %s failed: %s", job_name, exc)
