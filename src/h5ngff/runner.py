@@ -161,7 +161,8 @@ def _convert(job: PlannedJob, backend, events: Broadcast, summary: RunSummary, m
     if failure is not None:
         pod_limit = session.pod_limit or job.plan.memory.pod_limit
         raise classify_failure(failure, summary.events, pod_limit, job.plan.memory.memory_limit, sum(w.oom_kills for w in summary.workers),
-                               limit_name=getattr(session, "limit_name", "pod limit"), workers=summary.workers) from None
+                               limit_name=getattr(session, "limit_name", "pod limit"), workers=summary.workers,
+                               planned_limit=job.plan.memory.pod_limit) from None
     events.emit(phase="Finalizing")
     summary.seconds = time.perf_counter() - start
     summary.status = "Succeeded"

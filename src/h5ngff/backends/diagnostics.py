@@ -202,7 +202,7 @@ class ClusterEvents:
 
 
 def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, memory_limit: int, oom_kills: int = 0,
-                     limit_name: str = "pod limit", workers: list[WorkerReport] = ()) -> WorkerFailedError:
+                     limit_name: str = "pod limit", workers: list[WorkerReport] = (), planned_limit: int | None = None) -> WorkerFailedError:
     """Turn a KilledWorker into the reason a user can act on. The kernel's OOM kills are checked
     first: a nanny termination that follows an OOM kill does not hide it. ``oom_kills`` is the
     run's one count (the sum of the per-worker counts the summary reports), so the message never
@@ -212,8 +212,10 @@ def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, 
     if kills:
         err: WorkerFailedError = OOMKilledError(
             f"OOMKilled by the kernel ({limit_name} {pod_limit >> 20} MiB): a worker used more than its {_whose(limit_name)} memory "
-            f"limit and the kernel killed it, {kills} time(s).{_killed_figures(workers)} The plan's prediction was exceeded; "
-            f"raise resources.memoryPerWorker or report the case (h5ngff plan --json output helps).",
+            f"limit and the kernel killed it, {kills} time(s).{_killed_figures(workers)} " + (
+                f"The limit was set below the plan's {planned_limit >> 20} MiB (an override): drop the override."
+                if planned_limit and pod_limit < planned_limit else
+                "The plan's prediction was exceeded; raise resources.memoryPerWorker or report the case (h5ngff plan --json output helps)."),
         )
     elif terminations:
         worst = max(e.get("rss", 0) for e in events.memory_restarts)

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import dask
 from distributed import Client
 
-from ..errors import ClusterError, WorkersLostError, WorkersPendingError
+from ..errors import ClusterError, OOMKilledError, WorkersLostError, WorkersPendingError
 from ..planner.model import Capacity, Plan
 from ..spec import SlurmSpec
 from ..units import MiB
@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKERS = 4
 #: Seconds to wait for SLURM to take the cancelled jobs out of the queue before giving up.
 CANCEL_WAIT = 30
+#: Seconds a worker may be gone (restarting after a kill) before its job is given up.
+LOST_WORKER_TIMEOUT = 120
 
 
 class SlurmBackend:
@@ -79,6 +81,10 @@ class SlurmBackend:
         jobs = SlurmJobs(plan, job_name, log_dir, self.job_mem or plan.memory.pod_limit)
         with ExitStack() as stack:
             stack.callback(jobs.close)  # last out: cancel everything, then read the final figures
+            # dask-jobqueue cancels the job of a worker that stays away this long. A worker killed
+            # by its job's cgroup is restarted by its nanny in the same job, which takes seconds
+            # on a loaded node; cancelling the job would turn an OOM kill into WorkersLost.
+            stack.enter_context(dask.config.set({"distributed.deploy.lost-worker-timeout": f"{LOST_WORKER_TIMEOUT}s"}))
             stack.enter_context(_reaper(job_name))
             cluster = stack.enter_context(_cluster(plan, settings, self, job_name))
             jobs.cluster = cluster
@@ -203,6 +209,11 @@ class SlurmJobs:
     def _ended_error(self, name: str, s: JobState):
         err = self._err_text(s.job_id).strip().splitlines()[-8:]
         tail = "\n".join(err) or f"(no .err file in {self.log_dir})"
+        if s.state == "OUT_OF_MEMORY" or oom_events(self._err_text(s.job_id)):
+            return OOMKilledError(f"OOMKilled by the kernel (job --mem {self.job_mem // MiB} MiB): worker job {s.job_id} ({name}) was killed by its "
+                                  f"memory cgroup before its worker connected; the nanny and an idle worker alone did not fit (the plan's "
+                                  f"interpreter and nanny terms are {(self.plan.memory.terms[0].bytes + self.plan.memory.pod_terms[1].bytes) // MiB} MiB). "
+                                  f"Raise resources.memoryPerWorker, or drop --slurm-job-mem.", worker=name)
         if s.state == "CANCELLED":
             return WorkersLostError(f"WorkersLost: worker job {s.job_id} ({name}) was cancelled before its worker connected (reason {s.reason}).", worker=name)
         return ClusterError(f"Worker job {s.job_id} ({name}) ended {s.state} (exit {s.exit_code}, reason {s.reason}) before its worker "
@@ -246,6 +257,8 @@ class SlurmJobs:
                 figures = {}
         for name, report in self.reports.items():
             fig = figures.get(name, {})
+            if fig.get("limit"):  # the limit SLURM really put on the job's cgroup
+                report.pod_limit = fig["limit"]
             if fig.get("max_usage"):
                 report.cgroup_peak = max(report.cgroup_peak or 0, fig["max_usage"])
             kills = max(fig.get("oom_kills") or 0, oom_events(self._err_text(self.job_ids.get(name, ""))))
