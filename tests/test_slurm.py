@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -19,7 +20,7 @@ from conftest import smooth, spec_for, write_h5
 from h5ngff.backends.slurm import SlurmBackend
 from h5ngff.backends.slurmctl import oom_events, parse_scontrol_job
 from h5ngff.backends.slurmscript import job_mem_mib
-from h5ngff.errors import OOMKilledError, SpecError
+from h5ngff.errors import ClusterError, OOMKilledError, SpecError, WorkersLostError, WorkersPendingError
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import SlurmSpec
@@ -195,3 +196,43 @@ def test_killed_client_leaves_no_job_and_the_rerun_resumes(small, slurm_cluster,
     assert summary["slabs_written"] + summary["slabs_skipped"] == summary["plan"]["n_tasks"] == 4
     verify = subprocess.run(CLI + ["verify", str(out), "--source", f"{h5}:/volume/data"], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_jobs_pending_past_the_timeout_fail_with_slurms_reason(small, slurm_cluster, tmp_path):
+    h5, _ = small
+    # --begin keeps the job pending (Reason=BeginTime) whatever else the node runs.
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=3, directives=["--begin=now+1hour"]))
+    job = plan_job(spec_for(h5, str(tmp_path / "p.ome.zarr"), resources={"workers": 1}), backend)
+    with pytest.raises(WorkersPendingError) as info:
+        run_job(job, backend)
+    assert info.value.reason == "WorkersPending" and "BeginTime" in str(info.value)
+    assert f"--mem={job.plan.memory.pod_limit // MiB}M" in str(info.value)
+    assert not squeue(), "the pending job was left queued"
+
+
+def test_a_job_script_slurm_refuses_fails_before_anything_is_submitted(small, slurm_cluster, tmp_path):
+    h5, _ = small
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), partition="no-such-partition"))
+    job = plan_job(spec_for(h5, str(tmp_path / "r.ome.zarr"), resources={"workers": 1}), backend)
+    with pytest.raises(ClusterError, match="invalid partition"):
+        run_job(job, backend)
+    assert not squeue()
+
+
+def test_a_job_cancelled_under_the_run_is_workers_lost(small, slurm_cluster, tmp_path):
+    h5, _ = small
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=60, directives=["--begin=now+1hour"]))
+    job = plan_job(spec_for(h5, str(tmp_path / "c.ome.zarr"), resources={"workers": 1}), backend)
+
+    def cancel_when_queued():  # as an admin (or a preemption) would
+        deadline = time.monotonic() + 30
+        while not squeue() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        subprocess.run(["scancel", *squeue()], check=False)
+
+    threading.Thread(target=cancel_when_queued, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(WorkersLostError, match="cancelled"):
+        run_job(job, backend)
+    assert time.monotonic() - start < 30, "the cancelled job was not noticed before the pending timeout"
+

@@ -40,7 +40,7 @@ from ..spec import SlurmSpec
 from ..units import MiB
 from .base import Session, dask_memory_config
 from .diagnostics import WorkerReport, register_plugins
-from .slurmctl import JobState, cancel_by_name, job_state, oom_events, queued_ids
+from .slurmctl import JobState, cancel_by_name, job_state, oom_events, queued_ids, sbatch_refusal
 from .slurmscript import JobScript, build_job_script
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,11 @@ class SlurmBackend:
         os.makedirs(log_dir, exist_ok=True)
         settings = self.settings.model_copy(update={"log_directory": log_dir})
         jobs = SlurmJobs(plan, job_name, log_dir, self.job_mem or plan.memory.pod_limit)
+        refusal = sbatch_refusal(build_job_script(plan, settings, self.python, job_name=job_name, job_mem=self.job_mem).text())
+        if refusal:
+            raise ClusterError(f"SLURM refuses the worker job script (sbatch --test-only): {refusal}. "
+                               f"h5ngff plan --backend slurm shows the script; check slurm.partition, slurm.account, slurm.qos and slurm.directives, "
+                               f"and that --mem={jobs.job_mem // MiB}M fits a node of the partition (resources.memoryPerWorker).")
         with ExitStack() as stack:
             stack.callback(jobs.close)  # last out: cancel everything, then read the final figures
             # dask-jobqueue cancels the job of a worker that stays away this long. A worker killed

@@ -86,3 +86,16 @@ def cancel_by_name(job_name: str) -> None:
             log.warning("scancel --name %s: %s", job_name, proc.stderr.strip())
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.warning("scancel --name %s failed: %s", job_name, exc)
+
+
+def sbatch_refusal(script_text: str) -> str | None:
+    """``sbatch --test-only``: SLURM's own verdict on the job script, without submitting it. None
+    when SLURM would accept it, else its message (an unknown partition, --mem above every node's)."""
+    try:
+        proc = subprocess.run(["sbatch", "--test-only"], input=script_text, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
+    except FileNotFoundError:
+        return "sbatch is not installed here (run h5ngff where SLURM's client commands are, e.g. a login node)"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sbatch --test-only failed: {exc}"
+    text = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
+    return None if proc.returncode == 0 else "; ".join(line.strip() for line in text.splitlines() if line.strip())
