@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKERS = 4
 #: Seconds to wait for SLURM to take the cancelled jobs out of the queue before giving up.
 CANCEL_WAIT = 30
+#: Seconds the jobs get to stop on SIGTERM before their processes are SIGKILLed.
+TERM_GRACE = 3
 #: Seconds a worker may be gone (restarting after a kill) before its job is given up.
 LOST_WORKER_TIMEOUT = 120
 
@@ -277,8 +279,14 @@ class SlurmJobs:
         the .err files are complete (slurmstepd writes its oom-kill line as the step ends)."""
         self._known_jobs()
         cancel_by_name(self.job_name)
-        deadline = time.monotonic() + CANCEL_WAIT
-        while queued_ids(self.job_name) and time.monotonic() < deadline:
+        start = time.monotonic()
+        killed = False
+        while queued_ids(self.job_name) and time.monotonic() - start < CANCEL_WAIT:
+            if not killed and time.monotonic() - start > TERM_GRACE:
+                # A nanny that ignores SIGTERM (restarting a worker on a loaded node) would hold
+                # the job for KillWait: the workers have nothing left to save.
+                cancel_by_name(self.job_name, kill=True)
+                killed = True
             time.sleep(0.25)
         left = queued_ids(self.job_name)
         if left:

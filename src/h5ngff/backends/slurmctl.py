@@ -77,11 +77,13 @@ def queued_ids(job_name: str) -> list[str]:
     return proc.stdout.split()
 
 
-def cancel_by_name(job_name: str) -> None:
+def cancel_by_name(job_name: str, kill: bool = False) -> None:
     """Cancel every job of this run, by its unique job name: this also catches a job whose
-    submission was answered after the client stopped listening."""
+    submission was answered after the client stopped listening. ``kill``: SIGKILL every process
+    of the jobs at once, rather than SIGTERM and SLURM's KillWait (30 s by default) for a nanny
+    that does not stop."""
     try:
-        proc = _run(["scancel", "--name", job_name])
+        proc = _run(["scancel", "--name", job_name, *(["--signal=KILL", "--full"] if kill else [])])
         if proc.returncode:
             log.warning("scancel --name %s: %s", job_name, proc.stderr.strip())
     except (OSError, subprocess.TimeoutExpired) as exc:
