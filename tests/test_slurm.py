@@ -113,6 +113,14 @@ def test_plan_cli_shows_the_job_script(small, capsys):
     assert main(["plan", f"{h5}:/volume/data", "--backend", "slurm", "--workers", "2"]) == 0
     table = capsys.readouterr().out
     assert "#SBATCH --mem" in table and "+ nanny" in table and "exec " in table
+    # a manifest's slurm: block reaches the job script, and flags override it
+    manifest = base / "job.yaml"
+    manifest.write_text(json.dumps({"apiVersion": "h5ngff.dev/v1alpha1", "kind": "ConversionJob", "metadata": {"name": "j"},
+                                    "spec": {"source": {"path": h5, "dataset": "/volume/data"}, "output": {"path": str(base / "j.ome.zarr")},
+                                             "slurm": {"partition": "long", "qos": "big", "walltime": "2-00:00:00"}}}))
+    assert main(["plan", str(manifest), "--backend", "slurm", "--slurm-qos", "small", "--json"]) == 0
+    header = json.loads(capsys.readouterr().out)["slurm"]["header"]
+    assert {"#SBATCH -p long", "#SBATCH --qos=small", "#SBATCH -t 2-00:00:00"} <= set(header)
 
 
 def test_scontrol_and_err_readings():

@@ -87,12 +87,12 @@ class SlurmBackend:
                                f"h5ngff plan --backend slurm shows the script; check slurm.partition, slurm.account, slurm.qos and slurm.directives, "
                                f"and that --mem={jobs.job_mem // MiB}M fits a node of the partition (resources.memoryPerWorker).")
         with ExitStack() as stack:
-            stack.callback(jobs.close)  # last out: cancel everything, then read the final figures
+            stack.enter_context(_reaper(job_name))  # stopped only after the jobs are gone
+            stack.callback(jobs.close)  # cancel everything, then read the final figures
             # dask-jobqueue cancels the job of a worker that stays away this long. A worker killed
             # by its job's cgroup is restarted by its nanny in the same job, which takes seconds
             # on a loaded node; cancelling the job would turn an OOM kill into WorkersLost.
             stack.enter_context(dask.config.set({"distributed.deploy.lost-worker-timeout": f"{LOST_WORKER_TIMEOUT}s"}))
-            stack.enter_context(_reaper(job_name))
             cluster = stack.enter_context(_cluster(plan, settings, self, job_name))
             jobs.cluster = cluster
             client = stack.enter_context(Client(cluster, set_as_default=False))
