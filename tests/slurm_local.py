@@ -29,7 +29,7 @@ def unavailable() -> str | None:
 
 
 def _status() -> str:
-    return subprocess.run([str(SCRIPT), "status", STATE], capture_output=True, text=True).stdout
+    return subprocess.run([str(SCRIPT), "status", STATE], capture_output=True, text=True, check=False).stdout
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +40,7 @@ def slurm_cluster():
     conf = os.path.join(STATE, "etc", "slurm.conf")
     already = "slurmctld pid=" in _status() and "slurmd pid=" in _status()
     if not already:
-        proc = subprocess.run([str(SCRIPT), "start", STATE], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([str(SCRIPT), "start", STATE], capture_output=True, text=True, timeout=600, check=False)
         assert proc.returncode == 0, f"scripts/slurm-local start failed:\n{proc.stderr[-3000:]}"
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = conf

@@ -15,20 +15,26 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import smooth, spec_for, write_h5
+from slurm_local import slurm_cluster, squeue  # noqa: F401  (session fixture)
+
 from h5ngff.backends.local import LocalBackend
 from h5ngff.backends.slurm import SlurmBackend
 from h5ngff.backends.slurmctl import oom_events, parse_scontrol_job
 from h5ngff.backends.slurmscript import job_mem_mib
 from h5ngff.cli import main
 from h5ngff.engine.verify import verify_output
-from h5ngff.errors import ClusterError, OOMKilledError, SpecError, WorkersLostError, WorkersPendingError
+from h5ngff.errors import (
+    ClusterError,
+    OOMKilledError,
+    SpecError,
+    WorkersLostError,
+    WorkersPendingError,
+)
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import SlurmSpec
 from h5ngff.units import MiB
-from slurm_local import slurm_cluster, squeue  # noqa: F401  (session fixture)
 
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 
@@ -136,7 +142,8 @@ def test_scontrol_and_err_readings():
 # --- a real SLURM -----------------------------------------------------------------------------
 
 
-def test_negative_control_job_mem_below_the_plan_is_oom_killed(slurm_cluster, tmp_path):
+@pytest.mark.usefixtures("slurm_cluster")
+def test_negative_control_job_mem_below_the_plan_is_oom_killed(tmp_path):
     # One 192 MiB slab in a job forced to 256 MiB. Dask caps the worker's memory_limit at the
     # job's RLIMIT_RSS (SLURM sets it from --mem), so its nanny would terminate the worker at 95 %
     # of 256 MiB of RSS; the kernel acts on the cgroup (nanny included, library pages reclaimable)
@@ -160,7 +167,8 @@ def test_negative_control_job_mem_below_the_plan_is_oom_killed(slurm_cluster, tm
     assert not squeue(), "a job of the run is still queued"
 
 
-def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_byte(small, slurm_cluster, tmp_path):
+@pytest.mark.usefixtures("slurm_cluster")
+def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_byte(small, tmp_path):
     """Kill the client (SIGKILL, no cleanup) mid-run: its jobs leave the queue. Re-running on SLURM
     resumes, every worker stays under the plan in a job cgroup limited to the plan, and the output
     is byte-identical to the local backend's and verifies against the source."""
@@ -184,7 +192,7 @@ def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_by
         time.sleep(0.25)
     assert not squeue(), "worker jobs outlived the killed client"
 
-    spec = dict(resources=resources, output={"chunks": [8, 64, 64]}, pyramid={"levels": 2})
+    spec = {"resources": resources, "output": {"chunks": [8, 64, 64]}, "pyramid": {"levels": 2}}
     backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=120))
     job = plan_job(spec_for(h5, str(out), **spec), backend)
     summary = run_job(job, backend)
@@ -208,7 +216,8 @@ def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_by
     assert report.ok and report.compared_with_source and report.levels_compared == 2, report.problems
 
 
-def test_jobs_pending_past_the_timeout_fail_with_slurms_reason(small, slurm_cluster, tmp_path):
+@pytest.mark.usefixtures("slurm_cluster")
+def test_jobs_pending_past_the_timeout_fail_with_slurms_reason(small, tmp_path):
     h5, _ = small
     # --begin keeps the job pending (Reason=BeginTime) whatever else the node runs.
     backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=3, directives=["--begin=now+1hour"]))
@@ -220,7 +229,8 @@ def test_jobs_pending_past_the_timeout_fail_with_slurms_reason(small, slurm_clus
     assert not squeue(), "the pending job was left queued"
 
 
-def test_a_job_script_slurm_refuses_fails_before_anything_is_submitted(small, slurm_cluster, tmp_path):
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_job_script_slurm_refuses_fails_before_anything_is_submitted(small, tmp_path):
     h5, _ = small
     backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), partition="no-such-partition"))
     job = plan_job(spec_for(h5, str(tmp_path / "r.ome.zarr"), resources={"workers": 1}), backend)
@@ -229,7 +239,8 @@ def test_a_job_script_slurm_refuses_fails_before_anything_is_submitted(small, sl
     assert not squeue()
 
 
-def test_a_job_cancelled_under_the_run_is_workers_lost(small, slurm_cluster, tmp_path):
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_job_cancelled_under_the_run_is_workers_lost(small, tmp_path):
     h5, _ = small
     backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=60, directives=["--begin=now+1hour"]))
     job = plan_job(spec_for(h5, str(tmp_path / "c.ome.zarr"), resources={"workers": 1}), backend)

@@ -28,8 +28,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import dask
 from distributed import Client
@@ -40,7 +41,14 @@ from ..spec import SlurmSpec
 from ..units import MiB
 from .base import Session, dask_memory_config
 from .diagnostics import WorkerReport, register_plugins
-from .slurmctl import JobState, cancel_by_name, job_state, oom_events, queued_ids, sbatch_refusal
+from .slurmctl import (
+    JobState,
+    cancel_by_name,
+    job_state,
+    oom_events,
+    queued_ids,
+    sbatch_refusal,
+)
 from .slurmscript import JobScript, build_job_script
 
 log = logging.getLogger(__name__)
@@ -314,15 +322,16 @@ def job_cgroup_figures(dask_worker=None) -> dict[str, Any]:
         path = os.path.dirname(path)
     if not os.path.basename(path).startswith("job_"):
         return out
+    def read(directory: str, name: str) -> str:
+        with open(os.path.join(directory, name)) as f:
+            return f.read()
+
     try:
-        out["limit"] = int(open(os.path.join(path, "memory.limit_in_bytes")).read())
-        out["max_usage"] = int(open(os.path.join(path, "memory.max_usage_in_bytes")).read())
-        kills = 0
-        for d in {own, path}:  # cgroup v1 counts a kill where the killed task lives
-            for line in open(os.path.join(d, "memory.oom_control")):
-                if line.startswith("oom_kill "):
-                    kills = max(kills, int(line.split()[1]))
-        out["oom_kills"] = kills
+        out["limit"] = int(read(path, "memory.limit_in_bytes"))
+        out["max_usage"] = int(read(path, "memory.max_usage_in_bytes"))
+        # cgroup v1 counts a kill where the killed task lives (the step's task cgroup)
+        out["oom_kills"] = max(int(line.split()[1]) for d in {own, path} for line in read(d, "memory.oom_control").splitlines()
+                               if line.startswith("oom_kill "))
     except (OSError, ValueError):
         pass
     return out
