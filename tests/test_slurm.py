@@ -257,3 +257,28 @@ def test_a_job_cancelled_under_the_run_is_workers_lost(small, tmp_path):
         run_job(job, backend)
     assert time.monotonic() - start < 30, "the cancelled job was not noticed before the pending timeout"
 
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_ctrl_c_exits_130_and_cancels_the_jobs(small, tmp_path):
+    h5, _ = small
+    args = [f"{h5}:/volume/data", str(tmp_path / "i.ome.zarr"), "--workers", "1", "--backend", "slurm", "--slurm-directive=--begin=now+1hour",
+            "--slurm-log-dir", str(tmp_path / "logs"), "--no-progress"]
+    proc = subprocess.Popen(CLI + ["convert", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not squeue():
+        assert proc.poll() is None and time.monotonic() < deadline, "no job was submitted"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr and not squeue()
+
+
+def test_negative_control_dask_jobqueue_alone_takes_over_ctrl_c():
+    """Importing dask_jobqueue replaces SIGINT's handler with sys.exit(): a Ctrl-C exited 0 with
+    the jobs left running. The backend imports it through _import_jobqueue, which restores it."""
+    probe = "import signal, sys; {}; sys.exit(0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 1)"
+    plain = subprocess.run([sys.executable, "-c", probe.format("import dask_jobqueue")], check=False)
+    ours = subprocess.run([sys.executable, "-c", probe.format("from h5ngff.backends.slurm import _import_jobqueue; _import_jobqueue()")], check=False)
+    assert (plain.returncode, ours.returncode) == (1, 0)
+

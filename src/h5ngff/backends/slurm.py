@@ -57,8 +57,6 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKERS = 4
 #: Seconds to wait for SLURM to take the cancelled jobs out of the queue before giving up.
 CANCEL_WAIT = 30
-#: Seconds the jobs get to stop on SIGTERM before their processes are SIGKILLed.
-TERM_GRACE = 3
 #: Seconds a worker may be gone (restarting after a kill) before its job is given up.
 LOST_WORKER_TIMEOUT = 120
 
@@ -103,6 +101,11 @@ class SlurmBackend:
             stack.enter_context(dask.config.set({"distributed.deploy.lost-worker-timeout": f"{LOST_WORKER_TIMEOUT}s"}))
             cluster = stack.enter_context(_cluster(plan, settings, self, job_name))
             jobs.cluster = cluster
+            # Once the client is closed, nothing of the workers is needed: SIGKILL every process
+            # of the run's jobs before dask-jobqueue cancels them. Cancelling first would send
+            # SIGTERM, and a nanny busy restarting its worker holds the job for SLURM's KillWait
+            # (30 s by default); a job already cancelling can no longer be signalled.
+            stack.callback(cancel_by_name, job_name, kill=True)
             client = stack.enter_context(Client(cluster, set_as_default=False))
             register_plugins(client)
             cluster.scale(plan.workers)
@@ -111,9 +114,21 @@ class SlurmBackend:
             yield Session(client, "slurm", jobs.reports, lambda: jobs.refresh(client), jobs.job_mem, limit_name="job --mem")
 
 
+def _import_jobqueue():
+    """dask_jobqueue's SLURMCluster. Importing dask_jobqueue installs a SIGINT handler of its
+    own (``sys.exit()``, for its SLURMRunner), which turned a Ctrl-C into exit status 0 with the
+    jobs left to their death timeout; the handler that was in place is put back."""
+    previous = signal.getsignal(signal.SIGINT)
+    from dask_jobqueue import SLURMCluster
+
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, previous)
+    return SLURMCluster
+
+
 @contextmanager
 def _cluster(plan: Plan, settings: SlurmSpec, backend: SlurmBackend, job_name: str):
-    from dask_jobqueue import SLURMCluster
+    SLURMCluster = _import_jobqueue()
 
     def script(worker_name: str, scheduler: str) -> JobScript:
         return build_job_script(plan, settings, backend.python, job_name=job_name, scheduler=scheduler,
@@ -287,14 +302,8 @@ class SlurmJobs:
         the .err files are complete (slurmstepd writes its oom-kill line as the step ends)."""
         self._known_jobs()
         cancel_by_name(self.job_name)
-        start = time.monotonic()
-        killed = False
-        while queued_ids(self.job_name) and time.monotonic() - start < CANCEL_WAIT:
-            if not killed and time.monotonic() - start > TERM_GRACE:
-                # A nanny that ignores SIGTERM (restarting a worker on a loaded node) would hold
-                # the job for KillWait: the workers have nothing left to save.
-                cancel_by_name(self.job_name, kill=True)
-                killed = True
+        deadline = time.monotonic() + CANCEL_WAIT
+        while queued_ids(self.job_name) and time.monotonic() < deadline:
             time.sleep(0.25)
         left = queued_ids(self.job_name)
         if left:

@@ -79,12 +79,15 @@ def queued_ids(job_name: str) -> list[str]:
 
 def cancel_by_name(job_name: str, kill: bool = False) -> None:
     """Cancel every job of this run, by its unique job name: this also catches a job whose
-    submission was answered after the client stopped listening. ``kill``: SIGKILL every process
-    of the jobs at once, rather than SIGTERM and SLURM's KillWait (30 s by default) for a nanny
-    that does not stop."""
+    submission was answered after the client stopped listening. ``kill``: only SIGKILL the batch
+    shell of every running job and its children (the nanny is the batch shell, ``exec``, and the
+    worker its child); the job ends at once. A plain cancel sends SIGTERM and waits SLURM's
+    KillWait (30 s by default) for a nanny that does not stop; ``--signal=KILL`` without
+    ``--batch`` is turned into that same cancel, and a job being cancelled can no longer be
+    signalled, so this must come first."""
     try:
-        proc = _run(["scancel", "--name", job_name, *(["--signal=KILL", "--full"] if kill else [])])
-        if proc.returncode:
+        proc = _run(["scancel", "--name", job_name, *(["--batch", "--signal=KILL"] if kill else [])])
+        if proc.returncode and not kill:  # kill: pending jobs cannot be signalled, and need not be
             log.warning("scancel --name %s: %s", job_name, proc.stderr.strip())
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.warning("scancel --name %s failed: %s", job_name, exc)

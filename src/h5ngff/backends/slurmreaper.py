@@ -33,7 +33,8 @@ def watch(pid: int, job_name: str) -> None:
     started = _start_time(pid)
     while started is not None and _start_time(pid) == started:
         time.sleep(POLL_SECONDS)
-    cancel_by_name(job_name)
+    cancel_by_name(job_name, kill=True)  # running jobs end at once (no KillWait)
+    cancel_by_name(job_name)  # pending ones
 
 
 def main(argv: list[str]) -> int:
