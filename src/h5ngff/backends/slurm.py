@@ -49,7 +49,7 @@ from .slurmctl import (
     queued_ids,
     sbatch_refusal,
 )
-from .slurmscript import JobScript, build_job_script
+from .slurmscript import JobScript, build_job_script, job_mem_mib
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class SlurmBackend:
         log_dir = os.path.abspath(os.path.expanduser(self.settings.log_directory))
         os.makedirs(log_dir, exist_ok=True)
         settings = self.settings.model_copy(update={"log_directory": log_dir})
-        jobs = SlurmJobs(plan, job_name, log_dir, self.job_mem or plan.memory.pod_limit)
+        # The limit SLURM enforces: --mem in whole MiB, rounded up.
+        jobs = SlurmJobs(plan, job_name, log_dir, job_mem_mib(self.job_mem or plan.memory.pod_limit) * MiB)
         refusal = sbatch_refusal(build_job_script(plan, settings, self.python, job_name=job_name, job_mem=self.job_mem).text())
         if refusal:
             raise ClusterError(f"SLURM refuses the worker job script (sbatch --test-only): {refusal}. "
