@@ -1,6 +1,6 @@
 """Calibrate the memory model: real conversions under emulated pod limits, predicted vs measured.
 
-    bench/calibrate [--quick] [--out docs/calibration.md] [--cases NAME,NAME] [--matrix base|issue18|all]
+    bench/calibrate [--quick] [--out docs/calibration.md] [--cases NAME,NAME] [--matrix base|issue18|all] [--backend pods|slurm]
 
 Every case runs through the real CLI (``h5ngff convert --enforce-pod-limits --json``): each worker
 is a nanny+worker pair in its own memory cgroup at the planned pod limit. Measured: the peak RSS of
@@ -14,6 +14,10 @@ The ``issue18`` matrix (issue 18) adds shards at 1, 2 and 3 levels, float64, sev
 worker, 4-D and 5-D images, planner-chosen slabs under --memory-per-worker and --memory-total,
 gzip-chunked HDF5 whose chunks are misaligned with the output chunks, and the big sharded case of
 the issue on incompressible data (where holding whole shards broke the plan).
+
+``--backend slurm`` runs the same cases as SLURM jobs (``--backend slurm``): each worker's job
+cgroup is limited to the planned ``--mem`` by SLURM's task/cgroup, and the cgroup column is the
+job cgroup's peak, read by the worker from inside its job.
 """
 
 from __future__ import annotations
@@ -133,12 +137,14 @@ def _write_random(path: str, shape, dtype: str, chunks, compression) -> None:
             ds[z : z + part[0]] = rng.random(part, dtype=np.dtype(dtype)) if np.dtype(dtype).kind == "f" else rng.integers(0, 2**15, part).astype(dtype)
 
 
-def run_case(case: Case, workers: int, allocator: str, calibration: str | None = None) -> dict:
+def run_case(case: Case, workers: int, allocator: str, calibration: str | None = None, backend: str = "pods") -> dict:
     source = source_for(case)
-    out = os.path.join(DATA, f"out-{allocator}.ome.zarr")  # one per allocator: the two matrices may run side by side
+    out = os.path.join(DATA, f"out-{allocator}-{backend}.ome.zarr")  # one per allocator and backend: matrices may run side by side
+    # pods: emulated pod limits here; slurm: one SLURM job per worker, its cgroup at the planned --mem
+    enforce = ["--enforce-pod-limits"] if backend == "pods" else ["--backend", "slurm", "--slurm-log-dir", os.path.join(DATA, "slurm-logs")]
     cmd = [
         sys.executable, "-m", "h5ngff.cli", "convert", f"{source}:/volume/data", out, "--overwrite", "--json",
-        "--enforce-pod-limits", "--chunks", case.chunks, "--compressor", case.compressor, "--levels", str(case.levels),
+        *enforce, "--chunks", case.chunks, "--compressor", case.compressor, "--levels", str(case.levels),
         "--allocator", allocator,
     ]
     if "--workers" not in case.flags:
@@ -249,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", help="Comma-separated case names to run.")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--allocator", default="jemalloc", choices=["jemalloc", "glibc"])
+    parser.add_argument("--backend", default="pods", choices=["pods", "slurm"],
+                        help="pods: emulated pod limits on this machine (default); slurm: under SLURM's job cgroups "
+                             "(needs a running SLURM: scripts/slurm-local start, and its SLURM_CONF).")
     parser.add_argument("--out", help="Also write the Markdown table to this file.")
     parser.add_argument("--calibration", metavar="FILE",
                         help="Constants to plan with (h5ngff convert --calibration). To re-fit the baseline after a "
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c.name in wanted]
     rows = []
     for case in cases:
-        r = row(run_case(case, args.workers, args.allocator, args.calibration))
+        r = row(run_case(case, args.workers, args.allocator, args.calibration, args.backend))
         rows.append(r)
         print(json.dumps({k: (round(v / MiB, 1) if k in ("predicted", "measured", "cgroup", "pod_limit", "implied_baseline", "pod_peak") and v else v) for k, v in r.items()}), flush=True)
     text = (pod_table if args.matrix != "base" else table)(rows, args.allocator)

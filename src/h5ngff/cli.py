@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from . import __version__
-from .cliargs import SuggestingParser, add_spec_flags, backend_from_args, constants_from_args, merge, spec_overrides, split_source
+from .cliargs import SuggestingParser, add_backend_flags, add_spec_flags, backend_from_args, constants_from_args, merge, spec_overrides, split_source
 from .clijob import add_job_commands
 from .cliverify import add_verify_command
 from .errors import ExitCode, H5ngffError, exit_code_table
@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
     p.add_argument("--json", action="store_true", help="Print one JSON object instead of tables.")
+    add_backend_flags(p)
     p.add_argument("--calibration", metavar="FILE", help="JSON file overriding the memory model's measured constants.")
     if convert:
         p.add_argument("--overwrite", action="store_true", help="Replace an existing h5ngff or Zarr output instead of resuming it (never one another run is writing).")
@@ -136,12 +137,30 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from .runner import plan_job
 
     spec = spec_from_args(args)
-    job = plan_job(spec, backend_from_args(args), constants_from_args(args))
+    backend = backend_from_args(args, _manifest_slurm(args))
+    job = plan_job(spec, backend, constants_from_args(args))
+    script = backend.job_script(job.plan) if hasattr(backend, "job_script") else None
     if args.json:
-        print(json.dumps({"plan": job.plan.to_dict(), "notices": job.notices, "spec": job.spec.to_wire()}, indent=1))
+        document = {"plan": job.plan.to_dict(), "notices": job.notices, "spec": job.spec.to_wire()}
+        if script is not None:
+            from .report import slurm_job_dict
+
+            document["slurm"] = slurm_job_dict(script)
+        print(json.dumps(document, indent=1))
     else:
         console.print(plan_renderable(job))
+        if script is not None:
+            from .report import slurm_job_renderable
+
+            console.print(slurm_job_renderable(job.plan, script))
     return 0
+
+
+def _manifest_slurm(args: argparse.Namespace):
+    """The slurm: block of a ConversionJob manifest given as SOURCE, if any."""
+    from .job import is_manifest_path, load_job
+
+    return load_job(args.source).spec.slurm if is_manifest_path(args.source) else None
 
 
 def cmd_convert(args: argparse.Namespace, console: Console) -> int:
@@ -162,7 +181,7 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     from .report import ProgressBar, plan_renderable, summary_renderable
     from .runner import plan_job, run_job
 
-    backend = backend_from_args(args)
+    backend = backend_from_args(args, _manifest_slurm(args))
     metrics = _start_metrics(spec, args)  # before planning: Prometheus's first scrapes find the target up
     try:
         job = plan_job(spec, backend, constants_from_args(args))

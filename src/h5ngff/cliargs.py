@@ -238,11 +238,19 @@ def constants_from_args(args: argparse.Namespace) -> Any:
     return MemoryConstants.from_file(args.calibration) if getattr(args, "calibration", None) else DEFAULT_CONSTANTS
 
 
-def backend_from_args(args: argparse.Namespace) -> Any:
-    """The backend the flags ask for, built by the one backend factory (backends/factory.py)."""
+def backend_from_args(args: argparse.Namespace, slurm: Any = None) -> Any:
+    """The backend the flags ask for, built by the one backend factory (backends/factory.py).
+    ``slurm`` is a manifest's slurm: block; the --slurm-* flags override its fields."""
     from .backends.factory import BackendOptions, make_backend
     from .units import parse_bytes
 
+    if getattr(args, "backend", None) == "slurm":
+        from .spec import SlurmSpec, parse_model
+
+        base = slurm.to_wire() if slurm is not None else {}
+        settings = parse_model(SlurmSpec, merge(base, slurm_overrides(args)))
+        job_mem = parse_bytes(args.slurm_job_mem) if getattr(args, "slurm_job_mem", None) else None
+        return make_backend("slurm", BackendOptions(slurm=settings, job_mem=job_mem))
     if getattr(args, "kubernetes", False):
         return make_backend("kubernetes")  # planning as the operator would; no cluster is started
     if getattr(args, "scheduler", None):
@@ -251,3 +259,47 @@ def backend_from_args(args: argparse.Namespace) -> Any:
         pod_limit = parse_bytes(args.pod_limit) if getattr(args, "pod_limit", None) else None
         return make_backend("local-pods", BackendOptions(pod_limit=pod_limit))
     return make_backend("local")
+
+
+# --- SLURM (docs/slurm.md) -------------------------------------------------------------------
+
+#: Each --slurm-* flag (argparse dest) and the slurm: spec field it sets.
+SLURM_FLAGS: tuple[tuple[str, str], ...] = (
+    ("slurm_partition", "partition"),
+    ("slurm_account", "account"),
+    ("slurm_qos", "qos"),
+    ("slurm_walltime", "walltime"),
+    ("slurm_directive", "directives"),
+    ("slurm_scratch", "scratch"),
+    ("slurm_python", "python"),
+    ("slurm_prologue", "prologue"),
+    ("slurm_log_dir", "logDirectory"),
+    ("slurm_pending_timeout", "pendingTimeout"),
+)
+
+
+def add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    """``--backend`` and the ``slurm:`` block's flags (plan, convert and run share them)."""
+    parser.add_argument("--backend", choices=["local", "slurm"], help="Where the workers run: local (default) or slurm (one SLURM job per worker, sized by the plan; docs/slurm.md).")
+    g = parser.add_argument_group("SLURM (with --backend slurm; the slurm: block of a manifest)")
+    g.add_argument("--slurm-partition", metavar="NAME", help="Partition of the worker jobs (#SBATCH -p).")
+    g.add_argument("--slurm-account", metavar="NAME", help="Account charged (#SBATCH -A).")
+    g.add_argument("--slurm-qos", metavar="NAME", help="Quality of service (#SBATCH --qos).")
+    g.add_argument("--slurm-walltime", metavar="TIME", help="Time limit of each worker job (default 01:00:00).")
+    g.add_argument("--slurm-directive", action="append", metavar="OPTION", help="Extra #SBATCH option, e.g. --constraint=skylake (repeatable); not --mem or --cpus-per-task.")
+    g.add_argument("--slurm-scratch", metavar="DIR", help="Job-local scratch directory for the worker (default ${TMPDIR:-/tmp}).")
+    g.add_argument("--slurm-python", metavar="PATH", help="Python interpreter on the nodes (default: the one running h5ngff).")
+    g.add_argument("--slurm-prologue", action="append", metavar="LINE", help="Shell line run before the worker, e.g. 'module load hdf5' (repeatable).")
+    g.add_argument("--slurm-log-dir", metavar="DIR", help="Where the jobs' .out/.err go (default ./h5ngff-slurm-logs).")
+    g.add_argument("--slurm-pending-timeout", type=int, metavar="SECONDS", help="Fail with WorkersPending after this long (default 600).")
+    g.add_argument("--slurm-job-mem", metavar="SIZE", help="Override the planned job --mem (experiments and negative controls: below the plan the job's cgroup kills the worker).")
+
+
+def slurm_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The slurm: fields the --slurm-* flags set (unset flags omitted)."""
+    out = {}
+    for dest, field in SLURM_FLAGS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            out[field] = value
+    return out

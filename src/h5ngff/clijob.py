@@ -164,7 +164,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
     try:
         options = AttemptOptions(constants_from_args(args), [bar] if bar else [], show_plan, metrics=metrics)
-        status, result = run_locally(job.name, spec, backend_from_args(args), options)
+        status, result = run_locally(job.name, spec, backend_from_args(args, spec.slurm), options)
     finally:
         for b in entered:
             b.__exit__(None, None, None)

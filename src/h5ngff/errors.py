@@ -195,3 +195,14 @@ class ClusterError(H5ngffError, RuntimeError):
     """The Dask cluster could not be started or reached."""
 
     reason = "ClusterUnavailable"
+
+
+class WorkersPendingError(ClusterError):
+    """The cluster's scheduler (SLURM) kept the worker jobs pending past the run's timeout; the
+    message quotes its pending reason (Resources, Priority, QOSMaxMemoryPerJob, ...)."""
+
+    reason = "WorkersPending"
+
+    def __init__(self, message: str, reasons: str = ""):
+        self.pending_reasons = reasons
+        super().__init__(message)

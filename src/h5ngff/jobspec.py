@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .spec import ConversionSpec, _Model, parse_model
+from .spec import ConversionSpec, SlurmSpec, _Model, parse_model
 
 #: The ConversionJob resource, named once for the CRD, the operator's manifests, the Kubernetes
 #: backend's owner references and ``h5ngff run``'s manifest check.
@@ -119,6 +119,7 @@ class ConversionJobSpec(ConversionSpec):
     ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete finished runner Jobs (not the ConversionJob) this many seconds after they finish.")
     retry: RetryPolicy = Field(default_factory=RetryPolicy, description="Backoff between attempts: exponential from intervalSeconds, capped at maxIntervalSeconds.")
     active_deadline_seconds: int | None = Field(None, ge=1, description="End a run (all its attempts and waits) that takes longer than this many seconds, with reason DeadlineExceeded.")
+    slurm: SlurmSpec | None = Field(None, description="Worker jobs on a SLURM cluster, for `h5ngff run JOB.yaml --backend slurm` (docs/slurm.md); the operator ignores it.")
 
     def conversion(self) -> ConversionSpec:
         """Only the conversion fields: what the runner plans and converts."""

@@ -139,3 +139,34 @@ class ProgressBar:
         if self.task is None:
             self.task = self.bar.add_task("convert", total=max(p.slabs_total, 1), phase=p.phase, rate=rate)
         self.bar.update(self.task, completed=p.slabs_done, total=max(p.slabs_total, 1), phase=p.phase, rate=rate)
+
+
+def slurm_job_renderable(plan: Plan, script) -> Group:
+    """The SLURM job every worker gets (``h5ngff plan --backend slurm``): ``--mem`` term by term
+    (the pod limit's terms: the job's cgroup counts what a pod's does), then the script itself."""
+    mem = Table(title="SLURM job per worker (--backend slurm)", title_justify="left", show_edge=False)
+    mem.add_column("term")
+    mem.add_column("MiB", justify="right")
+    mem.add_column("why", style="dim")
+    for i, t in enumerate(script.mem_terms):
+        mem.add_row(("+ " if i else "") + t.name, _mib(t.bytes), t.why)
+    why = "the job's memory cgroup (task/cgroup, ConstrainRAMSpace): the kernel kills above it"
+    if script.mem_override:
+        why = f"{script.mem_override}; " + why
+    mem.add_row(Text("#SBATCH --mem", style="bold"), Text(_mib(script.mem_bytes), style="bold"), why)
+    mem.add_row("#SBATCH --cpus-per-task", str(plan.threads_per_worker), "the worker's threads (-n 1: one nanny + worker per job)")
+    mem.add_row("worker --memory-limit", _mib(plan.memory.memory_limit), "Dask's limit, given explicitly (auto would read the node's RAM)")
+    mem.add_row("allocator", "", f"{plan.allocator}: " + ("LD_PRELOAD libjemalloc.so.2 where the node has it, else tuned glibc (said in the job's .err)" if plan.allocator == "jemalloc" else "glibc tuned to return freed slabs"))
+    mem.add_row("jobs", str(plan.workers), f"--memory-total is their sum: {_mib(plan.workers * script.mem_bytes)} MiB")
+    return Group(Text(""), mem, Text(""), Text("job script (one per worker; SCHEDULER and WORKER are filled in at submission):", style="bold"),
+                 Text(script.text(), style="dim", no_wrap=True, overflow="ignore"))
+
+
+def slurm_job_dict(script) -> dict:
+    return {
+        "mem_bytes": script.mem_bytes,
+        "mem_terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in script.mem_terms],
+        "mem_override": script.mem_override or None,
+        "header": list(script.header),
+        "script": script.text(),
+    }

@@ -411,6 +411,57 @@ class ResourcesSpec(_Model):
         return None if self.memory_total is None else parse_bytes(self.memory_total)
 
 
+#: ``#SBATCH`` options the plan sets itself: a directive overriding them would break the plan.
+SLURM_PLANNED_OPTIONS = ("--mem", "--mem-per-cpu", "--mem-per-gpu", "--cpus-per-task", "-c", "--ntasks", "-n", "--nodes", "-N")
+#: A walltime as sbatch reads it: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
+SLURM_WALLTIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$"
+
+
+def _one_line(v: str) -> str:
+    if "\n" in v or "\r" in v:
+        raise ValueError(f"Expected one line (it goes into the job script). Got {v!r} instead.")
+    return v
+
+
+class SlurmSpec(_Model):
+    """Where the worker jobs run on a SLURM cluster (``--backend slurm``; docs/slurm.md). The job
+    memory, CPUs and Dask limits come from the plan, never from here."""
+
+    partition: str | None = Field(None, description="Partition for the worker jobs (#SBATCH -p); default: the cluster's default partition.")
+    account: str | None = Field(None, description="Account charged for the worker jobs (#SBATCH -A).")
+    qos: str | None = Field(None, description="Quality of service of the worker jobs (#SBATCH --qos).")
+    walltime: str = Field("01:00:00", pattern=SLURM_WALLTIME, description="Time limit of each worker job (#SBATCH -t), e.g. 02:00:00 or 1-00:00:00.")
+    directives: list[str] | None = Field(None, description="Extra #SBATCH options, one per entry, e.g. --constraint=skylake; not --mem or --cpus-per-task, which the plan sets.")
+    scratch: str = Field("${TMPDIR:-/tmp}", min_length=1, description="Job-local scratch directory: the worker's Dask local directory (shell variables expand in the job, e.g. /scratch/$SLURM_JOB_ID).")
+    python: str | None = Field(None, description="Python interpreter the workers start with on the nodes (default: the one running h5ngff); it needs h5ngff installed.")
+    prologue: list[str] | None = Field(None, description="Shell lines run in the job before the worker starts, e.g. 'module load hdf5' or 'source /path/venv/bin/activate'.")
+    log_directory: str = Field("h5ngff-slurm-logs", min_length=1, description="Where the jobs' .out and .err files go; it must be readable from where h5ngff runs (failures are read from them).")
+    pending_timeout: Int = Field(600, ge=1, le=7 * 86400, description="Seconds the worker jobs may pend before the run fails with reason WorkersPending and SLURM's pending reason.")
+
+    @field_validator("partition", "account", "qos", "scratch", "python", "log_directory")
+    @classmethod
+    def _single_line(cls, v: str | None) -> str | None:
+        return None if v is None else _one_line(v)
+
+    @field_validator("prologue")
+    @classmethod
+    def _prologue_lines(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [_one_line(line) for line in v]
+
+    @field_validator("directives")
+    @classmethod
+    def _not_planned(cls, v: list[str] | None) -> list[str] | None:
+        for d in v or ():
+            _one_line(d)
+            option = d.strip().removeprefix("#SBATCH").strip().split("=", 1)[0].split()[0] if d.strip() else ""
+            if not option.startswith("-"):
+                raise ValueError(f"Expected an sbatch option such as --constraint=skylake. Got {d!r} instead.")
+            if option in SLURM_PLANNED_OPTIONS:
+                raise ValueError(f"Expected no {option}: the plan sets the job's memory and CPUs (h5ngff plan --backend slurm shows them); "
+                                 f"change resources.memoryPerWorker or resources.threadsPerWorker instead. Got {d!r} instead.")
+        return v
+
+
 class ConversionSpec(_Model):
     """One conversion: source, output, image metadata, pyramid and resources."""
 

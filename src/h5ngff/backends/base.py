@@ -71,6 +71,8 @@ class Session:
     #: (epoch seconds, pod name, non-reclaimable bytes) of every pod, where the backend samples
     #: its pods' cgroups itself (pod emulation).
     pod_timeline: Callable[[], list[tuple[float, str, int]]] = list
+    #: What the enforced limit is called where this backend runs (messages name it).
+    limit_name: str = "pod limit"
 
     def enforced_pod_limit(self, plan: Plan) -> int:
         """The pod (job) memory limit the workers run under: the backend's override, else the plan's."""
@@ -104,7 +106,8 @@ class Session:
     def diagnose(self, failure: BaseException, events: ClusterEvents, plan: Plan, workers: list[WorkerReport]) -> WorkerFailedError:
         """The error a run whose workers died fails with: who killed them, with the numbers."""
         kills = sum(w.oom_kills for w in workers)
-        return classify_failure(failure, events, self.enforced_pod_limit(plan), plan.memory.memory_limit, kills)
+        return classify_failure(failure, events, self.enforced_pod_limit(plan), plan.memory.memory_limit, kills,
+                                limit_name=self.limit_name, workers=workers, planned_limit=plan.memory.pod_limit)
 
 
 def _by_name(events: Iterable[dict[str, Any]]) -> Counter[str]:

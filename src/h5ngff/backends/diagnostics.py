@@ -201,7 +201,8 @@ class ClusterEvents:
         return killed
 
 
-def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, memory_limit: int, oom_kills: int = 0) -> WorkerFailedError:
+def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, memory_limit: int, oom_kills: int = 0,
+                     limit_name: str = "pod limit", workers: list[WorkerReport] = (), planned_limit: int | None = None) -> WorkerFailedError:
     """Turn a KilledWorker into the reason a user can act on. The kernel's OOM kills are checked
     first: a nanny termination that follows an OOM kill does not hide it. ``oom_kills`` is the
     run's one count (the sum of the per-worker counts the summary reports), so the message never
@@ -210,9 +211,11 @@ def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, 
     terminations = len(events.memory_restarts)
     if kills:
         err: WorkerFailedError = OOMKilledError(
-            f"OOMKilled by the kernel (pod limit {pod_limit >> 20} MiB): a worker used more than its pod's memory "
-            f"limit and the kernel killed it, {kills} time(s). The plan's prediction was exceeded; "
-            f"raise resources.memoryPerWorker or report the case (h5ngff plan --json output helps).",
+            f"OOMKilled by the kernel ({limit_name} {pod_limit >> 20} MiB): a worker used more than its {_whose(limit_name)} memory "
+            f"limit and the kernel killed it, {kills} time(s).{_killed_figures(workers)} " + (
+                f"The limit was set below the plan's {planned_limit >> 20} MiB (an override): drop the override."
+                if planned_limit and pod_limit < planned_limit else
+                "The plan's prediction was exceeded; raise resources.memoryPerWorker or report the case (h5ngff plan --json output helps)."),
         )
     elif terminations:
         worst = max(e.get("rss", 0) for e in events.memory_restarts)
@@ -228,3 +231,18 @@ def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, 
     err.oom_kills = kills
     err.memory_terminations = terminations
     return err
+
+
+def _whose(limit_name: str) -> str:
+    return "job's" if limit_name.startswith("job") else "pod's"
+
+
+def _killed_figures(workers) -> str:
+    """The killed workers' own figures: peak RSS against the prediction, and the cgroup's peak."""
+    parts = []
+    for w in workers:
+        if w.oom_kills:
+            cgroup = f", cgroup peak {format_bytes(w.cgroup_peak)}" if w.cgroup_peak else ""
+            parts.append(f"{w.name}: {w.oom_kills} kill(s), peak RSS {format_bytes(w.peak_rss)} (predicted {format_bytes(w.predicted_peak)}{cgroup}, "
+                         f"limit {format_bytes(w.pod_limit)})")
+    return (" " + "; ".join(parts) + ".") if parts else ""

@@ -19,6 +19,7 @@ from .base import Backend
 
 if TYPE_CHECKING:
     from ..jobspec import Owner, PodSettings
+    from ..spec import SlurmSpec
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class BackendOptions:
     image: str = ""
     #: kubernetes: the job's spec.pod (volumes, placement, pull policy).
     pod: PodSettings | None = None
+    #: slurm: the slurm: block (partition, account, walltime, ...), flags merged in.
+    slurm: SlurmSpec | None = None
+    #: slurm: replaces the planned job --mem (experiments and negative controls), bytes.
+    job_mem: int | None = None
 
 
 BackendBuilder = Callable[[BackendOptions], Backend]
@@ -69,6 +74,12 @@ def _kubernetes(options: BackendOptions) -> Backend:
     return KubernetesBackend(owner, image=options.image, pod=options.pod)
 
 
+def _slurm(options: BackendOptions) -> Backend:
+    from .slurm import SlurmBackend  # dask-jobqueue loads only where SLURM is asked for
+
+    return SlurmBackend(options.slurm, job_mem=options.job_mem)
+
+
 #: Every backend, by the name ``--backend``-like settings use ($H5NGFF_BACKEND in the runner Job).
 #: Register a new backend here (one line) and nowhere else.
 BACKENDS: dict[str, BackendBuilder] = {
@@ -76,6 +87,7 @@ BACKENDS: dict[str, BackendBuilder] = {
     "local-pods": _local_pods,
     "external": _external,
     "kubernetes": _kubernetes,
+    "slurm": _slurm,
 }
 
 

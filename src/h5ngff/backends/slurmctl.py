@@ -1,0 +1,106 @@
+"""What SLURM says about our jobs, through its own commands (``scontrol``, ``squeue``, ``scancel``),
+and the pure readings of their output and of the jobs' ``.err`` files.
+
+Only ``scontrol show job`` is used for states: sites without slurmdbd have no ``sacct``, and
+``scontrol`` keeps a finished job for ``MinJobAge`` seconds (300 by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+#: slurmstepd's line when the job's memory cgroup OOM-killed something, e.g. "slurmstepd-vm:
+#: error: Detected 1 oom-kill event(s) in StepId=12.batch. Some of your processes may have been
+#: killed by the cgroup out-of-memory handler." It is written when the step ends.
+OOM_EVENTS = re.compile(r"Detected (\d+) oom-kill event\(s\)")
+#: The same enforcement by slurmd's sampling (JobAcctGatherParams=OverMemoryKill).
+OVER_MEMORY = re.compile(r"exceeded (?:job )?memory limit")
+#: Job states after which a job holds no resources.
+FINISHED = {"COMPLETED", "CANCELLED", "FAILED", "OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+COMMAND_TIMEOUT = 30
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    state: str
+    #: SLURM's reason: why it pends (Resources, Priority, QOSMaxMemoryPerJob, ...) or ended.
+    reason: str
+    exit_code: str = ""
+    mem: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+
+def parse_scontrol_job(text: str) -> JobState | None:
+    """``scontrol show job -o ID`` (one line of Key=Value pairs) -> JobState."""
+    fields: dict[str, str] = {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", text)}
+    if "JobId" not in fields:
+        return None
+    return JobState(fields["JobId"], fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None"),
+                    fields.get("ExitCode", ""), fields.get("MinMemoryNode", "") or fields.get("MinMemoryCPU", ""))
+
+
+def oom_events(err_text: str) -> int:
+    """How many times the job's cgroup OOM-killed a process, as slurmstepd reports it."""
+    kills = sum(int(n) for n in OOM_EVENTS.findall(err_text))
+    return kills + len(OVER_MEMORY.findall(err_text))
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
+
+
+def job_state(job_id: str) -> JobState | None:
+    """The job as ``scontrol`` sees it, or None once SLURM forgot it (or cannot be asked)."""
+    try:
+        proc = _run(["scontrol", "show", "job", "-o", str(job_id)])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scontrol show job %s failed: %s", job_id, exc)
+        return None
+    return parse_scontrol_job(proc.stdout) if proc.returncode == 0 else None
+
+
+def queued_ids(job_name: str) -> list[str]:
+    """Ids of this run's jobs still in the queue (pending, running or completing)."""
+    try:
+        proc = _run(["squeue", "-h", "-n", job_name, "-o", "%i"])
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return proc.stdout.split()
+
+
+def cancel_by_name(job_name: str, kill: bool = False) -> None:
+    """Cancel every job of this run, by its unique job name: this also catches a job whose
+    submission was answered after the client stopped listening. ``kill``: only SIGKILL the batch
+    shell of every running job and its children (the nanny is the batch shell, ``exec``, and the
+    worker its child); the job ends at once. A plain cancel sends SIGTERM and waits SLURM's
+    KillWait (30 s by default) for a nanny that does not stop; ``--signal=KILL`` without
+    ``--batch`` is turned into that same cancel, and a job being cancelled can no longer be
+    signalled, so this must come first."""
+    try:
+        proc = _run(["scancel", "--name", job_name, *(["--batch", "--signal=KILL"] if kill else [])])
+        if proc.returncode and not kill:  # kill: pending jobs cannot be signalled, and need not be
+            log.warning("scancel --name %s: %s", job_name, proc.stderr.strip())
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scancel --name %s failed: %s", job_name, exc)
+
+
+def sbatch_refusal(script_text: str) -> str | None:
+    """``sbatch --test-only``: SLURM's own verdict on the job script, without submitting it. None
+    when SLURM would accept it, else its message (an unknown partition, --mem above every node's)."""
+    try:
+        proc = subprocess.run(["sbatch", "--test-only"], input=script_text, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
+    except FileNotFoundError:
+        return "sbatch is not installed here (run h5ngff where SLURM's client commands are, e.g. a login node)"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sbatch --test-only failed: {exc}"
+    text = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
+    return None if proc.returncode == 0 else "; ".join(line.strip() for line in text.splitlines() if line.strip())
