@@ -38,6 +38,7 @@ from backend_contract import (
     observe_session,
 )
 from conftest import requires_cgroups
+from slurm_local import slurm_cluster  # noqa: F401  (session fixture)
 from distributed import Client, LocalCluster
 
 from h5ngff.backends.base import Backend, Session
@@ -54,8 +55,8 @@ def test_the_factory_builds_every_registered_backend():
     for kind in BACKENDS:
         backend: Backend = make_backend(kind, options)
         check_protocol(backend)
-    with pytest.raises(ValueError, match="Expected one of local, local-pods, external, kubernetes. Got 'slurm' instead"):
-        make_backend("slurm")
+    with pytest.raises(ValueError, match="Expected one of local, local-pods, external, kubernetes, slurm. Got 'pbs' instead"):
+        make_backend("pbs")
 
 
 class TestLocal(BackendContract):
@@ -86,6 +87,24 @@ class TestExternal(BackendContract):
     @classmethod
     def new_backend(cls) -> Backend:
         return make_backend("external", BackendOptions(scheduler=cls.address))
+
+
+class TestSlurm(BackendContract):
+    """The worker jobs of a real single-node SLURM (tests/slurm_local.py), cgroup-enforced --mem."""
+
+    logs = ""
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def slurm(cls, slurm_cluster, tmp_path_factory):
+        cls.logs = str(tmp_path_factory.mktemp("slurm-contract-logs"))
+        yield slurm_cluster
+
+    @classmethod
+    def new_backend(cls) -> Backend:
+        from h5ngff.spec import SlurmSpec
+
+        return make_backend("slurm", BackendOptions(slurm=SlurmSpec(logDirectory=cls.logs, pendingTimeout=120)))
 
 
 class KubeHarness:
