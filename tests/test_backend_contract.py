@@ -96,9 +96,10 @@ class TestSlurm(BackendContract):
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
-    def slurm(cls, slurm_cluster, tmp_path_factory):
+    def slurm(cls, request, tmp_path_factory):
+        cluster = request.getfixturevalue("slurm_cluster")  # started before the contract run
         cls.logs = str(tmp_path_factory.mktemp("slurm-contract-logs"))
-        yield slurm_cluster
+        yield cluster
 
     @classmethod
     def new_backend(cls) -> Backend:
