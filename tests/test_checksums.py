@@ -120,8 +120,8 @@ def test_verify_decodes_independently_of_the_writer(convert, tmp_path, monkeypat
     h5, out, data = _convert(convert, tmp_path, "0.5")
     layout = level_layout(out, "0", 3, 0)
     assert layout.checksums
-    encode, decode = chunkio.encode_chunk, chunkio.decode_chunk
-    monkeypatch.setattr(chunkio, "encode_chunk", lambda lay, block, *a: encode(lay, block.byteswap(), *a))
+    encode, decode = chunkio.encode_stored_chunk, chunkio.decode_chunk
+    monkeypatch.setattr(chunkio, "encode_stored_chunk", lambda lay, block, *a, **k: encode(lay, block.byteswap(), *a, **k))
     monkeypatch.setattr(chunkio, "decode_chunk", lambda lay, raw: decode(lay, raw).byteswap())
     chunkio.write_block(layout, data, (0, 0, 0))  # level 0 rewritten with the bug
     # The old path: every unit decodes with chunkio, and equals the source.
@@ -138,27 +138,24 @@ def test_verify_decodes_independently_of_the_writer(convert, tmp_path, monkeypat
 
 
 def test_an_absent_chunk_of_a_finished_output_reads_as_fill_unless_recorded(convert, tmp_path):
-    """The writer may skip chunks that are all fill value. An absent chunk of a finished output
-    is therefore accepted where its region should be fill (--source says whether it should); a
-    0.4 sidecar lists what was written, so an absent listed file is missing data."""
+    """The writer skips chunks that are all fill value: such an absent chunk is accepted (and
+    --source says whether it should be fill). A chunk that held data and is deleted is found
+    without the source too: by the marker's count of skipped units (0.5) or the sidecar (0.4)."""
     data = smooth(SHAPE, "uint16", seed=3)
     data[:4] = 0  # the first z-row of level-0 chunks is all fill value
     for name in ("0.5", "0.4"):
         h5, out, _ = _convert(convert, tmp_path, name, data=data)
         sep = "/" if name == "0.4" else "/c/"
         empty, full = f"{out}/0{sep}0/0/0", f"{out}/0{sep}2/2/2"
-        os.unlink(empty)
+        assert not os.path.exists(empty) and os.path.exists(full)  # the writer left the all-fill chunk out
         report = verify_output(out, (h5, "/volume/data"))
-        if name == "0.5":
-            assert report.ok, report.problems  # absent and all fill: legitimate
-        else:
-            assert report.bad_units == [(0, "0/0/0")] and "missing" in " ".join(report.problems)
-        os.unlink(full)
+        assert report.ok and verify_output(out).ok, report.problems  # absent and all fill: legitimate
+        os.unlink(full)  # negative control: a chunk that held data
         plain = verify_output(out)
         compared = verify_output(out, (h5, "/volume/data"))
         key = "2/2/2" if name == "0.4" else "c/2/2/2"
         assert (0, key) in compared.bad_units  # absent, but the source says it held data
-        assert plain.ok == (name == "0.5")  # only the sidecar knows, without the source, that it was written
+        assert not plain.ok and (0, key) in plain.bad_units, plain.problems  # one absent unit more than recorded
 
 
 def _sidecars(out: str) -> dict[str, bytes]:

@@ -144,3 +144,13 @@ def read_slab(path: str, dataset: str, cache_bytes: int, region: tuple[slice, ..
 
 def _fmt(region: tuple[slice, ...]) -> str:
     return "[" + ", ".join(f"{r.start}:{r.stop}" for r in region) + "]"
+
+
+def close_all() -> None:
+    """Close every cached HDF5 file of this process (tests that rewrite a file they have read)."""
+    for ds in _open.values():
+        try:
+            ds.file.close()
+        except Exception:  # a file already closed by h5py at shutdown: nothing left to release
+            pass
+    _open.clear()
