@@ -97,7 +97,7 @@ def object_marker(store: Store) -> dict[str, Any] | None:
     for name in ("zarr.json", ".zattrs"):
         try:
             doc = json.loads(store.get(name))
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, OSError):  # absent, not JSON, or unreadable: not a finished output
             continue
         attrs = doc.get("attributes", {}) if name == "zarr.json" else doc
         marker = attrs.get("h5ngff") if isinstance(attrs, dict) else None

@@ -124,20 +124,9 @@ def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> 
 
 
 def completion_marker(path: str, storage_options: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """The ``h5ngff`` root attribute of a finished output (None if absent or unfinished)."""
-    if is_url(path):
-        return object_marker(open_store(path, storage_options))
-    for name in ("zarr.json", ".zattrs"):
-        try:
-            with open(os.path.join(path, name)) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            continue
-        attrs = doc.get("attributes", {}) if name == "zarr.json" else doc
-        marker = attrs.get("h5ngff") if isinstance(attrs, dict) else None
-        if isinstance(marker, dict) and marker.get("complete"):
-            return marker
-    return None
+    """The ``h5ngff`` root attribute of a finished output (None if absent or unfinished), read
+    through the output's store: a directory or a bucket prefix alike."""
+    return object_marker(open_store(path, storage_options))
 
 
 def _is_empty_dir(path: str) -> bool:
