@@ -146,10 +146,11 @@ def zarr_root(path: str, storage_options: dict[str, str] | None = None) -> Any:
     credentials), read-only."""
     if not is_url(path):
         return path
-    from zarr.storage import ObjectStore
+    from .stores.s3 import S3Store
 
     store = open_store(path, storage_options or {})
-    return ObjectStore(store._store, read_only=True)  # type: ignore[attr-defined]
+    assert isinstance(store, S3Store)  # the one object store open_store makes for a URL
+    return store.as_zarr_store()
 
 
 def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Callable[[], None] | None = None,

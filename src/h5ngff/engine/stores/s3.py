@@ -91,6 +91,14 @@ class S3Store:
         except obx.BaseError as exc:
             raise SpecError("output.storageOptions", f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {exc}") from None
 
+    def as_zarr_store(self) -> Any:
+        """zarr-python's read-only view of the same prefix, over this client (same endpoint,
+        credentials and options): what verify reads through, so it shares no code with the writer
+        beyond the connection."""
+        from zarr.storage import ObjectStore
+
+        return ObjectStore(self._store, read_only=True)
+
     @classmethod
     def from_url(cls, url: str, options: dict[str, Any]) -> "S3Store":
         scheme, _, rest = url.partition("://")
