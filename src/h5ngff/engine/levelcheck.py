@@ -144,7 +144,7 @@ class LevelComparison:
         try:
             if (layout.level, key) in self.broken:
                 return  # its file is missing or its shard index broken: said once, not per inner chunk
-            if layout.missing(unit) or (not _all_fill(expected, layout.fill_value) and not layout.exists(unit)):
+            if layout.missing(unit):
                 return self._bad(layout.level, key, "missing.", broken=True)
             try:
                 # An absent chunk of a finished output reads as the fill value (a skipped all-fill
@@ -156,6 +156,11 @@ class LevelComparison:
                     return
                 # A Zarr v2 file that fails its sidecar CRC may still decode: say how it differs too.
                 stored = layout.read_chunk(chunk, check=False)
+            # Only a chunk that reads as the fill value everywhere can be absent, so the store is
+            # asked (a stat, or a HEAD on a bucket) for those alone, not for every chunk compared.
+            if (not _all_fill(expected, layout.fill_value) and _reads_as_fill(stored, layout.fill_value)
+                    and not layout.exists(unit)):
+                return self._bad(layout.level, key, "missing.", broken=True)
             self._differences(layout, key, chunk, region, stored, expected)
         finally:
             if self.on_chunk:
@@ -209,6 +214,12 @@ def _all_fill(expected: np.ndarray, fill) -> bool:
     leaves such a chunk out (only for a zero fill value), so its absence is legitimate. Written
     here, not imported from the writer, so that verify shares no code with what it checks."""
     return not fill and not np.ascontiguousarray(expected).view(np.uint8).any()
+
+
+def _reads_as_fill(stored: np.ndarray, fill) -> bool:
+    """Whether a decoded chunk is the fill value everywhere (NaN fill included), as an absent
+    chunk reads."""
+    return np.array_equal(stored, np.full_like(stored, fill), equal_nan=np.issubdtype(stored.dtype, np.inexact))
 
 
 def _chunk_region(layout, chunk: tuple[int, ...]) -> tuple[slice, ...]:
