@@ -9,6 +9,7 @@ nanny: they carried the harness's imports."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -68,3 +69,57 @@ def test_workers_do_not_import_the_callers_main_module(tmp_path):
 def test_negative_control_without_the_guard_workers_import_the_callers_main(tmp_path):
     result = _run_caller(tmp_path, "negative-control")
     assert result["in_workers"] == [True, True]
+
+
+#: A spawned worker-like child (the same spawn path as the nanny's: the real guard, so the child
+#: runs ``worker_main`` as its main module) whose exit must keep its code and its unflushed output.
+EXITER = textwrap.dedent("""
+    import json, multiprocessing, sys
+    sys.path.insert(0, sys.argv[1])
+    import exit_targets
+    from h5ngff.backends import local
+
+    if __name__ == "__main__":
+        codes = {}
+        with local.workers_skip_main_module():
+            ctx = multiprocessing.get_context("spawn")
+            for name in ("returns", "exits_3", "raises", "hard_exit_unflushed"):
+                p = ctx.Process(target=getattr(exit_targets, name))
+                p.start()
+                p.join(60)
+                codes[name] = p.exitcode
+        sys.stdout.write("\\n" + json.dumps(codes) + "\\n")
+""")
+
+EXIT_TARGETS = textwrap.dedent("""
+    import os, sys
+
+    def returns():
+        sys.stdout.write("tail-of-returns")  # no newline: still in the buffer at exit
+
+    def exits_3():
+        sys.stdout.write("tail-of-exits_3")
+        sys.exit(3)
+
+    def raises():
+        raise RuntimeError("boom")
+
+    def hard_exit_unflushed():  # the control: leaving by os._exit without a flush loses the tail
+        sys.stdout.write("tail-of-hard-exit")
+        os._exit(0)
+""")
+
+
+def test_spawned_workers_exit_fast_with_their_code_and_output(tmp_path):
+    (tmp_path / "exit_targets.py").write_text(EXIT_TARGETS)
+    script = tmp_path / "exiter.py"
+    script.write_text(EXITER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as in a user's shell
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert codes == {"returns": 0, "exits_3": 3, "raises": 1, "hard_exit_unflushed": 0}
+    assert "tail-of-returns" in proc.stdout and "tail-of-exits_3" in proc.stdout
+    assert "RuntimeError: boom" in proc.stderr
+    # Negative control: a child that skips the flush loses its tail, so the check above can fail.
+    assert "tail-of-hard-exit" not in proc.stdout
