@@ -24,9 +24,9 @@ if __name__ == "__mp_main__":
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    _bootstrap = BaseProcess._bootstrap
+    _bootstrap = BaseProcess._bootstrap  # type: ignore[attr-defined]  # private, stable since Python 3.4
 
     def _bootstrap_then_exit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         os._exit(_bootstrap(self, *args, **kwargs))
 
-    BaseProcess._bootstrap = _bootstrap_then_exit  # type: ignore[method-assign]
+    BaseProcess._bootstrap = _bootstrap_then_exit  # type: ignore[attr-defined]
