@@ -119,10 +119,12 @@ def _endpoint(session, scoped: dict[str, Any]) -> str | None:
 
 
 def _files_and_profiles(session) -> str:
+    import botocore.exceptions
+
     files = " and ".join(f"{path}{'' if os.path.exists(path) else ' (missing)'}" for path in shared_files())
     try:
         names = sorted(session.available_profiles)
-    except Exception:  # an unreadable file: the message still names the files
+    except botocore.exceptions.BotoCoreError:  # a file that does not parse: the message still names the files
         names = []
     return f"{files} (profiles there: {', '.join(names) if names else 'none'})"
 
