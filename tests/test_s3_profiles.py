@@ -86,12 +86,15 @@ def test_a_profile_in_the_aws_files_writes_through_its_endpoint(source, s3, aws_
     bucket = s3.new_bucket()
     url = f"s3://{bucket}/by-profile.ome.zarr"
     if how == "AWS_PROFILE":
-        proc = convert(h5, url, scrubbed_env(aws_files, AWS_PROFILE="moto", AWS_ALLOW_HTTP="true"))
+        env, flags = scrubbed_env(aws_files, AWS_PROFILE="moto", AWS_ALLOW_HTTP="true"), []
     else:
-        proc = convert(h5, url, scrubbed_env(aws_files), "--storage-option", "profile=moto", "--storage-option", "allow_http=true")
+        env, flags = scrubbed_env(aws_files), ["--storage-option", "profile=moto", "--storage-option", "allow_http=true"]
+    proc = convert(h5, url, env, *flags)
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(read_back(s3, url), data)
-    assert "h5ngff-test-secret" not in proc.stdout + proc.stderr
+    verify = subprocess.run(CLI + ["verify", url, "--source", f"{h5}:/volume/data", *flags], capture_output=True, text=True, env=env, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "h5ngff-test-secret" not in proc.stdout + proc.stderr + verify.stdout + verify.stderr
 
 
 def test_without_the_profile_the_same_run_has_no_credentials_and_writes_nothing(source, s3, aws_files):

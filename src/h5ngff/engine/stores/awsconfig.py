@@ -62,7 +62,7 @@ def profile_origin(profile: str | None, env: Mapping[str, str] = os.environ) -> 
     for var in _PROFILE_VARIABLES:
         if env.get(var):
             return env[var], var
-    return None, "no profile named: 'default'"
+    return None, "no AWS_PROFILE set"
 
 
 def needs_botocore(profile: str | None, env: Mapping[str, str] = os.environ) -> bool:
