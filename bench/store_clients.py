@@ -4,6 +4,7 @@ server, in one run, with the same thread count as a worker's slab threads.
 
     .venv/bin/python bench/store_clients.py [--objects 96] [--size-mib 1] [--threads 2]
     .venv/bin/python bench/store_clients.py --memory   # RSS of h5ngff's S3 store (obstore) per process
+    .venv/bin/python bench/store_clients.py --memory --profile   # the same, configured by an AWS profile (+ botocore)
 
 Prints one line per client: seconds, MiB/s and peak RSS growth. moto is a Python server on the
 same 2 cores, so absolute figures are moto's; the ratio between clients is what decides.
@@ -68,8 +69,10 @@ def rss_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def memory(endpoint: str, threads: int) -> None:
-    """RSS that h5ngff's S3 store adds to a process that already has a worker's imports."""
+def memory(endpoint: str, threads: int, profile: bool = False) -> None:
+    """RSS that h5ngff's S3 store adds to a process that already has a worker's imports; with
+    ``profile``, configured by an AWS profile in shared files (botocore reads them)."""
+    import tempfile
     import threading
 
     import dask  # noqa: F401 - the worker's own imports come first, they are not the client's
@@ -81,7 +84,16 @@ def memory(endpoint: str, threads: int) -> None:
     before = rss_mib()
     from h5ngff.engine.stores import open_store
 
-    store = open_store("s3://bench/memory", {"endpoint": endpoint, "allow_http": "true", "region": "us-east-1"})
+    options = {"endpoint": endpoint, "allow_http": "true", "region": "us-east-1"}
+    if profile:  # the endpoint, region and keys from a profile: botocore is imported and read
+        d = tempfile.mkdtemp()
+        with open(os.path.join(d, "config"), "w") as f:
+            f.write(f"[profile bench]\nregion = us-east-1\nendpoint_url = {endpoint}\n")
+        with open(os.path.join(d, "credentials"), "w") as f:
+            f.write("[bench]\naws_access_key_id = bench\naws_secret_access_key = bench\n")
+        os.environ.update(AWS_CONFIG_FILE=os.path.join(d, "config"), AWS_SHARED_CREDENTIALS_FILE=os.path.join(d, "credentials"))
+        options = {"profile": "bench", "allow_http": "true"}
+    store = open_store("s3://bench/memory", options)
     opened = rss_mib()
     data = os.urandom(2**20)
     workers = [threading.Thread(target=lambda i=i: [store.put(f"{threads}/{i}/{k}", data) for k in range(40)]) for i in range(threads)]
@@ -89,21 +101,22 @@ def memory(endpoint: str, threads: int) -> None:
         t.start()
     for t in workers:
         t.join()
-    print(f"{threads} writer thread(s): import + client {opened - before:.1f} MiB, after 40 x 1 MiB PUTs each {rss_mib() - before:.1f} MiB, "
+    print(f"{'profile, ' if profile else ''}{threads} writer thread(s): import + client {opened - before:.1f} MiB, after 40 x 1 MiB PUTs each {rss_mib() - before:.1f} MiB, "
           f"OS threads {len(os.listdir('/proc/self/task'))}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--memory", action="store_true", help="Measure the RSS of h5ngff's S3 store instead (1, 2 and 4 writer threads).")
-    ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="With --memory: configure the store by an AWS profile in shared files (botocore).")
+    ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--objects", type=int, default=96)
     ap.add_argument("--size-mib", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     if args.memory_child:
-        return memory(args.memory_child[0], int(args.memory_child[1]))
+        return memory(args.memory_child[0], int(args.memory_child[1]), args.memory_child[2] == "profile")
     import subprocess
     import sys
 
@@ -124,7 +137,8 @@ def main() -> None:
         if args.memory:
             src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
             for threads in (1, 2, 4):  # a fresh process each: RSS only grows
-                subprocess.run([sys.executable, __file__, "--memory-child", endpoint, str(threads)], check=True, env={**os.environ, "PYTHONPATH": src})
+                subprocess.run([sys.executable, __file__, "--memory-child", endpoint, str(threads), "profile" if args.profile else "env"], check=True,
+                               env={**os.environ, "PYTHONPATH": src})
             return
         data = os.urandom(int(args.size_mib * 2**20))
         clients = {"obstore": obstore_put, "s3fs": s3fs_put, "botocore": botocore_put}

@@ -107,6 +107,19 @@ VALID = {
     "volume without type": edit("pod.volumes", [{"name": "data"}]),
     "no mounts": edit("pod.volumeMounts", []),
     "backoff 0": edit("backoffLimit", 0),
+    # --- output and source paths (issue 14) ---
+    "output s3": edit("output.path", "s3://bucket/prefix/out.ome.zarr"),
+    "output S3 upper-case": edit("output.path", "S3://bucket/out.ome.zarr"),
+    "output relative path": edit("output.path", "out.ome.zarr"),
+    "output path with a colon": edit("output.path", "out:1.ome.zarr"),
+    "output path with :// inside": edit("output.path", "/data/a://b"),
+    "output s3 with storage options": edit("output", {"path": "s3://b/x", "storageOptions": {"profile": "lab", "endpoint": "http://minio:9000"}}),
+    "output local, empty storage options": edit("output.storageOptions", {}),
+    "output s3 ngff 0.4 without checksums": edit("output", {"path": "s3://b/x", "ngffVersion": "0.4"}),
+    "output s3 ngff 0.4 checksums false": edit("output", {"path": "s3://b/x", "ngffVersion": "0.4", "checksums": False}),
+    "output local ngff 0.4 checksums": edit("output", {"path": "/data/o", "ngffVersion": "0.4", "checksums": True}),
+    "source relative path": edit("source.path", "data/in.h5"),
+    "source path 4096": edit("source.path", "/" + "a" * 4095),
 }
 
 INVALID = {
@@ -193,6 +206,19 @@ INVALID = {
     "overwrite number": edit("output.overwrite", 2),
     "units unknown, no axes": no_axes(image={"units": ["micron"]}),
     "workers bool": edit("resources.workers", True),
+    # --- output and source paths (issue 14) ---
+    "output gs": edit("output.path", "gs://bucket/out.ome.zarr"),
+    "output http": edit("output.path", "http://minio:9000/bucket/out.ome.zarr"),
+    "output https": edit("output.path", "https://bucket.s3.amazonaws.com/out.ome.zarr"),
+    "output file": edit("output.path", "file:///data/out.ome.zarr"),
+    "output s3a": edit("output.path", "s3a://bucket/out.ome.zarr"),
+    "output path too long": edit("output.path", "/" + "a" * 4096),
+    "output storage options with a local path": edit("output.storageOptions", {"profile": "lab"}),
+    "output s3 ngff 0.4 with checksums": edit("output", {"path": "s3://b/x", "ngffVersion": "0.4", "checksums": True}),
+    "source s3": edit("source.path", "s3://bucket/in.h5"),
+    "source https": edit("source.path", "https://example.org/in.h5"),
+    "source file": edit("source.path", "file:///data/in.h5"),
+    "source path too long": edit("source.path", "/" + "a" * 4096),
 }
 
 #: Where the model is laxer than the API server, on purpose: it reads YAML files for `h5ngff
@@ -282,7 +308,8 @@ def disagreements(model_verdicts, failures, schema: dict, dropped_cel: set[str] 
 def test_without_cel_the_crd_admits_what_the_model_refuses(model_verdicts, failures, schema):
     found = disagreements(model_verdicts, failures, schema, dropped_cel=None)
     assert {"workers 0", "levels -1", "memory too small string", "both budgets", "shards not multiple", "chunks vs axes",
-            "mount of no volume", "clevel with none"} <= found
+            "mount of no volume", "clevel with none", "output gs", "output http", "output file", "source s3",
+            "output storage options with a local path", "output s3 ngff 0.4 with checksums"} <= found
 
 
 def test_without_the_added_openapi_keys_the_crd_admits_what_the_model_refuses(model_verdicts, failures):
@@ -321,6 +348,8 @@ def test_lists_and_strings_cel_iterates_are_bounded(schema):
         assert admission.node_at(schema, path)["maxItems"] == admission.MAX_AXES, path
     for path in ("image.axes", "pyramid.axes", "resources.memoryPerWorker", "resources.memoryTotal"):
         assert admission.node_at(schema, path)["maxLength"] <= 64, path
+    for path in ("source.path", "output.path"):  # matched by the URL-scheme rules
+        assert admission.node_at(schema, path)["maxLength"] == 4096, path
     assert admission.node_at(schema, "image.units")["items"]["maxLength"] <= 16
     assert pod["volumes"]["items"]["properties"]["name"]["maxLength"] == pod["volumeMounts"]["items"]["properties"]["name"]["maxLength"] == 63
 

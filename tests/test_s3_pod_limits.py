@@ -1,6 +1,8 @@
 """Writing to an object store under enforced pod limits (memory cgroups at the planned pod limit,
 as kubelet enforces them) stays under the plan, whose network-path terms (client, upload
-buffers) are needed: the same run measured against the plan without them goes over."""
+buffers) are needed: the same run measured against the plan without them goes over. The store
+is configured by an AWS profile, so every worker also imports botocore to read it: the costlier
+of the two ways a worker builds its client, and the one the client term is sized for."""
 
 from __future__ import annotations
 
@@ -11,15 +13,23 @@ import pytest
 from conftest import requires_cgroups, spec_for, write_h5
 from h5ngff.backends.local import LocalBackend
 from h5ngff.runner import plan_job, run_job
+from s3_server import CREDENTIALS
 
 pytestmark = [requires_cgroups, pytest.mark.cgroup]
 
 
-def test_a_run_to_the_endpoint_under_pod_limits_stays_under_the_plan(s3, tmp_path):
+def test_a_run_to_the_endpoint_under_pod_limits_stays_under_the_plan(s3, tmp_path, monkeypatch):
     data = np.random.default_rng(5).standard_normal((64, 256, 256)).astype("float32")  # incompressible: full-size chunks
     h5 = write_h5(tmp_path / "in.h5", data)
     url = f"s3://{s3.new_bucket()}/pod.ome.zarr"
-    spec = spec_for(h5, url, output={"chunks": [64, 64, 64], "storageOptions": s3.options()}, pyramid={"levels": 2},
+    # The workers inherit this environment: they read the profile themselves (engine/stores/awsconfig.py).
+    (tmp_path / "config").write_text(f"[profile pods]\nregion = {CREDENTIALS['region']}\nendpoint_url = {s3.url}\n")
+    (tmp_path / "credentials").write_text(f"[pods]\naws_access_key_id = {CREDENTIALS['access_key_id']}\n"
+                                          f"aws_secret_access_key = {CREDENTIALS['secret_access_key']}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    options = {"profile": "pods", "allow_http": "true"}
+    spec = spec_for(h5, url, output={"chunks": [64, 64, 64], "storageOptions": options}, pyramid={"levels": 2},
                     resources={"workers": 2, "slab": [64, 128, 256]})
     backend = LocalBackend(enforce_pod_limits=True)
     job = plan_job(spec, backend)

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from . import __version__
 from .cliargs import SuggestingParser, add_backend_flags, add_spec_flags, backend_from_args, constants_from_args, merge, spec_overrides, split_source
@@ -287,8 +288,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         return args.func(args, console)
     except H5ngffError as exc:
         if not as_json:
-            # soft_wrap: one line per message, so grep and logs see it whole.
-            errors.print(f"[red]error[/red] ({exc.reason}): {exc}", highlight=False, soft_wrap=True)
+            # soft_wrap: one line per message, so grep and logs see it whole. Escaped: a message
+            # quoting "[profile x]" or a list must not be read as rich markup and vanish.
+            errors.print(f"[red]error[/red] ({exc.reason}): {escape(str(exc))}", highlight=False, soft_wrap=True)
         elif exc.summary is not None:
             # The failed run's figures (per-worker peaks, cgroup peaks, OOM kills, restarts) too.
             print(json.dumps(exc.summary.to_dict(), indent=1, default=str))

@@ -116,6 +116,11 @@ class OutputError(H5ngffError, OSError):
     exit_code = ExitCode.OUTPUT_REFUSED
 
 
+class CredentialsError(OutputError):
+    """An object-store output's AWS configuration names a profile that does not exist, is broken,
+    or yields no credentials: refused before anything is read or written (engine/stores/awsconfig)."""
+
+
 class OutputConflictError(OutputError, FileExistsError):
     """The output exists and is not a resumable h5ngff output of the same spec."""
 

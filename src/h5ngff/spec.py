@@ -56,7 +56,12 @@ LEVEL_RANGES = {"blosc": (0, 9), "zstd": (1, 22), "gzip": (1, 9)}
 
 #: URL schemes an output path may carry; a path without ``scheme://`` is a local directory.
 OUTPUT_SCHEMES: tuple[str, ...] = ("s3",)
+#: What makes a path a URL (RFC 3986's scheme, then ``://``); the CRD's CEL rules use the same
+#: regex (operator/admission.py), so the API server and the model agree on what a URL is.
+URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: Longest source.path and output.path accepted (Linux's PATH_MAX); bounds the CRD's CEL cost.
+MAX_PATH_LENGTH = 4096
 
 
 def url_scheme(path: str) -> str | None:
@@ -73,6 +78,16 @@ def parse_output_path(path: str) -> str:
         known = " or ".join(f"'{s}://'" for s in OUTPUT_SCHEMES)
         expected = f"a local directory or a {known} URL" if known else "a local directory (no URL scheme is supported)"
         raise ValueError(f"Expected {expected}. Got {path!r} instead ({scheme}:// is not supported; nothing was written).")
+    return path
+
+
+def parse_source_path(path: str) -> str:
+    """Refuse a URL as the source: HDF5 is read from a filesystem the workers see, and a URL
+    would otherwise fail later, on a worker, as a file that does not exist."""
+    scheme = url_scheme(path)
+    if scheme is not None:
+        raise ValueError(f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead "
+                         f"({scheme}:// is not read: copy the file to a volume, or mount the bucket, and give its path).")
     return path
 
 
@@ -137,7 +152,7 @@ def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
 class SourceSpec(_Model):
     """The HDF5 input: one dataset, several stacked, or a container (Imaris, BigDataViewer). See docs/formats.md."""
 
-    path: str = Field(min_length=1, description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it.")
+    path: str = Field(min_length=1, max_length=MAX_PATH_LENGTH, description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it; not a URL.")
     dataset: str = Field(
         min_length=1,
         description="Path of the dataset inside the file, e.g. /volume/data; several to stack: /ch{0..2}, /a,/b or a glob /ch*; / for a whole Imaris or BigDataViewer file.",
@@ -147,6 +162,11 @@ class SourceSpec(_Model):
     tile: Int | None = Field(None, ge=0, description="BigDataViewer: the tile to convert when the file holds several.")
     angle: Int | None = Field(None, ge=0, description="BigDataViewer: the angle to convert when the file holds several.")
     illumination: Int | None = Field(None, ge=0, description="BigDataViewer: the illumination to convert when the file holds several.")
+
+    @field_validator("path")
+    @classmethod
+    def _not_a_url(cls, v: str) -> str:
+        return parse_source_path(v)
 
     @field_validator("stack")
     @classmethod
@@ -209,7 +229,7 @@ class CompressorSpec(_Model):
 class OutputSpec(_Model):
     """The OME-Zarr output."""
 
-    path: str = Field(min_length=1, description="Output directory, conventionally ending in .ome.zarr, or an s3://bucket/prefix URL (docs/engine.md, Stores).")
+    path: str = Field(min_length=1, max_length=MAX_PATH_LENGTH, description="Output directory, conventionally ending in .ome.zarr, or an s3://bucket/prefix URL (docs/engine.md, Stores).")
     ngff_version: Literal["0.4", "0.5"] = Field("0.5", description="0.5 writes Zarr v3 (default); 0.4 writes Zarr v2.")
     chunks: list[Int] | None = Field(None, description="Chunk shape, one entry per axis. Default: 64 per spatial axis in 3-D, 256 in 2-D, 1 for t and c.")
     shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
@@ -217,7 +237,7 @@ class OutputSpec(_Model):
     overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
     checksums: bool = Field(True, description="A CRC32C per chunk file: NGFF 0.5 writes the Zarr v3 crc32c codec, 0.4 a sidecar (.h5ngff-checksums/, local outputs only); h5ngff verify checks them.")
     storage_options: dict[str, str] | None = Field(
-        None, description="Object store options for an s3:// path, e.g. endpoint, region, allow_http. Credentials belong in the environment (a Secret), not here.")
+        None, description="Object store options for an s3:// path, e.g. profile, endpoint, region, allow_http. Credentials belong in the environment (a Secret), not here.")
 
     @field_validator("path")
     @classmethod

@@ -23,7 +23,7 @@ from itertools import permutations
 from typing import Any
 
 from ..jobspec import MAX_VOLUME_NAME, MAX_VOLUMES
-from ..spec import MAX_AXES, MAX_QUANTITY_LENGTH, SPACE_UNITS, TIME_UNITS
+from ..spec import MAX_AXES, MAX_QUANTITY_LENGTH, OUTPUT_SCHEMES, SPACE_UNITS, TIME_UNITS, URL_PATTERN
 
 MiB64 = 64 << 20
 
@@ -128,6 +128,20 @@ def _shard_multiple_rule() -> CelRule:
                    "output.shards must be a multiple of output.chunks on every axis", ".shards", why="OutputSpec._shards_need_v3")
 
 
+def _any_case(text: str) -> str:
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in text)
+
+
+def _output_scheme_rule() -> CelRule:
+    """parse_output_path: a URL's scheme (case-insensitive, as url_scheme lower-cases) must be one
+    a store handles; a path without ``scheme://`` is a local directory."""
+    known = "|".join(_any_case(s) for s in OUTPUT_SCHEMES)
+    schemes = " or ".join(f"an {s}://" for s in OUTPUT_SCHEMES)
+    return CelRule("output.path", f"!self.matches('{URL_PATTERN}') || self.matches('^({known})://')",
+                   f"output.path must be a local directory or {schemes} URL (gs://, http://, file:// and other schemes are not supported)",
+                   why="OutputSpec._known_scheme (parse_output_path)")
+
+
 def _positive_axis_list(path: str, why: str) -> SchemaRule:
     return SchemaRule(path, {"minItems": 1, "maxItems": MAX_AXES, "items": {"minimum": 1}}, why)
 
@@ -191,6 +205,16 @@ CEL_RULES: tuple[CelRule, ...] = (
                 "(!self.pyramid.axes.contains('y') || self.image.axes.matches('[yY]')) && "
                 "(!self.pyramid.axes.contains('x') || self.image.axes.matches('[xX]')))",
             "pyramid.axes must be axes of image.axes", ".pyramid.axes", why="planner: resolve_downsampled"),
+    _output_scheme_rule(),
+    CelRule("source.path", f"!self.matches('{URL_PATTERN}')",
+            "source.path must be a path to the HDF5 file as the workers see it, not a URL (mount the data on a volume)",
+            why="SourceSpec._not_a_url (parse_source_path)"),
+    CelRule("output", f"!has(self.storageOptions) || size(self.storageOptions) == 0 || self.path.matches('{URL_PATTERN}')",
+            "output.storageOptions are only for an s3:// output.path", ".storageOptions", why="OutputSpec._options_need_a_url"),
+    CelRule("output", f"!has(self.checksums) || !self.checksums || !has(self.ngffVersion) || self.ngffVersion != '0.4' || "
+                      f"!self.path.matches('{URL_PATTERN}')",
+            "output.checksums with ngffVersion '0.4' need a local output.path (their sidecar is a directory): use ngffVersion '0.5' "
+            "or checksums: false", ".checksums", why="OutputSpec._sidecar_needs_a_directory"),
     CelRule("pod", "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == m.name))",
             "every pod.volumeMounts entry must name one of pod.volumes", ".volumeMounts", why="PodSettings._mounts_name_volumes"),
 )

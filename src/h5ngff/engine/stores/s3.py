@@ -1,10 +1,11 @@
 """An S3-compatible bucket as a Store, through obstore (Rust's object_store; chosen by measurement,
 docs/engine.md "Choosing the S3 client").
 
-Credentials, region and endpoint come from the standard AWS environment (``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
-``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``), overridden by storage options (spec
-``output.storageOptions``, CLI ``--storage-option KEY=VALUE``).
+Credentials, region and endpoint come from the standard AWS chain: storage options (spec
+``output.storageOptions``, CLI ``--storage-option KEY=VALUE``) first, then the environment
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``), then a profile
+of the shared AWS files (``awsconfig``: ``AWS_PROFILE`` or the ``profile`` option).
 
 obstore's own retries are switched off: ``base.retrying`` retries here, so every retry is counted
 (h5ngff_store_retries_total) and a permanent error (403, no such bucket) is never retried.
@@ -23,6 +24,7 @@ from obstore import exceptions as obx
 from obstore.store import S3Store as _ObS3Store
 
 from ...errors import OutputError, SpecError
+from .awsconfig import resolve_chain
 from .base import RetryPolicy, TransientStoreError, retrying
 
 #: Options of the HTTP client rather than of S3 (obstore's ClientConfig).
@@ -30,7 +32,8 @@ CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "t
 #: Our own options: when to switch to a multipart upload, and its part size.
 OWN_KEYS = {"multipart_threshold", "part_size", "retries"}
 #: Friendly aliases (the names s3fs and the AWS CLI use) -> obstore's keys.
-ALIASES = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint", "region_name": "region", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token"}
+ALIASES = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint", "region_name": "region", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
+           "aws_profile": "profile"}
 #: Objects above this many bytes go up as a multipart upload (S3 caps one PUT at 5 GiB; parts
 #: let a large shard's upload be retried part by part instead of whole).
 MULTIPART_THRESHOLD = 64 * 2**20
@@ -71,6 +74,31 @@ def _env_client_options() -> dict[str, Any]:
     return {"allow_http": True} if allow.lower() in ("1", "true", "yes") else {}
 
 
+def _with_aws_chain(root: str, config: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(obstore's S3 config, its credential provider or None): the explicit options, completed by
+    the environment and the shared AWS files (awsconfig). Explicit options always win."""
+    config = dict(config)
+    profile = config.pop("profile", None)
+    chain = resolve_chain(root, config, profile)
+    if chain is None:  # no profile, no shared files: obstore reads the environment itself
+        env_endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if "endpoint" not in config and env_endpoint:
+            config["endpoint"] = env_endpoint
+        return config, None
+    for key, value in (("region", chain.region), ("endpoint", chain.endpoint)):
+        if value and key not in config:
+            config[key] = value
+    return config, chain.credentials
+
+
+def _refuse_plain_http(endpoint: str | None, client: dict[str, Any]) -> None:
+    # obstore refuses an http:// endpoint only when it sends a request, as a "builder error" that
+    # reads like a network fault (and would be retried): say what to change before any work.
+    if endpoint and str(endpoint).lower().startswith("http://") and not client.get("allow_http"):
+        raise SpecError("output.storageOptions", f"Expected allow_http with the plain-http endpoint {endpoint!r}. Got no allow_http instead: "
+                                                 "export AWS_ALLOW_HTTP=true or pass --storage-option allow_http=true (storageOptions.allow_http: \"true\").")
+
+
 class S3Store:
     def __init__(self, bucket: str, prefix: str, options: dict[str, Any] | None = None):
         self.bucket = bucket
@@ -81,13 +109,13 @@ class S3Store:
         self.part_size = max(5 * 2**20, own.get("part_size", PART_SIZE))
         self.policy = RetryPolicy(attempts=own.get("retries", RetryPolicy.attempts))
         client = {**_env_client_options(), "connect_timeout": "5s", "timeout": "120s", **client}
-        if "endpoint" not in config and os.environ.get("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL")):
-            config["endpoint"] = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ["AWS_ENDPOINT_URL"]
+        config, provider = _with_aws_chain(self.root, config)
+        _refuse_plain_http(config.get("endpoint"), client)
         try:
             # The options are the user's KEY=VALUE strings: obstore checks them (raising the error
             # below), so the TypedDicts of its stubs cannot be met statically.
             self._store = _ObS3Store(bucket, prefix=self.prefix or None, config=config, client_options=client,  # type: ignore[arg-type]
-                                     retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)})
+                                     retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)}, credential_provider=provider)
         except obx.BaseError as exc:
             raise SpecError("output.storageOptions", f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {exc}") from None
 
