@@ -89,6 +89,13 @@ def same_as_source(url_or_path: str, source: str, endpoint: str) -> bool:
         return all(np.array_equal(level0[z : z + 64], ds[z : z + 64]) for z in range(0, ds.shape[0], 64))
 
 
+def _cpu_seconds(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=0.05)
@@ -127,9 +134,13 @@ def main() -> int:
                 "ngff-zarr -> s3": ([sys.executable, "-c", NGFF_ZARR_PEER, source, f"s3://bench/ngffzarr-{r}.ome.zarr"], f"s3://bench/ngffzarr-{r}.ome.zarr"),
             }
             for name, (argv, out) in runs.items():
+                before = _cpu_seconds(moto.pid)
                 times[name].append(timed(argv, env))
+                # The loopback server is one Python process on the same cores as the writer: the
+                # CPU it spends serving the run is taken from the writer's workers.
+                server = _cpu_seconds(moto.pid) - before
                 exact[name] = exact.get(name, True) and same_as_source(out, source, endpoint)
-                print(f"round {r + 1}: {name:16s} {times[name][-1]:6.2f} s  exact={exact[name]}", flush=True)
+                print(f"round {r + 1}: {name:16s} {times[name][-1]:6.2f} s  exact={exact[name]}  endpoint CPU {server:.1f} s", flush=True)
             shutil.rmtree(disk, ignore_errors=True)
     finally:
         moto.terminate()
