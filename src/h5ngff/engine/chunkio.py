@@ -340,10 +340,9 @@ def read_unit(layout: ArrayLayout, index: tuple[int, ...]) -> np.ndarray | None:
     return decode_unit(layout, data)
 
 
-def _shard_table(store: Store, key: str, layout: ArrayLayout, check_all: bool) -> tuple[np.ndarray, int] | None:
-    """A shard's index (inner grid + (offset, nbytes)) and the bytes before it, from one read of
-    its tail; None where the shard is not stored. ``check_all`` checks every entry lies inside the
-    data (a reader of many chunks); else the caller checks the one entry it uses."""
+def _shard_table(store: Store, key: str, layout: ArrayLayout) -> np.ndarray | None:
+    """A shard's checked index (inner grid + (offset, nbytes)) from one read of its tail; None
+    where the shard is not stored."""
     tail = shard_index_bytes(layout)
     try:
         raw, size = store.get_suffix(key, tail)
@@ -351,33 +350,7 @@ def _shard_table(store: Store, key: str, layout: ArrayLayout, check_all: bool) -
         return None
     if size < tail:
         raise ValueError(f"shard of {size} bytes is shorter than its index ({tail} bytes)")
-    if check_all:
-        return parse_shard_index(layout, raw, size - tail), size - tail
-    if google_crc32c.value(raw[:-4]).to_bytes(4, "little") != raw[-4:]:
-        raise ValueError("shard index checksum mismatch")
-    return np.frombuffer(raw[:-4], dtype="<u8").reshape(shard_grid(layout) + (2,)), size - tail
-
-
-def read_chunk(layout: ArrayLayout, chunk: tuple[int, ...]) -> np.ndarray | None:
-    """One chunk's decoded (padded) data, or None where it reads as the fill value: not stored,
-    or an empty slot in its shard. A shard's index is checked, then only this chunk's bytes are
-    read, so ``verify`` holds one chunk, never a whole shard."""
-    if layout.shards is None:
-        return read_unit(layout, chunk)
-    per_shard = shard_grid(layout)
-    shard = tuple(i // p for i, p in zip(chunk, per_shard))
-    inner = tuple(i % p for i, p in zip(chunk, per_shard))
-    store, key = layout.store(), layout.store_key(shard)
-    found = _shard_table(store, key, layout, check_all=False)
-    if found is None:
-        return None
-    table, data_bytes = found
-    offset, nbytes = (int(v) for v in table[inner])
-    if offset == int(_EMPTY):
-        return None
-    if offset + nbytes > data_bytes:
-        raise ValueError(f"inner chunk {inner} runs past the shard's data")
-    return decode_chunk(layout, next(store.get_ranges(key, [(offset, nbytes)])))
+    return parse_shard_index(layout, raw, size - tail)
 
 
 def read_region(layout: ArrayLayout, region: tuple[slice, ...]) -> np.ndarray:
@@ -409,11 +382,10 @@ def _read_shard_into(store: Store, layout: ArrayLayout, index: tuple[int, ...], 
     (which cost two decoded shards and the file per thread before, issue 18); a bucket fetches the
     ranges in one call (engine.stores.s3), at most the shard's bytes."""
     key = layout.store_key(index)
-    found = _shard_table(store, key, layout, check_all=True)
-    if found is None:
+    table = _shard_table(store, key, layout)
+    if table is None:
         out[...] = layout.fill_value
         return
-    table = found[0]
     assert layout.shards is not None
     origin = tuple(i * s for i, s in zip(index, layout.shards))
     first = tuple((r.start - o) // c for r, o, c in zip(region, origin, layout.chunks))
