@@ -70,7 +70,8 @@ def test_streamed_shards_round_trip_through_zarr_and_partial_reads(tmp_path):
 _MEASURE = """
 import math, sys
 import numpy as np
-from h5ngff.engine.chunkio import ArrayLayout, atomic_write, encode_chunk, write_block
+from h5ngff.engine.chunkio import ArrayLayout, encode_chunk, write_block
+from h5ngff.engine.stores import LocalStore
 from h5ngff.spec import CompressorSpec
 
 def status(key):
@@ -92,7 +93,7 @@ if mode == "streamed":
     write_block(layout, block, (0, 0, 0))
 else:  # the assembly this replaced: every encoded chunk kept until the shard is written whole
     pieces = [encode_chunk(layout, block[z : z + 32, y : y + 64, x : x + 64]) for z in range(0, 64, 32) for y in range(0, 256, 64) for x in range(0, 256, 64)]
-    atomic_write(folder + "/whole", pieces)
+    LocalStore(folder).put("whole", pieces)
 print(status("VmHWM:") - start)
 """
 

@@ -21,7 +21,9 @@ def store(request, tmp_path):
     from h5ngff.engine.stores.s3 import S3Store
 
     s3 = request.getfixturevalue("s3")
-    return S3Store(s3.new_bucket(), "pre/out.ome.zarr", s3.options())
+    store = S3Store(s3.new_bucket(), "pre/out.ome.zarr", s3.options())
+    store._test_options = tuple(sorted(s3.options().items()))  # what a level's layout carries
+    return store
 
 
 def test_put_get_size_list_and_overwrite(store):
@@ -43,6 +45,62 @@ def test_delete_prefix_removes_that_prefix_and_nothing_else(store, request):
     assert store.delete_prefix(".h5ngff/") == 1
     assert store.delete_prefix("0/") == 2
     assert store.list("") == {"1/c/0": 1, "zarr.json": 1}
+
+
+def test_ranged_reads_give_exact_bytes_and_the_size(store):
+    """A shard is read through its index: the tail with the object's size, then byte ranges."""
+    data = bytes(range(256)) * 40  # 10240 bytes, every offset distinguishable
+    store.put("0/c/0/0/0", data)
+    tail, size = store.get_suffix("0/c/0/0/0", 100)
+    assert (tail, size) == (data[-100:], len(data))
+    assert store.get_suffix("0/c/0/0/0", 20000) == (data, len(data))  # longer than the object: all of it
+    ranges = [(0, 1), (300, 17), (10000, 240), (5, 5)]
+    assert list(store.get_ranges("0/c/0/0/0", ranges)) == [data[s : s + n] for s, n in ranges]
+    with pytest.raises(KeyError):
+        store.get_suffix("0/c/9", 4)
+    with pytest.raises(KeyError):
+        list(store.get_ranges("0/c/9", [(0, 4)]))
+
+
+def test_a_writer_commits_on_a_clean_exit_and_drops_on_an_error(store):
+    with store.writer("0/c/1") as f:
+        f.write(b"ab")
+        f.writelines([b"c", b"d"])
+        assert f.tell() == 4
+        assert store.size("0/c/1") is None  # nothing visible before the block exits
+    assert store.get("0/c/1") == b"abcd"
+    with pytest.raises(RuntimeError):
+        with store.writer("0/c/1") as f:
+            f.write(b"half")
+            raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError):
+        with store.writer("0/c/2", sync=True) as f:
+            f.write(b"half")
+            raise RuntimeError("killed mid-write")
+    assert store.get("0/c/1") == b"abcd" and store.size("0/c/2") is None
+    assert store.list("") == {"0/c/1": 4}  # no temporary left behind
+    assert store.put("zarr.json", b"{}", sync=True) == 2 and store.get("zarr.json") == b"{}"
+
+
+def test_delete_removes_one_key_not_its_siblings(store):
+    for key in ("0/c/1", "0/c/10", "0/c/1x"):
+        store.put(key, b"1")
+    store.delete("0/c/1")
+    store.delete("0/c/404")  # missing: no error
+    assert store.list("") == {"0/c/10": 1, "0/c/1x": 1}
+
+
+def test_sweep_removes_only_what_a_killed_writer_left(tmp_path):
+    """A writer killed between its write and its rename leaves a temporary file; sweep removes
+    those and nothing else. Control: before the sweep, the file is there."""
+    from h5ngff.engine.stores.local import TMP_MARK
+
+    store = LocalStore(str(tmp_path / "out"))
+    store.put("0/c/0", b"kept")
+    left = tmp_path / "out" / "0" / "c" / f".1{TMP_MARK}0123456789ab"
+    left.write_bytes(b"half")
+    assert store.sweep() == 1 and not left.exists() and store.list("") == {"0/c/0": 4}
+    assert store.sweep() == 0
 
 
 def test_a_sibling_prefix_with_the_same_start_is_not_ours(s3):
@@ -117,3 +175,31 @@ def test_multipart_uploads_are_completed_or_aborted_never_left_half(s3):
     # Control: an upload that nobody aborts is listed, so the empty list above means something.
     s3.client().create_multipart_upload(Bucket=bucket, Key="out/left-open")
     assert [u["Key"] for u in s3.client().list_multipart_uploads(Bucket=bucket)["Uploads"]] == ["out/left-open"]
+
+
+def test_the_engine_writes_and_reads_a_sharded_level_through_either_store(store):
+    """chunkio's one path over both stores: shards streamed through ``writer``, read back through
+    their index with ranged reads (any region, the fill value where nothing is stored), and an
+    all-fill unit stored as nothing. Control: a shard whose index is damaged is refused."""
+    import numpy as np
+
+    from h5ngff.engine.chunkio import ArrayLayout, read_region, write_block
+    from h5ngff.spec import CompressorSpec
+
+    options = getattr(store, "_test_options", None)
+    shape, chunks, shards = (24, 40, 48), (8, 8, 16), (16, 16, 32)
+    layout = ArrayLayout(f"{store.root}/0", shape, chunks, shards, "<u2", 3, CompressorSpec(codec="zstd", clevel=3), 0, 0,
+                         storage_options=options, checksums=True)
+    data = (np.arange(np.prod(shape)) % 5000).reshape(shape).astype("<u2")
+    data[16:, :16, :32] = 0  # one shard all fill: not stored
+    written = dict(write_block(layout, data[:, :32], (0, 0, 0)))
+    assert written["c/1/0/0"] == 0 and store.size("0/c/1/0/0") is None and store.size("0/c/0/0/0") == written["c/0/0/0"]
+    expected = data.copy()
+    expected[:, 32:] = 0  # never written: reads as the fill value
+    for region in [(slice(0, 24), slice(0, 40), slice(0, 48)), (slice(5, 19), slice(3, 37), slice(17, 47)), (slice(23, 24), slice(31, 33), slice(0, 1))]:
+        np.testing.assert_array_equal(read_region(layout, region), expected[region])
+    body = bytearray(store.get("0/c/0/0/0"))
+    body[-6] ^= 0xFF  # inside the index
+    store.put("0/c/0/0/0", bytes(body))
+    with pytest.raises(ValueError, match="index checksum"):
+        read_region(layout, (slice(0, 8), slice(0, 8), slice(0, 16)))

@@ -24,7 +24,7 @@ from typing import Iterable
 
 import google_crc32c
 
-from .chunkio import TMP_MARK
+from .stores import Store
 
 SIDECAR_DIR = ".h5ngff-checksums"
 SIDECAR_FORMAT = "h5ngff-checksums/1"
@@ -61,29 +61,26 @@ def sidecar_path(root: str, level: int) -> str:
     return os.path.join(root, SIDECAR_DIR, f"{level}.json")
 
 
-def write_sidecars(root: str, checksums: dict[int, dict[str, str]], level_paths: dict[int, str]) -> None:
-    """One sidecar per level (levels with no file written get an empty one), each through a
-    temporary name and a rename."""
-    os.makedirs(os.path.join(root, SIDECAR_DIR), exist_ok=True)
+def sidecar_key(level: int) -> str:
+    """The sidecar's key in the output's store."""
+    return f"{SIDECAR_DIR}/{level}.json"
+
+
+def write_sidecars(store: Store, checksums: dict[int, dict[str, str]], level_paths: dict[int, str]) -> None:
+    """One sidecar per level (levels with no file written get an empty one), each stored whole
+    and durable (fsynced before its rename in a directory) before the completion marker."""
     for level, array in sorted(level_paths.items()):
         doc = {"format": SIDECAR_FORMAT, "algorithm": "crc32c", "level": level, "array": array,
                "chunks": dict(sorted(checksums.get(level, {}).items()))}
-        target = sidecar_path(root, level)
-        tmp = target + TMP_MARK + "crc"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=0)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        store.put(sidecar_key(level), json.dumps(doc, indent=0).encode(), sync=True)
 
 
-def load_sidecar(root: str, level: int) -> dict[str, str] | None:
+def load_sidecar(store: Store, level: int) -> dict[str, str] | None:
     """key -> CRC32C of one level (None: no sidecar). Raises ValueError on a malformed one."""
     try:
-        with open(sidecar_path(root, level)) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
+        doc = json.loads(store.get(sidecar_key(level)))
+    except KeyError:
         return None
     if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT or not isinstance(doc.get("chunks"), dict):
-        raise ValueError(f"{sidecar_path(root, level)} is not an {SIDECAR_FORMAT} sidecar")
+        raise ValueError(f"{store.root}/{sidecar_key(level)} is not an {SIDECAR_FORMAT} sidecar")
     return doc["chunks"]

@@ -1,20 +1,18 @@
-"""Chunk and shard files: encode and write them whole, atomically; read and decode them back.
+"""Chunks and shards: encode them and write each whole through the output's store; read and
+decode them back.
 
 zarr-python creates every array's metadata, but the engine encodes and stores chunks itself:
 zarr's per-chunk overhead on the write path (async codec pipeline, store abstraction) cost more
-than the encoding itself in our benchmark (docs/benchmarks.md), and a file written here is first
-written to a temporary name and renamed, so a reader or a resumed run never sees half a chunk.
-The bytes are exactly zarr's: tests read every codec, format and sharding back with zarr.
+than the encoding itself in our benchmark (docs/benchmarks.md). Every unit goes through the
+output's ``Store`` (engine.stores): a directory writes it to a temporary name and renames it, a
+bucket PUTs it whole, so a reader or a resumed run never sees half a chunk. The bytes are exactly
+zarr's: tests read every codec, format and sharding back with zarr.
 """
 
 from __future__ import annotations
 
-import errno
-import io
 import math
 import os
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import product
 from typing import BinaryIO, Iterator
@@ -22,22 +20,20 @@ from typing import BinaryIO, Iterator
 import google_crc32c
 import numpy as np
 
-from ..errors import DiskFullError, OutputError, UnalignedWriteError
+from ..errors import UnalignedWriteError
 from ..planner.grid import ceil_div
 from ..spec import CompressorSpec
 from . import faults
 from .buffers import slab_buffer
 from .codecs import chunk_codec
-from .stores import is_url, register, store_for
+from .stores import Store, open_store
+from .stores.local import TMP_MARK  # noqa: F401 - re-exported: output, checksums and verify look for it
 #: The recorded size of a unit not stored because it is the fill value everywhere. No stored unit
 #: has 0 bytes (an encoded chunk has a header; a shard has its index).
 from .manifest import EMPTY_UNIT_BYTES
 
 Shape = tuple[int, ...]
-#: Temporary files carry this marker; a resumed run deletes the ones a killed run left behind.
-TMP_MARK = ".h5ngff-tmp-"
 _EMPTY = np.uint64(2**64 - 1)
-_made_dirs: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -79,6 +75,20 @@ class ArrayLayout:
 
     def file(self, index: tuple[int, ...]) -> str:
         return os.path.join(self.path, self.key(index))
+
+    @property
+    def root(self) -> str:
+        """The output's root (a directory or a URL): the level's array lives under it."""
+        return os.path.dirname(self.path)
+
+    def store_key(self, index: tuple[int, ...]) -> str:
+        """The unit's key in the output's store: ``<level array>/<chunk key>``."""
+        return f"{os.path.basename(self.path)}/{self.key(index)}"
+
+    def store(self) -> Store:
+        """The output's store (engine.stores; one per process and output, so a Dask worker
+        builds a bucket's client once)."""
+        return open_store(self.root, None if self.storage_options is None else dict(self.storage_options))
 
     def units_in(self, region: tuple[slice, ...]) -> Iterator[tuple[int, ...]]:
         """Indices of the write units a region touches."""
@@ -196,67 +206,6 @@ def shard_index_bytes(layout: ArrayLayout) -> int:
     return 16 * math.prod(shard_grid(layout)) + 4
 
 
-@contextmanager
-def atomic_file(path: str) -> Iterator[BinaryIO]:
-    """A file written through a temporary name and renamed onto ``path`` once the block exits
-    cleanly: a reader or a resumed run never sees half a chunk or shard."""
-    if is_url(path):  # an object store: one whole PUT, no temporary name (engine.stores)
-        with _object_file(path) as f:
-            yield f
-        return
-    directory, name = os.path.split(path)
-    if directory not in _made_dirs:
-        os.makedirs(directory, exist_ok=True)
-        _made_dirs.add(directory)
-    tmp = os.path.join(directory, f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            faults.before_rename()
-        os.replace(tmp, path)
-    except OSError as exc:
-        _remove_quietly(tmp)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(f"No space left on the output device while writing {path}. Free space and re-run the same command; finished slabs are kept.") from exc
-        raise OutputError(f"Cannot write {path}: {exc.strerror or exc}. Check that the output location is writable.") from exc
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-
-
-@contextmanager
-def _object_file(url: str) -> Iterator[BinaryIO]:
-    """Buffer a unit in memory and PUT it whole once the block exits cleanly (the upload buffer
-    of the memory plan): a PUT is atomic, so a reader sees the old object or the new one."""
-    buffer = io.BytesIO()
-    yield buffer
-    faults.before_rename()
-    store, key = store_for(url)
-    store.put(key, buffer.getbuffer())
-
-
-def object_bytes(url: str) -> bytes | None:
-    store, key = store_for(url)
-    try:
-        return store.get(key)
-    except KeyError:
-        return None
-
-
-def atomic_write(path: str, pieces: list[bytes]) -> int:
-    """Write ``pieces`` to ``path`` through a temporary file and a rename. Returns the size."""
-    with atomic_file(path) as f:
-        f.writelines(pieces)
-    return sum(len(p) for p in pieces)
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
 def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=None, on_file=None) -> list[tuple[str, int]]:
     """Write every unit of ``block`` (placed at ``origin`` in the level). The block must cover whole
     units (or reach the array's edge): that is what makes each unit's writer unique.
@@ -271,11 +220,13 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
     """
     region = tuple(slice(o, o + n) for o, n in zip(origin, block.shape))
     check_alignment(layout, region)
+    store = layout.store()
     written = []
     for index in layout.units_in(region):
         unit = layout.unit_region(index)
         local = tuple(slice(u.start - o, u.stop - o) for u, o in zip(unit, origin))
         sub = block[local]
+        key = layout.store_key(index)
         if layout.shards is None:
             data = encode_stored_chunk(layout, sub, on_chunk, unit)
             if data is None:
@@ -283,27 +234,31 @@ def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=
             else:
                 pieces = stored_pieces(layout, data)
                 del data
-                nbytes = atomic_write(layout.file(index), pieces)
+                with store.writer(key) as f:
+                    f.writelines(pieces)
+                    faults.before_rename()
+                nbytes = sum(len(p) for p in pieces)
                 if on_file is not None:
                     on_file(layout.key(index), pieces)
                 del pieces
         else:
-            nbytes = _write_shard_file(layout, index, sub, unit, on_chunk)
+            nbytes = _write_shard_unit(store, key, layout, sub, unit, on_chunk)
         if nbytes == EMPTY_UNIT_BYTES:
-            _remove_quietly(layout.file(index))
+            store.delete(key)
         written.append((layout.key(index), nbytes))
     return written
 
 
 class _NothingStored(Exception):
-    """Every inner chunk of a shard is the fill value: its temporary file is dropped."""
+    """Every inner chunk of a shard is the fill value: the unit is dropped, nothing stored."""
 
 
-def _write_shard_file(layout: ArrayLayout, index: tuple[int, ...], sub: np.ndarray, unit: tuple[slice, ...], on_chunk) -> int:
+def _write_shard_unit(store: Store, key: str, layout: ArrayLayout, sub: np.ndarray, unit: tuple[slice, ...], on_chunk) -> int:
     try:
-        with atomic_file(layout.file(index)) as f:
+        with store.writer(key) as f:
             if not write_shard(f, layout, sub, tuple(u.start for u in unit), on_chunk):
-                raise _NothingStored  # atomic_file removes the temporary file, renames nothing
+                raise _NothingStored  # the writer drops what it holds, commits nothing
+            faults.before_rename()
             return f.tell()
     except _NothingStored:
         return EMPTY_UNIT_BYTES
@@ -377,129 +332,76 @@ def decode_unit(layout: ArrayLayout, data: bytes) -> np.ndarray:
 
 
 def read_unit(layout: ArrayLayout, index: tuple[int, ...]) -> np.ndarray | None:
-    """One unit's decoded data, or None where no file exists (reads as the fill value)."""
-    if is_url(layout.path):
-        data = object_bytes(layout.file(index))
-        return None if data is None else decode_unit(layout, data)
+    """One unit's decoded data, or None where nothing is stored (reads as the fill value)."""
     try:
-        with open(layout.file(index), "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+        data = layout.store().get(layout.store_key(index))
+    except KeyError:
         return None
     return decode_unit(layout, data)
 
 
-def read_chunk(layout: ArrayLayout, chunk: tuple[int, ...]) -> np.ndarray | None:
-    """One chunk's decoded (padded) data, or None where it reads as the fill value: no file, or an
-    empty slot in its shard. A shard's index is checked, then only this chunk's bytes are read, so
-    ``verify`` holds one chunk, never a whole shard."""
-    if layout.shards is None:
-        return read_unit(layout, chunk)
-    if is_url(layout.path):
-        return _object_chunk(layout, chunk)
-    per_shard = tuple(s // c for s, c in zip(layout.shards, layout.chunks))
-    shard = tuple(i // p for i, p in zip(chunk, per_shard))
-    inner = tuple(i % p for i, p in zip(chunk, per_shard))
-    tail = 16 * math.prod(per_shard) + 4
+def _shard_table(store: Store, key: str, layout: ArrayLayout) -> np.ndarray | None:
+    """A shard's checked index (inner grid + (offset, nbytes)) from one read of its tail; None
+    where the shard is not stored."""
+    tail = shard_index_bytes(layout)
     try:
-        f = open(layout.file(shard), "rb")
-    except FileNotFoundError:
+        raw, size = store.get_suffix(key, tail)
+    except KeyError:
         return None
-    with f:
-        size = f.seek(0, os.SEEK_END)
-        if size < tail:
-            raise ValueError(f"shard of {size} bytes is shorter than its index ({tail} bytes)")
-        f.seek(size - tail)
-        raw = f.read(tail)
-        if google_crc32c.value(raw[:-4]).to_bytes(4, "little") != raw[-4:]:
-            raise ValueError("shard index checksum mismatch")
-        offset, nbytes = (int(v) for v in np.frombuffer(raw[:-4], dtype="<u8").reshape(per_shard + (2,))[inner])
-        if offset == int(_EMPTY):
-            return None
-        if offset + nbytes > size - tail:
-            raise ValueError(f"inner chunk {inner} runs past the shard's data")
-        f.seek(offset)
-        return decode_chunk(layout, f.read(nbytes))
+    if size < tail:
+        raise ValueError(f"shard of {size} bytes is shorter than its index ({tail} bytes)")
+    return parse_shard_index(layout, raw, size - tail)
 
 
 def read_region(layout: ArrayLayout, region: tuple[slice, ...]) -> np.ndarray:
-    """Read a region of a level, one file at a time (what a later pass streams from), into this
+    """Read a region of a level, one unit at a time (what a later pass streams from), into this
     thread's slab buffer (valid until the thread's next slab)."""
     out = slab_buffer(tuple(r.stop - r.start for r in region), layout.dtype)
+    store = layout.store()
     for index in layout.units_in(region):
         unit = layout.unit_region(index)
         inter = tuple(slice(max(u.start, r.start), min(u.stop, r.stop)) for u, r in zip(unit, region))
         dst = tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region))
         if layout.shards is not None:
-            _read_shard_into(layout, index, out[dst], inter)
+            _read_shard_into(store, layout, index, out[dst], inter)
             continue
-        data = read_unit(layout, index)
-        if data is None:
+        try:
+            data = decode_chunk(layout, store.get(layout.store_key(index)))
+        except KeyError:
             out[dst] = layout.fill_value
-        else:
-            out[dst] = data[tuple(slice(i.start - u.start, i.stop - u.start) for i, u in zip(inter, unit))]
-        del data  # before the next file is read: one decoded unit at a time
+            continue
+        out[dst] = data[tuple(slice(i.start - u.start, i.stop - u.start) for i, u in zip(inter, unit))]
+        del data  # before the next unit is read: one decoded unit at a time
     return out
 
 
-def _read_shard_into(layout: ArrayLayout, index: tuple[int, ...], out: np.ndarray, region: tuple[slice, ...]) -> None:
+def _read_shard_into(store: Store, layout: ArrayLayout, index: tuple[int, ...], out: np.ndarray, region: tuple[slice, ...]) -> None:
     """Decode the inner chunks of one shard that ``region`` (level coordinates) touches straight
-    into ``out``, reading each chunk's bytes on its own. Holds the index, one encoded and one
-    decoded chunk: never the whole shard file nor its decoded array (which cost two decoded shards
-    and the file per thread before, issue 18)."""
-    if is_url(layout.path):
-        _object_shard_into(layout, index, out, region)
-        return
-    try:
-        f = open(layout.file(index), "rb")
-    except FileNotFoundError:
+    into ``out``: its index from the shard's tail, then each chunk's byte range. A directory holds
+    one encoded and one decoded chunk at a time, never the whole shard nor its decoded array
+    (which cost two decoded shards and the file per thread before, issue 18); a bucket fetches the
+    ranges in one call (engine.stores.s3), at most the shard's bytes."""
+    key = layout.store_key(index)
+    table = _shard_table(store, key, layout)
+    if table is None:
         out[...] = layout.fill_value
         return
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        tail = shard_index_bytes(layout)
-        if size < tail:
-            raise ValueError(f"shard of {size} bytes is shorter than its index ({tail} bytes)")
-        table = parse_shard_index(layout, os.pread(f.fileno(), tail, size - tail), size - tail)
-        origin = tuple(i * s for i, s in zip(index, layout.shards))
-        first = tuple((r.start - o) // c for r, o, c in zip(region, origin, layout.chunks))
-        last = tuple(ceil_div(r.stop - o, c) for r, o, c in zip(region, origin, layout.chunks))
-        for inner in product(*(range(a, b) for a, b in zip(first, last))):
-            start = tuple(o + i * c for o, i, c in zip(origin, inner, layout.chunks))
-            inter = tuple(slice(max(s, r.start), min(s + c, r.stop)) for s, c, r in zip(start, layout.chunks, region))
-            dst = tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region))
-            offset, nbytes = (int(v) for v in table[inner])
-            if offset == int(_EMPTY):
-                out[dst] = layout.fill_value
-                continue
-            chunk = decode_chunk(layout, os.pread(f.fileno(), nbytes, offset))
-            out[dst] = chunk[tuple(slice(i.start - s, i.stop - s) for i, s in zip(inter, start))]
-
-
-def _object_chunk(layout: ArrayLayout, chunk: tuple[int, ...]) -> np.ndarray | None:
-    """One chunk of a sharded level in an object store: the shard object is fetched whole (one
-    GET; a ranged read per chunk would cost a request per chunk) and decoded."""
-    per_shard = shard_grid(layout)
-    shard = tuple(i // p for i, p in zip(chunk, per_shard))
-    decoded = read_unit(layout, shard)
-    if decoded is None:
-        return None
-    place = tuple(slice((i % p) * c, (i % p + 1) * c) for i, p, c in zip(chunk, per_shard, layout.chunks))
-    return decoded[place]
-
-
-def _object_shard_into(layout: ArrayLayout, index: tuple[int, ...], out: np.ndarray, region: tuple[slice, ...]) -> None:
-    decoded = read_unit(layout, index)
-    if decoded is None:
-        out[...] = layout.fill_value
-        return
+    assert layout.shards is not None
     origin = tuple(i * s for i, s in zip(index, layout.shards))
-    out[...] = decoded[tuple(slice(r.start - o, r.stop - o) for r, o in zip(region, origin))]
-
-
-def attach_stores(layouts) -> None:
-    """Tell this process's stores where the object-store levels among ``layouts`` live and with
-    which options (a Dask worker learns it from its first task; cheap to repeat)."""
-    for layout in layouts:
-        if isinstance(layout, ArrayLayout) and layout.storage_options is not None:
-            register(os.path.dirname(layout.path), dict(layout.storage_options))
+    first = tuple((r.start - o) // c for r, o, c in zip(region, origin, layout.chunks))
+    last = tuple(ceil_div(r.stop - o, c) for r, o, c in zip(region, origin, layout.chunks))
+    stored: list[tuple[tuple[int, int], tuple[slice, ...], tuple[slice, ...]]] = []
+    for inner in product(*(range(a, b) for a, b in zip(first, last))):
+        start = tuple(o + i * c for o, i, c in zip(origin, inner, layout.chunks))
+        inter = tuple(slice(max(s, r.start), min(s + c, r.stop)) for s, c, r in zip(start, layout.chunks, region))
+        dst = tuple(slice(i.start - r.start, i.stop - r.start) for i, r in zip(inter, region))
+        offset, nbytes = (int(v) for v in table[inner])
+        if offset == int(_EMPTY):
+            out[dst] = layout.fill_value
+            continue
+        stored.append(((offset, nbytes), dst, tuple(slice(i.start - s, i.stop - s) for i, s in zip(inter, start))))
+    if not stored:
+        return
+    for data, (_, dst, src) in zip(store.get_ranges(key, [r for r, _, _ in stored]), stored):
+        out[dst] = decode_chunk(layout, data)[src]
+        del data

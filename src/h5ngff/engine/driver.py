@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import threading
 import time
 import uuid
@@ -21,13 +20,12 @@ from ..phases import Phase
 from ..planner.grid import grid_indices, region
 from ..planner.model import Plan
 from ..spec import ConversionSpec
-from .chunkio import object_bytes
 from .output import Output, finish_output
 from .progress import Broadcast
 from .sources import slab_source
-from .stores import is_url
 from .tasks import SlabResult, SlabTask, expected_units, run_slab
-from .window import histogram_file, windows
+from .manifest import MANIFEST_DIR
+from .window import histogram_key, windows
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +59,9 @@ def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: in
 
 
 def histogram_dir(output: Output) -> str:
-    """Per-slab histograms live beside the manifest and go with it when the output is finished."""
-    return os.path.join(output.manifest.dir, "hist")
+    """Per-slab histograms live beside the manifest and go with it when the output is finished
+    (a key prefix in the output's store)."""
+    return f"{MANIFEST_DIR}/hist"
 
 
 def pending_tasks(tasks: Iterable[SlabTask], verified: dict[int, set[str]]) -> tuple[list[SlabTask], int]:
@@ -110,22 +109,20 @@ def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict) -> N
 
 def channel_windows(output: Output, channels: int) -> list[tuple[float, float, float, float]]:
     """(min, max, start, end) per channel from the slabs the manifest records (engine.window)."""
-    ranges = output.manifest.windows(channels)
-    paths: list[str | io.BytesIO] = []  # files, or a bucket output's objects read whole
+    return windows(output.manifest.windows(channels), _histograms(output))
+
+
+def _histograms(output: Output) -> Iterator[io.BytesIO]:
+    """Each recorded slab's histogram, read from the output's store one at a time (thousands of
+    slabs' counts are never held together)."""
+    store = output.store()
     for record in output.manifest.records:
         if record.stats:
-            path = histogram_file(histogram_dir(output), record.pass_index, record.slab)
-            if is_url(path):  # a bucket output keeps them as objects beside its manifest
-                data = object_bytes(path)
-                if data is not None:
-                    paths.append(io.BytesIO(data))
-                    continue
-            elif os.path.exists(path):
-                paths.append(path)
-                continue
-            # a manifest written before histograms existed: the window covers the rest
-            log.warning("No histogram for slab %s (%s); the window is taken from the other slabs.", record.slab, path)
-    return windows(ranges, paths)
+            key = histogram_key(histogram_dir(output), record.pass_index, record.slab)
+            try:
+                yield io.BytesIO(store.get(key))
+            except KeyError:  # a manifest written before histograms existed: the window covers the rest
+                log.warning("No histogram for slab %s (%s/%s); the window is taken from the other slabs.", record.slab, store.root, key)
 
 
 def _accumulate(totals: RunTotals, result: SlabResult) -> None:

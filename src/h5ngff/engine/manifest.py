@@ -84,12 +84,22 @@ class Manifest:
                     log.warning("Ignoring a torn last line in %s (the previous run was interrupted while recording).", m.path)
                     break
                 raise
-            if entry.get("kind") == "header":
-                m.header = entry
-            elif entry.get("kind") == "slab":
-                m._add(SlabRecord(entry["pass"], tuple(entry["slab"]), [tuple(u) for u in entry["units"]], [tuple(s) for s in entry.get("stats", [])],
-                                  [tuple(c) for c in entry.get("crc", [])]))
+            m._entry(entry)
         return m if m.header else None
+
+    def _entry(self, entry: dict[str, Any]) -> None:
+        if entry.get("kind") == "header":
+            self.header = entry
+        elif entry.get("kind") == "slab":
+            self._add(SlabRecord(entry["pass"], tuple(entry["slab"]), [tuple(u) for u in entry["units"]], [tuple(s) for s in entry.get("stats", [])],
+                                 [tuple(c) for c in entry.get("crc", [])]))
+
+    @staticmethod
+    def _line(r: SlabRecord) -> str:
+        line: dict[str, Any] = {"kind": "slab", "pass": r.pass_index, "slab": list(r.slab), "units": [list(u) for u in r.units], "stats": [list(s) for s in r.stats]}
+        if r.checksums:
+            line["crc"] = [list(c) for c in r.checksums]
+        return json.dumps(line)
 
     def _add(self, record: SlabRecord) -> None:
         self.records.append(record)
@@ -157,10 +167,7 @@ class Manifest:
         lines = []
         for r in records:
             self._add(r)
-            line = {"kind": "slab", "pass": r.pass_index, "slab": list(r.slab), "units": [list(u) for u in r.units], "stats": [list(s) for s in r.stats]}
-            if r.checksums:
-                line["crc"] = [list(c) for c in r.checksums]
-            lines.append(json.dumps(line))
+            lines.append(self._line(r))
         if not lines:
             return
         # The write reaches the kernel at once, so a killed client loses nothing it recorded; the

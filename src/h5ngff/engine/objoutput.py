@@ -25,7 +25,7 @@ from zarr.storage import MemoryStore
 
 from ..errors import OutputConflictError
 from .manifest import FORMAT_VERSION, MANIFEST_DIR, Manifest, SlabRecord, fingerprint
-from .stores import Store, open_store, register
+from .stores import Store, open_store
 
 log = logging.getLogger(__name__)
 MANIFEST_PREFIX = f"{MANIFEST_DIR}/manifest/"
@@ -50,12 +50,6 @@ class ObjectManifest(Manifest):
         m._seq = len(keys)
         return m if m.header else None
 
-    def _entry(self, entry: dict[str, Any]) -> None:
-        if entry.get("kind") == "header":
-            self.header = entry
-        elif entry.get("kind") == "slab":
-            self._add(SlabRecord(entry["pass"], tuple(entry["slab"]), [tuple(u) for u in entry["units"]], [tuple(s) for s in entry.get("stats", [])]))
-
     def _put(self, lines: list[str]) -> None:
         # The sequence number orders the objects (a lexical list); the random part keeps a
         # resumed run from overwriting a batch if two ever raced.
@@ -71,7 +65,7 @@ class ObjectManifest(Manifest):
         lines = []
         for r in records:
             self._add(r)
-            lines.append(json.dumps({"kind": "slab", "pass": r.pass_index, "slab": list(r.slab), "units": [list(u) for u in r.units], "stats": [list(s) for s in r.stats]}))
+            lines.append(self._line(r))  # the same lines as a directory's manifest.jsonl
         if lines:
             self._put(lines)
 
@@ -87,9 +81,7 @@ class ObjectManifest(Manifest):
 
 
 def output_store(spec) -> Store:
-    options = spec.output.storage_options or {}
-    register(spec.output.path, options)
-    return open_store(spec.output.path, options)
+    return open_store(spec.output.path, spec.output.storage_options or {})
 
 
 def object_marker(store: Store) -> dict[str, Any] | None:
@@ -129,17 +121,6 @@ def create_object_output(store: Store, create_arrays) -> None:
     create_arrays(memory)
     for key, buffer in sorted(memory._store_dict.items()):
         store.put(key, buffer.to_bytes())
-
-
-def finish_object_output(store: Store, attrs: dict[str, Any], zarr_format: int) -> None:
-    """NGFF metadata and completion marker in one PUT of the root document, then drop the manifest."""
-    if zarr_format == 3:
-        doc = json.loads(store.get("zarr.json"))
-        doc["attributes"] = attrs
-        store.put("zarr.json", json.dumps(doc, indent=2, default=str).encode())
-    else:
-        store.put(".zattrs", json.dumps(attrs, indent=2, default=str).encode())
-    store.delete_prefix(f"{MANIFEST_DIR}/")
 
 
 def remove_ours(store: Store) -> int:

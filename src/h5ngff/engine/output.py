@@ -24,14 +24,14 @@ from zarr.storage import LocalStore
 from ..errors import OutputConflictError, OutputError
 from ..planner.model import Plan
 from ..spec import ConversionSpec
-from .chunkio import TMP_MARK, ArrayLayout
+from .chunkio import ArrayLayout
 from .checksums import write_sidecars
 from .codecs import zarr_compressors
 from .lock import LOCK_NAME
 from .manifest import MANIFEST_DIR, Manifest, fingerprint
 from .ngff import root_attributes
-from .objoutput import ObjectManifest, create_object_output, finish_object_output, inspect_object_output, object_marker, output_store, refuse_foreign, remove_ours
-from .stores import is_url, open_store
+from .objoutput import ObjectManifest, create_object_output, inspect_object_output, object_marker, output_store, refuse_foreign, remove_ours
+from .stores import Store, is_url, open_store
 from .source import SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,10 @@ class Output:
     resumed: bool
     #: The output was already finished by an earlier run of the same conversion.
     complete: bool = False
+
+    def store(self) -> Store:
+        """Where the output's bytes go (engine.stores): every level, manifest and document."""
+        return self.layouts[0].store()
 
 
 def zarr_format(spec: ConversionSpec) -> int:
@@ -114,7 +118,7 @@ def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> 
             if existing is None:
                 log.info("%s is already complete; nothing to do.", path)
                 return Output(path, fmt, layouts, Manifest(path), print_, resumed=True, complete=True)
-            sweep_temporary_files(path)
+            sweep_temporary_files(open_store(path))
             log.info("Resuming %s: %d slab(s) already recorded.", path, len(existing.records))
             return Output(path, fmt, layouts, existing, print_, resumed=True)
     _create(path, plan, spec, layouts)
@@ -240,52 +244,37 @@ def _create_arrays(store: Any, plan: Plan, spec: ConversionSpec, layouts: tuple[
         )
 
 
-def sweep_temporary_files(path: str) -> int:
-    """Delete temporary chunk files a killed run left behind (only ours: they carry TMP_MARK)."""
-    removed = 0
-    for directory, _, files in os.walk(path):
-        for name in files:
-            if TMP_MARK in name:
-                os.unlink(os.path.join(directory, name))
-                removed += 1
+def sweep_temporary_files(store: Store) -> int:
+    """Delete what killed writers left behind in the output's store (a directory's temporary
+    files, which carry TMP_MARK; a bucket has none)."""
+    removed = store.sweep()
     if removed:
         log.info("Removed %d stale temporary chunk file(s) from an interrupted run.", removed)
     return removed
 
 
 def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, ...]], summary: dict[str, Any]) -> None:
-    """Write the NGFF metadata and the completion marker in one atomic rename, then drop the manifest."""
-    if is_url(output.path):
-        attrs = root_attributes(plan, spec, windows, output.zarr_format)
-        attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
-        attrs["h5ngff"]["emptyUnits"] = {str(level): n for level, n in sorted(output.manifest.empty_units().items()) if n}
-        finish_object_output(output_store(spec), attrs, output.zarr_format)
-        return
+    """Write the NGFF metadata and the completion marker in one atomic write of the root document
+    (a rename in a directory, one PUT in a bucket), then drop the manifest."""
+    store = output.store()
     # A worker killed between writing a temporary file and renaming it leaves that file behind,
     # while Dask re-ran its task elsewhere and the chunk itself is whole. Sweep before the marker:
     # only the driver runs here, after every task, under the output's lock, so nothing is writing.
-    sweep_temporary_files(output.path)
+    sweep_temporary_files(store)
     if output.zarr_format == 2 and spec.output.checksums:  # before the marker: a finished output has them
-        write_sidecars(output.path, output.manifest.checksums, {lay.level: os.path.basename(lay.path) for lay in output.layouts})
+        write_sidecars(store, output.manifest.checksums, {lay.level: os.path.basename(lay.path) for lay in output.layouts})
     attrs = root_attributes(plan, spec, windows, output.zarr_format)
     attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
     # Units left out as the fill value everywhere, per level: verify tells them from missing ones.
     attrs["h5ngff"]["emptyUnits"] = {str(level): n for level, n in sorted(output.manifest.empty_units().items()) if n}
     if output.zarr_format == 3:
-        target = os.path.join(output.path, "zarr.json")
-        with open(target) as f:
-            doc = json.load(f)
+        key = "zarr.json"
+        doc = json.loads(store.get(key))
         doc["attributes"] = attrs
     else:
-        target = os.path.join(output.path, ".zattrs")
-        doc = attrs
-    tmp = target + TMP_MARK + "meta"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    shutil.rmtree(manifest_dir(output.path), ignore_errors=True)
+        key, doc = ".zattrs", attrs
+    store.put(key, json.dumps(doc, indent=2, default=str).encode(), sync=True)
+    store.delete_prefix(f"{MANIFEST_DIR}/")
 
 
 def _prepare_object_output(plan: Plan, spec: ConversionSpec, content: dict[str, Any], layouts: tuple[ArrayLayout, ...]) -> Output:
@@ -308,7 +297,3 @@ def _prepare_object_output(plan: Plan, spec: ConversionSpec, content: dict[str, 
     manifest = ObjectManifest(store)
     manifest.start(content)
     return Output(path, fmt, layouts, manifest, print_, resumed=False)
-
-
-def manifest_dir(path: str) -> str:
-    return os.path.join(path, MANIFEST_DIR)

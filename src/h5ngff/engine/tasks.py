@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .chunkio import ArrayLayout, attach_stores, read_region, write_block
+from .chunkio import ArrayLayout, read_region, write_block
 from . import faults
 from .buffers import keep_levels, level_buffer
 from .downsample import downsample, output_shape
@@ -21,7 +21,7 @@ from .checksums import FileChecksums
 from .manifest import SlabRecord
 from .sources.base import SlabSource
 from .stores import store_retries
-from .window import SampledHistogram, histogram_file, write_histogram
+from .window import SampledHistogram, histogram_key, write_histogram
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class SlabTask:
     method: str
     #: Axis of the channels for per-channel min/max, or None (one window for all).
     channel_axis: int | None
-    #: Where the first pass writes each slab's sampled histogram (engine.window), or None.
+    #: Where the first pass writes each slab's sampled histogram (engine.window), or None: a key
+    #: prefix in the output's store (the store of ``levels``).
     stats_dir: str | None = None
 
     @property
@@ -98,7 +99,6 @@ class _MinMax:
 def run_slab(task: SlabTask) -> SlabResult:
     """Read, write and downsample one slab. Runs in a Dask worker."""
     seconds = {"read": 0.0, "write": 0.0, "downsample": 0.0}
-    attach_stores((task.source, *task.levels))
     retries_before = store_retries.mine()
     t0 = time.perf_counter()
     if isinstance(task.source, SlabSource):
@@ -134,7 +134,7 @@ def run_slab(task: SlabTask) -> SlabResult:
         seconds["write"] += time.perf_counter() - t
     del block, injected
     if histogram is not None and task.stats_dir is not None:
-        write_histogram(histogram_file(task.stats_dir, task.pass_index, task.slab), histogram.mode, histogram.sparse())
+        write_histogram(task.levels[0].store(), histogram_key(task.stats_dir, task.pass_index, task.slab), histogram.mode, histogram.sparse())
     keep_levels(len(task.levels) if first_factor == 2 else len(task.levels) - 1)
     record = SlabRecord(task.pass_index, task.slab, units, minmax.stats(), crcs.entries)
     return SlabResult(record, bytes_read, bytes_written, seconds, store_retries=store_retries.mine() - retries_before)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import zarr
 
 from ..errors import VerificationError
-from .checksums import SIDECAR_DIR, load_sidecar, sidecar_path
+from .checksums import SIDECAR_DIR, load_sidecar, sidecar_key
 from .chunkio import TMP_MARK
 from .levelcheck import SOURCE_CACHE_BYTES, LevelComparison, Mismatch, PyramidRule, chunk_count, pyramid_rule
 from .manifest import Manifest
@@ -119,17 +119,19 @@ def _content(path: str, marker: dict[str, Any] | None) -> dict[str, Any]:
     return manifest.content if manifest is not None else {}
 
 
-def _sidecars(path: str, fmt: int, content: dict[str, Any], n_levels: int, report: VerifyReport) -> dict[int, dict[str, str] | None] | None:
+def _sidecars(path: str, fmt: int, content: dict[str, Any], n_levels: int, report: VerifyReport,
+              storage_options: dict[str, str] | None = None) -> dict[int, dict[str, str] | None] | None:
     """Zarr v2: every level's recorded CRC32Cs, where the conversion kept them. They are written
     at completion, so an unfinished output (already reported) is not checked against them."""
     if fmt != 2 or content.get("checksums") != "crc32c" or not report.complete:
         return None
     report.checksums = "sidecar"
     sidecars: dict[int, dict[str, str] | None] = {}
+    store = open_store(path, storage_options or {})
     for level in range(n_levels):
-        name = os.path.relpath(sidecar_path(path, level), path)
+        name = sidecar_key(level)
         try:
-            sidecars[level] = load_sidecar(path, level)
+            sidecars[level] = load_sidecar(store, level)
         except ValueError as exc:
             sidecars[level] = None
             report.problems.append(f"{exc}: level {level}'s chunk files cannot be checked against their checksums.")
@@ -176,7 +178,7 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
     content = _content(path, marker)
     datasets = ms.get("datasets", [])
     report.levels = len(datasets)
-    sidecars = _sidecars(path, fmt, content, len(datasets), report)
+    sidecars = _sidecars(path, fmt, content, len(datasets), report, storage_options)
     levels, problems = open_levels(root, ms, report.complete, sidecars)
     report.problems.extend(problems)
     if fmt == 3 and levels and all(lv.crc_codec for lv in levels):

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 from ..planner.memory import WINDOW_SAMPLE_STRIDE
-from .chunkio import atomic_write
+from . import faults
+from .stores import Store
 
 #: One element in this many of each chunk is counted (prime, so a sample walks diagonally
 #: through a chunk instead of down one column); 127 keeps the cost near 1 % of the run. The
@@ -128,21 +128,24 @@ class SampledHistogram:
         return out
 
 
-def histogram_file(stats_dir: str, pass_index: int, slab: tuple[int, ...]) -> str:
-    return os.path.join(stats_dir, f"p{pass_index}-" + ".".join(str(i) for i in slab) + ".npz")
+def histogram_key(stats_dir: str, pass_index: int, slab: tuple[int, ...]) -> str:
+    """The key of one slab's histogram in the output's store, under ``stats_dir``."""
+    return f"{stats_dir}/p{pass_index}-" + ".".join(str(i) for i in slab) + ".npz"
 
 
-def write_histogram(path: str, mode: str, sparse: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
-    """One slab's sparse counts, written through a temporary name (a killed task leaves no half file)."""
+def write_histogram(store: Store, key: str, mode: str, sparse: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+    """One slab's sparse counts, stored whole (a killed task leaves no half file)."""
     arrays: dict[str, Any] = {"mode": np.array(mode)}
     for channel, (keys, counts) in sparse.items():
         arrays[f"keys{channel}"], arrays[f"counts{channel}"] = keys, counts
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    atomic_write(path, [buf.getvalue()])
+    with store.writer(key) as f:
+        f.write(buf.getbuffer())
+        faults.before_rename()
 
 
-def merged_counts(paths: list[Any], channels: int) -> tuple[str | None, list[np.ndarray]]:
+def merged_counts(paths: Iterable[Any], channels: int) -> tuple[str | None, list[np.ndarray]]:
     """The dense counts per channel summed over the given per-slab files."""
     mode, dense = None, [np.zeros(BINS, dtype=np.int64) for _ in range(channels)]
     for path in paths:
@@ -154,7 +157,7 @@ def merged_counts(paths: list[Any], channels: int) -> tuple[str | None, list[np.
     return mode, dense
 
 
-def windows(ranges: list[tuple[float, float]], paths: list[Any], q: float = QUANTILE) -> list[tuple[float, float, float, float]]:
+def windows(ranges: list[tuple[float, float]], paths: Iterable[Any], q: float = QUANTILE) -> list[tuple[float, float, float, float]]:
     """(min, max, start, end) per channel: the exact range and the quantile window inside it."""
     mode, dense = merged_counts(paths, len(ranges))
     out = []

@@ -4,9 +4,10 @@
 - ``S3Store``: an S3-compatible bucket (AWS, MinIO, Ceph RGW); every object one whole PUT, large
   ones a multipart upload that is completed or aborted.
 
-``open_store(path, options)`` picks one by the path's URL scheme; the engine's chunk writer finds
-the store of a chunk's URL with ``store_for`` (a per-process cache, so a Dask worker builds its
-client once and reuses its connection pool).
+``open_store(path, options)`` picks one by the path's URL scheme, cached per process: every
+reader and writer of an output in a process (the driver, each Dask worker) shares one store, so a
+worker builds a bucket's client once and reuses its connection pool. A level's layout carries its
+output's storage options (``chunkio.ArrayLayout.store``), so a worker needs nothing else.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from ...spec import url_scheme
 from .base import Store, StoreRetries, store_retries
 from .local import LocalStore
 
-__all__ = ["Store", "LocalStore", "StoreRetries", "store_retries", "open_store", "is_url", "register", "store_for", "split_url"]
+__all__ = ["Store", "LocalStore", "StoreRetries", "store_retries", "open_store", "is_url", "split_url"]
 
 _lock = threading.Lock()
-_registered: dict[str, dict[str, str]] = {}
 _open: dict[tuple[str, tuple[tuple[str, str], ...]], Store] = {}
 
 
@@ -40,8 +40,6 @@ def open_store(path: str, options: Mapping[str, str] | None = None) -> Store:
     """The store rooted at ``path``: a local directory, or ``s3://bucket/prefix``. Cached per
     process and options, so every caller in a process shares one client (and its pool)."""
     with _lock:
-        if options is None:  # a caller that knows only the path: the options registered for it
-            options = _registered.get(path.rstrip("/"))
         key = (path.rstrip("/"), tuple(sorted((options or {}).items())))
         store = _open.get(key)
         if store is None:
@@ -53,20 +51,3 @@ def open_store(path: str, options: Mapping[str, str] | None = None) -> Store:
                 store = LocalStore(path)
             _open[key] = store
         return store
-
-
-def register(root: str, options: Mapping[str, str]) -> None:
-    """Remember the storage options of the output at ``root`` (a URL) in this process: the
-    chunk writer sees only a chunk's URL."""
-    with _lock:
-        _registered[root.rstrip("/")] = dict(options)
-
-
-def store_for(url: str) -> tuple[Store, str]:
-    """The store of the registered output that holds ``url``, and the key of ``url`` in it."""
-    with _lock:
-        roots = sorted((r for r in _registered if url == r or url.startswith(r + "/")), key=len, reverse=True)
-    if not roots:
-        raise LookupError(f"no output registered for {url!r}")
-    root = roots[0]
-    return open_store(root, _registered[root]), url[len(root) :].lstrip("/")

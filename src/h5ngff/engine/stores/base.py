@@ -3,9 +3,19 @@
 Semantics every store keeps (tests/test_stores.py runs one contract suite against each):
 
 - ``put(key, data)`` makes the object whole or not at all: no reader ever sees part of it;
+  ``writer(key)`` does the same for bytes streamed into a file object (a shard, chunk by chunk),
+  committed when the block exits cleanly and dropped when it raises; ``sync=True`` makes the
+  bytes durable before they become visible (a directory fsyncs before its rename; a bucket's PUT
+  is durable once acknowledged), kept for the few objects a crash must not lose (metadata);
 - ``get`` of a missing key raises ``KeyError``; ``size`` returns None for it;
+- ``get_suffix(key, n)`` gives the last ``n`` bytes (all of a shorter object) and the object's
+  size; ``get_ranges(key, [(start, length), ...])`` yields those byte ranges in order: a shard is
+  read through its index, one inner chunk at a time, never whole;
 - ``list(prefix)`` gives every object under ``prefix`` with its size (recursive);
-- ``delete_prefix(prefix)`` removes every object under ``prefix`` and nothing else.
+- ``delete(key)`` removes one object if it exists; ``delete_prefix(prefix)`` removes every object
+  under ``prefix`` and nothing else;
+- ``sweep()`` removes what a killed writer left behind (a directory's temporary files; nothing
+  on a bucket, where an upload is whole or aborted) and returns how many.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, TypeVar
+from typing import BinaryIO, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 from ...errors import OutputError
 
@@ -27,11 +37,16 @@ class Store(Protocol):
     #: Where the store is rooted, as the user wrote it (a directory or a URL).
     root: str
 
-    def put(self, key: str, data: bytes | memoryview | Iterable[bytes]) -> int: ...
+    def put(self, key: str, data: bytes | memoryview | Iterable[bytes], sync: bool = False) -> int: ...
+    def writer(self, key: str, sync: bool = False) -> ContextManager[BinaryIO]: ...
     def get(self, key: str) -> bytes: ...
+    def get_suffix(self, key: str, length: int) -> tuple[bytes, int]: ...
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> Iterator[bytes]: ...
     def size(self, key: str) -> int | None: ...
     def list(self, prefix: str = "") -> dict[str, int]: ...
+    def delete(self, key: str) -> None: ...
     def delete_prefix(self, prefix: str) -> int: ...
+    def sweep(self) -> int: ...
 
 
 class TransientStoreError(Exception):

@@ -16,8 +16,9 @@ from __future__ import annotations
 import io
 import os
 import re
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 
 import obstore
 from obstore import exceptions as obx
@@ -156,7 +157,8 @@ class S3Store:
         return retrying(call, what, self.policy, self._classify(what))
 
     # -- the protocol --------------------------------------------------------------------------
-    def put(self, key: str, data: bytes | memoryview | Iterable[bytes]) -> int:
+    def put(self, key: str, data: bytes | memoryview | Iterable[bytes], sync: bool = False) -> int:
+        # ``sync`` needs nothing here: an acknowledged PUT is durable.
         if not isinstance(data, (bytes, bytearray, memoryview)):
             data = b"".join(data)
         n = len(data)
@@ -169,11 +171,41 @@ class S3Store:
                                                                   chunk_size=self.part_size, max_concurrency=PART_CONCURRENCY))
         return n
 
+    @contextmanager
+    def writer(self, key: str, sync: bool = False) -> Iterator[BinaryIO]:
+        """Buffer the object in memory (the upload buffer of the memory plan) and PUT it whole
+        once the block exits cleanly; nothing is sent if it raises. A PUT is atomic: a reader
+        sees the old object or the new one, so there is no temporary name."""
+        buffer = io.BytesIO()
+        yield buffer
+        self.put(key, buffer.getbuffer())
+
     def get(self, key: str) -> bytes:
         try:
             return bytes(self._call(f"GET {key}", lambda: _get_or_missing(self._store, key)))
         except _Missing:
             raise KeyError(key) from None
+
+    def get_suffix(self, key: str, length: int) -> tuple[bytes, int]:
+        """One ranged GET (``bytes=-length``): the tail and, from the response, the object's size."""
+        try:
+            body, size = self._call(f"GET {key} (last {length} bytes)", lambda: _suffix_or_missing(self._store, key, length))
+        except _Missing:
+            raise KeyError(key) from None
+        return bytes(body), size
+
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> Iterator[bytes]:
+        """The ranges in one call (obstore coalesces nearby ranges into few GETs): a request per
+        inner chunk would cost more than the bytes. Held together, they are at most the object."""
+        ranges = list(ranges)
+        if not ranges:
+            return iter(())
+        starts, lengths = [r[0] for r in ranges], [r[1] for r in ranges]
+        try:
+            parts = self._call(f"GET {key} ({len(ranges)} ranges)", lambda: _ranges_or_missing(self._store, key, starts, lengths))
+        except _Missing:
+            raise KeyError(key) from None
+        return (bytes(part) for part in parts)
 
     def size(self, key: str) -> int | None:
         try:
@@ -192,6 +224,12 @@ class S3Store:
 
         return self._call(f"LIST {prefix or '/'}", run)
 
+    def delete(self, key: str) -> None:
+        self._call(f"DELETE {key}", lambda: obstore.delete(self._store, key))  # S3 deletes a missing key without error
+
+    def sweep(self) -> int:
+        return 0  # a PUT is whole and a failed multipart upload is aborted: nothing is left behind
+
     def delete_prefix(self, prefix: str) -> int:
         keys = sorted(self.list(prefix))
         for i in range(0, len(keys), 1000):  # S3's DeleteObjects takes at most 1000 keys
@@ -207,6 +245,22 @@ class _Missing(Exception):
 def _get_or_missing(store, key: str):
     try:
         return obstore.get(store, key).bytes()
+    except (obx.NotFoundError, FileNotFoundError):
+        raise _Missing from None
+
+
+def _suffix_or_missing(store, key: str, length: int):
+    # The body is read inside the retried call: it is what a reset connection loses.
+    try:
+        result = obstore.get(store, key, options={"range": {"suffix": length}})
+        return result.bytes(), int(result.meta["size"])
+    except (obx.NotFoundError, FileNotFoundError):
+        raise _Missing from None
+
+
+def _ranges_or_missing(store, key: str, starts: list[int], lengths: list[int]):
+    try:
+        return obstore.get_ranges(store, key, starts=starts, lengths=lengths)
     except (obx.NotFoundError, FileNotFoundError):
         raise _Missing from None
 
