@@ -5,7 +5,8 @@ Semantics every store keeps (tests/test_stores.py runs one contract suite agains
 - ``put(key, data)`` makes the object whole or not at all: no reader ever sees part of it;
 - ``get`` of a missing key raises ``KeyError``; ``size`` returns None for it;
 - ``list(prefix)`` gives every object under ``prefix`` with its size (recursive);
-- ``delete_prefix(prefix)`` removes every object under ``prefix`` and nothing else.
+- ``delete_prefix(prefix, keep)`` removes every object under ``prefix`` but the keys in ``keep``,
+  and nothing else.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, TypeVar
+from typing import Callable, Collection, Iterable, Protocol, TypeVar
 
 from ...errors import OutputError
 
@@ -31,7 +32,12 @@ class Store(Protocol):
     def get(self, key: str) -> bytes: ...
     def size(self, key: str) -> int | None: ...
     def list(self, prefix: str = "") -> dict[str, int]: ...
-    def delete_prefix(self, prefix: str) -> int: ...
+    def delete_prefix(self, prefix: str, keep: Collection[str] = ()) -> int: ...
+
+
+class ConditionalWritesUnsupported(Exception):
+    """The store answered a conditional write (If-None-Match / If-Match) with 501 NotImplemented,
+    or without an ETag: it cannot hold a lease (engine.s3lease says what to do)."""
 
 
 class TransientStoreError(Exception):

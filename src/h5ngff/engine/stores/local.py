@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from typing import Iterable
+from typing import Collection, Iterable
 
 TMP_MARK = ".h5ngff-tmp-"
 
@@ -60,10 +60,10 @@ class LocalStore:
                     out[key] = os.stat(full).st_size
         return out
 
-    def delete_prefix(self, prefix: str) -> int:
-        keys = self.list(prefix)
+    def delete_prefix(self, prefix: str, keep: Collection[str] = ()) -> int:
+        keys = [k for k in self.list(prefix) if k not in keep]
         target = self._path(prefix.rstrip("/"))
-        if os.path.isdir(target) and prefix.endswith("/"):
+        if os.path.isdir(target) and prefix.endswith("/") and not set(keep) & set(self.list(prefix)):
             shutil.rmtree(target)
         else:
             for key in keys:
