@@ -126,8 +126,13 @@ def judge(holder: Mapping[str, Any], unchanged_for: float, default_ttl: float, a
         return "live"
     # Elsewhere, or released and about to be deleted by its holder: stale only if it stays as it
     # is for a whole ttl (taking a released lease at once would race the releaser's DELETE).
-    ttl = holder.get("ttl") if isinstance(holder.get("ttl"), (int, float)) else default_ttl
-    return "stale" if unchanged_for >= ttl else "wait"
+    return "stale" if unchanged_for >= holder_ttl(holder, default_ttl) else "wait"
+
+
+def holder_ttl(holder: Mapping[str, Any], default: float) -> float:
+    """The ttl the holder renews against (its own), or ours for a lease we cannot read."""
+    ttl = holder.get("ttl")
+    return float(ttl) if isinstance(ttl, (int, float)) and ttl > 0 else default
 
 
 def describe(holder: Mapping[str, Any]) -> str:
@@ -201,7 +206,7 @@ def acquire(store, settings: LeaseSettings, sleep: Callable[[float], None] = tim
                 log.warning("%s: took over the stale lease of %s (not renewed for %.1f s).", store.root, describe(holder), time.monotonic() - seen[1])
                 return Lease(store, settings, me, taken)
             continue  # another run took it first: the next turn sees its new ETag -> busy
-        wait = holder.get("ttl") if isinstance(holder.get("ttl"), (int, float)) else settings.ttl
+        wait = holder_ttl(holder, settings.ttl)
         if not announced:
             log.warning("%s is leased by %s. Waiting up to %.0f s to see whether it is still renewed (a crashed run's lease "
                         "expires %.0f s after its last renewal; no clocks compared).", store.root, describe(holder), wait, wait)

@@ -191,7 +191,7 @@ class S3Store:
     def _conditional(self, what: str, key: str, data: bytes, mode: Any, policy: RetryPolicy | None) -> str | None:
         plain = self._classify(what)
 
-        def classify(exc: BaseException) -> BaseException:
+        def classify(exc: BaseException) -> Exception:
             text = str(exc)
             if isinstance(exc, obx.NotSupportedError) or "NotImplemented" in text or re.search(r"status(?: code)?:?\s*501\b", text):
                 return ConditionalWritesUnsupported(text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__)
