@@ -85,7 +85,7 @@ def _stop(proc):
     proc.wait()
 
 
-def test_a_held_prefix_refuses_a_second_convert_and_an_overwrite_deletes_nothing(source, s3, elsewhere):
+def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_lease_stops_its_run(source, s3, elsewhere):
     bucket = s3.new_bucket()
     url, key_prefix = f"s3://{bucket}/held.ome.zarr", "held.ome.zarr/"
     # Its slabs sleep a minute: every check below happens while it holds the prefix, however
@@ -112,8 +112,19 @@ def test_a_held_prefix_refuses_a_second_convert_and_an_overwrite_deletes_nothing
         renewed, new_etag = _lease(s3, bucket, key_prefix + LOCK_KEY)
         assert renewed["token"] == holder["token"] and renewed["renewals"] >= 3 and new_etag != etag
         assert first.poll() is None, "every refusal above must have happened while the first run was writing"
+        # Lost: another workstation overwrites the lease. The first run's next renewal gets 412; it
+        # cancels its slabs (each sleeping a minute, so only the cancel can end it this soon) and
+        # fails without marking the output complete or touching the taker's lease.
+        intruder = {**my_identity(TTL), "host": "another-workstation", "pid": 4242, "pid_space": "elsewhere", "command": "intruder"}
+        s3.client().put_object(Bucket=bucket, Key=key_prefix + LOCK_KEY, Body=json.dumps(intruder).encode())
+        assert first.wait(timeout=50) == ExitCode.OUTPUT_REFUSED
+        err = first.stderr.read()
+        assert "lost its one-writer lease" in err and "another-workstation" in err, err[-2000:]
     finally:
         _stop(first)
+    root = json.loads(s3.client().get_object(Bucket=bucket, Key=key_prefix + "zarr.json")["Body"].read())
+    assert "ome" not in root["attributes"] and "h5ngff" not in root["attributes"], "a run without its lease marked the output"
+    assert _lease(s3, bucket, key_prefix + LOCK_KEY)[0]["host"] == "another-workstation"
 
 
 def test_negative_control_with_the_lease_off_the_second_writer_is_not_refused(source, s3, convert):
@@ -206,24 +217,6 @@ def test_the_server_refuses_a_taker_with_a_wrong_etag_and_one_of_two_racing_take
     winners = [n for n, etag in results.items() if etag]
     assert len(winners) == 1, results
     assert json.loads(store.get_tagged(LOCK_KEY)[0])["token"] == winners[0]
-
-
-def test_a_run_whose_lease_is_taken_stops_and_never_marks_the_output_complete(source, s3):
-    bucket = s3.new_bucket()
-    url, key_prefix = f"s3://{bucket}/lost.ome.zarr", "lost.ome.zarr/"
-    first = _start_slow(s3, source, url, bucket, key_prefix, sleep=2.0)
-    try:
-        intruder = {**my_identity(TTL), "host": "another-workstation", "pid": 4242, "pid_space": "elsewhere", "command": "intruder"}
-        s3.client().put_object(Bucket=bucket, Key=key_prefix + LOCK_KEY, Body=json.dumps(intruder).encode())
-        assert first.wait(timeout=120) == ExitCode.OUTPUT_REFUSED
-        err = first.stderr.read()
-        assert "lost its one-writer lease" in err and "another-workstation" in err, err[-2000:]
-    finally:
-        _stop(first)
-    client = s3.client()
-    root = json.loads(client.get_object(Bucket=bucket, Key=key_prefix + "zarr.json")["Body"].read())
-    assert "ome" not in root["attributes"] and "h5ngff" not in root["attributes"], "a run without its lease marked the output"
-    assert _lease(s3, bucket, key_prefix + LOCK_KEY)[0]["host"] == "another-workstation"  # the loser deleted nothing of the taker's
 
 
 def test_a_store_without_conditional_writes_is_refused_with_what_to_do(source, s3, convert):
