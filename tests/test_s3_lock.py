@@ -230,3 +230,25 @@ def test_a_store_without_conditional_writes_is_refused_with_what_to_do(source, s
         assert s3.keys(bucket) == {}  # refused before anything was written
         spec["output"]["storageOptions"] = {**options, "lock": "false"}  # the user's knowing choice
         assert convert(spec_for(source, f"s3://{bucket}/no-cas.ome.zarr", **spec)).status == "Succeeded"
+
+
+def test_a_lease_that_cannot_be_renewed_is_lost_within_two_thirds_of_its_ttl(s3):
+    """Every renewal fails (the proxy resets the connection): the holder gives up 2 s after its
+    last good renewal with a 3 s ttl, before any watcher could call it stale, and calls back the
+    driver's canceller. Control: the same lease through the healthy proxy stays held."""
+    bucket = s3.new_bucket()
+    with FaultProxy(s3.url) as proxy:
+        store = open_store(f"s3://{bucket}/cut", {**s3.options(proxy.url), "timeout": "2s"})
+        lease = acquire(store, LeaseSettings(ttl=TTL))
+        cancelled = threading.Event()
+        lease.on_lost(cancelled.set)
+        time.sleep(TTL)
+        lease.check()  # control: renewed through the healthy proxy for a whole ttl
+        t = time.monotonic()
+        proxy.faults.add("reset", 10_000, "PUT", LOCK_KEY)
+        assert cancelled.wait(TTL * 3), "the lease was never given up"
+        assert time.monotonic() - t <= TTL * 2 / 3 + 2 + 1.0  # deadline + one timed-out request + slack
+        with pytest.raises(OutputBusyError, match="lost its one-writer lease.*no lease renewal succeeded"):
+            lease.check()
+        lease.release()  # a lost lease is left alone
+    assert f"cut/{LOCK_KEY}" in s3.keys(bucket)

@@ -100,7 +100,8 @@ def _object_lease(path: str, options: Mapping[str, Any] | None) -> Iterator[Any]
         yield Held()
         return
     register(path, options or {})
-    lease = acquire(open_store(path, options or {}), settings)
+    # The lease has a client of its own with a short request timeout (the data's is 120 s).
+    lease = acquire(open_store(path, {**(options or {}), "timeout": settings.request_timeout}), settings)
     try:
         yield lease
     finally:

@@ -65,7 +65,13 @@ class LeaseSettings:
 
     def policy(self) -> RetryPolicy:
         """Retries of one lease request: brief, so a renewal never outlives its own deadline."""
-        return RetryPolicy(attempts=3, base_delay=min(0.2, self.ttl / 30), max_delay=max(0.05, self.ttl / 10))
+        return RetryPolicy(attempts=2, base_delay=min(0.2, self.ttl / 30), max_delay=max(0.05, self.ttl / 10))
+
+    @property
+    def request_timeout(self) -> str:
+        """The lease's own client gives up on a request after this (obstore's duration syntax):
+        a hung renewal must not outlive the lease. At least 2 s, for a loaded loopback server."""
+        return f"{max(2.0, self.ttl / 3):.0f}s"
 
 
 def lease_settings(options: Mapping[str, Any] | None) -> LeaseSettings:
@@ -240,6 +246,10 @@ class Lease:
         self._thread.start()
 
     def check(self) -> None:
+        """Raise once the lease is lost; also when the renewal thread is stuck in a request past
+        the deadline (it would notice only when the request returns)."""
+        if self.error is None and time.monotonic() - self._last_ok_sent > self.settings.lost_after:
+            self._lose(f"no lease renewal succeeded for {time.monotonic() - self._last_ok_sent:.1f} s (ttl {self.settings.ttl:g} s)")
         if self.error is not None:
             raise self.error
 
@@ -281,18 +291,23 @@ class Lease:
         self._lose(f"its lease was taken by {describe(holder)}" if current else "its lease object was deleted")
 
     def _lose(self, why: str) -> None:
-        self.error = OutputBusyError(
-            f"output.path: {self.store.root!r}: this run lost its one-writer lease ({why}), so it stopped writing: no more "
-            f"slabs are recorded and the output is not marked complete. Make sure no other run writes this prefix, then "
-            f"re-run this command to resume.")
-        log.error("%s", self.error)
         with self._lock:
+            if self.error is not None:  # the renewal thread and check() may both get here
+                return
+            self.error = self._lost_error(why)
             callbacks = list(self._callbacks)
+        log.error("%s", self.error)
         for callback in callbacks:
             try:
                 callback()
             except Exception:  # noqa: BLE001 - a failing canceller must not hide the loss
                 log.warning("Cancelling the run after the lease was lost failed.", exc_info=True)
+
+    def _lost_error(self, why: str) -> OutputBusyError:
+        return OutputBusyError(
+            f"output.path: {self.store.root!r}: this run lost its one-writer lease ({why}), so it stopped writing: no more "
+            f"slabs are recorded and the output is not marked complete. Make sure no other run writes this prefix, then "
+            f"re-run this command to resume.")
 
     def release(self) -> None:
         """Stop renewing; if we still hold it, mark it released (If-Match) and delete it."""
