@@ -29,7 +29,10 @@ from s3_server import FaultProxy
 from test_s3_output import _chunk_objects, _env, _flags
 
 CLI = [sys.executable, "-m", "h5ngff.cli"]
-TTL = 3.0  # seconds: a renewal every 1 s; a dead remote holder is taken over after 3 s
+#: Seconds: a renewal every 2 s, given up after 4 s without one; a dead remote holder is taken
+#: over after 6 s. 3 s lost leases on this 2-core machine under a benchmark (moto answers in the
+#: niced test process); the brief's 2-3 s is the order, not a safe figure here.
+TTL = 6.0
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,96,80", "--workers", "1", "--no-progress"]
 
 
@@ -71,7 +74,7 @@ def _start_slow(s3, src, url, bucket, key_prefix, sleep, manifest_objects=2):
             return proc
         assert proc.poll() is None, proc.stderr.read()
         assert time.monotonic() < deadline, "the first writer never started writing"
-        time.sleep(0.05)
+        time.sleep(0.2)  # moto answers in this process: a tight poll would starve it
 
 
 def _lease(s3, bucket, key):
@@ -108,7 +111,7 @@ def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_leas
         time.sleep(max(0.0, TTL + 0.5 - (time.monotonic() - held_since)))
         remote = _run(s3, source, url, prefix=elsewhere)
         assert remote.returncode == ExitCode.OUTPUT_REFUSED, remote.stderr[-2000:]
-        assert "renewed while this run watched" in remote.stderr and "Waiting up to 3 s" in remote.stderr
+        assert "renewed while this run watched" in remote.stderr and f"Waiting up to {TTL:.0f} s" in remote.stderr
         renewed, new_etag = _lease(s3, bucket, key_prefix + LOCK_KEY)
         assert renewed["token"] == holder["token"] and renewed["renewals"] >= 3 and new_etag != etag
         assert first.poll() is None, "every refusal above must have happened while the first run was writing"
@@ -157,7 +160,7 @@ def test_a_sigkilled_holder_is_waited_out_for_one_ttl_then_resumed_byte_identica
     resumed = _run(s3, source, url, "--json", prefix=elsewhere)
     elapsed = time.monotonic() - t
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "Waiting up to 3 s" in resumed.stderr and "took over the stale lease" in resumed.stderr
+    assert f"Waiting up to {TTL:.0f} s" in resumed.stderr and "took over the stale lease" in resumed.stderr
     assert elapsed >= TTL, f"the lease was taken after {elapsed:.1f} s, before its ttl ({TTL} s) could pass"
     summary = json.loads(resumed.stdout)
     assert summary["resumed"] and summary["slabs_skipped"] >= 1
@@ -233,9 +236,9 @@ def test_a_store_without_conditional_writes_is_refused_with_what_to_do(source, s
 
 
 def test_a_lease_that_cannot_be_renewed_is_lost_within_two_thirds_of_its_ttl(s3):
-    """Every renewal fails (the proxy resets the connection): the holder gives up 2 s after its
-    last good renewal with a 3 s ttl, before any watcher could call it stale, and calls back the
-    driver's canceller. Control: the same lease through the healthy proxy stays held."""
+    """Every renewal fails (the proxy resets the connection): the holder gives up 2/3 ttl after
+    its last good renewal, before any watcher could call it stale, and calls back the driver's
+    canceller. Control: the same lease through the healthy proxy stays held for a whole ttl."""
     bucket = s3.new_bucket()
     with FaultProxy(s3.url) as proxy:
         store = open_store(f"s3://{bucket}/cut", {**s3.options(proxy.url), "timeout": "2s"})
