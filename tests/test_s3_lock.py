@@ -29,10 +29,10 @@ from s3_server import FaultProxy
 from test_s3_output import _chunk_objects, _env, _flags
 
 CLI = [sys.executable, "-m", "h5ngff.cli"]
-#: Seconds: a renewal every 2 s, given up after 4 s without one; a dead remote holder is taken
-#: over after 6 s. 3 s lost leases on this 2-core machine under a benchmark (moto answers in the
-#: niced test process); the brief's 2-3 s is the order, not a safe figure here.
-TTL = 6.0
+#: Seconds: a renewal every 3.3 s, given up after 6.7 s without one; a dead remote holder is
+#: taken over after 10 s. Shorter ttls lost leases on this 2-core machine while a benchmark ran
+#: at nice -10 and these processes at nice 19 (a starved holder rightly gives its lease up).
+TTL = 10.0
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,96,80", "--workers", "1", "--no-progress"]
 
 
@@ -99,11 +99,12 @@ def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_leas
         holder, etag = _lease(s3, bucket, key_prefix + LOCK_KEY)
         assert holder["pid"] == first.pid and holder["ttl"] == TTL
         before = s3.keys(bucket, key_prefix)
-        second = _run(s3, source, url)
-        assert second.returncode == ExitCode.OUTPUT_REFUSED, second.stderr[-2000:]
-        assert "OutputBusy" in second.stderr and f"pid {first.pid}" in second.stderr and "alive on this host" in second.stderr
+        # The same host: refused at once (the holder's pid is alive), naming it. (A plain second
+        # convert on this host is refused the same way in the lock=false control below.)
         overwrite = _run(s3, source, url, "--overwrite", "--json")
-        assert overwrite.returncode == ExitCode.OUTPUT_REFUSED and json.loads(overwrite.stdout)["reason"] == "OutputBusy", overwrite.stderr[-2000:]
+        assert overwrite.returncode == ExitCode.OUTPUT_REFUSED, overwrite.stderr[-2000:]
+        report = json.loads(overwrite.stdout)
+        assert report["reason"] == "OutputBusy" and f"pid {first.pid}" in report["message"] and "alive on this host" in report["message"]
         after = s3.keys(bucket, key_prefix)
         assert {k: v for k, v in before.items() if k != key_prefix + LOCK_KEY}.items() <= after.items(), "--overwrite deleted or changed objects"
         # Renewal: past one ttl, a writer on another "machine" (it cannot see the pid) watches the

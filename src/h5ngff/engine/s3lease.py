@@ -263,13 +263,16 @@ class Lease:
         return lambda: self._callbacks.remove(callback) if callback in self._callbacks else None
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.settings.renew_every):
+        interval = self.settings.renew_every
+        while not self._stop.wait(interval):
             sent = time.monotonic()
             try:
                 self._renew()
-            except Exception as exc:  # noqa: BLE001 - any failure: try again until the deadline
+            except Exception as exc:  # noqa: BLE001 - any failure: try again soon, until the deadline
                 log.warning("%s: lease renewal failed (%s); retrying.", self.store.root, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                interval = self.settings.ttl / 10
             else:
+                interval = self.settings.renew_every
                 if self.error is None:
                     self._last_ok_sent = sent
             if self.error is None and time.monotonic() - self._last_ok_sent > self.settings.lost_after:
