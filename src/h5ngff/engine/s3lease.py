@@ -190,6 +190,7 @@ def acquire(store, settings: LeaseSettings, sleep: Callable[[float], None] = tim
             if etag is not None:
                 _check_exclusive(store, body, policy)
                 return Lease(store, settings, me, etag)
+            asked = time.monotonic()  # the server read this GET's answer after this instant
             current = store.get_tagged(LOCK_KEY, policy)
         except ConditionalWritesUnsupported as exc:
             raise OutputError(unsupported_message(store.root, str(exc))) from None
@@ -202,14 +203,16 @@ def acquire(store, settings: LeaseSettings, sleep: Callable[[float], None] = tim
             if holder.get("state") != "released":
                 raise OutputBusyError(busy_message(store.root, holder, "its lease was renewed while this run watched it"))
             seen = None  # its run just finished: wait for the DELETE that follows
+        # Unchanged from the first answer we had (its read happened before we got it) to this
+        # one's sending: a lower bound on how long the holder has not renewed, however slow the GETs.
         seen = seen or (etag, time.monotonic())
-        verdict = judge(holder, time.monotonic() - seen[1], settings.ttl, local_holder_alive(holder))
+        verdict = judge(holder, asked - seen[1], settings.ttl, local_holder_alive(holder))
         if verdict == "live":
             raise OutputBusyError(busy_message(store.root, holder, "it is alive on this host"))
         if verdict == "stale":
             taken = store.replace(LOCK_KEY, body, etag, policy)
             if taken is not None:
-                log.warning("%s: took over the stale lease of %s (not renewed for %.1f s).", store.root, describe(holder), time.monotonic() - seen[1])
+                log.warning("%s: took over the stale lease of %s (not renewed for %.1f s).", store.root, describe(holder), asked - seen[1])
                 return Lease(store, settings, me, taken)
             continue  # another run took it first: the next turn sees its new ETag -> busy
         wait = holder_ttl(holder, settings.ttl)
@@ -217,7 +220,7 @@ def acquire(store, settings: LeaseSettings, sleep: Callable[[float], None] = tim
             log.warning("%s is leased by %s. Waiting up to %.0f s to see whether it is still renewed (a crashed run's lease "
                         "expires %.0f s after its last renewal; no clocks compared).", store.root, describe(holder), wait, wait)
             announced = True
-        sleep(min(settings.ttl / 10, max(0.05, wait - (time.monotonic() - seen[1]))))
+        sleep(min(settings.ttl / 10, max(0.05, wait - (asked - seen[1]))))
     raise OutputBusyError(f"output.path: {store.root!r}: its lease kept changing hands; other runs keep starting there. Retry.")
 
 
