@@ -96,7 +96,8 @@ class Faults:
 
 class FaultProxy:
     """A loopback HTTP proxy to the moto server that answers some requests itself: ``503`` (S3's
-    SlowDown), ``reset`` (the connection closed with no response) or ``403`` (AccessDenied)."""
+    SlowDown), ``reset`` (the connection closed with no response), ``403`` (AccessDenied) or ``501``
+    (NotImplemented: what a store without conditional writes answers to If-None-Match)."""
 
     def __init__(self, upstream: str):
         host, port = upstream.removeprefix("http://").split(":")
@@ -116,8 +117,9 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if action in ("503", "403"):
-                    code, text = ("SlowDown", "Please reduce your request rate.") if action == "503" else ("AccessDenied", "Access Denied")
+                if action in ("503", "403", "501"):
+                    code, text = {"503": ("SlowDown", "Please reduce your request rate."), "403": ("AccessDenied", "Access Denied"),
+                                  "501": ("NotImplemented", "A header you provided implies functionality that is not implemented.")}[action]
                     payload = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{text}</Message></Error>'.encode()
                     self.send_response(int(action))
                     self.send_header("Content-Type", "application/xml")

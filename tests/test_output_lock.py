@@ -25,7 +25,8 @@ CLI = [sys.executable, "-m", "h5ngff.cli"]
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,64,256", "--workers", "1", "--no-progress"]
 #: The second writer, with the lock replaced by a no-op: the negative control of every refusal.
 UNLOCKED = [sys.executable, "-c",
-            "import sys, contextlib, h5ngff.runner as r; r.output_lock = lambda path: contextlib.nullcontext(); "
+            "import sys, contextlib, h5ngff.runner as r; from h5ngff.engine.lock import Held; "
+            "r.output_lock = lambda *args: contextlib.nullcontext(Held()); "
             "from h5ngff.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 

@@ -45,6 +45,9 @@ def test_delete_prefix_removes_that_prefix_and_nothing_else(store, request):
     assert store.delete_prefix(".h5ngff/") == 1
     assert store.delete_prefix("0/") == 2
     assert store.list("") == {"1/c/0": 1, "zarr.json": 1}
+    store.put(".h5ngff.lock", b"held")  # --overwrite empties the prefix but keeps the run's own lock
+    assert store.delete_prefix("", keep=(".h5ngff.lock",)) == 2
+    assert store.list("") == {".h5ngff.lock": 4}
 
 
 def test_ranged_reads_give_exact_bytes_and_the_size(store):

@@ -112,8 +112,8 @@ def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None 
     try:
         # The driver holds the output's lock from before the output is inspected (or deleted by
         # overwrite) until its completion marker is written; Dask workers never take it.
-        with output_lock(job.spec.output.path):
-            _convert(job, backend, events, summary, metrics, start, started)
+        with output_lock(job.spec.output.path, job.spec.output.storage_options) as guard:
+            _convert(job, backend, events, summary, metrics, start, started, guard)
         return summary
     except H5ngffError as exc:
         summary.error = exc
@@ -123,7 +123,7 @@ def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None 
         raise
 
 
-def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunSummary, metrics, start: float, started: float) -> None:
+def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunSummary, metrics, start: float, started: float, guard) -> None:
     output = prepare_output(job.plan, job.spec, job.source)
     summary.resumed = output.resumed
     if output.complete:
@@ -138,7 +138,7 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
         try:
             with (metrics.attached(poller, job.plan) if metrics is not None else nullcontext()), poller.running():
                 try:
-                    summary.totals = run_conversion(session.client, job.plan, job.spec, output, events)
+                    summary.totals = run_conversion(session.client, job.plan, job.spec, output, events, guard)
                 except (KilledWorker, WorkersLostError) as exc:
                     failure = exc
         finally:
@@ -153,6 +153,7 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
     events.emit(phase="Finalizing")
     summary.seconds = time.perf_counter() - start
     summary.status = "Succeeded"
+    guard.check()  # a lost lease: another run may own the prefix now, so no completion marker
     finish(output, job.plan, job.spec, summary.to_dict(brief=True))
     events.emit(phase="Succeeded")
 

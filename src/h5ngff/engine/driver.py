@@ -75,8 +75,11 @@ def pending_tasks(tasks: Iterable[SlabTask], verified: dict[int, set[str]]) -> t
     return todo, skipped
 
 
-def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast) -> RunTotals:
-    """Run every pass, then finish the output. Raises the first task error (after cancelling the rest)."""
+def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast, guard=None) -> RunTotals:
+    """Run every pass, then finish the output. Raises the first task error (after cancelling the rest).
+
+    ``guard`` (engine.lock's): once the output's lock is lost the slabs are cancelled and its
+    error raised; no slab is recorded after that."""
     totals = RunTotals()
     start = time.perf_counter()
     level_paths = {layout.level: layout.path for layout in output.layouts}
@@ -91,7 +94,9 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
     token = uuid.uuid4().hex[:8]
     for pass_index, (todo, _) in enumerate(passes):
         events.emit(pass_index=pass_index)
-        for result in _stream(client, todo, plan.inflight_total, token):
+        for result in _stream(client, todo, plan.inflight_total, token, guard):
+            if guard is not None:
+                guard.check()
             output.manifest.append([result.record])
             _accumulate(totals, result)
             p = events.progress
@@ -178,7 +183,7 @@ class _NoWorkersWatchdog:
         return WorkersLostError(f"No Dask worker for {self.timeout:.0f} s: every worker died and none came back.")
 
 
-def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) -> Iterator[SlabResult]:
+def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str, guard=None) -> Iterator[SlabResult]:
     """Yield results as tasks finish, keeping at most ``inflight`` submitted at any time.
 
     Submitting everything at once would let the scheduler hold thousands of tasks and decide the
@@ -194,6 +199,7 @@ def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) ->
     def cancel_all() -> None:
         client.cancel(list(futures.futures))
 
+    forget = guard.on_lost(cancel_all) if guard is not None else (lambda: None)
     with _NoWorkersWatchdog(client, NO_WORKERS_TIMEOUT, cancel_all) as watchdog:
         try:
             for future in futures:
@@ -208,8 +214,11 @@ def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str) ->
         except CancelledError:
             if watchdog.tripped:
                 raise watchdog.error() from None
+            if guard is not None:
+                guard.check()  # cancelled because the output's lease was lost: say so
             raise
         finally:
+            forget()
             remaining = list(futures.futures)
             if remaining:
                 client.cancel(remaining)

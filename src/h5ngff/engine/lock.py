@@ -25,21 +25,28 @@ path's and starts over, so there are never two holders; a finished output is a p
 Scope: one machine, or a shared filesystem whose ``flock`` is honoured across clients (Linux NFS
 v4 maps it to a byte-range lock; after a client machine crashes, the server frees it only when
 the client's lease expires, ~90 s). Kubernetes jobs also take a Lease per output path (operator).
+An ``s3://`` output has no flock: it holds a lease object in the bucket instead (engine.s3lease).
+
+``output_lock`` yields a guard: ``check()`` raises once the lock is lost (only a lease can be)
+and ``on_lost(callback)`` lets the driver cancel its slabs at that moment.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import OutputBusyError, OutputError
 from ..spec import url_scheme
+
+log = logging.getLogger(__name__)
 
 LOCK_NAME = ".h5ngff.lock"
 #: A lock file can be unlinked by its releasing holder between our open and our flock: start over
@@ -47,14 +54,29 @@ LOCK_NAME = ".h5ngff.lock"
 _ATTEMPTS = 20
 
 
+class Held:
+    """The guard of a lock that cannot be lost (a flock, or none)."""
+
+    def check(self) -> None:
+        pass
+
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]:
+        return lambda: None
+
+
 @contextmanager
-def output_lock(path: str) -> Iterator[None]:
-    """Hold the output's lock for the block, or raise OutputBusyError naming the holder.
+def output_lock(path: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[Any]:
+    """Hold the output's lock for the block, or raise OutputBusyError naming the holder; yields
+    the guard (``check``, ``on_lost``).
 
     An output that exists but is not a directory is not locked: nothing will be written there
-    (``prepare_output`` refuses it). An object-store URL has no flock: see engine.objoutput."""
-    if url_scheme(path) is not None or (os.path.exists(path) and not os.path.isdir(path)):
-        yield
+    (``prepare_output`` refuses it). An object-store URL holds a lease object (engine.s3lease)."""
+    if url_scheme(path) is not None:
+        with _object_lease(path, storage_options) as guard:
+            yield guard
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        yield Held()
         return
     try:
         os.makedirs(path, exist_ok=True)
@@ -62,9 +84,27 @@ def output_lock(path: str) -> Iterator[None]:
         raise OutputError(f"output.path: cannot create {path!r}: {exc.strerror or exc}. Choose a writable location.") from None
     fd = _acquire(os.path.join(path, LOCK_NAME), path)
     try:
-        yield
+        yield Held()
     finally:
         _release(os.path.join(path, LOCK_NAME), fd)
+
+
+@contextmanager
+def _object_lease(path: str, options: Mapping[str, Any] | None) -> Iterator[Any]:
+    from .s3lease import acquire, lease_settings
+    from .stores import open_store
+
+    settings = lease_settings(options)
+    if not settings.enabled:
+        log.warning("%s: storage option lock=false: no one-writer lease is taken; nothing stops a second run from writing this prefix.", path)
+        yield Held()
+        return
+    # The lease has a client of its own with a short request timeout (the data's is 120 s).
+    lease = acquire(open_store(path, {**(options or {}), "timeout": settings.request_timeout}), settings)
+    try:
+        yield lease
+    finally:
+        lease.release()
 
 
 def _acquire(lock_file: str, output: str) -> int:

@@ -9,8 +9,8 @@
   recorded batch is its own small object, and loading lists them in order.
 - ``--overwrite`` deletes only an output of ours, found by its manifest or its completion marker;
   any other object under the prefix (a foreign Zarr included) makes it refuse.
-- There is no cross-run lock on a bucket (no flock): on Kubernetes the operator's Lease per output
-  path keeps one writer; by hand, do not start two runs on one prefix (docs/engine.md).
+- One writer per prefix: the run's driver holds a lease object ``.h5ngff.lock`` under it
+  (engine.s3lease), which is neither a foreign object nor deleted by ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from zarr.storage import MemoryStore
 
 from ..errors import OutputConflictError
 from .manifest import FORMAT_VERSION, MANIFEST_DIR, Manifest, SlabRecord, fingerprint
+from .s3lease import LOCK_KEY
 from .stores import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def object_marker(store: Store) -> dict[str, Any] | None:
 
 def inspect_object_output(store: Store) -> tuple[bool, ObjectManifest | None, dict[str, Any] | None]:
     """(anything under the prefix, our manifest, our completion marker)."""
-    keys = store.list("")
+    keys = set(store.list("")) - {LOCK_KEY}  # our own run's lease is not content
     if not keys:
         return False, None, None
     return True, ObjectManifest.load_from(store), object_marker(store)
@@ -125,5 +126,5 @@ def create_object_output(store: Store, create_arrays) -> None:
 
 def remove_ours(store: Store) -> int:
     log.info("Removing the existing h5ngff output %s (--overwrite).", store.root)
-    return store.delete_prefix("")
+    return store.delete_prefix("", keep=(LOCK_KEY,))
 

@@ -12,8 +12,8 @@ Semantics every store keeps (tests/test_stores.py runs one contract suite agains
   size; ``get_ranges(key, [(start, length), ...])`` yields those byte ranges in order: a shard is
   read through its index, one inner chunk at a time, never whole;
 - ``list(prefix)`` gives every object under ``prefix`` with its size (recursive);
-- ``delete(key)`` removes one object if it exists; ``delete_prefix(prefix)`` removes every object
-  under ``prefix`` and nothing else;
+- ``delete(key)`` removes one object if it exists; ``delete_prefix(prefix, keep)`` removes every
+  object under ``prefix`` but the keys in ``keep``, and nothing else;
 - ``sweep()`` removes what a killed writer left behind (a directory's temporary files; nothing
   on a bucket, where an upload is whole or aborted) and returns how many.
 """
@@ -25,7 +25,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import BinaryIO, Callable, Collection, ContextManager, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 from ...errors import OutputError
 
@@ -45,8 +45,13 @@ class Store(Protocol):
     def size(self, key: str) -> int | None: ...
     def list(self, prefix: str = "") -> dict[str, int]: ...
     def delete(self, key: str) -> None: ...
-    def delete_prefix(self, prefix: str) -> int: ...
+    def delete_prefix(self, prefix: str, keep: Collection[str] = ()) -> int: ...
     def sweep(self) -> int: ...
+
+
+class ConditionalWritesUnsupported(Exception):
+    """The store answered a conditional write (If-None-Match / If-Match) with 501 NotImplemented,
+    or without an ETag: it cannot hold a lease (engine.s3lease says what to do)."""
 
 
 class TransientStoreError(Exception):

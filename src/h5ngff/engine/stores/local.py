@@ -14,7 +14,7 @@ import os
 import shutil
 import uuid
 from contextlib import contextmanager
-from typing import BinaryIO, Iterable, Iterator, Sequence
+from typing import BinaryIO, Collection, Iterable, Iterator, Sequence
 
 from ...errors import DiskFullError, OutputError
 
@@ -122,10 +122,10 @@ class LocalStore:
     def delete(self, key: str) -> None:
         _remove_quietly(self._path(key))
 
-    def delete_prefix(self, prefix: str) -> int:
-        keys = self.list(prefix)
+    def delete_prefix(self, prefix: str, keep: Collection[str] = ()) -> int:
+        keys = [k for k in self.list(prefix) if k not in keep]
         target = self._path(prefix.rstrip("/"))
-        if os.path.isdir(target) and prefix.endswith("/"):
+        if os.path.isdir(target) and prefix.endswith("/") and not set(keep) & set(self.list(prefix)):
             shutil.rmtree(target)
         else:
             for key in keys:

@@ -18,7 +18,7 @@ import os
 import re
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, BinaryIO, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, Collection, Iterable, Iterator, Sequence
 
 import obstore
 from obstore import exceptions as obx
@@ -26,12 +26,14 @@ from obstore.store import S3Store as _ObS3Store
 
 from ...errors import OutputError, SpecError
 from .awsconfig import resolve_chain
-from .base import RetryPolicy, TransientStoreError, retrying
+from .base import ConditionalWritesUnsupported, RetryPolicy, TransientStoreError, retrying
 
 #: Options of the HTTP client rather than of S3 (obstore's ClientConfig).
 CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "user_agent"}
 #: Our own options: when to switch to a multipart upload, and its part size.
 OWN_KEYS = {"multipart_threshold", "part_size", "retries"}
+#: The one-writer lease's options: read by engine.s3lease, not by the client.
+LEASE_KEYS = {"lock", "lock_ttl"}
 #: Friendly aliases (the names s3fs and the AWS CLI use) -> obstore's keys.
 ALIASES = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint", "region_name": "region", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
            "aws_profile": "profile"}
@@ -61,6 +63,8 @@ def parse_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
         key = ALIASES.get(raw.lower(), raw.lower())
         if key.startswith("aws_") and key[4:] in CLIENT_KEYS | {"endpoint", "region"}:
             key = key[4:]
+        if key in LEASE_KEYS:
+            continue
         if key in OWN_KEYS:
             own[key] = int(value)
         elif key in CLIENT_KEYS:
@@ -140,8 +144,10 @@ class S3Store:
     # -- errors --------------------------------------------------------------------------------
     def _classify(self, what: str):
         def classify(exc: BaseException) -> BaseException:
-            if isinstance(exc, _Missing):
+            if isinstance(exc, (_Missing, _Conflict)):
                 return exc
+            if isinstance(exc, (obx.AlreadyExistsError, obx.PreconditionError)):
+                return _Conflict()
             text = str(exc)
             code = next((c for c in _PERMANENT_CODES if c in text), None)
             status = _STATUS.search(text)
@@ -230,16 +236,62 @@ class S3Store:
     def sweep(self) -> int:
         return 0  # a PUT is whole and a failed multipart upload is aborted: nothing is left behind
 
-    def delete_prefix(self, prefix: str) -> int:
-        keys = sorted(self.list(prefix))
+    def delete_prefix(self, prefix: str, keep: Collection[str] = ()) -> int:
+        keys = sorted(set(self.list(prefix)) - set(keep))
         for i in range(0, len(keys), 1000):  # S3's DeleteObjects takes at most 1000 keys
             batch = keys[i : i + 1000]
             self._call(f"DELETE {len(batch)} objects under {prefix or '/'}", lambda batch=batch: obstore.delete(self._store, batch))
         return len(keys)
 
 
+    # -- conditional writes: the one-writer lease (engine.s3lease) ------------------------------
+    def create(self, key: str, data: bytes, policy: RetryPolicy | None = None) -> str | None:
+        """PUT only if ``key`` is absent (If-None-Match: *): the new ETag, or None if it exists."""
+        return self._conditional(f"PUT {key} (If-None-Match)", key, data, "create", policy)
+
+    def replace(self, key: str, data: bytes, etag: str, policy: RetryPolicy | None = None) -> str | None:
+        """PUT only if ``key``'s ETag is still ``etag`` (If-Match): the new ETag, or None if the
+        object changed or is gone."""
+        return self._conditional(f"PUT {key} (If-Match)", key, data, {"e_tag": etag}, policy)
+
+    def _conditional(self, what: str, key: str, data: bytes, mode: Any, policy: RetryPolicy | None) -> str | None:
+        plain = self._classify(what)
+
+        def classify(exc: BaseException) -> Exception:
+            text = str(exc)
+            if isinstance(exc, obx.NotSupportedError) or "NotImplemented" in text or re.search(r"status(?: code)?:?\s*501\b", text):
+                return ConditionalWritesUnsupported(text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__)
+            return plain(exc)
+
+        try:
+            result = retrying(lambda: obstore.put(self._store, key, data, mode=mode, use_multipart=False), what, policy or self.policy, classify)
+        except _Conflict:
+            return None
+        if not result.get("e_tag"):
+            raise ConditionalWritesUnsupported(f"{what}: the store returned no ETag")
+        return result["e_tag"]
+
+    def get_tagged(self, key: str, policy: RetryPolicy | None = None) -> tuple[bytes, str] | None:
+        """The object's bytes and ETag, or None if it is absent."""
+        def run():
+            try:
+                result = obstore.get(self._store, key)
+            except (obx.NotFoundError, FileNotFoundError):
+                raise _Missing from None
+            return bytes(result.bytes()), result.meta["e_tag"]
+
+        try:
+            return retrying(run, f"GET {key}", policy or self.policy, self._classify(f"GET {key}"))
+        except _Missing:
+            return None
+
+
 class _Missing(Exception):
     pass
+
+
+class _Conflict(Exception):
+    """412 Precondition Failed (or obstore's AlreadyExists for If-None-Match)."""
 
 
 def _get_or_missing(store, key: str):
