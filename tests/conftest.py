@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any
 
 import h5py
@@ -17,6 +18,13 @@ from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import parse_spec
 
 logging.getLogger("distributed").setLevel(logging.ERROR)
+
+
+# A shell without job control starts a background command (`scripts/test &`, a CI step run in the
+# background) with SIGINT ignored, and every process the tests start inherits that: the Ctrl-C
+# tests' conversions would then never see their SIGINT. The tests start from Python's default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def write_h5(path, data: np.ndarray, dataset: str = "/volume/data", **create_kwargs) -> str:
