@@ -3,10 +3,14 @@ h5ngff to a loopback S3 endpoint (moto's server, in its own process), and by ngf
 same endpoint, in one run, every output read back through the endpoint and compared with the
 source.
 
-    .venv/bin/python bench/s3_write.py [--scale 0.05] [--repeat 2] [--data-dir bench/data]
+    .venv/bin/python bench/s3_write.py [--scale 0.05] [--repeat 2] [--data-dir bench/data] [--latency-ms 20]
 
 Target (issue 14): h5ngff to the endpoint within 1.3x of h5ngff to disk, and faster than
 ngff-zarr to the same endpoint. Each figure is the fastest of ``--repeat`` interleaved rounds.
+The control run "1 PUT at a time" (``uploads_in_flight=0``) shows what overlapping the uploads
+with encoding gains; ``--latency-ms`` puts a distant store's round trip in front of the endpoint.
+The endpoint is a Python process on the same cores, so the script also prints its CPU and the
+least time a run to it can take on this machine (the disk run plus that CPU over the cores).
 """
 
 from __future__ import annotations
@@ -96,11 +100,22 @@ def _cpu_seconds(pid: int) -> float:
     return t.user + t.system
 
 
+def start_latency_proxy(endpoint: str, latency_ms: float) -> tuple[subprocess.Popen, str]:
+    """bench/latency_proxy.py in front of the endpoint: every request arrives ``latency_ms`` late."""
+    port = endpoint.rsplit(":", 1)[1]
+    proc = subprocess.Popen([sys.executable, "-m", "bench.latency_proxy", port, str(latency_ms)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    return proc, f"http://127.0.0.1:{proc.stdout.readline().strip()}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=float, default=0.05)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--data-dir", default=str(ROOT / "bench" / "data"))
+    ap.add_argument("--latency-ms", type=float, default=0.0,
+                    help="deliver every request to the endpoint this late (bench/latency_proxy.py): a distant store's round trip; 0 = loopback")
+    ap.add_argument("--skip", default="", help="comma-separated runs to leave out: disk, s3, s3-sync, ngff-zarr")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT))
@@ -114,11 +129,15 @@ def main() -> int:
         write_sample(source, "/volume/data", (150, y, x), "float32")
     nbytes = 150 * y * x * 4
     moto, endpoint = start_moto()
-    env = {**os.environ, **KEY, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true", "PYTHONPATH": str(ROOT / "src")}
+    proxy, writers_endpoint = start_latency_proxy(endpoint, args.latency_ms) if args.latency_ms else (None, endpoint)
+    env = {**os.environ, **KEY, "AWS_ENDPOINT_URL": writers_endpoint, "AWS_ALLOW_HTTP": "true", "PYTHONPATH": str(ROOT / "src")}
     h5ngff = [sys.executable, "-m", "h5ngff.cli", "convert", f"{source}:/volume/data"]
     common = ["--levels", "1", "--chunks", "64,64,64", "--compressor", CODEC, "--no-progress", "--json"]
     work = tempfile.mkdtemp(prefix="h5ngff-s3-bench-")
-    times: dict[str, list[float]] = {"h5ngff -> disk": [], "h5ngff -> s3": [], "ngff-zarr -> s3": []}
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    names = {"disk": "h5ngff -> disk", "s3": "h5ngff -> s3", "s3-sync": "h5ngff -> s3, 1 PUT at a time", "ngff-zarr": "ngff-zarr -> s3"}
+    times: dict[str, list[float]] = {name: [] for key, name in names.items() if key not in skip}
+    endpoint_cpu: dict[str, list[float]] = {name: [] for name in times}
     exact: dict[str, bool] = {}
     try:
         import botocore.session
@@ -129,30 +148,52 @@ def main() -> int:
         for r in range(args.repeat):
             disk = os.path.join(work, f"disk-{r}.ome.zarr")
             runs = {
-                "h5ngff -> disk": (h5ngff + [disk] + common, disk),
-                "h5ngff -> s3": (h5ngff + [f"s3://bench/h5ngff-{r}.ome.zarr"] + common, f"s3://bench/h5ngff-{r}.ome.zarr"),
-                "ngff-zarr -> s3": ([sys.executable, "-c", NGFF_ZARR_PEER, source, f"s3://bench/ngffzarr-{r}.ome.zarr"], f"s3://bench/ngffzarr-{r}.ome.zarr"),
+                names["disk"]: (h5ngff + [disk] + common, disk),
+                names["s3"]: (h5ngff + [f"s3://bench/h5ngff-{r}.ome.zarr"] + common, f"s3://bench/h5ngff-{r}.ome.zarr"),
+                # The control: the same run with no PUT in flight while the next chunk is encoded.
+                names["s3-sync"]: (h5ngff + [f"s3://bench/sync-{r}.ome.zarr"] + common + ["--storage-option", "uploads_in_flight=0"], f"s3://bench/sync-{r}.ome.zarr"),
+                names["ngff-zarr"]: ([sys.executable, "-c", NGFF_ZARR_PEER, source, f"s3://bench/ngffzarr-{r}.ome.zarr"], f"s3://bench/ngffzarr-{r}.ome.zarr"),
             }
             for name, (argv, out) in runs.items():
-                before = _cpu_seconds(moto.pid)
+                if name not in times:
+                    continue
+                before = _cpu_seconds(moto.pid) + (_cpu_seconds(proxy.pid) if proxy else 0.0)
                 times[name].append(timed(argv, env))
-                # The loopback server is one Python process on the same cores as the writer: the
-                # CPU it spends serving the run is taken from the writer's workers.
-                server = _cpu_seconds(moto.pid) - before
+                # The loopback server (and the latency proxy) are Python processes on the same
+                # cores as the writer: the CPU they spend serving the run is taken from its workers.
+                endpoint_cpu[name].append(_cpu_seconds(moto.pid) + (_cpu_seconds(proxy.pid) if proxy else 0.0) - before)
                 exact[name] = exact.get(name, True) and same_as_source(out, source, endpoint)
-                print(f"round {r + 1}: {name:16s} {times[name][-1]:6.2f} s  exact={exact[name]}  endpoint CPU {server:.1f} s", flush=True)
+                print(f"round {r + 1}: {name:30s} {times[name][-1]:6.2f} s  exact={exact[name]}  endpoint CPU {endpoint_cpu[name][-1]:.1f} s", flush=True)
             shutil.rmtree(disk, ignore_errors=True)
     finally:
-        moto.terminate()
-        moto.wait()
+        for proc in (moto, proxy):
+            if proc is not None:
+                proc.terminate()
+                proc.wait()
         shutil.rmtree(work, ignore_errors=True)
     best = {k: min(v) for k, v in times.items()}
-    print(f"\nseed case (150, {y}, {x}) float32, {nbytes / 1e9:.3f} GB, single level, (64,64,64) chunks, {CODEC}; best of {args.repeat}:")
-    for name, s in best.items():
-        print(f"| {name} | {s:.2f} s | {nbytes / s / 1e6:.0f} MB/s | exact {exact[name]} |")
-    print(f"h5ngff s3/disk = {best['h5ngff -> s3'] / best['h5ngff -> disk']:.2f}x (target <= 1.3); "
-          f"ngff-zarr s3 / h5ngff s3 = {best['ngff-zarr -> s3'] / best['h5ngff -> s3']:.2f}x (target > 1)")
-    print(json.dumps({"best_seconds": best, "exact": exact, "shape": [150, y, x], "repeat": args.repeat}))
+    cores = os.cpu_count() or 1
+    print(f"\nseed case (150, {y}, {x}) float32, {nbytes / 1e9:.3f} GB, single level, (64,64,64) chunks, {CODEC}; "
+          f"endpoint latency +{args.latency_ms:g} ms; best of {args.repeat}:")
+    for name, secs in best.items():
+        print(f"| {name} | {secs:.2f} s | {nbytes / secs / 1e6:.0f} MB/s | endpoint CPU {min(endpoint_cpu[name]):.1f} s | exact {exact[name]} |")
+    summary: dict[str, float] = {}
+    disk_name, s3_name = names["disk"], names["s3"]
+    if disk_name in best and s3_name in best:
+        # The endpoint shares this machine's cores: a run to it cannot beat the disk run plus the
+        # endpoint's CPU spread over every core. The 1.3x target is read against both.
+        bound = best[disk_name] + min(endpoint_cpu[s3_name]) / cores
+        summary = {"s3_over_disk": best[s3_name] / best[disk_name], "shared_core_bound_s": bound, "s3_over_bound": best[s3_name] / bound}
+        print(f"h5ngff s3/disk = {summary['s3_over_disk']:.2f}x (target <= 1.3); the endpoint's CPU on these {cores} cores makes "
+              f"{bound:.2f} s the least a run to it can take ({bound / best[disk_name]:.2f}x disk): s3 / that bound = {summary['s3_over_bound']:.2f}x")
+    if names["s3-sync"] in best and s3_name in best:
+        summary["sync_over_overlapped"] = best[names["s3-sync"]] / best[s3_name]
+        print(f"one PUT at a time / PUTs in flight = {summary['sync_over_overlapped']:.2f}x")
+    if names["ngff-zarr"] in best and s3_name in best:
+        summary["ngff_zarr_over_h5ngff"] = best[names["ngff-zarr"]] / best[s3_name]
+        print(f"ngff-zarr s3 / h5ngff s3 = {summary['ngff_zarr_over_h5ngff']:.2f}x (target > 1)")
+    print(json.dumps({"best_seconds": best, "endpoint_cpu_seconds": {k: min(v) for k, v in endpoint_cpu.items()}, "exact": exact,
+                      "shape": [150, y, x], "repeat": args.repeat, "latency_ms": args.latency_ms, **summary}))
     return 0 if all(exact.values()) else 1
 
 

@@ -8,6 +8,7 @@ import http.client
 import logging
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -97,7 +98,8 @@ class Faults:
 class FaultProxy:
     """A loopback HTTP proxy to the moto server that answers some requests itself: ``503`` (S3's
     SlowDown), ``reset`` (the connection closed with no response), ``403`` (AccessDenied) or ``501``
-    (NotImplemented: what a store without conditional writes answers to If-None-Match)."""
+    (NotImplemented: what a store without conditional writes answers to If-None-Match); or
+    forwards them late: ``delay:SECONDS`` (a distant endpoint's round trip)."""
 
     def __init__(self, upstream: str):
         host, port = upstream.removeprefix("http://").split(":")
@@ -113,6 +115,9 @@ class FaultProxy:
             def _handle(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 action = faults.take(self.command, self.path)
+                if action and action.startswith("delay:"):
+                    time.sleep(float(action.split(":", 1)[1]))
+                    action = None
                 if action == "reset":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)

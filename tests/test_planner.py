@@ -496,3 +496,37 @@ def test_auto_levels_stop_when_one_chunk_holds_the_smallest_level():
 def test_empty_dimension_is_refused():
     with pytest.raises(Exception, match=r"source.dataset: Expected every dimension to hold at least one element. Got shape \(0, 10, 10\)"):
         make_plan(DatasetInfo((0, 10, 10), "<u2", 2), spec(), MACHINE)
+
+
+# --- uploads in flight to an object store (engine/stores/uploads.py) ------------------------------
+
+
+def _upload_buffers(plan) -> int:
+    return next(t.bytes for t in plan.memory.terms if t.name == "object store upload buffers")
+
+
+def test_a_bucket_keeps_puts_in_flight_and_the_plan_counts_each():
+    bucket = make_plan(HEADLINE, spec(output={"path": "s3://b/out.ome.zarr", "chunks": [64, 64, 64]}, pyramid={"levels": 1}), MACHINE)
+    local = make_plan(HEADLINE, spec(output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}), MACHINE)
+    assert local.upload_depth == 0 and not any(t.name.startswith("object store") for t in local.memory.terms)
+    # 1 MiB chunks: the window's most; each held whole with its request body (x2).
+    assert bucket.upload_depth == 6
+    unit = 64**3 * 4 + 16  # the encoded bound of one chunk (blosc's header)
+    assert _upload_buffers(bucket) == bucket.threads_per_worker * (6 + 1) * 2 * unit
+    # A user's choice replaces the planner's, and the plan follows it.
+    one = make_plan(HEADLINE, spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "storageOptions": {"uploads_in_flight": "0"}}, pyramid={"levels": 1}), MACHINE)
+    assert one.upload_depth == 0 and _upload_buffers(one) == one.threads_per_worker * 2 * unit
+    assert one.memory.predicted_peak < bucket.memory.predicted_peak
+
+
+def test_large_shards_are_put_one_at_a_time():
+    shards = make_plan(HEADLINE, spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "shards": [128, 128, 128]}, pyramid={"levels": 1}), MACHINE)
+    assert shards.upload_depth == 1  # 8 MiB shards: one in flight while the next is built
+    big = make_plan(HEADLINE, spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "shards": [64, 256, 256]}, pyramid={"levels": 1}), MACHINE)
+    assert big.upload_depth == 0  # 16 MiB and above: synchronous, as before
+
+
+def test_uploads_in_flight_must_be_a_small_count():
+    for bad in ("33", "-1", "many"):
+        with pytest.raises(SpecError, match="uploads_in_flight"):
+            spec(output={"path": "s3://b/o", "storageOptions": {"uploads_in_flight": bad}})

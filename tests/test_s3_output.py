@@ -106,14 +106,19 @@ def _chunk_objects(keys: dict[str, bytes], prefix: str) -> dict[str, bytes]:
     return {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix) and "/.h5ngff/" not in k and not k.endswith(("zarr.json", ".zattrs"))}
 
 
-def test_killed_run_resumes_byte_identical_and_a_poller_never_sees_it_finished_early(source, s3, convert):
-    h5, data = source
+def test_killed_run_resumes_byte_identical_and_a_poller_never_sees_it_finished_early(s3, convert, tmp_path):
+    # Two slabs (a 3-level pyramid of 8-deep chunks aligns slabs to 32 planes), run one after the
+    # other: the kill lands after the first slab's record and before the second's. With one slab
+    # (the module's 24-plane source) the run could finish between two polls.
+    data = smooth((64, 96, 80), "uint16", seed=4)
+    h5 = write_h5(tmp_path / "two-slabs.h5", data)
     bucket = s3.new_bucket()
     clean = f"s3://{bucket}/clean.ome.zarr"
     convert(_spec(h5, clean, s3.options()))
     url = f"s3://{bucket}/killed.ome.zarr"
-    args = CLI + ["convert", f"{h5}:/volume/data", url, "--chunks", "8,32,32", "--levels", "3", "--slab", "8,96,80", "--workers", "1", "--no-progress", *_flags(s3.options())]
-    proc = subprocess.Popen(args, env=_env(s3, H5NGFF_FAULTS="slab_sleep=0.3"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    args = CLI + ["convert", f"{h5}:/volume/data", url, "--chunks", "8,32,32", "--levels", "3", "--slab", "32,96,80", "--workers", "1", "--threads", "1",
+                  "--no-progress", *_flags(s3.options())]
+    proc = subprocess.Popen(args, env=_env(s3, H5NGFF_FAULTS="slab_sleep=0.5"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     client = s3.client()
     deadline = time.time() + 90
     while time.time() < deadline and proc.poll() is None:
@@ -121,6 +126,7 @@ def test_killed_run_resumes_byte_identical_and_a_poller_never_sees_it_finished_e
         if len(recorded) >= 2:  # the header and one slab: mid-run
             break
         time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed mid-run: the test would prove nothing"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     root = json.loads(client.get_object(Bucket=bucket, Key="killed.ome.zarr/zarr.json")["Body"].read())

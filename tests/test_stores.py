@@ -6,6 +6,7 @@ that are completed or aborted."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -149,6 +150,82 @@ def test_a_403_fails_at_once_with_what_to_change(s3):
         assert store_retries.count == before and proxy.faults.injected("403") == 1  # not retried
     # Control: the same store behind no faults writes.
     S3Store(store.bucket, "out", s3.options()).put("a", b"data")
+
+
+def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_block_exits(s3):
+    from h5ngff.engine.stores.s3 import S3Store
+
+    bucket = s3.new_bucket()
+    objects = {f"c/{i}": bytes([i]) * 1000 for i in range(6)}
+    with FaultProxy(s3.url) as proxy:
+        store = S3Store(bucket, "out", s3.options(proxy.url))
+        store.put("warm", b"connection pool")  # so neither run pays for the connections
+        # Control: six PUTs one after another each wait out the endpoint's 0.25 s round trip.
+        proxy.faults.add("delay:0.25", 6, "PUT", "/sync/")
+        t0 = time.perf_counter()
+        for key, data in objects.items():
+            store.put(f"sync/{key}", data)
+        synchronous = time.perf_counter() - t0
+        proxy.faults.add("delay:0.25", 6, "PUT", "/window/")
+        t0 = time.perf_counter()
+        with store.overlapped(6):
+            for key, data in objects.items():
+                store.put(f"window/{key}", data)
+            # The calls returned before the endpoint answered: nothing is stored yet.
+            assert not [k for k in s3.keys(bucket) if "/window/" in k]
+        overlapped = time.perf_counter() - t0
+    stored = s3.keys(bucket, "out/window/")
+    assert stored == {f"out/window/{k}": v for k, v in objects.items()}, "every PUT is stored once the block exits"
+    assert synchronous >= 6 * 0.25 and overlapped < 0.5 * synchronous, (synchronous, overlapped)
+
+
+def test_the_window_bounds_the_puts_in_flight(s3):
+    from h5ngff.engine.stores.s3 import S3Store
+
+    bucket = s3.new_bucket()
+    with FaultProxy(s3.url) as proxy:
+        store = S3Store(bucket, "out", s3.options(proxy.url))
+        proxy.faults.add("delay:0.3", 4, "PUT")
+        t0 = time.perf_counter()
+        with store.overlapped(2):
+            for i in range(4):
+                store.put(f"k{i}", b"x")
+        elapsed = time.perf_counter() - t0
+    # Two at a time: the third PUT waits for the first, so four take two round trips, not one.
+    assert 2 * 0.3 <= elapsed < 4 * 0.3, elapsed
+
+
+def test_a_failed_put_in_the_window_fails_the_block_after_the_others_are_done(s3):
+    from h5ngff.engine.stores.s3 import S3Store
+
+    bucket = s3.new_bucket()
+    with FaultProxy(s3.url) as proxy:
+        store = S3Store(bucket, "out", {**s3.options(proxy.url), "retries": "3"})
+        proxy.faults.add("403", 1, "PUT", "/out/bad")
+        proxy.faults.add("503", 1, "PUT", "/out/flaky")
+        proxy.faults.add("delay:0.4", 1, "PUT", "/out/slow")
+        retries_before = store_retries.mine()
+        with pytest.raises(OutputError, match="AccessDenied"):
+            with store.overlapped(2):
+                store.put("bad", b"refused")
+                store.put("slow", b"late")
+                store.put("flaky", b"retried once")  # the window is full: waits for "bad", which raises
+        # The error comes out only once the PUT still in flight has finished: none is left to
+        # race a retry of the same slab. "flaky" was never sent.
+        assert set(s3.keys(bucket, "out/")) == {"out/slow"}
+        # An error of the slab's own (an encoding failure) also waits for the PUTs in flight, and
+        # is the one raised.
+        proxy.faults.add("delay:0.4", 2, "PUT", "/out/late")
+        with pytest.raises(RuntimeError, match="encoding failed"):
+            with store.overlapped(6):
+                store.put("late0", b"x")
+                store.put("late1", b"x")
+                raise RuntimeError("encoding failed")
+        assert {"out/late0", "out/late1"} <= set(s3.keys(bucket, "out/"))
+        # Retries made in the pool count as the calling thread's (the slab reports its own).
+        with store.overlapped(6):
+            store.put("flaky", b"retried once")
+        assert store_retries.mine() - retries_before == 1 and proxy.faults.injected("503") == 1
 
 
 def test_a_missing_bucket_fails_at_once_and_says_so(s3):

@@ -62,6 +62,10 @@ URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: Longest source.path and output.path accepted (Linux's PATH_MAX); bounds the CRD's CEL cost.
 MAX_PATH_LENGTH = 4096
+#: The storage option that sets how many PUTs each worker thread keeps in flight (default: the
+#: planner's choice by unit size, planner/memory.py upload_depth), and its largest value.
+UPLOADS_IN_FLIGHT = "uploads_in_flight"
+MAX_UPLOADS_IN_FLIGHT = 32
 
 
 def url_scheme(path: str) -> str | None:
@@ -265,6 +269,17 @@ class OutputSpec(_Model):
         if self.storage_options and url_scheme(self.path) is None:
             raise _FieldError("storageOptions", f"Expected storage options only with an s3:// output.path. Got {sorted(self.storage_options)} with the local path {self.path!r} instead.")
         return self
+
+    @field_validator("storage_options")
+    @classmethod
+    def _uploads_in_flight_is_a_count(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        # The planner counts the uploads in flight in the memory plan, so it reads this option
+        # itself (planner/plan.py upload_depth_for): it must be a small count before any plan.
+        value = (v or {}).get(UPLOADS_IN_FLIGHT)
+        if value is not None and not (str(value).isdigit() and int(value) <= MAX_UPLOADS_IN_FLIGHT):
+            raise ValueError(f"Expected storageOptions.{UPLOADS_IN_FLIGHT} to be a whole number from 0 (one PUT at a time) to {MAX_UPLOADS_IN_FLIGHT}. "
+                             f"Got {value!r} instead.")
+        return v
 
     @model_validator(mode="before")
     @classmethod

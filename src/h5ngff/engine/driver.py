@@ -55,7 +55,8 @@ def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: in
     channel_axis = plan.axes.index("c") if "c" in plan.axes else None
     stats_dir = histogram_dir(output) if p.source_level == -1 else None
     for index in grid_indices(p.grid):
-        yield SlabTask(pass_index, index, region(src_shape, p.slab, index), source, levels, downsampled, spec.pyramid.method, channel_axis, stats_dir)
+        yield SlabTask(pass_index, index, region(src_shape, p.slab, index), source, levels, downsampled, spec.pyramid.method, channel_axis, stats_dir,
+                       plan.upload_depth)
 
 
 def histogram_dir(output: Output) -> str:

@@ -41,6 +41,9 @@ class SlabTask:
     #: Where the first pass writes each slab's sampled histogram (engine.window), or None: a key
     #: prefix in the output's store (the store of ``levels``).
     stats_dir: str | None = None
+    #: PUTs kept in flight while the next unit is encoded, for an object-store output (the plan's
+    #: ``upload_depth``; 0 writes synchronously).
+    upload_depth: int = 0
 
     @property
     def key(self) -> str:
@@ -117,24 +120,29 @@ def run_slab(task: SlabTask) -> SlabResult:
     minmax = _MinMax(task.channel_axis, histogram)
     bytes_written = 0
     factor = 1
-    for i, layout in enumerate(task.levels):
-        if i > 0 or first_factor == 2:
+    # Every PUT of the slab is stored (or the slab fails) when this block exits, before the record
+    # that names its units is returned (engine.stores.uploads).
+    with task.levels[0].store().overlapped(task.upload_depth):
+        for i, layout in enumerate(task.levels):
+            if i > 0 or first_factor == 2:
+                t = time.perf_counter()
+                depth = i if first_factor == 1 else i + 1
+                target = level_buffer(depth, output_shape(block.shape, task.downsampled), block.dtype)
+                block = downsample(block, task.downsampled, task.method, out=target)
+                seconds["downsample"] += time.perf_counter() - t
+                factor *= 2
+            origin = tuple(r.start // (factor if d else 1) for r, d in zip(task.region, task.downsampled))
             t = time.perf_counter()
-            depth = i if first_factor == 1 else i + 1
-            target = level_buffer(depth, output_shape(block.shape, task.downsampled), block.dtype)
-            block = downsample(block, task.downsampled, task.method, out=target)
-            seconds["downsample"] += time.perf_counter() - t
-            factor *= 2
-        origin = tuple(r.start // (factor if d else 1) for r, d in zip(task.region, task.downsampled))
+            stats = minmax if layout.level == 0 else None
+            for key, nbytes in write_block(layout, block, origin, on_chunk=stats, on_file=crcs.on_file(layout)):
+                units.append((layout.level, key, nbytes))
+                bytes_written += nbytes
+            seconds["write"] += time.perf_counter() - t
+        del block, injected
+        if histogram is not None and task.stats_dir is not None:
+            write_histogram(task.levels[0].store(), histogram_key(task.stats_dir, task.pass_index, task.slab), histogram.mode, histogram.sparse())
         t = time.perf_counter()
-        stats = minmax if layout.level == 0 else None
-        for key, nbytes in write_block(layout, block, origin, on_chunk=stats, on_file=crcs.on_file(layout)):
-            units.append((layout.level, key, nbytes))
-            bytes_written += nbytes
-        seconds["write"] += time.perf_counter() - t
-    del block, injected
-    if histogram is not None and task.stats_dir is not None:
-        write_histogram(task.levels[0].store(), histogram_key(task.stats_dir, task.pass_index, task.slab), histogram.mode, histogram.sparse())
+    seconds["write"] += time.perf_counter() - t  # the wait for the last PUTs
     keep_levels(len(task.levels) if first_factor == 2 else len(task.levels) - 1)
     record = SlabRecord(task.pass_index, task.slab, units, minmax.stats(), crcs.entries)
     return SlabResult(record, bytes_read, bytes_written, seconds, store_retries=store_retries.mine() - retries_before)

@@ -23,7 +23,7 @@ from itertools import permutations
 from typing import Any
 
 from ..jobspec import MAX_VOLUME_NAME, MAX_VOLUMES
-from ..spec import MAX_AXES, MAX_QUANTITY_LENGTH, OUTPUT_SCHEMES, SPACE_UNITS, TIME_UNITS, URL_PATTERN
+from ..spec import MAX_AXES, MAX_QUANTITY_LENGTH, MAX_UPLOADS_IN_FLIGHT, OUTPUT_SCHEMES, SPACE_UNITS, TIME_UNITS, UPLOADS_IN_FLIGHT, URL_PATTERN
 
 MiB64 = 64 << 20
 
@@ -211,6 +211,10 @@ CEL_RULES: tuple[CelRule, ...] = (
             why="SourceSpec._not_a_url (parse_source_path)"),
     CelRule("output", f"!has(self.storageOptions) || size(self.storageOptions) == 0 || self.path.matches('{URL_PATTERN}')",
             "output.storageOptions are only for an s3:// output.path", ".storageOptions", why="OutputSpec._options_need_a_url"),
+    CelRule("output", f"!has(self.storageOptions) || !('{UPLOADS_IN_FLIGHT}' in self.storageOptions) || "
+                      f"(self.storageOptions['{UPLOADS_IN_FLIGHT}'].matches('^[0-9]{{1,2}}$') && int(self.storageOptions['{UPLOADS_IN_FLIGHT}']) <= {MAX_UPLOADS_IN_FLIGHT})",
+            f"output.storageOptions.{UPLOADS_IN_FLIGHT} must be a whole number from 0 to {MAX_UPLOADS_IN_FLIGHT}", ".storageOptions",
+            why="OutputSpec._uploads_in_flight_is_a_count"),
     CelRule("output", f"!has(self.checksums) || !self.checksums || !has(self.ngffVersion) || self.ngffVersion != '0.4' || "
                       f"!self.path.matches('{URL_PATTERN}')",
             "output.checksums with ngffVersion '0.4' need a local output.path (their sidecar is a directory): use ngffVersion '0.5' "

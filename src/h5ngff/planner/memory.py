@@ -157,6 +157,8 @@ class PassShape:
     zstd: bool = False
     #: The output is an object store: units are held whole for their PUT (object_store_terms).
     object_store: bool = False
+    #: PUTs each thread keeps in flight while it builds the next unit (object-store outputs).
+    upload_depth: int = 0
 
 
 def encoded_bound(nbytes: int) -> int:
@@ -216,22 +218,42 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
 MULTIPART_THRESHOLD = 64 * MiB
 PART_SIZE = 16 * MiB
 PART_CONCURRENCY = 2
+#: Encoded bytes a thread may have in flight to an object store while it encodes the next unit
+#: (engine.stores.uploads), and the most PUTs that makes. A PUT round trip is about a millisecond
+#: to a loopback endpoint and 20-50 ms to AWS, against about 7 ms to encode a 1 MiB chunk: 6 in
+#: flight keep a core encoding through either (bench/s3_write.py --latency-ms). Units above the
+#: window (large shards) are PUT synchronously, as before: holding a second 64 MiB shard per
+#: thread would cost more memory than the wait costs time (a multipart upload already sends
+#: PART_CONCURRENCY parts at once).
+UPLOAD_WINDOW_BYTES = 16 * MiB
+MAX_UPLOAD_DEPTH = 6
+
+
+def upload_depth(unit_bytes: int) -> int:
+    """PUTs a worker thread keeps in flight for units of ``unit_bytes`` (counted at their encoded
+    bound: the planner cannot know how well the data compresses); 0 writes synchronously."""
+    return min(MAX_UPLOAD_DEPTH, UPLOAD_WINDOW_BYTES // encoded_bound(unit_bytes))
 
 
 def object_store_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]:
-    """The network path's terms: the client once per worker, and per thread the whole unit held
-    for its PUT (plus the multipart parts in flight for a unit above the threshold). A later
-    pass reads a shard object whole (one GET) and decodes it whole."""
+    """The network path's terms: the client once per worker, and per thread the unit being built
+    plus the ``upload_depth`` units whose PUTs are in flight, each held whole (plus the multipart
+    parts in flight per unit above the threshold). A later pass reads a shard through its index,
+    with the ranges it needs in one call: at most the shard object and its decoded chunks."""
     T = shape.threads
     unit = encoded_bound(shape.shard_bytes or shape.chunk_bytes)
-    buffer = math.ceil(c.object_store_buffer_factor * unit)
-    why = f"per thread: one encoded {'shard' if shape.shard_bytes else 'chunk'} ({unit / MiB:.1f} MiB) x {c.object_store_buffer_factor} held until its PUT returns"
+    depth = shape.upload_depth
+    per_unit = math.ceil(c.object_store_buffer_factor * unit)
     if unit > MULTIPART_THRESHOLD:
-        buffer += PART_CONCURRENCY * PART_SIZE
-        why += f" + {PART_CONCURRENCY} multipart parts of {PART_SIZE / MiB:.0f} MiB in flight"
+        per_unit += PART_CONCURRENCY * PART_SIZE
+    kind = "shard" if shape.shard_bytes else "chunk"
+    why = (f"per thread: the encoded {kind} being built + {depth} whose PUT(s) are in flight, {unit / MiB:.1f} MiB each "
+           f"x {c.object_store_buffer_factor} (its buffer and the request body)")
+    if unit > MULTIPART_THRESHOLD:
+        why += f" + {PART_CONCURRENCY} multipart parts of {PART_SIZE / MiB:.0f} MiB in flight each"
     terms = [
         MemoryTerm("object store client", c.object_store_client, "obstore, its runtime threads and connection pool, botocore for the AWS config chain; once per worker"),
-        MemoryTerm("object store upload buffers", T * buffer, why),
+        MemoryTerm("object store upload buffers", T * (depth + 1) * per_unit, why),
     ]
     if shape.shard_bytes and not shape.from_hdf5:
         terms.append(MemoryTerm("object store shard reads", T * (unit + shape.shard_bytes), "per thread: one shard object fetched whole + decoded whole (a later pass)"))

@@ -147,6 +147,9 @@ class Plan:
     hdf5_cache_bytes: int
     allocator: str
     notices: tuple[str, ...] = field(default=())
+    #: PUTs each worker thread keeps in flight while it encodes the next unit (an object-store
+    #: output; 0 writes synchronously, as a directory does). Counted in ``memory``.
+    upload_depth: int = 0
 
     @property
     def n_tasks(self) -> int:

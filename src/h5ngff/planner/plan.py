@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..errors import BudgetTooSmallError, SpecError, UnsupportedDatasetError
-from ..spec import ConversionSpec, url_scheme
+from ..spec import UPLOADS_IN_FLIGHT, ConversionSpec, url_scheme
 from ..units import MiB, format_bytes
 from .grid import align_up, clip, grid_shape, greedy_slab, slab_step
 from .layout import (
@@ -25,7 +25,7 @@ from .layout import (
     resolve_levels,
     resolve_scale_units,
 )
-from .memory import DEFAULT_CONSTANTS, STRIP_ELEMENTS, MemoryConstants, PassShape, pass_terms, slab_output_bytes, worker_memory
+from .memory import DEFAULT_CONSTANTS, STRIP_ELEMENTS, MemoryConstants, PassShape, pass_terms, slab_output_bytes, upload_depth, worker_memory
 from .model import Capacity, DatasetInfo, MemoryTerm, Pass, Plan, Shape, WorkerMemory
 
 #: Above this a bigger slab reads no faster but holds more memory and leaves fewer tasks to
@@ -70,6 +70,8 @@ class _Context:
     zstd: bool = False
     #: The output is an object store (s3://): units are buffered whole and PUT (engine.stores).
     object_store: bool = False
+    #: PUTs each thread keeps in flight (object stores; upload_depth_for).
+    upload_depth: int = 0
 
     @property
     def itemsize(self) -> int:
@@ -92,9 +94,11 @@ def make_plan(
     n_levels = resolve_levels(spec, ds.shape, chunks, downsampled)
     levels = build_levels(ds.shape, scale, downsampled, n_levels, spec.pyramid.method)
     threads = spec.resources.threads_per_worker
+    depth = upload_depth_for(spec, math.prod(shards or chunks) * ds.itemsize)
 
     def plan_with(workers: int, budget: int | None) -> _Attempt:
-        ctx = _Context(ds, shards or chunks, chunks, shards, downsampled, threads, workers * threads, budget, allocator, constants, _uses_zstd(spec), url_scheme(spec.output.path) is not None)
+        ctx = _Context(ds, shards or chunks, chunks, shards, downsampled, threads, workers * threads, budget, allocator, constants, _uses_zstd(spec),
+                       url_scheme(spec.output.path) is not None, depth)
         return _plan_worker(ctx, [lv.shape for lv in levels], spec.resources.slab)
 
     workers, budget = _workers_and_budget(spec, capacity, threads)
@@ -124,7 +128,17 @@ def make_plan(
         hdf5_cache_bytes=cache,
         allocator=allocator,
         notices=tuple(dict.fromkeys(clipped_notices(spec, ds, chunks, shards) + notices)),
+        upload_depth=depth,
     )
+
+
+def upload_depth_for(spec: ConversionSpec, unit_bytes: int) -> int:
+    """PUTs each worker thread keeps in flight: none for a directory; for a bucket, the
+    ``uploads_in_flight`` storage option, else the planner's choice for the unit's size."""
+    if url_scheme(spec.output.path) is None:
+        return 0
+    chosen = (spec.output.storage_options or {}).get(UPLOADS_IN_FLIGHT)
+    return int(chosen) if chosen is not None else upload_depth(unit_bytes)
 
 
 def _uses_zstd(spec: ConversionSpec) -> bool:
@@ -414,6 +428,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
         hdf5_cache_bytes=cache,
         zstd=ctx.zstd,
         object_store=ctx.object_store,
+        upload_depth=ctx.upload_depth,
     )
 
 

@@ -15,7 +15,11 @@ Semantics every store keeps (tests/test_stores.py runs one contract suite agains
 - ``delete(key)`` removes one object if it exists; ``delete_prefix(prefix, keep)`` removes every
   object under ``prefix`` but the keys in ``keep``, and nothing else;
 - ``sweep()`` removes what a killed writer left behind (a directory's temporary files; nothing
-  on a bucket, where an upload is whole or aborted) and returns how many.
+  on a bucket, where an upload is whole or aborted) and returns how many;
+- ``overlapped(depth)``: within the block, the calling thread's ``put`` and ``writer`` may
+  return before the object is stored, with at most ``depth`` in flight; when the block exits
+  cleanly every one is stored, and an error in any is raised (a bucket overlaps its round trips
+  with encoding, engine.stores.uploads; a directory writes at once, as its writes do not wait).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Store(Protocol):
     def delete(self, key: str) -> None: ...
     def delete_prefix(self, prefix: str, keep: Collection[str] = ()) -> int: ...
     def sweep(self) -> int: ...
+    def overlapped(self, depth: int) -> ContextManager[None]: ...
 
 
 class ConditionalWritesUnsupported(Exception):
@@ -87,8 +92,14 @@ class StoreRetries:
         self._thread.count = self.mine() + 1
 
     def mine(self) -> int:
-        """Retries made by the calling thread (a slab runs in one thread)."""
+        """Retries made by the calling thread (a slab runs in one thread), and by the uploads it
+        handed to a pool (``credit``)."""
         return getattr(self._thread, "count", 0)
+
+    def credit(self, retries: int) -> None:
+        """Count, as the calling thread's, retries another thread made for it (already in
+        ``count``): an upload the slab's thread handed to the pool (engine.stores.uploads)."""
+        self._thread.count = self.mine() + retries
 
 
 store_retries = StoreRetries()

@@ -18,7 +18,7 @@ import os
 import re
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, BinaryIO, Collection, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, Collection, ContextManager, Iterable, Iterator, Sequence
 
 import obstore
 from obstore import exceptions as obx
@@ -27,11 +27,13 @@ from obstore.store import S3Store as _ObS3Store
 from ...errors import OutputError, SpecError
 from .awsconfig import resolve_chain
 from .base import ConditionalWritesUnsupported, RetryPolicy, TransientStoreError, retrying
+from .uploads import UploadWindow
 
 #: Options of the HTTP client rather than of S3 (obstore's ClientConfig).
 CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "user_agent"}
-#: Our own options: when to switch to a multipart upload, and its part size.
-OWN_KEYS = {"multipart_threshold", "part_size", "retries"}
+#: Our own options: when to switch to a multipart upload, its part size, retries, and the PUTs a
+#: thread keeps in flight (read by the planner, which counts them: planner/plan.py upload_depth_for).
+OWN_KEYS = {"multipart_threshold", "part_size", "retries", "uploads_in_flight"}
 #: The one-writer lease's options: read by engine.s3lease, not by the client.
 LEASE_KEYS = {"lock", "lock_ttl"}
 #: Friendly aliases (the names s3fs and the AWS CLI use) -> obstore's keys.
@@ -123,6 +125,7 @@ class S3Store:
                                      retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)}, credential_provider=provider)
         except obx.BaseError as exc:
             raise SpecError("output.storageOptions", f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {exc}") from None
+        self._uploads = UploadWindow(bucket)
 
     def as_zarr_store(self) -> Any:
         """zarr-python's read-only view of the same prefix, over this client (same endpoint,
@@ -163,10 +166,24 @@ class S3Store:
         return retrying(call, what, self.policy, self._classify(what))
 
     # -- the protocol --------------------------------------------------------------------------
+    def overlapped(self, depth: int) -> ContextManager[None]:
+        """Within the block, this thread's PUTs (``put``, ``writer``) overlap its work, at most
+        ``depth`` in flight (engine.stores.uploads); all are stored when the block exits."""
+        return self._uploads.open(depth)
+
     def put(self, key: str, data: bytes | memoryview | Iterable[bytes], sync: bool = False) -> int:
-        # ``sync`` needs nothing here: an acknowledged PUT is durable.
+        # ``sync`` needs nothing here: an acknowledged PUT is durable. It is also never overlapped:
+        # a synced object (metadata, a marker) is one the caller must know is stored on return.
         if not isinstance(data, (bytes, bytearray, memoryview)):
             data = b"".join(data)
+        n = len(data)
+        if self._uploads.depth and not sync:
+            self._uploads.submit(lambda: self._put_now(key, data))
+        else:
+            self._put_now(key, data)
+        return n
+
+    def _put_now(self, key: str, data: bytes | bytearray | memoryview) -> None:
         n = len(data)
         if n <= self.multipart_threshold:
             self._call(f"PUT {key}", lambda: obstore.put(self._store, key, data, use_multipart=False))
@@ -175,7 +192,6 @@ class S3Store:
             # failed upload (tests/test_s3_store.py lists the bucket's uploads to check).
             self._call(f"multipart PUT {key}", lambda: obstore.put(self._store, key, io.BytesIO(data), use_multipart=True,
                                                                   chunk_size=self.part_size, max_concurrency=PART_CONCURRENCY))
-        return n
 
     @contextmanager
     def writer(self, key: str, sync: bool = False) -> Iterator[BinaryIO]:
