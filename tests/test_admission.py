@@ -219,6 +219,7 @@ INVALID = {
     "output s3, 33 PUTs in flight": edit("output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "33"}}),
     "output s3, PUTs in flight not a number": edit("output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "many"}}),
     "output s3, negative PUTs in flight": edit("output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "-1"}}),
+    "output s3, PUTs in flight in capitals": edit("output", {"path": "s3://b/x", "storageOptions": {"UPLOADS_IN_FLIGHT": "99"}}),
     "output s3 ngff 0.4 with checksums": edit("output", {"path": "s3://b/x", "ngffVersion": "0.4", "checksums": True}),
     "source s3": edit("source.path", "s3://bucket/in.h5"),
     "source https": edit("source.path", "https://example.org/in.h5"),

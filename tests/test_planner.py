@@ -530,3 +530,22 @@ def test_uploads_in_flight_must_be_a_small_count():
     for bad in ("33", "-1", "many"):
         with pytest.raises(SpecError, match="uploads_in_flight"):
             spec(output={"path": "s3://b/o", "storageOptions": {"uploads_in_flight": bad}})
+
+
+def test_a_budget_too_small_for_uploads_in_flight_puts_one_at_a_time_and_says_so():
+    def bucket(budget=None, **options):
+        resources = {"workers": 2, "threadsPerWorker": 4, "slab": [64, 64, 2008]}
+        if budget:
+            resources["memoryPerWorker"] = budget
+        return spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "storageOptions": options}, pyramid={"levels": 1}, resources=resources)
+
+    overlapped = make_plan(HEADLINE, bucket(), MACHINE)
+    one_at_a_time = make_plan(HEADLINE, bucket(uploads_in_flight="0"), MACHINE)
+    assert overlapped.upload_depth == 6 and overlapped.memory.pod_limit > one_at_a_time.memory.pod_limit
+    between = f"{(overlapped.memory.pod_limit + one_at_a_time.memory.pod_limit) // 2 // MiB}Mi"
+    plan = make_plan(HEADLINE, bucket(between), MACHINE)
+    assert plan.upload_depth == 0 and plan.memory.pod_limit <= (overlapped.memory.pod_limit + one_at_a_time.memory.pod_limit) // 2
+    assert any("one PUT at a time" in n for n in plan.notices)
+    # The user's own depth is kept: the refusal names it as a knob instead.
+    with pytest.raises(BudgetTooSmallError, match="uploads_in_flight"):
+        make_plan(HEADLINE, bucket(between, uploads_in_flight="6"), MACHINE)

@@ -275,10 +275,11 @@ class OutputSpec(_Model):
     def _uploads_in_flight_is_a_count(cls, v: dict[str, str] | None) -> dict[str, str] | None:
         # The planner counts the uploads in flight in the memory plan, so it reads this option
         # itself (planner/plan.py upload_depth_for): it must be a small count before any plan.
-        value = (v or {}).get(UPLOADS_IN_FLIGHT)
-        if value is not None and not (str(value).isdigit() and int(value) <= MAX_UPLOADS_IN_FLIGHT):
-            raise ValueError(f"Expected storageOptions.{UPLOADS_IN_FLIGHT} to be a whole number from 0 (one PUT at a time) to {MAX_UPLOADS_IN_FLIGHT}. "
-                             f"Got {value!r} instead.")
+        # Keys are case-insensitive, as the store reads them.
+        for key, value in (v or {}).items():
+            if key.lower() == UPLOADS_IN_FLIGHT and not (re.fullmatch(r"[0-9]{1,2}", str(value)) and int(value) <= MAX_UPLOADS_IN_FLIGHT):
+                raise ValueError(f"Expected storageOptions.{key} to be a whole number from 0 (one PUT at a time) to {MAX_UPLOADS_IN_FLIGHT}. "
+                                 f"Got {value!r} instead.")
         return v
 
     @model_validator(mode="before")

@@ -211,8 +211,8 @@ CEL_RULES: tuple[CelRule, ...] = (
             why="SourceSpec._not_a_url (parse_source_path)"),
     CelRule("output", f"!has(self.storageOptions) || size(self.storageOptions) == 0 || self.path.matches('{URL_PATTERN}')",
             "output.storageOptions are only for an s3:// output.path", ".storageOptions", why="OutputSpec._options_need_a_url"),
-    CelRule("output", f"!has(self.storageOptions) || !('{UPLOADS_IN_FLIGHT}' in self.storageOptions) || "
-                      f"(self.storageOptions['{UPLOADS_IN_FLIGHT}'].matches('^[0-9]{{1,2}}$') && int(self.storageOptions['{UPLOADS_IN_FLIGHT}']) <= {MAX_UPLOADS_IN_FLIGHT})",
+    CelRule("output", f"!has(self.storageOptions) || self.storageOptions.all(k, !k.matches('(?i)^{UPLOADS_IN_FLIGHT}$') || "
+                      f"(self.storageOptions[k].matches('^[0-9]{{1,2}}$') && int(self.storageOptions[k]) <= {MAX_UPLOADS_IN_FLIGHT}))",
             f"output.storageOptions.{UPLOADS_IN_FLIGHT} must be a whole number from 0 to {MAX_UPLOADS_IN_FLIGHT}", ".storageOptions",
             why="OutputSpec._uploads_in_flight_is_a_count"),
     CelRule("output", f"!has(self.checksums) || !self.checksums || !has(self.ngffVersion) || self.ngffVersion != '0.4' || "

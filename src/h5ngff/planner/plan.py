@@ -104,11 +104,24 @@ def make_plan(
     workers, budget = _workers_and_budget(spec, capacity, threads)
     # With ``workers: auto`` a total budget is shared by as many workers as it can hold.
     auto_total = spec.resources.memory_total_bytes if spec.resources.workers == "auto" else None
-    try:
+
+    def fit() -> tuple[_Attempt, int]:
         if auto_total is not None:
-            (passes, memory, cache, notices), workers = _fit_total_budget(plan_with, workers, auto_total)
-        else:
-            passes, memory, cache, notices = plan_with(workers, budget)
+            return _fit_total_budget(plan_with, workers, auto_total)
+        return plan_with(workers, budget), workers
+
+    try:
+        try:
+            (passes, memory, cache, notices), workers = fit()
+        except _NoSlabFits:
+            # Overlapped uploads are a speed-up, not a need: where the planner chose them and the
+            # budget cannot hold them, upload one unit at a time (as a directory is written).
+            if not depth or _uploads_in_flight_option(spec) is not None:
+                raise
+            wanted, depth = depth, 0
+            (passes, memory, cache, notices), workers = fit()
+            notices.append(f"uploads: one PUT at a time per thread: the memory budget cannot also hold {wanted} uploads in flight, "
+                           f"which hide the store's round trips; raise the budget to overlap them.")
     except _NoSlabFits as exc:
         tried = 1 if auto_total is not None else workers
         raise _budget_refusal(exc, plan_with, spec, capacity, tried, auto_total if auto_total is not None else budget) from None
@@ -137,8 +150,13 @@ def upload_depth_for(spec: ConversionSpec, unit_bytes: int) -> int:
     ``uploads_in_flight`` storage option, else the planner's choice for the unit's size."""
     if url_scheme(spec.output.path) is None:
         return 0
-    chosen = (spec.output.storage_options or {}).get(UPLOADS_IN_FLIGHT)
+    chosen = _uploads_in_flight_option(spec)
     return int(chosen) if chosen is not None else upload_depth(unit_bytes)
+
+
+def _uploads_in_flight_option(spec: ConversionSpec) -> str | None:
+    # Option keys are case-insensitive, as the store reads them (engine.stores.s3.parse_options).
+    return next((v for k, v in (spec.output.storage_options or {}).items() if k.lower() == UPLOADS_IN_FLIGHT), None)
 
 
 def _uses_zstd(spec: ConversionSpec) -> bool:
@@ -224,6 +242,8 @@ def _budget_refusal(exc: _NoSlabFits, plan_with: _PlanWith, spec: ConversionSpec
     per_worker = _smallest_budget(works, budget, exc.minimum_bytes)
     r = spec.resources
     knobs = list(exc.knobs)
+    if int(_uploads_in_flight_option(spec) or 0):
+        knobs.append(f"a smaller output.storageOptions.{UPLOADS_IN_FLIGHT} (each upload in flight holds a chunk or shard)")
     if r.memory_total_bytes is not None:
         field, minimum = "resources.memoryTotal", workers * per_worker
         if r.workers == "auto":

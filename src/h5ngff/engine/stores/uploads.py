@@ -66,10 +66,13 @@ class UploadWindow:
 
     def submit(self, put: Callable[[], object]) -> None:
         """Run ``put`` in the pool; first wait for the oldest PUT if the window is full (its
-        error, if any, is raised here, in the slab's thread)."""
+        error, if any, is raised here, in the slab's thread). Outside a window, run it now."""
+        if not self.depth:
+            put()
+            return
         pending: deque[Future] = self._local.pending
         while len(pending) >= self._local.depth:
-            self._settle(pending.popleft())
+            self._settle_oldest(pending)
         pending.append(self._executor().submit(_counting_retries, put))
 
     def _drain(self, raise_first: bool) -> None:
@@ -77,15 +80,23 @@ class UploadWindow:
         first: BaseException | None = None
         while pending:
             try:
-                self._settle(pending.popleft())
+                self._settle_oldest(pending)
             except BaseException as exc:  # noqa: BLE001 - kept, raised once the window is empty
                 first = first or exc
         if first is not None and raise_first:
             raise first
 
     @staticmethod
-    def _settle(future: Future) -> None:
-        retries, error = future.result()
+    def _settle_oldest(pending: deque[Future]) -> None:
+        """Wait for the oldest PUT and raise its error. It leaves the window only once it has
+        finished: if the wait itself is interrupted, it is still pending, and the window's exit
+        waits for it again."""
+        oldest = pending[0]
+        try:
+            retries, error = oldest.result()
+        finally:
+            if oldest.done():
+                pending.popleft()
         store_retries.credit(retries)
         if error is not None:
             raise error
