@@ -282,6 +282,12 @@ class OutputSpec(_Model):
                                  f"Got {value!r} instead.")
         return v
 
+    @property
+    def uploads_in_flight(self) -> int | None:
+        """The ``uploads_in_flight`` storage option (its key in any case, as the store reads
+        keys), or None where the planner chooses."""
+        return next((int(v) for k, v in (self.storage_options or {}).items() if k.lower() == UPLOADS_IN_FLIGHT), None)
+
     @model_validator(mode="before")
     @classmethod
     def _no_sidecar_in_a_bucket(cls, data: Any) -> Any:

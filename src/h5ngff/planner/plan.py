@@ -116,7 +116,7 @@ def make_plan(
         except _NoSlabFits:
             # Overlapped uploads are a speed-up, not a need: where the planner chose them and the
             # budget cannot hold them, upload one unit at a time (as a directory is written).
-            if not depth or _uploads_in_flight_option(spec) is not None:
+            if not depth or spec.output.uploads_in_flight is not None:
                 raise
             wanted, depth = depth, 0
             (passes, memory, cache, notices), workers = fit()
@@ -150,13 +150,8 @@ def upload_depth_for(spec: ConversionSpec, unit_bytes: int) -> int:
     ``uploads_in_flight`` storage option, else the planner's choice for the unit's size."""
     if url_scheme(spec.output.path) is None:
         return 0
-    chosen = _uploads_in_flight_option(spec)
-    return int(chosen) if chosen is not None else upload_depth(unit_bytes)
-
-
-def _uploads_in_flight_option(spec: ConversionSpec) -> str | None:
-    # Option keys are case-insensitive, as the store reads them (engine.stores.s3.parse_options).
-    return next((v for k, v in (spec.output.storage_options or {}).items() if k.lower() == UPLOADS_IN_FLIGHT), None)
+    chosen = spec.output.uploads_in_flight
+    return chosen if chosen is not None else upload_depth(unit_bytes)
 
 
 def _uses_zstd(spec: ConversionSpec) -> bool:
@@ -242,7 +237,7 @@ def _budget_refusal(exc: _NoSlabFits, plan_with: _PlanWith, spec: ConversionSpec
     per_worker = _smallest_budget(works, budget, exc.minimum_bytes)
     r = spec.resources
     knobs = list(exc.knobs)
-    if int(_uploads_in_flight_option(spec) or 0):
+    if spec.output.uploads_in_flight:
         knobs.append(f"a smaller output.storageOptions.{UPLOADS_IN_FLIGHT} (each upload in flight holds a chunk or shard)")
     if r.memory_total_bytes is not None:
         field, minimum = "resources.memoryTotal", workers * per_worker

@@ -177,10 +177,10 @@ class S3Store:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             data = b"".join(data)
         n = len(data)
-        if self._uploads.depth and not sync:
-            self._uploads.submit(lambda: self._put_now(key, data))
-        else:
+        if sync:
             self._put_now(key, data)
+        else:
+            self._uploads.submit(lambda: self._put_now(key, data))  # at once outside a window
         return n
 
     def _put_now(self, key: str, data: bytes | bytearray | memoryview) -> None:
