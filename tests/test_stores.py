@@ -152,6 +152,9 @@ def test_a_403_fails_at_once_with_what_to_change(s3):
     S3Store(store.bucket, "out", s3.options()).put("a", b"data")
 
 
+ROUND_TRIP = 0.5
+
+
 def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_block_exits(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -160,13 +163,15 @@ def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_blo
     with FaultProxy(s3.url) as proxy:
         store = S3Store(bucket, "out", s3.options(proxy.url))
         store.put("warm", b"connection pool")  # so neither run pays for the connections
-        # Control: six PUTs one after another each wait out the endpoint's 0.25 s round trip.
-        proxy.faults.add("delay:0.25", 6, "PUT", "/sync/")
+        # Control: six PUTs one after another each wait out the endpoint's round trip. It is long
+        # (0.5 s) so that the check below, a listing made while the window's PUTs are held, ends
+        # well inside it on a loaded machine (at 0.25 s a CI run once listed them stored).
+        proxy.faults.add(f"delay:{ROUND_TRIP}", 6, "PUT", "/sync/")
         t0 = time.perf_counter()
         for key, data in objects.items():
             store.put(f"sync/{key}", data)
         synchronous = time.perf_counter() - t0
-        proxy.faults.add("delay:0.25", 6, "PUT", "/window/")
+        proxy.faults.add(f"delay:{ROUND_TRIP}", 6, "PUT", "/window/")
         t0 = time.perf_counter()
         with store.overlapped(6):
             for key, data in objects.items():
@@ -176,7 +181,7 @@ def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_blo
         overlapped = time.perf_counter() - t0
     stored = s3.keys(bucket, "out/window/")
     assert stored == {f"out/window/{k}": v for k, v in objects.items()}, "every PUT is stored once the block exits"
-    assert synchronous >= 6 * 0.25 and overlapped < 0.5 * synchronous, (synchronous, overlapped)
+    assert synchronous >= 6 * ROUND_TRIP and overlapped < 0.5 * synchronous, (synchronous, overlapped)
 
 
 def test_the_window_bounds_the_puts_in_flight(s3):
