@@ -12,6 +12,14 @@
 3. encode: numcodecs Blosc zstd 5 + bitshuffle, one blosc thread;
 4. write: one file per chunk at Zarr v3's default key (``c/z/y/x``).
 
+With ``--levels N`` (N > 1) it is the floor of an N-level mean pyramid instead, the work every
+pyramid converter must add: each slab is also halved into level 1 (held whole in memory, so no
+level is ever read back), then level k is halved from level k-1, and every level's chunks are
+extracted, encoded and written as above. The halving is h5ngff's own exact mean
+(``h5ngff.engine.downsample``: the verifier demands it bit for bit), timed apart as
+``downsample`` so a slow mean cannot hide in the floor. The output is an OME-style group of
+arrays ``0`` .. ``N-1``.
+
 The output is a real Zarr v3 array (its ``zarr.json`` is written before the clock starts), so the
 benchmark verifies it like any tool's output: the limit cannot be fast by being wrong. The suite
 divides the total by the cores in use: no converter on N cores can beat total / N.
@@ -34,6 +42,7 @@ import zarr
 from numcodecs import blosc
 from zarr.codecs import BloscCodec
 
+from h5ngff.engine.downsample import downsample, output_shape
 from h5ngff.engine.inflate import direct_deflate, read_deflate
 
 from .config import CODEC
@@ -48,6 +57,14 @@ def _create_array(out: str, shape, chunks, dtype) -> None:
         zarr.create_array(out, shape=shape, chunks=chunks, dtype=dtype, compressors=BloscCodec(**CODEC), fill_value=0, zarr_format=3)
     except zarr.errors.ContainsArrayError:
         pass  # another part of a parallel measurement made it (same metadata)
+
+
+def _create_pyramid(out: str, shapes: list[tuple[int, ...]], chunks, dtype) -> None:
+    """A group whose multiscales name the levels ``0`` .. ``N-1`` (what bench.verify opens)."""
+    group = zarr.open_group(out, mode="w", zarr_format=3)
+    group.attrs["ome"] = {"multiscales": [{"datasets": [{"path": str(k)} for k in range(len(shapes))]}]}
+    for k, shape in enumerate(shapes):
+        _create_array(os.path.join(out, str(k)), shape, chunks, dtype)
 
 
 def _chunk(slab: np.ndarray, index: tuple[slice, ...], out: np.ndarray) -> np.ndarray:
@@ -68,23 +85,66 @@ def _slab_shape(ds, chunks: tuple[int, ...]) -> tuple[int, ...]:
     return lead + (ds.shape[-1],)
 
 
-def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], part: tuple[int, int] = (0, 1)) -> dict:
+class _ChunkWriter:
+    """Extract, encode and write every chunk of a region, each stage timed on its own."""
+
+    def __init__(self, out: str, chunks: tuple[int, ...], dtype, stages: dict[str, float]):
+        self.out, self.chunks, self.stages = out, chunks, stages
+        self.codec = numcodecs.Blosc(cname=CODEC["cname"], clevel=CODEC["clevel"], shuffle=numcodecs.Blosc.BITSHUFFLE)
+        self.block = np.empty(chunks, dtype=dtype)
+        self.made_dirs: set[str] = set()
+        self.n_chunks = self.bytes_out = 0
+
+    def write(self, region: np.ndarray, origin: tuple[int, ...]) -> None:
+        clock, chunks, block = time.perf_counter, self.chunks, self.block
+        for local in product(*(range(0, n, c) for n, c in zip(region.shape, chunks))):
+            t0 = clock()
+            _chunk(region, tuple(slice(o, o + c) for o, c in zip(local, chunks)), block)
+            t1 = clock()
+            encoded = self.codec.encode(block)
+            t2 = clock()
+            keys = [str((o + i) // c) for o, i, c in zip(origin, local, chunks)]
+            folder = os.path.join(self.out, "c", *keys[:-1])
+            if folder not in self.made_dirs:
+                os.makedirs(folder, exist_ok=True)
+                self.made_dirs.add(folder)
+            with open(os.path.join(folder, keys[-1]), "wb") as fh:
+                fh.write(encoded)
+            t3 = clock()
+            self.stages["extract"] += t1 - t0
+            self.stages["encode"] += t2 - t1
+            self.stages["write"] += t3 - t2
+            self.n_chunks += 1
+            self.bytes_out += len(encoded)
+
+
+def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], part: tuple[int, int] = (0, 1), levels: int = 1) -> dict:
     """``part`` (i, n): only every n-th slab, from the i-th; n processes in parallel measure what
-    n cores really do together (shared caches and memory bandwidth included)."""
+    n cores really do together (shared caches and memory bandwidth included). ``levels`` > 1: the
+    floor of a mean pyramid (see the module's docstring); one process only."""
+    if levels > 1 and part != (0, 1):
+        raise ValueError("a pyramid limit holds every level in one process: --part needs --levels 1")
     blosc.set_nthreads(1)
     blosc.use_threads = False
-    codec = numcodecs.Blosc(cname=CODEC["cname"], clevel=CODEC["clevel"], shuffle=numcodecs.Blosc.BITSHUFFLE)
-    stages = dict.fromkeys(("read", "extract", "encode", "write"), 0.0)
-    n_chunks = bytes_out = 0
+    stages = dict.fromkeys(("read", "extract", "encode", "write") + (("downsample",) if levels > 1 else ()), 0.0)
     clock = time.perf_counter
     with h5py.File(source, "r") as f:
         ds = f[dataset]
         shape = ds.shape
-        _create_array(out, shape, chunks, ds.dtype)
+        # The spatial axes (the last three) are halved; channels and time are not.
+        halved = tuple(i >= ds.ndim - 3 for i in range(ds.ndim))
+        shapes = [tuple(shape)]
+        for _ in range(levels - 1):
+            shapes.append(output_shape(shapes[-1], halved))
+        if levels > 1:
+            _create_pyramid(out, shapes, chunks, ds.dtype)
+            writers = [_ChunkWriter(os.path.join(out, str(k)), chunks, ds.dtype, stages) for k in range(levels)]
+            level1 = np.empty(shapes[1], dtype=ds.dtype)  # the whole level: nothing is read back
+        else:
+            _create_array(out, shape, chunks, ds.dtype)
+            writers = [_ChunkWriter(out, chunks, ds.dtype, stages)]
         slab_shape = _slab_shape(ds, chunks)
         buffer = np.empty(slab_shape, dtype=ds.dtype)
-        block = np.empty(chunks, dtype=ds.dtype)
-        made_dirs: set[str] = set()
         direct = direct_deflate(ds)
         cpu0, start = time.process_time(), clock()
         slab_starts = product(*(range(0, n, s) for n, s in zip(shape, slab_shape)))
@@ -100,29 +160,27 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
                 ds.read_direct(buffer, source_sel=sel, dest_sel=dest)
             slab = buffer[dest]
             stages["read"] += clock() - t
-            for local in product(*(range(0, n, c) for n, c in zip(slab.shape, chunks))):
-                t0 = clock()
-                _chunk(slab, tuple(slice(o, o + c) for o, c in zip(local, chunks)), block)
-                t1 = clock()
-                encoded = codec.encode(block)
-                t2 = clock()
-                keys = [str((o + i) // c) for o, i, c in zip(origin, local, chunks)]
-                folder = os.path.join(out, "c", *keys[:-1])
-                if folder not in made_dirs:
-                    os.makedirs(folder, exist_ok=True)
-                    made_dirs.add(folder)
-                with open(os.path.join(folder, keys[-1]), "wb") as fh:
-                    fh.write(encoded)
-                t3 = clock()
-                stages["extract"] += t1 - t0
-                stages["encode"] += t2 - t1
-                stages["write"] += t3 - t2
-                n_chunks += 1
-                bytes_out += len(encoded)
+            writers[0].write(slab, origin)
+            if levels > 1:
+                # Slabs start on even indices (multiples of a 64-chunk), so halving each slab is
+                # halving the volume.
+                t = clock()
+                half = tuple(slice(o // 2 if h else o, None) for o, h in zip(origin, halved))
+                target = level1[tuple(slice(s.start, s.start + n) for s, n in zip(half, output_shape(slab.shape, halved)))]
+                downsample(slab, halved, "mean", out=target)
+                stages["downsample"] += clock() - t
+        level = level1 if levels > 1 else None
+        for k in range(1, levels):
+            if k > 1:
+                t = clock()
+                level = downsample(level, halved, "mean")
+                stages["downsample"] += clock() - t
+            writers[k].write(level, (0,) * ds.ndim)
         total = clock() - start
         cpu = time.process_time() - cpu0
         bytes_in = int(np.prod(shape)) * ds.dtype.itemsize
-    return {"stages": stages, "total": total, "cpu_seconds": cpu, "chunks": n_chunks, "bytes_in": bytes_in, "bytes_out": bytes_out,
+    return {"stages": stages, "total": total, "cpu_seconds": cpu, "chunks": sum(w.n_chunks for w in writers),
+            "bytes_in": bytes_in, "bytes_out": sum(w.bytes_out for w in writers), "levels": levels,
             "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -134,9 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", required=True, type=_ints)
     p.add_argument("--result", required=True)
     p.add_argument("--part", default="0/1", help="I/N: only every N-th slab from the I-th (for a parallel measurement).")
+    p.add_argument("--levels", type=int, default=1, help="N > 1: the floor of an N-level mean pyramid (one process).")
     args = p.parse_args(argv)
     index, count = (int(v) for v in args.part.split("/"))
-    result = measure_limit(args.source, args.dataset, args.out, args.chunks, (index, count))
+    if args.levels > 1 and (index, count) != (0, 1):
+        p.error("--levels above 1 measures in one process: leave --part out")
+    result = measure_limit(args.source, args.dataset, args.out, args.chunks, (index, count), args.levels)
     with open(args.result, "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -79,6 +79,16 @@ class LimitResult:
     #: The same work split over ``cores`` processes running at once: what the cores really do
     #: together (shared caches, memory bandwidth, the host), not the ideal total / cores.
     parallel: float | None = None
+    #: The floor of the N-level mean pyramid the run asked for (bench.limit --levels): one core's
+    #: total and stages, and N. A pyramid pays for more than one level's limit: halving every
+    #: level and encoding 1/7 more chunks, which no converter can skip.
+    pyramid_total: float | None = None
+    pyramid_stages: dict = field(default_factory=dict)
+    pyramid_levels: int = 1
+
+    @property
+    def pyramid_seconds(self) -> float | None:
+        return self.pyramid_total / self.cores if self.pyramid_total else None
 
     @property
     def seconds(self) -> float:
@@ -141,13 +151,13 @@ def best_limit(first: tuple[LimitResult | None, str], second: tuple[LimitResult 
     return best, ""
 
 
-def run_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, tag: str = "limit") -> tuple[LimitResult | None, str]:
+def run_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, tag: str = "limit", levels: int = 1) -> tuple[LimitResult | None, str]:
     out = os.path.join(cfg.work_dir, f"{case.name}-{tag}.zarr")
     result_path = os.path.join(logs, f"{case.name}-{tag}.json")
     _prepare(out)
     warm_page_cache(source)
     argv = [sys.executable, "-m", "bench.limit", "--source", source, "--dataset", case.dataset, "--out", out,
-            "--chunks", ",".join(map(str, case.chunks)), "--result", result_path]
+            "--chunks", ",".join(map(str, case.chunks)), "--result", result_path, "--levels", str(levels)]
     log_path = os.path.join(logs, f"{case.name}-{tag}.log")
     try:
         measured = run_measured(argv, timeout=cfg.timeout, log_path=log_path, cwd=REPO_DIR, env=_env(), interval=cfg.interval)
@@ -155,7 +165,7 @@ def run_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, tag: str = "
             return None, "timeout" if measured.timed_out else f"error: {_failure_line(log_path)}"
         with open(result_path) as f:
             r = json.load(f)
-        verdict = verify(out, source, case, 1, "mean")
+        verdict = verify(out, source, case, levels, "mean")
         return LimitResult(r["stages"], r["total"], cfg.cores, r["bytes_in"], r["bytes_out"], verdict.message, verdict.ok, measured.to_dict()), ""
     finally:
         _cleanup(cfg, out)
@@ -283,9 +293,23 @@ def run_case(cfg: SuiteConfig, case: Case, logs: str) -> CaseResult:
     limit, limit_error = best_limit(first, _limit_said(case, run_limit(cfg, case, source, logs, "limit-again")))
     if limit is not None and cfg.cores > 1:
         limit.parallel = run_parallel_limit(cfg, case, source, logs)
+    levels = max(spec.levels for spec in specs)
+    if limit is not None and levels > 1:
+        _pyramid_limit(cfg, case, source, logs, levels, limit)
     add_ratios(runs, specs, limit)
     profiles = {spec.id: profile_run(cfg, spec, case, source, logs) for spec in specs if spec.id in cfg.profile}
     return CaseResult(case, source, meta, limit, limit_error, runs, profiles)
+
+
+def _pyramid_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, levels: int, limit: LimitResult) -> None:
+    """The floor of the pyramid the runs built (bench.limit --levels), verified like the limit."""
+    pyramid, error = run_limit(cfg, case, source, logs, "limit-pyramid", levels)
+    if pyramid is None or not pyramid.ok:
+        _say(f"[{case.name}] {levels}-level pyramid limit: {error or pyramid.verified}")
+        return
+    limit.pyramid_total, limit.pyramid_stages, limit.pyramid_levels = pyramid.total, pyramid.stages, levels
+    _say(f"[{case.name}] {levels}-level pyramid limit: {pyramid.total:.2f} s on 1 core -> {limit.pyramid_seconds:.2f} s on {limit.cores} "
+         f"({pyramid.total / limit.total:.2f}x the single level's; {pyramid.verified})")
 
 
 def _container_case(cfg: SuiteConfig, case: Case, source: str, meta: dict, specs: list[RunSpec], logs: str) -> CaseResult:

@@ -206,3 +206,36 @@ def test_container_cases_are_verified_against_an_independent_reader(tmp_path, na
             raw = np.stack([f[f"t00000/s{c:02d}/0/cells"][...] for c in range(2)])
             bad = verify(copy(raw, "bad.zarr"), source, case, 1, "mean").message
             assert bad.startswith("level 0 is (2, 64, 92, 92) int16, expected (2, 64, 92, 92) uint16"), bad
+
+
+@pytest.mark.parametrize("shape, hdf5", [((150, 168, 90), {}), ((2, 40, 130, 70), {"chunks": (1, 32, 64, 64), "compression": "gzip"})])
+def test_pyramid_limit_writes_every_level_exactly_and_times_the_halving(tmp_path, shape, hdf5):
+    """The pyramid's floor is a real, verified pyramid (levels mean-exact, so it cannot be fast by
+    being wrong), with every chunk of every level encoded and the halving timed apart."""
+    import math
+
+    from bench.limit import main as limit_main, measure_limit
+
+    axes = "zyx" if len(shape) == 3 else "czyx"
+    case = Case("t", "test", shape, "uint16", axes, hdf5.get("chunks"), hdf5.get("compression"))
+    rng = np.random.default_rng(2)
+    data = rng.integers(0, 4000, size=shape, dtype=np.uint16)
+    source = write_h5(tmp_path / "src.h5", data, **hdf5)
+    chunks = case.chunks
+    out = str(tmp_path / "limit.zarr")
+    result = measure_limit(source, "/volume/data", out, chunks, levels=3)
+    verdict = verify(out, source, case, 3, "mean")
+    assert verdict.ok and verdict.message == "L0 exact; L1-2 mean exact", verdict.message
+    assert result["stages"]["downsample"] > 0 and result["levels"] == 3
+    level_shapes = [shape]
+    for _ in range(2):
+        level_shapes.append(tuple(n if i < len(shape) - 3 else -(-n // 2) for i, n in enumerate(level_shapes[-1])))
+    assert result["chunks"] == sum(math.prod(-(-n // c) for n, c in zip(s, chunks)) for s in level_shapes)
+    # The floor of one level is the same measurement as before: level 0 only, at the array's root.
+    single = measure_limit(source, "/volume/data", str(tmp_path / "one.zarr"), chunks)
+    assert single["chunks"] == math.prod(-(-n // c) for n, c in zip(shape, chunks)) and "downsample" not in single["stages"]
+    assert verify(str(tmp_path / "one.zarr"), source, case, 1, "mean").ok
+    # Every level is held in one process: a split measurement of a pyramid is refused.
+    with pytest.raises(SystemExit):
+        limit_main(["--source", source, "--out", str(tmp_path / "x.zarr"), "--chunks", ",".join(map(str, chunks)),
+                    "--result", str(tmp_path / "r.json"), "--levels", "3", "--part", "0/2"])
