@@ -61,7 +61,7 @@ def _create_array(out: str, shape, chunks, dtype) -> None:
 
 def _create_pyramid(out: str, shapes: list[tuple[int, ...]], chunks, dtype) -> None:
     """A group whose multiscales name the levels ``0`` .. ``N-1`` (what bench.verify opens)."""
-    group = zarr.open_group(out, mode="w", zarr_format=3)
+    group = zarr.open_group(out, mode="a", zarr_format=3)  # parts of a parallel measurement share it
     group.attrs["ome"] = {"multiscales": [{"datasets": [{"path": str(k)} for k in range(len(shapes))]}]}
     for k, shape in enumerate(shapes):
         _create_array(os.path.join(out, str(k)), shape, chunks, dtype)
@@ -118,12 +118,19 @@ class _ChunkWriter:
             self.bytes_out += len(encoded)
 
 
+def _band(shape: tuple[int, ...], chunks: tuple[int, ...], levels: int, part: tuple[int, int]) -> tuple[int, int]:
+    """Part i of n of a pyramid: a band of rows (the second-last axis) that starts and ends on a
+    chunk of the deepest level, so each part builds its levels alone and no chunk has two writers."""
+    unit = chunks[-2] * 2 ** (levels - 1)
+    units = -(-shape[-2] // unit)
+    i, n = part
+    return min(units * i // n * unit, shape[-2]), min(units * (i + 1) // n * unit, shape[-2])
+
+
 def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], part: tuple[int, int] = (0, 1), levels: int = 1) -> dict:
-    """``part`` (i, n): only every n-th slab, from the i-th; n processes in parallel measure what
-    n cores really do together (shared caches and memory bandwidth included). ``levels`` > 1: the
-    floor of a mean pyramid (see the module's docstring); one process only."""
-    if levels > 1 and part != (0, 1):
-        raise ValueError("a pyramid limit holds every level in one process: --part needs --levels 1")
+    """``part`` (i, n): n processes in parallel measure what n cores really do together (shared
+    caches and memory bandwidth included); part i takes every n-th slab from the i-th, or for a
+    pyramid (``levels`` > 1, see the module's docstring) the i-th band of rows."""
     blosc.set_nthreads(1)
     blosc.use_threads = False
     stages = dict.fromkeys(("read", "extract", "encode", "write") + (("downsample",) if levels > 1 else ()), 0.0)
@@ -133,13 +140,17 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
         shape = ds.shape
         # The spatial axes (the last three) are halved; channels and time are not.
         halved = tuple(i >= ds.ndim - 3 for i in range(ds.ndim))
+        rows = _band(shape, chunks, levels, part) if levels > 1 else (0, shape[-2])
+        band_origin = (0,) * (ds.ndim - 2) + (rows[0], 0)
+        band_shapes = [tuple(shape[:-2]) + (rows[1] - rows[0], shape[-1])]
         shapes = [tuple(shape)]
         for _ in range(levels - 1):
             shapes.append(output_shape(shapes[-1], halved))
+            band_shapes.append(output_shape(band_shapes[-1], halved))
         if levels > 1:
             _create_pyramid(out, shapes, chunks, ds.dtype)
             writers = [_ChunkWriter(os.path.join(out, str(k)), chunks, ds.dtype, stages) for k in range(levels)]
-            level1 = np.empty(shapes[1], dtype=ds.dtype)  # the whole level: nothing is read back
+            level1 = np.empty(band_shapes[1], dtype=ds.dtype)  # the whole level: nothing is read back
         else:
             _create_array(out, shape, chunks, ds.dtype)
             writers = [_ChunkWriter(out, chunks, ds.dtype, stages)]
@@ -147,12 +158,12 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
         buffer = np.empty(slab_shape, dtype=ds.dtype)
         direct = direct_deflate(ds)
         cpu0, start = time.process_time(), clock()
-        slab_starts = product(*(range(0, n, s) for n, s in zip(shape, slab_shape)))
+        slab_starts = product(*(range(0, n, s) for n, s in zip(shape[:-2], slab_shape[:-2])), range(rows[0], rows[1], slab_shape[-2]), (0,))
         for number, origin in enumerate(slab_starts):
-            if number % part[1] != part[0]:
+            if levels == 1 and number % part[1] != part[0]:
                 continue
             t = clock()
-            sel = tuple(slice(o, min(o + s, n)) for o, s, n in zip(origin, slab_shape, shape))
+            sel = tuple(slice(o, min(o + s, n)) for o, s, n in zip(origin, slab_shape, shape[:-2] + (rows[1], shape[-1])))
             dest = tuple(slice(0, r.stop - r.start) for r in sel)
             if direct:  # the same inflater h5ngff uses, so the limit stays a lower bound
                 read_deflate(ds, sel, buffer[dest])
@@ -165,17 +176,17 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
                 # Slabs start on even indices (multiples of a 64-chunk), so halving each slab is
                 # halving the volume.
                 t = clock()
-                half = tuple(slice(o // 2 if h else o, None) for o, h in zip(origin, halved))
-                target = level1[tuple(slice(s.start, s.start + n) for s, n in zip(half, output_shape(slab.shape, halved)))]
+                half = tuple((o - b) // 2 if h else o - b for o, b, h in zip(origin, band_origin, halved))
+                target = level1[tuple(slice(o, o + n) for o, n in zip(half, output_shape(slab.shape, halved)))]
                 downsample(slab, halved, "mean", out=target)
                 stages["downsample"] += clock() - t
         level = level1 if levels > 1 else None
-        for k in range(1, levels):
+        for k in range(1, levels if rows[1] > rows[0] else 1):  # a part may get no band at all
             if k > 1:
                 t = clock()
                 level = downsample(level, halved, "mean")
                 stages["downsample"] += clock() - t
-            writers[k].write(level, (0,) * ds.ndim)
+            writers[k].write(level, tuple(b // 2 ** k if h else b for b, h in zip(band_origin, halved)))
         total = clock() - start
         cpu = time.process_time() - cpu0
         bytes_in = int(np.prod(shape)) * ds.dtype.itemsize
@@ -192,11 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", required=True, type=_ints)
     p.add_argument("--result", required=True)
     p.add_argument("--part", default="0/1", help="I/N: only every N-th slab from the I-th (for a parallel measurement).")
-    p.add_argument("--levels", type=int, default=1, help="N > 1: the floor of an N-level mean pyramid (one process).")
+    p.add_argument("--levels", type=int, default=1, help="N > 1: the floor of an N-level mean pyramid (with --part, a band of rows each).")
     args = p.parse_args(argv)
     index, count = (int(v) for v in args.part.split("/"))
-    if args.levels > 1 and (index, count) != (0, 1):
-        p.error("--levels above 1 measures in one process: leave --part out")
     result = measure_limit(args.source, args.dataset, args.out, args.chunks, (index, count), args.levels)
     with open(args.result, "w") as f:
         json.dump(result, f, indent=1)

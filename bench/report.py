@@ -53,7 +53,9 @@ def limit_table(limit: LimitResult) -> list[str]:
             *([f"The floor of the {limit.pyramid_levels}-level mean pyramid (the same work, plus halving every level and encoding "
                f"its chunks; `bench.limit --levels {limit.pyramid_levels}`): **{limit.pyramid_seconds:.2f} s** on {limit.cores} cores "
                f"({limit.pyramid_total:.2f} s on 1 core, {limit.pyramid_total / limit.total:.2f}x the single level's; "
-               f"{_stages(limit.pyramid_stages)}).", ""] if limit.pyramid_total else []),
+               f"{_stages(limit.pyramid_stages)})"
+               + (f"; measured on {limit.cores} processes at once, each a band of rows: **{limit.pyramid_parallel:.2f} s**"
+                  if limit.pyramid_parallel else "") + ".", ""] if limit.pyramid_total else []),
             "Measured before and after the tools (one-core totals: " + ", ".join(f"{t:.2f} s" for t in limit.totals)
             + "); the faster is kept, since other work on the machine can only slow it down."]
 
@@ -122,6 +124,9 @@ def targets(result: CaseResult) -> list[str]:
             if r.ok and r.tool == "h5ngff" and r.levels == limit.pyramid_levels:
                 out.append(f"- against the {r.levels}-level pyramid's floor ({limit.pyramid_seconds:.2f} s on {limit.cores} cores): "
                            f"{r.id} {r.seconds:.2f} s = {r.seconds / limit.pyramid_seconds:.2f}x")
+                if limit.pyramid_parallel:
+                    out.append(f"- against the {r.levels}-level pyramid's floor measured on {limit.cores} cores ({limit.pyramid_parallel:.2f} s): "
+                               f"{r.id} {r.seconds:.2f} s = {r.seconds / limit.pyramid_parallel:.2f}x")
     if limit:
         out.append("- the limit's stages on one core: " + _stages(limit.stages))
     return out or ["- not evaluated (h5ngff or the limit did not run)"]
