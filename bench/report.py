@@ -52,7 +52,8 @@ def limit_table(limit: LimitResult) -> list[str]:
                f"together (shared caches and memory bandwidth); every tool pays the same.", ""] if limit.parallel else []),
             *([f"The floor of the {limit.pyramid_levels}-level mean pyramid (the same work, plus halving every level and encoding "
                f"its chunks; `bench.limit --levels {limit.pyramid_levels}`): **{limit.pyramid_seconds:.2f} s** on {limit.cores} cores "
-               f"({limit.pyramid_total:.2f} s on 1 core, {limit.pyramid_total / limit.total:.2f}x the single level's; "
+               f"({limit.pyramid_total:.2f} s on 1 core, the faster of {', '.join(f'{t:.2f}' for t in limit.pyramid_totals)}; "
+               f"{limit.pyramid_total / limit.total:.2f}x the single level's; "
                f"{_stages(limit.pyramid_stages)})"
                + (f"; measured on {limit.cores} processes at once, each a band of rows: **{limit.pyramid_parallel:.2f} s**"
                   if limit.pyramid_parallel else "") + ".", ""] if limit.pyramid_total else []),

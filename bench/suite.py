@@ -85,6 +85,7 @@ class LimitResult:
     pyramid_total: float | None = None
     pyramid_stages: dict = field(default_factory=dict)
     pyramid_levels: int = 1
+    pyramid_totals: list[float] = field(default_factory=list)
     #: The pyramid's floor measured on ``cores`` processes at once (each a band of rows).
     pyramid_parallel: float | None = None
 
@@ -296,31 +297,40 @@ def run_case(cfg: SuiteConfig, case: Case, logs: str) -> CaseResult:
     if case.container != "h5":
         # bench.limit reads one HDF5 dataset; a container case is compared tool against tool.
         return _container_case(cfg, case, source, meta, specs, logs)
+    levels = max(spec.levels for spec in specs)
     first = _limit_said(case, run_limit(cfg, case, source, logs, "limit"))
+    pyramid_first = run_limit(cfg, case, source, logs, "limit-pyramid", levels) if levels > 1 else (None, "")
     runs = _run_rounds(cfg, case, source, specs, logs)
     # Measured again after the tools, so a busy moment at the start does not flatter them.
     limit, limit_error = best_limit(first, _limit_said(case, run_limit(cfg, case, source, logs, "limit-again")))
     if limit is not None and cfg.cores > 1:
         limit.parallel = run_parallel_limit(cfg, case, source, logs)
-    levels = max(spec.levels for spec in specs)
     if limit is not None and levels > 1:
-        _pyramid_limit(cfg, case, source, logs, levels, limit)
+        _pyramid_limit(cfg, case, source, logs, levels, limit, pyramid_first)
     add_ratios(runs, specs, limit)
     profiles = {spec.id: profile_run(cfg, spec, case, source, logs) for spec in specs if spec.id in cfg.profile}
     return CaseResult(case, source, meta, limit, limit_error, runs, profiles)
 
 
-def _pyramid_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, levels: int, limit: LimitResult) -> None:
-    """The floor of the pyramid the runs built (bench.limit --levels), verified like the limit."""
-    pyramid, error = run_limit(cfg, case, source, logs, "limit-pyramid", levels)
-    if pyramid is None or not pyramid.ok:
-        _say(f"[{case.name}] {levels}-level pyramid limit: {error or pyramid.verified}")
+def _pyramid_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, levels: int, limit: LimitResult,
+                   first: tuple[LimitResult | None, str]) -> None:
+    """The floor of the pyramid the runs built (bench.limit --levels), verified like the limit and,
+    like it, measured before and after the tools with the faster kept."""
+    measured = [m for m in (first, run_limit(cfg, case, source, logs, "limit-pyramid-again", levels))]
+    for m, error in measured:
+        if m is not None and not m.ok:
+            _say(f"[{case.name}] {levels}-level pyramid limit FAILED verification: {m.verified}")
+            return
+    pyramid, error = best_limit(*measured)
+    if pyramid is None:
+        _say(f"[{case.name}] {levels}-level pyramid limit: {error}")
         return
     limit.pyramid_total, limit.pyramid_stages, limit.pyramid_levels = pyramid.total, pyramid.stages, levels
+    limit.pyramid_totals = pyramid.totals
     if cfg.cores > 1:
         limit.pyramid_parallel = run_parallel_limit(cfg, case, source, logs, levels)
-    _say(f"[{case.name}] {levels}-level pyramid limit: {pyramid.total:.2f} s on 1 core -> {limit.pyramid_seconds:.2f} s on {limit.cores} "
-         f"({pyramid.total / limit.total:.2f}x the single level's; {pyramid.verified})")
+    _say(f"[{case.name}] {levels}-level pyramid limit: {pyramid.total:.2f} s on 1 core (of {', '.join(f'{t:.2f}' for t in pyramid.totals)}) -> "
+         f"{limit.pyramid_seconds:.2f} s on {limit.cores} ({pyramid.total / limit.total:.2f}x the single level's; {pyramid.verified})")
 
 
 def _container_case(cfg: SuiteConfig, case: Case, source: str, meta: dict, specs: list[RunSpec], logs: str) -> CaseResult:

@@ -40,11 +40,11 @@ raise SystemExit(peer_main(convert))
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One tiny run: the limit, h5ngff, tensorstore and a deliberately wrong peer."""
+    """One tiny run: the limit, h5ngff (one level and a pyramid), tensorstore and a deliberately wrong peer."""
     tmp = tmp_path_factory.mktemp("bench")
     script = tmp / "wrong_peer.py"
     script.write_text(WRONG_PEER)
-    runs = [r for r in DEFAULT_RUNS if r.id in ("h5ngff", "tensorstore")]
+    runs = [r for r in DEFAULT_RUNS if r.id in ("h5ngff", "h5ngff-pyramid", "tensorstore")]
     runs.append(RunSpec("wrong", "wrong", "deliberately wrong copy", (str(script),)))
     cfg = SuiteConfig(scale=SCALE, cases=["f32"], runs=runs, data_dir=str(tmp / "data"), work_dir=str(tmp / "out"),
                       results_dir=str(tmp / "results"), cores=2, timeout=120)
@@ -68,6 +68,23 @@ def test_limit_is_measured_per_stage_and_its_output_verified(smoke):
     assert limit["ok"] and limit["verified"] == "L0 exact"
     # Real data compresses a few times over, not 1x (noise) and not 50x (zeros).
     assert 1.5 < limit["bytes_in"] / limit["bytes_out"] < 8
+
+
+def test_a_pyramid_run_is_set_against_the_pyramids_floor(smoke):
+    """The floor of the pyramid is measured like the limit (before and after the tools, the faster
+    kept; on one core and on 2 at once), verified mean-exact, and each pyramid run is reported
+    against it."""
+    results, case = smoke
+    limit = case["limit"]
+    assert limit["pyramid_levels"] == 3 and len(limit["pyramid_totals"]) == 2
+    assert limit["pyramid_total"] == min(limit["pyramid_totals"]) and limit["pyramid_stages"]["downsample"] > 0
+    assert limit["pyramid_parallel"] > 0
+    pyramid = _run(case, "h5ngff-pyramid")
+    assert pyramid["status"] == "ok" and pyramid["message"] == "L0 exact; L1-2 mean exact"
+    table = (results / "results.md").read_text()
+    floor = limit["pyramid_total"] / 2
+    assert f"against the 3-level pyramid's floor ({floor:.2f} s on 2 cores): h5ngff-pyramid {pyramid['seconds']:.2f} s" in table
+    assert "The floor of the 3-level mean pyramid" in table
 
 
 def test_tools_are_timed_measured_and_verified(smoke):
