@@ -1,6 +1,7 @@
 """The physical limit: one core doing only the work every converter must do, timed per stage.
 
     python -m bench.limit --source in.h5 --dataset /volume/data --out limit.zarr --chunks 64,64,64 --result r.json
+    python -m bench.limit ... --levels 3 [--part 0/2]     # the floor of a 3-level mean pyramid
 
 1. read: h5py reads slabs one chunk deep along every axis but the last two, and as many rows as
    hold whole HDF5 chunks (one chunk row for contiguous data), in storage order into one reused
