@@ -316,7 +316,7 @@ def _pyramid_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, levels:
                    first: tuple[LimitResult | None, str]) -> None:
     """The floor of the pyramid the runs built (bench.limit --levels), verified like the limit and,
     like it, measured before and after the tools with the faster kept."""
-    measured = [m for m in (first, run_limit(cfg, case, source, logs, "limit-pyramid-again", levels))]
+    measured = (first, run_limit(cfg, case, source, logs, "limit-pyramid-again", levels))
     for m, _ in measured:
         if m is not None and not m.ok:
             _say(f"[{case.name}] {levels}-level pyramid limit FAILED verification: {m.verified}")
