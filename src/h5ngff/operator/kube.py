@@ -12,6 +12,8 @@ later). Everything else (401, 403, 422) is a real error and propagates as ``Kube
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import logging
 import os
@@ -32,8 +34,10 @@ REQUEST_TIMEOUT = 30
 
 
 class KubeError(RuntimeError):
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, api_message: str | None = None):
         self.status = status
+        #: The API server's own words (the ``message`` of its Status answer), for users to read.
+        self.body_message = api_message or message
         super().__init__(message)
 
 
@@ -80,8 +84,17 @@ def _classify(exc: BaseException, what: str) -> KubeError:
             return Conflict(text, status)
         if status == 429 or status >= 500:
             return Transient(text, status)
-        return KubeError(f"{text}: {str(exc.body or '')[:300]}", status)
+        return KubeError(f"{text}: {str(exc.body or '')[:300]}", status, _status_message(exc.body))
     return Transient(f"{what}: {exc!r}")
+
+
+def _status_message(body: Any) -> str | None:
+    """The ``message`` of a Kubernetes Status answer (what kubectl prints), if the body is one."""
+    try:
+        message = json.loads(body).get("message") if body else None
+    except (ValueError, AttributeError):
+        return None
+    return str(message)[:1000] if message else None
 
 
 class Kube:

@@ -59,6 +59,9 @@ class Observed:
     generation: int = 1
     #: Hash of the spec's conversion fields ("" when the spec is invalid).
     conversion: str = ""
+    #: The same fields hashed as builds up to 0.x did (defaults included); a status written by
+    #: such a build is compared with this, so an upgrade alone never looks like an edit.
+    legacy_conversion: str = ""
     spec_error: str | None = None
     #: Seconds to wait before a retry, by failed attempts of the run so far (1, 2, ...).
     retry_delays: tuple[int, ...] = (0,)
@@ -73,6 +76,12 @@ class Observed:
     #: Why the tenant policy (operator/policy.py) refuses this spec, or None. A denied spec starts
     #: nothing, and a run of it in flight is stopped; a finished outcome stays as it was.
     policy_denial: str | None = None
+    #: This process asked for the current attempt's runner Job and Kubernetes refused it for good
+    #: (HTTP 4xx): the API's message. A permanent refusal ends the attempt (reason ``Rejected``).
+    create_rejected: str | None = None
+    #: This process knows the current attempt's runner Job was never created (its create failed
+    #: with a definite answer), so creating it as first intended is safe.
+    known_uncreated: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,22 +130,51 @@ def reconcile(o: Observed) -> Decision:
 def _stamp(o: Observed, d: Decision) -> Decision:
     """Every status write says which generation it describes (``observedGeneration``, also on
     each condition), so a GitOps tool never reads an old outcome as the current spec's."""
-    if d.needs or (not d.patch and o.status.get("observedGeneration") == o.generation):
+    writing = bool(d.patch) or o.status.get("observedGeneration") != o.generation
+    adopt = _adopt_hash(o, writing)
+    if d.needs or not (writing or adopt):
         return d
     patch = dict(d.patch)
     patch["observedGeneration"] = o.generation
     patch["conditions"] = at_generation(patch["conditions"] if "conditions" in patch else o.status.get("conditions"), o.generation)
-    if o.conversion and not o.status.get("conversionHash") and int(o.status.get("attempts") or 0):
-        patch.setdefault("conversionHash", o.conversion)  # a run from before hashes: adopt it
+    for key, value in adopt.items():
+        patch.setdefault(key, value)
     return dataclasses.replace(d, patch=patch)
 
 
 def _conversion_changed(o: Observed) -> bool:
+    """A new run starts only for a new generation whose conversion differs. At the generation the
+    hash was last compared at, nobody edited the spec: a different hash then comes from a
+    different operator build (a field added with a default, a new hash formula), and a version
+    change of the operator must never start a run, let alone one with overwrite."""
     status = o.status
     if not int(status.get("attempts") or 0):
         return True  # never started
     recorded = status.get("conversionHash")
-    return bool(recorded) and recorded != o.conversion
+    if not recorded or recorded in (o.conversion, o.legacy_conversion):
+        return False
+    return o.generation != _compared_at(status)
+
+
+def _compared_at(status: dict[str, Any]) -> int | None:
+    if "conversionGeneration" in status:
+        return int(status["conversionGeneration"])
+    # A status from a build before conversionGeneration: it stamped observedGeneration on every
+    # write, and one stopping a run for a changed spec (SpecChanged) had not compared it yet.
+    return None if status.get("reason") == "SpecChanged" else status.get("observedGeneration")
+
+
+def _adopt_hash(o: Observed, writing: bool) -> dict[str, Any]:
+    """The spec was compared at this generation and is the same conversion: record today's hash
+    and the generation (with a write that happens anyway, or when the hash differs), so the
+    next edit is compared with a hash this build computes."""
+    status = o.status
+    if not o.conversion or not int(status.get("attempts") or 0) or _conversion_changed(o):
+        return {}
+    differs = status.get("conversionHash") != o.conversion
+    if not differs and (status.get("conversionGeneration") == o.generation or not writing):
+        return {}
+    return {"conversionHash": o.conversion, "conversionGeneration": o.generation}
 
 
 def _in_flight_now(status: dict[str, Any]) -> bool:
@@ -200,7 +238,7 @@ def _start_run(o: Observed, release: str | None) -> Decision:
     conditions = set_condition(conditions, "OutputLease", "True", "Held", o.lease.name, o.now)
     patch: dict[str, Any] = {name: None for name in RUN_FIELDS if status.get(name) is not None}
     patch.update({"phase": Phase.PENDING.value, "attempts": attempt, "firstAttempt": attempt, "runnerJob": job, "output": o.output,
-                  "conversionHash": o.conversion, "outputLease": o.lease.name, "startTime": o.now, "conditions": conditions})
+                  "conversionHash": o.conversion, "conversionGeneration": o.generation, "outputLease": o.lease.name, "startTime": o.now, "conditions": conditions})
     run = "" if attempt == 1 else f" for the changed spec (generation {o.generation})"
     message = f"Created runner Job {job} (attempt 1 of {o.backoff_limit + 1}){run}."
     return Decision(patch, ensure_attempt=attempt, release_lease=release, event=("Normal", "RunnerCreated", message))
@@ -234,32 +272,62 @@ def _in_flight(o: Observed, can_start: bool) -> Decision:
 
 
 def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
-    """No runner Job of the current attempt: not created yet (a retry in its backoff), or gone."""
+    """No runner Job of the current attempt: not created yet (a retry in its backoff), refused,
+    or gone. Every status write that starts an attempt precedes its Job's create, and the Job's
+    uid is recorded right after it, so a missing Job is one of: seen (uid) or reported on by its
+    runner, hence deleted; or asked for by a pass that did not live to record it."""
     status = o.status
-    if status.get("runnerJobUid"):  # we saw it, so it was deleted (or its TTL ran out)
+    report = runner_report(status, attempt)
+    if status.get("runnerJobUid") or report is not None or _runner_spoke(status, attempt):  # it existed: deleted (or its TTL ran out)
         if not o.job_checked:  # or the watch has not caught up (a replica that just took over): ask
             return Decision(needs=frozenset({"job"}))
-        report = runner_report(status, attempt)
         if report is not None and report.get("outcome") == "Succeeded":
             return _succeeded(o)  # it finished before it vanished: that outcome stands
         if report is None and not o.pods_checked:
             return Decision(needs=frozenset({"pods"}))
         reason, message = failure_cause(status, attempt, None, o.pods)
         return _after_failure(o, attempt, reason, message, can_start, event_reason="RunnerDeleted" if reason == "RunnerDeleted" else None)
+    if o.create_rejected is not None:
+        return _rejected(o, attempt, o.create_rejected)
     if not can_start:
         return _final(o, "InvalidSpec", f"Attempt {attempt} cannot start: {o.spec_error}")
     retry_at = status.get("nextRetryTime")
     if retry_at and seconds_between(o.now, retry_at) > 0:
         return Decision(_conditions_patch(status, o.now))
+    first = int(status.get("firstAttempt") or 1)
+    # The run's first attempt is asked for in the pass that starts the run; finding it missing
+    # later means that pass may have created it, and it may have run and been deleted since.
+    unsure = attempt == first and not o.known_uncreated
+    if unsure and not o.job_checked:
+        return Decision(needs=frozenset({"job"}))
     if not o.pods_checked:
         return Decision(needs=frozenset({"pods"}))
     running = live_pods(o.pods)
     if running:  # an earlier attempt's pods still run: never two writers of one output
         message = f"Attempt {attempt} waits for {len(running)} pod(s) of the previous attempt to exit: {', '.join(running[:5])}."
         return Decision({"message": message} if status.get("message") != message else {}, delete_cluster=True)
-    first = int(status.get("firstAttempt") or 1)
     patch = {"nextRetryTime": None} if retry_at else {}
-    return Decision({**patch, **_conditions_patch(status, o.now)}, ensure_attempt=attempt, resume=attempt > first)
+    event = None
+    if unsure:  # overwrite never follows from not knowing: the output may hold this run's own slabs
+        event = ("Warning", "RunnerRecreated", f"Runner Job {runner_job_name(o.name, attempt)} of attempt {attempt} is missing and the operator "
+                 f"cannot tell whether it ran (it stopped between creating the Job and recording it); created again with overwrite off, "
+                 f"resuming from the output's manifest.")
+    return Decision({**patch, **_conditions_patch(status, o.now)}, ensure_attempt=attempt, resume=attempt > first or unsure, event=event)
+
+
+def _runner_spoke(status: dict[str, Any], attempt: int) -> bool:
+    """The runner of the run's first attempt reported a phase, plan or progress (a retry's
+    report cannot be told from its predecessor's, but a retry resumes anyway)."""
+    if attempt != int(status.get("firstAttempt") or 1):
+        return False
+    return status.get("phase") in (Phase.PLANNED, Phase.RUNNING) or bool(status.get("plan") or status.get("progress"))
+
+
+def _rejected(o: Observed, attempt: int, message: str) -> Decision:
+    """Kubernetes refused the runner Job (HTTP 4xx): no retry can change that, the spec must."""
+    text = (f"Kubernetes refused runner Job {runner_job_name(o.name, attempt)} of attempt {attempt}: {message}. "
+            f"Fix spec.pod (volumes, volumeMounts, image) and apply it again.")
+    return _final(o, "Rejected", text, failures=failure_record(attempt, "Rejected", text, o.now, o.status.get("failures")))
 
 
 def _waiting_to_start(o: Observed, job: JobSummary) -> Decision:

@@ -154,6 +154,8 @@ class ConversionJobStatus(_Status):
     conditions: list[Condition] | None = None
     observed_generation: int | None = Field(None, description="The metadata.generation the status describes: the operator has acted on that spec.")
     conversion_hash: str | None = Field(None, description="Hash of the conversion fields of the current run's spec; an edit that changes it starts a new run.")
+    conversion_generation: int | None = Field(None, description="The metadata.generation at which conversionHash was last compared with the spec; "
+                                              "only a later generation can start a new run (an operator upgrade never does).")
     first_attempt: int | None = Field(None, description="The first attempt of the current run (attempt numbers keep counting across runs).")
     runner_job_uid: str | None = Field(None, description="uid of the current attempt's runner Job once the operator saw it (a Job that vanishes after that was deleted).")
     next_retry_time: str | None = Field(None, description="When the next attempt starts (retry backoff).")
