@@ -253,3 +253,21 @@ async def test_a_runner_job_kubernetes_refuses_fails_rejected_and_frees_the_outp
             await wait_for(lambda: "other-runner-1" in c.jobs(), what="the next job's runner")
             await passes(cfg, "scan", 3)
             assert c.status("scan")["phase"] == "Failed"
+
+
+# -- shapes Kubernetes refuses are refused at validation ------------------------------------------
+
+
+@pytest.mark.parametrize("pod, says", [
+    ({"volumes": [{"name": "h5ngff-scratch", "emptyDir": {}}]}, "scratch volume"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}, "volumes names to be unique"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}]}, "mountPaths to be unique"),
+    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "x"}]}, "absolute path"),
+    ({"image": ""}, "empty string"),
+])
+def test_pod_shapes_kubernetes_refuses_are_invalid_specs(pod, says):
+    from h5ngff.errors import SpecError
+    with pytest.raises(SpecError, match=says):
+        parse_job_spec({**SPEC, "pod": pod})
+    # control: the same pod without the collision is accepted
+    parse_job_spec({**SPEC, "pod": {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/x"}]}})
