@@ -20,6 +20,8 @@ from h5ngff.errors import SpecError
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.operator import admission
 from h5ngff.operator.crd import build_crd
+from h5ngff.spec import MIN_WORKER_MEMORY
+from h5ngff.units import MiB
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {
@@ -75,14 +77,15 @@ VALID = {
     "levels auto": edit("pyramid.levels", "auto"),
     "levels 1": edit("pyramid.levels", 1),
     "levels 16": edit("pyramid.levels", 16),
-    "memory int": edit("resources.memoryPerWorker", 64 << 20),
-    "memory 64Mi": edit("resources.memoryPerWorker", "64Mi"),
+    "memory int": edit("resources.memoryPerWorker", MIN_WORKER_MEMORY),
+    "memory at the floor": edit("resources.memoryPerWorker", f"{MIN_WORKER_MEMORY // MiB}Mi"),
+    "memory 8e18": edit("resources.memoryPerWorker", "8e18"),
     "memory 512MiB": edit("resources.memoryPerWorker", "512MiB"),
     "memory 2e9": edit("resources.memoryPerWorker", "2e9"),
     "memory 0.5 Gi": edit("resources.memoryPerWorker", "0.5 Gi"),
     "memory 1.5gb": edit("resources.memoryPerWorker", "1.5gb"),
     "memory 1T": edit("resources.memoryPerWorker", "1T"),
-    "memory 67108864 string": edit("resources.memoryPerWorker", "67108864"),
+    "memory floor as a byte string": edit("resources.memoryPerWorker", str(MIN_WORKER_MEMORY)),
     "memoryTotal": edit("resources.memoryTotal", "8Gi", delete="resources.memoryPerWorker"),
     "shards multiple": edit("output.shards", [128, 256, 64]),
     "shards 0.5 explicit": edit("output.shards", [64, 64, 64]),
@@ -111,7 +114,9 @@ VALID = {
     "output s3": edit("output.path", "s3://bucket/prefix/out.ome.zarr"),
     "output S3 upper-case": edit("output.path", "S3://bucket/out.ome.zarr"),
     "output relative path": edit("output.path", "out.ome.zarr"),
-    "output path with a colon": edit("output.path", "out:1.ome.zarr"),
+    "output local name with a colon": edit("output.path", "./out:1.ome.zarr"),
+    "output path with a colon inside": edit("output.path", "/data/a:b"),
+    "output Windows drive": edit("output.path", "C:/data/out.ome.zarr"),
     "output path with :// inside": edit("output.path", "/data/a://b"),
     "output s3 with storage options": edit("output", {"path": "s3://b/x", "storageOptions": {"profile": "lab", "endpoint": "http://minio:9000"}}),
     "output local, empty storage options": edit("output.storageOptions", {}),
@@ -122,6 +127,15 @@ VALID = {
     "output local ngff 0.4 checksums": edit("output", {"path": "/data/o", "ngffVersion": "0.4", "checksums": True}),
     "source relative path": edit("source.path", "data/in.h5"),
     "source path 4096": edit("source.path", "/" + "a" * 4095),
+    "source local name with a colon": edit("source.path", "./s3:odd.h5"),
+    "source path with a space inside": edit("source.path", "/data/my file.h5"),
+    # --- cross-field and per-field checks the CRD lacked (issue: admission limits) ---
+    "retry interval 300": edit("retry", {"intervalSeconds": 300}),
+    "retry interval 400, max 400": edit("retry", {"intervalSeconds": 400, "maxIntervalSeconds": 400}),
+    "retry max 10 (interval default)": edit("retry", {"maxIntervalSeconds": 10}),
+    "stack tc": edit("source.stack", "tc"),
+    "slurm": edit("slurm", {"partition": "gpu", "prologue": ["module load hdf5"],
+                            "directives": ["--constraint=skylake", "#SBATCH --mem-bind=local", "  -C x", "--nodelist=n1"]}),
 }
 
 INVALID = {
@@ -137,6 +151,14 @@ INVALID = {
     "memory PiB": edit("resources.memoryPerWorker", "1Pi"),
     "memory negative": edit("resources.memoryPerWorker", "-1Gi"),
     "memory too small string": edit("resources.memoryPerWorker", "63Mi"),
+    "memory 64Mi": edit("resources.memoryPerWorker", "64Mi"),
+    "memory 1Mi below the floor": edit("resources.memoryPerWorker", f"{MIN_WORKER_MEMORY // MiB - 1}Mi"),
+    "memory 1 byte below the floor": edit("resources.memoryPerWorker", MIN_WORKER_MEMORY - 1),
+    "memory 1e300Gi": edit("resources.memoryPerWorker", "1e300Gi"),
+    "memory 1e400": edit("resources.memoryPerWorker", "1e400"),
+    "memory 2**63": edit("resources.memoryPerWorker", "9.3e18"),
+    "memory too long, padded": edit("resources.memoryPerWorker", "1" + " " * 64 + "Gi"),
+    "memoryTotal 1e300Gi": edit("resources.memoryTotal", "1e300Gi", delete="resources.memoryPerWorker"),
     "memory too small decimal": edit("resources.memoryPerWorker", "0.06Gi"),
     "memory too small int": edit("resources.memoryPerWorker", 1 << 20),
     "memory too small 64M": edit("resources.memoryPerWorker", "64M"),
@@ -194,6 +216,13 @@ INVALID = {
     "volume without name": edit("pod.volumes", [{"emptyDir": {}}], base=edit("pod.volumeMounts", [])),
     "volume empty name": edit("pod.volumes", [{"name": "", "emptyDir": {}}], base=edit("pod.volumeMounts", [])),
     "mount of no volume": edit("pod.volumeMounts", [{"name": "scratch", "mountPath": "/s"}]),
+    "two volumes, one name": edit("pod.volumes", [{"name": "data", "emptyDir": {}}, {"name": "data", "emptyDir": {}}]),
+    "the scratch volume's name": edit("pod.volumes", [{"name": "h5ngff-scratch", "emptyDir": {}}], base=edit("pod.volumeMounts", [])),
+    "two mounts, one path": edit("pod.volumeMounts", [{"name": "data", "mountPath": "/d"}, {"name": "data", "mountPath": "/d"}]),
+    "relative mountPath": edit("pod.volumeMounts", [{"name": "data", "mountPath": "data"}]),
+    "mount without a path": edit("pod.volumeMounts", [{"name": "data"}]),
+    "empty image": edit("pod.image", ""),
+    "blank image": edit("pod.image", "  "),
     "mount without volumes": edit("pod", {"volumeMounts": [{"name": "data", "mountPath": "/d"}]}),
     "65 volumes": edit("pod", {"volumes": [{"name": f"v{i}"} for i in range(65)]}),
     "volume name too long": edit("pod", {"volumes": [{"name": "v" * 64}]}),
@@ -225,6 +254,36 @@ INVALID = {
     "source https": edit("source.path", "https://example.org/in.h5"),
     "source file": edit("source.path", "file:///data/in.h5"),
     "source path too long": edit("source.path", "/" + "a" * 4096),
+    # --- URL-like prefixes and padding (issue: admission limits) ---
+    "output path with a colon": edit("output.path", "out:1.ome.zarr"),
+    "output s3:/ one slash": edit("output.path", "s3:/bucket/x.ome.zarr"),
+    "output S3:/ one slash": edit("output.path", "S3:/bucket/x.ome.zarr"),
+    "output gs:/ one slash": edit("output.path", "gs:/bucket/x.ome.zarr"),
+    "output s3: no slash": edit("output.path", "s3:bucket/x.ome.zarr"),
+    "output leading space": edit("output.path", " /data/out.ome.zarr"),
+    "output trailing space": edit("output.path", "/data/out.ome.zarr "),
+    "output trailing newline": edit("output.path", "/data/out.ome.zarr\n"),
+    "output s3 with leading tab": edit("output.path", "\ts3://bucket/x"),
+    "source s3:/ one slash": edit("source.path", "s3:/bucket/in.h5"),
+    "source leading space": edit("source.path", " /data/in.h5"),
+    "source trailing space": edit("source.path", "/data/in.h5 "),
+    # --- cross-field and per-field checks the CRD lacked (issue: admission limits) ---
+    "retry interval 400 (max default 300)": edit("retry", {"intervalSeconds": 400}),
+    "retry max below interval": edit("retry", {"intervalSeconds": 20, "maxIntervalSeconds": 10}),
+    "retry max 5 (interval default 10)": edit("retry", {"maxIntervalSeconds": 5}),
+    "stack x": edit("source.stack", "x"),
+    "stack cc": edit("source.stack", "cc"),
+    "stack empty": edit("source.stack", ""),
+    **{f"slurm {name} two lines": edit("slurm", {name: "a\nb"}) for name in ("partition", "account", "qos", "scratch", "python", "logDirectory")},
+    "slurm prologue two lines": edit("slurm", {"prologue": ["module load hdf5\nrm -rf /"]}),
+    "slurm directive --mem": edit("slurm", {"directives": ["--mem=1G"]}),
+    "slurm directive #SBATCH -c 4": edit("slurm", {"directives": ["#SBATCH -c 4"]}),
+    "slurm directive -N tab": edit("slurm", {"directives": ["-N\t2"]}),
+    "slurm directive not an option": edit("slurm", {"directives": ["constraint=skylake"]}),
+    "slurm directive empty": edit("slurm", {"directives": [""]}),
+    "slurm directive #SBATCH alone": edit("slurm", {"directives": ["#SBATCH"]}),
+    "slurm directive too long": edit("slurm", {"directives": ["--comment=" + "x" * 1100]}),
+    "slurm 65 directives": edit("slurm", {"directives": ["-C x"] * 65}),
 }
 
 #: Where the model is laxer than the API server, on purpose: it reads YAML files for `h5ngff

@@ -15,7 +15,8 @@ import pytest
 from h5ngff.cli import build_parser, spec_from_args
 from h5ngff.cliargs import merge, parse_compressor, spec_overrides, split_source
 from h5ngff.errors import SpecError
-from h5ngff.spec import parse_spec
+from h5ngff.spec import MIN_WORKER_MEMORY, parse_spec
+from h5ngff.units import MiB
 
 H5NGFF = str(Path(sys.executable).with_name("h5ngff"))
 
@@ -340,7 +341,7 @@ def test_h5ngff_plan_table_and_refusal(metadata_only_h5):
     proc = _run("plan", f"{metadata_only_h5}:/volume/data", "--workers", "2", "--levels", "1")
     for word in ("interpreter", "slab buffers", "allocator slack", "MiB"):
         assert word in proc.stdout, proc.stdout
-    refused = _run("plan", f"{metadata_only_h5}:/volume/data", "--json", "--memory-per-worker", "64Mi", check=False)
+    refused = _run("plan", f"{metadata_only_h5}:/volume/data", "--json", "--memory-per-worker", f"{MIN_WORKER_MEMORY // MiB}Mi", check=False)
     assert refused.returncode == 2
     err = json.loads(refused.stdout)
     assert err["reason"] == "BudgetTooSmall" and "Raise resources.memoryPerWorker to at least" in err["message"]

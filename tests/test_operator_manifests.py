@@ -17,7 +17,7 @@ from distributed import Client, LocalCluster
 from h5ngff.backends.allocator import JEMALLOC_CONF
 from h5ngff.backends.kubernetes import SCHEDULER_MEMORY, KubernetesBackend, build_dask_cluster, build_worker_container
 from h5ngff.jobspec import PodSettings, parse_job_spec
-from h5ngff.k8s import MAX_CLUSTER_NAME, child_name, dask_cluster_name, label_value
+from h5ngff.k8s import CREDENTIAL_ENV, MAX_CLUSTER_NAME, child_name, dask_cluster_name, label_value
 from h5ngff.operator.manifests import SPEC_ENV, Owner, build_runner_job, runner_job_name
 from h5ngff.planner import DEFAULT_CONSTANTS, DatasetInfo, make_plan
 from h5ngff.units import k8s_quantity, parse_bytes
@@ -240,14 +240,16 @@ def test_an_s3_output_gets_its_credentials_from_a_namespace_local_secret_in_runn
     (rc,) = runner["spec"]["template"]["spec"]["containers"]
     (wc,) = cluster["spec"]["worker"]["spec"]["containers"]
     for c in (rc, wc):
-        # A secretRef has no namespace: the kubelet resolves it in the pod's (the job's) namespace.
-        assert c["envFrom"] == [{"secretRef": {"name": "s3-writer"}}]
+        # A secretKeyRef has no namespace: the kubelet resolves it in the pod's (the job's)
+        # namespace. Named keys only, never envFrom (tests/test_operator_tenant_escape.py).
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
+        assert refs == {k: {"name": "s3-writer", "key": k, "optional": True} for k in CREDENTIAL_ENV} and "envFrom" not in c
     assert json.loads(next(e["value"] for e in rc["env"] if e["name"] == SPEC_ENV))["pod"]["credentialsSecret"] == "s3-writer"
-    assert "secretKeyRef" not in json.dumps(runner) and "AWS_SECRET_ACCESS_KEY" not in json.dumps(runner)
-    # Negative control: without the field no container gets any envFrom.
+    assert not [e for e in rc["env"] if e["name"] in CREDENTIAL_ENV and "value" in e]  # the operator never reads the Secret
+    # Negative control: without the field no container takes anything from a Secret.
     plain = job_spec()
-    assert not [c for c in _containers(build_runner_job(OWNER, plain, 1, "img")) if "envFrom" in c]
-    assert not [c for c in _containers(build_dask_cluster(plan_for(plain), Owner("science", "scan-42", "u"), "img", plain.pod)) if "envFrom" in c]
+    assert "secretKeyRef" not in json.dumps(build_runner_job(OWNER, plain, 1, "img"))
+    assert "secretKeyRef" not in json.dumps(build_dask_cluster(plan_for(plain), Owner("science", "scan-42", "u"), "img", plain.pod))
 
 
 @pytest.mark.parametrize("name", ["other-ns/s3-writer", "S3Writer", "", "-x"])

@@ -117,7 +117,8 @@ async def test_the_same_job_runs_when_the_policy_allows_it():
     policy = TenantPolicy(allowed_images=("evil.example/*",), allowed_volume_types=(*DEFAULT_VOLUME_TYPES, "hostPath"))
     async with emulator() as c, operator_running(fast_config(c.url, policy=policy)):
         await c.apply(manifest("greedy", DENIED))
-        await wait_for(lambda: c.status("greedy").get("phase") == "Pending", what="Pending")
+        # The status announces the attempt before its Job is created (record before acting).
+        await wait_for(lambda: c.status("greedy").get("phase") == "Pending" and c.status("greedy").get("runnerJobUid"), what="Pending, Job recorded")
         assert list(c.jobs()) == ["greedy-runner-1"]
         (role,) = c.live(ROLE_RES).values()
         (binding,) = c.live(ROLEBINDING_RES).values()

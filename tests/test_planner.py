@@ -13,8 +13,8 @@ import pytest
 
 from h5ngff.errors import BudgetTooSmallError, SpecError
 from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, MemoryConstants, make_plan
-from h5ngff.spec import parse_spec
-from h5ngff.units import MiB
+from h5ngff.spec import MIN_WORKER_MEMORY, parse_spec
+from h5ngff.units import MiB, format_bytes
 from test_planner_oracle import check_memory, check_notices, check_plan
 
 MACHINE = Capacity(cores=2, memory_bytes=24 << 30)  # DESIGN.md section 4
@@ -155,12 +155,12 @@ def _replan(ds, s, cap, **resources):
 
 
 def test_refusal_names_the_smallest_budget_and_the_knob():
-    s = headline_spec(memoryPerWorker="200Mi")
+    s = headline_spec(memoryPerWorker="240Mi")
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(HEADLINE, s, MACHINE)
     err = info.value
     text = str(err)
-    assert text.startswith("resources.memoryPerWorker: 200.0 MiB per worker is too small: your slab (64, 704, 2008) (345.1 MiB)")
+    assert text.startswith("resources.memoryPerWorker: 240.0 MiB per worker is too small: your slab (64, 704, 2008) (345.1 MiB)")
     assert f"Raise resources.memoryPerWorker to at least {err.minimum_bytes // MiB}Mi" in text
     assert "a smaller resources.slab (or none, to let the planner choose)" in text
     assert err.reason == "BudgetTooSmall" and err.exit_code == 2
@@ -175,7 +175,7 @@ def test_refusal_suggests_chunks_and_threads_only_where_they_matter():
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(HEADLINE, big_chunks, MACHINE)
     assert "smaller output.chunks" in str(info.value) and "fewer resources.threadsPerWorker" in str(info.value)
-    tiny = spec(output={"chunks": [8, 8]}, resources={"workers": 1, "threadsPerWorker": 2, "memoryPerWorker": "64Mi"})
+    tiny = spec(output={"chunks": [8, 8]}, resources={"workers": 1, "threadsPerWorker": 2, "memoryPerWorker": MIN_WORKER_MEMORY})
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(DatasetInfo((64, 64), "|u1", 1), tiny, MACHINE)
     # Fixed costs dominate: only the budget can help.
@@ -226,14 +226,14 @@ def test_regression_refusal_minimum_not_the_smallest_for_a_pyramid():
     """With a pyramid, a little more budget lets pass 0 build every level, so the later pass that
     failed is not needed: the refusal asked for 280Mi where 279Mi plans."""
     ds = DatasetInfo((41, 58, 160), "<f8", 8)
-    s = spec(output={"chunks": [41, 58, 79], "shards": [41, 58, 158]}, resources={"workers": "auto", "memoryPerWorker": "64Mi"})
+    s = spec(output={"chunks": [41, 58, 79], "shards": [41, 58, 158]}, resources={"workers": "auto", "memoryPerWorker": MIN_WORKER_MEMORY})
     cap = Capacity(cores=1, memory_bytes=1 << 30)
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(ds, s, cap)
     minimum = info.value.minimum_bytes
     assert _replan(ds, s, cap, memoryPerWorker=minimum).memory.pod_limit <= minimum
     # Every budget below the minimum is refused, and each refusal names the same minimum.
-    for below in range(minimum - 40 * MiB, minimum, MiB):
+    for below in range(max(minimum - 40 * MiB, MIN_WORKER_MEMORY), minimum, MiB):
         with pytest.raises(BudgetTooSmallError) as info:
             _replan(ds, s, cap, memoryPerWorker=below)
         assert info.value.minimum_bytes == minimum
@@ -261,10 +261,10 @@ def test_memory_total_picks_the_most_workers_that_fit(total_mib):
 
 
 def test_memory_total_too_small_for_one_worker():
-    s = spec(pyramid={"levels": 1}, resources={"memoryTotal": "100Mi"})
+    s = spec(pyramid={"levels": 1}, resources={"memoryTotal": MIN_WORKER_MEMORY})
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(HEADLINE, s, BIG)
-    assert str(info.value).startswith("resources.memoryTotal: 100.0 MiB cannot hold even one worker")
+    assert str(info.value).startswith(f"resources.memoryTotal: {format_bytes(MIN_WORKER_MEMORY)} cannot hold even one worker")
     plan = _replan(HEADLINE, s, BIG, memoryTotal=info.value.minimum_bytes)
     assert plan.workers == 1
 

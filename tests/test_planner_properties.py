@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from h5ngff.errors import BudgetTooSmallError, PlanError, SpecError
 from h5ngff.planner import Capacity, DatasetInfo, MemoryConstants, make_plan
 from h5ngff.spec import parse_spec
+from h5ngff.spec import MIN_WORKER_MEMORY
 from h5ngff.units import MiB
 from test_planner_oracle import check_plan, downsampled_axes, useful_levels
 
@@ -58,9 +59,9 @@ def problems(draw):
     resources["workers"] = workers
     budget = draw(st.sampled_from(["none", "perWorker", "total"]))
     if budget == "perWorker":
-        resources["memoryPerWorker"] = draw(st.integers(64, 3072)) * MiB
+        resources["memoryPerWorker"] = draw(st.integers(MIN_WORKER_MEMORY // MiB, 3072)) * MiB
     elif budget == "total":
-        resources["memoryTotal"] = draw(st.integers(64, 8192)) * MiB
+        resources["memoryTotal"] = draw(st.integers(MIN_WORKER_MEMORY // MiB, 8192)) * MiB
     if draw(st.integers(0, 3)) == 0:
         resources["slab"] = [draw(st.integers(1, n)) for n in shape]
     spec = {
@@ -133,7 +134,7 @@ def _check_refusal(ds, spec_dict, capacity, allocator, exc: BudgetTooSmallError)
     plan = _plan(ds, enough, capacity, allocator)
     check_plan(plan, ds, parse_spec(enough), capacity)
     less = exc.minimum_bytes - MiB
-    if less >= 64 * MiB:
+    if less >= MIN_WORKER_MEMORY:
         with pytest.raises(BudgetTooSmallError):
             _plan(ds, _with_resources(spec_dict, **{field: less}), capacity, allocator)
 

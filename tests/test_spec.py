@@ -17,7 +17,8 @@ import yaml
 
 from h5ngff.errors import BudgetTooSmallError, PlanError, SpecError
 from h5ngff.planner import Capacity, DatasetInfo, make_plan
-from h5ngff.spec import ConversionSpec, parse_spec
+from h5ngff.spec import MIN_WORKER_MEMORY, ConversionSpec, parse_spec
+from h5ngff.units import MiB
 
 GOOD = {
     "source": {"path": "/data/in.h5", "dataset": "/volume/data"},
@@ -115,7 +116,7 @@ BAD_SPECS = [
     ("threads-many", {"resources": {"threadsPerWorker": 65}}, "resources.threadsPerWorker", "Expected a number less than or equal to 64. Got 65"),
     ("threads-boolean", {"resources": {"threadsPerWorker": True}}, "resources.threadsPerWorker", "Expected a number, not a boolean. Got True"),
     ("memory-unit-unknown", {"resources": {"memoryPerWorker": "1Gx"}}, "resources.memoryPerWorker", "e.g. '1Gi' or '512MiB'. Got '1Gx'"),
-    ("memory-too-small", {"resources": {"memoryPerWorker": "32Mi"}}, "resources.memoryPerWorker", "Expected at least 64Mi (a Python worker alone needs more). Got '32Mi'"),
+    ("memory-too-small", {"resources": {"memoryPerWorker": "32Mi"}}, "resources.memoryPerWorker", f"Expected at least {MIN_WORKER_MEMORY // MiB}Mi, the smallest worker any plan fits in"),
     ("memory-negative", {"resources": {"memoryTotal": -5}}, "resources.memoryTotal", "Expected a non-negative byte count. Got -5"),
     ("memory-list", {"resources": {"memoryTotal": [1]}}, "resources.memoryTotal", "Expected a valid integer or a valid string. Got [1]"),
     ("memory-boolean", {"resources": {"memoryPerWorker": True}}, "resources.memoryPerWorker", "Expected a byte quantity such as 1Gi. Got True"),

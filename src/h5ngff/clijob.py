@@ -50,6 +50,9 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of each ConversionJob (default 5; finished jobs too, without API calls).")
     o.add_argument("--peering", default="h5ngff", metavar="NAME", help="kopf peering object name, so replicas take turns (default h5ngff).")
     o.add_argument("--standalone", action="store_true", help="No peering: run as the only operator replica.")
+    o.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "default", metavar="NS",
+                   help="Namespace of the output Leases (one writer per output, cluster-wide; default $POD_NAMESPACE, the "
+                        "operator's own in the Helm chart, else default).")
     o.add_argument("--priority", type=int, metavar="N", help="Peering priority (default: random per process, so replicas never tie; the highest live one acts).")
     o.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve the operator's Prometheus metrics on this port.")
     o.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
@@ -93,7 +96,7 @@ def _add_render(o: argparse.ArgumentParser) -> None:
     r.add_argument("--plan", action="store_true", help="Plan the conversion (opens the HDF5 file) and add the DaskCluster with its planned pod limits.")
     r.add_argument("--image", default=os.environ.get("H5NGFF_IMAGE"), help="The operator's --image (default $H5NGFF_IMAGE, else the built-in default).")
     r.add_argument("--runner-service-account", default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"), metavar="NAME",
-                   help="The operator's --runner-service-account.")
+                   help="The operator's --runner-service-account (default $H5NGFF_RUNNER_SERVICE_ACCOUNT, else the chart's h5ngff-runner).")
     r.add_argument("--namespace", default="default", metavar="NS", help="Namespace of a manifest that names none (default: default).")
     _policy_flags(r)
     r.set_defaults(func=cmd_render)
@@ -101,10 +104,10 @@ def _add_render(o: argparse.ArgumentParser) -> None:
 
 def cmd_render(args: argparse.Namespace, console: Console) -> int:
     from .job import load_job
-    from .operator.manifests import DEFAULT_IMAGE
+    from .operator.manifests import CHART_RUNNER_ACCOUNT, DEFAULT_IMAGE
     from .operator.render import RenderOptions, render_objects
 
-    opts = RenderOptions(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account,
+    opts = RenderOptions(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account or CHART_RUNNER_ACCOUNT,
                          policy=policy_from_args(args), namespace=args.namespace, plan=args.plan)
     objects = render_objects(load_job(args.manifest), opts)
     sys.stdout.write(f"# h5ngff operator render {args.manifest}{' --plan' if args.plan else ''}: what the operator would create\n")
@@ -195,7 +198,7 @@ def cmd_operator(args: argparse.Namespace, console: Console) -> int:
         metrics.serve(args.metrics_port)
     cfg = OperatorConfig(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account,
                          interval=args.interval, namespaces=tuple(args.namespace), policy=policy_from_args(args),
-                         peering=None if args.standalone else args.peering, metrics=metrics)
+                         peering=None if args.standalone else args.peering, metrics=metrics, lease_namespace=args.lease_namespace)
     if args.priority is not None:
         cfg.priority = args.priority
     asyncio.run(run_operator(cfg, liveness=args.liveness))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,6 +53,9 @@ FreeForm = dict[str, Any]
 MAX_VOLUMES = 64
 #: Kubernetes' limit for volume names (a DNS label); also bounds the CRD's CEL cost.
 MAX_VOLUME_NAME = 63
+#: The emptyDir every runner and Dask pod gets at /tmp (k8s.with_scratch): no user volume may
+#: take its name, or Kubernetes refuses the pod (duplicate volume names).
+SCRATCH_VOLUME = "h5ngff-scratch"
 
 
 class PodSettings(_Model):
@@ -67,8 +71,9 @@ class PodSettings(_Model):
     tolerations: list[FreeForm] | None = Field(None, description="Tolerations of the runner and worker pods.")
     credentials_secret: str | None = Field(
         None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-        description="Name of a Secret in the job's own namespace whose keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
-                    "AWS_ENDPOINT_URL, ...) become environment variables of the runner and every worker: credentials for an s3:// output.")
+        description="Name of a Secret in the job's own namespace whose AWS credential keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                    "AWS_SESSION_TOKEN, AWS_REGION, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3, AWS_ALLOW_HTTP; no others) "
+                    "become environment variables of the runner and every worker: credentials for an s3:// output.")
 
     @field_validator("volumes", "volume_mounts")
     @classmethod
@@ -90,6 +95,31 @@ class PodSettings(_Model):
                 raise ValueError(f"Expected every volumeMount to name one of the volumes {sorted(volumes)}. Got a mount of {mount['name']!r} instead.")
         return self
 
+    @model_validator(mode="after")
+    def _kubernetes_accepts(self) -> "PodSettings":
+        """Shapes Kubernetes refuses in a Job (HTTP 422), or that collide with what the operator
+        adds: refused here, so the job fails InvalidSpec at once instead of at create."""
+        names = [v["name"] for v in self.volumes or ()]
+        _no_repeats("spec.pod.volumes names", names)
+        if SCRATCH_VOLUME in names:
+            raise ValueError(f"Expected no volume named {SCRATCH_VOLUME!r}: the operator adds its scratch volume under that name. Rename it.")
+        paths: list[str] = []
+        for mount in self.volume_mounts or ():
+            path = mount.get("mountPath")
+            if not isinstance(path, str) or not path.startswith("/"):
+                raise ValueError(f"Expected every volumeMount's mountPath to be an absolute path. Got {path!r} instead.")
+            paths.append(posixpath.normpath(path))
+        _no_repeats("spec.pod.volumeMounts mountPaths", paths)
+        if self.image is not None and not self.image.strip():
+            raise ValueError("Expected spec.pod.image to name an image, or to be left out for the operator's. Got an empty string instead.")
+        return self
+
+
+def _no_repeats(what: str, values: list[Any]) -> None:
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"Expected {what} to be unique, as Kubernetes requires. Got {repeated} more than once instead.")
+
 
 class RetryPolicy(_Model):
     """How long the operator waits before each retry: ``intervalSeconds`` before the first,
@@ -101,7 +131,8 @@ class RetryPolicy(_Model):
     @model_validator(mode="after")
     def _ordered(self) -> "RetryPolicy":
         if self.max_interval_seconds < self.interval_seconds:
-            raise ValueError(f"Expected maxIntervalSeconds >= intervalSeconds ({self.interval_seconds}). Got {self.max_interval_seconds} instead.")
+            raise ValueError(f"Expected maxIntervalSeconds (default {DEFAULT_MAX_RETRY_INTERVAL}) >= intervalSeconds ({self.interval_seconds}). "
+                             f"Got {self.max_interval_seconds} instead: raise retry.maxIntervalSeconds or lower retry.intervalSeconds.")
         return self
 
     def delay(self, failures: int) -> int:
@@ -126,15 +157,27 @@ class ConversionJobSpec(ConversionSpec):
         return ConversionSpec(**{name: getattr(self, name) for name in ConversionSpec.model_fields})
 
     def conversion_hash(self) -> str:
-        """What the operator compares across edits: the conversion fields and where the data is
-        (volumes, mounts, working directory). ``output.overwrite`` (what to do with an existing
-        output) and how the pods run (image, placement, retries, deadline) are left out, so
-        editing them never re-runs a finished conversion."""
-        wire = self.conversion().to_wire()
-        wire["output"].pop("overwrite", None)
-        pod = self.pod.to_wire()
-        wire["where"] = {k: pod[k] for k in ("volumes", "volumeMounts", "workingDir") if k in pod}
-        return hashlib.sha256(json.dumps(wire, sort_keys=True).encode()).hexdigest()[:16]
+        """What the operator compares across edits: the conversion fields *the user wrote* and
+        where the data is (volumes, mounts, working directory). Defaults are left out, so a new
+        field with a default in a later build hashes the same spec the same way (an upgrade must
+        never look like an edit). ``output.overwrite`` (what to do with an existing output) and
+        how the pods run (image, placement, retries, deadline) are left out too, so editing them
+        never re-runs a finished conversion."""
+        written = self.model_dump(by_alias=True, exclude_unset=True, exclude_none=True, mode="json")
+        fields = {f.alias or name for name, f in ConversionSpec.model_fields.items()}
+        wire = {k: v for k, v in written.items() if k in fields}
+        return _hash(wire, written.get("pod") or {})
+
+    def legacy_conversion_hash(self) -> str:
+        """The hash as h5ngff up to 0.x computed it: every conversion field, defaults included.
+        Only compared with a status such a build wrote; never recorded."""
+        return _hash(self.conversion().to_wire(), self.pod.to_wire())
+
+
+def _hash(conversion: dict[str, Any], pod: dict[str, Any]) -> str:
+    wire = {**conversion, "output": {k: v for k, v in (conversion.get("output") or {}).items() if k != "overwrite"}}
+    wire["where"] = {k: pod[k] for k in ("volumes", "volumeMounts", "workingDir") if k in pod}
+    return hashlib.sha256(json.dumps(wire, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def parse_job_spec(data: Any) -> ConversionJobSpec:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from .jobspec import GROUP, PodSettings
+from .jobspec import GROUP, SCRATCH_VOLUME, PodSettings
 
 LABEL_JOB = f"{GROUP}/conversionjob"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
@@ -30,7 +30,6 @@ RUN_AS_GROUP = 10001
 #: Python's tempfile, matplotlib's and Dask's config caches, and a Dask worker's local directory
 #: (where it spills, ``dask-scratch-space``) all write under /tmp. Disk-backed, not memory-backed:
 #: a tmpfs would charge spilled data to the very pod memory limit the plan sizes.
-SCRATCH_VOLUME = "h5ngff-scratch"
 SCRATCH_PATH = "/tmp"
 
 
@@ -94,13 +93,31 @@ def container_storage(pod: PodSettings) -> dict[str, Any]:
         out["workingDir"] = pod.working_dir
     if pod.image_pull_policy:
         out["imagePullPolicy"] = pod.image_pull_policy
-    if pod.credentials_secret:
-        # A secretRef has no namespace field: the kubelet reads the Secret from the pod's own
-        # namespace, so a tenant can only ever name its own Secrets, and the operator never
-        # reads it (no Secret RBAC). Not optional: a missing Secret keeps the pod from starting
-        # (CreateContainerConfigError) rather than writing with no credentials.
-        out["envFrom"] = [{"secretRef": {"name": pod.credentials_secret}}]
     return out
+
+
+#: The environment variables an S3 output's credentials may set, the only keys of a job's
+#: ``credentialsSecret`` that reach a container: what obstore and ``engine/stores`` (s3.py,
+#: awsconfig.py) read for credentials, region and endpoint. Named keys, never the whole Secret
+#: (``envFrom``): a Secret the tenant writes could otherwise set LD_PRELOAD or PYTHONPATH in the
+#: runner, which holds a service-account token. AWS_CONFIG_FILE and AWS_SHARED_CREDENTIALS_FILE
+#: are left out on purpose: they name files, and a profile's ``credential_process`` runs a command.
+CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
+                  "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ALLOW_HTTP")
+
+
+def credential_env(pod: PodSettings) -> list[dict[str, Any]]:
+    """``env`` entries taking each of :data:`CREDENTIAL_ENV` from the job's credentials Secret.
+
+    A secretKeyRef has no namespace field: the kubelet reads the Secret from the pod's own
+    namespace, so a tenant can only ever name its own Secrets, and the operator never reads it
+    (no Secret RBAC). ``optional``: a Secret holds only some of the keys (no session token, no
+    endpoint for AWS itself); Kubernetes then also starts the pod when the Secret itself is
+    missing, and the runner's S3 check fails the attempt with "no AWS credentials"."""
+    if not pod.credentials_secret:
+        return []
+    return [{"name": key, "valueFrom": {"secretKeyRef": {"name": pod.credentials_secret, "key": key, "optional": True}}}
+            for key in CREDENTIAL_ENV]
 
 
 def pod_security_context() -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from .errors import SpecError
-from .units import parse_bytes
+from .units import MiB, parse_bytes
 
 M = TypeVar("M", bound=BaseModel)
 AXIS_TYPES = {"t": "time", "c": "channel", "z": "space", "y": "space", "x": "space"}
@@ -49,6 +49,11 @@ TIME_UNITS = (
 MAX_AXES = 5
 #: Longest byte-quantity string accepted; bounds the CRD's CEL cost (operator/admission.py).
 MAX_QUANTITY_LENGTH = 64
+#: The smallest worker any plan fits in: planner.memory.minimum_pod_limit() computes it from the
+#: memory model's constants (the interpreter alone is about 100 MiB, plus the nanny and the room
+#: below the pod limit). The spec sits below the planner (pyproject's import layers), so it holds
+#: the number, and tests/test_operator_admission_limits.py fails when the two part.
+MIN_WORKER_MEMORY = 226 * MiB
 BLOSC_CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
 #: Allowed compression levels per codec, inclusive. zstd's negative "fast" levels are excluded on
 #: purpose: they are rarely wanted for archives and complicate the level's meaning.
@@ -60,6 +65,14 @@ OUTPUT_SCHEMES: tuple[str, ...] = ("s3",)
 #: regex (operator/admission.py), so the API server and the model agree on what a URL is.
 URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: What a mistyped URL looks like: a scheme and a colon at the start of the path (``s3:/bucket``,
+#: ``gs:bucket``), or any ``x://``. One letter and a colon is a Windows drive (``C:/data``), not a
+#: scheme. Unless it is a supported URL, such a path would become a local directory named ``s3:``.
+#: Only the start counts: ``./s3:odd`` and ``/data/a:b`` are local paths. The CRD uses it too.
+SCHEME_LIKE_PATTERN = "^([A-Za-z][A-Za-z0-9+.-]+:|[A-Za-z]://)"
+#: Leading or trailing whitespace. The characters are named because Python's ``\s`` (Unicode)
+#: and the API server's RE2 ``\s`` (ASCII, no vertical tab) differ; the CRD uses it too.
+PADDED_PATTERN = "^[ \\t\\n\\r\\f\\v]|[ \\t\\n\\r\\f\\v]$"
 #: Longest source.path and output.path accepted (Linux's PATH_MAX); bounds the CRD's CEL cost.
 MAX_PATH_LENGTH = 4096
 #: The storage option that sets how many PUTs each worker thread keeps in flight (default: the
@@ -74,24 +87,50 @@ def url_scheme(path: str) -> str | None:
     return m.group(1).lower() if m else None
 
 
+def _not_padded(path: str) -> None:
+    # " out.ome.zarr" from a YAML or shell quoting slip would name a directory starting with a space.
+    if re.search(PADDED_PATTERN, path):
+        raise ValueError(f"Expected a path without leading or trailing whitespace. Got {path!r} instead.")
+
+
+def _scheme_like(path: str) -> str | None:
+    """The ``s3:`` of ``s3:/bucket/x``: a URL prefix without a supported ``scheme://``."""
+    m = re.match(SCHEME_LIKE_PATTERN, path)
+    return m.group(1) if m else None
+
+
 def parse_output_path(path: str) -> str:
-    """Refuse a URL whose scheme no store handles: it would otherwise be written as a local
-    directory named ``s3:`` while the user believes the data is in a bucket."""
+    """Refuse a URL whose scheme no store handles, or a mistyped one (``s3:/bucket``): it would
+    otherwise be written as a local directory named ``s3:`` while the user believes the data is
+    in a bucket."""
+    _not_padded(path)
     scheme = url_scheme(path)
-    if scheme is not None and scheme not in OUTPUT_SCHEMES:
-        known = " or ".join(f"'{s}://'" for s in OUTPUT_SCHEMES)
-        expected = f"a local directory or a {known} URL" if known else "a local directory (no URL scheme is supported)"
+    if scheme in OUTPUT_SCHEMES:
+        return path
+    known = " or ".join(f"'{s}://'" for s in OUTPUT_SCHEMES)
+    expected = f"a local directory or a {known} URL" if known else "a local directory (no URL scheme is supported)"
+    if scheme is not None:
         raise ValueError(f"Expected {expected}. Got {path!r} instead ({scheme}:// is not supported; nothing was written).")
+    prefix = _scheme_like(path)
+    if prefix is not None:
+        raise ValueError(f"Expected {expected}. Got {path!r} instead: it starts like a URL ({prefix!r}) without a supported "
+                         f"'scheme://'. Write s3://bucket/prefix for a bucket, or ./{path} for a local directory; nothing was written.")
     return path
 
 
 def parse_source_path(path: str) -> str:
-    """Refuse a URL as the source: HDF5 is read from a filesystem the workers see, and a URL
-    would otherwise fail later, on a worker, as a file that does not exist."""
+    """Refuse a URL as the source, or a path that starts like one (``s3:/bucket``): HDF5 is read
+    from a filesystem the workers see, and a URL would otherwise fail later, on a worker, as a
+    file that does not exist."""
+    _not_padded(path)
     scheme = url_scheme(path)
     if scheme is not None:
         raise ValueError(f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead "
                          f"({scheme}:// is not read: copy the file to a volume, or mount the bucket, and give its path).")
+    prefix = _scheme_like(path)
+    if prefix is not None:
+        raise ValueError(f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead: "
+                         f"it starts like a URL ({prefix!r}); write ./{path} for a local file whose name has a colon.")
     return path
 
 
@@ -425,9 +464,10 @@ class ResourcesSpec(_Model):
             return None
         if isinstance(v, str) and len(v) > MAX_QUANTITY_LENGTH:
             raise ValueError(f"Expected a byte quantity such as 1Gi (at most {MAX_QUANTITY_LENGTH} characters). Got {len(v)} characters instead.")
-        n = parse_bytes(v)
-        if n < (64 << 20):
-            raise ValueError(f"Expected at least 64Mi (a Python worker alone needs more). Got {v!r} instead.")
+        if parse_bytes(v) < MIN_WORKER_MEMORY:
+            raise ValueError(f"Expected at least {MIN_WORKER_MEMORY // MiB}Mi, the smallest worker any plan fits in (Python and the "
+                             f"libraries alone take about 100Mi, and the nanny and the pod's headroom more). Got {v!r} instead: "
+                             f"raise it to at least {MIN_WORKER_MEMORY // MiB}Mi.")
         return v
 
     @field_validator("slab")
@@ -457,6 +497,13 @@ class ResourcesSpec(_Model):
 SLURM_PLANNED_OPTIONS = ("--mem", "--mem-per-cpu", "--mem-per-gpu", "--cpus-per-task", "-c", "--ntasks", "-n", "--nodes", "-N")
 #: A walltime as sbatch reads it: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
 SLURM_WALLTIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$"
+#: An #SBATCH directive's option: its first word, after an optional ``#SBATCH``. The CRD matches
+#: directives with the same expressions (operator/admission.py).
+SLURM_DIRECTIVE_PREFIX = r"^[ \t]*(#SBATCH)?[ \t]*"
+SLURM_OPTION = SLURM_DIRECTIVE_PREFIX + r"(-[^ \t=]*)"
+#: At most this many directives, of at most this many characters: bounds the CRD's CEL cost.
+MAX_SLURM_DIRECTIVES = 64
+MAX_SLURM_DIRECTIVE_LENGTH = 1024
 
 
 def _one_line(v: str) -> str:
@@ -473,7 +520,7 @@ class SlurmSpec(_Model):
     account: str | None = Field(None, description="Account charged for the worker jobs (#SBATCH -A).")
     qos: str | None = Field(None, description="Quality of service of the worker jobs (#SBATCH --qos).")
     walltime: str = Field("01:00:00", pattern=SLURM_WALLTIME, description="Time limit of each worker job (#SBATCH -t), e.g. 02:00:00 or 1-00:00:00.")
-    directives: list[str] | None = Field(None, description="Extra #SBATCH options, one per entry, e.g. --constraint=skylake; not --mem or --cpus-per-task, which the plan sets.")
+    directives: list[str] | None = Field(None, max_length=MAX_SLURM_DIRECTIVES, description="Extra #SBATCH options, one per entry, e.g. --constraint=skylake; not --mem or --cpus-per-task, which the plan sets.")
     scratch: str = Field("${TMPDIR:-/tmp}", min_length=1, description="Job-local scratch directory: the worker's Dask local directory (shell variables expand in the job, e.g. /scratch/$SLURM_JOB_ID).")
     python: str | None = Field(None, description="Python interpreter the workers start with on the nodes (default: the one running h5ngff); it needs h5ngff installed.")
     prologue: list[str] | None = Field(None, description="Shell lines run in the job before the worker starts, e.g. 'module load hdf5' or 'source /path/venv/bin/activate'.")
@@ -495,9 +542,12 @@ class SlurmSpec(_Model):
     def _not_planned(cls, v: list[str] | None) -> list[str] | None:
         for d in v or ():
             _one_line(d)
-            option = d.strip().removeprefix("#SBATCH").strip().split("=", 1)[0].split()[0] if d.strip() else ""
-            if not option.startswith("-"):
+            if len(d) > MAX_SLURM_DIRECTIVE_LENGTH:
+                raise ValueError(f"Expected directives of at most {MAX_SLURM_DIRECTIVE_LENGTH} characters. Got {len(d)} characters instead.")
+            match = re.match(SLURM_OPTION, d)
+            if match is None:
                 raise ValueError(f"Expected an sbatch option such as --constraint=skylake. Got {d!r} instead.")
+            option = match.group(2)
             if option in SLURM_PLANNED_OPTIONS:
                 raise ValueError(f"Expected no {option}: the plan sets the job's memory and CPUs (h5ngff plan --backend slurm shows them); "
                                  f"change resources.memoryPerWorker or resources.threadsPerWorker instead. Got {d!r} instead.")

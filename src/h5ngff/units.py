@@ -19,9 +19,15 @@ _SUFFIXES = {
     "g": 10**9, "gb": 10**9, "gi": 1 << 30, "gib": 1 << 30,
     "t": 10**12, "tb": 10**12, "ti": 1 << 40, "tib": 1 << 40,
 }
-_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+#: Spaces are named, not ``\s``: Python's ``\s`` also matches Unicode spaces and the vertical tab,
+#: RE2's (the API server's, for the CRD's copy of this grammar) does not.
+SPACE = r"[ \t\n\f\r]"
+_QUANTITY = re.compile(rf"^{SPACE}*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?){SPACE}*([a-zA-Z]*){SPACE}*$")
 
 ALLOWED_UNITS = "a byte count or a number with a unit: Ki, Mi, Gi, Ti (powers of 2), k, M, G, T (powers of 10), optionally ending in B"
+#: Bytes a quantity may count: below 2**63, what a Kubernetes quantity (int64) and a C size can
+#: hold. Anything larger is a typo; past it, ``1e300Gi`` would overflow to infinity.
+MAX_BYTES = 1 << 63
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -29,13 +35,21 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"Expected {ALLOWED_UNITS}. Got {value!r} instead.")
     if isinstance(value, (int, float)):
-        if value < 0 or not math.isfinite(value):
+        if value < 0 or (isinstance(value, float) and not math.isfinite(value)):  # isfinite(10**400) overflows
             raise ValueError(f"Expected a non-negative byte count. Got {value!r} instead.")
-        return int(value)
+        return _bounded(value, value)
     match = _QUANTITY.match(str(value))
     if not match or match.group(2).lower() not in _SUFFIXES:
         raise ValueError(f"Expected {ALLOWED_UNITS}, e.g. '1Gi' or '512MiB'. Got {value!r} instead.")
-    return int(float(match.group(1)) * _SUFFIXES[match.group(2).lower()])
+    # Computed in floating point, as the CRD's CEL rule computes it (operator/admission.py), so
+    # the API server and the model refuse the same quantities at the bound.
+    return _bounded(float(match.group(1)) * _SUFFIXES[match.group(2).lower()], value)
+
+
+def _bounded(n: int | float, given: object) -> int:
+    if not n < MAX_BYTES:  # also refuses inf and nan, which int() cannot convert
+        raise ValueError(f"Expected a byte quantity below 2**63 bytes (8Ei), e.g. '1Gi' or '512MiB'. Got {given!r} instead.")
+    return int(n)
 
 
 def format_bytes(n: float) -> str:

@@ -29,7 +29,7 @@ from distributed import Client
 
 from ..errors import ClusterError
 from ..jobspec import API_VERSION, KIND, Owner, PodSettings
-from ..k8s import container_storage, dask_cluster_name, env_list, labels, owner_reference, pod_placement, with_scratch
+from ..k8s import container_storage, credential_env, dask_cluster_name, env_list, labels, owner_reference, pod_placement, with_scratch
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
 from ..units import GiB, k8s_quantity
@@ -76,7 +76,7 @@ def build_worker_container(plan: Plan, image: str, pod: PodSettings, allocator_l
         "name": "worker",
         "image": image,
         "args": args,
-        "env": env_list(worker_env(plan, allocator_library)),
+        "env": env_list(worker_env(plan, allocator_library)) + credential_env(pod),
         "resources": {"requests": {"memory": memory, "cpu": cpu}, "limits": {"memory": memory, "cpu": cpu}},
         "ports": [{"name": "http-dashboard", "containerPort": WORKER_DASHBOARD_PORT, "protocol": "TCP"}],
         **container_storage(pod),

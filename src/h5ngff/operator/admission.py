@@ -22,10 +22,29 @@ from dataclasses import dataclass, field
 from itertools import permutations
 from typing import Any
 
-from ..jobspec import MAX_VOLUME_NAME, MAX_VOLUMES
-from ..spec import MAX_AXES, MAX_QUANTITY_LENGTH, MAX_UPLOADS_IN_FLIGHT, OUTPUT_SCHEMES, SPACE_UNITS, TIME_UNITS, UPLOADS_IN_FLIGHT, URL_PATTERN
+from ..jobspec import DEFAULT_MAX_RETRY_INTERVAL, DEFAULT_RETRY_INTERVAL, MAX_VOLUME_NAME, MAX_VOLUMES, SCRATCH_VOLUME
+from ..spec import (
+    MAX_AXES,
+    MAX_QUANTITY_LENGTH,
+    MAX_SLURM_DIRECTIVE_LENGTH,
+    MAX_UPLOADS_IN_FLIGHT,
+    MIN_WORKER_MEMORY,
+    OUTPUT_SCHEMES,
+    PADDED_PATTERN,
+    SCHEME_LIKE_PATTERN,
+    SLURM_DIRECTIVE_PREFIX,
+    SLURM_PLANNED_OPTIONS,
+    SPACE_UNITS,
+    TIME_UNITS,
+    UPLOADS_IN_FLIGHT,
+    URL_PATTERN,
+)
+from ..units import MAX_BYTES, SPACE, MiB
 
-MiB64 = 64 << 20
+
+def _cel_string(regex: str) -> str:
+    """``regex`` as the body of a single-quoted CEL string literal (its backslashes escaped)."""
+    return regex.replace("\\", "\\\\")
 
 
 @dataclass(frozen=True)
@@ -69,7 +88,7 @@ def _axes_pattern() -> str:
 _NUMBER = "[0-9]*\\.?[0-9]+([eE][+-]?[0-9]+)?"
 #: units.parse_bytes' grammar: a number, optional spaces, then nothing, B, or k/M/G/T with an
 #: optional i and an optional B, in any case.
-QUANTITY_PATTERN = f"^\\s*{_NUMBER}\\s*([kKmMgGtT][iI]?)?[bB]?\\s*$"
+QUANTITY_PATTERN = f"^{SPACE}*{_NUMBER}{SPACE}*([kKmMgGtT][iI]?)?[bB]?{SPACE}*$"
 _MULTIPLIERS = [("[kK][iI]", 1 << 10), ("[kK]", 10**3), ("[mM][iI]", 1 << 20), ("[mM]", 10**6),
                 ("[gG][iI]", 1 << 30), ("[gG]", 10**9), ("[tT][iI]", 1 << 40), ("[tT]", 10**12)]
 
@@ -78,15 +97,22 @@ def _quantity_bytes_expr() -> str:
     """CEL for the byte count of a string ``self`` already matching QUANTITY_PATTERN."""
     mult = "1.0"
     for suffix, factor in reversed(_MULTIPLIERS):
-        mult = f"self.matches('[0-9.]\\\\s*{suffix}[bB]?\\\\s*$') ? {float(factor)!r} : {mult}"
+        mult = f"self.matches('[0-9.]{_cel_string(SPACE)}*{suffix}[bB]?{_cel_string(SPACE)}*$') ? {float(factor)!r} : {mult}"
     return f"double(self.find('{_NUMBER.replace(chr(92), chr(92) * 2)}')) * ({mult})"
 
 
 def _quantity_rule(path: str, name: str) -> CelRule:
+    # A string's bytes are computed in doubles, as units.parse_bytes computes them: the bounds
+    # agree, and 1e300Gi (infinite) is refused like any quantity past MAX_BYTES. A JSON integer
+    # is an int64 here, always below MAX_BYTES.
+    floor = MIN_WORKER_MEMORY
+    in_range = f"n >= {float(floor)!r} && n < {float(MAX_BYTES)!r}"
     return CelRule(
-        path, f"type(self) == int ? self >= {MiB64} : (self.matches('{QUANTITY_PATTERN.replace(chr(92), chr(92) * 2)}') && {_quantity_bytes_expr()} >= {float(MiB64)!r})",
-        f"{name} must be at least 64Mi (a Python worker alone needs more), as a byte count or a quantity such as 1Gi or 512MiB",
-        why="units.parse_bytes and the 64Mi floor of ResourcesSpec._quantity",
+        path, f"type(self) == int ? self >= {floor} : (self.matches('{_cel_string(QUANTITY_PATTERN)}') && "
+              f"[{_quantity_bytes_expr()}].all(n, {in_range}))",
+        f"{name} must be at least {floor // MiB}Mi (the smallest worker any plan fits in) and below 2**63 bytes, "
+        f"as a byte count or a quantity such as 1Gi or 512MiB",
+        why="units.parse_bytes and ResourcesSpec._quantity's floor, spec.MIN_WORKER_MEMORY (planner.memory.minimum_pod_limit)",
     )
 
 
@@ -142,11 +168,41 @@ def _output_scheme_rule() -> CelRule:
                    why="OutputSpec._known_scheme (parse_output_path)")
 
 
+def _url_like_output_rule() -> CelRule:
+    """parse_output_path: a path that starts like a URL but is none (``s3:/bucket``)."""
+    return CelRule("output.path", f"!self.matches('{SCHEME_LIKE_PATTERN}') || self.matches('{URL_PATTERN}')",
+                   "output.path must not start like a URL without '://' (s3:/bucket, gs:bucket): write s3://bucket/prefix, "
+                   "or ./NAME for a local directory whose name has a colon",
+                   why="OutputSpec._known_scheme (parse_output_path, SCHEME_LIKE_PATTERN)")
+
+
+def _not_padded_rule(path: str) -> CelRule:
+    return CelRule(path, f"!self.matches('{_cel_string(PADDED_PATTERN)}')", f"{path} must not begin or end with whitespace",
+                   why="parse_output_path / parse_source_path (PADDED_PATTERN)")
+
+
+def _slurm_planned_rule() -> CelRule:
+    """SlurmSpec._not_planned: RE2 has no negative lookahead, so a pattern cannot refuse the
+    options the plan sets; CEL can. The directive's option follows SLURM_DIRECTIVE_PREFIX and ends
+    by a space, a tab, '=' or the end."""
+    options = "|".join(SLURM_PLANNED_OPTIONS)
+    planned = SLURM_DIRECTIVE_PREFIX + f"({options})" + "([ \\t=]|$)"
+    return CelRule("slurm.directives", f"self.all(d, !d.matches('{_cel_string(planned)}'))",
+                   f"slurm.directives must not set {', '.join(SLURM_PLANNED_OPTIONS)}: the plan sets the job's memory and CPUs "
+                   "(change resources.memoryPerWorker or resources.threadsPerWorker instead)", why="SlurmSpec._not_planned")
+
+
 def _positive_axis_list(path: str, why: str) -> SchemaRule:
     return SchemaRule(path, {"minItems": 1, "maxItems": MAX_AXES, "items": {"minimum": 1}}, why)
 
 
 _VOLUME_NAME = {"type": "string", "minLength": 1, "maxLength": MAX_VOLUME_NAME}
+#: SlurmSpec._one_line: the value goes into the job script, one line.
+_ONE_LINE = {"pattern": "^[^\\n\\r]*$"}
+
+
+def _one_line(path: str) -> SchemaRule:
+    return SchemaRule(path, _ONE_LINE, "SlurmSpec._single_line: it goes into the job script")
 
 SCHEMA_RULES: tuple[SchemaRule, ...] = (
     _positive_axis_list("output.chunks", "positive, one per axis, at most 5 axes (tczyx)"),
@@ -163,8 +219,15 @@ SCHEMA_RULES: tuple[SchemaRule, ...] = (
     SchemaRule("resources.memoryTotal", {"maxLength": MAX_QUANTITY_LENGTH, "pattern": QUANTITY_PATTERN}, "units.parse_bytes' grammar"),
     SchemaRule("pod.volumes", {"maxItems": MAX_VOLUMES, "items": {"required": ["name"], "properties": {"name": _VOLUME_NAME}}},
                "PodSettings._named; known to CEL so mounts can be matched to volumes"),
-    SchemaRule("pod.volumeMounts", {"maxItems": MAX_VOLUMES, "items": {"required": ["name"], "properties": {"name": _VOLUME_NAME}}},
-               "PodSettings._named"),
+    SchemaRule("pod.volumeMounts", {"maxItems": MAX_VOLUMES, "items": {"required": ["name", "mountPath"], "properties": {
+                   "name": _VOLUME_NAME, "mountPath": {"type": "string", "maxLength": 4096, "pattern": "^/"}}}},
+               "PodSettings._named; PodSettings._kubernetes_accepts: an absolute mountPath, as Kubernetes requires"),
+    SchemaRule("pod.image", {"pattern": "[^ \\t\\n\\r]"}, "PodSettings._kubernetes_accepts: an image name, not an empty string"),
+    SchemaRule("source.stack", {"maxLength": 2, "pattern": "^(t|c|tc|ct)$"}, "SourceSpec._stack_axes: distinct new axes from 't' and 'c'"),
+    *(_one_line(f"slurm.{name}") for name in ("partition", "account", "qos", "scratch", "python", "logDirectory")),
+    SchemaRule("slurm.prologue", {"items": _ONE_LINE}, "SlurmSpec._prologue_lines"),
+    SchemaRule("slurm.directives", {"items": {"maxLength": MAX_SLURM_DIRECTIVE_LENGTH, "pattern": SLURM_DIRECTIVE_PREFIX + "-[^\\n\\r]*$"}},
+               "SlurmSpec._not_planned: one line, an sbatch option; maxLength bounds the CEL rule's cost"),
 )
 
 CEL_RULES: tuple[CelRule, ...] = (
@@ -206,7 +269,7 @@ CEL_RULES: tuple[CelRule, ...] = (
                 "(!self.pyramid.axes.contains('x') || self.image.axes.matches('[xX]')))",
             "pyramid.axes must be axes of image.axes", ".pyramid.axes", why="planner: resolve_downsampled"),
     _output_scheme_rule(),
-    CelRule("source.path", f"!self.matches('{URL_PATTERN}')",
+    CelRule("source.path", f"!self.matches('{SCHEME_LIKE_PATTERN}')",
             "source.path must be a path to the HDF5 file as the workers see it, not a URL (mount the data on a volume)",
             why="SourceSpec._not_a_url (parse_source_path)"),
     CelRule("output", f"!has(self.storageOptions) || size(self.storageOptions) == 0 || self.path.matches('{URL_PATTERN}')",
@@ -219,8 +282,24 @@ CEL_RULES: tuple[CelRule, ...] = (
                       f"!self.path.matches('{URL_PATTERN}')",
             "output.checksums with ngffVersion '0.4' need a local output.path (their sidecar is a directory): use ngffVersion '0.5' "
             "or checksums: false", ".checksums", why="OutputSpec._sidecar_needs_a_directory"),
+    _url_like_output_rule(),
+    _not_padded_rule("output.path"),
+    _not_padded_rule("source.path"),
+    CelRule("retry", f"(has(self.maxIntervalSeconds) ? self.maxIntervalSeconds : {DEFAULT_MAX_RETRY_INTERVAL}) >= "
+                     f"(has(self.intervalSeconds) ? self.intervalSeconds : {DEFAULT_RETRY_INTERVAL})",
+            f"retry.maxIntervalSeconds (default {DEFAULT_MAX_RETRY_INTERVAL}) must be at least retry.intervalSeconds (default {DEFAULT_RETRY_INTERVAL})",
+            ".maxIntervalSeconds", why="RetryPolicy._ordered"),
+    _slurm_planned_rule(),
     CelRule("pod", "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == m.name))",
             "every pod.volumeMounts entry must name one of pod.volumes", ".volumeMounts", why="PodSettings._mounts_name_volumes"),
+    # Kubernetes refuses these in the runner Job (HTTP 422); refusing them here fails the apply,
+    # not a run. mountPaths equal only after normalising (/d and /d/) are left to the model.
+    CelRule("pod.volumes", "self.all(v, !has(v.name) || self.exists_one(w, has(w.name) && w.name == v.name))",
+            "pod.volumes names must be unique", why="PodSettings._kubernetes_accepts"),
+    CelRule("pod.volumes", f"!self.exists(v, has(v.name) && v.name == '{SCRATCH_VOLUME}')",
+            f"pod.volumes must not use the name {SCRATCH_VOLUME} (the operator's scratch volume)", why="PodSettings._kubernetes_accepts"),
+    CelRule("pod.volumeMounts", "self.all(m, !has(m.mountPath) || self.exists_one(n, has(n.mountPath) && n.mountPath == m.mountPath))",
+            "pod.volumeMounts mountPaths must be unique", why="PodSettings._kubernetes_accepts"),
 )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from ..k8s import LABEL_COMPONENT, label_value
 from ..errors import SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
 from .kube import Conflict, Kube, KubeConfig, KubeError, Transient, namespaced
-from .lease import acquire, holder_identity, lease_body, lease_name, output_key, release
+from .lease import LeaseScope, acquire, holder_identity, lease_body, lease_name, output_key, release
 from .manifests import (
     API_VERSION,
     DEFAULT_IMAGE,
@@ -42,6 +43,7 @@ from .manifests import (
     dask_cluster_name,
     runner_account,
 )
+from .guard import register_cluster_guard
 from .policy import TenantPolicy, policy_violations
 from .reconcile import Decision, Observed, job_summary, live_pods, reconcile
 from ..phases import TERMINAL_PHASES
@@ -83,6 +85,11 @@ class OperatorConfig:
     #: (the garbage collector removes what is left).
     delete_wait: float = 120.0
     metrics: Any = None  #: an OperatorMetrics, or None
+    #: Namespace of every output Lease (operator/lease.py: the keys of URL and plain-path outputs
+    #: are cluster-wide, so their Leases must all be in one place): the operator's own, which the
+    #: Helm chart passes as POD_NAMESPACE (downward API). Outside a pod "default", which every
+    #: cluster has, so operators started by hand against one cluster still agree on it.
+    lease_namespace: str = field(default_factory=lambda: os.environ.get("POD_NAMESPACE") or "default")
 
 
 @dataclass
@@ -106,6 +113,7 @@ def build_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
 
 def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
+    register_cluster_guard(registry, cfg)  # DaskClusters the runners create (operator/guard.py)
 
     # Explicit ids: the default is the qualified name ("build_registry.<locals>.…"), and the
     # index's id is also the keyword under which handlers receive it.
@@ -120,6 +128,9 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         memo.kube = await Kube.connect(cfg.api, agent=OPERATOR_AGENT)
         memo.expectations = {}
         memo.parsed = {}
+        memo.leases = LeaseScope(cfg.lease_namespace)
+        #: (ConversionJob uid, attempt) whose runner Job create this process saw refused.
+        memo.uncreated = set()
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -149,7 +160,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     async def delete_children(name: str, namespace: str, uid: str, status: kopf.Status, memo: kopf.Memo, logger: kopf.Logger,
                               runtime: Any, **_: Any) -> None:
         try:
-            left = await remove_children(memo.kube, Owner(namespace, name, uid), status.get("outputLease"))
+            left = await remove_children(memo.kube, Owner(namespace, name, uid), status.get("outputLease"), cfg.lease_namespace)
         except Transient as exc:
             _count_error(cfg, "transient")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay) from None
@@ -199,8 +210,9 @@ def observe_job(owner: Owner, body: kopf.Body, spec: ConversionJobSpec | None, e
     if spec is None:
         return Observed(owner.name, status, 0, status.get("output") or "", **common)
     delays = tuple(spec.retry.delay(n) for n in range(1, spec.backoff_limit + 2))
-    return Observed(owner.name, status, spec.backoff_limit, spec.output.path, conversion=spec.conversion_hash(), retry_delays=delays,
-                    deadline_seconds=spec.active_deadline_seconds, lease_name=lease_name(output_key(spec)), **common)
+    return Observed(owner.name, status, spec.backoff_limit, spec.output.path, conversion=spec.conversion_hash(),
+                    legacy_conversion=spec.legacy_conversion_hash(), retry_delays=delays,
+                    deadline_seconds=spec.active_deadline_seconds, lease_name=lease_name(output_key(spec, owner.namespace)), **common)
 
 
 async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, index: kopf.Index) -> None:
@@ -215,25 +227,54 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, inde
     if spec is not None:
         denial = "; ".join(policy_violations(spec, cfg.policy, cfg.image, cfg.runner_service_account)) or None
         observed = dataclasses.replace(observed, policy_denial=denial)
-    decision = reconcile(observed)
-    for _ in range(4):  # each lookup at most once: the runner Job, pods (and Events), the Lease
-        if not decision.needs:
-            break
-        observed = await _look_up(memo.kube, owner, spec, observed, decision)
-        decision = reconcile(observed)
-    await _carry_out(cfg, memo, owner, spec, decision)
-    if decision.patch:
-        await _write_status(memo, owner, decision.patch)
-        merged = {**status, **decision.patch}
-        memo.expectations[owner.uid] = Expectation(int(merged.get("attempts") or 0), merged.get("phase") or "", time.monotonic() + CONSISTENCY_WINDOW)
-    if decision.event:
-        kind, reason, message = decision.event
-        kopf.event(body, type=kind, reason=reason, message=message)
+    attempt = int(status.get("attempts") or 0)
+    observed = dataclasses.replace(observed, known_uncreated=(owner.uid, attempt) in memo.uncreated)
+    decision = await _decide(memo.kube, owner, spec, observed, memo.leases)
+    refusal = await _act(cfg, memo, owner, spec, body, decision)
+    if refusal is not None:  # Kubernetes refused the runner Job for good: end the attempt now, saying why
+        observed = dataclasses.replace(observed, status=_merged(status, decision.patch), create_rejected=refusal)
+        await _act(cfg, memo, owner, spec, body, await _decide(memo.kube, owner, spec, observed, memo.leases))
     if cfg.metrics is not None:
         cfg.metrics.reconciled(owner.namespace, owner.name)
 
 
-async def _look_up(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, o: Observed, d: Decision) -> Observed:
+async def _decide(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, observed: Observed, leases: LeaseScope) -> Decision:
+    decision = reconcile(observed)
+    for _ in range(4):  # each lookup at most once: the runner Job, pods (and Events), the Lease
+        if not decision.needs:
+            break
+        observed = await _look_up(kube, owner, spec, observed, decision, leases)
+        decision = reconcile(observed)
+    return decision
+
+
+async def _act(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: ConversionJobSpec | None, body: kopf.Body,
+               decision: Decision) -> str | None:
+    """Carry a decision out in the order that survives a crash between any two calls: children
+    deleted and the Lease given back before the status write that forgets them; the status
+    write that announces an attempt before its runner Job is created; the Job's uid recorded
+    right after. Returns Kubernetes' message when it refused the runner Job for good."""
+    await _clean_up(memo.kube, owner, decision, memo.leases)
+    if decision.patch:
+        await _write_status(memo, owner, decision.patch)
+        merged = _merged(dict(body.get("status") or {}), decision.patch)
+        memo.expectations[owner.uid] = Expectation(int(merged.get("attempts") or 0), merged.get("phase") or "", time.monotonic() + CONSISTENCY_WINDOW)
+    refusal = None
+    if decision.ensure_attempt is not None and spec is not None:
+        uid, refusal = await _create_runner(cfg, memo, owner, spec, decision)
+        if uid:
+            await _write_status(memo, owner, {"runnerJobUid": uid})
+    if decision.event:
+        kind, reason, message = decision.event
+        kopf.event(body, type=kind, reason=reason, message=message)
+    return refusal
+
+
+def _merged(status: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in {**status, **patch}.items() if v is not None}
+
+
+async def _look_up(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, o: Observed, d: Decision, leases: LeaseScope) -> Observed:
     update: dict[str, Any] = {}
     if "job" in d.needs and not o.job_checked:
         found = await kube.get(namespaced("batch/v1", owner.namespace, "jobs", o.status.get("runnerJob") or "-"))
@@ -246,10 +287,12 @@ async def _look_up(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, o: 
         events = await kube.list(namespaced("v1", owner.namespace, "events"), field_selector={"involvedObject.kind": "Job", "involvedObject.name": o.status.get("runnerJob") or ""})
         update.update(events=tuple(events), events_checked=True)
     if "lease" in d.needs and o.lease is None and spec is not None:
-        if d.release_lease:
-            await release(kube, owner.namespace, d.release_lease, holder_identity(owner.namespace, owner.name, owner.uid))
-        body = lease_body(output_key(spec), owner.namespace, owner.name, owner.uid, API_VERSION, KIND)
-        update["lease"] = await acquire(kube, body)
+        me = holder_identity(owner.namespace, owner.name, owner.uid)
+        body = lease_body(output_key(spec, owner.namespace), owner.namespace, owner.name, owner.uid, API_VERSION, KIND, leases.namespace)
+        async with leases.lock:
+            if d.release_lease:
+                await release(kube, leases.namespace, d.release_lease, me, owner.namespace)
+            update["lease"] = await acquire(kube, body, owner.namespace)
     return dataclasses.replace(o, **update)
 
 
@@ -279,8 +322,7 @@ def _stale(memo: kopf.Memo, uid: str, status: dict[str, Any]) -> bool:
     return True
 
 
-async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: ConversionJobSpec | None, decision: Decision) -> None:
-    kube: Kube = memo.kube
+async def _clean_up(kube: Kube, owner: Owner, decision: Decision, leases: LeaseScope) -> None:
     if decision.delete_job:
         if await kube.delete(namespaced("batch/v1", owner.namespace, "jobs", decision.delete_job)):
             log.info("deleted runner Job %s/%s", owner.namespace, decision.delete_job)
@@ -288,17 +330,38 @@ async def _carry_out(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: C
         await kube.delete(namespaced("kubernetes.dask.org/v1", owner.namespace, "daskclusters", dask_cluster_name(owner.name)))
     if decision.release_lease and "lease" not in decision.needs:
         # Before the status write that forgets it: a failed write leaves a retry, never a leak.
-        await release(kube, owner.namespace, decision.release_lease, holder_identity(owner.namespace, owner.name, owner.uid))
-    if decision.ensure_attempt is not None and spec is not None:
-        await _ensure_runner_rbac(kube, owner, runner_account(spec, cfg.runner_service_account))
-        job = build_runner_job(owner, spec, decision.ensure_attempt, cfg.image, resume=decision.resume,
-                               default_service_account=cfg.runner_service_account)
-        try:
-            await kube.create(namespaced("batch/v1", owner.namespace, "jobs"), job)
-            log.info("created runner Job %s/%s", owner.namespace, job["metadata"]["name"])
-        except Conflict:
-            # Created by an earlier pass (or a restarted operator): keep it, never make a twin.
-            log.info("runner Job %s/%s already exists", owner.namespace, job["metadata"]["name"])
+        me = holder_identity(owner.namespace, owner.name, owner.uid)
+        await release(kube, leases.namespace, decision.release_lease, me, owner.namespace)
+
+
+#: HTTP answers to a create that no retry changes: the object itself is invalid.
+PERMANENT_REFUSALS = (400, 422)
+
+
+async def _create_runner(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: ConversionJobSpec,
+                         decision: Decision) -> tuple[str | None, str | None]:
+    """Create the attempt's runner Job: (its uid, None), (None, None) when it exists already, or
+    (None, Kubernetes' message) when Kubernetes refuses it for good."""
+    kube: Kube = memo.kube
+    attempt = decision.ensure_attempt or 0
+    await _ensure_runner_rbac(kube, owner, runner_account(spec, cfg.runner_service_account))
+    job = build_runner_job(owner, spec, attempt, cfg.image, resume=decision.resume, default_service_account=cfg.runner_service_account)
+    try:
+        created = await kube.create(namespaced("batch/v1", owner.namespace, "jobs"), job)
+    except Conflict:
+        # Created by an earlier pass (or a restarted operator): keep it, never make a twin.
+        log.info("runner Job %s/%s already exists", owner.namespace, job["metadata"]["name"])
+        return None, None
+    except Transient:
+        raise  # no answer, or a busy server: the Job may exist, so nothing is known
+    except KubeError as exc:
+        memo.uncreated.add((owner.uid, attempt))  # a definite answer: it does not exist
+        if exc.status in PERMANENT_REFUSALS:
+            return None, exc.body_message
+        raise
+    memo.uncreated.discard((owner.uid, attempt))
+    log.info("created runner Job %s/%s", owner.namespace, job["metadata"]["name"])
+    return str(((created or {}).get("metadata") or {}).get("uid") or "") or None, None
 
 
 async def _ensure_runner_rbac(kube: Kube, owner: Owner, account: str) -> None:
@@ -312,16 +375,17 @@ async def _ensure_runner_rbac(kube: Kube, owner: Owner, account: str) -> None:
             pass
 
 
-async def remove_children(kube: Kube, owner: Owner, lease: str | None) -> list[str]:
+async def remove_children(kube: Kube, owner: Owner, lease: str | None, lease_namespace: str | None = None) -> list[str]:
     """Delete the runner Jobs (their pods go with them) and the DaskCluster of one ConversionJob;
-    give back its output Lease once nothing of it runs. Returns the pods still running."""
+    give back its output Lease (in ``lease_namespace``, or an earlier build's in the job's own)
+    once nothing of it runs. Returns the pods still running."""
     namespace, name = owner.namespace, owner.name
     for job in await kube.list(namespaced("batch/v1", namespace, "jobs"), {LABEL_JOB: label_value(name)}):
         await kube.delete(namespaced("batch/v1", namespace, "jobs", job["metadata"]["name"]))
     await kube.delete(namespaced("kubernetes.dask.org/v1", namespace, "daskclusters", dask_cluster_name(name)))
     left = live_pods(tuple(await pods_of(kube, namespace, name)))
     if not left and lease:
-        await release(kube, namespace, lease, holder_identity(namespace, name, owner.uid))
+        await release(kube, lease_namespace or namespace, lease, holder_identity(namespace, name, owner.uid), namespace)
     return left
 
 

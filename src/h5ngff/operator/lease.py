@@ -1,33 +1,56 @@
-"""One writer per output path: a ``coordination.k8s.io/v1`` Lease per path, held by a ConversionJob.
+"""One writer per output: a ``coordination.k8s.io/v1`` Lease per output, held by a ConversionJob.
 
 The operator takes the Lease before it creates a run's first runner Job and gives it back when
-the run ends (Succeeded, Failed, deleted). A second ConversionJob on the same path waits
-(phase Pending, reason ``OutputBusy``) until the Lease is free. The Lease is not time-based
-(no renewals, no expiry): a runner keeps writing while the operator is down, so only the end
-of the holder's run, or the holder's deletion (the Lease's ownerReference lets the garbage
-collector remove it), frees the path.
+the run ends (Succeeded, Failed, deleted). A second ConversionJob on the same output, or on one
+nested inside it (``/data/a.ome.zarr`` and ``/data/a.ome.zarr/b.ome.zarr``, either way round),
+waits (phase Pending, reason ``OutputBusy``) until the Lease is free. The Lease is not time-based
+(no renewals, no expiry): a runner keeps writing while the operator is down, so only the end of
+the holder's run, or the holder's deletion, frees the output. A holder that vanished without its
+finalizer (a force-deleted namespace) is noticed by the next job that wants the output: a Lease
+whose holder ConversionJob no longer exists (or is another object of the same name) is taken over.
 
-The key is the output path as the pods see it: ``output.path`` joined to ``pod.workingDir`` when
-relative, normalised, plus the volume that holds it when that is a PersistentVolumeClaim (the
-same claim mounted at two paths is one output; two claims at one path are two). Leases live in
-the ConversionJob's namespace: jobs in different namespaces that share one volume are not
-coordinated (see docs/operator.md).
+The key says where the output is, as the pods see it:
+
+* ``url:s3://bucket/prefix``: a bucket prefix is one output cluster-wide.
+* ``pvc:NS/claim:/path``: a path inside a PersistentVolumeClaim. A claim is namespaced, so the
+  namespace is part of the key; the same claim mounted at two paths is one output, two claims at
+  one path are two.
+* ``path:/path``: any other path (``output.path`` joined to ``pod.workingDir``). It may be on a
+  volume shared across namespaces (nfs, hostPath, an inline CSI volume) or private to the pod (an
+  emptyDir, the image's filesystem); the operator cannot tell which, so it errs on the side of
+  one writer: the key is cluster-wide, and two jobs in two namespaces writing pod-private paths of
+  the same spelling merely run one after the other.
+
+Paths are normalised so every spelling of a location gives one key: ``//data`` (which POSIX, and
+so ``posixpath.normpath``, keeps apart from ``/data``), ``/data/./x/``, ``s3://b//p``.
+
+All Leases live in one namespace, the operator's (``OperatorConfig.lease_namespace``), because the
+keys of URL and plain-path outputs are cluster-wide: Leases in the jobs' namespaces would let two
+namespaces write one bucket prefix. An ownerReference cannot point across namespaces (the garbage
+collector would take the owner for missing and delete the Lease at once), so a Lease in another
+namespace than its holder has none; the holder's finalizer, the end of its run and the takeover
+above free it instead. An earlier build kept Leases, under a bare name, in the job's namespace:
+``release`` and ``acquire`` look there too, so a run started before an upgrade keeps its output
+and gives its Lease back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..k8s import labels, owner_reference
+from ..k8s import LABEL_COMPONENT, labels, owner_reference
 from ..spec import url_scheme
 from ..jobspec import ConversionJobSpec
-from .kube import Conflict, Kube, namespaced
+from .kube import Conflict, Kube, KubeError, namespaced
+from .manifests import API_VERSION, PLURAL
 
 LEASE_API = "coordination.k8s.io/v1"
+COMPONENT = "output-lease"
 #: Annotation holding the full key (the name is a hash of it).
 KEY_ANNOTATION = "h5ngff.dev/output"
 
@@ -40,31 +63,83 @@ class LeaseState:
     since: str = ""
 
 
-def output_key(spec: ConversionJobSpec) -> str:
-    """What identifies an output location across pods: the claim and path inside it, or the path."""
+@dataclass
+class LeaseScope:
+    """Where one operator process keeps the output Leases, and the lock under which it acquires
+    them: acquire lists the held Leases, then creates one, so two passes of one process must not
+    interleave. Peering keeps other replicas idle (one active operator at a time), so a lock per
+    process is all the serialisation needed."""
+
+    namespace: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _norm(path: str) -> str:
+    """``posixpath.normpath``, and one leading slash: POSIX lets ``//x`` differ from ``/x``, but no
+    Kubernetes volume, container filesystem or object store does."""
+    path = posixpath.normpath(path)
+    return "/" + path.lstrip("/") if path.startswith("/") else path
+
+
+def output_key(spec: ConversionJobSpec, namespace: str | None = None) -> str:
+    """What identifies an output location across pods: the claim and path inside it, the bucket
+    prefix, or the path. ``namespace`` (the job's) qualifies a claim; without it the key says
+    where the output is inside the job's namespace."""
     path = spec.output.path
     if url_scheme(path) is not None:
         # A bucket prefix is the same output from every pod and every namespace's point of view;
         # the working directory and the volumes do not change it.
         scheme, _, rest = path.partition("://")
-        return f"url:{scheme.lower()}://{posixpath.normpath('/' + rest).lstrip('/')}"
-    if not posixpath.isabs(path):
-        path = posixpath.join(spec.pod.working_dir or "", path) if spec.pod.working_dir else path
-    path = posixpath.normpath(path)
+        return f"url:{scheme.lower()}://{_norm('/' + rest).lstrip('/')}"
+    if not posixpath.isabs(path) and spec.pod.working_dir:
+        path = posixpath.join(spec.pod.working_dir, path)
+    path = _norm(path)
     volumes = {v.get("name"): v for v in spec.pod.volumes or ()}
     best = None
     for mount in spec.pod.volume_mounts or ():
-        root = posixpath.normpath(mount.get("mountPath") or "/")
-        if path == root or path.startswith(root.rstrip("/") + "/"):
-            if best is None or len(root) > len(best[0]):
-                best = (root, mount)
+        root = _norm(mount.get("mountPath") or "/")
+        if _within(path, root) and (best is None or len(root) > len(best[0])):
+            best = (root, mount)
     if best is not None:
         root, mount = best
         claim = (volumes.get(mount["name"]) or {}).get("persistentVolumeClaim", {}).get("claimName")
         if claim:
-            inside = posixpath.normpath(posixpath.join("/", mount.get("subPath") or "", posixpath.relpath(path, root)))
-            return f"pvc:{claim}:{inside}"
+            inside = _norm(posixpath.join("/", mount.get("subPath") or "", posixpath.relpath(path, root)))
+            return f"pvc:{namespace + '/' if namespace else ''}{claim}:{inside}"
     return f"path:{path}"
+
+
+def _within(path: str, root: str) -> bool:
+    """``path`` is ``root`` or below it (whole components: /data/ab is not below /data/a)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _split(key: str) -> tuple[str, str]:
+    """(what holds the path, the path): ("url:s3://bucket", "/prefix"), ("pvc:ns/claim", "/p"),
+    ("path", "/p"). Claim names and namespaces have no ':'; paths may."""
+    kind, _, rest = key.partition(":")
+    if kind == "url":
+        scheme, _, where = rest.partition("://")
+        bucket, _, prefix = where.partition("/")
+        return f"url:{scheme}://{bucket}", "/" + prefix
+    if kind == "pvc":
+        claim, _, path = rest.partition(":")
+        return f"pvc:{claim}", path
+    return kind, rest
+
+
+def overlaps(a: str, b: str) -> bool:
+    """One key's output is the other's, or contains it: two writers would clash."""
+    (sa, pa), (sb, pb) = _split(a), _split(b)
+    return sa == sb and (_within(pa, pb) or _within(pb, pa))
+
+
+def _legacy_key(key: str, namespace: str) -> str:
+    """A key an earlier build wrote in a job's namespace, as this build spells it."""
+    scope, path = _split(key)
+    if scope.startswith("pvc:") and "/" not in scope:
+        return f"pvc:{namespace}/{scope[4:]}:{_norm(path)}"
+    return key if scope.startswith("url:") else f"{scope}:{_norm(path)}"
 
 
 def lease_name(key: str) -> str:
@@ -75,25 +150,45 @@ def holder_identity(namespace: str, name: str, uid: str) -> str:
     return f"{namespace}/{name}/{uid}"
 
 
-def lease_body(key: str, namespace: str, name: str, uid: str, api_version: str, kind: str) -> dict[str, Any]:
+def lease_body(key: str, namespace: str, name: str, uid: str, api_version: str, kind: str,
+               lease_namespace: str | None = None) -> dict[str, Any]:
+    """The Lease of ``key`` held by ConversionJob ``namespace/name``, in ``lease_namespace``
+    (default: the job's own)."""
+    where = lease_namespace or namespace
     when = datetime.datetime.now(tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    return {
-        "apiVersion": LEASE_API,
-        "kind": "Lease",
-        "metadata": {
-            "name": lease_name(key), "namespace": namespace, "labels": labels(name, "output-lease"),
-            "annotations": {KEY_ANNOTATION: key},
-            # The garbage collector frees the path if the holder is deleted without its finalizer.
-            "ownerReferences": [owner_reference(api_version, kind, name, uid, block=False)],
-        },
-        "spec": {"holderIdentity": holder_identity(namespace, name, uid), "acquireTime": when, "renewTime": when},
-    }
+    meta: dict[str, Any] = {"name": lease_name(key), "namespace": where, "labels": labels(name, COMPONENT),
+                            "annotations": {KEY_ANNOTATION: key}}
+    if where == namespace:
+        # The garbage collector frees the output if the holder is deleted without its finalizer.
+        meta["ownerReferences"] = [owner_reference(api_version, kind, name, uid, block=False)]
+    return {"apiVersion": LEASE_API, "kind": "Lease", "metadata": meta,
+            "spec": {"holderIdentity": holder_identity(namespace, name, uid), "acquireTime": when, "renewTime": when}}
 
 
-async def acquire(kube: Kube, body: dict[str, Any]) -> LeaseState:
-    """Create the Lease, or find who holds it. Idempotent: holding it already counts as held."""
+async def acquire(kube: Kube, body: dict[str, Any], job_namespace: str | None = None) -> LeaseState:
+    """Take the Lease of ``body``'s key unless a live job holds that output or one nested with
+    it; a Lease whose holder is gone is deleted on the way. Idempotent: holding it counts as held.
+    ``job_namespace``: the asking job's, where an earlier build's Leases may be.
+
+    Not atomic (list, then create): the caller runs one acquire at a time (handlers.py)."""
     meta = body["metadata"]
-    name, namespace, me = meta["name"], meta["namespace"], body["spec"]["holderIdentity"]
+    name, namespace, me, key = meta["name"], meta["namespace"], body["spec"]["holderIdentity"], meta["annotations"][KEY_ANNOTATION]
+    for lease_ns, lease in await _output_leases(kube, namespace, job_namespace):
+        lmeta, spec = lease.get("metadata") or {}, lease.get("spec") or {}
+        theirs = (lmeta.get("annotations") or {}).get(KEY_ANNOTATION) or ""
+        theirs = theirs if lease_ns == namespace else _legacy_key(theirs, lease_ns)
+        holder = spec.get("holderIdentity") or ""
+        if holder == me:
+            if (lease_ns, lmeta.get("name"), theirs) == (namespace, name, key):
+                return LeaseState(name, True)
+            continue  # our own Lease of another output (an earlier run's, being released)
+        if not overlaps(key, theirs):
+            continue
+        if await _holder_gone(kube, holder):
+            await kube.delete(namespaced(LEASE_API, lease_ns, "leases", lmeta["name"]))
+            continue
+        what = "" if theirs == key else f" (output {theirs})"
+        return LeaseState(lmeta["name"], False, holder + what, str(spec.get("acquireTime") or ""))
     try:
         await kube.create(namespaced(LEASE_API, namespace, "leases"), body)
         return LeaseState(name, True)
@@ -104,15 +199,42 @@ async def acquire(kube: Kube, body: dict[str, Any]) -> LeaseState:
         return LeaseState(name, False, "(just released)")
     spec = current.get("spec") or {}
     holder = spec.get("holderIdentity") or ""
-    key = ((current.get("metadata") or {}).get("annotations") or {}).get(KEY_ANNOTATION)
-    if holder == me and key in (None, meta["annotations"][KEY_ANNOTATION]):
+    theirs = ((current.get("metadata") or {}).get("annotations") or {}).get(KEY_ANNOTATION)
+    if holder == me and theirs in (None, key):
         return LeaseState(name, True)
     return LeaseState(name, False, holder, str(spec.get("acquireTime") or ""))
 
 
-async def release(kube: Kube, namespace: str, name: str, me: str) -> bool:
-    """Delete the Lease if we hold it; a Lease someone else holds is theirs to release."""
-    current = await kube.get(namespaced(LEASE_API, namespace, "leases", name))
-    if current is None or (current.get("spec") or {}).get("holderIdentity") != me:
-        return False
-    return await kube.delete(namespaced(LEASE_API, namespace, "leases", name))
+async def _output_leases(kube: Kube, namespace: str, job_namespace: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """Every output Lease of the lease namespace, and an earlier build's in the job's namespace."""
+    out = []
+    for ns in dict.fromkeys(filter(None, (namespace, job_namespace))):
+        out += [(ns, lease) for lease in await kube.list(namespaced(LEASE_API, ns, "leases"), {LABEL_COMPONENT: COMPONENT})]
+    return out
+
+
+async def _holder_gone(kube: Kube, holder: str) -> bool:
+    """True if the ConversionJob named by ``holder`` no longer exists (404, or a new object of the
+    same name). A holder we may not read (403: a namespace no longer served) counts as alive."""
+    namespace, _, rest = holder.partition("/")
+    name, _, uid = rest.partition("/")
+    if not (namespace and name and uid):
+        return False  # not ours to judge: never delete a Lease we cannot attribute
+    try:
+        found = await kube.get(namespaced(API_VERSION, namespace, PLURAL, name))
+    except KubeError as exc:
+        if exc.status == 403:
+            return False
+        raise
+    return found is None or (found.get("metadata") or {}).get("uid") != uid
+
+
+async def release(kube: Kube, namespace: str, name: str, me: str, job_namespace: str | None = None) -> bool:
+    """Delete the Lease ``name`` if we hold it, in the lease namespace and (an earlier build's)
+    in the job's; a Lease someone else holds is theirs to release."""
+    released = False
+    for ns in dict.fromkeys(filter(None, (namespace, job_namespace))):
+        current = await kube.get(namespaced(LEASE_API, ns, "leases", name))
+        if current is not None and (current.get("spec") or {}).get("holderIdentity") == me:
+            released = await kube.delete(namespaced(LEASE_API, ns, "leases", name)) or released
+    return released

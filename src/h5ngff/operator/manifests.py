@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .. import __version__
 from ..k8s import (
     LABEL_ATTEMPT,
     LABEL_JOB,
     child_name,
     container_storage,
+    credential_env,
     dask_cluster_name,
     env_list,
     labels,
@@ -34,9 +36,18 @@ __all__ = [
     "runner_account", "build_runner_role", "build_runner_role_binding",
 ]
 
-#: Image of runner and Dask pods when neither the ConversionJob nor ``--image`` names one.
-DEFAULT_IMAGE = "ghcr.io/h5ngff/h5ngff:latest"
+#: Where the h5ngff image is published (helm/h5ngff/values.yaml's image.repository).
+IMAGE_REPOSITORY = "ghcr.io/h5ngff/h5ngff"
+#: Image of runner and Dask pods when neither the ConversionJob nor ``--image`` names one: this
+#: release's, as the chart's default (appVersion) and manifests/ pin it. Not ``latest``: the
+#: operator allows a job's pod.image only when it equals this, so the examples' pinned image
+#: was refused (PolicyDenied), and ``latest`` would run another release's runner.
+DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
 PLURAL = "conversionjobs"
+#: The runner service account the Helm chart (and manifests/h5ngff.yaml) creates and passes as
+#: ``--runner-service-account``: what ``h5ngff operator render`` assumes unless told otherwise,
+#: so it renders a job as the chart's operator would.
+CHART_RUNNER_ACCOUNT = "h5ngff-runner"
 #: The runner plans (HDF5 metadata only) and drives the conversion: it holds the manifest and a
 #: few thousand futures, never slab data. 1 GiB is several times what that takes.
 RUNNER_MEMORY = 1 * GiB
@@ -88,7 +99,7 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
             METRICS_PORT_ENV: str(RUNNER_METRICS_PORT),
             JOB_NAME_ENV: owner.name,
             JOB_NAMESPACE_ENV: owner.namespace,
-        }),
+        }) + credential_env(spec.pod),
         "ports": [{"name": "metrics", "containerPort": RUNNER_METRICS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
         **container_storage(spec.pod),

@@ -5,7 +5,7 @@
 ``exercised=True`` rules are exactly the calls the KMock tests record the operator and the runner
 making (``tests/test_operator_kmock.py`` and ``tests/test_operator_kubecluster.py`` fail on any
 difference). The others are needed only on paths the tests do not take: namespaced peering,
-namespace patterns, blockOwnerDeletion admission, and a scheduler that fails to start.
+namespace patterns, blockOwnerDeletion admission, a busy output, and a scheduler that fails to start.
 """
 
 from __future__ import annotations
@@ -27,14 +27,17 @@ class Rule:
 
 OPERATOR_RULES: tuple[Rule, ...] = (
     Rule(GROUP, "conversionjobs", ("list", "watch", "patch"), "kopf watches ConversionJobs and patches its finalizer and annotations"),
+    # Only when an output is busy, which no recording test sets up; tests/test_operator_lease_keys.py makes this call.
+    Rule(GROUP, "conversionjobs", ("get",), "a busy output's Lease counts as abandoned once its holder ConversionJob is gone (a force-deleted namespace)", exercised=False),
     Rule(GROUP, "conversionjobs/status", ("patch",), "phase, attempts, conditions, failure reasons"),
     Rule("batch", "jobs", ("get", "list", "watch", "create", "delete"), "one runner Job per attempt; watched through a kopf index (a Job missing there is looked up before it counts as deleted); deleted with the ConversionJob"),
     Rule("", "pods", ("list",), "why a runner pod failed or does not start; a new attempt waits until the previous one's pods have exited"),
     Rule("", "events", ("create", "list"), "Kubernetes Events for key transitions; the Job controller's FailedCreate events of a runner Job"),
-    Rule("coordination.k8s.io", "leases", ("get", "create", "delete"), "one writer per output path: a Lease per path, held while a job runs"),
+    Rule("coordination.k8s.io", "leases", ("get", "list", "create", "delete"), "one writer per output: a Lease per output, held while a job runs, in the operator's namespace (listed to find nested outputs; in served namespaces for Leases of earlier builds)"),
     Rule("rbac.authorization.k8s.io", "roles", ("create",), "a Role per ConversionJob letting its runner patch that job's status only (RUNNER_JOB_RULES)"),
     Rule("rbac.authorization.k8s.io", "rolebindings", ("create",), "binds that Role to the runner pod's service account"),
-    Rule("kubernetes.dask.org", "daskclusters", ("delete",), "removes a DaskCluster left by a failed attempt or a deleted job"),
+    Rule("kubernetes.dask.org", "daskclusters", ("list", "watch", "delete"),
+         "removes a DaskCluster left by a failed attempt or a deleted job; checks every DaskCluster against the tenant policy and deletes one that asks for more (operator/guard.py)"),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "kopf discovers the resources it serves"),
     Rule("", "namespaces", ("list", "watch"), "kopf, when serving namespaces by pattern", exercised=False),
     Rule("kopf.dev", "clusterkopfpeerings", ("list", "watch", "patch"), "kopf peering between replicas (cluster-wide)"),
@@ -52,7 +55,11 @@ RUNNER_JOB_RULES: tuple[Rule, ...] = (
 )
 
 RUNNER_RULES: tuple[Rule, ...] = (
-    Rule("kubernetes.dask.org", "daskclusters", ("get", "list", "create", "delete"), "dask-kubernetes' KubeCluster creates the run's cluster and deletes it after"),
+    # RBAC cannot limit create to some pod specs: the operator re-checks every DaskCluster
+    # against the tenant policy and its ConversionJob, and deletes one that asks for more.
+    Rule("kubernetes.dask.org", "daskclusters", ("get", "list", "create", "delete"),
+         "dask-kubernetes' KubeCluster creates the run's cluster and deletes it after; the operator re-checks every DaskCluster's pods "
+         "against the tenant policy and deletes one that asks for more (operator/guard.py)"),
     Rule("kubernetes.dask.org", "daskworkergroups", ("list",), "KubeCluster looks up the cluster's worker groups"),
     Rule("", "pods", ("get", "list"), "KubeCluster waits for the scheduler pod"),
     Rule("", "services", ("get", "list"), "KubeCluster finds the scheduler's service"),

@@ -327,6 +327,16 @@ def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: Memor
     return WorkerMemory(terms, peak, memory_limit, pod_limit, pod_terms, thresholds, _memory_limit_why(peak, memory_limit, c))
 
 
+def minimum_pod_limit(c: MemoryConstants = DEFAULT_CONSTANTS) -> int:
+    """The smallest pod limit any plan has: one thread converting one byte (no pyramid, no HDF5
+    cache, a codec without zstd's context, jemalloc's smaller slack). Every term of a real pass
+    is at least this one's, so no budget below it can ever plan; spec.MIN_WORKER_MEMORY (the
+    spec's and the CRD's floor) is this figure for the default constants."""
+    one_byte = PassShape(slab_elements=1, itemsize=1, threads=1, chunk_bytes=1, shard_bytes=None, reduction=1, levels_built=0,
+                         strip_elements=0, from_hdf5=True, hdf5_chunk_bytes=None, hdf5_filtered=False, hdf5_cache_bytes=0)
+    return worker_memory(pass_terms(one_byte, "jemalloc", c), slab_output_bytes(one_byte), c).pod_limit
+
+
 def _memory_limit_why(peak: int, memory_limit: int, c: MemoryConstants) -> str:
     if memory_limit == _round_mib(peak / c.planned_fraction):
         return f"predicted peak / planned fraction {c.planned_fraction}"

@@ -1,0 +1,92 @@
+"""The DaskCluster guard: every DaskCluster in the served namespaces is checked against the tenant
+policy and the ConversionJob it belongs to, and deleted when it asks for more.
+
+Why: the runner's service account may create DaskClusters (rbac.py's RUNNER_RULES), and RBAC
+cannot limit ``create`` to some pod specs. The Dask Operator then creates the pods with its own
+permissions. So a runner running an image the policy allows but the tenant wrote could create a
+DaskCluster with a forbidden image, a hostPath or a privileged container; the policy would hold
+for the runner Job only. The check itself is pure (``policy.dask_cluster_violations``); this
+module watches, deletes and reports.
+
+A raw event handler, not ``on.create``/``on.resume``: kopf stores no state in the DaskCluster (no
+annotation patches, so no ``patch`` permission), and every change of the object is checked too,
+not only its creation. The owning ConversionJobs come from a kopf index, which kopf fills before
+any handler runs, so a legit cluster is never judged before its job is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+import kopf
+
+from ..errors import SpecError
+from ..jobspec import API_VERSION, GROUP, KIND, VERSION, ConversionJobSpec, parse_job_spec
+from ..k8s import dask_cluster_name
+from .kube import Transient, namespaced
+from .manifests import PLURAL
+from .policy import dask_cluster_violations
+
+log = logging.getLogger(__name__)
+
+DASK_API = "kubernetes.dask.org/v1"
+DENIED = "PolicyDenied"
+#: How often each (namespace, DaskCluster) was judged, in this process: what tests wait for
+#: instead of sleeping ("it stays" means it was checked and kept).
+checked: Counter[tuple[str, str]] = Counter()
+
+
+def register_cluster_guard(registry: kopf.OperatorRegistry, cfg: Any) -> None:
+    """Add the index of ConversionJobs by cluster name and the DaskCluster check to ``registry``
+    (``cfg`` is the operator's OperatorConfig: its policy, image and runner account)."""
+
+    @kopf.index(GROUP, VERSION, PLURAL, id="cluster_owners", registry=registry)
+    def cluster_owners(namespace: str | None, name: str, uid: str, spec: kopf.Spec, **_: Any) -> dict:
+        return {(namespace, dask_cluster_name(name)): (name, uid, dict(spec))}
+
+    @kopf.on.event("kubernetes.dask.org", "v1", "daskclusters", id="cluster_guard", registry=registry)
+    async def cluster_guard(type: str, body: kopf.Body, namespace: str | None, name: str, meta: kopf.Meta, memo: Any, **kwargs: Any) -> None:
+        if type == "DELETED" or meta.get("deletionTimestamp") or namespace is None:
+            return
+        # kopf passes every index under its id; a parameter of that name would not fit kopf's types.
+        owner = next(iter(kwargs["cluster_owners"].get((namespace, name), ())), None)
+        await _judge(cfg, memo.kube, dict(body), namespace, name, owner)
+
+
+async def _judge(cfg: Any, kube: Any, body: dict, namespace: str, name: str, owner: tuple[str, str, dict] | None) -> None:
+    """Delete the DaskCluster ``body`` if it asks for more than its job and the policy allow."""
+    violations = dask_cluster_violations(body, _spec_of(owner), cfg.policy, cfg.image, cfg.runner_service_account)
+    if violations:
+        message = f"Deleted DaskCluster {namespace}/{name}: " + "; ".join(violations)
+        log.warning("%s", message)
+        await _delete(kube, namespace, name, cfg.retry_delay)
+        # On the ConversionJob when there is one: that is where its author looks.
+        job = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": owner[0], "namespace": namespace, "uid": owner[1]}} if owner else None
+        target: Any = job or body
+        kopf.event(target, type="Warning", reason=DENIED, message=message[:1024])
+    checked[namespace, name] += 1
+
+
+async def _delete(kube: Any, namespace: str, name: str, delay: float, tries: int = 3) -> None:
+    # An event handler is not retried by kopf: retry a hiccup here, or the cluster would stay
+    # until its next change.
+    for attempt in range(tries):
+        try:
+            await kube.delete(namespaced(DASK_API, namespace, "daskclusters", name))
+            return
+        except Transient:
+            if attempt == tries - 1:
+                raise
+            await asyncio.sleep(delay)
+
+
+def _spec_of(owner: tuple[str, str, dict] | None) -> ConversionJobSpec | None:
+    if owner is None:
+        return None
+    try:
+        return parse_job_spec(owner[2])
+    except SpecError:
+        return None  # a job with an invalid spec never gets a runner, so neither a cluster

@@ -1,0 +1,286 @@
+"""Ways around the tenant policy (operator/policy.py) through an image it allows, each closed:
+
+1. the job's credentials Secret reaches the pods as named keys only, never ``envFrom`` (a key
+   LD_PRELOAD or PYTHONPATH of the Secret would run code in the runner, which holds a token);
+2. no volume may be mounted at, under or over the image's system paths (a ConfigMap as
+   ``sitecustomize.py``, a volume over site-packages, /etc, the service-account token), nor a
+   volume the tenant writes over HOME (/tmp), where Python reads user site-packages;
+3. a DaskCluster the runner (any allowed image) creates is checked against the policy and its
+   ConversionJob, and deleted when it asks for more (operator/guard.py), because RBAC cannot
+   limit ``create`` to some pod specs.
+
+New names are imported inside the tests, so on the code before the fix each test fails on its
+own assertion (or import) rather than all of them at collection.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from h5ngff.backends.kubernetes import KubernetesBackend, build_dask_cluster
+from h5ngff.errors import SpecError
+from h5ngff.jobspec import Owner, parse_job_spec
+from h5ngff.operator.manifests import build_runner_job
+from h5ngff.operator.policy import TenantPolicy, policy_violations
+from h5ngff.planner import DEFAULT_CONSTANTS, DatasetInfo, make_plan
+from operator_harness import DASK_RES, emulator, fast_config, manifest, operator_running, wait_for
+from test_operator_kmock import SPEC
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = "registry.example/h5ngff:1"
+POLICY = TenantPolicy(allowed_images=("registry.example/*",), allowed_service_accounts=("h5ngff-runner",))
+ROGUE_IMAGE = "evil.example/miner:1"
+DEFAULT_IMAGE = "ghcr.io/h5ngff/h5ngff:1"  #: the operator's --image
+
+
+def job_spec(**extra):
+    """A valid ConversionJob spec with the job's own storage and account (as test_operator_manifests')."""
+    base = {
+        "source": {"path": "/data/in.h5", "dataset": "/volume/data"},
+        "output": {"path": "/data/out.ome.zarr", "overwrite": True},
+        "resources": {"workers": 3, "threadsPerWorker": 2, "memoryPerWorker": "2Gi"},
+        "pod": {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}], "serviceAccountName": "h5ngff-runner", "workingDir": "/data"},
+    }
+    return parse_job_spec({**base, **extra})
+
+
+def plan_for(spec, allocator="jemalloc"):
+    ds = DatasetInfo(shape=(128, 512, 512), dtype="<u2", itemsize=2)
+    return make_plan(ds, spec.conversion(), KubernetesBackend(Owner("ns", "j", "u"), image="img").capacity(), DEFAULT_CONSTANTS, allocator)
+
+
+def _containers(pod_spec: dict) -> list[dict]:
+    return [c for key in ("containers", "initContainers") for c in pod_spec.get(key) or ()]
+
+
+# --- 1. credentials as named keys -----------------------------------------------------------------
+
+def test_credentials_reach_runner_and_workers_as_named_keys_never_as_the_whole_secret():
+    spec = job_spec(pod={"credentialsSecret": "s3-writer"})
+    runner = build_runner_job(Owner("science", "scan", "u"), spec, attempt=1, default_image=IMAGE)
+    cluster = build_dask_cluster(plan_for(spec), Owner("science", "scan", "u"), IMAGE, spec.pod)
+    pods = [runner["spec"]["template"]["spec"], cluster["spec"]["worker"]["spec"], cluster["spec"]["scheduler"]["spec"]]
+    containers = [c for p in pods for c in _containers(p)]
+    assert not [c["name"] for c in containers if "envFrom" in c]
+    refs = [(c["name"], e) for c in containers for e in c.get("env") or () if "valueFrom" in e]
+    assert {name for name, _ in refs} == {"runner", "worker"}  # the scheduler touches no data
+    for _, e in refs:
+        assert e["valueFrom"] == {"secretKeyRef": {"name": "s3-writer", "key": e["name"], "optional": True}}
+    names = {e["name"] for _, e in refs}
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"} <= names
+    assert not {n for n in names if not n.startswith("AWS_")}  # never LD_PRELOAD, PYTHONPATH, ...
+
+
+def test_the_credential_keys_cover_what_the_s3_store_reads_from_the_environment():
+    """Every AWS_* variable engine/stores reads is a credential key, or deliberately left out:
+    the shared-file variables name files whose profiles may run a ``credential_process``."""
+    from h5ngff.k8s import CREDENTIAL_ENV
+
+    read = set()
+    for path in (ROOT / "src/h5ngff/engine/stores").glob("*.py"):
+        read |= set(re.findall(r"\b(AWS_[A-Z0-9_]+)\b", path.read_text()))
+    files_and_profiles = {"AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"}
+    assert read - files_and_profiles <= set(CREDENTIAL_ENV), read - set(CREDENTIAL_ENV)
+    assert not files_and_profiles & set(CREDENTIAL_ENV)
+    assert len(set(CREDENTIAL_ENV)) == len(CREDENTIAL_ENV)
+
+
+def test_a_job_cannot_set_environment_variables_at_all():
+    """There is no spec.pod.env: LD_PRELOAD or PYTHONPATH cannot come from the spec."""
+    with pytest.raises(SpecError, match="env"):
+        job_spec(pod={"env": [{"name": "LD_PRELOAD", "value": "/data/evil.so"}]})
+
+
+# --- 2. mounts over the image ---------------------------------------------------------------------
+
+REFUSED_MOUNTS = [
+    ("/usr/local/lib/python3.11/site-packages/sitecustomize.py", "sitecustomize.py"),  # a ConfigMap key via subPath
+    ("/usr/local/lib/python3.11/site-packages/h5ngff", None),
+    ("/usr/local/bin", None), ("/usr", None), ("/etc", None), ("/etc/ld.so.preload", "x"), ("/bin", None), ("/lib", None),
+    ("/opt/venv", None), ("/proc", None), ("/sys", None), ("/dev", None), ("/var/run/secrets/kubernetes.io", None),
+    ("/run", None), ("/", None), ("/var", None),
+    ("//usr/local/lib", None), ("/./etc", None), ("/usr/local/", None), ("/data/../usr/lib", None), ("usr/lib", None),
+]
+
+
+@pytest.mark.parametrize(("path", "sub"), REFUSED_MOUNTS)
+def test_a_volume_at_under_or_over_the_images_system_paths_is_refused(path, sub):
+    mount = {"name": "code", "mountPath": path, **({"subPath": sub} if sub else {})}
+    pod = {"volumes": [{"name": "code", "configMap": {"name": "evil"}}], "volumeMounts": [mount]}
+    try:
+        spec = job_spec(pod=pod)
+    except SpecError as exc:  # the spec itself refuses some shapes (a relative mountPath)
+        assert "mountPath" in str(exc)
+        return
+    (message,) = policy_violations(spec, POLICY, IMAGE, "h5ngff-runner")
+    assert f"mountPath {path!r}" in message and "/usr" in message and "/etc" in message
+
+
+@pytest.mark.parametrize("path", ["/data", "/tmp/in", "/scratch/out", "/usr2", "/data/etc", "/mnt/usr"])
+def test_a_volume_elsewhere_is_allowed(path):
+    """Negative control of the test above."""
+    spec = job_spec(pod={"volumes": [{"name": "d", "configMap": {"name": "cfg"}}], "volumeMounts": [{"name": "d", "mountPath": path}]})
+    assert policy_violations(spec, POLICY, IMAGE, "h5ngff-runner") == []
+
+
+@pytest.mark.parametrize("path", ["/tmp", "/tmp/", "/tmp/.local", "/tmp/.local/lib/python3.11/site-packages", "/tmp/.config/dask",
+                                  "/tmp/.aws", "//tmp/./.config"])
+@pytest.mark.parametrize("volume", [{"persistentVolumeClaim": {"claimName": "scans"}}, {"configMap": {"name": "evil"}}, {"secret": {"secretName": "s"}}])
+def test_a_volume_the_tenant_writes_is_refused_over_home_where_python_dask_and_aws_read_start_up_code(path, volume):
+    """HOME is /tmp: a claim there holding .local/lib/python3.11/site-packages/x.pth runs code in
+    the runner (user site-packages), as ~/.config/dask preloads and ~/.aws credential_process do."""
+    spec = job_spec(pod={"volumes": [{"name": "v", **volume}], "volumeMounts": [{"name": "v", "mountPath": path}]})
+    (message,) = policy_violations(spec, POLICY, IMAGE, "h5ngff-runner")
+    assert f"mountPath {path!r}" in message and "HOME" in message and "emptyDir" in message
+
+
+@pytest.mark.parametrize(("path", "volume"), [("/tmp", {"emptyDir": {"medium": "Memory"}}), ("/tmp/.config", {"emptyDir": {}}),
+                                              ("/tmp/work", {"persistentVolumeClaim": {"claimName": "scans"}})])
+def test_an_empty_dir_over_home_or_a_claim_under_it_is_allowed(path, volume):
+    """Negative control of the test above: a fresh emptyDir holds no code, nor does a plain subdirectory."""
+    spec = job_spec(pod={"volumes": [{"name": "v", **volume}], "volumeMounts": [{"name": "v", "mountPath": path}]})
+    assert policy_violations(spec, POLICY, IMAGE, "h5ngff-runner") == []
+
+
+# --- 3. DaskClusters the runner creates -------------------------------------------------------------
+
+def _job(**pod):
+    base = {"image": IMAGE, "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
+            "volumeMounts": [{"name": "data", "mountPath": "/data"}], "credentialsSecret": "s3-writer"}
+    return job_spec(pod={**base, **pod})
+
+
+def _cluster(spec, allocator="jemalloc", library=None):
+    image = spec.pod.image or DEFAULT_IMAGE  # as the runner gets it (manifests.runner_spec)
+    return build_dask_cluster(plan_for(spec, allocator), Owner("science", "scan", "u"), image, spec.pod, allocator_library=library)
+
+
+def _violations(cluster, spec):
+    from h5ngff.operator.policy import dask_cluster_violations
+
+    return dask_cluster_violations(cluster, spec, POLICY, DEFAULT_IMAGE, "h5ngff-runner")
+
+
+@pytest.mark.parametrize(("allocator", "library"), [("jemalloc", "/usr/local/lib/libjemalloc.so.2"), ("jemalloc", None), ("glibc", None)])
+def test_a_cluster_as_the_runner_builds_it_passes(allocator, library):
+    spec = _job()
+    assert _violations(_cluster(spec, allocator, library), spec) == []
+    assert _violations(_cluster(job_spec()), job_spec()) == []  # no credentials, no image of its own
+
+
+def _worker(c):
+    return c["spec"]["worker"]["spec"]
+
+
+def _env(c, name, value=None, **extra):
+    _worker(c)["containers"][0]["env"].append({"name": name, **({"value": value} if value is not None else {}), **extra})
+
+
+ROGUE = {
+    "worker image": (lambda c: _worker(c)["containers"][0].update(image=ROGUE_IMAGE), ROGUE_IMAGE),
+    "scheduler image": (lambda c: c["spec"]["scheduler"]["spec"]["containers"][0].update(image=ROGUE_IMAGE), ROGUE_IMAGE),
+    "init container": (lambda c: _worker(c).update(initContainers=[{"name": "x", "image": ROGUE_IMAGE}]), "initContainers"),
+    "hostPath volume": (lambda c: _worker(c)["volumes"].append({"name": "root", "hostPath": {"path": "/"}}), "hostPath"),
+    "another claim": (lambda c: _worker(c)["volumes"].append({"name": "other", "persistentVolumeClaim": {"claimName": "theirs"}}), "spec.pod.volumes"),
+    "hostNetwork": (lambda c: _worker(c).update(hostNetwork=True), "hostNetwork"),
+    "hostPID": (lambda c: _worker(c).update(hostPID=True), "hostPID"),
+    "privileged": (lambda c: _worker(c)["containers"][0]["securityContext"].update(privileged=True), "securityContext"),
+    "capabilities": (lambda c: _worker(c)["containers"][0]["securityContext"].update(capabilities={"add": ["SYS_ADMIN"]}), "securityContext"),
+    "root user": (lambda c: _worker(c)["securityContext"].update(runAsUser=0, runAsNonRoot=False), "securityContext"),
+    "token": (lambda c: _worker(c).update(automountServiceAccountToken=True), "automountServiceAccountToken"),
+    "service account": (lambda c: _worker(c).update(serviceAccountName="ci-deployer"), "ci-deployer"),
+    "LD_PRELOAD of a volume": (lambda c: _env(c, "LD_PRELOAD", "/data/evil.so"), "LD_PRELOAD"),
+    "LD_PRELOAD climbing out": (lambda c: _env(c, "LD_PRELOAD", "/usr/../data/evil.so"), "LD_PRELOAD"),
+    "PYTHONPATH": (lambda c: _env(c, "PYTHONPATH", "/data"), "PYTHONPATH"),
+    "PYTHONSTARTUP": (lambda c: _env(c, "PYTHONSTARTUP", "/data/x.py"), "PYTHONSTARTUP"),
+    "Dask preload": (lambda c: _env(c, "DASK_DISTRIBUTED__WORKER__PRELOAD", "/data/x.py"), "PRELOAD"),
+    "HOME on a volume": (lambda c: [e.update(value="/data") for e in _worker(c)["containers"][0]["env"] if e["name"] == "HOME"], "HOME"),
+    "envFrom": (lambda c: _worker(c)["containers"][0].update(envFrom=[{"secretRef": {"name": "s3-writer"}}]), "envFrom"),
+    "another Secret's key": (lambda c: _env(c, "AWS_ACCESS_KEY_ID", valueFrom={"secretKeyRef": {"name": "admin", "key": "AWS_ACCESS_KEY_ID"}}), "Secret"),
+    "a credential key as PYTHONPATH": (lambda c: _env(c, "PYTHONPATH", valueFrom={"secretKeyRef": {"name": "s3-writer", "key": "AWS_REGION"}}), "PYTHONPATH"),
+    "mount over site-packages": (lambda c: _worker(c)["containers"][0]["volumeMounts"].append(
+        {"name": "data", "mountPath": "/usr/local/lib/python3.11/site-packages/sitecustomize.py", "subPath": "x.py"}), "sitecustomize"),
+    "public scheduler": (lambda c: c["spec"]["scheduler"]["service"].update(type="LoadBalancer"), "LoadBalancer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROGUE))
+def test_a_cluster_asking_for_more_than_its_job_and_the_policy_allow_is_refused(case):
+    change, word = ROGUE[case]
+    spec = _job()
+    cluster = _cluster(spec)
+    assert _violations(copy.deepcopy(cluster), spec) == []  # negative control: the same cluster before the change
+    change(cluster)
+    violations = _violations(cluster, spec)
+    assert violations and word in " ".join(violations), violations
+
+
+def test_a_cluster_no_conversionjob_owns_is_refused():
+    from h5ngff.operator.policy import dask_cluster_violations
+
+    spec = _job()
+    (message,) = dask_cluster_violations(_cluster(spec), None, POLICY, IMAGE, "h5ngff-runner")
+    assert "'scan-dask' is not the cluster of any ConversionJob" in message
+
+
+# --- 3, against the real operator -------------------------------------------------------------------
+
+DASK_PATH = "/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters"
+
+
+async def _post_cluster(c, cluster: dict) -> None:
+    resp = await c.k.post(DASK_PATH, json=cluster)
+    assert resp.status in (200, 201), await resp.text()
+
+
+def _as_runner_builds(c, name: str, image: str = IMAGE) -> dict:
+    spec = parse_job_spec(SPEC)
+    cluster = build_dask_cluster(plan_for(spec), Owner("default", name, c.cj(name)["metadata"]["uid"]), IMAGE, spec.pod)
+    for role in ("worker", "scheduler"):
+        cluster["spec"][role]["spec"]["containers"][0]["image"] = image
+    cluster["metadata"]["resourceVersion"] = "1"
+    return cluster
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_the_operator_deletes_a_rogue_dask_cluster_and_keeps_the_one_the_runner_builds():
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        for name in ("scan", "other"):  # two outputs: one writer per output
+            await c.apply(manifest(name, {**SPEC, "output": {"path": f"/data/{name}.ome.zarr"}}))
+        await wait_for(lambda: {"scan-runner-1", "other-runner-1"} <= set(c.jobs()), what="runner Jobs")
+        await _post_cluster(c, _as_runner_builds(c, "scan"))
+        await _post_cluster(c, _as_runner_builds(c, "other", image=ROGUE_IMAGE))
+        stray = _as_runner_builds(c, "scan")
+        stray["metadata"]["name"] = "stray-dask"
+        await _post_cluster(c, stray)
+        await wait_for(lambda: not {"other-dask", "stray-dask"} & set(c.live(DASK_RES)), what="the rogue clusters deleted")
+
+        from h5ngff.operator.guard import checked
+
+        await wait_for(lambda: checked["default", "scan-dask"] >= 1, what="the legit cluster checked")
+        assert "scan-dask" in c.live(DASK_RES)
+        denied = await wait_for(lambda: [e for e in c.events() if e.get("reason") == "PolicyDenied"], what="PolicyDenied events")
+        on = {e["involvedObject"]["name"]: e for e in denied}
+        assert on["other"]["involvedObject"]["kind"] == "ConversionJob" and ROGUE_IMAGE in on["other"]["message"]
+        assert on["other"]["type"] == "Warning" and "not the cluster of any ConversionJob" in on["stray-dask"]["message"]
+        assert "scan" not in on
+        # A change of the legit cluster is checked again, and it still stays.
+        resp = await c.k.patch(f"{DASK_PATH}/scan-dask", json={"metadata": {"labels": {"touched": "yes"}}},
+                               headers={"Content-Type": "application/merge-patch+json"})
+        assert resp.status == 200, await resp.text()
+        await wait_for(lambda: checked["default", "scan-dask"] >= 2, what="the legit cluster checked again")
+        assert "scan-dask" in c.live(DASK_RES)
+        # ... and a rogue change of it is not.
+        rogue = copy.deepcopy(c.live(DASK_RES)["scan-dask"]["spec"])
+        rogue["worker"]["spec"]["hostNetwork"] = True
+        resp = await c.k.patch(f"{DASK_PATH}/scan-dask", json={"spec": rogue}, headers={"Content-Type": "application/merge-patch+json"})
+        assert resp.status == 200, await resp.text()
+        await wait_for(lambda: "scan-dask" not in c.live(DASK_RES), what="the changed cluster deleted")
+        assert json.dumps(c.live(DASK_RES)) == "{}"
