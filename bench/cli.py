@@ -31,7 +31,7 @@ def _csv(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scale", type=float, default=1.0, help="Fraction of the full-size volume's bytes (y and x shrink by its square root; z stays 150). Default 1.")
+    p.add_argument("--scale", type=float, default=1.0, help="Fraction of the full-size volume's bytes; above 1, a larger volume (y and x scale by its square root; z stays 150). Default 1.")
     p.add_argument("--cases", type=_csv, default=["f32", "u16-4d"], help="Comma-separated cases (default f32,u16-4d).")
     p.add_argument("--only", type=_csv, help="Only these run ids (see --list).")
     p.add_argument("--skip", type=_csv, help="Skip these run ids.")

@@ -259,3 +259,84 @@ def test_pyramid_limit_writes_every_level_exactly_and_times_the_halving(tmp_path
     assert verify(split, source, case, 3, "mean").message == "L0 exact; L1-2 mean exact"
     for k in range(3):
         assert np.array_equal(zarr.open_array(f"{split}/{k}")[...], zarr.open_array(f"{out}/{k}")[...])
+
+
+# bench.scaling: the tail's list scheduling (pure) and one tiny measured run.
+
+
+def _brute_force_makespan(durations: list[int], workers: int) -> int:
+    """Step through time one unit at a time; a free worker takes the next task in order."""
+    queue, left, t = list(durations), [0] * workers, 0
+    while queue or any(left):
+        for i in range(workers):
+            if left[i] == 0 and queue:
+                left[i] = queue.pop(0)
+        t += 1
+        left = [max(0, r - 1) for r in left]
+    return t
+
+
+def test_makespan_is_list_scheduling_in_the_given_order():
+    from bench.scaling import makespan
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        durations = [int(d) for d in rng.integers(1, 9, size=int(rng.integers(1, 12)))]
+        workers = int(rng.integers(1, 6))
+        assert makespan(durations, workers) == _brute_force_makespan(durations, workers)
+    assert makespan([3.0] * 10, 4) == 9.0  # ceil(10 / 4) rounds of equal tasks
+    assert makespan([2.0, 5.0, 1.0], 8) == 5.0  # more workers than tasks: the longest task
+    assert makespan([2.0, 5.0, 1.0], 1) == 8.0  # one worker: the sum
+    assert makespan([], 4) == 0.0
+    with pytest.raises(ValueError):
+        makespan([1.0], 0)
+    # A worker that joins late (ready at 10) takes nothing while the other is free sooner.
+    assert makespan([2.0, 2.0, 2.0], 2, ready=[0.0, 10.0]) == 6.0
+    assert makespan([2.0, 2.0, 2.0], 2, ready=[0.0, 1.0]) == 4.0
+
+
+def test_largest_first_and_passes():
+    from bench.scaling import makespan_passes, tail_rows
+
+    tasks = [(0, 1.0)] * 4 + [(0, 4.0)]  # the long task last: the classic bad order
+    assert makespan_passes(tasks, 2, "submitted") == 6.0
+    assert makespan_passes(tasks, 2, "largest-first") == 4.0
+    # Passes are barriers: pass 1 starts when pass 0's last task ends.
+    assert makespan_passes([(0, 3.0), (0, 1.0), (1, 2.0), (1, 2.0)], 2) == 3.0 + 2.0
+    (row,) = tail_rows(tasks, [2])
+    assert row["ideal"] == 4.0 and row["longest"] == 4.0
+    assert row["submitted_x"] == 1.5 and row["largest_first_x"] == 1.0
+
+
+def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path):
+    """One tiny conversion with 2 workers through bench.scaling, in its own process (it makes
+    itself a child subreaper)."""
+    import subprocess
+
+    result = tmp_path / "scaling.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", "."])}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "bench.scaling", "--scale", str(SCALE), "--workers", "2", "--tail-workers", "1,2,64",
+                           "--data-dir", str(tmp_path / "data"), "--result", str(result)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "#### 3. The tail" in done.stdout
+    doc = json.loads(result.read_text())
+    assert doc["subreaper"] and doc["limit_cpu"] > 0
+    (run,) = doc["runs"]
+    assert run["returncode"] == 0 and run["verified"]["ok"]
+    assert run["processes_by_kind"]["client"] == 1 and run["processes_by_kind"]["worker"] == 2
+    exact = run["cpu_exact"]
+    # The kernel's figures hold together: the tree contains the client and what it waited for,
+    # which contains the client's and its workers' figures when main returned.
+    assert exact["tree"] >= exact["client_and_waited"] >= exact["client_self"] + exact["workers_waited"] - 0.02 > 0
+    assert exact["workers_waited"] > 0.1  # the workers' imports alone
+    # Sampled per process, each up to its last poll: never more than the exact total.
+    assert 0 < run["cpu_sampled_total"] <= exact["tree"] + 0.05
+    s = run["stamps"]
+    order = ["launched", "main", "cli_imported", "planned", "cluster_up", "first_task_start", "last_task_end", "cluster_closed",
+             "metadata_written", "main_returned", "exited"]
+    assert [s[k] for k in order] == sorted(s[k] for k in order)
+    assert run["head"]["wall"] > 0 and run["tail"]["wall"] > 0 and 0 < run["head"]["cpu"] < exact["tree"]
+    assert len(run["task_seconds"]) == run["plan"]["n_tasks"] == run["summary"]["slabs_written"]
+    assert [r["workers"] for r in run["tail_rows"]] == [1, 2, 64]
+    assert run["tail_rows"][0]["submitted"] == pytest.approx(sum(run["task_seconds"]))
