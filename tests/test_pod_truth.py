@@ -179,3 +179,25 @@ def test_the_pod_limit_is_close_to_what_the_pod_really_holds(tmp_path):
     assert caught.value.oom_kills == sum(w.oom_kills for w in workers) >= 1
     assert f"killed it, {caught.value.oom_kills} time(s)" in str(caught.value)
     assert all(w.peak_rss > 0 and w.pod_nonreclaimable_peak for w in workers), [w.to_dict() for w in workers]
+
+
+def test_a_worker_first_read_mid_exec_is_read_again_not_filed_as_other(monkeypatch):
+    """Issue 28 item 7: a process read in the middle of exec shows an empty command line. It was
+    filed as "other" for its whole life: its peak was missing from the worker's figure and added
+    to the nanny's. Fails at 9bb18a8 (worker_hwm 0, nanny_anon 500 MiB)."""
+    from h5ngff.backends import podwatch
+
+    class Pod:  # the cgroup: one process besides the nanny, the spawned worker
+        def pids(self):
+            return [4242]
+
+    lines = iter([b"", b"python\0-c\0from multiprocessing.spawn import spawn_main; spawn_main()\0"])
+    monkeypatch.setattr(podwatch, "_cmdline", lambda pid: next(lines) if pid == 4242 else b"dask-worker\0")
+    monkeypatch.setattr(podwatch, "read_nonreclaimable", lambda cgroup: dict.fromkeys(("anon", "shmem", "dirty", "writeback", "unevictable"), 0))
+    monkeypatch.setattr(podwatch, "read_status", lambda pid: {"VmHWM": 500 * MiB, "RssAnon": 500 * MiB})
+    watcher = PodWatcher()
+    watcher.watch("pod-0", Pod(), nanny_pid=1)
+    for _ in range(podwatch.NANNY_EVERY + 1):  # the second sample reads the command line again
+        watcher.sample()
+    peaks = watcher.peaks["pod-0"]
+    assert peaks.worker_hwm == 500 * MiB and peaks.nanny_anon == 0

@@ -82,16 +82,22 @@ def _cmdline(pid: int) -> bytes | None:
         return None
 
 
+#: Roles that may still change: read the process again at the next sample.
+PROVISIONAL_ROLES = frozenset({"clone", "unknown"})
+
+
 def process_role(pid: int, nanny_pid: int) -> str:
     """``nanny`` (the dask-worker CLI process), ``worker`` (the process the nanny spawned to run
     tasks: multiprocessing's ``spawn_main``), ``clone`` (a child between fork and exec: it still
     shows the nanny's command line, and its anonymous pages are the nanny's, shared copy-on-write,
-    so counting them would count the nanny twice) or ``other`` (the resource tracker)."""
+    so counting them would count the nanny twice), ``unknown`` (no command line to read: a process
+    in the middle of exec shows an empty one, as does a zombie; filing it as ``other`` for good
+    lost a worker's peak and added it to the nanny's) or ``other`` (the resource tracker)."""
     if pid == nanny_pid:
         return "nanny"
     cmdline = _cmdline(pid)
-    if cmdline is None:
-        return "other"
+    if not cmdline:
+        return "unknown"
     if b"spawn_main" in cmdline:
         return "worker"
     return "clone" if cmdline == _cmdline(nanny_pid) else "other"
@@ -231,12 +237,12 @@ class PodWatcher:
         nanny_turn = peaks.samples % NANNY_EVERY == 1
         for pid in pod.cgroup.pids():
             role = pod.roles.get(pid)
-            if role is None or role == "clone":  # a spawned child shows the nanny's command line until it execs
+            if role is None or role in PROVISIONAL_ROLES:  # a spawned child is a clone, then mid-exec, then itself
                 role = pod.roles[pid] = process_role(pid, pod.nanny_pid)
             if role == "worker":
                 pod.hwm[pid] = max(pod.hwm.get(pid, 0), read_status(pid).get("VmHWM", 0))
                 peaks.worker_hwm = max(peaks.worker_hwm, pod.hwm[pid])
-            elif role != "clone" and nanny_turn:
+            elif role not in PROVISIONAL_ROLES and nanny_turn:
                 beside_worker += read_status(pid).get("RssAnon", 0)
         if nanny_turn:
             pod.beside_worker = beside_worker
