@@ -1,4 +1,4 @@
-"""``h5ngff verify OUTPUT [--source FILE.h5:/dataset]``."""
+"""``h5ngff verify OUTPUT [--source SOURCE]``: SOURCE as convert names it (docs/formats.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def add_verify_command(sub) -> None:
     v = sub.add_parser("verify", help="Check an output's metadata, completion marker and every chunk.", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     v.add_argument("output", metavar="OUTPUT", help="An OME-Zarr written by h5ngff.")
-    v.add_argument("--source", metavar="FILE.h5:/dataset", help="Also compare every level with the pyramid computed from this HDF5 dataset.")
+    v.add_argument("--source", metavar="SOURCE", help="Also compare every level with the pyramid computed from this source, named as for convert: "
+                   "FILE.h5:/dataset, FILE.h5:/ch{0..2} (stacked), cells.ims (Imaris) or dataset.xml (BigDataViewer).")
     v.add_argument("--json", action="store_true", help="Print the report as one JSON object.")
     add_storage_option_flag(v)
     v.set_defaults(func=cmd_verify)
@@ -70,11 +71,30 @@ def _checked_inputs(output: str, source_text: str | None, options: dict[str, str
         raise OutputNotFoundError(f"{output!r} does not exist. Expected the path of an OME-Zarr that h5ngff wrote.")
     if source_text is None:
         return None
-    from .engine.source import inspect_source
+    from .engine.sources import verify_source
 
     path, dataset = split_source(source_text)
-    inspect_source(path, dataset)  # metadata only: the file opens, the dataset exists and is numeric
+    # Metadata only, through the sources layer convert uses: a plain dataset, a stacked selection,
+    # an Imaris file or a BigDataViewer XML/HDF5 pair; the output's recorded choices (stack axes,
+    # BDV tile) apply as verify_output applies them.
+    verify_source(path, dataset, _recorded_source(output, options or {}))
     return path, dataset
+
+
+def _recorded_source(output: str, options: dict[str, str]) -> dict | None:
+    """The source spec the output records (``h5ngff.source``), or None where there is none to
+    read: verify_output reports an unreadable output itself."""
+    try:
+        import zarr
+
+        from .engine.verify import zarr_root
+
+        attrs = dict(zarr.open_group(zarr_root(output, options), mode="r").attrs)
+    except Exception:  # not a Zarr group, or unreadable: verify_output names the problem
+        return None
+    marker = attrs.get("h5ngff")
+    recorded = marker.get("source") if isinstance(marker, dict) else None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def _check_object_output(url: str, options: dict[str, str]) -> None:

@@ -32,6 +32,9 @@ class DatasetInfo:
     #: Channel names and colours (RRGGBB) a container records (Imaris, BigDataViewer), for omero.
     channel_names: tuple[str, ...] | None = None
     channel_colors: tuple[str, ...] | None = None
+    #: What the source reader decided that the user should hear (e.g. a voxel size left out);
+    #: they join the plan's notices.
+    notices: tuple[str, ...] = ()
 
     @property
     def ndim(self) -> int:

@@ -140,7 +140,7 @@ def make_plan(
         memory=memory,
         hdf5_cache_bytes=cache,
         allocator=allocator,
-        notices=tuple(dict.fromkeys(clipped_notices(spec, ds, chunks, shards) + notices)),
+        notices=tuple(dict.fromkeys(list(ds.notices) + clipped_notices(spec, ds, chunks, shards) + notices)),
         upload_depth=depth,
     )
 

@@ -17,10 +17,10 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from ...errors import SpecError
+from ...errors import SpecError, UnsupportedDatasetError
 from ...spec import ConversionSpec, SourceSpec, parse_spec
 from .base import Opened, SlabSource, close_files, open_hdf5
-from .plain import is_selection, open_plain, open_stacked
+from .plain import is_selection, open_plain, open_stacked, overridden
 
 __all__ = ["Opened", "SlabSource", "close_files", "detect", "open_source", "slab_source", "verify_source"]
 
@@ -40,8 +40,23 @@ def detect(source: SourceSpec) -> str:
     return "plain"
 
 
-def open_source(spec: ConversionSpec) -> Opened:
-    """Describe the spec's source: the planner's numbers, resume's identity, the workers' reader."""
+def open_source(spec: ConversionSpec, *, check_metadata: bool = True) -> Opened:
+    """Describe the spec's source: the planner's numbers, resume's identity, the workers' reader.
+
+    Metadata the reader cannot map (an unknown unit) stops here unless the user's flags decide
+    it; ``check_metadata=False`` (verify, which compares data only) lets it pass."""
+    opened = _open(spec)
+    if check_metadata:
+        decided = overridden(spec)
+        if "image.scale" in decided:
+            decided.add("image.units")  # sizes given by the user are in the unit they give, or none
+        for field_name, message in opened.conflicts:
+            if field_name not in decided:
+                raise UnsupportedDatasetError(message)
+    return opened
+
+
+def _open(spec: ConversionSpec) -> Opened:
     kind = detect(spec.source)
     _check_options(spec.source, kind)
     if kind == "stacked":
@@ -78,4 +93,5 @@ def verify_source(path: str, dataset: str, recorded: dict[str, Any] | None = Non
     if recorded and os.path.abspath(str(recorded.get("path", ""))) == os.path.abspath(path) and recorded.get("dataset") == SourceSpec(path=path, dataset=dataset).dataset:
         source = {**recorded, **source}
     spec = parse_spec({"source": source, "output": {"path": "unused"}})
-    return open_source(spec).reader
+    # The output's units and sizes may have come from flags: only the data is compared.
+    return open_source(spec, check_metadata=False).reader

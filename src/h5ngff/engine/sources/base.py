@@ -127,6 +127,10 @@ class Opened:
     reader: SlabSource
     #: What the source is, for messages and docs: plain, stacked, imaris, bdv.
     kind: str = "plain"
+    #: (spec field, message): metadata the reader cannot map, which stops a conversion unless the
+    #: user's flags decide that field (``sources.open_source``). verify, which compares data
+    #: only, does not stop on them.
+    conflicts: tuple[tuple[str, str], ...] = ()
 
 
 def identity(path: str, selection: str) -> SourceIdentity:

@@ -4,7 +4,7 @@ What is read from where:
 - the XML (``dataset.xml``; given directly, or found beside ``dataset.h5`` with the same name):
   ``ImageLoader`` (format ``bdv.hdf5``) names the HDF5 file; each ``ViewSetup`` gives its ``size``
   (x y z), ``voxelSize`` (unit, x y z) and ``attributes`` (illumination, channel, tile, angle);
-  ``Attributes name="channel"`` gives channel names; ``Timepoints`` (range or list) the time points;
+  ``Attributes name="channel"`` gives channel names; ``Timepoints`` (range, list or pattern) the time point ids;
   ``MissingViews`` the views that are absent.
 - the data: ``t{TTTTT}/s{SS}/0/cells`` (z, y, x), resolution level 0 of each view. BDV's own
   lower levels are not used: h5ngff builds its exact 2x pyramid.
@@ -30,7 +30,7 @@ import numpy as np
 from ...errors import SourceError, SourceNotFoundError, SpecError, UnsupportedDatasetError
 from ...spec import ConversionSpec
 from .base import Opened, SlabSource, check_dtype, composite_info, identity, open_hdf5
-from .imaris import UNITS
+from .imaris import UNITS, unknown_unit
 
 _SELECTORS = ("illumination", "tile", "angle")
 _NO_UNIT = {"px", "pixel", "pixels", ""}
@@ -91,16 +91,59 @@ def _setups(root: ET.Element) -> list[Setup]:
     return setups
 
 
-def _timepoints(root: ET.Element) -> list[int]:
+def _timepoints(root: ET.Element, xml: str = "") -> list[int]:
+    """The time point ids, ascending: t index i of the image is the HDF5 group ``t{ids[i]:05d}``.
+
+    BigDataViewer's XML (spim_data ``XmlIoTimePoints``) writes ``type="range"`` as ``<first>`` and
+    ``<last>``; ``type="list"`` as ``<Timepoint><id/><name/></Timepoint>`` children (whenever the ids
+    are not a contiguous range, e.g. 0 and 2); ``type="pattern"`` as ``<integerpattern>``
+    ("0-10:2, 15")."""
     tp = root.find("SequenceDescription/Timepoints")
     if tp is None:
         return [0]
     kind = tp.get("type")
-    if kind == "range":
-        return list(range(int(tp.findtext("first")), int(tp.findtext("last")) + 1))
-    if kind == "list":
-        return sorted(int(t) for t in tp.findtext("integerpattern", "").replace(",", " ").split())
-    raise UnsupportedDatasetError(f"source.path: BigDataViewer time points of type {kind!r} are not read; expected 'range' or 'list'.")
+    try:
+        if kind == "range":
+            first, last = int(_required(tp, "first")), int(_required(tp, "last"))
+            ids = list(range(first, last + 1))
+        elif kind == "list":
+            ids = [int(_required(t, "id")) for t in tp.findall("Timepoint")]
+        elif kind == "pattern":
+            ids = _integer_pattern(_required(tp, "integerpattern"))
+        else:
+            raise UnsupportedDatasetError(f"source.path: {xml!r}: BigDataViewer time points of type {kind!r} are not read; expected 'range', 'list' or 'pattern'.")
+    except ValueError as exc:
+        raise SourceError(f"source.path: {xml!r}: the Timepoints (type {kind!r}) cannot be read: {exc}.") from None
+    if not ids:
+        raise SourceError(f"source.path: {xml!r}: the Timepoints (type {kind!r}) list no time point.")
+    if len(set(ids)) != len(ids):
+        raise SourceError(f"source.path: {xml!r}: the Timepoints (type {kind!r}) list a time point twice: {ids}.")
+    return sorted(ids)
+
+
+def _required(element: ET.Element, tag: str) -> str:
+    value = element.findtext(tag)
+    if value is None or not value.strip():
+        raise ValueError(f"<{tag}> is missing or empty")
+    return value.strip()
+
+
+def _integer_pattern(pattern: str) -> list[int]:
+    """spim_data's IntegerPattern: comma-separated ids and ranges ``a-b`` or ``a-b:step``."""
+    ids: list[int] = []
+    for part in (p.strip() for p in pattern.split(",")):
+        if not part:
+            continue
+        span, _, step = part.partition(":")
+        first, dash, last = span.strip().partition("-")
+        if not dash:
+            ids.append(int(first))
+            continue
+        by = int(step) if step else 1
+        if by < 1 or int(last) < int(first):
+            raise ValueError(f"{part!r} is not a range first-last[:step]")
+        ids.extend(range(int(first), int(last) + 1, by))
+    return ids
 
 
 def _select(setups: list[Setup], spec: ConversionSpec, xml: str) -> list[Setup]:
@@ -137,7 +180,7 @@ def open_bdv(spec: ConversionSpec) -> Opened:
     xml, h5 = xml_pair(spec.source.path)
     root = ET.parse(xml).getroot()
     setups = _select(_setups(root), spec, xml)
-    times = _timepoints(root)
+    times = _timepoints(root, xml)
     missing = {(int(m.get("timepoint")), int(m.get("setup"))) for m in root.findall("SequenceDescription/MissingViews/MissingView")}
     gaps = [(t, s.id) for t in times for s in setups if (t, s.id) in missing]
     if gaps:
@@ -153,8 +196,7 @@ def open_bdv(spec: ConversionSpec) -> Opened:
         lead_shape = tuple(n for n in (len(times), len(setups)) if n > 1)
         lead_axes = ("t" if len(times) > 1 else "") + ("c" if len(setups) > 1 else "")
         unit = first.unit.lower()
-        if unit not in UNITS and unit not in _NO_UNIT:
-            raise UnsupportedDatasetError(f"source.path: the BigDataViewer voxel unit {first.unit!r} is not one h5ngff maps to NGFF; expected one of {sorted(UNITS)}. Set --units and --scale.")
+        conflicts = () if unit in UNITS or unit in _NO_UNIT else (("image.units", unknown_unit("BigDataViewer voxel", first.unit)),)
         info = composite_info(
             lead_shape, size, dtype, datasets,
             attr_axes=lead_axes + "zyx",
@@ -163,8 +205,9 @@ def open_bdv(spec: ConversionSpec) -> Opened:
             channel_names=names,
         )
     reader = SlabSource(h5, pieces, lead_shape, size, info.dtype, storage.str if storage is not None else None, 0)
-    described = f"bdv {os.path.basename(xml)}: setups {[s.id for s in setups]}, time points {times[0]}..{times[-1]}"
-    return Opened(info, identity(h5, described), reader, "bdv")
+    contiguous = times == list(range(times[0], times[-1] + 1))
+    described = f"bdv {os.path.basename(xml)}: setups {[s.id for s in setups]}, time points {f'{times[0]}..{times[-1]}' if contiguous else times}"
+    return Opened(info, identity(h5, described), reader, "bdv", conflicts)
 
 
 def _agree(setups: list[Setup], xml: str) -> None:

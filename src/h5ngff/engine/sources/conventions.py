@@ -6,7 +6,8 @@
   axis order: the axis names.
 - ``element_size_um`` (Fiji's HDF5 plugin, ilastik, many lab scripts): voxel sizes in micrometres.
   Fiji always writes three, z, y, x, even for data with time or channel axes: three values then
-  apply to the last three (spatial) axes. One value per axis applies axis by axis.
+  apply to the spatial axes present (a dataset without z, e.g. t, y, x, takes the y and x values;
+  the z value is left out and a notice says so). Otherwise one value per axis applies axis by axis.
 
 Where two conventions disagree, or one cannot be applied, the source reports it as a conflict
 (a message naming both readings and the flag that decides). The conflict only stops the run
@@ -41,9 +42,20 @@ class Physical:
     conflicts: dict[str, str] = field(default_factory=dict)
     #: Which convention gave what, e.g. "axes 'tzyx' from ilastik axistags".
     found: list[str] = field(default_factory=list)
+    #: What the user should hear about how an attribute was applied (the plan's notices).
+    notices: list[str] = field(default_factory=list)
 
 
-def physical_attrs(ds: h5py.Dataset, name: str) -> Physical:
+def shortest_float32(value: float) -> float:
+    """A float32 as the shortest decimal that reads back as the same float32: 0.4, not
+    0.4000000059604645. Fiji's ``element_size_um`` and Imaris's extents are float32; the short
+    decimal is what was meant."""
+    return float(str(np.float32(value)))
+
+
+def physical_attrs(ds: h5py.Dataset, name: str, axes: str | None = None) -> Physical:
+    """What ``ds``'s attributes say. ``axes``: the user's own (``--axes``), which decide which
+    axes the voxel sizes belong to."""
     out = Physical()
     readings = [(what, axes) for what, axes in (("DIMENSION_LABELS", _labels(ds)), ("ilastik axistags", _axistags(ds))) if axes]
     if len({axes for _, axes in readings}) > 1:
@@ -60,7 +72,7 @@ def physical_attrs(ds: h5py.Dataset, name: str) -> Physical:
                 f"(e.g. 'tczyx'); h5ngff does not transpose. Re-export in that order (ilastik: export with axis order "
                 f"'tczyx' or 'czyx'), or set --axes to name the axes as stored."
             )
-    _element_size(ds, name, out)
+    _element_size(ds, name, out, axes)
     return out
 
 
@@ -87,28 +99,36 @@ def _axistags(ds: h5py.Dataset) -> str | None:
     return "".join(AXIS_NAMES[k] for k in keys)
 
 
-def _element_size(ds: h5py.Dataset, name: str, out: Physical) -> None:
+def _element_size(ds: h5py.Dataset, name: str, out: Physical, user_axes: str | None = None) -> None:
     size = ds.attrs.get("element_size_um")
     if size is None:
         return
     try:
         # Fiji writes float32: its shortest decimal (0.4, not 0.4000000059604645) is what was meant.
-        values = tuple(float(str(v)) for v in np.atleast_1d(size))
+        raw = np.atleast_1d(size)
+        values = tuple(shortest_float32(v) if raw.dtype == np.float32 else float(str(v)) for v in raw)
     except (TypeError, ValueError):
         out.conflicts["image.scale"] = f"{name!r}: element_size_um is {size!r}, not numbers. Set --scale (image.scale)."
         return
-    axes = out.axes or _DEFAULT_AXES.get(ds.ndim, "")
+    axes = user_axes if user_axes and len(user_axes) == ds.ndim else out.axes or _DEFAULT_AXES.get(ds.ndim, "")
     spatial = [i for i, a in enumerate(axes) if a in "zyx"]
     if not all(v > 0 and np.isfinite(v) for v in values):
         out.conflicts["image.scale"] = f"{name!r}: element_size_um {list(values)} holds a size that is not positive. Set --scale (image.scale)."
         return
     scale = [1.0] * ds.ndim
-    if len(values) == ds.ndim:
-        scale = list(values)
-    elif len(values) == 3 and len(spatial) in (2, 3):
-        # Fiji's three z, y, x sizes: the last ones belong to the spatial axes present.
+    if len(values) == 3 and len(spatial) in (2, 3) and (len(spatial) < ds.ndim or ds.ndim < 3):
+        # Fiji's three z, y, x sizes (it writes three whatever the rank): the last ones belong to
+        # the spatial axes present, and the time and channel axes get none of them.
         for i, v in zip(spatial, values[-len(spatial):]):
             scale[i] = v
+        if "z" not in axes and len(spatial) < ds.ndim:
+            out.notices.append(
+                f"{name!r}: element_size_um {list(values)} is z, y, x (Fiji's convention); the dataset's axes are {axes!r}, "
+                f"which have no z, so y and x take {list(values[1:])} and the z size {values[0]} is not used. "
+                f"Set --scale (image.scale) if the sizes mean something else."
+            )
+    elif len(values) == ds.ndim:
+        scale = list(values)
     else:
         out.conflicts["image.scale"] = (
             f"{name!r}: element_size_um has {len(values)} values {list(values)} for a {ds.ndim}-dimensional dataset "

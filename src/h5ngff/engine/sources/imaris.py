@@ -25,8 +25,11 @@ import numpy as np
 from ...errors import SourceError, UnsupportedDatasetError
 from ...spec import ConversionSpec
 from .base import Opened, SlabSource, check_dtype, composite_info, identity, open_hdf5
+from .conventions import shortest_float32
 
-UNITS = {"um": "micrometer", "µm": "micrometer", "micron": "micrometer", "micrometer": "micrometer", "nm": "nanometer", "nanometer": "nanometer", "mm": "millimeter", "millimeter": "millimeter", "m": "meter"}
+#: Units as Imaris and BigDataViewer write them (lower case) -> NGFF. Micro is written with the
+#: micro sign (U+00B5) or the Greek mu (U+03BC): both are accepted.
+UNITS = {"um": "micrometer", "\u00b5m": "micrometer", "\u03bcm": "micrometer", "micron": "micrometer", "micrometer": "micrometer", "nm": "nanometer", "nanometer": "nanometer", "mm": "millimeter", "millimeter": "millimeter", "m": "meter"}
 
 
 def text(attrs: h5py.AttributeManager, name: str) -> str | None:
@@ -35,8 +38,17 @@ def text(attrs: h5py.AttributeManager, name: str) -> str | None:
         return None
     value = attrs[name]
     if isinstance(value, np.ndarray):
-        return b"".join(v if isinstance(v, bytes) else str(v).encode() for v in value.ravel()).decode(errors="replace").strip()
-    return (value.decode(errors="replace") if isinstance(value, bytes) else str(value)).strip()
+        return _decode(b"".join(v if isinstance(v, bytes) else str(v).encode() for v in value.ravel())).strip()
+    return (_decode(value) if isinstance(value, bytes) else str(value)).strip()
+
+
+def _decode(raw: bytes) -> str:
+    """UTF-8 (a Greek mu, U+03BC, is two one-byte strings), else Latin-1: Windows writers store
+    the micro sign as the single byte 0xB5."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
 
 
 def number(attrs: h5py.AttributeManager, name: str, where: str) -> float:
@@ -74,7 +86,7 @@ def open_imaris(spec: ConversionSpec) -> Opened:
         for (t, c), ds in zip(((t, c) for t in times for c in channels), datasets):
             if ds.dtype != dtype:
                 raise UnsupportedDatasetError(f"source.path: Imaris time point {t} channel {c} is {ds.dtype}, time point 0 channel 0 is {dtype}; one image needs one dtype.")
-        scale, units = _voxel(image, size)
+        scale, units, conflicts = _voxel(image, size)
         names, colors = _channels(f, channels)
         lead_shape = tuple(n for n in (len(times), len(channels)) if n > 1)
         lead_axes = ("t" if len(times) > 1 else "") + ("c" if len(channels) > 1 else "")
@@ -88,7 +100,7 @@ def open_imaris(spec: ConversionSpec) -> Opened:
         )
     pieces = tuple(data_path(t, c) for t in times for c in channels)
     reader = SlabSource(path, pieces, lead_shape, size, info.dtype, None, 0)
-    return Opened(info, identity(path, f"imaris ResolutionLevel 0: {len(times)} time point(s), {len(channels)} channel(s)"), reader, "imaris")
+    return Opened(info, identity(path, f"imaris ResolutionLevel 0: {len(times)} time point(s), {len(channels)} channel(s)"), reader, "imaris", conflicts)
 
 
 def _channel_data(f: h5py.File, t: int, c: int, size: tuple[int, ...], path: str) -> h5py.Dataset:
@@ -109,15 +121,26 @@ def _channel_data(f: h5py.File, t: int, c: int, size: tuple[int, ...], path: str
     return ds
 
 
-def _voxel(image: h5py.AttributeManager, size: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[str, ...]]:
+def _voxel(image: h5py.AttributeManager, size: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """Voxel sizes (z, y, x), their units, and an unknown unit as a conflict the flags decide."""
     scale = []
     for axis, n in zip((2, 1, 0), size):  # ExtMin0 is x, ExtMin2 is z
-        extent = number(image, f"ExtMax{axis}", "DataSetInfo/Image") - number(image, f"ExtMin{axis}", "DataSetInfo/Image")
-        scale.append(abs(extent) / n if extent else 1.0)
+        # Imaris keeps the extents as float32 (ImarisWriter writes ExtMax0="60.900001526"), and
+        # so the voxel size: each is read at its shortest float32 decimal (60.9 / 609 = 0.1).
+        low, high = (shortest_float32(number(image, f"{k}{axis}", "DataSetInfo/Image")) for k in ("ExtMin", "ExtMax"))
+        extent = high - low
+        scale.append(shortest_float32(abs(extent) / n) if extent else 1.0)
     unit = (text(image, "Unit") or "um").lower()
     if unit not in UNITS:
-        raise UnsupportedDatasetError(f"source.path: the Imaris unit {unit!r} is not one h5ngff maps to NGFF; expected one of {sorted(UNITS)}. Set --units and --scale.")
-    return tuple(scale), (UNITS[unit],) * 3
+        return tuple(scale), ("",) * 3, (("image.units", unknown_unit("Imaris", unit)),)
+    return tuple(scale), (UNITS[unit],) * 3, ()
+
+
+def unknown_unit(what: str, unit: str) -> str:
+    return (
+        f"source.path: the {what} unit {unit!r} is not one h5ngff maps to NGFF; expected one of {sorted(UNITS)}. "
+        f"Set --units (image.units), and --scale (image.scale) to give the sizes in that unit."
+    )
 
 
 def _channels(f: h5py.File, channels: list[int]) -> tuple[tuple[str, ...], tuple[str, ...] | None]:

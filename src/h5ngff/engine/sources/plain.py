@@ -38,13 +38,18 @@ def overridden(spec: ConversionSpec) -> set[str]:
     return {f"image.{k}" for k in ("axes", "scale", "units") if getattr(spec.image, k)}
 
 
+def _notices(physical: Physical, spec: ConversionSpec) -> tuple[str, ...]:
+    """The attributes' notices, unless the user's flags decided what they are about."""
+    return () if spec.image.scale else tuple(physical.notices)
+
+
 def open_plain(spec: ConversionSpec) -> Opened:
     path, dataset = spec.source.path, spec.source.dataset
     info, ident = inspect_source(path, dataset)
     with h5py.File(path, "r") as f:
-        physical = physical_attrs(f[dataset], dataset)
+        physical = physical_attrs(f[dataset], dataset, spec.image.axes)
     raise_conflicts(physical, overridden(spec))
-    info = replace(info, attr_axes=physical.axes, attr_scale=physical.scale, attr_units=physical.units)
+    info = replace(info, attr_axes=physical.axes, attr_scale=physical.scale, attr_units=physical.units, notices=_notices(physical, spec))
     reader = SlabSource(path, (dataset,), (), info.shape, info.dtype, None, 0)
     return Opened(info, ident, reader, "plain")
 
@@ -89,10 +94,12 @@ def open_stacked(spec: ConversionSpec) -> Opened:
         stack = spec.source.stack or ("c" if len(lead_shape) == 1 else "tc"[: len(lead_shape)])
         if len(stack) != len(lead_shape):
             raise SpecError("source.stack", f"Expected one axis per range in {selection!r} ({len(lead_shape)}). Got {stack!r} instead.")
-        physical = physical_attrs(first, names[0])
+        inner_axes = spec.image.axes[len(stack):] if spec.image.axes and len(spec.image.axes) == len(stack) + first.ndim else None
+        physical = physical_attrs(first, names[0], inner_axes)
         raise_conflicts(physical, overridden(spec))
         axes, scale, units = _stacked_axes(stack, first.ndim, physical, spec)
-        info = composite_info(lead_shape, tuple(first.shape), first.dtype, datasets, attr_axes=axes, attr_scale=scale, attr_units=units)
+        info = composite_info(lead_shape, tuple(first.shape), first.dtype, datasets, attr_axes=axes, attr_scale=scale, attr_units=units,
+                              notices=_notices(physical, spec))
     described = f"{','.join(names)} stacked along {stack}"
     reader = SlabSource(path, tuple(names), lead_shape, tuple(first.shape), info.dtype, None, 0)
     return Opened(info, identity(path, described), reader, "stacked")
