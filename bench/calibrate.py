@@ -56,6 +56,8 @@ class Case:
     compressor: str = "zstd:5:bitshuffle"
     levels: int = 1
     flags: list[str] = field(default_factory=list)
+    #: Extra environment of the run (e.g. H5NGFF_NO_LIBDEFLATE=1: gzip read through HDF5's filter).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def matrix(quick: bool) -> list[Case]:
@@ -109,6 +111,19 @@ def issue18_matrix() -> list[Case]:
     ]
 
 
+def round3_matrix() -> list[Case]:
+    """The cases of "Sources and memory, round three": the gzip source read chunk by chunk with
+    libdeflate (no HDF5 chunk cache) and the same through HDF5's filter, and a small uint8 plan."""
+    def gzip4d(name: str, env: dict[str, str]) -> Case:
+        return Case(name, shape=(4, 64, 1024, 1024), layout="gzip", hdf5_chunks=(1, 24, 100, 100), chunks="1,64,64,64", levels=3, env=env)
+
+    return [
+        gzip4d("gzip 4-D 1x24x100x100 3 levels", {}),
+        gzip4d("gzip 4-D 1x24x100x100 3 levels, HDF5 filter", {"H5NGFF_NO_LIBDEFLATE": "1"}),
+        Case("uint8 128^3 chunks", dtype="uint8", chunks="128,128,128"),
+    ]
+
+
 def source_for(case: Case) -> str:
     os.makedirs(DATA, exist_ok=True)
     chunks = None
@@ -153,8 +168,9 @@ def run_case(case: Case, workers: int, allocator: str, calibration: str | None =
     if calibration:
         cmd += ["--calibration", calibration]
     started = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    shown = "h5ngff " + shlex.join([os.path.relpath(a) if a.startswith(HERE) else a for a in cmd[3:]])
+    subprocess.run(["sync"])  # start each run without the previous one's dirty pages in flight
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **case.env})
+    shown = "".join(f"{k}={v} " for k, v in case.env.items()) + "h5ngff " + shlex.join([os.path.relpath(a) if a.startswith(HERE) else a for a in cmd[3:]])
     try:
         summary = json.loads(proc.stdout)
     except ValueError:
@@ -180,6 +196,8 @@ def row(summary: dict) -> dict:
     # The pod's own need (mem-pod's measurement), where this version of h5ngff reports it.
     pod_peaks = [w.get("pod_nonreclaimable_peak") for w in workers]
     pod_peak = max(pod_peaks) if all(p for p in pod_peaks) else None
+    pinned_peaks = [w.get("pod_pinned_peak") for w in workers]
+    pinned = max(pinned_peaks) if all(p for p in pinned_peaks) else None
     return {
         "case": summary["case"],
         "status": "ok",
@@ -193,6 +211,8 @@ def row(summary: dict) -> dict:
         "pod_limit": summary["pod_limit_per_worker"],
         "pod_peak": pod_peak,
         "pod_ratio": summary["pod_limit_per_worker"] / pod_peak if pod_peak else None,
+        "pinned": pinned,
+        "pinned_ratio": summary["pod_limit_per_worker"] / pinned if pinned else None,
         "oom_kills": sum(w["oom_kills"] for w in workers),
         "restarts": sum(w["nanny_restarts"] for w in workers),
         "terminations": sum(w.get("memory_terminations", 0) for w in workers),
@@ -202,12 +222,24 @@ def row(summary: dict) -> dict:
     }
 
 
+#: The pod limit against the pod's measured pinned peak (anon + shmem + unevictable): at most this
+#: much for plans whose pod limit is at least 1 GiB, and POD_SMALL below (docs/memory-model.md).
+POD_LARGE, POD_SMALL = 1.3, 1.6
+
+
+def pod_bound(r: dict) -> float:
+    return POD_LARGE if r["pod_limit"] >= 1 << 30 else POD_SMALL
+
+
 def verdict(r: dict) -> str:
     if r["status"] != "ok":
         return f"FAILED: {r['status']} {r['message'][:80]}"
     if r["oom_kills"] or r["restarts"] or r["terminations"]:
         return "UNSAFE (killed or restarted)"
-    return "safe, tight" if 1.0 <= r["ratio"] <= TIGHT else ("UNSAFE" if r["ratio"] < 1.0 else "safe, loose")
+    worker = "safe, tight" if 1.0 <= r["ratio"] <= TIGHT else ("UNSAFE" if r["ratio"] < 1.0 else "safe, loose")
+    if r.get("pinned_ratio") and r["pinned_ratio"] > pod_bound(r):
+        worker += f", pod loose (> {pod_bound(r)}x pinned)"
+    return worker
 
 
 def table(rows: list[dict], allocator: str) -> str:
@@ -230,18 +262,20 @@ def pod_table(rows: list[dict], allocator: str) -> str:
     """Worker ratio and pod ratio side by side, with kills/restarts and the command of each case."""
     unmeasured = "not reported"  # a run without pod cgroups has no pod figures
     lines = [
-        f"| case ({allocator}) | slab | passes | workers | predicted MiB | busiest worker MiB | ratio | pod limit MiB | pod non-reclaimable peak MiB | pod ratio | kills / restarts / terminations | verdict | command |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| case ({allocator}) | slab | passes | workers | predicted MiB | busiest worker MiB | ratio | pod limit MiB | pod non-reclaimable peak MiB | pod ratio | pinned peak MiB | pod limit / pinned | kills / restarts / terminations | verdict | command |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['case']} | | | | | | | | | | | {verdict(r)} | `{r.get('command', '')}` |")
+            lines.append(f"| {r['case']} | | | | | | | | | | | | | {verdict(r)} | `{r.get('command', '')}` |")
             continue
         pod_peak = f"{r['pod_peak'] / MiB:.1f}" if r["pod_peak"] else unmeasured
         pod_ratio = f"{r['pod_ratio']:.2f}" if r["pod_ratio"] else unmeasured
+        pinned = f"{r['pinned'] / MiB:.1f}" if r.get("pinned") else unmeasured
+        pinned_ratio = f"{r['pinned_ratio']:.2f}" if r.get("pinned_ratio") else unmeasured
         lines.append(
             f"| {r['case']} | {r['slab']} | {r['passes']} | {r['workers']} | {r['predicted'] / MiB:.1f} | {r['measured'] / MiB:.1f} | {r['ratio']:.3f} | "
-            f"{r['pod_limit'] / MiB:.0f} | {pod_peak} | {pod_ratio} | {r['oom_kills']} / {r['restarts']} / {r['terminations']} | {verdict(r)} | `{r['command']}` |"
+            f"{r['pod_limit'] / MiB:.0f} | {pod_peak} | {pod_ratio} | {pinned} | {pinned_ratio} | {r['oom_kills']} / {r['restarts']} / {r['terminations']} | {verdict(r)} | `{r['command']}` |"
         )
     return "\n".join(lines)
 
@@ -249,9 +283,12 @@ def pod_table(rows: list[dict], allocator: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Only the first few cases.")
-    parser.add_argument("--matrix", default="base", choices=["base", "issue18", "all"],
+    parser.add_argument("--matrix", default="base", choices=["base", "issue18", "round3", "all"],
                         help="base: the original matrix; issue18: shards at every level count, float64, threads, 4-D/5-D, "
-                             "budgets, misaligned gzip chunks and the issue's big sharded case; all: both.")
+                             "budgets, misaligned gzip chunks and the issue's big sharded case; round3: the 4-D gzip source "
+                             "read with libdeflate and through HDF5's filter, and uint8 with 128^3 chunks; all: every case.")
+    parser.add_argument("--pod-table", action="store_true",
+                        help="Print the pod columns (pod limit against the pod's non-reclaimable and pinned peaks) for any matrix.")
     parser.add_argument("--cases", help="Comma-separated case names to run.")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--allocator", default="jemalloc", choices=["jemalloc", "glibc"])
@@ -264,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                              "library upgrade, plan with a generous interpreter_baseline: the implied-baseline column "
                              "(measured minus the planned buffers) is the figure to fit.")
     args = parser.parse_args(argv)
-    cases = (matrix(args.quick) if args.matrix != "issue18" else []) + (issue18_matrix() if args.matrix != "base" else [])
+    cases = ((matrix(args.quick) if args.matrix in ("base", "all") else []) + (issue18_matrix() if args.matrix in ("issue18", "all") else [])
+             + (round3_matrix() if args.matrix in ("round3", "all") else []))
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]
@@ -272,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         r = row(run_case(case, args.workers, args.allocator, args.calibration, args.backend))
         rows.append(r)
-        print(json.dumps({k: (round(v / MiB, 1) if k in ("predicted", "measured", "cgroup", "pod_limit", "implied_baseline", "pod_peak") and v else v) for k, v in r.items()}), flush=True)
-    text = (pod_table if args.matrix != "base" else table)(rows, args.allocator)
+        print(json.dumps({k: (round(v / MiB, 1) if k in ("predicted", "measured", "cgroup", "pod_limit", "implied_baseline", "pod_peak", "pinned") and v else v) for k, v in r.items()}), flush=True)
+    text = (pod_table if args.matrix != "base" or args.pod_table else table)(rows, args.allocator)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -161,7 +161,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
     def show_plan(planned) -> None:  # the plan table first, then the bar below it
         if not args.json:
-            console.print(plan_renderable(planned))
+            from .cli import print_notices
+
+            console.print(plan_renderable(planned, notices=False))
+            print_notices(planned.notices)  # stderr, as for convert
         if bar is not None:
             entered.append(bar.__enter__())
 

@@ -16,7 +16,7 @@ from .errors import OutputNotFoundError
 EPILOG = """\
 Checks that the OME-NGFF metadata is present, that the completion marker is set, that every chunk
 (or shard) of every level decodes and matches its CRC32C (NGFF 0.5: the crc32c codec; 0.4: the
-.h5ngff-checksums sidecar; both unless converted with --no-checksums), all read through
+0/.h5ngff-checksums sidecar; both unless converted with --no-checksums), all read through
 zarr-python rather than h5ngff's writer, and with --source that EVERY level equals the pyramid
 computed from the HDF5 dataset (same downsampling, rounding and edge rule as the writer), one chunk
 at a time: memory stays bounded (docs/engine.md). Exit status 0: all good; 1: problems found (each

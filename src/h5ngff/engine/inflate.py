@@ -9,8 +9,12 @@ copied into the slab. The decoded bytes are those zlib gives (inflate has one an
 compare with h5py's own read), and anything else (shuffle, other filters, a chunk stored with its
 filter skipped is handled, an unallocated chunk reads as the fill value) falls back to h5py.
 
-Memory: one compressed and one decompressed HDF5 chunk at a time, which the plan already holds
-("hdf5 cache and decompression": + 2 x hdf5 chunk); HDF5's chunk cache is not used by this path.
+Memory: one compressed and one decompressed HDF5 chunk at a time, which the plan holds ("hdf5
+cache and decompression": + 2 x hdf5 chunk); HDF5's chunk cache is not used by this path, so the
+plan prices none for it. The planner is pure: the client describes the source with
+:func:`direct_read` (``DatasetInfo.hdf5_direct_read``) and the workers read with the same
+function, so the plan prices the path the workers take. ``H5NGFF_NO_LIBDEFLATE`` must therefore
+be set alike for the client and the workers (it is inherited by local, SLURM and emulated pods).
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ def direct_deflate(ds: h5py.Dataset) -> bool:
         return False
     plist = ds.id.get_create_plist()
     return plist.get_nfilters() == 1 and plist.get_filter(0)[0] == _DEFLATE
+
+
+def direct_read(ds: h5py.Dataset, into: np.dtype | str | None = None) -> bool:
+    """The one decision of the read path: whether a read of ``ds`` into a buffer of dtype ``into``
+    (default: ``ds``'s own) goes through :func:`read_deflate` (HDF5's chunk cache unused) rather
+    than h5py. The engine's readers take the path it names and the source description records it
+    for the planner (``DatasetInfo.hdf5_direct_read``), so the plan prices the path taken. A
+    buffer of another dtype (a big-endian dataset read as little-endian) goes through h5py."""
+    return direct_deflate(ds) and (into is None or np.dtype(into) == ds.dtype)
 
 
 def read_deflate(ds: h5py.Dataset, region: tuple[slice, ...], out: np.ndarray) -> None:

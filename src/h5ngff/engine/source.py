@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import DatasetNotFoundError, SourceError, SourceNotFoundError, UnsupportedDatasetError
 from ..planner.model import DatasetInfo
 from .buffers import slab_buffer
-from .inflate import direct_deflate, read_deflate
+from .inflate import direct_read, read_deflate
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ def _describe(ds: h5py.Dataset, path: str, name: str) -> DatasetInfo:
         itemsize=dtype.itemsize,
         hdf5_chunks=tuple(ds.chunks) if ds.chunks else None,
         hdf5_filters=filters,
+        hdf5_direct_read=direct_read(ds, output_dtype(dtype)),
     )
 
 
@@ -133,7 +134,7 @@ def read_slab(path: str, dataset: str, cache_bytes: int, region: tuple[slice, ..
     ds = open_dataset(path, dataset, cache_bytes)
     out = slab_buffer(tuple(r.stop - r.start for r in region), output_dtype(ds.dtype))
     try:
-        if direct_deflate(ds) and out.dtype == ds.dtype:
+        if direct_read(ds, out.dtype):
             read_deflate(ds, region, out)  # libdeflate: half HDF5's inflate time (engine.inflate)
         else:
             ds.read_direct(out, source_sel=region)

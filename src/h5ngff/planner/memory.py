@@ -91,7 +91,9 @@ class MemoryConstants:
     #: On a small plan 5 % of memory_limit is only a few MiB, less than the interpreter baseline
     #: varies between machines and installs (a fresh checkout compiling its bytecode in the
     #: workers measured 4-8 MiB above a warm one); a worker must not be terminated in a loop for
-    #: that. Large plans already have more room than this, so it changes only small ones.
+    #: that. Large plans already have more room than this, so it changes only small ones. (Kept at
+    #: 24 MiB: 8 MiB brought small pods from 1.86x to only 1.83x their pinned peak, far from the
+    #: 1.6x target, for a margin a fresh install measured 4-8 MiB of; docs/memory-model.md.)
     terminate_headroom_floor: int = 24 * MiB
     #: How often the nanny checks its worker's RSS (seconds), and the fastest a runaway task grows
     #: (bytes/s: about a slab read from page cache). Between two checks a worker can overshoot the
@@ -159,6 +161,9 @@ class PassShape:
     object_store: bool = False
     #: PUTs each thread keeps in flight while it builds the next unit (object-store outputs).
     upload_depth: int = 0
+    #: The HDF5 chunks are read with read_direct_chunk and inflated by libdeflate
+    #: (DatasetInfo.hdf5_direct_read): HDF5's chunk cache and its filter buffers are not used.
+    hdf5_direct: bool = False
 
 
 def encoded_bound(nbytes: int) -> int:
@@ -192,11 +197,20 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         terms.append(window_term(shape))
         hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
         why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB + HDF5 internal buffers"
-        if shape.hdf5_filtered and shape.hdf5_cache_bytes:
+        if shape.hdf5_direct:
+            # engine.inflate: each chunk's stored bytes (read_direct_chunk) and libdeflate's output,
+            # one chunk at a time (h5py serialises the reads); HDF5's chunk cache stays empty.
+            hdf5 = c.hdf5_internal
+            why = "chunks read directly and inflated by libdeflate, HDF5's chunk cache unused: HDF5 internal buffers"
+        elif shape.hdf5_filtered and shape.hdf5_cache_bytes:
             factor = c.hdf5_filtered_cache_factor if allocator == "jemalloc" else c.hdf5_filtered_cache_factor_glibc
             hdf5 = math.ceil(factor * shape.hdf5_cache_bytes) + c.hdf5_internal
             why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB x {factor} (filter buffers, {allocator}) + HDF5 internal buffers"
-        if shape.hdf5_filtered and shape.hdf5_chunk_bytes:
+        if shape.hdf5_direct and shape.hdf5_chunk_bytes:
+            # libdeflate inflates outside h5py's lock, so every thread may hold its own chunk.
+            hdf5 += T * 2 * shape.hdf5_chunk_bytes
+            why += f" + per thread ({T}) one compressed and one decompressed HDF5 chunk"
+        elif shape.hdf5_filtered and shape.hdf5_chunk_bytes:
             # h5py serialises HDF5 calls per process, so one chunk is decompressed at a time.
             hdf5 += 2 * shape.hdf5_chunk_bytes
             why += " + one compressed and one decompressed HDF5 chunk"

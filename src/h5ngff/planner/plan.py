@@ -424,7 +424,10 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
     hdf5_chunks = ctx.ds.hdf5_chunks if from_hdf5 else None
     hdf5_chunk_bytes = math.prod(hdf5_chunks) * ctx.itemsize if hdf5_chunks else None
     cache = 0
-    if hdf5_chunks and straddles:
+    direct = from_hdf5 and ctx.ds.hdf5_direct_read
+    # The direct-chunk path (engine.inflate) reads every chunk a slab touches once per slab without
+    # HDF5's chunk cache, so it needs none; HDF5's own filter path keeps them in the cache.
+    if hdf5_chunks and straddles and not direct:
         # Keep every HDF5 chunk a slab touches in the cache, so each is decompressed once per slab.
         touched = math.prod(_chunks_touched(s, h, n) for s, h, n in zip(slab, hdf5_chunks, ctx.ds.shape))
         cache = touched * math.prod(hdf5_chunks) * ctx.itemsize
@@ -444,6 +447,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
         zstd=ctx.zstd,
         object_store=ctx.object_store,
         upload_depth=ctx.upload_depth,
+        hdf5_direct=direct,
     )
 
 

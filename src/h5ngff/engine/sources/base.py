@@ -25,7 +25,7 @@ import numpy as np
 from ...errors import SourceError, SourceNotFoundError, UnsupportedDatasetError
 from ...planner.model import DatasetInfo
 from ..buffers import slab_buffer
-from ..inflate import direct_deflate, read_deflate
+from ..inflate import direct_read, read_deflate
 from ..source import SUPPORTED_KINDS, SourceIdentity, _dtype_kind, _filter_names, output_dtype, read_slab
 
 #: rdcc_nslots should be a prime well above the number of cached chunks.
@@ -95,7 +95,7 @@ def _read_piece(f: h5py.File, name: str, cache_bytes: int, region: tuple[slice, 
     dapl.set_chunk_cache(CACHE_SLOTS, max(cache_bytes, 1 << 20), 0.75)
     try:
         ds = h5py.Dataset(h5py.h5d.open(f.id, name.encode(), dapl))
-        if direct_deflate(ds) and dest.dtype == ds.dtype:
+        if direct_read(ds, dest.dtype):
             read_deflate(ds, region, dest)  # libdeflate: half HDF5's inflate time (engine.inflate)
         else:
             ds.read_direct(dest, source_sel=region)
@@ -166,15 +166,21 @@ def piece_storage(datasets: list[h5py.Dataset]) -> tuple[tuple[int, ...] | None,
     return chunks, filters
 
 
-def composite_info(lead_shape: tuple[int, ...], inner_shape: tuple[int, ...], dtype: np.dtype, datasets: list[h5py.Dataset], **attrs) -> DatasetInfo:
+def composite_info(lead_shape: tuple[int, ...], inner_shape: tuple[int, ...], dtype: np.dtype, datasets: list[h5py.Dataset],
+                   read_dtype: np.dtype | None = None, **attrs) -> DatasetInfo:
     """The planner's view of pieces stacked over ``lead_shape``: each piece is one HDF5 chunk deep
-    along the leading axes, so a slab's chunk cache covers exactly the pieces it spans."""
+    along the leading axes, so a slab's chunk cache covers exactly the pieces it spans.
+    ``read_dtype`` is the dtype of the buffer the pieces are read into (SlabSource: the storage
+    dtype where bytes are reinterpreted, else the output dtype): with it, ``_read_piece``'s own
+    decision (engine.inflate.direct_read) says whether every piece skips HDF5's chunk cache."""
     chunks, filters = piece_storage(datasets)
+    into = read_dtype if read_dtype is not None else output_dtype(dtype)
     return DatasetInfo(
         shape=tuple(lead_shape) + tuple(inner_shape),
         dtype=output_dtype(dtype).str,
         itemsize=dtype.itemsize,
         hdf5_chunks=(1,) * len(lead_shape) + chunks if chunks else None,
         hdf5_filters=filters,
+        hdf5_direct_read=bool(datasets) and all(direct_read(ds, into) for ds in datasets),
         **attrs,
     )

@@ -198,7 +198,7 @@ def open_bdv(spec: ConversionSpec) -> Opened:
         unit = first.unit.lower()
         conflicts = () if unit in UNITS or unit in _NO_UNIT else (("image.units", unknown_unit("BigDataViewer voxel", first.unit)),)
         info = composite_info(
-            lead_shape, size, dtype, datasets,
+            lead_shape, size, dtype, datasets, read_dtype=storage,
             attr_axes=lead_axes + "zyx",
             attr_scale=(1.0,) * len(lead_axes) + first.voxel,
             attr_units=("",) * len(lead_axes) + ((UNITS[unit],) * 3 if unit in UNITS else ("",) * 3),
