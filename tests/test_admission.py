@@ -135,7 +135,8 @@ VALID = {
     "retry max 10 (interval default)": edit("retry", {"maxIntervalSeconds": 10}),
     "stack tc": edit("source.stack", "tc"),
     "slurm": edit("slurm", {"partition": "gpu", "prologue": ["module load hdf5"],
-                            "directives": ["--constraint=skylake", "#SBATCH --mem-bind=local", "  -C x", "--nodelist=n1"]}),
+                            "directives": ["--constraint=skylake", "#SBATCH --mem-bind=local", "  -C x", "--nodelist=n1",
+                                                           "-Jc2", "--ntasks-per-node=1", "--cpu-freq=high"]}),
 }
 
 INVALID = {
@@ -279,6 +280,12 @@ INVALID = {
     "slurm directive --mem": edit("slurm", {"directives": ["--mem=1G"]}),
     "slurm directive #SBATCH -c 4": edit("slurm", {"directives": ["#SBATCH -c 4"]}),
     "slurm directive -N tab": edit("slurm", {"directives": ["-N\t2"]}),
+    "slurm directive -c2 (value attached)": edit("slurm", {"directives": ["-c2"]}),
+    "slurm directive -n2": edit("slurm", {"directives": ["#SBATCH -n2"]}),
+    "slurm directive -vc2 (after a flag)": edit("slurm", {"directives": ["-vc2"]}),
+    "slurm directive --cpus-per-t=2 (a prefix)": edit("slurm", {"directives": ["--cpus-per-t=2"]}),
+    "slurm directive --mem 1G (a space)": edit("slurm", {"directives": ["--mem 1G"]}),
+    "slurm directive -N2 as a second word": edit("slurm", {"directives": ["--comment=x -N2"]}),
     "slurm directive not an option": edit("slurm", {"directives": ["constraint=skylake"]}),
     "slurm directive empty": edit("slurm", {"directives": [""]}),
     "slurm directive #SBATCH alone": edit("slurm", {"directives": ["#SBATCH"]}),

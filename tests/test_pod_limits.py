@@ -96,6 +96,10 @@ def test_a_failed_run_reports_its_workers_in_json_and_draws_its_memory(user_case
     assert summary["status"] == "Failed" and summary["reason"] == "OOMKilled"
     (worker,) = summary["workers"]
     assert worker["oom_kills"] >= 1 and worker["pod_limit"] == limit and worker["peak_rss"] > 0
+    # The top level shows the limit that held and names the override (issue 28 item 9: it showed
+    # the plan's figure, fails at 9bb18a8).
+    assert summary["pod_limit_per_worker"] == limit and summary["planned_pod_limit_per_worker"] == probe["plan"]["memory"]["pod_limit"]
+    assert summary["pod_limit_override"] == {"limit": "pod limit", "enforced": limit, "planned": probe["plan"]["memory"]["pod_limit"]}
     assert "OOM kills" in report.read_text() and "Failed" in report.read_text()
 
 

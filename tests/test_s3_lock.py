@@ -121,8 +121,11 @@ def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_leas
         # fails without marking the output complete or touching the taker's lease.
         intruder = {**my_identity(TTL), "host": "another-workstation", "pid": 4242, "pid_space": "elsewhere", "command": "intruder"}
         s3.client().put_object(Bucket=bucket, Key=key_prefix + LOCK_KEY, Body=json.dumps(intruder).encode())
-        assert first.wait(timeout=50) == ExitCode.OUTPUT_REFUSED
+        # It had written (its manifest, the array metadata): a failed run, exit 1. Exit 3 promises
+        # that nothing was changed (README, exit statuses); the reason still names OutputBusy.
+        assert first.wait(timeout=50) == ExitCode.FAILED
         err = first.stderr.read()
+        assert "(OutputBusy)" in err, err[-2000:]
         assert "lost its one-writer lease" in err and "another-workstation" in err, err[-2000:]
     finally:
         _stop(first)

@@ -133,7 +133,7 @@ def test_transient_errors_are_retried_counted_and_bounded(s3):
         assert s3.keys(bucket)["out/a"] == b"data"
         # Bounded: more failures than attempts fail the request with what to do, not forever.
         proxy.faults.add("503", 10, "PUT")
-        with pytest.raises(OutputError, match="still failing after 4 attempts.*re-run the same command"):
+        with pytest.raises(OutputError, match="still failing after 4 attempts.*Run the command again once it answers"):
             store.put("b", b"data")
 
 

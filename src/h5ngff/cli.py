@@ -15,6 +15,7 @@ from rich.markup import escape
 from . import __version__
 from .cliargs import SuggestingParser, add_backend_flags, add_spec_flags, backend_from_args, constants_from_args, merge, spec_overrides, split_source
 from .clijob import add_job_commands
+from .console import make_console, print_notices
 from .cliverify import add_verify_command
 from .errors import ExitCode, H5ngffError, exit_code_table
 from .spec import parse_spec
@@ -87,14 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="HDF5 file to write.")
     s.add_argument("--dataset", default="/volume/data", help="Dataset path inside the file (default /volume/data).")
     s.add_argument("--shape", default="96,768,512", help="Comma-separated shape (2 to 5 dimensions).")
-    s.add_argument("--dtype", default="uint16", help="numpy dtype name, e.g. uint16, float32.")
+    s.add_argument("--dtype", default="uint16", help="numpy dtype name: an integer, float or bool type, e.g. uint16, float32.")
     s.add_argument("--hdf5-chunks", metavar="SHAPE", help="Store chunked with this chunk shape (default contiguous).")
     s.add_argument("--gzip", action="store_true", help="gzip-compress the HDF5 chunks (needs --hdf5-chunks).")
     s.set_defaults(func=cmd_sample)
 
     d = sub.add_parser("demo", help="Generate a sample, show its plan, convert it locally and write a memory report.")
     d.add_argument("directory", nargs="?", default="h5ngff-demo", help="Where the sample, output and report go (default ./h5ngff-demo).")
-    d.add_argument("--shape", default="96,1024,1024", help="Sample shape (default 96,1024,1024 uint16, 192 MiB).")
+    d.add_argument("--shape", default="96,1024,1024", help="Sample shape, 2 to 5 dimensions (default 96,1024,1024 uint16, 192 MiB).")
     d.set_defaults(func=cmd_demo)
     add_job_commands(sub, _common_run_flags)
     add_verify_command(sub)
@@ -140,6 +141,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     spec = spec_from_args(args)
     backend = backend_from_args(args, _manifest_slurm(args))
     job = plan_job(spec, backend, constants_from_args(args))
+    _notice_memory_beyond_machine(job, backend)
     script = backend.job_script(job.plan) if hasattr(backend, "job_script") else None
     if args.json:
         document = {"plan": job.plan.to_dict(), "notices": job.notices, "spec": job.spec.to_wire()}
@@ -149,12 +151,35 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
             document["slurm"] = slurm_job_dict(script)
         print(json.dumps(document, indent=1))
     else:
-        console.print(plan_renderable(job))
+        console.print(plan_renderable(job, notices=False))
         if script is not None:
             from .report import slurm_job_renderable
 
             console.print(slurm_job_renderable(job.plan, script))
+        print_notices(job.notices)
     return 0
+
+
+def _notice_memory_beyond_machine(job, backend) -> None:
+    """A memory budget this machine does not have: the local backend starts the workers the plan
+    sizes and trusts the budget given (only its own default, a share of RAM, follows the machine),
+    so a budget beyond the RAM is planned as if it were there. Say so; the kernel would otherwise
+    say it, mid-run, by killing workers."""
+    if getattr(backend, "name", None) not in ("local", "local-pods"):
+        return
+    from .units import format_bytes
+
+    r, plan = job.spec.resources, job.plan
+    machine = backend.capacity().memory_bytes
+    asked = r.memory_total_bytes if r.memory_per_worker_bytes is None else r.memory_per_worker_bytes * plan.workers
+    if asked is None or asked <= machine:
+        return
+    field = "resources.memoryPerWorker" if r.memory_per_worker_bytes is not None else "resources.memoryTotal"
+    given = (f"{format_bytes(r.memory_per_worker_bytes)} per worker x {plan.workers} worker(s) = {format_bytes(asked)}"
+             if r.memory_per_worker_bytes is not None else format_bytes(asked))
+    job.notices.append(f"{field}: {given} is more than this machine's {format_bytes(machine)} of memory. The plan takes the budget as given; "
+                       f"a local run that reaches it is killed by the kernel, not stopped by Dask. Give at most "
+                       f"{format_bytes(machine // max(1, plan.workers))} per worker here (or leave the budget out: the default is a share of this machine's memory).")
 
 
 def _manifest_slurm(args: argparse.Namespace):
@@ -186,13 +211,16 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     metrics = _start_metrics(spec, args)  # before planning: Prometheus's first scrapes find the target up
     try:
         job = plan_job(spec, backend, constants_from_args(args))
+        refuse_busy_output(job.spec.output.path)  # another run writing it: refused before the plan is shown
         check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster
+        _notice_memory_beyond_machine(job, backend)
     except BaseException:
         if metrics is not None:
             metrics.close()
         raise
     if not args.json:
-        console.print(plan_renderable(job))
+        console.print(plan_renderable(job, notices=False))
+        print_notices(job.notices)
     listeners = []
     bar = None
     if not args.json and not args.no_progress:
@@ -223,6 +251,34 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def refuse_busy_output(path: str) -> None:
+    """Raise OutputBusyError if another run holds a local output's lock (engine.lock), without
+    creating anything: the run itself takes the lock later (runner.run_job), and would refuse
+    then, after the plan had been printed. An object-store lease is checked by the run."""
+    import fcntl
+
+    from .engine.lock import LOCK_NAME, _busy_message, _holder
+    from .errors import OutputBusyError
+    from .spec import url_scheme
+
+    if url_scheme(path) is not None:
+        return
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file (or no output): nobody holds it
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputBusyError(_busy_message(path, _holder(fd))) from None
+        except OSError:
+            return  # a filesystem without flock: the run's own attempt says so
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def _write_memory_report(summary, path: str, console: Console | None = None) -> None:
     from .metrics.timeline import write_memory_report
 
@@ -232,24 +288,29 @@ def _write_memory_report(summary, path: str, console: Console | None = None) -> 
 
 
 def cmd_sample(args: argparse.Namespace, console: Console) -> int:
-    from .sample import write_sample
+    from .cliargs import _ints
+    from .sample import check_chunks, check_dtype, parse_shape, write_sample
 
-    shape = tuple(int(v) for v in args.shape.split(","))
-    chunks = tuple(int(v) for v in args.hdf5_chunks.split(",")) if args.hdf5_chunks else None
+    # Checked before anything is written (exit 2); write_sample renames a whole file into place.
+    shape = parse_shape(args.shape)
+    check_dtype(args.dtype)
+    chunks = tuple(_ints(args.hdf5_chunks, "--hdf5-chunks")) if args.hdf5_chunks else None
+    check_chunks(chunks, shape)
     write_sample(args.path, args.dataset, shape, args.dtype, chunks=chunks, compression="gzip" if args.gzip else None)
     console.print(f"wrote {args.path}:{args.dataset} shape {shape} {args.dtype}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from .sample import write_sample
+    from .sample import parse_shape, write_sample
 
+    shape = parse_shape(args.shape)  # before the directory is made: a refused shape writes nothing
     os.makedirs(args.directory, exist_ok=True)
     source = os.path.join(args.directory, "sample.h5")
-    shape = tuple(int(v) for v in args.shape.split(","))
     if not os.path.exists(source):
         console.print(f"[bold]1. sample[/bold]: writing {source} {shape} uint16")
-        write_sample(source, "/volume/data", shape, "uint16", element_size_um=(2.0, 0.5, 0.5)[-len(shape):])
+        # Voxel sizes for the spatial axes only (z, y, x): leading t and c axes have none.
+        write_sample(source, "/volume/data", shape, "uint16", element_size_um=(2.0, 0.5, 0.5)[-min(len(shape), 3):] if len(shape) <= 3 else None)
     parser = build_parser()
     output = os.path.join(args.directory, "sample.ome.zarr")
     report = os.path.join(args.directory, "memory-report.png")
@@ -282,11 +343,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     as_json = bool(getattr(args, "json", False))
     # Tables go to stdout (stderr with --json, whose stdout is one JSON document); errors and the
     # interrupt notice always go to stderr, so pipes and 2>/dev/null see only the output.
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     errors = Console(stderr=True)
     try:
         return args.func(args, console)
     except H5ngffError as exc:
+        code = _exit_code(exc)
         if not as_json:
             # soft_wrap: one line per message, so grep and logs see it whole. Escaped: a message
             # quoting "[profile x]" or a list must not be read as rich markup and vanish.
@@ -296,7 +358,18 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(json.dumps(exc.summary.to_dict(), indent=1, default=str))
         else:
             print(json.dumps({"status": "Failed", "reason": exc.reason, "message": str(exc)}))
-        return exc.exit_code
+        return code
+
+
+def _exit_code(exc: H5ngffError) -> int:
+    """The error's exit status, except that 2 and 3 promise that nothing was written (changed):
+    an error of those kinds raised after the run had begun writing the output (a source chunk
+    that proves corrupt mid-run, an output that stops being writable) is a failed run, exit 1,
+    whose partial output a re-run resumes."""
+    summary = exc.summary
+    if exc.exit_code in (ExitCode.BAD_INPUT, ExitCode.OUTPUT_REFUSED) and summary is not None and summary.totals is not None:
+        return ExitCode.FAILED
+    return exc.exit_code
 
 
 def _stdout_closed() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 from typing import Any
 
 from .errors import SpecError
@@ -30,11 +31,58 @@ class SuggestingParser(argparse.ArgumentParser):
             parser.error(unrecognized_message(extras, parser))
         return parsed
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        import sys
+
+        return super().parse_known_args(join_negative_lists(sys.argv[1:] if args is None else list(args)), namespace)
+
+    def error(self, message: str):  # type: ignore[override]
+        """A mistyped command gets the closest command, and the listing names only the commands
+        ``--help`` shows (not the hidden ``runner``)."""
+        match = re.match(r"argument (\S+): invalid choice: '([^']*)'", message)
+        subparsers = self._subparsers_action()
+        if match and subparsers is not None and match.group(1) in (subparsers.metavar, subparsers.dest):
+            visible = [action.dest for action in subparsers._choices_actions]
+            close = difflib.get_close_matches(match.group(2), visible, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            message = f"argument {match.group(1)}: invalid choice: {match.group(2)!r} (choose from {', '.join(visible)}){hint}"
+        super().error(message)
+
+    def _subparsers_action(self) -> argparse._SubParsersAction | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action
+        return None
+
     def _chosen_subcommand(self, parsed: argparse.Namespace) -> argparse.ArgumentParser | None:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
                 return action.choices.get(getattr(parsed, action.dest, None))
         return None
+
+
+#: Flags whose value is a comma-separated list of numbers: a value starting with '-' (-1,64,64)
+#: is theirs, not an option, so the spec can refuse it with its own message. argparse takes
+#: only a lone negative number (-1) for a value, and answers "expected one argument" otherwise.
+NUMBER_LIST_FLAGS = frozenset({"--chunks", "--shards", "--slab", "--scale", "--shape", "--hdf5-chunks"})
+_NEGATIVE_LIST = re.compile(r"^-[0-9.]")
+
+
+def join_negative_lists(argv: list[str]) -> list[str]:
+    """``--chunks -1,64,64`` -> ``--chunks=-1,64,64`` for the NUMBER_LIST_FLAGS (not after ``--``)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg in NUMBER_LIST_FLAGS and i + 1 < len(argv) and _NEGATIVE_LIST.match(argv[i + 1]):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def unrecognized_message(extras: list[str], parser: argparse.ArgumentParser) -> str:

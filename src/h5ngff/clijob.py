@@ -161,7 +161,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 
     def show_plan(planned) -> None:  # the plan table first, then the bar below it
         if not args.json:
-            from .cli import print_notices
+            from .console import print_notices
 
             console.print(plan_renderable(planned, notices=False))
             print_notices(planned.notices)  # stderr, as for convert

@@ -37,7 +37,9 @@ def _storage(plan: Plan) -> str:
     return f"chunked {ds.hdf5_chunks}{filters}"
 
 
-def plan_renderable(job: PlannedJob) -> Group:
+def plan_renderable(job: PlannedJob, notices: bool = True) -> Group:
+    """The plan's tables; with ``notices``, its notices below them (the CLI prints them apart,
+    on stderr: ``notices_renderable``)."""
     plan, spec = job.plan, job.spec
     ds = plan.dataset
     head = Table.grid(padding=(0, 2))
@@ -70,9 +72,13 @@ def plan_renderable(job: PlannedJob) -> Group:
     mem.add_row(Text("pod limit", style="bold"), Text(_mib(plan.memory.pod_limit), style="bold"), f"pod resources: requests = limits = {k8s_quantity(plan.memory.pod_limit)} (Guaranteed QoS)")
     mem.add_row("dask thresholds", "", f"target {th.target}, spill {th.spill}, pause {th.pause}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)")
     parts = [head, Text(""), passes, Text(""), mem]
-    for notice in job.notices:
-        parts.append(Text(f"notice: {notice}", style="yellow"))
+    if notices and job.notices:
+        parts.append(notices_renderable(job.notices))
     return Group(*parts)
+
+
+def notices_renderable(notices: list[str]) -> Group:
+    return Group(*(Text(f"notice: {notice}", style="yellow") for notice in notices))
 
 
 def summary_renderable(summary: RunSummary) -> Group:

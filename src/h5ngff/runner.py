@@ -15,6 +15,7 @@ from . import __version__
 from .backends.allocator import resolve_allocator
 from .backends.base import Backend, Session
 from .backends.diagnostics import ClusterEvents, WorkerReport
+from .backends.shutdown import quiet_sync_cancel_race
 from .engine.driver import RunTotals, finish, run_conversion
 from .engine.lock import output_lock
 from .engine.output import prepare_output
@@ -64,6 +65,9 @@ class RunSummary:
     #: (epoch seconds, pod name, non-reclaimable bytes): each pod's memory that cannot be reclaimed
     pod_timeline: list[tuple[float, str, int]] = field(default_factory=list)
     events: ClusterEvents = field(default_factory=ClusterEvents)
+    #: (what the limit is called, bytes) where the backend enforced another limit than the plan's
+    #: (``--pod-limit``, ``--slurm-job-mem``): the summary shows what held, and says so.
+    limit_override: tuple[str, int] | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -91,7 +95,10 @@ class RunSummary:
             "stage_seconds": self.totals.stage_seconds if self.totals else {},
             "predicted_peak_per_worker": plan.memory.predicted_peak,
             "memory_limit_per_worker": plan.memory.memory_limit,
-            "pod_limit_per_worker": plan.memory.pod_limit,
+            "pod_limit_per_worker": self.limit_override[1] if self.limit_override else plan.memory.pod_limit,
+            "planned_pod_limit_per_worker": plan.memory.pod_limit,
+            "pod_limit_override": ({"limit": self.limit_override[0], "enforced": self.limit_override[1], "planned": plan.memory.pod_limit}
+                                   if self.limit_override else None),
             "workers": [w.to_dict() for w in self.workers],
             "notices": self.job.notices,
         }
@@ -106,6 +113,7 @@ def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None 
     ``metrics`` (a ``metrics.exporter.MetricsExporter``) hears every progress event and polls the
     cluster while it is up."""
     events = Broadcast(list(listeners or []) + ([metrics] if metrics is not None else []))
+    quiet_sync_cancel_race()  # a Ctrl-C must print one line, not distributed's NameError (backends/shutdown.py)
     events.emit(phase="Planned", slabs_total=job.plan.n_tasks, message="")
     summary = RunSummary("Failed", job)
     start, started = time.perf_counter(), time.time()
@@ -118,6 +126,7 @@ def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None 
     except H5ngffError as exc:
         summary.error = exc
         summary.seconds = time.perf_counter() - start
+        _failed_totals(summary, events, exc)
         exc.summary = summary  # the CLI's --json and --memory-report show a failed run's figures too
         events.emit(phase="Failed", message=str(exc))
         raise
@@ -125,6 +134,7 @@ def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None 
 
 def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunSummary, metrics, start: float, started: float, guard) -> None:
     output = prepare_output(job.plan, job.spec, job.source)
+    summary.totals = RunTotals()  # the output is written from here on: a failed run reports what it wrote
     summary.resumed = output.resumed
     if output.complete:
         summary.totals = RunTotals(slabs_skipped=job.plan.n_tasks)
@@ -158,12 +168,38 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
     events.emit(phase="Succeeded")
 
 
+def _failed_totals(summary: RunSummary, events: Broadcast, exc: H5ngffError) -> None:
+    """A failed run's totals: the slabs it wrote (each recorded in the manifest before its
+    progress event) and skipped, and their bytes. The driver's own count where its error carries
+    one (``exc.totals``), else as the progress events counted them. None where the run failed
+    before its output was prepared (nothing was written)."""
+    if summary.totals is None:
+        return
+    if summary.totals.slabs_written or summary.totals.slabs_skipped:
+        return  # run_conversion returned its own totals before the failure
+    carried = getattr(exc, "totals", None)
+    if isinstance(carried, RunTotals):
+        summary.totals = carried
+        return
+    p = events.progress
+    summary.totals = RunTotals(
+        seconds=summary.seconds,
+        slabs_written=max(0, p.slabs_done - p.slabs_skipped),
+        slabs_skipped=p.slabs_skipped,
+        bytes_read=p.bytes_read,
+        bytes_written=p.bytes_written,
+        store_retries=p.store_retries,
+    )
+
+
 def _collect_workers(summary: RunSummary, plan: Plan, sampler: ClusterPoller, session: Session, since: float) -> None:
     try:
         summary.events = ClusterEvents.collect(session.client, since)
         summary.workers = session.worker_reports(plan, sampler.peaks, summary.events)
         summary.timeline = sampler.timeline
         summary.pod_timeline = session.pod_timeline()
+        if session.pod_limit and session.pod_limit != plan.memory.pod_limit:
+            summary.limit_override = (session.limit_name, session.pod_limit)
     except Exception:  # a broken cluster must not hide the error that broke it
         log.warning("Could not collect the workers' memory figures.", exc_info=True)
 

@@ -278,7 +278,7 @@ class OutputSpec(_Model):
     shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
     compressor: CompressorSpec = Field(default_factory=CompressorSpec)
     overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
-    checksums: bool = Field(True, description="A CRC32C per chunk file: NGFF 0.5 writes the Zarr v3 crc32c codec, 0.4 a sidecar (.h5ngff-checksums/, local outputs only); h5ngff verify checks them.")
+    checksums: bool = Field(True, description="A CRC32C per chunk file: NGFF 0.5 writes the Zarr v3 crc32c codec, 0.4 a sidecar (0/.h5ngff-checksums/, local outputs only); h5ngff verify checks them.")
     storage_options: dict[str, str] | None = Field(
         None, description="Object store options for an s3:// path, e.g. profile, endpoint, region, allow_http. Credentials belong in the environment (a Secret), not here.")
 
@@ -497,10 +497,30 @@ class ResourcesSpec(_Model):
 SLURM_PLANNED_OPTIONS = ("--mem", "--mem-per-cpu", "--mem-per-gpu", "--cpus-per-task", "-c", "--ntasks", "-n", "--nodes", "-N")
 #: A walltime as sbatch reads it: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
 SLURM_WALLTIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$"
+#: What SLURM_WALLTIME allows, in words (for the error message).
+SLURM_WALLTIME_FORMATS = "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 90, 02:00:00, 1-12)"
 #: An #SBATCH directive's option: its first word, after an optional ``#SBATCH``. The CRD matches
 #: directives with the same expressions (operator/admission.py).
 SLURM_DIRECTIVE_PREFIX = r"^[ \t]*(#SBATCH)?[ \t]*"
 SLURM_OPTION = SLURM_DIRECTIVE_PREFIX + r"(-[^ \t=]*)"
+#: sbatch's short options that take no argument: they may precede another in one word (``-vc2``).
+SBATCH_FLAG_LETTERS = "HOQVWhsuv"
+
+
+def _planned_option_pattern() -> str:
+    """A word of a directive that sbatch reads as an option the plan sets. sbatch reads every word
+    of an #SBATCH line with getopt_long: a short option may carry its value (``-c2``) and follow
+    argument-less flags (``-vc2``); a long option may be any prefix of its name (``--cpus-per-t=2``;
+    a prefix shared with other options is refused by sbatch as ambiguous). Words in quotes or
+    after a ``#`` are refused too: stricter than sbatch, never laxer."""
+    longs = [o[2:] for o in SLURM_PLANNED_OPTIONS if o.startswith("--")]
+    shorts = "".join(o[1] for o in SLURM_PLANNED_OPTIONS if not o.startswith("--"))
+    prefixes = sorted({name[:i] for name in longs for i in range(1, len(name) + 1)}, key=lambda p: (-len(p), p))
+    return f"({SLURM_DIRECTIVE_PREFIX}|[ \\t])(--({'|'.join(prefixes)})([ \\t=]|$)|-[{SBATCH_FLAG_LETTERS}]*[{shorts}])"
+
+
+#: Matches a directive that sets an option the plan sets (SlurmSpec._not_planned; the CRD's rule).
+SLURM_PLANNED_DIRECTIVE = _planned_option_pattern()
 #: At most this many directives, of at most this many characters: bounds the CRD's CEL cost.
 MAX_SLURM_DIRECTIVES = 64
 MAX_SLURM_DIRECTIVE_LENGTH = 1024
@@ -547,11 +567,24 @@ class SlurmSpec(_Model):
             match = re.match(SLURM_OPTION, d)
             if match is None:
                 raise ValueError(f"Expected an sbatch option such as --constraint=skylake. Got {d!r} instead.")
-            option = match.group(2)
-            if option in SLURM_PLANNED_OPTIONS:
-                raise ValueError(f"Expected no {option}: the plan sets the job's memory and CPUs (h5ngff plan --backend slurm shows them); "
-                                 f"change resources.memoryPerWorker or resources.threadsPerWorker instead. Got {d!r} instead.")
+            planned = re.search(SLURM_PLANNED_DIRECTIVE, d)
+            if planned is not None:
+                raise ValueError(f"Expected no {_planned_word(planned.group(0))}: the plan sets the job's memory and CPUs "
+                                 f"(h5ngff plan --backend slurm shows them); change resources.memoryPerWorker or "
+                                 f"resources.threadsPerWorker instead. Got {d!r} instead.")
         return v
+
+
+def _planned_word(match: str) -> str:
+    """The option a SLURM_PLANNED_DIRECTIVE match sets, as sbatch reads it: ``-vc`` -> ``-c``,
+    ``--cpus-per-t`` -> ``--cpus-per-t (sbatch reads a prefix as --cpus-per-task)``."""
+    word = match.strip(" \t=").removeprefix("#SBATCH").strip(" \t")
+    if not word.startswith("--"):
+        return f"-{word[-1]}" + (f" (in {word}, as sbatch reads it)" if len(word) > 2 else "")
+    if word in SLURM_PLANNED_OPTIONS:
+        return word
+    names = [o for o in SLURM_PLANNED_OPTIONS if o.startswith(word)]
+    return f"{word} (sbatch reads an option's prefix as the option: {' or '.join(names)})"
 
 
 class ConversionSpec(_Model):
@@ -636,6 +669,10 @@ def _field_path(err: dict[str, Any]) -> str:
     return path
 
 
+#: What a field's pattern allows, in words: the pattern itself is no message.
+_PATTERN_WORDS = {SLURM_WALLTIME: f"a SLURM time limit: {SLURM_WALLTIME_FORMATS}"}
+
+
 def _expected(err: dict[str, Any]) -> str:
     """What one failed check allows, as the object of 'Expected …'."""
     kind = err["type"]
@@ -646,6 +683,9 @@ def _expected(err: dict[str, Any]) -> str:
         return f"a number {err['msg'].removeprefix('Input should be ')}"
     if kind == "string_too_short":
         return "a non-empty string"
+    if kind == "string_pattern_mismatch":
+        pattern = str((err.get("ctx") or {}).get("pattern"))
+        return _PATTERN_WORDS.get(pattern, f"a string matching {pattern}")
     # "a valid integer, unable to parse string as an integer" -> "a valid integer"
     return err["msg"].removeprefix("Input should be ").split(",")[0]
 

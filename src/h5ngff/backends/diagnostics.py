@@ -15,16 +15,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from distributed import Client
+from distributed.core import Status
 from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from ..errors import H5ngffError, NannyTerminatedError, OOMKilledError, WorkerFailedError
 from ..units import format_bytes
 from .cgroups import own_oom_kill_count
+from .shutdown import StopHeartbeat
 
 log = logging.getLogger(__name__)
 
 EXIT_TOPIC = "h5ngff-worker-exit"
 MEMORY_RESTART_TOPIC = "worker-restart-memory"
+#: A nanny in these states stops its worker on purpose: that exit is no death to report.
+_NANNY_CLOSING = (Status.closing, Status.closed, Status.closing_gracefully)
 
 
 class WorkerExitReporter(NannyPlugin):
@@ -39,6 +43,11 @@ class WorkerExitReporter(NannyPlugin):
             return
 
         async def on_exit(exitcode, _original=original, _nanny=nanny):
+            if _nanny.status in _NANNY_CLOSING:
+                # An exit the nanny asked for (the cluster is closing). Reporting it raced the
+                # nanny's closing connection pool and printed "Task exception was never
+                # retrieved" (backends/shutdown.py); the run's events were read before the close.
+                return await _original(exitcode)
             try:
                 _nanny.log_event(EXIT_TOPIC, {
                     "worker": _nanny.worker_address,
@@ -82,9 +91,11 @@ def _error_names(cls: type) -> set[str]:
 
 
 def register_plugins(client: Client) -> None:
-    """The plugins every backend's cluster runs: exit reports (nannies), quiet expected errors (workers)."""
+    """The plugins every backend's cluster runs: exit reports (nannies), quiet expected errors and
+    a quiet close (workers)."""
     client.register_plugin(WorkerExitReporter())
     client.register_plugin(QuietExpectedErrors())
+    client.register_plugin(StopHeartbeat())
 
 
 def _record_peak_on_termination(nanny) -> None:

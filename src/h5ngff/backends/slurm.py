@@ -11,7 +11,9 @@ What SLURM reports becomes the run's reason:
 * a worker killed by its job's memory cgroup (the nanny's cgroup counter while the job runs,
   slurmstepd's "oom-kill event" line in the job's .err once it ends, or ``OUT_OF_MEMORY``) ->
   ``OOMKilled`` with the worker's figures (runner + diagnostics.classify_failure);
-* jobs cancelled or timed out under the run -> ``WorkersLost``.
+* jobs that reached their time limit (``JobState=TIMEOUT``) -> ``WorkersLost`` naming the limit
+  and ``slurm.walltime``; jobs cancelled by someone else (``CANCELLED``) -> ``WorkersLost`` saying so;
+* sbatch unable to reach slurmctld, or to read its configuration -> ``ClusterError`` quoting SLURM.
 
 Every job of the run is cancelled when the session ends, whatever the outcome: by the session
 (success, failure, Ctrl-C) and, should the h5ngff process die without cleaning up, by the reaper
@@ -30,22 +32,26 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import dask
 from distributed import Client
 
-from ..errors import ClusterError, OOMKilledError, WorkersLostError, WorkersPendingError
+from ..errors import ClusterError, NannyTerminatedError, OOMKilledError, WorkerFailedError, WorkersLostError, WorkersPendingError
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec, SlurmSpec
 from ..units import MiB
 from .base import Session, dask_memory_config
-from .diagnostics import WorkerReport, register_plugins
+from .diagnostics import ClusterEvents, WorkerReport, register_plugins
 from .slurmctl import (
+    NO_CONFIGURATION,
+    UNREACHABLE,
     JobState,
     cancel_by_name,
     job_state,
     oom_events,
+    pending_advice,
     queued_ids,
     sbatch_refusal,
 )
@@ -92,12 +98,10 @@ class SlurmBackend:
         os.makedirs(log_dir, exist_ok=True)
         settings = self.settings.model_copy(update={"log_directory": log_dir})
         # The limit SLURM enforces: --mem in whole MiB, rounded up.
-        jobs = SlurmJobs(plan, job_name, log_dir, job_mem_mib(self.job_mem or plan.memory.pod_limit) * MiB)
+        jobs = SlurmJobs(plan, job_name, log_dir, job_mem_mib(self.job_mem or plan.memory.pod_limit) * MiB, settings.walltime)
         refusal = sbatch_refusal(build_job_script(plan, settings, self.python, job_name=job_name, job_mem=self.job_mem).text())
         if refusal:
-            raise ClusterError(f"SLURM refuses the worker job script (sbatch --test-only): {refusal}. "
-                               f"h5ngff plan --backend slurm shows the script; check slurm.partition, slurm.account, slurm.qos and slurm.directives, "
-                               f"and that --mem={jobs.job_mem // MiB}M fits a node of the partition (resources.memoryPerWorker).")
+            raise refusal_error(refusal, jobs.job_mem)
         with ExitStack() as stack:
             stack.enter_context(_reaper(job_name))  # stopped only after the jobs are gone
             stack.callback(jobs.close)  # cancel everything, then read the final figures
@@ -117,7 +121,40 @@ class SlurmBackend:
             cluster.scale(plan.workers)
             jobs.wait_for_workers(client, plan.workers, settings.pending_timeout)
             stack.enter_context(jobs.watching())
-            yield Session(client, "slurm", jobs.reports, lambda: jobs.refresh(client), jobs.job_mem, limit_name="job --mem")
+            yield SlurmSession(client, "slurm", jobs.reports, lambda: jobs.refresh(client), jobs.job_mem, limit_name="job --mem", jobs=jobs)
+
+
+def refusal_error(refusal: str, job_mem: int) -> ClusterError:
+    """sbatch --test-only's refusal as the run's error: SLURM's own words, and advice that fits them."""
+    conf = os.environ.get("SLURM_CONF")
+    where = f"SLURM_CONF={conf}" if conf else "SLURM_CONF is not set, so /etc/slurm/slurm.conf or DNS SRV records"
+    if UNREACHABLE in refusal:
+        return ClusterError(f"SLURM's controller cannot be reached; sbatch --test-only says: {refusal}. Check that slurmctld is up "
+                            f"(scontrol ping) and that this machine reads the cluster's configuration ({where}).")
+    if any(words in refusal for words in NO_CONFIGURATION):
+        return ClusterError(f"SLURM's commands cannot read their configuration here; sbatch --test-only says: {refusal}. "
+                            f"Point SLURM_CONF at the cluster's slurm.conf, or run h5ngff on a login node ({where}).")
+    return ClusterError(f"SLURM refuses the worker job script (sbatch --test-only): {refusal}. "
+                        f"h5ngff plan --backend slurm shows the script; check slurm.partition, slurm.account, slurm.qos and slurm.directives, "
+                        f"and that --mem={job_mem // MiB}M fits a node of the partition (resources.memoryPerWorker).")
+
+
+@dataclass
+class SlurmSession(Session):
+    """A Session whose failures SLURM can explain: a job's time limit, or a cancel by someone else."""
+
+    jobs: "SlurmJobs | None" = None
+
+    def diagnose(self, failure: BaseException, events: ClusterEvents, plan: Plan, workers: list[WorkerReport]) -> WorkerFailedError:
+        err = super().diagnose(failure, events, plan, workers)
+        if isinstance(err, (OOMKilledError, NannyTerminatedError)) or self.jobs is None:
+            return err
+        lost = self.jobs.lost_error()
+        if lost is None:
+            return err
+        for counter in ("oom_kills", "memory_terminations"):  # classify_failure's counts, 0 here
+            setattr(lost, counter, getattr(err, counter, 0))
+        return lost
 
 
 def _import_jobqueue():
@@ -196,8 +233,9 @@ def _reaper(job_name: str) -> Iterator[None]:
 class SlurmJobs:
     """The run's worker jobs: their states, their .err files and their per-worker reports."""
 
-    def __init__(self, plan: Plan, job_name: str, log_dir: str, job_mem: int):
+    def __init__(self, plan: Plan, job_name: str, log_dir: str, job_mem: int, walltime: str = ""):
         self.plan = plan
+        self.walltime = walltime
         self.job_name = job_name
         self.log_dir = log_dir
         self.job_mem = job_mem
@@ -206,6 +244,8 @@ class SlurmJobs:
         #: worker name -> SLURM job id
         self.job_ids: dict[str, str] = {}
         self.states: dict[str, JobState] = {}
+        #: Jobs seen ending while the run watched them: before h5ngff cancelled anything itself.
+        self.ended: dict[str, JobState] = {}
         self._stop = threading.Event()
 
     def _known_jobs(self) -> dict[str, str]:
@@ -236,11 +276,13 @@ class SlurmJobs:
         pending = {name: s for name, s in states.items() if s is not None and s.state == "PENDING"}
         reasons = ", ".join(sorted({s.reason for s in pending.values()})) or "not submitted"
         ids = ", ".join(s.job_id for s in pending.values()) or "none"
+        advice = "; ".join(dict.fromkeys(a for a in map(pending_advice, sorted({s.reason for s in pending.values()})) if a))
+        advice = advice or ("wait for room (raise slurm.pendingTimeout), choose another slurm.partition or slurm.qos, or plan smaller jobs "
+                            "(resources.memoryPerWorker, resources.workers)")
         return WorkersPendingError(
             f"WorkersPending: only {have} of {n} worker job(s) started within {timeout:.0f} s; job(s) {ids} still pending, "
             f"SLURM's reason: {reasons}. Each job asks for --mem={self.job_mem // MiB}M and --cpus-per-task={self.plan.threads_per_worker}: "
-            f"wait for room (raise slurm.pendingTimeout), choose another slurm.partition or slurm.qos, or plan smaller jobs "
-            f"(resources.memoryPerWorker, resources.workers).", reasons=reasons)
+            f"{advice}.", reasons=reasons)
 
     def _ended_error(self, name: str, s: JobState):
         err = self._err_text(s.job_id).strip().splitlines()[-8:]
@@ -250,10 +292,30 @@ class SlurmJobs:
                                   f"memory cgroup before its worker connected; the nanny and an idle worker alone did not fit (the plan's "
                                   f"interpreter and nanny terms are {(self.plan.memory.terms[0].bytes + self.plan.memory.pod_terms[1].bytes) // MiB} MiB). "
                                   f"Raise resources.memoryPerWorker, or drop --slurm-job-mem.", worker=name)
-        if s.state == "CANCELLED":
-            return WorkersLostError(f"WorkersLost: worker job {s.job_id} ({name}) was cancelled before its worker connected (reason {s.reason}).", worker=name)
+        if s.state in ("CANCELLED", "TIMEOUT"):
+            return WorkersLostError(f"WorkersLost: before its worker connected, worker job {s.job_id} ({name}) {self._ended_words(s)}.", worker=name)
         return ClusterError(f"Worker job {s.job_id} ({name}) ended {s.state} (exit {s.exit_code}, reason {s.reason}) before its worker "
                             f"connected. Last lines of {self._err_path(s.job_id)}:\n{tail}")
+
+    def _ended_words(self, s: JobState) -> str:
+        if s.state == "TIMEOUT":
+            return (f"reached its time limit -t {self.walltime or '?'} (SLURM: JobState=TIMEOUT Reason={s.reason}): raise slurm.walltime "
+                    f"(--slurm-walltime) so the jobs outlast the conversion; a re-run resumes where this one stopped")
+        return (f"was cancelled (SLURM: JobState=CANCELLED Reason={s.reason}) by someone other than h5ngff: scancel, an administrator "
+                f"or a preemption")
+
+    def lost_error(self) -> WorkersLostError | None:
+        """Why the run lost its workers, where SLURM ended their jobs under it (TIMEOUT first)."""
+        for name, s in list(self.ended.items()):
+            if s.state == "COMPLETING":  # ending before h5ngff cancelled anything: its final state is its own
+                self.ended[name] = job_state(s.job_id) or s
+        for wanted in ("TIMEOUT", "CANCELLED"):
+            hit = {name: s for name, s in self.ended.items() if s.state == wanted}
+            if hit:
+                ids = ", ".join(f"{s.job_id} ({name})" for name, s in sorted(hit.items()))
+                return WorkersLostError(f"WorkersLost: during the run, worker job(s) {ids} {self._ended_words(next(iter(hit.values())))}.",
+                                        worker=next(iter(hit)))
+        return None
 
     def _err_path(self, job_id: str) -> str:
         return os.path.join(self.log_dir, f"{self.job_name}-{job_id}.err")
@@ -270,10 +332,7 @@ class SlurmJobs:
         """Record job states during the run (a cancelled or timed-out job explains WorkersLost)."""
         def loop() -> None:
             while not self._stop.wait(2.0):
-                for name, jid in self._known_jobs().items():
-                    state = job_state(jid)
-                    if state is not None:
-                        self.states[name] = state
+                self._record()
         thread = threading.Thread(target=loop, name="h5ngff-slurm-jobs", daemon=True)
         thread.start()
         try:
@@ -281,6 +340,15 @@ class SlurmJobs:
         finally:
             self._stop.set()
             thread.join(timeout=5)
+            self._record()  # the last look before h5ngff kills and cancels the jobs itself
+
+    def _record(self) -> None:
+        for name, jid in self._known_jobs().items():
+            state = job_state(jid)
+            if state is not None:
+                self.states[name] = state
+                if state.finished or state.state == "COMPLETING":
+                    self.ended.setdefault(name, state)
 
     def refresh(self, client: Client | None = None) -> None:
         """Re-read every job's figures: its cgroup through the worker (while it runs), its .err."""

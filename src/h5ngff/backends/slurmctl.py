@@ -48,6 +48,26 @@ def parse_scontrol_job(text: str) -> JobState | None:
                     fields.get("ExitCode", ""), fields.get("MinMemoryNode", "") or fields.get("MinMemoryCPU", ""))
 
 
+def pending_advice(reason: str) -> str | None:
+    """What to do about jobs pending for ``reason`` when waiting will not start them, or None
+    where it may (Resources, Priority, ...). SLURM's reasons: squeue(1), "JOB REASON CODES"."""
+    if reason.startswith("Invalid") or reason.endswith("NotAllowed"):
+        return ("SLURM will not run these jobs as submitted: the account, QOS or partition is not one you may use "
+                "(sacctmgr show assoc user=$USER lists yours); fix slurm.account, slurm.qos or slurm.partition")
+    if reason.startswith(("Assoc", "QOS")):
+        return ("the jobs are held by a limit of the account or QOS: a per-job limit (…PerJob, …MaxWall…) never lifts, a group "
+                "limit (…Grp…) only as the account's other jobs end; plan smaller jobs (resources.memoryPerWorker, resources.workers, "
+                "slurm.walltime) or use another slurm.account or slurm.qos (sacctmgr show qos lists the limits)")
+    if reason.startswith("Partition"):
+        return ("the partition refuses jobs like these (scontrol show partition lists its MaxTime, MaxNodes and state): "
+                "lower slurm.walltime or choose another slurm.partition")
+    if reason.startswith("JobHeld"):
+        return "the jobs are held: scontrol release them, or drop --hold from slurm.directives"
+    if reason in ("BeginTime", "Dependency", "DependencyNeverSatisfied"):
+        return "the jobs wait for their --begin time or dependency (slurm.directives), not for room"
+    return None
+
+
 def oom_events(err_text: str) -> int:
     """How many times the job's cgroup OOM-killed a process, as slurmstepd reports it."""
     kills = sum(int(n) for n in OOM_EVENTS.findall(err_text))
@@ -93,6 +113,11 @@ def cancel_by_name(job_name: str, kill: bool = False) -> None:
         log.warning("scancel --name %s failed: %s", job_name, exc)
 
 
+#: sbatch's words when it cannot reach slurmctld, or cannot read the configuration at all.
+UNREACHABLE = "Unable to contact slurm controller"
+NO_CONFIGURATION = ("Unable to process configuration file", "Could not establish a configuration source", "s_p_parse_file")
+
+
 def sbatch_refusal(script_text: str) -> str | None:
     """``sbatch --test-only``: SLURM's own verdict on the job script, without submitting it. None
     when SLURM would accept it, else its message (an unknown partition, --mem above every node's)."""
@@ -100,7 +125,16 @@ def sbatch_refusal(script_text: str) -> str | None:
         proc = subprocess.run(["sbatch", "--test-only"], input=script_text, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
     except FileNotFoundError:
         return "sbatch is not installed here (run h5ngff where SLURM's client commands are, e.g. a login node)"
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired as exc:  # e.g. a missing SLURM_CONF: sbatch retries for 60 s; keep what it said
+        said = _lines(exc.stderr) or _lines(exc.stdout)
+        return f"sbatch --test-only gave no verdict within {COMMAND_TIMEOUT} s" + (f"; it said: {said}" if said else "")
+    except OSError as exc:
         return f"sbatch --test-only failed: {exc}"
-    text = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
-    return None if proc.returncode == 0 else "; ".join(line.strip() for line in text.splitlines() if line.strip())
+    text = _lines(proc.stderr) or _lines(proc.stdout) or f"exit {proc.returncode}"
+    return None if proc.returncode == 0 else text
+
+
+def _lines(output: str | bytes | None) -> str:
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    return "; ".join(line.strip() for line in (output or "").splitlines() if line.strip())

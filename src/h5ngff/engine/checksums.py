@@ -5,7 +5,7 @@ Zarr v3 has a crc32c codec, so NGFF 0.5 outputs carry a checksum inside every ch
 of every chunk file it writes (the whole file's bytes, as stored), the client records them in the
 manifest with the slab, and ``finish_output`` writes them, per level, to
 
-    OUT/.h5ngff-checksums/<level>.json
+    OUT/0/.h5ngff-checksums/<level>.json
     {"format": "h5ngff-checksums/1", "algorithm": "crc32c", "level": 0, "array": "0",
      "chunks": {"0/0/0": "1c2a3b4d", ...}}
 
@@ -14,6 +14,14 @@ CRC32C (Castagnoli, as in Zarr v3's crc32c codec) of the file's bytes, 8 lowerca
 keys sorted. A key that is absent was never written (an all-fill chunk skipped, or none). Only
 the client writes the sidecar, once, from the manifest, before the completion marker: one writer
 per file, and a resumed run (whose manifest holds the first run's records) writes the same bytes.
+
+Why inside the full-resolution array ``0/`` and not beside it: zarr-python 3 lists every entry of
+a group to find its members and warns about each one that is neither an array nor a group
+(``Object at .h5ngff-checksums is not recognized as a component of a Zarr hierarchy``), on
+``members()``, ``tree()`` and every reader built on them; it never lists an array's own directory.
+An array reads only the keys its chunk grid names, so the sidecar, whose name is no chunk key,
+is invisible there. Outputs written before this move kept it at ``OUT/.h5ngff-checksums/``
+(LEGACY_SIDECAR_DIR): ``load_sidecar`` reads those too, so they still verify.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ import google_crc32c
 
 from .stores import Store
 
-SIDECAR_DIR = ".h5ngff-checksums"
+#: The sidecar directory, relative to the output: inside level 0's array (see above).
+SIDECAR_DIR = "0/.h5ngff-checksums"
+#: Where outputs written before the move keep it (zarr-python 3 warns about it there).
+LEGACY_SIDECAR_DIR = ".h5ngff-checksums"
 SIDECAR_FORMAT = "h5ngff-checksums/1"
 
 
@@ -61,9 +72,9 @@ def sidecar_path(root: str, level: int) -> str:
     return os.path.join(root, SIDECAR_DIR, f"{level}.json")
 
 
-def sidecar_key(level: int) -> str:
+def sidecar_key(level: int, directory: str = SIDECAR_DIR) -> str:
     """The sidecar's key in the output's store."""
-    return f"{SIDECAR_DIR}/{level}.json"
+    return f"{directory}/{level}.json"
 
 
 def write_sidecars(store: Store, checksums: dict[int, dict[str, str]], level_paths: dict[int, str]) -> None:
@@ -77,10 +88,13 @@ def write_sidecars(store: Store, checksums: dict[int, dict[str, str]], level_pat
 
 def load_sidecar(store: Store, level: int) -> dict[str, str] | None:
     """key -> CRC32C of one level (None: no sidecar). Raises ValueError on a malformed one."""
-    try:
-        doc = json.loads(store.get(sidecar_key(level)))
-    except KeyError:
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT or not isinstance(doc.get("chunks"), dict):
-        raise ValueError(f"{store.root}/{sidecar_key(level)} is not an {SIDECAR_FORMAT} sidecar")
-    return doc["chunks"]
+    for directory in (SIDECAR_DIR, LEGACY_SIDECAR_DIR):
+        key = sidecar_key(level, directory)
+        try:
+            doc = json.loads(store.get(key))
+        except KeyError:
+            continue
+        if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT or not isinstance(doc.get("chunks"), dict):
+            raise ValueError(f"{store.root}/{key} is not an {SIDECAR_FORMAT} sidecar")
+        return doc["chunks"]
+    return None

@@ -15,13 +15,14 @@ from typing import Iterable, Iterator
 
 from distributed import Client, as_completed
 
-from ..errors import WorkersLostError
+from ..errors import H5ngffError, WorkersLostError
 from ..phases import Phase
 from ..planner.grid import grid_indices, region
 from ..planner.model import Plan
 from ..spec import ConversionSpec
 from .output import Output, finish_output
 from .progress import Broadcast
+from .stores import store_retries
 from .sources import slab_source
 from .tasks import SlabResult, SlabTask, expected_units, run_slab
 from .manifest import MANIFEST_DIR
@@ -92,6 +93,21 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
     events.emit(phase=Phase.WRITING, slabs_total=total, slabs_done=skipped, slabs_skipped=skipped, passes=len(plan.passes), started=time.time())
     if skipped:
         log.info("Resume: %d of %d slab(s) are recorded and intact; %d to write.", skipped, total, total - skipped)
+    driver_retries = store_retries.mine()  # the manifest's PUTs are this thread's
+    try:
+        _run_passes(client, plan, output, events, passes, totals, guard)
+    except H5ngffError as exc:
+        # A failed run's figures too (runner: exc.totals): the failed slab's retries and ours.
+        totals.store_retries += getattr(exc, "store_retries", 0) + store_retries.mine() - driver_retries
+        totals.seconds = time.perf_counter() - start
+        exc.totals = totals  # type: ignore[attr-defined]
+        raise
+    totals.store_retries += store_retries.mine() - driver_retries
+    totals.seconds = time.perf_counter() - start
+    return totals
+
+
+def _run_passes(client: Client, plan: Plan, output: Output, events: Broadcast, passes: list[tuple[list[SlabTask], int]], totals: RunTotals, guard) -> None:
     token = uuid.uuid4().hex[:8]
     for pass_index, (todo, _) in enumerate(passes):
         events.emit(pass_index=pass_index)
@@ -103,14 +119,14 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
             p = events.progress
             events.emit(slabs_done=p.slabs_done + 1, bytes_read=p.bytes_read + result.bytes_read, bytes_written=p.bytes_written + result.bytes_written,
                         store_retries=p.store_retries + result.store_retries)
-    totals.seconds = time.perf_counter() - start
-    return totals
 
 
-def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict) -> None:
-    """Metadata and completion marker, last of all."""
+def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict | None = None) -> None:
+    """Metadata and completion marker, last of all. ``summary`` (the run's figures) is not
+    written into the image: it changes every run, and an output's objects must be the same bytes
+    however it was written (uninterrupted or resumed). The --json summary carries it."""
     channels = plan.dataset.shape[plan.axes.index("c")] if "c" in plan.axes else 1
-    finish_output(output, plan, spec, channel_windows(output, channels), summary)
+    finish_output(output, plan, spec, channel_windows(output, channels))
 
 
 def channel_windows(output: Output, channels: int) -> list[tuple[float, float, float, float]]:

@@ -99,7 +99,7 @@ def _object_lease(path: str, options: Mapping[str, Any] | None) -> Iterator[Any]
         log.warning("%s: storage option lock=false: no one-writer lease is taken; nothing stops a second run from writing this prefix.", path)
         yield Held()
         return
-    # The lease has a client of its own with a short request timeout (the data's is 120 s).
+    # The lease has a client of its own with a short request timeout (the data's is stores.options.TIMEOUT_S).
     lease = acquire(open_store(path, {**(options or {}), "timeout": settings.request_timeout}), settings)
     try:
         yield lease

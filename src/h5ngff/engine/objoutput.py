@@ -2,7 +2,9 @@
 
 - Every chunk or shard is one object written by one PUT (chunkio; a large one a multipart upload
   that is completed or aborted), so no temporary names and no sweep.
-- The array metadata is written first, with no ``ome`` attributes; the root ``zarr.json`` (or
+- The manifest's header is the first object written (our claim on the prefix: a run killed at any
+  later point leaves an output h5ngff resumes or replaces); then the array metadata, with no ``ome``
+  attributes, PUT again on a resume; the root ``zarr.json`` (or
   ``.zattrs``) with the NGFF metadata and the completion marker is written last, one PUT; then the
   manifest is deleted. A reader polling the bucket never sees a finished image over missing chunks.
 - The manifest lives in the bucket under ``.h5ngff/manifest/``: S3 has no append, so each
@@ -125,6 +127,13 @@ def create_object_output(store: Store, create_arrays) -> None:
 
 
 def remove_ours(store: Store) -> int:
+    """Delete our output but the lease, its claims last (the root documents, then the manifest's
+    header): a run killed while deleting leaves an output that is still recognisably ours."""
     log.info("Removing the existing h5ngff output %s (--overwrite).", store.root)
-    return store.delete_prefix("", keep=(LOCK_KEY,))
-
+    header = sorted(store.list(MANIFEST_PREFIX))[:1]
+    removed = store.delete_prefix("", keep=(LOCK_KEY, "zarr.json", ".zattrs", *header))
+    for key in ("zarr.json", ".zattrs", *header):
+        if store.size(key) is not None:
+            store.delete(key)
+            removed += 1
+    return removed

@@ -27,7 +27,7 @@ from ..spec import ConversionSpec
 from .chunkio import ArrayLayout
 from .checksums import write_sidecars
 from .codecs import zarr_compressors
-from .lock import LOCK_NAME
+from .lock import LOCK_NAME, output_lock
 from .manifest import MANIFEST_DIR, Manifest, fingerprint
 from .ngff import root_attributes
 from .objoutput import ObjectManifest, create_object_output, inspect_object_output, object_marker, output_store, refuse_foreign, remove_ours
@@ -142,12 +142,10 @@ def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> No
     runner call it before they print the plan and start a cluster, so a conflict costs no wait."""
     path = spec.output.path
     if is_url(path):
-        store = output_store(spec)
-        present, manifest, marker = inspect_object_output(store)  # a 403 or a missing bucket fails here, before the cluster
-        if present:
-            refuse_foreign(store, manifest, marker)
-            if not spec.output.overwrite:
-                _refuse_existing(path, spec, content_of(plan, spec, source), manifest, marker)
+        # The lease first: a prefix another run is starting on holds its objects before its claim
+        # is readable, and that run is busy, not a conflict (nor objects to delete).
+        with output_lock(path, spec.output.storage_options):
+            _check_object_output(plan, spec, source)
         return
     if os.path.exists(path) and not _is_empty_dir(path):
         existing = Manifest.load(path) if os.path.isdir(path) else None
@@ -161,6 +159,15 @@ def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> No
         raise OutputError(f"output.path: cannot create {path!r}: {parent!r} is a file, not a directory. Choose a writable location.")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"output.path: cannot create {path!r}: permission denied ({parent}). Choose a writable location.")
+
+
+def _check_object_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> None:
+    store = output_store(spec)
+    present, manifest, marker = inspect_object_output(store)  # a 403 or a missing bucket fails here, before the cluster
+    if present:
+        refuse_foreign(store, manifest, marker)
+        if not spec.output.overwrite:
+            _refuse_existing(spec.output.path, spec, content_of(plan, spec, source), manifest, marker)
 
 
 def _refuse_existing(path: str, spec: ConversionSpec, content: dict[str, Any], existing: Manifest | None, finished: dict[str, Any] | None) -> None:
@@ -253,7 +260,7 @@ def sweep_temporary_files(store: Store) -> int:
     return removed
 
 
-def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, ...]], summary: dict[str, Any]) -> None:
+def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: list[tuple[float, ...]]) -> None:
     """Write the NGFF metadata and the completion marker in one atomic write of the root document
     (a rename in a directory, one PUT in a bucket), then drop the manifest."""
     store = output.store()
@@ -264,7 +271,7 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
     if output.zarr_format == 2 and spec.output.checksums:  # before the marker: a finished output has them
         write_sidecars(store, output.manifest.checksums, {lay.level: os.path.basename(lay.path) for lay in output.layouts})
     attrs = root_attributes(plan, spec, windows, output.zarr_format)
-    attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content, "summary": summary})
+    attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content})
     # Units left out as the fill value everywhere, per level: verify tells them from missing ones.
     attrs["h5ngff"]["emptyUnits"] = {str(level): n for level, n in sorted(output.manifest.empty_units().items()) if n}
     if output.zarr_format == 3:
@@ -278,7 +285,10 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
 
 
 def _prepare_object_output(plan: Plan, spec: ConversionSpec, content: dict[str, Any], layouts: tuple[ArrayLayout, ...]) -> Output:
-    """prepare_output for an s3:// output (engine.objoutput has the rules)."""
+    """prepare_output for an s3:// output (engine.objoutput has the rules). The manifest header is
+    the first object written: our claim on the prefix, so a run killed at any later point leaves
+    an output h5ngff resumes or replaces; the array metadata follows it, and is PUT again on a
+    resume (the same bytes) in case the kill came before it."""
     path, fmt, print_ = spec.output.path, zarr_format(spec), fingerprint(content)
     store = output_store(spec)
     present, manifest, marker = inspect_object_output(store)
@@ -292,8 +302,10 @@ def _prepare_object_output(plan: Plan, spec: ConversionSpec, content: dict[str, 
                 log.info("%s is already complete; nothing to do.", path)
                 return Output(path, fmt, layouts, ObjectManifest(store), print_, resumed=True, complete=True)
             log.info("Resuming %s: %d slab(s) already recorded.", path, len(manifest.records))
+            if marker is None:  # finished but for the manifest's deletion: its metadata is whole
+                create_object_output(store, lambda memory: _create_arrays(memory, plan, spec, layouts))
             return Output(path, fmt, layouts, manifest, print_, resumed=True)
-    create_object_output(store, lambda memory: _create_arrays(memory, plan, spec, layouts))
     manifest = ObjectManifest(store)
     manifest.start(content)
+    create_object_output(store, lambda memory: _create_arrays(memory, plan, spec, layouts))
     return Output(path, fmt, layouts, manifest, print_, resumed=False)

@@ -40,6 +40,7 @@ import psutil
 from .. import __version__
 from ..errors import OutputBusyError, OutputError
 from .stores.base import ConditionalWritesUnsupported, RetryPolicy
+from .stores.options import boolean, canonical, lock_ttl
 
 log = logging.getLogger(__name__)
 LOCK_KEY = ".h5ngff.lock"
@@ -75,17 +76,11 @@ class LeaseSettings:
 
 
 def lease_settings(options: Mapping[str, Any] | None) -> LeaseSettings:
-    """From storage options ``lock`` (true/false) and ``lock_ttl`` (seconds), or ``H5NGFF_LOCK_TTL``."""
-    opts = {k.lower(): v for k, v in (options or {}).items()}
-    enabled = str(opts.get("lock", "true")).lower() not in ("0", "false", "no", "off")
-    raw = opts.get("lock_ttl", os.environ.get(ENV_TTL, LeaseSettings.ttl))
-    try:
-        ttl = float(raw)
-    except (TypeError, ValueError):
-        ttl = -1.0
-    if not 1.0 <= ttl <= 3600.0:
-        raise OutputError(f"output.storageOptions lock_ttl: expected seconds between 1 and 3600. Got {raw!r} instead.")
-    return LeaseSettings(ttl, enabled)
+    """From storage options ``lock`` (true/false) and ``lock_ttl`` (seconds), or ``H5NGFF_LOCK_TTL``;
+    a value they cannot take is a SpecError (exit 2)."""
+    found = {canonical(k): v for k, v in (options or {}).items()}
+    enabled = boolean("lock", found.get("lock", "true"))
+    return LeaseSettings(lock_ttl(found.get("lock_ttl", os.environ.get(ENV_TTL, LeaseSettings.ttl))), enabled)
 
 
 # -- who we are, and whether a holder is alive ------------------------------------------------

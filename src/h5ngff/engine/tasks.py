@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import H5ngffError
 from .chunkio import ArrayLayout, read_region, write_block
 from . import faults
 from .buffers import keep_levels, level_buffer
@@ -100,9 +101,18 @@ class _MinMax:
 
 
 def run_slab(task: SlabTask) -> SlabResult:
-    """Read, write and downsample one slab. Runs in a Dask worker."""
-    seconds = {"read": 0.0, "write": 0.0, "downsample": 0.0}
+    """Read, write and downsample one slab. Runs in a Dask worker. A failed slab's error carries
+    the store retries it made (``store_retries``): a failed run reports them too."""
     retries_before = store_retries.mine()
+    try:
+        return _run_slab(task, retries_before)
+    except H5ngffError as exc:
+        exc.store_retries = store_retries.mine() - retries_before  # type: ignore[attr-defined]
+        raise
+
+
+def _run_slab(task: SlabTask, retries_before: int) -> SlabResult:
+    seconds = {"read": 0.0, "write": 0.0, "downsample": 0.0}
     t0 = time.perf_counter()
     if isinstance(task.source, SlabSource):
         block = task.source.read(task.region)

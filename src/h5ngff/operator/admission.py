@@ -33,6 +33,7 @@ from ..spec import (
     PADDED_PATTERN,
     SCHEME_LIKE_PATTERN,
     SLURM_DIRECTIVE_PREFIX,
+    SLURM_PLANNED_DIRECTIVE,
     SLURM_PLANNED_OPTIONS,
     SPACE_UNITS,
     TIME_UNITS,
@@ -183,13 +184,11 @@ def _not_padded_rule(path: str) -> CelRule:
 
 def _slurm_planned_rule() -> CelRule:
     """SlurmSpec._not_planned: RE2 has no negative lookahead, so a pattern cannot refuse the
-    options the plan sets; CEL can. The directive's option follows SLURM_DIRECTIVE_PREFIX and ends
-    by a space, a tab, '=' or the end."""
-    options = "|".join(SLURM_PLANNED_OPTIONS)
-    planned = SLURM_DIRECTIVE_PREFIX + f"({options})" + "([ \\t=]|$)"
-    return CelRule("slurm.directives", f"self.all(d, !d.matches('{_cel_string(planned)}'))",
-                   f"slurm.directives must not set {', '.join(SLURM_PLANNED_OPTIONS)}: the plan sets the job's memory and CPUs "
-                   "(change resources.memoryPerWorker or resources.threadsPerWorker instead)", why="SlurmSpec._not_planned")
+    options the plan sets; CEL can, with the model's own expression (SLURM_PLANNED_DIRECTIVE: any
+    word sbatch reads as one of them, ``-c2``, ``-vc2``, ``--cpus-per-t=2`` included)."""
+    return CelRule("slurm.directives", f"self.all(d, !d.matches('{_cel_string(SLURM_PLANNED_DIRECTIVE)}'))",
+                   f"slurm.directives must not set {', '.join(SLURM_PLANNED_OPTIONS)}: the plan sets the job's memory and CPUs (change resources.memoryPerWorker or resources.threadsPerWorker instead)",
+                   why="SlurmSpec._not_planned")
 
 
 def _positive_axis_list(path: str, why: str) -> SchemaRule:

@@ -13,11 +13,13 @@ output's storage options (``chunkio.ArrayLayout.store``), so a worker needs noth
 from __future__ import annotations
 
 import threading
-from typing import Mapping
+from typing import Any, Mapping
 
+from ...errors import SpecError
 from ...spec import url_scheme
 from .base import Store, StoreRetries, store_retries
 from .local import LocalStore
+from .options import validate
 
 __all__ = ["Store", "LocalStore", "StoreRetries", "store_retries", "open_store", "is_url", "split_url"]
 
@@ -44,10 +46,22 @@ def open_store(path: str, options: Mapping[str, str] | None = None) -> Store:
         store = _open.get(key)
         if store is None:
             if is_url(path):
-                from .s3 import S3Store  # obstore loads only where a bucket is written
-
-                store = S3Store.from_url(key[0], dict(options or {}))
+                validate(options)  # before any client: a mistyped option is exit 2, not obstore's Rust text
+                store = _s3_store_class().from_url(key[0], dict(options or {}))
             else:
                 store = LocalStore(path)
             _open[key] = store
         return store
+
+
+def _s3_store_class() -> Any:
+    """engine.stores.s3.S3Store; obstore (and botocore) load only where a bucket is written, and
+    are the ``s3`` extra: without it, say what to install instead of a traceback."""
+    try:
+        from .s3 import S3Store
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("obstore", "botocore"):
+            raise
+        raise SpecError("output.path", f"Expected the s3 extra installed for an s3:// path (pip install 'h5ngff[s3]'). Got no {exc.name} module "
+                                       f"instead: install the extra, or write to a local directory.") from None
+    return S3Store

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Collection, ContextManager, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 from ...errors import OutputError
+from .options import ATTEMPTS, RETRY_DEADLINE_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,10 +70,13 @@ class RetryPolicy:
 
     #: Attempts per request, the first included. 8 attempts span about 13 s of backoff: longer
     #: than an S3 prefix's throttling burst, short enough that a dead endpoint fails the slab soon.
-    attempts: int = 8
+    attempts: int = ATTEMPTS
     #: Seconds before the first retry; doubles per retry, capped at ``max_delay``.
     base_delay: float = 0.1
     max_delay: float = 5.0
+    #: No retry starts this many seconds after the first attempt was sent: with the request
+    #: timeout this bounds a request that never answers (stores.options.worst_case_seconds).
+    deadline: float = RETRY_DEADLINE_S
 
     def delay(self, retry: int) -> float:
         return random.uniform(0, min(self.max_delay, self.base_delay * 2**retry))
@@ -107,9 +111,12 @@ store_retries = StoreRetries()
 
 def retrying(call: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy(), classify: Callable[[BaseException], Exception] | None = None) -> T:
     """Run ``call``; retry a transient failure (as ``classify`` maps it) with backoff, up to the
-    policy's attempts; raise a permanent one at once. ``classify`` returns a TransientStoreError
-    to retry, or the exception to raise."""
-    for attempt in range(policy.attempts):
+    policy's attempts and deadline; raise a permanent one at once. ``classify`` returns a
+    TransientStoreError to retry, or the exception to raise."""
+    first = time.monotonic()
+    attempt = 0
+    while True:
+        sent = time.monotonic()
         try:
             return call()
         except Exception as exc:  # noqa: BLE001 - every client error goes through classify
@@ -118,13 +125,25 @@ def retrying(call: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy
                 raise
             if not isinstance(mapped, TransientStoreError):
                 raise mapped from exc
-            if attempt + 1 == policy.attempts:
-                raise OutputError(
-                    f"{what}: still failing after {policy.attempts} attempts ({mapped}). The object store is unavailable or "
-                    f"throttling; re-run the same command to resume (finished slabs are kept)."
-                ) from exc
+            attempt += 1
+            pause = policy.delay(attempt - 1)
+            if attempt >= policy.attempts or time.monotonic() + pause - first > policy.deadline:
+                raise _gave_up(what, policy, attempt, time.monotonic() - first, mapped) from exc
             store_retries.add()
-            pause = policy.delay(attempt)
-            log.info("%s: %s; retry %d of %d in %.2f s.", what, mapped, attempt + 1, policy.attempts - 1, pause)
+            _notice(what, mapped, attempt, policy, pause, time.monotonic() - sent)
             time.sleep(pause)
-    raise AssertionError("unreachable")
+
+
+def _gave_up(what: str, policy: RetryPolicy, attempts: int, elapsed: float, why: Exception) -> OutputError:
+    return OutputError(
+        f"{what}: still failing after {attempts} attempt{'s' if attempts != 1 else ''} in {elapsed:.0f} s ({why}). The object store is unavailable, "
+        f"throttling or not answering. Run the command again once it answers: a conversion resumes where it stopped (its "
+        f"finished slabs are kept); a verify checks the output afresh (reading it changed nothing)."
+    )
+
+
+def _notice(what: str, why: Exception, attempt: int, policy: RetryPolicy, pause: float, took: float) -> None:
+    """A retry after a slow failure (a timeout: the store did not answer) is a warning on stderr,
+    so a hung endpoint is never silent; one answered at once (503 SlowDown) is logged at info."""
+    level = logging.WARNING if took >= 1.0 else logging.INFO
+    log.log(level, "%s: %s after %.1f s; retry %d of %d in %.2f s (no retry after %.0f s).", what, why, took, attempt, policy.attempts - 1, pause, policy.deadline)

@@ -24,21 +24,12 @@ import obstore
 from obstore import exceptions as obx
 from obstore.store import S3Store as _ObS3Store
 
-from ...errors import OutputError, SpecError
+from ...errors import CredentialsError, OutputError, SpecError
+from . import options as opts
 from .awsconfig import resolve_chain
 from .base import ConditionalWritesUnsupported, RetryPolicy, TransientStoreError, retrying
 from .uploads import UploadWindow
 
-#: Options of the HTTP client rather than of S3 (obstore's ClientConfig).
-CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "user_agent"}
-#: Our own options: when to switch to a multipart upload, its part size, retries, and the PUTs a
-#: thread keeps in flight (read by the planner, which counts them: planner/plan.py upload_depth_for).
-OWN_KEYS = {"multipart_threshold", "part_size", "retries", "uploads_in_flight"}
-#: The one-writer lease's options: read by engine.s3lease, not by the client.
-LEASE_KEYS = {"lock", "lock_ttl"}
-#: Friendly aliases (the names s3fs and the AWS CLI use) -> obstore's keys.
-ALIASES = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint", "region_name": "region", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
-           "aws_profile": "profile"}
 #: Objects above this many bytes go up as a multipart upload (S3 caps one PUT at 5 GiB; parts
 #: let a large shard's upload be retried part by part instead of whole).
 MULTIPART_THRESHOLD = 64 * 2**20
@@ -47,6 +38,8 @@ PART_SIZE = 16 * 2**20
 #: Parts of one multipart upload in flight at once: the parts buffered per upload (memory plan).
 PART_CONCURRENCY = 2
 _STATUS = re.compile(r"\b(?:status(?: code)?:?\s*|HTTP/1\.1 )(\d{3})\b", re.I)
+#: obstore asked the instance metadata service (the last link of the AWS chain) for credentials.
+_METADATA_SERVICE = re.compile(r"169\.254\.169\.254|fd00:ec2::254|/latest/api/token|/latest/meta-data/iam")
 _PERMANENT_CODES = ("AccessDenied", "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "InvalidBucketName")
 _WHAT_TO_CHANGE = {
     "AccessDenied": "grant the credentials s3:PutObject, s3:GetObject, s3:ListBucket and s3:DeleteObject on the bucket, or use other credentials",
@@ -57,23 +50,31 @@ _WHAT_TO_CHANGE = {
 
 
 def parse_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Split storage options into (S3 config, client options, ours), aliases resolved."""
+    """Split storage options into (S3 config, client options, ours), aliases resolved and values
+    checked (stores.options: a bad one is a SpecError naming what is expected)."""
+    opts.validate(options)
     config: dict[str, Any] = {}
     client: dict[str, Any] = {}
     own: dict[str, Any] = {}
     for raw, value in options.items():
-        key = ALIASES.get(raw.lower(), raw.lower())
-        if key.startswith("aws_") and key[4:] in CLIENT_KEYS | {"endpoint", "region"}:
-            key = key[4:]
-        if key in LEASE_KEYS:
+        key = opts.canonical(raw)
+        if key in opts.LEASE_KEYS:
             continue
-        if key in OWN_KEYS:
+        if key in opts.OWN_KEYS:
             own[key] = int(value)
-        elif key in CLIENT_KEYS:
-            client[key] = str(value).lower() in ("1", "true", "yes") if key.startswith("allow") else value
+        elif key in opts.CLIENT_KEYS:
+            client[key] = _client_value(key, value)
         else:
             config[key] = value
     return config, client, own
+
+
+def _client_value(key: str, value: Any) -> Any:
+    if key.startswith("allow"):
+        return opts.boolean(key, value)
+    if key.endswith("timeout") and key != "pool_idle_timeout":
+        return f"{round(opts.seconds(key, value) * 1000)}ms"  # obstore's duration syntax
+    return value
 
 
 def _env_client_options() -> dict[str, Any]:
@@ -115,7 +116,7 @@ class S3Store:
         self.multipart_threshold = own.get("multipart_threshold", MULTIPART_THRESHOLD)
         self.part_size = max(5 * 2**20, own.get("part_size", PART_SIZE))
         self.policy = RetryPolicy(attempts=own.get("retries", RetryPolicy.attempts))
-        client = {**_env_client_options(), "connect_timeout": "5s", "timeout": "120s", **client}
+        client = {**_env_client_options(), "connect_timeout": f"{opts.CONNECT_TIMEOUT_S:.0f}s", "timeout": f"{opts.TIMEOUT_S:.0f}s", **client}
         config, provider = _with_aws_chain(self.root, config)
         _refuse_plain_http(config.get("endpoint"), client)
         try:
@@ -124,7 +125,7 @@ class S3Store:
             self._store = _ObS3Store(bucket, prefix=self.prefix or None, config=config, client_options=client,  # type: ignore[arg-type]
                                      retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)}, credential_provider=provider)
         except obx.BaseError as exc:
-            raise SpecError("output.storageOptions", f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {exc}") from None
+            raise SpecError("output.storageOptions", f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {str(exc).strip().splitlines()[0]}") from None
         self._uploads = UploadWindow(bucket)
 
     def as_zarr_store(self) -> Any:
@@ -139,6 +140,8 @@ class S3Store:
     def from_url(cls, url: str, options: dict[str, Any]) -> "S3Store":
         scheme, _, rest = url.partition("://")
         bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise SpecError("output.path", "Expected s3://BUCKET/PREFIX with a bucket name. Got an s3:// URL with no bucket name instead: write s3://my-bucket/out.ome.zarr; nothing was written.")
         return cls(bucket, prefix, options)
 
     def __reduce__(self):  # a Dask task may carry it: rebuild the client on the other side
@@ -152,6 +155,8 @@ class S3Store:
             if isinstance(exc, (obx.AlreadyExistsError, obx.PreconditionError)):
                 return _Conflict()
             text = str(exc)
+            if _METADATA_SERVICE.search(text):
+                return CredentialsError(no_credentials_message(what, self.root, text))
             code = next((c for c in _PERMANENT_CODES if c in text), None)
             status = _STATUS.search(text)
             if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError)) or code or (status and status.group(1) in ("400", "401", "403", "404", "405")):
@@ -300,6 +305,15 @@ class S3Store:
             return retrying(run, f"GET {key}", policy or self.policy, self._classify(f"GET {key}"))
         except _Missing:
             return None
+
+
+def no_credentials_message(what: str, root: str, text: str) -> str:
+    first = text.strip().splitlines()[0][:200] if text.strip() else ""
+    return (f"{what}: no AWS credentials were found for {root}. They are looked for in the storage options (access_key_id and "
+            f"secret_access_key, or profile), the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
+            f"AWS_PROFILE, AWS_WEB_IDENTITY_TOKEN_FILE), the shared files (~/.aws/credentials and ~/.aws/config, or "
+            f"AWS_SHARED_CREDENTIALS_FILE and AWS_CONFIG_FILE), and last the instance metadata service, which did not give any "
+            f"({first}). To fix: export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set AWS_PROFILE to a profile that has them.")
 
 
 class _Missing(Exception):

@@ -1,0 +1,209 @@
+"""What a SLURM run says when SLURM stops it, in SLURM's own words (issue "Failure paths, round
+two", SLURM items): a job's time limit and a cancel by someone else are named as such, an
+unreachable controller and a missing configuration are quoted, pending reasons that waiting cannot
+cure get advice that fits, the walltime error lists the formats, and directives are read as
+sbatch reads them. The messages are checked on the real single-node SLURM of scripts/slurm-local."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+from conftest import smooth, spec_for, write_h5
+from slurm_local import slurm_cluster, squeue  # noqa: F401  (session fixture)
+
+from h5ngff.backends import slurmctl
+from h5ngff.backends.slurm import SlurmBackend, SlurmJobs
+from h5ngff.backends.slurmctl import parse_scontrol_job
+from h5ngff.engine import driver
+from h5ngff.errors import ClusterError, SpecError, WorkersLostError, WorkersPendingError
+from h5ngff.jobspec import parse_job_spec
+from h5ngff.runner import plan_job, run_job
+from h5ngff.spec import SlurmSpec
+
+
+def slurm_spec(**slurm) -> dict:
+    return {"source": {"path": "a.h5", "dataset": "/d"}, "output": {"path": "o"}, "slurm": slurm}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    base = tmp_path_factory.mktemp("slurm-messages")
+    return write_h5(base / "in.h5", smooth((32, 192, 160), "uint16", seed=5)), base
+
+
+# --- pure: no SLURM needed --------------------------------------------------------------------
+
+
+def test_a_bad_walltime_lists_the_formats_sbatch_accepts():
+    with pytest.raises(SpecError) as info:
+        parse_job_spec(slurm_spec(walltime="1h"))
+    text = str(info.value)
+    assert "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS" in text and "Got '1h' instead" in text
+    assert "pattern" not in text and "\\d" not in text, text  # neither pydantic's words nor a cut regex
+
+
+#: Directives sbatch reads as an option the plan sets (checked against sbatch itself below).
+BYPASSES = ["-c2", "-n2", "-N2", "-vc2", "-Qn 2", "--cpus-per-t=2", "--mem-per-c=100", "--mem 300", "--ntasks 2",
+            "--comment=x -c2", "#SBATCH -sN2"]
+#: Directives that leave the job's CPUs, tasks, nodes and memory alone.
+HARMLESS = ["-Jc2", "--nodelist=vm", "--mem-bind=local", "--cpu-freq=high", "--ntasks-per-node=1", "--comment=-c2", "-C x"]
+
+
+@pytest.mark.parametrize("directive", BYPASSES)
+def test_directives_are_read_as_sbatch_reads_them(directive):
+    with pytest.raises(SpecError, match="slurm.directives: Expected no -"):
+        parse_job_spec(slurm_spec(directives=[directive]))
+
+
+@pytest.mark.parametrize("directive", HARMLESS)
+def test_directives_that_set_nothing_planned_pass(directive):
+    parse_job_spec(slurm_spec(directives=[directive]))
+
+
+@pytest.mark.parametrize("reason, advice", [
+    ("InvalidAccount", "slurm.account"), ("InvalidQOS", "slurm.qos"), ("AssocGrpMemLimit", "limit of the account"),
+    ("QOSMaxMemoryPerJob", "per-job limit"), ("PartitionTimeLimit", "slurm.walltime"), ("JobHeldAdmin", "held"),
+])
+def test_pending_on_what_waiting_cannot_cure_is_not_told_to_wait(small, reason, advice):
+    h5, base = small
+    plan = plan_job(spec_for(h5, str(base / "p.ome.zarr"), resources={"workers": 1}), SlurmBackend()).plan
+    jobs = SlurmJobs(plan, "h5ngff-x", str(base), 300 << 20, "01:00:00")
+    states = {"slurm-0": parse_scontrol_job(f"JobId=7 JobName=h5ngff-x JobState=PENDING Reason={reason} ExitCode=0:0")}
+    text = str(jobs._pending_error(1, 0, states, 3))
+    assert reason in text and advice in text and "wait for room" not in text, text
+    resources = {"slurm-0": parse_scontrol_job("JobId=7 JobState=PENDING Reason=Resources")}
+    assert "wait for room" in str(jobs._pending_error(1, 0, resources, 3))
+
+
+# --- a real SLURM -----------------------------------------------------------------------------
+
+
+def _held_job(directive: str) -> str:
+    """What SLURM makes of a directive: NumCPUs, NumTasks, NumNodes and memory of a held job."""
+    script = f"#!/bin/bash\n#SBATCH -J h5ngff-probe -o /dev/null -e /dev/null --hold\n#SBATCH {directive.removeprefix('#SBATCH ')}\ntrue\n"
+    proc = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        return "refused: " + proc.stderr.strip()
+    job_id = proc.stdout.strip().split(";")[0]
+    line = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False).stdout
+    subprocess.run(["scancel", job_id], check=False)
+    return " ".join(w for w in line.split() if w.split("=")[0] in ("NumCPUs", "NumTasks", "NumNodes", "CPUs/Task", "MinMemoryNode", "MinMemoryCPU"))
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_sbatch_itself_reads_the_refused_directives_as_planned_options():
+    """The oracle: every refused directive really changes what SLURM gives the job, and every
+    accepted one does not (so the model refuses what sbatch would act on, not a guess)."""
+    baseline = _held_job("--comment=baseline")
+    assert baseline.startswith("NumNodes"), baseline
+    changed = {d: _held_job(d) for d in BYPASSES}
+    assert all(got != baseline for got in changed.values()), changed
+    same = {d: _held_job(d) for d in HARMLESS if d not in ("--nodelist=vm", "-C x")}  # host name, features: site-specific
+    assert all(got == baseline for got in same.values()), (baseline, same)
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_an_unreachable_controller_is_quoted_not_blamed_on_the_partition(small, tmp_path, monkeypatch):
+    h5, _ = small
+    conf = tmp_path / "slurm.conf"
+    text = open(os.environ["SLURM_CONF"]).read()
+    conf.write_text("\n".join("SlurmctldPort=1" if line.startswith("SlurmctldPort=") else line for line in text.splitlines()) + "\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs")))
+    job = plan_job(spec_for(h5, str(tmp_path / "u.ome.zarr"), resources={"workers": 1}), backend)
+    with pytest.raises(ClusterError) as info:
+        run_job(job, backend)
+    text = str(info.value)
+    assert "Unable to contact slurm controller" in text and "scontrol ping" in text and str(conf) in text, text
+    assert "slurm.partition" not in text, text
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_missing_slurm_conf_keeps_slurms_own_words(small, tmp_path, monkeypatch):
+    h5, _ = small
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such.conf"))
+    monkeypatch.setattr(slurmctl, "COMMAND_TIMEOUT", 4)  # sbatch retries a missing file for 60 s
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs")))
+    job = plan_job(spec_for(h5, str(tmp_path / "m.ome.zarr"), resources={"workers": 1}), backend)
+    with pytest.raises(ClusterError) as info:
+        run_job(job, backend)
+    text = str(info.value)
+    assert f"cannot stat file {tmp_path / 'no-such.conf'}" in text and "Point SLURM_CONF" in text, text
+    assert "slurm.partition" not in text, text
+
+
+@pytest.fixture
+def short_partition():
+    """A partition whose MaxTime (1 minute) is below the default walltime: SLURM accepts the jobs
+    (EnforcePartLimits=NO) and they pend with Reason=PartitionTimeLimit for ever."""
+    name = f"h5ngff-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["scontrol", "create", f"PartitionName={name}", "Nodes=ALL", "MaxTime=1", "State=UP"], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["scancel", f"--partition={name}"], check=False)
+        subprocess.run(["scontrol", "delete", f"PartitionName={name}"], check=False)
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_jobs_pending_on_a_partition_limit_are_not_told_to_wait(small, tmp_path, short_partition):
+    h5, _ = small
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), partition=short_partition, pendingTimeout=3))
+    job = plan_job(spec_for(h5, str(tmp_path / "p.ome.zarr"), resources={"workers": 1}), backend)
+    with pytest.raises(WorkersPendingError) as info:
+        run_job(job, backend)
+    text = str(info.value)
+    assert "PartitionTimeLimit" in text and "slurm.walltime" in text and "wait for room" not in text, text
+    assert not squeue()
+
+
+def _slow_run(tmp_path, monkeypatch, h5, name, **slurm):
+    """One worker converting 16 slabs of ``slab_sleep`` seconds each; the engine gives up 5 s after
+    its last worker is gone (60 s in production) so the test does not wait for it."""
+    monkeypatch.setattr(driver, "NO_WORKERS_TIMEOUT", 5.0)
+    monkeypatch.setenv("H5NGFF_FAULTS", "slab_sleep=10")
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=120, **slurm))
+    spec = spec_for(h5, str(tmp_path / name), output={"chunks": [2, 96, 160]}, resources={"workers": 1, "threadsPerWorker": 1, "slab": [2, 192, 160]}, pyramid={"levels": 1})
+    return plan_job(spec, backend), backend
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monkeypatch):
+    h5, _ = small
+    job, backend = _slow_run(tmp_path, monkeypatch, h5, "c.ome.zarr")
+
+    def cancel_when_running():  # as an admin (or a preemption) would, once the worker works
+        deadline = time.monotonic() + 60
+        running: list[str] = []
+        while not running and time.monotonic() < deadline:
+            time.sleep(0.5)
+            running = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, check=False).stdout.split()
+        time.sleep(5)  # the worker connects and takes a slab
+        subprocess.run(["scancel", *running], check=False)
+
+    threading.Thread(target=cancel_when_running, daemon=True).start()
+    with pytest.raises(WorkersLostError) as info:
+        run_job(job, backend)
+    text = str(info.value)
+    assert "JobState=CANCELLED" in text and "during the run" in text and "someone other than h5ngff" in text, text
+    assert not squeue()
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_path, monkeypatch):
+    """SLURM's shortest limit is one minute, checked every 30 s: the job ends TIMEOUT 60 to 90 s
+    after it starts, while its 16 slabs of 10 s are still running."""
+    h5, _ = small
+    job, backend = _slow_run(tmp_path, monkeypatch, h5, "t.ome.zarr", walltime="1")
+    start = time.monotonic()
+    with pytest.raises(WorkersLostError) as info:
+        run_job(job, backend)
+    text = str(info.value)
+    assert "during the run" in text and "JobState=TIMEOUT" in text and "Reason=TimeLimit" in text and "--slurm-walltime" in text and "-t 1 " in text, text
+    assert time.monotonic() - start < 150
+    assert not squeue()
