@@ -207,3 +207,23 @@ def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_pat
     assert "during the run" in text and "JobState=TIMEOUT" in text and "Reason=TimeLimit" in text and "--slurm-walltime" in text and "-t 1 " in text, text
     assert time.monotonic() - start < 150
     assert not squeue()
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_budget_larger_than_any_node_is_said_with_the_mem_each_job_asks_for(tmp_path, capsys):
+    """Issue 27 item 12: --memory-per-worker 40TiB on this machine's one node was accepted in
+    silence (and the docs said it was the job's --mem). Fails at 9bb18a8 (no sinfo reading, no notice)."""
+    import json
+
+    from h5ngff.cli import main
+
+    h5 = write_h5(tmp_path / "in.h5", smooth((16, 64, 64), "uint16", seed=5))
+    largest = slurmctl.largest_node_memory(None)
+    assert largest is not None and largest > 0
+    assert main(["plan", f"{h5}:/volume/data", "--backend", "slurm", "--workers", "1", "--memory-per-worker", "40TiB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (notice,) = [n for n in doc["notices"] if "more than any node" in n]
+    assert f"--mem={doc['slurm']['mem_bytes'] >> 20}M here, which fits a node" in notice
+    # control: a budget a node has gets no such notice
+    assert main(["plan", f"{h5}:/volume/data", "--backend", "slurm", "--workers", "1", "--memory-per-worker", "1GiB", "--json"]) == 0
+    assert not [n for n in json.loads(capsys.readouterr().out)["notices"] if "more than any node" in n]

@@ -165,6 +165,9 @@ def _notice_memory_beyond_machine(job, backend) -> None:
     sizes and trusts the budget given (only its own default, a share of RAM, follows the machine),
     so a budget beyond the RAM is planned as if it were there. Say so; the kernel would otherwise
     say it, mid-run, by killing workers."""
+    if getattr(backend, "name", None) == "slurm":
+        _notice_budget_beyond_nodes(job, backend)
+        return
     if getattr(backend, "name", None) not in ("local", "local-pods"):
         return
     from .units import format_bytes
@@ -180,6 +183,26 @@ def _notice_memory_beyond_machine(job, backend) -> None:
     job.notices.append(f"{field}: {given} is more than this machine's {format_bytes(machine)} of memory. The plan takes the budget as given; "
                        f"a local run that reaches it is killed by the kernel, not stopped by Dask. Give at most "
                        f"{format_bytes(machine // max(1, plan.workers))} per worker here (or leave the budget out: the default is a share of this machine's memory).")
+
+
+def _notice_budget_beyond_nodes(job, backend) -> None:
+    """On SLURM, --memory-per-worker is the most one job's --mem may be; each job asks for what its
+    plan needs. A budget no node has is worth a word (issue: it was accepted in silence), and a
+    planned --mem no node has would pend for ever; sinfo is asked only for a budget the user gave."""
+    per_job = job.spec.resources.memory_per_worker_bytes
+    if per_job is None:
+        return
+    largest = backend.largest_node_bytes()
+    if largest is None or per_job <= largest:
+        return
+    from .units import format_bytes
+
+    where = f"partition {backend.settings.partition}" if backend.settings.partition else "this SLURM cluster"
+    mem = backend.job_mem_bytes(job.plan)
+    fits = "fits a node" if mem <= largest else "fits no node either: the jobs would pend until pendingTimeout"
+    job.notices.append(f"resources.memoryPerWorker: {format_bytes(per_job)} is more than any node of {where} offers "
+                       f"({format_bytes(largest)}, sinfo RealMemory). Each worker job asks for what its plan needs, at most the budget: "
+                       f"--mem={mem >> 20}M here, which {fits}. Give at most {format_bytes(largest)} per worker.")
 
 
 def _manifest_slurm(args: argparse.Namespace):

@@ -50,6 +50,7 @@ from .slurmctl import (
     JobState,
     cancel_by_name,
     job_state,
+    largest_node_memory,
     oom_events,
     pending_advice,
     queued_ids,
@@ -87,6 +88,14 @@ class SlurmBackend:
 
     def fit(self, spec: ConversionSpec) -> ConversionSpec:
         return spec  # each job is sized by the plan: nothing to fit to
+
+    def largest_node_bytes(self) -> int | None:
+        """The most memory a node of the partition offers (sinfo), or None where SLURM cannot say."""
+        return largest_node_memory(self.settings.partition)
+
+    def job_mem_bytes(self, plan: Plan) -> int:
+        """What each worker job asks for: ``--mem`` in whole MiB."""
+        return job_mem_mib(self.job_mem or plan.memory.pod_limit) * MiB
 
     def job_script(self, plan: Plan, job_name: str = "h5ngff-RUN", **names: str) -> JobScript:
         return build_job_script(plan, self.settings, self.python, job_name=job_name, job_mem=self.job_mem, **names)

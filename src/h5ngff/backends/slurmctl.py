@@ -78,6 +78,23 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
 
 
+#: Seconds ``sinfo`` may take for a plan's notice: a controller that does not answer must not hold
+#: up ``h5ngff plan`` (its own message comes at submission).
+SINFO_TIMEOUT = 5
+
+
+def largest_node_memory(partition: str | None) -> int | None:
+    """The most memory (bytes) any node of ``partition`` (default: every partition) offers a job,
+    as sinfo reports RealMemory, or None when SLURM cannot be asked."""
+    args = ["sinfo", "-h", "-o", "%m"] + (["-p", partition] if partition else [])
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=SINFO_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    sizes = [int(m.group()) for m in (re.match(r"\d+", line.strip()) for line in proc.stdout.splitlines()) if m]
+    return max(sizes) * (1 << 20) if proc.returncode == 0 and sizes else None
+
+
 def job_state(job_id: str) -> JobState | None:
     """The job as ``scontrol`` sees it, or None once SLURM forgot it (or cannot be asked)."""
     try:
