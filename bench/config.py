@@ -1,9 +1,9 @@
-"""The benchmark's fixed facts: the reference cases (DESIGN.md §5), the output codec and chunks
+"""The benchmark's fixed facts: the reference cases (the reference case, docs/architecture.md), the output codec and chunks
 every tool must write, and how ``--scale`` shrinks a case.
 
 ``--scale S`` is the fraction of the full-size volume's bytes: y and x shrink by sqrt(S) while z
 (150) and every chunk and slab depth stay as they are, so edge chunks, slab alignment and the
-per-chunk costs keep their full-size proportions. Scale 1 is the 4.54 GB case of DESIGN.md §5.
+per-chunk costs keep their full-size proportions. Scale 1 is the 4.54 GB case of the reference case, docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: DESIGN.md §5: (z, y, x) of the reference volume at scale 1.
+#: the reference case, docs/architecture.md: (z, y, x) of the reference volume at scale 1.
 FULL_ZYX = (150, 3768, 2008)
 #: The ad-hoc scripts' slab at scale 1 (11 chunk rows of 64, whole x).
 USER_SLAB_ZY = (64, 704)
@@ -91,7 +91,7 @@ def build_cases(scale: float) -> dict[str, Case]:
     # its HDF5 chunks are a common acquisition layout (one channel, 32 planes, 256x256 tiles).
     h5_chunks = (1, 32, min(256, y), min(256, x))
     return {
-        "f32": Case("f32", "float32 3-D, contiguous (DESIGN.md §5)", (z, y, x), "float32", "zyx", None, None),
+        "f32": Case("f32", "float32 3-D, contiguous (the reference case, docs/architecture.md)", (z, y, x), "float32", "zyx", None, None),
         # The same volume with 2/3 of its chunks zero (issue 16): empty chunks cost no encode or file.
         "f32-sparse": Case("f32-sparse", "float32 3-D, contiguous, 2/3 of the chunks zero", (z, y, x), "float32", "zyx", None, None, sparse=2 / 3),
         "u16-4d": Case("u16-4d", "uint16 4-D (c=2), chunked gzip", (2, z, y, x), "uint16", "czyx", h5_chunks, "gzip"),
@@ -107,7 +107,7 @@ def scale_tag(scale: float) -> str:
 
 
 def default_timeout(scale: float) -> float:
-    """Per run. At scale 1 the slowest peer DESIGN.md lists (ngff-zarr gaussian) took 179 s."""
+    """Per run. At scale 1 the slowest peer measured (ngff-zarr gaussian) took 179 s."""
     return 120.0 + 1500.0 * scale
 
 

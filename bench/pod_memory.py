@@ -3,7 +3,7 @@ over time per worker (PNG), jemalloc vs glibc side by side.
 
     .venv/bin/python -m bench.pod_memory [--scale 1] [--out bench/results/pod-memory]
 
-Each run is ``h5ngff convert --enforce-pod-limits --json --memory-report`` on DESIGN.md §5's
+Each run is ``h5ngff convert --enforce-pod-limits --json --memory-report`` on the reference case's (docs/architecture.md)
 float32 volume: every worker (with its nanny) in its own memory cgroup at the planned pod limit.
 """
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.slurm [--scale 0.05] [--repeat 2] [--levels 1]
 
-Both convert the f32 case (DESIGN.md §5, bench/config.py) with 2 one-core workers through the
+Both convert the f32 case (the reference case, docs/architecture.md; bench/config.py) with 2 one-core workers through the
 real CLI, timed end to end: for SLURM that includes submitting the 2 worker jobs, their start and
 their cancellation (job start-up counted). Rounds are interleaved; each tool's time is its fastest
 round. The outputs are compared chunk file by chunk file (they must be identical), and the SLURM

@@ -48,7 +48,7 @@ def register_resources(k: kmock.KubernetesEmulator) -> None:
     k.resources[LEASE_RES] = info(kind="Lease", namespaced=True, verbs=VERBS)
     k.resources[ROLE_RES] = info(kind="Role", namespaced=True, verbs=VERBS)
     k.resources[ROLEBINDING_RES] = info(kind="RoleBinding", namespaced=True, verbs=VERBS)
-    # kopf starts watching only once the CRD resource itself is discoverable (DESIGN.md §4).
+    # kopf starts watching only once the CRD resource itself is discoverable (docs/architecture.md, "The machines the tests run on").
     k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
     k.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=VERBS)
     k.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)

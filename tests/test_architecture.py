@@ -1,4 +1,4 @@
-"""Import rules (DESIGN.md section 2), enforced with import-linter.
+"""Import rules (docs/architecture.md, "Layers"), enforced with import-linter.
 
 The contracts live in pyproject.toml ``[tool.importlinter]``. The negative controls copy the real
 package to a temporary directory, add one forbidden import, and show that the same contracts fail

@@ -17,7 +17,7 @@ from h5ngff.spec import MIN_WORKER_MEMORY, parse_spec
 from h5ngff.units import MiB, format_bytes
 from test_planner_oracle import check_memory, check_notices, check_plan
 
-MACHINE = Capacity(cores=2, memory_bytes=24 << 30)  # DESIGN.md section 4
+MACHINE = Capacity(cores=2, memory_bytes=24 << 30)  # the test machines (docs/architecture.md)
 BIG = Capacity(cores=8, memory_bytes=64 << 30)
 HEADLINE = DatasetInfo((150, 3768, 2008), "<f4", 4)  # contiguous float32, 4.54 GB
 HEADLINE_COMPRESSOR = {"codec": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"}

@@ -1,4 +1,4 @@
-"""The ad-hoc script users write (DESIGN.md §1): read (64, 704, X) slabs from HDF5 in Dask
+"""The ad-hoc script users write (docs/architecture.md, "Why h5ngff exists"): read (64, 704, X) slabs from HDF5 in Dask
 delayed tasks on a LocalCluster with one process per core, and write each slab into a
 zarr-python 3 array with chunks (64, 64, 64). The slab is chunk-aligned, so no two tasks
 write the same chunk."""
