@@ -19,6 +19,7 @@ import zarr
 
 from conftest import spec_for, write_h5
 from formats_fixtures import read_by_independent_clients
+from h5ngff.engine.checksums import SIDECAR_DIR
 from h5ngff.engine.chunkio import is_fill_chunk
 from h5ngff.engine.manifest import Manifest
 from h5ngff.engine.verify import verify_output
@@ -37,7 +38,10 @@ def sparse_volume(dtype="uint16") -> np.ndarray:
 
 
 def stored_files(level_dir: str) -> set[str]:
-    return {os.path.relpath(os.path.join(d, n), level_dir) for d, _, names in os.walk(level_dir) for n in names if n not in ("zarr.json", ".zarray", ".zattrs")}
+    """The chunk files of a level: not its metadata, nor the NGFF 0.4 checksum sidecar that lives
+    inside level 0's directory (docs/engine.md, Checksums)."""
+    return {os.path.relpath(os.path.join(d, n), level_dir) for d, _, names in os.walk(level_dir) for n in names
+            if n not in ("zarr.json", ".zarray", ".zattrs") and os.path.basename(SIDECAR_DIR) not in os.path.relpath(d, level_dir).split(os.sep)}
 
 
 @pytest.mark.parametrize("version,shards", [("0.5", None), ("0.5", SHARDS), ("0.4", None)])

@@ -81,13 +81,14 @@ def test_credentials_reach_runner_and_workers_as_named_keys_never_as_the_whole_s
 
 def test_the_credential_keys_cover_what_the_s3_store_reads_from_the_environment():
     """Every AWS_* variable engine/stores reads is a credential key, or deliberately left out:
-    the shared-file variables name files whose profiles may run a ``credential_process``."""
+    the shared-file variables name files whose profiles may run a ``credential_process``, and a web
+    identity token file is the cluster's to mount (EKS's pod identity webhook sets it), not a key."""
     from h5ngff.k8s import CREDENTIAL_ENV
 
     read = set()
     for path in (ROOT / "src/h5ngff/engine/stores").glob("*.py"):
         read |= set(re.findall(r"\b(AWS_[A-Z0-9_]+)\b", path.read_text()))
-    files_and_profiles = {"AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"}
+    files_and_profiles = {"AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE"}
     assert read - files_and_profiles <= set(CREDENTIAL_ENV), read - set(CREDENTIAL_ENV)
     assert not files_and_profiles & set(CREDENTIAL_ENV)
     assert len(set(CREDENTIAL_ENV)) == len(CREDENTIAL_ENV)

@@ -234,7 +234,9 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     metrics = _start_metrics(spec, args)  # before planning: Prometheus's first scrapes find the target up
     try:
         job = plan_job(spec, backend, constants_from_args(args))
-        refuse_busy_output(job.spec.output.path)  # another run writing it: refused before the plan is shown
+        from .engine import lock
+
+        lock.refuse_if_held(job.spec.output.path)  # another run writing it: refused before the plan is shown
         check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster
         _notice_memory_beyond_machine(job, backend)
     except BaseException:
@@ -272,34 +274,6 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
         if args.memory_report:
             console.print(f"memory report: {args.memory_report}")
     return 0
-
-
-def refuse_busy_output(path: str) -> None:
-    """Raise OutputBusyError if another run holds a local output's lock (engine.lock), without
-    creating anything: the run itself takes the lock later (runner.run_job), and would refuse
-    then, after the plan had been printed. An object-store lease is checked by the run."""
-    import fcntl
-
-    from .engine.lock import LOCK_NAME, _busy_message, _holder
-    from .errors import OutputBusyError
-    from .spec import url_scheme
-
-    if url_scheme(path) is not None:
-        return
-    try:
-        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return  # no lock file (or no output): nobody holds it
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OutputBusyError(_busy_message(path, _holder(fd))) from None
-        except OSError:
-            return  # a filesystem without flock: the run's own attempt says so
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
 
 
 def _write_memory_report(summary, path: str, console: Console | None = None) -> None:

@@ -162,6 +162,30 @@ def _busy_message(output: str, holder: dict) -> str:
     )
 
 
+def refuse_if_held(path: str) -> None:
+    """Raise OutputBusyError if another run holds a local output's lock, without creating
+    anything: the run takes the lock itself later (``output_lock``) and would refuse only then,
+    after the plan had been printed. A probe, not a claim: it holds a shared lock for an instant,
+    so a run starting at that instant is refused as if this one held it. An object store's lease
+    is checked by the run."""
+    if url_scheme(path) is not None:
+        return
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file (or no output): nobody holds it
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputBusyError(_busy_message(path, _holder(fd))) from None
+        except OSError:
+            return  # a filesystem without flock: the run's own attempt says so
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def _release(lock_file: str, fd: int) -> None:
     try:
         if _same_file(fd, lock_file):
