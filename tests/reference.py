@@ -67,6 +67,22 @@ def reference_pyramid(data: np.ndarray, downsampled, method: str, levels: int) -
     return out
 
 
+def halving_steps(axes: str, scale, n_steps: int) -> list[tuple[bool, ...]]:
+    """The anisotropy rule by brute force, written without the planner: per step, the physical
+    voxel size of every spatial axis (level-0 size x 2**halvings so far); halve those more than
+    1e-6 (relative) finer than the coarsest, or all of them when none is. t and c never halve."""
+    halvings = {a: 0 for a in axes if a in "zyx"}
+    steps = []
+    for _ in range(n_steps):
+        size = {a: scale[axes.index(a)] * 2 ** halvings[a] for a in halvings}
+        coarsest = max(size.values(), default=0.0)
+        halve = {a for a in halvings if size[a] * (1 + 1e-6) < coarsest} or set(halvings)
+        steps.append(tuple(a in halve for a in axes))
+        for a in halve:
+            halvings[a] += 1
+    return steps
+
+
 def step_axes(downsampled, k: int):
     """Step ``k``'s axes (from level k to k+1) of a uniform tuple or a per-step list."""
     if len(downsampled) and isinstance(downsampled[0], (tuple, list)):

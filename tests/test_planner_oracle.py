@@ -20,7 +20,7 @@ from h5ngff.engine.chunkio import shard_index_bytes as engine_shard_index_bytes
 from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, Plan, make_plan
 from h5ngff.spec import ConversionSpec, parse_spec
 from h5ngff.units import MiB
-from reference import expected_buffer_terms
+from reference import expected_buffer_terms, halving_steps
 
 SPATIAL = "zyx"
 #: Above this many output units (summed over levels) the per-unit enumeration is skipped in favour
@@ -47,16 +47,7 @@ def pyramid_steps(spec: ConversionSpec, axes: str, scale, n_steps: int) -> list[
     coarsest, or all of them when none is. ``pyramid.axes`` overrides: those axes every step."""
     if spec.pyramid.axes is not None:
         return [downsampled_axes(spec, axes)] * n_steps
-    halvings = {a: 0 for a in axes if a in SPATIAL}
-    steps = []
-    for _ in range(n_steps):
-        size = {a: scale[axes.index(a)] * 2 ** halvings[a] for a in halvings}
-        coarsest = max(size.values(), default=0.0)
-        halve = {a for a in halvings if size[a] * (1 + 1e-6) < coarsest} or set(halvings)
-        steps.append(tuple(a in halve for a in axes))
-        for a in halve:
-            halvings[a] += 1
-    return steps
+    return halving_steps(axes, scale, n_steps)
 
 
 def _step(steps, k: int) -> tuple[bool, ...]:
