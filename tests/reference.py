@@ -59,18 +59,43 @@ def reference_level(data: np.ndarray, downsampled, method: str) -> np.ndarray:
 
 
 def reference_pyramid(data: np.ndarray, downsampled, method: str, levels: int) -> list[np.ndarray]:
-    """Each level from the previous one, as the NGFF pyramid is defined."""
+    """Each level from the previous one, as the NGFF pyramid is defined. ``downsampled`` is one
+    tuple of axes for every step, or a list of one tuple per step (the anisotropy rule)."""
     out = [data]
-    for _ in range(levels - 1):
-        out.append(reference_level(out[-1], downsampled, method))
+    for k in range(levels - 1):
+        out.append(reference_level(out[-1], step_axes(downsampled, k), method))
     return out
+
+
+def halving_steps(axes: str, scale, n_steps: int) -> list[tuple[bool, ...]]:
+    """The anisotropy rule by brute force, written without the planner: per step, the physical
+    voxel size of every spatial axis (level-0 size x 2**halvings so far); halve those more than
+    1e-6 (relative) finer than the coarsest, or all of them when none is. t and c never halve."""
+    halvings = {a: 0 for a in axes if a in "zyx"}
+    steps = []
+    for _ in range(n_steps):
+        size = {a: scale[axes.index(a)] * 2 ** halvings[a] for a in halvings}
+        coarsest = max(size.values(), default=0.0)
+        halve = {a for a in halvings if size[a] * (1 + 1e-6) < coarsest} or set(halvings)
+        steps.append(tuple(a in halve for a in axes))
+        for a in halve:
+            halvings[a] += 1
+    return steps
+
+
+def step_axes(downsampled, k: int):
+    """Step ``k``'s axes (from level k to k+1) of a uniform tuple or a per-step list."""
+    if len(downsampled) and isinstance(downsampled[0], (tuple, list)):
+        return tuple(downsampled[k])
+    return tuple(downsampled)
 
 
 def expected_buffer_terms(p, chunks, shards, itemsize: int, threads: int, downsampled, zstd: bool, constants) -> dict[str, int]:
     """The buffer terms of pass ``p`` by the documented formula (bytes). With T threads, a slab of
     S bytes and chunks of C bytes: slab T*S; chunk and encode T*(2C + 16 + codec context); shard
     assembly T*2*(16 * inner chunks + 4) (the index only: chunks are streamed); level read buffers
-    T*(2C + 16) in later passes; pyramid buffers T*(S/R + S/R^2 + ... + 48 * strip); window
+    T*(2C + 16) in later passes; pyramid buffers T*(S/R1 + S/(R1 R2) + ... + 48 * strip), R_k the
+    reduction of the k-th step the pass builds (8 for zyx, 4 for yx only: the anisotropy rule); window
     histogram T*(22 * (elements/127 + 1) + 1 MiB + C) in the first pass."""
     slab_elements = 1
     for s in p.slab:
@@ -90,9 +115,13 @@ def expected_buffer_terms(p, chunks, shards, itemsize: int, threads: int, downsa
         terms["shard assembly"] = threads * 2 * (16 * inner + 4)
     built = len(p.levels) - (1 if p.source_level == -1 else 0)
     if built:
-        r = 2 ** sum(bool(d) for d in downsampled)
-        levels = sum((slab_elements // r**k) * itemsize for k in range(1, built + 1))
-        strip = min(slab_elements // r, 1 << 16)
+        base = max(p.source_level, 0)
+        reductions = [2 ** sum(bool(d) for d in step_axes(downsampled, base + k)) for k in range(built)]
+        levels, divisor = 0, 1
+        for r in reductions:
+            divisor *= r
+            levels += (slab_elements // divisor) * itemsize
+        strip = min(slab_elements // reductions[0], 1 << 16)
         terms["pyramid buffers"] = threads * (levels + strip * 8 * 6)
     if p.source_level != -1:
         terms["level read buffers"] = threads * (2 * chunk + 16)

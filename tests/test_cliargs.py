@@ -301,12 +301,13 @@ def test_h5ngff_plan_json_reads_only_metadata(metadata_only_h5):
     assert plan["dataset"]["shape"] == [48, 300, 200] and plan["dtype"] == "<f4"
     assert plan["chunks"] == [16, 64, 64] and plan["shards"] == [16, 128, 128]
     assert plan["workers"] == 2 and plan["threads_per_worker"] == 2
-    assert [lv["shape"] for lv in plan["levels"]] == [[48, 300, 200], [24, 150, 100]]
-    assert plan["levels"][0]["scale"] == [2.0, 0.5, 0.5]
+    # z (2) is 4x y and x (0.5): the anisotropy rule halves y and x only at level 1.
+    assert [lv["shape"] for lv in plan["levels"]] == [[48, 300, 200], [48, 150, 100]]
+    assert plan["levels"][0]["scale"] == [2.0, 0.5, 0.5] and plan["levels"][1]["scale"] == [2.0, 1.0, 1.0]
     assert plan["n_tasks"] == sum(p["n_slabs"] for p in plan["passes"]) > 0
     slab = plan["passes"][0]["slab"]
-    # Whole shards of both levels: the shard x 2 on every downsampled axis, or the whole axis.
-    assert all(s % (2 * u) == 0 or s == n for s, u, n in zip(slab, [16, 128, 128], [48, 300, 200])), slab
+    # Whole shards of both levels: the shard x 2 on each halved axis (y, x), the shard on z, or the whole axis.
+    assert all(s % (f * u) == 0 or s == n for s, f, u, n in zip(slab, [1, 2, 2], [16, 128, 128], [48, 300, 200])), slab
     assert any("re-aligned" in n for n in out["notices"])
     memory = plan["memory"]
     names = [t["name"] for t in memory["terms"]]

@@ -75,7 +75,9 @@ def test_every_level_equals_what_npy2bdv_reads(bdv, converted):
     plan = summary.job.plan
     assert plan.axes == "tczyx" and plan.dtype == "<u2"
     assert plan.levels[0].scale == (1.0, 1.0, 2.0, 0.5, 0.5) and plan.units[2:] == ("micrometer",) * 3
-    for k, expected in enumerate(reference_pyramid(data, (False, False, True, True, True), "mean", LEVELS)):
+    # z (2.0) is 4x y and x (0.5): the anisotropy rule halves y and x only, levels 1 and 2.
+    yx = (False, False, False, True, True)
+    for k, expected in enumerate(reference_pyramid(data, [yx, yx, (False, False, True, True, True)][:LEVELS - 1], "mean", LEVELS)):
         np.testing.assert_array_equal(zarr.open_array(f"{out}/{k}", mode="r")[...], expected)
 
 
@@ -138,7 +140,8 @@ def test_pybdv_files_read_the_same_way(tmp_path, convert):
     out = str(tmp_path / "pybdv.ome.zarr")
     summary = convert(spec_for(h5[:-3] + ".xml", out, dataset="/", output={"chunks": [1, 4, 16, 16]}, pyramid={"levels": 2}))
     assert summary.job.plan.axes == "czyx" and summary.job.plan.levels[0].scale == (1.0, 1.5, 0.3, 0.3)
-    for k, expected in enumerate(reference_pyramid(data, (False, True, True, True), "mean", 2)):
+    # z (1.5) is 5x y and x (0.3): the anisotropy rule halves y and x only.
+    for k, expected in enumerate(reference_pyramid(data, (False, False, True, True), "mean", 2)):
         np.testing.assert_array_equal(zarr.open_array(f"{out}/{k}", mode="r")[...], expected)
 
 

@@ -13,7 +13,7 @@ from conftest import smooth, spec_for
 from h5ngff.engine.sources import open_source
 from h5ngff.engine.verify import verify_output
 from h5ngff.errors import OutputConflictError, SpecError, UnsupportedDatasetError
-from reference import reference_pyramid
+from reference import halving_steps, reference_pyramid
 
 
 def levels_of(out: str, n: int) -> list[np.ndarray]:
@@ -42,7 +42,9 @@ def test_stacked_channels_are_exact_at_every_level_with_slabs_spanning_datasets(
     assert plan.axes == "czyx" and plan.passes[0].slab[0] == 2, plan.passes[0].slab  # a slab holds two datasets
     assert plan.levels[0].scale == (1.0, 2.0, 0.5, 0.5) and plan.units == ("", "micrometer", "micrometer", "micrometer")
     assert plan.dataset.hdf5_chunks == (1, 4, 16, 16)  # each dataset prices its own chunk cache share
-    want = reference_pyramid(data, (False, True, True, True), "mean", 3)
+    # z (2.0) is 4x y and x: the anisotropy rule halves y and x only, both levels.
+    want = reference_pyramid(data, halving_steps(plan.axes, plan.levels[0].scale, 2), "mean", 3)
+    assert halving_steps(plan.axes, plan.levels[0].scale, 2) == [(False, False, True, True)] * 2
     for got, expected in zip(levels_of(out, 3), want):
         np.testing.assert_array_equal(got, expected)
     assert verify_output(out, (path, "/ch{0..2}")).ok
@@ -93,7 +95,7 @@ def test_time_points_and_channels_as_two_ranges(tmp_path, convert):
     out = str(tmp_path / "out.ome.zarr")
     summary = convert(spec_for(path, out, dataset="/t{0..1}/channel{0..1}", output={"chunks": [1, 1, 4, 8, 8]}, pyramid={"levels": 2}))
     assert summary.job.plan.axes == "tczyx" and summary.job.plan.levels[0].scale == (1.0, 1.0, 3.0, 0.25, 0.25)
-    want = reference_pyramid(data, (False, False, True, True, True), "mean", 2)
+    want = reference_pyramid(data, halving_steps("tczyx", (1.0, 1.0, 3.0, 0.25, 0.25), 1), "mean", 2)  # y and x only: z is 12x
     for got, expected in zip(levels_of(out, 2), want):
         np.testing.assert_array_equal(got, expected)
 

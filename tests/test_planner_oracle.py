@@ -20,7 +20,7 @@ from h5ngff.engine.chunkio import shard_index_bytes as engine_shard_index_bytes
 from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, Plan, make_plan
 from h5ngff.spec import ConversionSpec, parse_spec
 from h5ngff.units import MiB
-from reference import expected_buffer_terms
+from reference import expected_buffer_terms, halving_steps
 
 SPATIAL = "zyx"
 #: Above this many output units (summed over levels) the per-unit enumeration is skipped in favour
@@ -41,18 +41,42 @@ def downsampled_axes(spec: ConversionSpec, axes: str) -> tuple[bool, ...]:
     return tuple(a in chosen and a in SPATIAL for a in axes)
 
 
-def expected_level_shapes(shape, down, n_levels):
+def pyramid_steps(spec: ConversionSpec, axes: str, scale, n_steps: int) -> list[tuple[bool, ...]]:
+    """The halving rule by brute force: per step, the physical voxel size of every spatial axis
+    (level-0 size x 2**halvings so far); halve those more than 1e-6 (relative) finer than the
+    coarsest, or all of them when none is. ``pyramid.axes`` overrides: those axes every step."""
+    if spec.pyramid.axes is not None:
+        return [downsampled_axes(spec, axes)] * n_steps
+    return halving_steps(axes, scale, n_steps)
+
+
+def _step(steps, k: int) -> tuple[bool, ...]:
+    """Step ``k`` of a per-step list, or a single tuple of axes used for every step."""
+    return tuple(steps[k]) if steps and isinstance(steps[0], (tuple, list)) else tuple(steps)
+
+
+def _factors(steps, base: int, level: int, ndim: int) -> list[int]:
+    """Per axis, how many voxels of level ``base`` one voxel of ``level`` covers."""
+    f = [1] * ndim
+    for k in range(base, level):
+        f = [x * 2 if d else x for x, d in zip(f, _step(steps, k))]
+    return f
+
+
+def expected_level_shapes(shape, steps, n_levels):
     shapes = [tuple(shape)]
-    for _ in range(n_levels - 1):
-        shapes.append(tuple((s + 1) // 2 if d else s for s, d in zip(shapes[-1], down)))
+    for k in range(n_levels - 1):
+        shapes.append(tuple((s + 1) // 2 if d else s for s, d in zip(shapes[-1], _step(steps, k))))
     return shapes
 
 
-def useful_levels(shape, down) -> int:
-    """Levels until every downsampled axis is one voxel (the most a spec may ask for)."""
+def useful_levels(shape, down, steps=None) -> int:
+    """Levels until every downsampled axis is one voxel (the most a spec may ask for); ``steps``
+    (a function of the step index) where the axes differ per step."""
     n, current = 1, tuple(shape)
     while any(d and s > 1 for s, d in zip(current, down)):
-        current = tuple((s + 1) // 2 if d else s for s, d in zip(current, down))
+        step = steps(n - 1) if steps else down
+        current = tuple((s + 1) // 2 if d else s for s, d in zip(current, step))
         n += 1
     return n
 
@@ -69,6 +93,21 @@ def axis_intervals(n: int, size: int) -> list[tuple[int, int]]:
 def slab_boxes(src_shape, slab):
     per_axis = [axis_intervals(n, s) for n, s in zip(src_shape, slab)]
     return itertools.product(*per_axis)
+
+
+def check_level_transforms(plan: Plan, spec: ConversionSpec, down) -> None:
+    """Each level's factors are the product of its steps' halvings; its scale is level 0's times
+    them; mean and max move its origin by half a block ((factor - 1) / 2 level-0 voxels)."""
+    scale0 = plan.levels[0].scale
+    shift = 0.0 if spec.pyramid.method == "nearest" else 0.5
+    for lv in plan.levels:
+        factors = tuple(_factors(down, 0, lv.index, len(scale0)))
+        if lv.factors != factors:
+            _fail(f"level {lv.index}: factors {lv.factors}, the steps {down[:lv.index]} give {factors}")
+        if not all(math.isclose(a, s * f) for a, s, f in zip(lv.scale, scale0, factors)):
+            _fail(f"level {lv.index}: scale {lv.scale}, expected {scale0} x {factors}")
+        if not all(math.isclose(t, shift * (f - 1) * s, abs_tol=1e-12) for t, s, f in zip(lv.translation, scale0, factors)):
+            _fail(f"level {lv.index}: translation {lv.translation} for factors {factors}")
 
 
 def check_chain(plan: Plan) -> None:
@@ -108,10 +147,12 @@ def check_tiling(src_shape, slab, grid) -> None:
 
 
 def check_alignment(p, src_shape, unit, down) -> None:
-    """Slab starts sit on multiples of the step: unit x 2**levels_built on downsampled axes."""
+    """Slab starts sit on multiples of the step: unit x 2 per level built whose step halves the axis."""
     built = len(p.levels) - (1 if p.source_level == -1 else 0)
-    for axis, (n, s, u, d) in enumerate(zip(src_shape, p.slab, unit, down)):
-        step = u * (2**built if d else 1)
+    base = max(p.source_level, 0)
+    factors = _factors(down, base, base + built, len(src_shape))
+    for axis, (n, s, u, fa) in enumerate(zip(src_shape, p.slab, unit, factors)):
+        step = u * fa
         for a, _ in axis_intervals(n, s):
             if a % step:
                 _fail(f"pass {p.index} axis {axis}: slab starts at {a}, not a multiple of the step {step} (unit {u}, {built} level(s) built)")
@@ -121,12 +162,11 @@ def unit_owners(p, level: int, level_shape, src_shape, unit, down) -> Counter:
     """For every slab, the output units (chunks or shards) of ``level`` it writes; a slab that
     writes only part of a unit is an error by itself (two writers would share the unit)."""
     base = 0 if p.source_level == -1 else p.source_level
-    f = 2 ** (level - base)
+    factors = _factors(down, base, level, len(src_shape))
     owners: Counter = Counter()
     for box in slab_boxes(src_shape, p.slab):
         ranges = []
-        for axis, ((a, b), u, d, lk) in enumerate(zip(box, unit, down, level_shape)):
-            fa = f if d else 1
+        for axis, ((a, b), u, fa, lk) in enumerate(zip(box, unit, factors, level_shape)):
             if a % fa:
                 _fail(f"pass {p.index}: slab start {a} on axis {axis} cannot be downsampled {fa}x to level {level}")
             lo, hi = a // fa, -(-b // fa)
@@ -164,9 +204,8 @@ def check_unit_ownership(plan: Plan, spec: ConversionSpec, src_shapes, down) -> 
 
 def _check_units_per_axis(p, level, level_shape, src_shape, unit, down) -> None:
     base = 0 if p.source_level == -1 else p.source_level
-    f = 2 ** (level - base)
-    for axis, (n, lk, u, d) in enumerate(zip(src_shape, level_shape, unit, down)):
-        fa = f if d else 1
+    factors = _factors(down, base, level, len(src_shape))
+    for axis, (n, lk, u, fa) in enumerate(zip(src_shape, level_shape, unit, factors)):
         owners = Counter()
         for a, b in axis_intervals(n, p.slab[axis]):
             lo, hi = a // fa, -(-b // fa)
@@ -212,7 +251,7 @@ def check_memory_terms(plan: Plan, spec: ConversionSpec) -> None:
     shard layout: a shard costs its index per thread, never its bytes (issue 18)."""
     constants = DEFAULT_CONSTANTS
     zstd = spec.output.compressor.codec == "zstd" or (spec.output.compressor.codec == "blosc" and spec.output.compressor.blosc_cname == "zstd")
-    down = downsampled_axes(spec, plan.axes)
+    down = pyramid_steps(spec, plan.axes, plan.levels[0].scale, len(plan.levels) - 1)
     for p in plan.passes:
         terms = {t.name: t.bytes for t in p.terms}
         if len(terms) != len(p.terms):
@@ -257,10 +296,11 @@ def check_notices(plan: Plan, ds: DatasetInfo) -> None:
 
 def check_plan(plan: Plan, ds: DatasetInfo, spec: ConversionSpec, capacity: Capacity) -> None:
     """Every invariant of issue 2 that a single plan must satisfy."""
-    down = downsampled_axes(spec, plan.axes)
+    down = pyramid_steps(spec, plan.axes, plan.levels[0].scale, len(plan.levels) - 1)
     shapes = expected_level_shapes(ds.shape, down, len(plan.levels))
     if [lv.shape for lv in plan.levels] != shapes:
         _fail(f"level shapes {[lv.shape for lv in plan.levels]}, expected {shapes}")
+    check_level_transforms(plan, spec, down)
     if isinstance(spec.pyramid.levels, int) and len(plan.levels) != spec.pyramid.levels:
         _fail(f"{len(plan.levels)} levels, the spec asks for {spec.pyramid.levels}")
     if spec.output.chunks and plan.chunks != tuple(min(c, n) for c, n in zip(spec.output.chunks, ds.shape)):

@@ -190,7 +190,7 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     pyr = parser.add_argument_group("pyramid")
     pyr.add_argument("--levels", metavar="N|auto", help="Resolution levels including full resolution (default auto: halve until one chunk holds the smallest).")
     pyr.add_argument("--downsample", choices=["mean", "nearest", "max"], help="Downsampling method (default mean, exact).")
-    pyr.add_argument("--downsample-axes", metavar="AXES", help="Axes to downsample, e.g. yx (default: every spatial axis).")
+    pyr.add_argument("--downsample-axes", metavar="AXES", help="Axes to downsample at every level, e.g. yx (default: the spatial axes, each level halving those finer than the coarsest voxel size, all of them once equal).")
     fmt = parser.add_argument_group("source formats (docs/formats.md)")
     fmt.add_argument("--stack-axis", metavar="c|t|tc", help="New axes for several stacked datasets (FILE:/ch{0..2}, a list or a glob); default c.")
     fmt.add_argument("--tile", type=int, metavar="N", help="BigDataViewer: convert this tile (when the file holds several).")

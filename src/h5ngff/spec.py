@@ -408,7 +408,7 @@ class PyramidSpec(_Model):
     def _levels_not_bool(cls, v: Any) -> Any:
         return _int_or_auto(v, "'auto' or an integer from 1 to 16")
     method: Literal["mean", "nearest", "max"] = Field("mean", description="mean (exact, rounded half to even for integers), nearest or max.")
-    axes: str | None = Field(None, description="Axes to downsample, e.g. 'yx'. Default: every spatial axis.")
+    axes: str | None = Field(None, description="Axes to downsample at every level, e.g. 'yx'. Default: the spatial axes, each level halving those whose voxel size is finer than the coarsest (all of them once equal).")
 
     @field_validator("levels")
     @classmethod

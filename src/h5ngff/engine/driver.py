@@ -18,6 +18,7 @@ from distributed import Client, as_completed
 from ..errors import H5ngffError, WorkersLostError
 from ..phases import Phase
 from ..planner.grid import grid_indices, region
+from ..planner.layout import level_steps
 from ..planner.model import Plan
 from ..spec import ConversionSpec
 from .output import Output, finish_output
@@ -45,7 +46,8 @@ class RunTotals:
 
 def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: int) -> Iterator[SlabTask]:
     p = plan.passes[pass_index]
-    downsampled = tuple(f > 1 for f in plan.levels[-1].factors) if len(plan.levels) > 1 else tuple(False for _ in plan.axes)
+    # The steps this pass builds: from the level it reads (0 for the HDF5 source) to its last.
+    steps = level_steps(plan.levels)[max(p.source_level, 0):p.levels[-1]]
     if p.source_level == -1:
         source = slab_source(spec, plan.hdf5_cache_bytes)
         src_shape = plan.dataset.shape
@@ -56,7 +58,7 @@ def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: in
     channel_axis = plan.axes.index("c") if "c" in plan.axes else None
     stats_dir = histogram_dir(output) if p.source_level == -1 else None
     for index in grid_indices(p.grid):
-        yield SlabTask(pass_index, index, region(src_shape, p.slab, index), source, levels, downsampled, spec.pyramid.method, channel_axis, stats_dir,
+        yield SlabTask(pass_index, index, region(src_shape, p.slab, index), source, levels, steps, spec.pyramid.method, channel_axis, stats_dir,
                        plan.upload_depth)
 
 

@@ -3,7 +3,7 @@ bounded memory.
 
 The expected pyramid is built chunk by chunk, depth first from each chunk of the top level: a
 level-k chunk is the engine's own ``downsample`` of the level-(k-1) chunks under it (2**d of
-them, d = the downsampled axes), each computed the same way from the level below, down to level-0
+them, d = the axes that step halved: the anisotropy rule may halve different axes per level), each computed the same way from the level below, down to level-0
 chunks read from the source. Every chunk of every level is computed exactly once, from the
 source's values, never from the stored level below: a wrong level-0 chunk is reported at level 0
 and is not blamed on the correct level-1 chunk above it. Each chunk is compared with the stored
@@ -47,8 +47,23 @@ _METHODS = ("mean", "nearest", "max")
 
 @dataclass(frozen=True)
 class PyramidRule:
+    """How each level was built from the one below: ``method`` and the axes halved, either one
+    tuple for every step or one tuple per step (``downsampled[k]``: from level k to level k+1, as
+    the anisotropy rule writes them, planner.layout.HalvingRule)."""
+
     method: str
-    downsampled: tuple[bool, ...]
+    downsampled: tuple[bool, ...] | tuple[tuple[bool, ...], ...]
+
+    def step(self, level: int) -> tuple[bool, ...]:
+        """The axes halved to build ``level`` (>= 1) from ``level - 1``."""
+        d = self.downsampled
+        if d and isinstance(d[0], tuple):
+            return tuple(d[level - 1])  # type: ignore[arg-type]
+        return d  # type: ignore[return-value]
+
+    def fan_in(self, levels: int) -> int:
+        """The most chunks of the level below that one chunk's block holds, over the steps."""
+        return max((2 ** sum(self.step(k)) for k in range(1, levels)), default=1)
 
 
 @dataclass(frozen=True)
@@ -73,15 +88,23 @@ def pyramid_rule(content: dict[str, Any], multiscale: dict[str, Any], layouts: S
         return PyramidRule(method or "mean", (False,) * len(layouts[0].shape))
     if method not in _METHODS:
         return f"cannot compare levels above 0 with the source: unknown downsampling method {method!r} (h5ngff writes {', '.join(_METHODS)})."
-    downsampled = content.get("downsampled")
-    if downsampled is None:  # not written by h5ngff: the axes whose length changed
-        downsampled = [a != b for a, b in zip(layouts[0].shape, layouts[1].shape)]
-    downsampled = tuple(bool(d) for d in downsampled)
-    for below, above in zip(layouts, layouts[1:]):
-        expected = output_shape(below.shape, downsampled)
+    recorded = content.get("downsampled")
+    steps: tuple[tuple[bool, ...], ...]
+    if recorded is None:  # not written by h5ngff: per step, the axes whose length changed
+        steps = tuple(tuple(a != b for a, b in zip(lo.shape, hi.shape)) for lo, hi in zip(layouts, layouts[1:]))
+    elif recorded and isinstance(recorded[0], list):  # one list per step (the anisotropy rule)
+        if len(recorded) != len(layouts) - 1:
+            return f"cannot compare levels above 0 with the source: the output records {len(recorded)} downsampling steps for {len(layouts)} levels."
+        steps = tuple(tuple(bool(d) for d in step) for step in recorded)
+    else:  # one list for every step (outputs written before the anisotropy rule, or a uniform rule)
+        steps = (tuple(bool(d) for d in recorded),) * (len(layouts) - 1)
+    for below, above, step in zip(layouts, layouts[1:], steps):
+        expected = output_shape(below.shape, step)
         if above.shape != expected:
             return f"cannot compare levels above 0 with the source: level {above.level} has shape {above.shape}, 2x {method} downsampling of level {below.level} gives {expected}."
-    return PyramidRule(method, downsampled)
+    if all(s == steps[0] for s in steps):
+        return PyramidRule(method, steps[0])
+    return PyramidRule(method, steps)
 
 
 def chunk_count(layout: StoredLevel) -> int:
@@ -120,13 +143,13 @@ class LevelComparison:
         if level == 0:
             data = np.ascontiguousarray(self.source[region], dtype=layout.dtype)
         else:
-            data = downsample(self._block_below(level, chunk, region), self.rule.downsampled, self.rule.method)
+            data = downsample(self._block_below(level, chunk, region), self.rule.step(level), self.rule.method)
         self._compare(layout, chunk, region, data)
         return data
 
     def _block_below(self, level: int, chunk: tuple[int, ...], region: tuple[slice, ...]) -> np.ndarray:
         below = self.layouts[level - 1]
-        d = self.rule.downsampled
+        d = self.rule.step(level)
         parent = tuple(slice(2 * r.start, min(2 * r.stop, n)) if di else r for r, di, n in zip(region, d, below.shape))
         block = np.empty(tuple(p.stop - p.start for p in parent), dtype=below.dtype)
         grid = tuple(ceil_div(n, c) for n, c in zip(below.shape, below.chunks))
@@ -242,7 +265,7 @@ def memory_bound(layouts: Sequence[StoredLevel], rule: PyramidRule) -> int:
     (array metadata, h5py handles; measured flat at ~0.35 MiB from 6 to 24 MiB volumes)."""
     chunk = layouts[0].chunks
     chunk_bytes = math.prod(chunk) * np.dtype(layouts[0].dtype).itemsize
-    fan_in = 2 ** sum(rule.downsampled)
+    fan_in = rule.fan_in(len(layouts))
     blocks = len(layouts) * (fan_in + 1) + 4
     strip = 10 * 8 * min(STRIP_ELEMENTS, math.prod(chunk))
     return blocks * chunk_bytes + strip + SOURCE_CACHE_BYTES + PYTHON_OBJECTS_BYTES

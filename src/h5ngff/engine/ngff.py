@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from .. import __version__
+from ..planner.layout import level_steps
 from ..planner.model import Plan
 from ..spec import AXIS_TYPES, ConversionSpec
 
@@ -32,6 +33,15 @@ def datasets_metadata(plan: Plan) -> list[dict[str, Any]]:
     return datasets
 
 
+def description(plan: Plan, spec: ConversionSpec) -> str:
+    """'2x mean downsampling along zyx', or per level where the steps differ (anisotropy rule):
+    '2x mean downsampling along yx, yx, zyx' (level 1, 2, 3)."""
+    steps = [''.join(a for a, d in zip(plan.axes, step) if d) or 'no axis' for step in level_steps(plan.levels)]
+    if len(set(steps)) > 1:
+        return f"2x {spec.pyramid.method} downsampling along {', '.join(steps)} (levels 1 to {len(steps)})"
+    return f"2x {spec.pyramid.method} downsampling along {steps[0] if steps else 'no axis'}"
+
+
 def multiscale(plan: Plan, spec: ConversionSpec) -> dict[str, Any]:
     return {
         "name": spec.image.name or spec.source.dataset.strip("/").replace("/", "_") or "image",
@@ -39,7 +49,7 @@ def multiscale(plan: Plan, spec: ConversionSpec) -> dict[str, Any]:
         "datasets": datasets_metadata(plan),
         "type": spec.pyramid.method,
         "metadata": {
-            "description": f"2x {spec.pyramid.method} downsampling along {''.join(a for a, d in zip(plan.axes, plan.levels[-1].factors) if d > 1) or 'no axis'}",
+            "description": description(plan, spec),
             "method": "h5ngff.engine.downsample",
             "version": __version__,
         },

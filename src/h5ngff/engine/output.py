@@ -22,6 +22,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from ..errors import OutputConflictError, OutputError
+from ..planner.layout import level_steps
 from ..planner.model import Plan
 from ..spec import ConversionSpec
 from .chunkio import ArrayLayout
@@ -79,6 +80,19 @@ def level_layouts(plan: Plan, spec: ConversionSpec) -> tuple[ArrayLayout, ...]:
     )
 
 
+def downsampled_record(plan: Plan) -> list[bool] | list[list[bool]] | None:
+    """The pyramid's halving rule as the output records it (``verify`` reads it back:
+    levelcheck.pyramid_rule): None for one level; one list of axes when every step halves the
+    same axes (the form outputs had before the anisotropy rule, so they still resume); else one
+    list per step, ``[k]`` the axes halved from level k to level k+1."""
+    steps = level_steps(plan.levels)
+    if not steps:
+        return None
+    if all(s == steps[0] for s in steps):
+        return list(steps[0])
+    return [list(s) for s in steps]
+
+
 def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict[str, Any]:
     """What determines the bytes of every chunk: if any of it changes, an old output is not ours to resume."""
     return {
@@ -91,7 +105,7 @@ def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict
         "compressor": spec.output.compressor.to_wire(),
         "levels": len(plan.levels),
         "method": spec.pyramid.method,
-        "downsampled": [lv > 1 for lv in plan.levels[-1].factors] if len(plan.levels) > 1 else None,
+        "downsampled": downsampled_record(plan),
         # Only when on, so outputs written before checksums existed still resume with --no-checksums.
         **({"checksums": "crc32c"} if spec.output.checksums else {}),
     }

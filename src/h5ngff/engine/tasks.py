@@ -35,7 +35,10 @@ class SlabTask:
     source: SlabSource | ArrayLayout
     #: Layouts of the levels to write, in order. The first pass writes the slab itself first.
     levels: tuple[ArrayLayout, ...]
-    downsampled: tuple[bool, ...]
+    #: The axes each downsampling step of this task halves, in order: one tuple per level built
+    #: from the one below (``len(levels) - 1`` for the first pass, ``len(levels)`` for later ones);
+    #: the anisotropy rule may halve different axes at different steps (planner.layout.HalvingRule).
+    steps: tuple[tuple[bool, ...], ...]
     method: str
     #: Axis of the channels for per-channel min/max, or None (one window for all).
     channel_axis: int | None
@@ -129,7 +132,8 @@ def _run_slab(task: SlabTask, retries_before: int) -> SlabResult:
     histogram = SampledHistogram(task.levels[0].dtype) if task.stats_dir and task.levels[0].level == 0 else None
     minmax = _MinMax(task.channel_axis, histogram)
     bytes_written = 0
-    factor = 1
+    factors = tuple(1 for _ in task.region)  # per axis, the source voxels of one voxel of this level
+    step_iter = iter(task.steps)
     # Every PUT of the slab is stored (or the slab fails) when this block exits, before the record
     # that names its units is returned (engine.stores.uploads).
     with task.levels[0].store().overlapped(task.upload_depth):
@@ -137,11 +141,12 @@ def _run_slab(task: SlabTask, retries_before: int) -> SlabResult:
             if i > 0 or first_factor == 2:
                 t = time.perf_counter()
                 depth = i if first_factor == 1 else i + 1
-                target = level_buffer(depth, output_shape(block.shape, task.downsampled), block.dtype)
-                block = downsample(block, task.downsampled, task.method, out=target)
+                step = next(step_iter)
+                target = level_buffer(depth, output_shape(block.shape, step), block.dtype)
+                block = downsample(block, step, task.method, out=target)
                 seconds["downsample"] += time.perf_counter() - t
-                factor *= 2
-            origin = tuple(r.start // (factor if d else 1) for r, d in zip(task.region, task.downsampled))
+                factors = tuple(f * 2 if d else f for f, d in zip(factors, step))
+            origin = tuple(r.start // f for r, f in zip(task.region, factors))
             t = time.perf_counter()
             stats = minmax if layout.level == 0 else None
             for key, nbytes in write_block(layout, block, origin, on_chunk=stats, on_file=crcs.on_file(layout)):
@@ -161,13 +166,11 @@ def _run_slab(task: SlabTask, retries_before: int) -> SlabResult:
 def expected_units(task: SlabTask) -> dict[int, set[str]]:
     """The files a task will write, per level: what resume checks against the manifest."""
     expected: dict[int, set[str]] = {}
-    factor = 1 if isinstance(task.source, SlabSource) else 2
+    steps = iter(task.steps)
+    factors = tuple(1 for _ in task.region)
     for i, layout in enumerate(task.levels):
-        if i > 0:
-            factor *= 2
-        region = tuple(
-            slice(r.start // (factor if d else 1), math.ceil(r.stop / (factor if d else 1)))
-            for r, d in zip(task.region, task.downsampled)
-        )
+        if i > 0 or not isinstance(task.source, SlabSource):
+            factors = tuple(f * 2 if d else f for f, d in zip(factors, next(steps)))
+        region = tuple(slice(r.start // f, math.ceil(r.stop / f)) for r, f in zip(task.region, factors))
         expected[layout.level] = {layout.key(idx) for idx in layout.units_in(region)}
     return expected

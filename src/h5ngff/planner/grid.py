@@ -18,10 +18,11 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def slab_step(unit: Shape, downsampled: tuple[bool, ...], levels_built: int, storage: Shape | None = None) -> Shape:
-    """Per-axis step: the write unit, times 2**levels_built on downsampled axes, times the
-    storage chunk where given (least common multiple, so HDF5 chunks are read whole)."""
-    step = tuple(u * (2**levels_built if d else 1) for u, d in zip(unit, downsampled))
+def slab_step(unit: Shape, steps: tuple[tuple[bool, ...], ...], storage: Shape | None = None) -> Shape:
+    """Per-axis step: the write unit, times 2 for every pyramid step the pass builds that halves
+    the axis (``steps``: one tuple of halved axes per level built), times the storage chunk
+    where given (least common multiple, so HDF5 chunks are read whole)."""
+    step = tuple(u * 2 ** sum(s[axis] for s in steps) for axis, u in enumerate(unit))
     if storage is not None:
         step = tuple(math.lcm(s, h) for s, h in zip(step, storage))
     return step

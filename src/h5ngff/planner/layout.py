@@ -4,6 +4,7 @@ dataset's shape alone."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..errors import SpecError
 from ..spec import AXIS_TYPES, SPACE_UNITS, TIME_UNITS, ConversionSpec
@@ -103,35 +104,88 @@ def resolve_downsampled(spec: ConversionSpec, axes: str) -> tuple[bool, ...]:
     return tuple(a in spec.pyramid.axes for a in axes)
 
 
-def level_shapes(shape: Shape, downsampled: tuple[bool, ...], n_levels: int) -> list[Shape]:
-    """Each downsampled axis halves per level, rounding up: the last, partial block of an odd
-    axis becomes one voxel of its own (see docs/memory-model.md, "edge policy")."""
+#: Two voxel sizes whose relative difference is below this count as equal for the anisotropy
+#: rule (scales read from a file are often 0.30000001 against 0.3).
+SCALE_TOLERANCE = 1e-6
+
+#: ``steps[k]``: per axis, whether going from level k to level k+1 halves it.
+Steps = tuple[tuple[bool, ...], ...]
+
+
+@dataclass(frozen=True)
+class HalvingRule:
+    """Which axes each pyramid step halves.
+
+    ``candidates`` are the axes the pyramid may halve (the spatial ones, or ``pyramid.axes``). By
+    default (``by_scale``) a step halves only the candidates whose current voxel size (the level's
+    scale) is finer than the coarsest candidate's, within ``SCALE_TOLERANCE``; once they are all
+    equal it halves them all. So z at 4x the size of y and x keeps its planes for two levels while
+    y and x catch up, as bioformats2raw and ome-zarr-py do, and then all three halve together.
+    Without voxel sizes (all 1) every candidate halves at every step, as before. A user's
+    ``pyramid.axes`` turns the rule off: those axes halve at every step (``by_scale`` False).
+    """
+
+    candidates: tuple[bool, ...]
+    scale: tuple[float, ...]
+    by_scale: bool = True
+
+    def steps(self, n_steps: int) -> Steps:
+        current = list(self.scale)
+        steps = []
+        for _ in range(n_steps):
+            step = halved_axes(self.candidates, current) if self.by_scale else self.candidates
+            steps.append(step)
+            current = [s * 2 if d else s for s, d in zip(current, step)]
+        return tuple(steps)
+
+
+def halved_axes(candidates: tuple[bool, ...], scale: list[float] | tuple[float, ...]) -> tuple[bool, ...]:
+    """The anisotropy rule for one step (see ``HalvingRule``)."""
+    sizes = [abs(s) for s, d in zip(scale, candidates) if d]
+    if not sizes or not all(math.isfinite(s) and s > 0 for s in sizes):
+        return candidates  # no usable voxel sizes: halve every candidate
+    coarsest = max(sizes)
+    finer = tuple(bool(d and abs(s) * (1 + SCALE_TOLERANCE) < coarsest) for s, d in zip(scale, candidates))
+    return finer if any(finer) else candidates
+
+
+def halving_rule(spec: ConversionSpec, axes: str, scale: tuple[float, ...]) -> HalvingRule:
+    return HalvingRule(resolve_downsampled(spec, axes), tuple(scale), by_scale=spec.pyramid.axes is None)
+
+
+def level_shapes(shape: Shape, steps: Steps) -> list[Shape]:
+    """Each step halves its axes, rounding up: the last, partial block of an odd axis becomes
+    one voxel of its own (see docs/memory-model.md, "edge policy"). ``len(steps) + 1`` levels."""
     shapes = [shape]
-    for _ in range(n_levels - 1):
-        shapes.append(tuple(ceil_div(s, 2) if d else s for s, d in zip(shapes[-1], downsampled)))
+    for step in steps:
+        shapes.append(tuple(ceil_div(s, 2) if d else s for s, d in zip(shapes[-1], step)))
     return shapes
 
 
-def auto_levels(shape: Shape, chunks: Shape, downsampled: tuple[bool, ...]) -> int:
-    """Halve until the smallest level fits in one chunk along every downsampled axis."""
-    if not any(downsampled):
+def auto_levels(shape: Shape, chunks: Shape, rule: HalvingRule) -> int:
+    """Halve until the smallest level fits in one chunk along every axis the pyramid halves (every
+    candidate of ``rule``). An axis the anisotropy rule is not halving yet still counts: its turn
+    comes once the finer axes have caught up with its voxel size, so levels go on until it fits
+    too (and never beyond ``MAX_AUTO_LEVELS``). Axes no step halves (t, c) never count."""
+    if not any(rule.candidates):
         return 1
     n = 1
     current = shape
-    while n < MAX_AUTO_LEVELS and any(d and s > c for s, c, d in zip(current, chunks, downsampled)):
-        current = tuple(ceil_div(s, 2) if d else s for s, d in zip(current, downsampled))
+    while n < MAX_AUTO_LEVELS and any(d and s > c for s, c, d in zip(current, chunks, rule.candidates)):
+        step = rule.steps(n)[-1]
+        current = tuple(ceil_div(s, 2) if d else s for s, d in zip(current, step))
         n += 1
     return n
 
 
-def resolve_levels(spec: ConversionSpec, shape: Shape, chunks: Shape, downsampled: tuple[bool, ...]) -> int:
+def resolve_levels(spec: ConversionSpec, shape: Shape, chunks: Shape, rule: HalvingRule) -> int:
     levels = spec.pyramid.levels
     if levels == "auto":
-        return auto_levels(shape, chunks, downsampled)
-    if levels > 1 and not any(downsampled):
+        return auto_levels(shape, chunks, rule)
+    if levels > 1 and not any(rule.candidates):
         raise SpecError("pyramid.levels", f"Expected 1 when no axis is downsampled. Got {levels} instead; set pyramid.axes to spatial axes.")
-    shapes = level_shapes(shape, downsampled, levels)
-    useful = next((k + 1 for k, s in enumerate(shapes) if all(n == 1 for n, d in zip(s, downsampled) if d)), levels)
+    shapes = level_shapes(shape, rule.steps(levels - 1))
+    useful = next((k + 1 for k, s in enumerate(shapes) if all(n == 1 for n, d in zip(s, rule.candidates) if d)), levels)
     if levels > useful:
         raise SpecError(
             "pyramid.levels",
@@ -140,13 +194,17 @@ def resolve_levels(spec: ConversionSpec, shape: Shape, chunks: Shape, downsample
     return levels
 
 
-def build_levels(shape: Shape, scale: tuple[float, ...], downsampled: tuple[bool, ...], n_levels: int, method: str) -> tuple[Level, ...]:
-    """Scale doubles per level on downsampled axes. For ``mean`` and ``max`` a level-k voxel covers a
-    2**k block, so its centre moves by (2**k - 1) / 2 voxels of level 0; ``nearest`` keeps the
-    first voxel of each block, so it does not move."""
+def build_levels(shape: Shape, scale: tuple[float, ...], steps: Steps, method: str) -> tuple[Level, ...]:
+    """``len(steps) + 1`` levels. A level's factors are the product of the halvings of the steps
+    below it, per axis, and its scale is level 0's times them. For ``mean`` and ``max`` a level-k
+    voxel covers a block of that many level-0 voxels per axis, so its centre moves by
+    (factor - 1) / 2 voxels of level 0; ``nearest`` keeps the first voxel of each block, so it
+    does not move."""
     levels = []
-    for k, lshape in enumerate(level_shapes(shape, downsampled, n_levels)):
-        factors = tuple(2**k if d else 1 for d in downsampled)
+    factors = tuple(1 for _ in shape)
+    for k, lshape in enumerate(level_shapes(shape, steps)):
+        if k:
+            factors = tuple(f * 2 if d else f for f, d in zip(factors, steps[k - 1]))
         lscale = tuple(s * f for s, f in zip(scale, factors))
         shift = 0.0 if method == "nearest" else 0.5
         translation = tuple(shift * (f - 1) * s for s, f in zip(scale, factors))
@@ -154,8 +212,14 @@ def build_levels(shape: Shape, scale: tuple[float, ...], downsampled: tuple[bool
     return tuple(levels)
 
 
-def reduction(downsampled: tuple[bool, ...]) -> int:
-    return 1 << sum(downsampled)
+def level_steps(levels: tuple[Level, ...] | list[Level]) -> Steps:
+    """The steps a pyramid's levels were built with, read back from their factors."""
+    return tuple(tuple(b > a for a, b in zip(lo.factors, hi.factors)) for lo, hi in zip(levels, levels[1:]))
+
+
+def step_reduction(step: tuple[bool, ...]) -> int:
+    """Element count reduction of one step: 4 when it halves y and x, 8 for z, y and x."""
+    return 1 << sum(step)
 
 
 def elements(shape: Shape) -> int:

@@ -145,10 +145,10 @@ class PassShape:
     chunk_bytes: int
     #: Bytes of one shard (None when unsharded).
     shard_bytes: int | None
-    #: Element count reduction per pyramid step (8 in 3-D when z, y and x are downsampled).
-    reduction: int
-    #: Pyramid levels the pass builds above its source.
-    levels_built: int
+    #: Element count reduction of each pyramid step the pass builds, one per level built above
+    #: its source, in order (8 in 3-D for a step that halves z, y and x; 4 for one that halves
+    #: only y and x, as the anisotropy rule does while z is coarser: planner.layout.HalvingRule).
+    reductions: tuple[int, ...]
     #: Elements of one output strip that the mean accumulates in float64 at a time.
     strip_elements: int
     from_hdf5: bool
@@ -164,6 +164,20 @@ class PassShape:
     #: The HDF5 chunks are read with read_direct_chunk and inflated by libdeflate
     #: (DatasetInfo.hdf5_direct_read): HDF5's chunk cache and its filter buffers are not used.
     hdf5_direct: bool = False
+
+    @property
+    def levels_built(self) -> int:
+        """Pyramid levels the pass builds above its source."""
+        return len(self.reductions)
+
+    def level_elements(self) -> list[int]:
+        """Elements of each level the pass builds from one slab: the slab divided by the
+        reductions of the steps up to that level (rounded down, as the buffers are priced)."""
+        out, level = [], self.slab_elements
+        for r in self.reductions:
+            level //= r
+            out.append(level)
+        return out
 
 
 def encoded_bound(nbytes: int) -> int:
@@ -190,9 +204,12 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
     if shape.levels_built:
         # Each level the pass builds has its own buffer, kept per thread for the next slab (fresh
         # buffers cost page faults on every slab), plus one block of downsampling temporaries.
-        levels = sum((shape.slab_elements // shape.reduction**k) * shape.itemsize for k in range(1, shape.levels_built + 1))
+        # Each step divides by its own reduction: a step that halves only y and x (the anisotropy
+        # rule) leaves its level twice as large as one that also halves z.
+        levels = sum(n * shape.itemsize for n in shape.level_elements())
         strip = shape.strip_elements * 8 * STRIP_TEMPORARIES
-        terms.append(MemoryTerm("pyramid buffers", T * (levels + strip), f"per thread: {shape.levels_built} level buffer(s) ({levels / MiB:.1f} MiB, 1/{shape.reduction} of the slab and less) + one block of temporaries ({strip / MiB:.1f} MiB)"))
+        ratios = ", ".join(f"1/{math.prod(shape.reductions[:k + 1])}" for k in range(shape.levels_built))
+        terms.append(MemoryTerm("pyramid buffers", T * (levels + strip), f"per thread: {shape.levels_built} level buffer(s) ({levels / MiB:.1f} MiB, {ratios} of the slab) + one block of temporaries ({strip / MiB:.1f} MiB)"))
     if shape.from_hdf5:
         terms.append(window_term(shape))
         hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
@@ -308,12 +325,7 @@ def shard_term(shape: PassShape) -> MemoryTerm:
 
 def slab_output_bytes(shape: PassShape) -> int:
     """Uncompressed bytes one slab writes (its level plus the levels it builds)."""
-    total = shape.slab_elements * shape.itemsize
-    level = total
-    for _ in range(shape.levels_built):
-        level //= shape.reduction
-        total += level
-    return total
+    return (shape.slab_elements + sum(shape.level_elements())) * shape.itemsize
 
 
 def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: MemoryConstants = DEFAULT_CONSTANTS) -> WorkerMemory:
@@ -346,7 +358,7 @@ def minimum_pod_limit(c: MemoryConstants = DEFAULT_CONSTANTS) -> int:
     cache, a codec without zstd's context, jemalloc's smaller slack). Every term of a real pass
     is at least this one's, so no budget below it can ever plan; spec.MIN_WORKER_MEMORY (the
     spec's and the CRD's floor) is this figure for the default constants."""
-    one_byte = PassShape(slab_elements=1, itemsize=1, threads=1, chunk_bytes=1, shard_bytes=None, reduction=1, levels_built=0,
+    one_byte = PassShape(slab_elements=1, itemsize=1, threads=1, chunk_bytes=1, shard_bytes=None, reductions=(),
                          strip_elements=0, from_hdf5=True, hdf5_chunk_bytes=None, hdf5_filtered=False, hdf5_cache_bytes=0)
     return worker_memory(pass_terms(one_byte, "jemalloc", c), slab_output_bytes(one_byte), c).pod_limit
 

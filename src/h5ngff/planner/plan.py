@@ -21,9 +21,11 @@ from .layout import (
     clipped_notices,
     resolve_axes,
     resolve_chunks,
-    resolve_downsampled,
+    Steps,
+    halving_rule,
     resolve_levels,
     resolve_scale_units,
+    step_reduction,
 )
 from .memory import DEFAULT_CONSTANTS, STRIP_ELEMENTS, MemoryConstants, PassShape, pass_terms, slab_output_bytes, upload_depth, worker_memory
 from .model import Capacity, DatasetInfo, MemoryTerm, Pass, Plan, Shape, WorkerMemory
@@ -60,7 +62,8 @@ class _Context:
     unit: Shape
     chunks: Shape
     shards: Shape | None
-    downsampled: tuple[bool, ...]
+    #: ``steps[k]``: the axes halved from level k to level k+1 (layout.HalvingRule).
+    steps: Steps
     threads: int
     total_threads: int
     budget: int | None
@@ -90,14 +93,15 @@ def make_plan(
     axes = resolve_axes(spec, ds)
     scale, units = resolve_scale_units(spec, ds, axes)
     chunks, shards = resolve_chunks(spec, ds, axes)
-    downsampled = resolve_downsampled(spec, axes)
-    n_levels = resolve_levels(spec, ds.shape, chunks, downsampled)
-    levels = build_levels(ds.shape, scale, downsampled, n_levels, spec.pyramid.method)
+    rule = halving_rule(spec, axes, scale)
+    n_levels = resolve_levels(spec, ds.shape, chunks, rule)
+    steps = rule.steps(n_levels - 1)
+    levels = build_levels(ds.shape, scale, steps, spec.pyramid.method)
     threads = spec.resources.threads_per_worker
     depth = upload_depth_for(spec, math.prod(shards or chunks) * ds.itemsize)
 
     def plan_with(workers: int, budget: int | None) -> _Attempt:
-        ctx = _Context(ds, shards or chunks, chunks, shards, downsampled, threads, workers * threads, budget, allocator, constants, _uses_zstd(spec),
+        ctx = _Context(ds, shards or chunks, chunks, shards, steps, threads, workers * threads, budget, allocator, constants, _uses_zstd(spec),
                        url_scheme(spec.output.path) is not None, depth)
         return _plan_worker(ctx, [lv.shape for lv in levels], spec.resources.slab)
 
@@ -307,11 +311,12 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
     built_min = 0 if from_hdf5 else 1
     storage = ctx.ds.hdf5_chunks if from_hdf5 else None
     first_level = 0 if from_hdf5 else source + 1
+    base = max(source, 0)  # the level the pass reads (level 0 for the HDF5 source)
     refusal: _NoSlabFits | None = None
     unaligned_because = "budget"
     for built in range(remaining, built_min - 1, -1):
         for align_storage in ((True, False) if storage else (False,)):
-            step = slab_step(ctx.unit, ctx.downsampled, built, storage if align_storage else None)
+            step = slab_step(ctx.unit, ctx.steps[base:base + built], storage if align_storage else None)
             min_slab = clip(step, src_shape)
             last_chance = built == built_min and not (align_storage and storage)
             # Past the size cap, whole HDF5 chunks still beat a slab that cuts them, which must
@@ -320,14 +325,14 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
             if user_slab is None and not _acceptable(ctx, src_shape, min_slab, last_chance, size_cap, _slabs_wanted(ctx, built, from_hdf5)):
                 unaligned_because = "shape" if align_storage else unaligned_because
                 continue
-            fits = _fits(ctx, from_hdf5, built, not align_storage)
+            fits = _fits(ctx, from_hdf5, base, built, not align_storage)
             if user_slab is not None:
                 slab, realigned = _user_slab(user_slab, step, src_shape)
                 if not last_chance and math.prod(grid_shape(src_shape, slab)) < min(ctx.total_threads, _most_slabs(user_slab, src_shape)):
                     unaligned_because = "shape" if align_storage else unaligned_because
                     continue
             elif not fits(min_slab):
-                refusal = _smaller(refusal, _refusal(ctx, min_slab, from_hdf5, built, not align_storage))
+                refusal = _smaller(refusal, _refusal(ctx, min_slab, from_hdf5, base, built, not align_storage))
                 continue
             else:
                 target = min_slab
@@ -339,7 +344,7 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
                 limit = max(_max_elements(ctx, src_shape, min_slab), math.prod(target))
                 slab, realigned = greedy_slab(src_shape, step, fits, limit), None
             if not fits(slab):
-                refusal = _smaller(refusal, _refusal(ctx, slab, from_hdf5, built, not align_storage, user=user_slab is not None))
+                refusal = _smaller(refusal, _refusal(ctx, slab, from_hdf5, base, built, not align_storage, user=user_slab is not None))
                 continue
             if realigned:
                 notices.append(realigned)
@@ -348,7 +353,7 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
             straddles = storage is not None and not align_storage and any(s % h and s != n for s, h, n in zip(slab, storage, src_shape))
             if straddles:
                 notices.append(_unaligned_notice(ctx, unaligned_because))
-            shape = _pass_shape(ctx, slab, from_hdf5, built, straddles)
+            shape = _pass_shape(ctx, slab, from_hdf5, base, built, straddles)
             terms = pass_terms(shape, ctx.allocator, ctx.constants)
             levels = tuple(range(first_level, first_level + built + (1 if from_hdf5 else 0)))
             written = ctx.threads * slab_output_bytes(shape)
@@ -418,9 +423,11 @@ def _most_slabs(user_slab: list[int], src_shape: Shape) -> int:
     return math.prod(grid_shape(src_shape, clip(tuple(user_slab), src_shape)))
 
 
-def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddles: bool) -> PassShape:
+def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: int, straddles: bool) -> PassShape:
+    """The pass that reads level ``base`` (0 for the HDF5 source) and builds ``built`` levels
+    above it, each step with its own reduction (4 for a step that halves only y and x)."""
     elements = math.prod(slab)
-    reduction = 2 ** sum(ctx.downsampled)
+    reductions = tuple(step_reduction(s) for s in ctx.steps[base:base + built])
     hdf5_chunks = ctx.ds.hdf5_chunks if from_hdf5 else None
     hdf5_chunk_bytes = math.prod(hdf5_chunks) * ctx.itemsize if hdf5_chunks else None
     cache = 0
@@ -437,9 +444,8 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddl
         threads=ctx.threads,
         chunk_bytes=math.prod(ctx.chunks) * ctx.itemsize,
         shard_bytes=math.prod(ctx.shards) * ctx.itemsize if ctx.shards else None,
-        reduction=reduction,
-        levels_built=built,
-        strip_elements=min(elements // reduction, STRIP_ELEMENTS) if built else 0,
+        reductions=reductions,
+        strip_elements=min(elements // reductions[0], STRIP_ELEMENTS) if built else 0,
         from_hdf5=from_hdf5,
         hdf5_chunk_bytes=hdf5_chunk_bytes,
         hdf5_filtered=bool(ctx.ds.hdf5_filters),
@@ -459,15 +465,15 @@ def _chunks_touched(slab: int, chunk: int, size: int) -> int:
     return min(exact, -(-size // chunk))
 
 
-def _memory_for(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddles: bool) -> WorkerMemory:
-    shape = _pass_shape(ctx, slab, from_hdf5, built, straddles)
+def _memory_for(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: int, straddles: bool) -> WorkerMemory:
+    shape = _pass_shape(ctx, slab, from_hdf5, base, built, straddles)
     terms = pass_terms(shape, ctx.allocator, ctx.constants)
     return worker_memory(terms, ctx.threads * slab_output_bytes(shape), ctx.constants)
 
 
-def _fits(ctx: _Context, from_hdf5: bool, built: int, straddles: bool) -> _Fits:
+def _fits(ctx: _Context, from_hdf5: bool, base: int, built: int, straddles: bool) -> _Fits:
     def fits(slab: Shape) -> bool:
-        return ctx.budget is None or _memory_for(ctx, slab, from_hdf5, built, straddles).pod_limit <= ctx.budget
+        return ctx.budget is None or _memory_for(ctx, slab, from_hdf5, base, built, straddles).pod_limit <= ctx.budget
 
     return fits
 
@@ -477,9 +483,9 @@ def _smaller(a: _NoSlabFits | None, b: _NoSlabFits) -> _NoSlabFits:
     return b if a is None or b.minimum_bytes < a.minimum_bytes else a
 
 
-def _refusal(ctx: _Context, slab: Shape, from_hdf5: bool, built: int, straddles: bool, user: bool = False) -> _NoSlabFits:
+def _refusal(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: int, straddles: bool, user: bool = False) -> _NoSlabFits:
     # Price the slab exactly as it was tried: a slab that cuts HDF5 chunks also holds their cache.
-    need = _memory_for(ctx, slab, from_hdf5, built, straddles)
+    need = _memory_for(ctx, slab, from_hdf5, base, built, straddles)
     slab_bytes = math.prod(slab) * ctx.itemsize
     what = (
         f"{'your' if user else 'the smallest'} slab {slab} ({format_bytes(slab_bytes)}) needs a pod limit of "
