@@ -24,6 +24,7 @@ from .engine.source import SourceIdentity
 from .engine.sources import open_source
 from .errors import H5ngffError, WorkersLostError
 from .metrics.probes import ClusterPoller
+from .phases import Phase
 from .planner import DEFAULT_CONSTANTS, DatasetInfo, MemoryConstants, Plan, make_plan
 from .spec import ConversionSpec
 
@@ -114,7 +115,7 @@ def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None 
     cluster while it is up."""
     events = Broadcast(list(listeners or []) + ([metrics] if metrics is not None else []))
     quiet_sync_cancel_race()  # a Ctrl-C must print one line, not distributed's NameError (backends/shutdown.py)
-    events.emit(phase="Planned", slabs_total=job.plan.n_tasks, message="")
+    events.emit(phase=Phase.PLANNED, slabs_total=job.plan.n_tasks, message="")
     summary = RunSummary("Failed", job)
     start, started = time.perf_counter(), time.time()
     try:
@@ -128,7 +129,7 @@ def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None 
         summary.seconds = time.perf_counter() - start
         _failed_totals(summary, events, exc)
         exc.summary = summary  # the CLI's --json and --memory-report show a failed run's figures too
-        events.emit(phase="Failed", message=str(exc))
+        events.emit(phase=Phase.FAILED, message=str(exc))
         raise
 
 
@@ -138,7 +139,7 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
     summary.resumed = output.resumed
     if output.complete:
         summary.totals = RunTotals(slabs_skipped=job.plan.n_tasks)
-        events.emit(phase="Succeeded", slabs_done=job.plan.n_tasks, slabs_skipped=job.plan.n_tasks, message="already complete")
+        events.emit(phase=Phase.SUCCEEDED, slabs_done=job.plan.n_tasks, slabs_skipped=job.plan.n_tasks, message="already complete")
         summary.status = "Succeeded"
         return
     failure = None
@@ -160,12 +161,12 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
         metrics.settle(summary.workers)
     if failure is not None:
         raise session.diagnose(failure, summary.events, job.plan, summary.workers) from None
-    events.emit(phase="Finalizing")
+    events.emit(phase=Phase.FINALIZING)
     summary.seconds = time.perf_counter() - start
     summary.status = "Succeeded"
     guard.check()  # a lost lease: another run may own the prefix now, so no completion marker
     finish(output, job.plan, job.spec, summary.to_dict(brief=True))
-    events.emit(phase="Succeeded")
+    events.emit(phase=Phase.SUCCEEDED)
 
 
 def _failed_totals(summary: RunSummary, events: Broadcast, exc: H5ngffError) -> None:

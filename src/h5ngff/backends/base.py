@@ -19,6 +19,10 @@ from .diagnostics import ClusterEvents, WorkerReport, classify_failure
 
 log = logging.getLogger(__name__)
 
+#: Workers for ``workers: auto`` where the backend has no core count to follow (a SLURM cluster,
+#: Kubernetes): the planner sizes each worker, the scheduler places them.
+REMOTE_DEFAULT_WORKERS = 4
+
 
 def dask_memory_config(plan: Plan) -> dict[str, Any]:
     """Dask's worker settings from the plan (memory thresholds, retries, no profiler), as dask config keys."""

@@ -34,13 +34,13 @@ from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
 from ..units import GiB, k8s_quantity
 from .allocator import allocator_env
-from .base import Session, dask_env, dask_memory_config
+from .base import REMOTE_DEFAULT_WORKERS, Session, dask_env, dask_memory_config
 from .diagnostics import register_plugins
 
 log = logging.getLogger(__name__)
 
-#: Workers for ``workers: auto`` on Kubernetes, where there is no core count to follow.
-DEFAULT_WORKERS = 4
+#: Workers for ``workers: auto`` on Kubernetes (backends/base.py): no core count to follow.
+DEFAULT_WORKERS = REMOTE_DEFAULT_WORKERS
 #: The scheduler holds task state only (slabs go worker -> storage); a few thousand tasks take
 #: well under 300 MiB, so 1 GiB is ample. Guaranteed QoS too: losing it loses the run.
 SCHEDULER_MEMORY = 1 * GiB

@@ -42,7 +42,7 @@ from ..errors import ClusterError, NannyTerminatedError, OOMKilledError, WorkerF
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec, SlurmSpec
 from ..units import MiB
-from .base import Session, dask_memory_config
+from .base import REMOTE_DEFAULT_WORKERS, Session, dask_memory_config
 from .diagnostics import ClusterEvents, WorkerReport, register_plugins
 from .slurmctl import (
     NO_CONFIGURATION,
@@ -60,8 +60,8 @@ from .slurmscript import JobScript, build_job_script, job_mem_mib
 
 log = logging.getLogger(__name__)
 
-#: Workers for ``workers: auto``: a SLURM cluster has no core count we could follow.
-DEFAULT_WORKERS = 4
+#: Workers for ``workers: auto`` (backends/base.py): a SLURM cluster has no core count to follow.
+DEFAULT_WORKERS = REMOTE_DEFAULT_WORKERS
 #: Seconds to wait for SLURM to take the cancelled jobs out of the queue before giving up.
 CANCEL_WAIT = 30
 #: Seconds a worker may be gone (restarting after a kill) before its job is given up.

@@ -15,12 +15,13 @@ import re
 from typing import Any, Mapping
 
 from ...errors import SpecError
+from ...spec import UPLOADS_IN_FLIGHT
 
 #: Options of the HTTP client rather than of S3 (obstore's ClientConfig).
 CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "user_agent"}
 #: Our own options: when to switch to a multipart upload, its part size, retries, and the PUTs a
 #: thread keeps in flight (read by the planner, which counts them: planner/plan.py upload_depth_for).
-OWN_KEYS = {"multipart_threshold", "part_size", "retries", "uploads_in_flight"}
+OWN_KEYS = {"multipart_threshold", "part_size", "retries", UPLOADS_IN_FLIGHT}
 #: The one-writer lease's options: read by engine.s3lease, not by the client.
 LEASE_KEYS = {"lock", "lock_ttl"}
 #: Friendly aliases (the names s3fs and the AWS CLI use) -> obstore's keys.
