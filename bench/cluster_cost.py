@@ -40,7 +40,7 @@ def _stock_exit() -> Iterator[None]:
 
 
 def _engine_loaded() -> bool:
-    import h5ngff.engine.tasks  # noqa: F401  what a slab task's unpickling imports
+    import h5ngff.engine.write.tasks  # noqa: F401  what a slab task's unpickling imports
 
     return True
 

@@ -19,9 +19,9 @@ import tempfile
 import time
 
 from h5ngff.backends.local import LocalBackend
-from h5ngff.engine.driver import build_tasks, channel_windows
-from h5ngff.engine.output import prepare_output
-from h5ngff.engine.tasks import run_slab
+from h5ngff.engine.write.driver import build_tasks, channel_windows
+from h5ngff.engine.write.output import prepare_output
+from h5ngff.engine.write.tasks import run_slab
 from h5ngff.runner import plan_job
 from h5ngff.spec import parse_spec
 

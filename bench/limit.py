@@ -7,7 +7,7 @@
    hold whole HDF5 chunks (one chunk row for contiguous data), in storage order into one reused
    buffer, so each HDF5 byte (and each compressed HDF5 chunk) is read exactly once while the slab
    stays small enough to be cache-friendly. Deflate-only chunks are inflated with libdeflate
-   (``h5ngff.engine.inflate``), as h5ngff reads them: the limit must not read slower than we do;
+   (``h5ngff.engine.sources.inflate``), as h5ngff reads them: the limit must not read slower than we do;
 2. extract: each (64,64,64) chunk is copied out contiguous into one reused buffer (edge chunks
    zero-padded to the full chunk, as Zarr stores them);
 3. encode: numcodecs Blosc zstd 5 + bitshuffle, one blosc thread;
@@ -17,7 +17,7 @@ With ``--levels N`` (N > 1) it is the floor of an N-level mean pyramid instead, 
 pyramid converter must add: each slab is also halved into level 1 (held whole in memory, so no
 level is ever read back), then level k is halved from level k-1, and every level's chunks are
 extracted, encoded and written as above. The halving is h5ngff's own exact mean
-(``h5ngff.engine.downsample``: the verifier demands it bit for bit), timed apart as
+(``h5ngff.engine.write.downsample``: the verifier demands it bit for bit), timed apart as
 ``downsample`` so a slow mean cannot hide in the floor. The output is an OME-style group of
 arrays ``0`` .. ``N-1``.
 
@@ -43,8 +43,8 @@ import zarr
 from numcodecs import blosc
 from zarr.codecs import BloscCodec
 
-from h5ngff.engine.downsample import downsample, output_shape
-from h5ngff.engine.inflate import direct_deflate, read_deflate
+from h5ngff.engine.write.downsample import downsample, output_shape
+from h5ngff.engine.sources.inflate import direct_deflate, read_deflate
 
 from .config import CODEC
 

@@ -1,5 +1,5 @@
 """Does an S3 endpoint support the conditional requests the one-writer lease needs
-(engine/s3lease.py)? Each through the client h5ngff uses (obstore), and DELETE through botocore
+(engine/stores/s3lease.py)? Each through the client h5ngff uses (obstore), and DELETE through botocore
 because obstore 0.12 has no conditional DELETE.
 
     .venv/bin/python bench/s3_conditional.py                      # a moto server on loopback

@@ -326,7 +326,7 @@ def _worker_ready(tasks: Sequence[dict[str, Any]]) -> list[float]:
 
 
 def _pass_of(key: str) -> int:
-    # h5ngff.engine.tasks.SlabTask.key: "h5ngff-slab-p{pass}-{i.j.k}-{token}"
+    # h5ngff.engine.write.tasks.SlabTask.key: "h5ngff-slab-p{pass}-{i.j.k}-{token}"
     try:
         return int(key.split("-p", 1)[1].split("-", 1)[0])
     except (IndexError, ValueError):

@@ -46,10 +46,11 @@ def main() -> None:
         flags += ["--shards", a.shards]
     subprocess.run(CLI + ["convert", f"{h5}:/volume/data", out] + flags, check=True, capture_output=True)
     level0 = int(np.prod(shape)) * np.dtype(a.dtype).itemsize
-    baseline = _peak_of([sys.executable, "-c", "import h5ngff.cliverify, h5ngff.engine.verify, h5py, zarr"])[2]
+    baseline = _peak_of([sys.executable, "-c", "import h5ngff.cliverify, h5ngff.engine.verify.check, h5py, zarr"])[2]
     code, seconds, peak = _peak_of(CLI + ["verify", out, "--source", f"{h5}:/volume/data", "--json"])
-    from h5ngff.engine.levelcheck import PyramidRule, memory_bound
-    from h5ngff.engine.existing import level_layout
+    from h5ngff.engine.verify.levelcheck import PyramidRule, memory_bound
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from existing_layout import level_layout  # a test helper: the writer's layout of an existing level
 
     fmt = 3
     layouts = [level_layout(out, str(k), fmt, k) for k in range(a.levels)]

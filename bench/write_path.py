@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.write_path [--slab 64,704,2008] [--repeat 3]
 
 1. zarr-python 3: ``array[region] = slab`` (its codec pipeline and LocalStore);
-2. h5ngff's writer (``engine.chunkio.write_block``: numcodecs encode + atomic file per chunk);
+2. h5ngff's writer (``engine.write.chunkio.write_block``: numcodecs encode + atomic file per chunk);
 3. the bare minimum: encode each chunk with numcodecs and ``open().write()`` it.
 
 Each is run ``--repeat`` times interleaved and the best time is kept, so background load hurts all
@@ -23,7 +23,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
-from h5ngff.engine.chunkio import ArrayLayout, write_block
+from h5ngff.engine.write.chunkio import ArrayLayout, write_block
 from h5ngff.sample import _plane
 from h5ngff.spec import CompressorSpec
 

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from conftest import cgroups_available, smooth, spec_for, write_h5
-from h5ngff.engine.levelcheck import pyramid_rule
-from h5ngff.engine.output import downsampled_record
+from h5ngff.engine.verify.levelcheck import pyramid_rule
+from h5ngff.engine.write.output import downsampled_record
 from h5ngff.planner import Capacity, DatasetInfo, make_plan
 from h5ngff.spec import parse_spec
 from h5ngff.units import MiB
@@ -248,7 +248,7 @@ def test_the_anisotropic_output_read_back_by_independent_readers(anisotropic):
 def test_verify_source_passes_and_names_a_wrong_level(anisotropic, tmp_path):
     import shutil
 
-    from h5ngff.engine.verify import verify_output
+    from h5ngff.engine.verify.check import verify_output
 
     h5, out, _, _ = anisotropic
     cli = subprocess.run(CLI + ["verify", out, "--source", f"{h5}:/volume/data"], capture_output=True, text=True)

@@ -24,10 +24,10 @@ import zarr
 
 from conftest import smooth, spec_for, write_h5
 from formats_fixtures import read_by_independent_clients
-from h5ngff.engine import chunkio
-from h5ngff.engine.checksums import SIDECAR_DIR
-from h5ngff.engine.existing import level_layout
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.write import chunkio
+from h5ngff.engine.write.checksums import SIDECAR_DIR
+from existing_layout import level_layout
+from h5ngff.engine.verify.check import verify_output
 from test_engine_resume import FLAGS, chunk_files, manifest_lines
 
 CLI = [sys.executable, "-m", "h5ngff.cli"]

@@ -380,7 +380,7 @@ def test_chunks_and_shards_clipped_to_the_array_are_noticed(tmp_path):
 
 def test_memory_report_figure(small):
     from h5ngff.backends.local import LocalBackend
-    from h5ngff.engine.driver import RunTotals
+    from h5ngff.engine.write.driver import RunTotals
     from h5ngff.metrics.timeline import _figure
     from h5ngff.runner import RunSummary, plan_job
     from h5ngff.spec import parse_spec

@@ -19,7 +19,7 @@ import pytest
 
 import h5ngff as package
 from conftest import smooth, write_h5
-from h5ngff.engine.manifest import MANIFEST_DIR, MANIFEST_FILE
+from h5ngff.engine.write.manifest import MANIFEST_DIR, MANIFEST_FILE
 
 #: The commands run the h5ngff this test imports (its src/), wherever the test file lies.
 SRC = Path(package.__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def test_ngff_04_output_opens_in_zarr_and_ome_zarr_without_warnings(small, tmp_p
     from ome_zarr.io import parse_url
     from ome_zarr.reader import Reader
 
-    from h5ngff.engine.verify import verify_output
+    from h5ngff.engine.verify.check import verify_output
 
     out = tmp_path / "v04.ome.zarr"
     proc = h5ngff("convert", f"{small / 'small.h5'}:/volume/data", out, "--ngff-version", "0.4", "--levels", "2", "--workers", "1", "--no-progress")
@@ -191,8 +191,8 @@ def test_ngff_04_output_opens_in_zarr_and_ome_zarr_without_warnings(small, tmp_p
 
 def test_an_output_with_the_old_sidecar_place_still_verifies(small, tmp_path):
     """Outputs written before the sidecar moved into 0/ keep it at OUT/.h5ngff-checksums/."""
-    from h5ngff.engine.checksums import LEGACY_SIDECAR_DIR, SIDECAR_DIR
-    from h5ngff.engine.verify import verify_output
+    from h5ngff.engine.write.checksums import LEGACY_SIDECAR_DIR, SIDECAR_DIR
+    from h5ngff.engine.verify.check import verify_output
 
     out = tmp_path / "old.ome.zarr"
     proc = h5ngff("convert", f"{small / 'small.h5'}:/volume/data", out, "--ngff-version", "0.4", "--levels", "1", "--workers", "1", "--no-progress")

@@ -1,8 +1,8 @@
 """The plan prices the HDF5 read path the workers take ("Sources and memory, round three", item 6).
 
 A dataset whose only filter is deflate is read chunk by chunk with ``read_direct_chunk`` and
-libdeflate (engine.inflate), which never fills HDF5's chunk cache. The planner is pure, so the
-source description carries the engine's own decision (``engine.inflate.direct_read``) as
+libdeflate (engine.sources.inflate), which never fills HDF5's chunk cache. The planner is pure, so the
+source description carries the engine's own decision (``engine.sources.inflate.direct_read``) as
 ``DatasetInfo.hdf5_direct_read``, and the plan prices a chunk cache only where HDF5's filter reads.
 """
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import requires_cgroups, smooth, spec_for
-from h5ngff.engine import inflate
-from h5ngff.engine import source as source_module
-from h5ngff.engine.source import inspect_source
+from h5ngff.engine.sources import inflate
+from h5ngff.engine.sources import base as source_module
+from h5ngff.engine.sources.hdf5 import inspect_source
 from h5ngff.engine.sources import open_source
 from h5ngff.planner import Capacity, DatasetInfo, make_plan
 from h5ngff.planner.memory import DEFAULT_CONSTANTS
@@ -102,11 +102,11 @@ def test_the_source_description_says_which_path_the_workers_take(files, name, di
     real = inflate.read_deflate
     monkeypatch.setattr(source_module, "read_deflate", lambda *a: (calls.append(a), real(*a))[1])
     region = (slice(0, 2), slice(3, 27), slice(5, 66), slice(7, 88))  # cuts chunks on every side
-    source_module.close_all()
-    got = source_module.read_slab(path, name, 0, region)
+    source_module.close_files()
+    got = source_module.read_plain(path, name, 0, region)
     np.testing.assert_array_equal(got, data[region])
     assert bool(calls) is direct
-    source_module.close_all()
+    source_module.close_files()
 
 
 def test_switching_libdeflate_off_switches_the_plan_to_the_cache(files, monkeypatch):

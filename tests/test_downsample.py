@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from h5ngff.engine import downsample as ds
+from h5ngff.engine.write import downsample as ds
 from reference import reference_level
 
 DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool"]

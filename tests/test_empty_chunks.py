@@ -19,10 +19,10 @@ import zarr
 
 from conftest import spec_for, write_h5
 from formats_fixtures import read_by_independent_clients
-from h5ngff.engine.checksums import SIDECAR_DIR
-from h5ngff.engine.chunkio import is_fill_chunk
-from h5ngff.engine.manifest import Manifest
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.write.checksums import SIDECAR_DIR
+from h5ngff.engine.write.chunkio import is_fill_chunk
+from h5ngff.engine.write.manifest import Manifest
+from h5ngff.engine.verify.check import verify_output
 
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE, CHUNKS, SHARDS = (40, 96, 96), (8, 32, 32), (16, 64, 64)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import smooth, spec_for, write_h5
-from h5ngff.engine.output import completion_marker
+from h5ngff.engine.write.output import completion_marker
 from h5ngff.errors import (
     DatasetNotFoundError,
     OutputError,

@@ -14,7 +14,7 @@ import zarr
 from conftest import smooth, spec_for
 from formats_fixtures import read_by_independent_clients
 from h5ngff.engine.sources import open_source
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import SpecError
 from reference import reference_pyramid
 

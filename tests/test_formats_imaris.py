@@ -17,7 +17,7 @@ import zarr
 
 from conftest import smooth, spec_for
 from formats_fixtures import PADDING_VALUE, read_by_independent_clients, read_ims_independently, write_ims
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import UnsupportedDatasetError
 from reference import halving_steps, reference_pyramid
 

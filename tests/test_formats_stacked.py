@@ -11,7 +11,7 @@ import zarr
 
 from conftest import smooth, spec_for
 from h5ngff.engine.sources import open_source
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import OutputConflictError, SpecError, UnsupportedDatasetError
 from reference import halving_steps, reference_pyramid
 

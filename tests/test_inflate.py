@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import smooth
-from h5ngff.engine import source as source_module
-from h5ngff.engine.inflate import direct_deflate, read_deflate
+from h5ngff.engine.sources import base as source_module
+from h5ngff.engine.sources.inflate import direct_deflate, read_deflate
 from h5ngff.errors import SourceError
 
 REGIONS = [
@@ -49,9 +49,9 @@ def test_other_filters_and_byte_orders_go_through_h5py(h5):
     with h5py.File(path, "r") as f:
         assert not direct_deflate(f["shuffle"])  # shuffle + deflate: h5py's pipeline
     for name in ("shuffle", "big", "gzip"):
-        got = source_module.read_slab(path, name, 0, REGIONS[1])
+        got = source_module.read_plain(path, name, 0, REGIONS[1])
         np.testing.assert_array_equal(got, data[REGIONS[1]])
-    source_module.close_all()
+    source_module.close_files()
 
 
 def test_a_corrupt_deflate_chunk_is_a_source_error(h5, tmp_path):
@@ -64,5 +64,5 @@ def test_a_corrupt_deflate_chunk_is_a_source_error(h5, tmp_path):
             mask, raw = f["gzip"].id.read_direct_chunk(start)
             ds.id.write_direct_chunk(start, raw if start != (4, 16, 32) else raw[:10] + b"\xff" * (len(raw) - 10), mask)
     with pytest.raises(SourceError, match="does not decode"):
-        source_module.read_slab(bad, "gzip", 0, REGIONS[0])
-    source_module.close_all()
+        source_module.read_plain(bad, "gzip", 0, REGIONS[0])
+    source_module.close_files()

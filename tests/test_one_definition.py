@@ -14,7 +14,7 @@ import yaml
 from h5ngff import job, jobspec
 from h5ngff.backends import kubernetes
 from h5ngff.backends.base import dask_memory_config
-from h5ngff.engine import downsample
+from h5ngff.engine.write import downsample
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
 from h5ngff.operator import manifests
@@ -63,11 +63,11 @@ def test_the_strip_size_is_defined_once_in_the_planner_and_used_by_the_engine():
 
 def test_negative_control_the_scan_sees_a_second_definition(tmp_path, monkeypatch):
     copy = tmp_path / "h5ngff"
-    (copy / "engine").mkdir(parents=True)
-    (copy / "engine" / "downsample.py").write_text("STRIP_ELEMENTS = 1 << 16\n")
+    (copy / "engine" / "write").mkdir(parents=True)
+    (copy / "engine" / "write" / "downsample.py").write_text("STRIP_ELEMENTS = 1 << 16\n")
     (copy / "units.py").write_text('GROUP = "h5ngff.dev"\n')
     monkeypatch.setitem(globals(), "PACKAGE", copy)
-    assert _assignments("STRIP_ELEMENTS") == ["engine/downsample.py"]
+    assert _assignments("STRIP_ELEMENTS") == ["engine/write/downsample.py"]
     assert _literals("h5ngff.dev") == ["units.py"]
 
 

@@ -1,4 +1,4 @@
-"""One writer per output path on a workstation (engine/lock.py): real concurrent ``h5ngff convert``
+"""One writer per output path on a workstation (engine/write/lock.py): real concurrent ``h5ngff convert``
 processes on one path, a real ``--overwrite`` against a held output, a real SIGKILL. Each refusal
 has a negative control: the same second writer with the lock made a no-op does the damage."""
 
@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from conftest import smooth, write_h5
-from h5ngff.engine.lock import LOCK_NAME
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.write.lock import LOCK_NAME
+from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import ExitCode
 from test_engine_resume import chunk_files, manifest_lines
 
@@ -25,9 +25,9 @@ CLI = [sys.executable, "-m", "h5ngff.cli"]
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,64,256", "--workers", "1", "--no-progress"]
 #: The second writer, with the lock replaced by a no-op: the negative control of every refusal.
 UNLOCKED = [sys.executable, "-c",
-            "import sys, contextlib, h5ngff.runner as r; from h5ngff.engine.lock import Held; "
+            "import sys, contextlib, h5ngff.runner as r; from h5ngff.engine.write.lock import Held; "
             "r.output_lock = lambda *args: contextlib.nullcontext(Held()); "
-            "import h5ngff.engine.lock as lock; lock.refuse_if_held = lambda *args: None; "
+            "import h5ngff.engine.write.lock as lock; lock.refuse_if_held = lambda *args: None; "
             "from h5ngff.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 

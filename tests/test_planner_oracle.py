@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-from h5ngff.engine.chunkio import ArrayLayout
-from h5ngff.engine.chunkio import shard_index_bytes as engine_shard_index_bytes
+from h5ngff.engine.write.chunkio import ArrayLayout
+from h5ngff.engine.write.chunkio import shard_index_bytes as engine_shard_index_bytes
 from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, Plan, make_plan
 from h5ngff.spec import ConversionSpec, parse_spec
 from h5ngff.units import MiB

@@ -20,9 +20,9 @@ import zarr
 
 from conftest import requires_cgroups, smooth, spec_for, write_h5
 from h5ngff.backends.local import LocalBackend
-from h5ngff.engine.chunkio import TMP_MARK, ArrayLayout, write_block
-from h5ngff.engine.output import completion_marker
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.write.chunkio import TMP_MARK, ArrayLayout, write_block
+from h5ngff.engine.write.output import completion_marker
+from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import DiskFullError, UnalignedWriteError
 from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import CompressorSpec
@@ -83,7 +83,7 @@ def test_regression_a_worker_killed_before_its_rename_leaves_no_temporary_file(t
     out = str(tmp_path / "out.ome.zarr")
     monkeypatch.setenv("H5NGFF_FAULTS", "rename_sleep=0.4")  # every write pauses with its temporary file on disk
     if not sweep:
-        monkeypatch.setattr("h5ngff.engine.output.sweep_temporary_files", lambda path: 0)
+        monkeypatch.setattr("h5ngff.engine.write.output.sweep_temporary_files", lambda path: 0)
     spec = spec_for(h5, out, output={"chunks": [8, 32, 32]}, resources={"workers": 2, "slab": [8, 64, 128]})
     backend = LocalBackend()
     killed: list[str] = []
@@ -210,7 +210,7 @@ def test_positive_control_two_writers_on_a_chunk_lose_data(tmp_path, monkeypatch
     """With the alignment guard bypassed, two slabs splitting a chunk each write it whole (their
     half plus fill values): whichever lands last erases the other's data. This is the corruption
     the planner's alignment and the guard exist to prevent."""
-    from h5ngff.engine import chunkio
+    from h5ngff.engine.write import chunkio
 
     monkeypatch.setattr(chunkio, "check_alignment", lambda layout, region: None)
     data = np.arange(8 * 32, dtype="<u2").reshape(8, 32) + 1
@@ -326,7 +326,7 @@ def test_losing_every_worker_fails_the_run_instead_of_hanging(source, tmp_path, 
     from distributed import LocalCluster
 
     from h5ngff.backends.external import ExternalBackend
-    from h5ngff.engine import driver
+    from h5ngff.engine.write import driver
     from h5ngff.errors import WorkersLostError
 
     monkeypatch.setattr(driver, "NO_WORKERS_TIMEOUT", 3.0)

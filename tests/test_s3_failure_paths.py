@@ -20,11 +20,11 @@ import pytest
 
 from conftest import smooth, spec_for, write_h5
 from h5ngff.backends.external import ExternalBackend
-from h5ngff.engine import manifest as manifest_mod
-from h5ngff.engine.lock import output_lock
-from h5ngff.engine.output import check_output, prepare_output
+from h5ngff.engine.write import manifest as manifest_mod
+from h5ngff.engine.write.lock import output_lock
+from h5ngff.engine.write.output import check_output, prepare_output
 from h5ngff.engine.stores.s3 import S3Store
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import OutputBusyError, OutputConflictError, OutputError
 from h5ngff.runner import plan_job, run_job
 from s3_server import FaultProxy

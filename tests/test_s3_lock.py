@@ -1,4 +1,4 @@
-"""One writer per bucket prefix (engine/s3lease.py): real ``h5ngff convert`` processes against a
+"""One writer per bucket prefix (engine/stores/s3lease.py): real ``h5ngff convert`` processes against a
 real S3 endpoint (moto's server on loopback), a real SIGKILL, and a second "machine" that is a
 process in its own pid namespace (``unshare --pid``): the lease cannot see whether a pid there is
 alive, exactly as for a run on another workstation, so it must watch the lease's ETag.
@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from conftest import smooth, spec_for, write_h5
-from h5ngff.engine.s3lease import LOCK_KEY, LeaseSettings, acquire, judge, local_holder_alive, my_identity
+from h5ngff.engine.stores.s3lease import LOCK_KEY, LeaseSettings, acquire, judge, local_holder_alive, my_identity
 from h5ngff.engine.stores import open_store
 from h5ngff.errors import ExitCode, OutputBusyError, OutputError
 from s3_server import FaultProxy

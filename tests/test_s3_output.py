@@ -75,7 +75,7 @@ def test_every_level_exact_read_back_through_the_endpoint(source, s3, convert, m
 
 
 def test_verify_an_s3_output_with_and_without_source(source, s3, convert):
-    from h5ngff.engine.verify import verify_output
+    from h5ngff.engine.verify.check import verify_output
 
     h5, data = source
     bucket = s3.new_bucket()
@@ -241,7 +241,7 @@ def test_a_sparse_bucket_output_skips_empty_chunks_and_keeps_the_quantile_window
     everywhere is no object, verify counts it as recorded (``emptyUnits``) and not as missing,
     and the omero window comes from the per-slab histograms kept as objects in the bucket, equal
     to the same conversion's on disk. Control: deleting one stored chunk is still found."""
-    from h5ngff.engine.verify import verify_output
+    from h5ngff.engine.verify.check import verify_output
 
     _, data = source
     sparse = data.copy()

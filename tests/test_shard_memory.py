@@ -20,8 +20,8 @@ import zarr
 
 from conftest import requires_cgroups, spec_for, write_h5
 from h5ngff.backends.local import LocalBackend
-from h5ngff.engine.chunkio import ArrayLayout, read_region, write_block
-from h5ngff.engine.tasks import _MinMax
+from h5ngff.engine.write.chunkio import ArrayLayout, read_region, write_block
+from h5ngff.engine.write.tasks import _MinMax
 from h5ngff.planner import Capacity, DatasetInfo, make_plan
 from h5ngff.planner.memory import BLOSC_MAX_OVERHEAD, shard_index_bytes
 from h5ngff.runner import plan_job, run_job
@@ -70,7 +70,7 @@ def test_streamed_shards_round_trip_through_zarr_and_partial_reads(tmp_path):
 _MEASURE = """
 import math, sys
 import numpy as np
-from h5ngff.engine.chunkio import ArrayLayout, encode_chunk, write_block
+from h5ngff.engine.write.chunkio import ArrayLayout, encode_chunk, write_block
 from h5ngff.engine.stores import LocalStore
 from h5ngff.spec import CompressorSpec
 

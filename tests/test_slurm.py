@@ -24,7 +24,7 @@ from h5ngff.backends.slurm import SlurmBackend
 from h5ngff.backends.slurmctl import oom_events, parse_scontrol_job
 from h5ngff.backends.slurmscript import job_mem_mib
 from h5ngff.cli import main
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import (
     ClusterError,
     OOMKilledError,

@@ -19,7 +19,7 @@ from slurm_local import slurm_cluster, squeue  # noqa: F401  (session fixture)
 from h5ngff.backends import slurmctl
 from h5ngff.backends.slurm import SlurmBackend, SlurmJobs
 from h5ngff.backends.slurmctl import parse_scontrol_job
-from h5ngff.engine import driver
+from h5ngff.engine.write import driver
 from h5ngff.errors import ClusterError, SpecError, WorkersLostError, WorkersPendingError
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.runner import plan_job, run_job

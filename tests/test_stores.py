@@ -271,7 +271,7 @@ def test_the_engine_writes_and_reads_a_sharded_level_through_either_store(store)
     all-fill unit stored as nothing. Control: a shard whose index is damaged is refused."""
     import numpy as np
 
-    from h5ngff.engine.chunkio import ArrayLayout, read_region, write_block
+    from h5ngff.engine.write.chunkio import ArrayLayout, read_region, write_block
     from h5ngff.spec import CompressorSpec
 
     options = getattr(store, "_test_options", None)

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from conftest import smooth, spec_for, write_h5
-from h5ngff.engine.chunkio import ArrayLayout, read_region, write_block
-from h5ngff.engine.levelcheck import LevelComparison, PyramidRule, memory_bound, SOURCE_CACHE_BYTES
-from h5ngff.engine.existing import level_layout
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.write.chunkio import ArrayLayout, read_region, write_block
+from h5ngff.engine.verify.levelcheck import LevelComparison, PyramidRule, memory_bound, SOURCE_CACHE_BYTES
+from existing_layout import level_layout
+from h5ngff.engine.verify.check import verify_output
 from h5ngff.spec import CompressorSpec
 from reference import reference_pyramid
 
@@ -184,7 +184,7 @@ def test_verify_pyramid_equals_the_independent_reference(tmp_path, method, dtype
 
 _PEAK = """
 import sys, tracemalloc
-from h5ngff.engine.verify import verify_output
+from h5ngff.engine.verify.check import verify_output
 out, h5 = sys.argv[1:3]
 verify_output(out, (h5, "/volume/data"))  # first call: one-time imports and caches
 tracemalloc.start()

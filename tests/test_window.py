@@ -13,7 +13,7 @@ import pytest
 
 from conftest import spec_for, write_h5
 from formats_fixtures import read_by_independent_clients
-from h5ngff.engine.window import BINS, STRIDE, SampledHistogram, bin_range, key_mode, quantile_window, sample_keys
+from h5ngff.engine.write.window import BINS, STRIDE, SampledHistogram, bin_range, key_mode, quantile_window, sample_keys
 
 
 def _window(out: str, channel: int = 0) -> dict:

@@ -23,7 +23,7 @@ sys.path.insert(0, os.getcwd())  # the folder that holds bench/
 #: local conversion path.
 MODULES = ("numpy", "h5py", "hdf5plugin", "numcodecs.blosc", "zarr", "google_crc32c", "deflate", "pydantic", "dask.array",
            "distributed", "psutil", "yaml", "rich", "prometheus_client", "matplotlib.pyplot", "h5ngff.cli", "h5ngff.runner",
-           "h5ngff.backends.local", "h5ngff.engine.tasks", "h5ngff.engine.inflate", "bench.cli", "bench.suite", "bench.limit",
+           "h5ngff.backends.local", "h5ngff.engine.write.tasks", "h5ngff.engine.sources.inflate", "bench.cli", "bench.suite", "bench.limit",
            "bench.verify", "bench.report", "bench.data")
 
 

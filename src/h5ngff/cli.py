@@ -226,7 +226,7 @@ def _start_metrics(spec, args: argparse.Namespace):
 
 
 def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
-    from .engine.output import check_output
+    from .engine.write.output import check_output
     from .report import ProgressBar, plan_renderable, summary_renderable
     from .runner import plan_job, run_job
 
@@ -234,7 +234,7 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     metrics = _start_metrics(spec, args)  # before planning: Prometheus's first scrapes find the target up
     try:
         job = plan_job(spec, backend, constants_from_args(args))
-        from .engine import lock
+        from .engine.write import lock
 
         lock.refuse_if_held(job.spec.output.path)  # another run writing it: refused before the plan is shown
         check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster

@@ -37,7 +37,7 @@ def add_verify_command(sub) -> None:
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> int:
-    from .engine.verify import verify_output  # zarr and h5py load only when needed
+    from .engine.verify.check import verify_output  # zarr and h5py load only when needed
 
     options = parse_storage_options(args.storage_option)
     source = _checked_inputs(args.output, args.source, options)
@@ -87,7 +87,7 @@ def _recorded_source(output: str, options: dict[str, str]) -> dict | None:
     try:
         import zarr
 
-        from .engine.verify import zarr_root
+        from .engine.verify.check import zarr_root
 
         attrs = dict(zarr.open_group(zarr_root(output, options), mode="r").attrs)
     except Exception:  # not a Zarr group, or unreadable: verify_output names the problem

@@ -128,7 +128,7 @@ class OutputConflictError(OutputError, FileExistsError):
 
 
 class OutputBusyError(OutputConflictError):
-    """Another run holds the output's lock (engine.lock); the message names it. Transient: the
+    """Another run holds the output's lock (engine.write.lock); the message names it. Transient: the
     output is free again once that run ends, so the operator may retry it."""
 
     reason = "OutputBusy"

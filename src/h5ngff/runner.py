@@ -16,11 +16,11 @@ from .backends.allocator import resolve_allocator
 from .backends.base import Backend, Session
 from .backends.diagnostics import ClusterEvents, WorkerReport
 from .backends.shutdown import quiet_sync_cancel_race
-from .engine.driver import RunTotals, finish, run_conversion
-from .engine.lock import output_lock
-from .engine.output import prepare_output
+from .engine.write.driver import RunTotals, finish, run_conversion
+from .engine.write.lock import output_lock
+from .engine.write.output import prepare_output
 from .engine.progress import Broadcast, Listener
-from .engine.source import SourceIdentity
+from .engine.sources.hdf5 import SourceIdentity
 from .engine.sources import open_source
 from .errors import H5ngffError, WorkersLostError
 from .metrics.probes import ClusterPoller

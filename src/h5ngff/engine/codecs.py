@@ -42,7 +42,7 @@ def zarr_compressors(spec: CompressorSpec, zarr_format: int, checksums: bool = F
 
     With ``checksums`` in Zarr v3 the crc32c codec comes last, so every stored chunk ends in the
     CRC32C of its compressed bytes (``chunkio.checksum_piece``). Zarr v2 has no such codec: h5ngff
-    records its checksums in a sidecar instead (``engine.checksums``)."""
+    records its checksums in a sidecar instead (``engine.write.checksums``)."""
     if zarr_format == 3 and checksums:
         from zarr.codecs import Crc32cCodec
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..engine.output import check_output
+from ..engine.write.output import check_output
 from ..engine.progress import Progress
 from ..errors import H5ngffError
 from ..jobspec import ConversionJobSpec

@@ -66,7 +66,7 @@ def _dask_cluster(manifest: JobManifest, owner: Owner, opts: RenderOptions) -> d
     """Plan as the runner pod would (the kubernetes backend's capacity, the image's allocator) and
     build its DaskCluster."""
     from ..planner import DEFAULT_CONSTANTS, make_plan
-    from ..engine.source import inspect_source
+    from ..engine.sources.hdf5 import inspect_source
 
     spec = manifest.spec
     image = spec.pod.image or opts.image

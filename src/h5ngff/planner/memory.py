@@ -20,7 +20,7 @@ from ..units import MiB
 from .model import MemoryTerm, Thresholds, WorkerMemory
 
 BLOSC_MAX_OVERHEAD = 16
-#: Output elements the downsampler (engine.downsample) computes at a time: one definition for
+#: Output elements the downsampler (engine.write.downsample) computes at a time: one definition for
 #: the engine that uses it and the memory model that prices it.
 STRIP_ELEMENTS = 1 << 16
 #: 8-byte temporaries per output element while a block is downsampled: the pairwise sums hold 4
@@ -30,7 +30,7 @@ STRIP_TEMPORARIES = 6
 SHARD_INDEX_ENTRY = 16
 #: The shard index is held as an array while chunks are written and serialised once at the end.
 SHARD_INDEX_COPIES = 2
-#: The omero window's histogram (engine.window) counts one element in this many of each chunk.
+#: The omero window's histogram (engine.write.window) counts one element in this many of each chunk.
 WINDOW_SAMPLE_STRIDE = 127
 #: Bytes per sampled element a slab task holds at most: its uint16 key, the concatenated copy
 #: counted at the end, the sparse (uint16 key, uint32 count) pairs and the .npz bytes (twice).
@@ -215,7 +215,7 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
         why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB + HDF5 internal buffers"
         if shape.hdf5_direct:
-            # engine.inflate: each chunk's stored bytes (read_direct_chunk) and libdeflate's output,
+            # engine.sources.inflate: each chunk's stored bytes (read_direct_chunk) and libdeflate's output,
             # one chunk at a time (h5py serialises the reads); HDF5's chunk cache stays empty.
             hdf5 = c.hdf5_internal
             why = "chunks read directly and inflated by libdeflate, HDF5's chunk cache unused: HDF5 internal buffers"
@@ -234,7 +234,7 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         terms.append(MemoryTerm("hdf5 cache and decompression", hdf5, why))
     else:
         # Chunk files of the previous level are read and decoded one at a time into the slab.
-        # Shards too are read one inner chunk at a time, straight into the slab (engine.chunkio).
+        # Shards too are read one inner chunk at a time, straight into the slab (engine.write.chunkio).
         terms.append(MemoryTerm("level read buffers", T * (encoded_bound(shape.chunk_bytes) + shape.chunk_bytes), "per thread: one encoded chunk + one decoded chunk"))
     if shape.object_store:
         terms.extend(object_store_terms(shape, c))
@@ -292,7 +292,7 @@ def object_store_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]
 
 
 def window_term(shape: PassShape) -> MemoryTerm:
-    """The first pass samples level 0 for the omero window's quantiles (engine.window)."""
+    """The first pass samples level 0 for the omero window's quantiles (engine.write.window)."""
     samples = shape.slab_elements // WINDOW_SAMPLE_STRIDE + 1
     held = samples * WINDOW_BYTES_PER_SAMPLE + WINDOW_DENSE_BYTES + shape.chunk_bytes
     return MemoryTerm("window histogram", shape.threads * held,

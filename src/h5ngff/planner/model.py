@@ -26,7 +26,7 @@ class DatasetInfo:
     #: HDF5 filter names in pipeline order, e.g. ("shuffle", "gzip").
     hdf5_filters: tuple[str, ...] = ()
     #: The workers read the HDF5 chunks themselves (``read_direct_chunk`` + libdeflate: deflate is
-    #: the only filter, engine.inflate.direct_read decides), so HDF5's chunk cache is never used:
+    #: the only filter, engine.sources.inflate.direct_read decides), so HDF5's chunk cache is never used:
     #: the plan prices one compressed and one decompressed chunk, and no cache.
     hdf5_direct_read: bool = False
     #: Axes, voxel sizes and units found in HDF5 attributes (None where absent).

@@ -432,7 +432,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: i
     hdf5_chunk_bytes = math.prod(hdf5_chunks) * ctx.itemsize if hdf5_chunks else None
     cache = 0
     direct = from_hdf5 and ctx.ds.hdf5_direct_read
-    # The direct-chunk path (engine.inflate) reads every chunk a slab touches once per slab without
+    # The direct-chunk path (engine.sources.inflate) reads every chunk a slab touches once per slab without
     # HDF5's chunk cache, so it needs none; HDF5's own filter path keeps them in the cache.
     if hdf5_chunks and straddles and not direct:
         # Keep every HDF5 chunk a slab touches in the cache, so each is decompressed once per slab.

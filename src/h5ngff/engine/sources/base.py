@@ -25,12 +25,17 @@ import numpy as np
 from ...errors import SourceError, SourceNotFoundError, UnsupportedDatasetError
 from ...planner.model import DatasetInfo
 from ..buffers import slab_buffer
-from ..inflate import direct_read, read_deflate
-from ..source import SUPPORTED_KINDS, SourceIdentity, _dtype_kind, _filter_names, output_dtype, read_slab
+from .inflate import direct_read, read_deflate
+from .hdf5 import SUPPORTED_KINDS, SourceIdentity, dtype_kind, filter_names, output_dtype
 
 #: rdcc_nslots should be a prime well above the number of cached chunks.
 CACHE_SLOTS = 10007
+#: Files are opened once per worker process and kept open: h5py objects cannot be pickled, and
+#: reopening per task costs a metadata read each time.
 _files: dict[str, h5py.File] = {}
+#: A plain source's dataset stays open with the planned chunk cache between slabs: a chunk that
+#: straddles two slabs is inflated once.
+_datasets: dict[tuple[str, str, int], h5py.Dataset] = {}
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,7 @@ class SlabSource:
     def read(self, region: tuple[slice, ...]) -> np.ndarray:
         """One slab, read straight into this thread's slab buffer; valid until its next slab."""
         if self.plain:
-            # A single dataset keeps the engine's original path: opened once per process.
-            return read_slab(self.path, self.pieces[0], self.cache_bytes, region)
+            return read_plain(self.path, self.pieces[0], self.cache_bytes, region)
         n = len(self.lead_shape)
         lead, inner = region[:n], region[n:]
         out = slab_buffer(tuple(r.stop - r.start for r in region), np.dtype(self.dtype))
@@ -88,17 +92,41 @@ def _open_file(path: str) -> h5py.File:
     return f
 
 
+def _open_dataset(f: h5py.File, name: str, cache_bytes: int) -> h5py.Dataset:
+    """``name`` opened with its own chunk cache of ``cache_bytes`` (the file's stays small)."""
+    dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+    dapl.set_chunk_cache(CACHE_SLOTS, max(cache_bytes, 1 << 20), 0.75)
+    return h5py.Dataset(h5py.h5d.open(f.id, name.encode(), dapl))
+
+
+def read_plain(path: str, dataset: str, cache_bytes: int, region: tuple[slice, ...]) -> np.ndarray:
+    """One slab of a single dataset, read straight into this thread's slab buffer (no copy); valid
+    until the thread's next slab. The dataset stays open with the planned cache between slabs."""
+    key = (path, dataset, cache_bytes)
+    ds = _datasets.get(key)
+    try:
+        if ds is None or not ds.id.valid:
+            ds = _datasets[key] = _open_dataset(_open_file(path), dataset, cache_bytes)
+        out = slab_buffer(tuple(r.stop - r.start for r in region), output_dtype(ds.dtype))
+        _read_into(ds, region, out)
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        raise SourceError(f"Reading {dataset!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt.") from None
+    return out
+
+
+def _read_into(ds: h5py.Dataset, region: tuple[slice, ...], dest: np.ndarray) -> None:
+    if direct_read(ds, dest.dtype):
+        read_deflate(ds, region, dest)  # libdeflate: half HDF5's inflate time (engine.sources.inflate)
+    else:
+        ds.read_direct(dest, source_sel=region)
+
+
 def _read_piece(f: h5py.File, name: str, cache_bytes: int, region: tuple[slice, ...], dest: np.ndarray, path: str) -> None:
     """Read one piece's part of a slab. The dataset is opened for this read only, with its share
     of the planned chunk cache, and closed after it: pieces a worker has left hold no cache."""
-    dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-    dapl.set_chunk_cache(CACHE_SLOTS, max(cache_bytes, 1 << 20), 0.75)
     try:
-        ds = h5py.Dataset(h5py.h5d.open(f.id, name.encode(), dapl))
-        if direct_read(ds, dest.dtype):
-            read_deflate(ds, region, dest)  # libdeflate: half HDF5's inflate time (engine.inflate)
-        else:
-            ds.read_direct(dest, source_sel=region)
+        ds = _open_dataset(f, name, cache_bytes)
+        _read_into(ds, region, dest)
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise SourceError(f"Reading {name!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt.") from None
     finally:
@@ -110,6 +138,8 @@ def _fmt(region: tuple[slice, ...]) -> str:
 
 
 def close_files() -> None:
+    """Close every cached HDF5 file of this process (tests that rewrite a file they have read)."""
+    _datasets.clear()
     for f in _files.values():
         try:
             f.close()
@@ -150,7 +180,7 @@ def open_hdf5(path: str, field: str = "source.path") -> h5py.File:
 def check_dtype(dtype: np.dtype, what: str) -> None:
     if dtype.kind not in SUPPORTED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise UnsupportedDatasetError(
-            f"source.dataset: {what} has dtype {dtype} ({_dtype_kind(dtype)}); NGFF images hold numbers. "
+            f"source.dataset: {what} has dtype {dtype} ({dtype_kind(dtype)}); NGFF images hold numbers. "
             f"Expected bool, int8-int64, uint8-uint64 or float16/32/64. Convert it, or choose another dataset."
         )
 
@@ -162,7 +192,7 @@ def piece_storage(datasets: list[h5py.Dataset]) -> tuple[tuple[int, ...] | None,
     chunks = max(chunked, key=math.prod) if chunked else None
     filters: tuple[str, ...] = ()
     for ds in datasets:
-        filters = filters or tuple(_filter_names(ds))
+        filters = filters or tuple(filter_names(ds))
     return chunks, filters
 
 
@@ -172,7 +202,7 @@ def composite_info(lead_shape: tuple[int, ...], inner_shape: tuple[int, ...], dt
     along the leading axes, so a slab's chunk cache covers exactly the pieces it spans.
     ``read_dtype`` is the dtype of the buffer the pieces are read into (SlabSource: the storage
     dtype where bytes are reinterpreted, else the output dtype): with it, ``_read_piece``'s own
-    decision (engine.inflate.direct_read) says whether every piece skips HDF5's chunk cache."""
+    decision (engine.sources.inflate.direct_read) says whether every piece skips HDF5's chunk cache."""
     chunks, filters = piece_storage(datasets)
     into = read_dtype if read_dtype is not None else output_dtype(dtype)
     return DatasetInfo(

@@ -21,7 +21,7 @@ import h5py
 
 from ...errors import DatasetNotFoundError, SpecError, UnsupportedDatasetError
 from ...spec import ConversionSpec, parse_axes
-from ..source import _list_datasets, inspect_source
+from .hdf5 import list_datasets, inspect_source
 from .base import Opened, SlabSource, check_dtype, composite_info, identity, open_hdf5
 from .conventions import Physical, physical_attrs, raise_conflicts
 
@@ -72,9 +72,9 @@ def expand(f: h5py.File, selection: str) -> tuple[list[str], tuple[int, ...]]:
         names = ["/" + n.strip().lstrip("/") for n in selection.split(",") if n.strip()]
         return names, (len(names),)
     pattern = selection if selection.startswith("/") else "/" + selection
-    names = sorted((n for n in _list_datasets(f) if fnmatch.fnmatchcase(n, pattern)), key=_natural)
+    names = sorted((n for n in list_datasets(f) if fnmatch.fnmatchcase(n, pattern)), key=_natural)
     if not names:
-        listed = ", ".join(_list_datasets(f)[:8])
+        listed = ", ".join(list_datasets(f)[:8])
         raise DatasetNotFoundError(f"source.dataset: the glob {selection!r} matches no dataset in {f.filename!r}. Datasets in it: {listed}.")
     return names, (len(names),)
 
@@ -109,7 +109,7 @@ def _dataset(f: h5py.File, name: str, selection: str) -> h5py.Dataset:
     obj = f.get(name)
     if not isinstance(obj, h5py.Dataset):
         what = "is a group" if obj is not None else "does not exist"
-        listed = ", ".join(_list_datasets(f)[:8])
+        listed = ", ".join(list_datasets(f)[:8])
         raise DatasetNotFoundError(f"source.dataset: {name!r} (from {selection!r}) {what} in {f.filename!r}. Datasets in it: {listed}.")
     return obj
 

@@ -57,7 +57,7 @@ class Store(Protocol):
 
 class ConditionalWritesUnsupported(Exception):
     """The store answered a conditional write (If-None-Match / If-Match) with 501 NotImplemented,
-    or without an ETag: it cannot hold a lease (engine.s3lease says what to do)."""
+    or without an ETag: it cannot hold a lease (engine.stores.s3lease says what to do)."""
 
 
 class TransientStoreError(Exception):

@@ -22,7 +22,7 @@ CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "t
 #: Our own options: when to switch to a multipart upload, its part size, retries, and the PUTs a
 #: thread keeps in flight (read by the planner, which counts them: planner/plan.py upload_depth_for).
 OWN_KEYS = {"multipart_threshold", "part_size", "retries", UPLOADS_IN_FLIGHT}
-#: The one-writer lease's options: read by engine.s3lease, not by the client.
+#: The one-writer lease's options: read by engine.stores.s3lease, not by the client.
 LEASE_KEYS = {"lock", "lock_ttl"}
 #: Friendly aliases (the names s3fs and the AWS CLI use) -> obstore's keys.
 ALIASES = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint", "region_name": "region", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token",

@@ -265,7 +265,7 @@ class S3Store:
         return len(keys)
 
 
-    # -- conditional writes: the one-writer lease (engine.s3lease) ------------------------------
+    # -- conditional writes: the one-writer lease (engine.stores.s3lease) ------------------------------
     def create(self, key: str, data: bytes, policy: RetryPolicy | None = None) -> str | None:
         """PUT only if ``key`` is absent (If-None-Match: *): the new ETag, or None if it exists."""
         return self._conditional(f"PUT {key} (If-None-Match)", key, data, "create", policy)

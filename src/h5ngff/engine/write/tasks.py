@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import H5ngffError
+from ...errors import H5ngffError
 from .chunkio import ArrayLayout, read_region, write_block
 from . import faults
-from .buffers import keep_levels, level_buffer
+from ..buffers import keep_levels, level_buffer
 from .downsample import downsample, output_shape
 from .checksums import FileChecksums
 from .manifest import SlabRecord
-from .sources.base import SlabSource
-from .stores import store_retries
+from ..sources.base import SlabSource
+from ..stores import store_retries
 from .window import SampledHistogram, histogram_key, write_histogram
 
 
@@ -42,7 +42,7 @@ class SlabTask:
     method: str
     #: Axis of the channels for per-channel min/max, or None (one window for all).
     channel_axis: int | None
-    #: Where the first pass writes each slab's sampled histogram (engine.window), or None: a key
+    #: Where the first pass writes each slab's sampled histogram (engine.write.window), or None: a key
     #: prefix in the output's store (the store of ``levels``).
     stats_dir: str | None = None
     #: PUTs kept in flight while the next unit is encoded, for an object-store output (the plan's
@@ -66,7 +66,7 @@ class SlabResult:
 
 class _MinMax:
     """Running min/max per channel over finite values, fed one chunk at a time; with a
-    ``histogram``, also the chunk's sample for the quantile window (engine.window)."""
+    ``histogram``, also the chunk's sample for the quantile window (engine.write.window)."""
 
     def __init__(self, channel_axis: int | None, histogram: SampledHistogram | None = None):
         self.channel_axis = channel_axis

@@ -25,7 +25,7 @@ path's and starts over, so there are never two holders; a finished output is a p
 Scope: one machine, or a shared filesystem whose ``flock`` is honoured across clients (Linux NFS
 v4 maps it to a byte-range lock; after a client machine crashes, the server frees it only when
 the client's lease expires, ~90 s). Kubernetes jobs also take a Lease per output path (operator).
-An ``s3://`` output has no flock: it holds a lease object in the bucket instead (engine.s3lease).
+An ``s3://`` output has no flock: it holds a lease object in the bucket instead (engine.stores.s3lease).
 
 ``output_lock`` yields a guard: ``check()`` raises once the lock is lost (only a lease can be)
 and ``on_lost(callback)`` lets the driver cancel its slabs at that moment.
@@ -43,8 +43,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
-from ..errors import OutputBusyError, OutputError
-from ..spec import url_scheme
+from ...errors import OutputBusyError, OutputError
+from ...spec import url_scheme
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def output_lock(path: str, storage_options: Mapping[str, Any] | None = None) -> 
     the guard (``check``, ``on_lost``).
 
     An output that exists but is not a directory is not locked: nothing will be written there
-    (``prepare_output`` refuses it). An object-store URL holds a lease object (engine.s3lease)."""
+    (``prepare_output`` refuses it). An object-store URL holds a lease object (engine.stores.s3lease)."""
     if url_scheme(path) is not None:
         with _object_lease(path, storage_options) as guard:
             yield guard
@@ -91,8 +91,8 @@ def output_lock(path: str, storage_options: Mapping[str, Any] | None = None) -> 
 
 @contextmanager
 def _object_lease(path: str, options: Mapping[str, Any] | None) -> Iterator[Any]:
-    from .s3lease import acquire, lease_settings
-    from .stores import open_store
+    from ..stores.s3lease import acquire, lease_settings
+    from ..stores import open_store
 
     settings = lease_settings(options)
     if not settings.enabled:

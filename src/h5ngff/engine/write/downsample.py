@@ -23,7 +23,7 @@ from itertools import product
 
 import numpy as np
 
-from ..planner.memory import STRIP_ELEMENTS
+from ...planner.memory import STRIP_ELEMENTS
 
 # Output elements are computed STRIP_ELEMENTS at a time (defined in the planner, which prices it).
 # Pairwise sums along the first downsampled axis hold 4 then 2 float64 values per output element,

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 log = logging.getLogger(__name__)
 
-#: The recorded size of a unit left out because it is the fill value everywhere (engine.chunkio).
+#: The recorded size of a unit left out because it is the fill value everywhere (engine.write.chunkio).
 EMPTY_UNIT_BYTES = 0
 
 MANIFEST_DIR = ".h5ngff"
@@ -45,7 +45,7 @@ class SlabRecord:
     units: list[tuple[int, str, int]]
     #: (channel, min, max) seen in level 0, for the omero window.
     stats: list[tuple[int, float, float]] = field(default_factory=list)
-    #: (level, key, crc32c hex) of every file written, for Zarr v2's checksum sidecar (engine.checksums).
+    #: (level, key, crc32c hex) of every file written, for Zarr v2's checksum sidecar (engine.write.checksums).
     checksums: list[tuple[int, str, str]] = field(default_factory=list)
 
 

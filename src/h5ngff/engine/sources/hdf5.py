@@ -1,15 +1,11 @@
-"""One plain HDF5 dataset: inspect its metadata for the planner, and read slabs inside workers.
+"""One plain HDF5 dataset's metadata: inspect it for the planner and check it is convertible.
 
-The containers (stacked datasets, Imaris, BigDataViewer) and the attribute conventions
-(axes, voxel sizes) live in ``engine.sources``, which builds on this module.
-
-Files are opened once per worker process and kept open (h5py objects cannot be pickled and
-reopening per task costs a metadata read each time).
+The containers (stacked datasets, Imaris, BigDataViewer), the attribute conventions (axes, voxel
+sizes) and the workers' reads (``sources.base``, with the one per-process file cache) build on it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -17,16 +13,12 @@ import h5py
 import hdf5plugin  # noqa: F401  registers blosc, zstd, lz4, bitshuffle... with HDF5
 import numpy as np
 
-from ..errors import DatasetNotFoundError, SourceError, SourceNotFoundError, UnsupportedDatasetError
-from ..planner.model import DatasetInfo
-from .buffers import slab_buffer
-from .inflate import direct_read, read_deflate
-
-log = logging.getLogger(__name__)
+from ...errors import DatasetNotFoundError, SourceError, SourceNotFoundError, UnsupportedDatasetError
+from ...planner.model import DatasetInfo
+from .inflate import direct_read
 
 #: numpy kinds an NGFF image may hold: bool, signed and unsigned integers, floats.
 SUPPORTED_KINDS = {"b": "bool", "i": "signed integer", "u": "unsigned integer", "f": "float"}
-_open: dict[tuple[str, str, int], h5py.Dataset] = {}
 
 
 @dataclass(frozen=True)
@@ -56,13 +48,13 @@ def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity
         try:
             obj = f[dataset]
         except KeyError:
-            found = _list_datasets(f)
+            found = list_datasets(f)
             hint = f" Datasets in the file: {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}." if found else " The file holds no datasets."
             raise DatasetNotFoundError(f"source.dataset: {dataset!r} is not in {path!r}.{hint}") from None
         except Exception as exc:  # corrupt object headers surface as assorted h5py errors
             raise SourceError(f"source.dataset: cannot read {dataset!r} in {path!r} ({exc}). The file may be truncated or corrupt.") from None
         if not isinstance(obj, h5py.Dataset):
-            inside = _list_datasets(obj)
+            inside = list_datasets(obj)
             hint = f"Datasets in it: {', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}." if inside else "The group holds no datasets."
             raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is a group, not a dataset. {hint}")
         info = _describe(obj, path, dataset)
@@ -74,14 +66,14 @@ def _describe(ds: h5py.Dataset, path: str, name: str) -> DatasetInfo:
     dtype = ds.dtype
     if dtype.kind not in SUPPORTED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise UnsupportedDatasetError(
-            f"source.dataset: {name!r} has dtype {dtype} ({_dtype_kind(dtype)}); NGFF images hold numbers. "
+            f"source.dataset: {name!r} has dtype {dtype} ({dtype_kind(dtype)}); NGFF images hold numbers. "
             f"Expected bool, int8-int64, uint8-uint64 or float16/32/64. Convert it, or choose another dataset."
         )
     if ds.ndim < 2 or ds.ndim > 5:
         raise UnsupportedDatasetError(
             f"source.dataset: {name!r} has {ds.ndim} dimension(s) (shape {ds.shape}); NGFF images have 2 to 5 (yx to tczyx)."
         )
-    filters = tuple(_filter_names(ds))
+    filters = tuple(filter_names(ds))
     return DatasetInfo(
         shape=tuple(int(n) for n in ds.shape),
         dtype=output_dtype(dtype).str,
@@ -92,13 +84,13 @@ def _describe(ds: h5py.Dataset, path: str, name: str) -> DatasetInfo:
     )
 
 
-def _dtype_kind(dtype: np.dtype) -> str:
+def dtype_kind(dtype: np.dtype) -> str:
     if dtype.fields is not None:
         return "compound"
     return {"S": "bytes string", "U": "unicode string", "O": "variable-length string or object", "c": "complex", "V": "opaque"}.get(dtype.kind, dtype.kind)
 
 
-def _filter_names(ds: h5py.Dataset) -> list[str]:
+def filter_names(ds: h5py.Dataset) -> list[str]:
     names = []
     try:
         plist = ds.id.get_create_plist()
@@ -109,49 +101,9 @@ def _filter_names(ds: h5py.Dataset) -> list[str]:
     return names
 
 
-def _list_datasets(group: h5py.Group) -> list[str]:
+def list_datasets(group: h5py.Group) -> list[str]:
     found: list[str] = []
     # visititems names are relative to the group; users need paths from the file's root.
     prefix = group.name.rstrip("/")
     group.visititems(lambda n, o: found.append(f"{prefix}/{n}") if isinstance(o, h5py.Dataset) else None)
     return found
-
-
-def open_dataset(path: str, dataset: str, cache_bytes: int) -> h5py.Dataset:
-    """The dataset, opened once per process with the planned chunk cache."""
-    key = (path, dataset, cache_bytes)
-    ds = _open.get(key)
-    if ds is None or not ds.id.valid:
-        # rdcc_nslots should be a prime well above the number of cached chunks.
-        f = h5py.File(path, "r", rdcc_nbytes=max(cache_bytes, 1 << 20), rdcc_nslots=10007)
-        ds = _open[key] = f[dataset]
-    return ds
-
-
-def read_slab(path: str, dataset: str, cache_bytes: int, region: tuple[slice, ...]) -> np.ndarray:
-    """Read one slab straight into this thread's slab buffer (no intermediate copy). The array
-    is valid until the thread's next slab."""
-    ds = open_dataset(path, dataset, cache_bytes)
-    out = slab_buffer(tuple(r.stop - r.start for r in region), output_dtype(ds.dtype))
-    try:
-        if direct_read(ds, out.dtype):
-            read_deflate(ds, region, out)  # libdeflate: half HDF5's inflate time (engine.inflate)
-        else:
-            ds.read_direct(out, source_sel=region)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise SourceError(f"Reading {dataset!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt.") from None
-    return out
-
-
-def _fmt(region: tuple[slice, ...]) -> str:
-    return "[" + ", ".join(f"{r.start}:{r.stop}" for r in region) + "]"
-
-
-def close_all() -> None:
-    """Close every cached HDF5 file of this process (tests that rewrite a file they have read)."""
-    for ds in _open.values():
-        try:
-            ds.file.close()
-        except Exception:  # a file already closed by h5py at shutdown: nothing left to release
-            pass
-    _open.clear()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import __version__
-from ..planner.layout import level_steps
-from ..planner.model import Plan
-from ..spec import AXIS_TYPES, ConversionSpec
+from ... import __version__
+from ...planner.layout import level_steps
+from ...planner.model import Plan
+from ...spec import AXIS_TYPES, ConversionSpec
 
 _COLORS = ("FFFFFF", "00FF00", "FF00FF", "00FFFF", "FF0000", "0000FF", "FFFF00")
 
@@ -50,7 +50,7 @@ def multiscale(plan: Plan, spec: ConversionSpec) -> dict[str, Any]:
         "type": spec.pyramid.method,
         "metadata": {
             "description": description(plan, spec),
-            "method": "h5ngff.engine.downsample",
+            "method": "h5ngff.engine.write.downsample",
             "version": __version__,
         },
     }
@@ -59,7 +59,7 @@ def multiscale(plan: Plan, spec: ConversionSpec) -> dict[str, Any]:
 def omero(plan: Plan, windows: list[tuple[float, ...]]) -> dict[str, Any]:
     """Channel rendering hints. ``windows`` holds (min, max, start, end) per channel: min/max is
     the data's exact range (the viewer's slider range), start/end the rendering window, the 0.1 %
-    and 99.9 % quantiles (engine.window). A (min, max) pair is its own window."""
+    and 99.9 % quantiles (engine.write.window). A (min, max) pair is its own window."""
     kind = plan.dataset.dtype[1] if len(plan.dataset.dtype) > 1 else "f"
     channels = []
     # A container's own channel names and colours, where it records one per channel.

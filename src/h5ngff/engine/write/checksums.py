@@ -32,7 +32,7 @@ from typing import Iterable
 
 import google_crc32c
 
-from .stores import Store
+from ..stores import Store
 
 #: The sidecar directory, relative to the output: inside level 0's array (see above).
 SIDECAR_DIR = "0/.h5ngff-checksums"

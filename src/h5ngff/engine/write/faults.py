@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ..units import parse_bytes
+from ...units import parse_bytes
 
 ENV = "H5NGFF_FAULTS"
 _leaked: list[np.ndarray] = []

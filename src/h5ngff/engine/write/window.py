@@ -30,9 +30,9 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..planner.memory import WINDOW_SAMPLE_STRIDE
+from ...planner.memory import WINDOW_SAMPLE_STRIDE
 from . import faults
-from .stores import Store
+from ..stores import Store
 
 #: One element in this many of each chunk is counted (prime, so a sample walks diagonally
 #: through a chunk instead of down one column); 127 keeps the cost near 1 % of the run. The

@@ -1,5 +1,5 @@
 """One writer per bucket prefix: a lease object ``PREFIX/.h5ngff.lock`` held with S3 conditional
-writes, the object-store counterpart of engine.lock's flock (docs/engine.md, "One writer").
+writes, the object-store counterpart of engine.write.lock's flock (docs/engine.md, "One writer").
 
 - **Acquire**: PUT with ``If-None-Match: *``. Exactly one of two racing runs creates it.
 - **Renew**: every ttl/3 a background thread PUTs a new body (its renewal count changes the ETag,
@@ -37,10 +37,10 @@ from typing import Any, Callable, Mapping
 
 import psutil
 
-from .. import __version__
-from ..errors import OutputBusyError, OutputError
-from .stores.base import ConditionalWritesUnsupported, RetryPolicy
-from .stores.options import boolean, canonical, lock_ttl
+from ... import __version__
+from ...errors import OutputBusyError, OutputError
+from .base import ConditionalWritesUnsupported, RetryPolicy
+from .options import boolean, canonical, lock_ttl
 
 log = logging.getLogger(__name__)
 LOCK_KEY = ".h5ngff.lock"

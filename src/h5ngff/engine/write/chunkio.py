@@ -20,14 +20,14 @@ from typing import BinaryIO, Iterator
 import google_crc32c
 import numpy as np
 
-from ..errors import UnalignedWriteError
-from ..planner.grid import ceil_div
-from ..spec import CompressorSpec
+from ...errors import UnalignedWriteError
+from ...planner.grid import ceil_div
+from ...spec import CompressorSpec
 from . import faults
-from .buffers import slab_buffer
-from .codecs import chunk_codec
-from .stores import Store, open_store
-from .stores.local import TMP_MARK  # noqa: F401 - re-exported: output, checksums and verify look for it
+from ..buffers import slab_buffer
+from ..codecs import chunk_codec
+from ..stores import Store, open_store
+from ..stores.local import TMP_MARK  # noqa: F401 - re-exported: output, checksums and verify look for it
 #: The recorded size of a unit not stored because it is the fill value everywhere. No stored unit
 #: has 0 bytes (an encoded chunk has a header; a shard has its index).
 from .manifest import EMPTY_UNIT_BYTES
@@ -52,7 +52,7 @@ class ArrayLayout:
     #: Storage options of an object-store output (sorted items), None for a local directory.
     storage_options: tuple[tuple[str, str], ...] | None = None
     #: A CRC32C per chunk: in Zarr v3 the crc32c codec's 4 bytes end every chunk; in Zarr v2 the
-    #: slab task reports each file's CRC32C for the sidecar (``engine.checksums``).
+    #: slab task reports each file's CRC32C for the sidecar (``engine.write.checksums``).
     checksums: bool = False
 
     @property

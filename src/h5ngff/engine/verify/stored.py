@@ -11,7 +11,7 @@ chunk) cost 4-5x the old verify on a busy 2-core machine, for the same codec cod
 without a synchronous decoder falls back to that path. The one thing zarr cannot tell is whether a
 chunk is *absent* (it reads as the fill value either way), so that is asked of the store; and
 for Zarr v2, which has no checksum codec, each file's raw bytes are checked against the CRC32C
-sidecar (``engine.checksums``).
+sidecar (``engine.write.checksums``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from zarr.codecs.sharding import _ShardIndex
 from zarr.core.codec_pipeline import codecs_from_list
 from zarr.storage import LocalStore
 
-from ..planner.grid import ceil_div
+from ...planner.grid import ceil_div
 
 #: zarr-python's Crc32cCodec message: "Stored and computed checksum do not match. Stored: b'..'. Computed: b'..'."
 _ZARR_CRC = re.compile(r"checksum do not match\. Stored: (b'.*?'|b\".*?\")\. Computed: (b'.*?'|b\".*?\")\.")

@@ -3,7 +3,7 @@ chunk, and optionally compare every level with the pyramid computed from the HDF
 (``levelcheck``), streaming one chunk or write unit at a time so memory stays bounded whatever
 the image size.
 
-Everything is read through zarr-python (``engine.stored``): the root attributes, each level's
+Everything is read through zarr-python (``engine.verify.stored``): the root attributes, each level's
 array metadata, and every chunk, decoded by zarr's codec pipeline and checked by its crc32c
 codec. None of the writer's own chunk code (``chunkio``) is used, so a bug shared by the
 writer's encoder and decoder cannot pass (tests/test_checksums.py injects one).
@@ -20,14 +20,14 @@ from typing import Any, Callable
 
 import zarr
 
-from ..errors import VerificationError
-from .checksums import SIDECAR_DIR, load_sidecar, sidecar_key
-from .chunkio import TMP_MARK
+from ...errors import VerificationError
+from ..write.checksums import SIDECAR_DIR, load_sidecar, sidecar_key
+from ..write.chunkio import TMP_MARK
 from .levelcheck import SOURCE_CACHE_BYTES, LevelComparison, Mismatch, PyramidRule, chunk_count, pyramid_rule
-from .manifest import Manifest
-from .sources import verify_source
+from ..write.manifest import Manifest
+from ..sources import verify_source
 from .stored import ChecksumMismatch, StoredLevel, open_levels
-from .stores import is_url, open_store
+from ..stores import is_url, open_store
 
 
 @dataclass
@@ -148,7 +148,7 @@ def zarr_root(path: str, storage_options: dict[str, str] | None = None) -> Any:
     credentials), read-only."""
     if not is_url(path):
         return path
-    from .stores.s3 import S3Store
+    from ..stores.s3 import S3Store
 
     store = open_store(path, storage_options or {})
     assert isinstance(store, S3Store)  # the one object store open_store makes for a URL

@@ -3,7 +3,7 @@
 Order of writes, so that no reader ever sees a finished-looking image over missing chunks:
 
 1. the root group and every level's array metadata (zarr writes these; no ``ome`` attributes yet);
-2. chunk files, each through a temporary name and a rename (engine.chunkio);
+2. chunk files, each through a temporary name and a rename (engine.write.chunkio);
 3. the root group's attributes, replaced in one atomic rename: the NGFF metadata (multiscales,
    omero) together with the completion marker ``h5ngff.complete`` and the content fingerprint;
 4. the manifest directory ``.h5ngff`` is removed: a finished output is a plain OME-Zarr.
@@ -21,19 +21,19 @@ from typing import Any
 import zarr
 from zarr.storage import LocalStore
 
-from ..errors import OutputConflictError, OutputError
-from ..planner.layout import level_steps
-from ..planner.model import Plan
-from ..spec import ConversionSpec
+from ...errors import OutputConflictError, OutputError
+from ...planner.layout import level_steps
+from ...planner.model import Plan
+from ...spec import ConversionSpec
 from .chunkio import ArrayLayout
 from .checksums import write_sidecars
-from .codecs import zarr_compressors
+from ..codecs import zarr_compressors
 from .lock import LOCK_NAME, output_lock
 from .manifest import MANIFEST_DIR, Manifest, fingerprint
 from .ngff import root_attributes
 from .objoutput import ObjectManifest, create_object_output, inspect_object_output, object_marker, output_store, refuse_foreign, remove_ours
-from .stores import Store, is_url, open_store
-from .source import SourceIdentity
+from ..stores import Store, is_url, open_store
+from ..sources.hdf5 import SourceIdentity
 
 log = logging.getLogger(__name__)
 _ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray")
@@ -213,7 +213,7 @@ def _remove_replaceable(path: str) -> None:
     if not os.path.isdir(path):
         os.unlink(path)
         return
-    # Everything but the lock file we hold (engine.lock): removing the directory itself would
+    # Everything but the lock file we hold (engine.write.lock): removing the directory itself would
     # unlink it, and a second run could then lock a fresh file and write here beside us.
     for name in os.listdir(path):
         if name == LOCK_NAME:
@@ -299,7 +299,7 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
 
 
 def _prepare_object_output(plan: Plan, spec: ConversionSpec, content: dict[str, Any], layouts: tuple[ArrayLayout, ...]) -> Output:
-    """prepare_output for an s3:// output (engine.objoutput has the rules). The manifest header is
+    """prepare_output for an s3:// output (engine.write.objoutput has the rules). The manifest header is
     the first object written: our claim on the prefix, so a run killed at any later point leaves
     an output h5ngff resumes or replaces; the array metadata follows it, and is PUT again on a
     resume (the same bytes) in case the kill came before it."""

@@ -12,7 +12,7 @@
 - ``--overwrite`` deletes only an output of ours, found by its manifest or its completion marker;
   any other object under the prefix (a foreign Zarr included) makes it refuse.
 - One writer per prefix: the run's driver holds a lease object ``.h5ngff.lock`` under it
-  (engine.s3lease), which is neither a foreign object nor deleted by ``--overwrite``.
+  (engine.stores.s3lease), which is neither a foreign object nor deleted by ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any, Iterable
 
 from zarr.storage import MemoryStore
 
-from ..errors import OutputConflictError
+from ...errors import OutputConflictError
 from .manifest import FORMAT_VERSION, MANIFEST_DIR, Manifest, SlabRecord, fingerprint
-from .s3lease import LOCK_KEY
-from .stores import Store, open_store
+from ..stores.s3lease import LOCK_KEY
+from ..stores import Store, open_store
 
 log = logging.getLogger(__name__)
 MANIFEST_PREFIX = f"{MANIFEST_DIR}/manifest/"

@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..planner.grid import ceil_div
-from .downsample import STRIP_ELEMENTS, downsample, output_shape
+from ...planner.grid import ceil_div
+from ..write.downsample import STRIP_ELEMENTS, downsample, output_shape
 from .stored import ChecksumMismatch, StoredLevel
 
 #: HDF5 chunk cache for the source while verifying: holds the HDF5 chunks under a tile of output

@@ -15,16 +15,16 @@ from typing import Iterable, Iterator
 
 from distributed import Client, as_completed
 
-from ..errors import H5ngffError, WorkersLostError
-from ..phases import Phase
-from ..planner.grid import grid_indices, region
-from ..planner.layout import level_steps
-from ..planner.model import Plan
-from ..spec import ConversionSpec
+from ...errors import H5ngffError, WorkersLostError
+from ...phases import Phase
+from ...planner.grid import grid_indices, region
+from ...planner.layout import level_steps
+from ...planner.model import Plan
+from ...spec import ConversionSpec
 from .output import Output, finish_output
-from .progress import Broadcast
-from .stores import store_retries
-from .sources import slab_source
+from ..progress import Broadcast
+from ..stores import store_retries
+from ..sources import slab_source
 from .tasks import SlabResult, SlabTask, expected_units, run_slab
 from .manifest import MANIFEST_DIR
 from .window import histogram_key, windows
@@ -82,7 +82,7 @@ def pending_tasks(tasks: Iterable[SlabTask], verified: dict[int, set[str]]) -> t
 def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast, guard=None) -> RunTotals:
     """Run every pass, then finish the output. Raises the first task error (after cancelling the rest).
 
-    ``guard`` (engine.lock's): once the output's lock is lost the slabs are cancelled and its
+    ``guard`` (engine.write.lock's): once the output's lock is lost the slabs are cancelled and its
     error raised; no slab is recorded after that."""
     totals = RunTotals()
     start = time.perf_counter()
@@ -132,7 +132,7 @@ def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict | Non
 
 
 def channel_windows(output: Output, channels: int) -> list[tuple[float, float, float, float]]:
-    """(min, max, start, end) per channel from the slabs the manifest records (engine.window)."""
+    """(min, max, start, end) per channel from the slabs the manifest records (engine.write.window)."""
     return windows(output.manifest.windows(channels), _histograms(output))
 
 

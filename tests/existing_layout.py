@@ -1,7 +1,7 @@
 """The writer's ``ArrayLayout`` of a level of an existing output, read back from its metadata.
 
 Tests and benches use it to write into (or damage) an output with the engine's own writer.
-``verify`` does not: it reads through zarr-python (``engine.stored``), independently of the writer.
+``verify does not: it reads through zarr-python (``h5ngff.engine.verify.stored``), independently of the writer.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..spec import CompressorSpec
-from .chunkio import ArrayLayout
+from h5ngff.spec import CompressorSpec
+from h5ngff.engine.write.chunkio import ArrayLayout
 
 
 def _compressor_from_zarr(meta: dict[str, Any], fmt: int) -> tuple[CompressorSpec, tuple[int, ...], tuple[int, ...] | None, bool]:
