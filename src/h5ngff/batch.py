@@ -1,0 +1,146 @@
+"""A batch's items: many sources, one output template (docs/batch.md).
+
+``h5ngff convert 'runs/2026-11-*/*.h5:/data' 'out/{stem}.ome.zarr'`` names its sources with
+glob patterns and its outputs with one template. This module turns them into items, each a
+source as one conversion would take it and the output it goes to, and refuses a batch whose
+items would collide before anything starts: two sources mapped to one output, or one output
+inside another (a second writer there would corrupt the first).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import string
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+from .errors import SpecError
+from .spec import url_scheme
+
+#: The fields an output template may use, with what each is for ``runs/day1/cell_07.h5``.
+TEMPLATE_FIELDS = {
+    "stem": "the file name without its last suffix (cell_07)",
+    "name": "the file name (cell_07.h5)",
+    "parent": "the name of the directory holding the file (day1)",
+}
+#: Characters that make a pattern a glob (Python's glob module: *, ?, [...], and ** with recursion).
+GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One conversion of a batch."""
+
+    #: The source as ``h5ngff convert`` takes it: FILE.h5:/dataset, or a whole container (.ims, .xml).
+    source: str
+    #: The file the source reads (the glob's match).
+    path: str
+    output: str
+
+
+def is_template(output: str) -> bool:
+    """An output naming a template field ({stem}, {name}, {parent}) makes the command a batch."""
+    return bool(_fields(output))
+
+
+def _fields(template: str) -> list[str]:
+    try:
+        return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:  # an unmatched brace
+        raise SpecError("output", f"Expected an output template such as out/{{stem}}.ome.zarr. Got {template!r}, which is not one ({exc}), instead.") from None
+
+
+def split_pattern(pattern: str) -> tuple[str, str | None]:
+    """``runs/*/*.h5:/data`` -> (``runs/*/*.h5``, ``/data``); a whole container's pattern
+    (``runs/*.ims``) has no dataset part."""
+    head, sep, tail = pattern.rpartition(":")
+    if sep and head and tail.startswith("/"):
+        return head, tail
+    return pattern, None
+
+
+def expand_sources(patterns: Sequence[str]) -> list[tuple[str, str]]:
+    """Every (source, file) the patterns name, in natural order (cell_2 before cell_10), each file
+    once. A pattern that matches nothing is an error that names it: a batch that silently skips
+    a mistyped directory would look like success."""
+    found: dict[str, str] = {}
+    for pattern in patterns:
+        files, dataset = split_pattern(pattern)
+        if url_scheme(files):
+            raise SpecError("source", f"Expected local HDF5 files (the workers read them as files). Got the URL {files!r} instead.")
+        matches = sorted(glob.glob(files, recursive=True), key=_natural) if GLOB_CHARS.search(files) else [files]
+        matches = [m for m in matches if os.path.isfile(m) or not GLOB_CHARS.search(files)]
+        if not matches:
+            raise SpecError("source", f"Expected the pattern {files!r} to match HDF5 files. It matches none (from {os.getcwd()!r}): check the "
+                                      f"directory and the quoting (quote the pattern so the shell does not expand it).")
+        for path in matches:
+            found.setdefault(path, f"{path}:{dataset}" if dataset else path)
+    return [(source, path) for path, source in found.items()]
+
+
+def _natural(text: str) -> list[object]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def render_output(template: str, path: str) -> str:
+    """The template with ``path``'s fields filled in."""
+    unknown = [f for f in _fields(template) if f not in TEMPLATE_FIELDS]
+    if unknown:
+        known = ", ".join("{" + f + "}" for f in TEMPLATE_FIELDS)
+        raise SpecError("output", f"Expected template fields from {known}. Got {{{unknown[0]}}} in {template!r} instead.")
+    name = os.path.basename(path)
+    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    return template.format(stem=os.path.splitext(name)[0], name=name, parent=parent)
+
+
+def batch_items(patterns: Sequence[str], template: str) -> list[BatchItem]:
+    """The items of ``h5ngff convert PATTERN... TEMPLATE``, checked for collisions."""
+    items = [BatchItem(source, path, render_output(template, path)) for source, path in expand_sources(patterns)]
+    refuse_collisions(items)
+    return items
+
+
+def output_key(output: str) -> str:
+    """One spelling per output: an absolute normalised path, or the URL without trailing slashes."""
+    if url_scheme(output):
+        scheme, _, rest = output.partition("://")
+        return f"{scheme.lower()}://{re.sub('/+', '/', rest).rstrip('/')}"
+    return os.path.normpath(os.path.abspath(output))
+
+
+def refuse_collisions(items: Iterable[BatchItem]) -> None:
+    """Two items writing one output, or one output inside another, are refused before anything starts."""
+    seen: dict[str, BatchItem] = {}
+    for item in items:
+        key = output_key(item.output)
+        if key in seen:
+            other = seen[key]
+            raise SpecError("output", f"Expected one output per source. Got {other.source!r} and {item.source!r} both written to "
+                                      f"{item.output!r} instead: add a field that tells them apart to the template ({_field_hint()}).")
+        seen[key] = item
+    for key, item in seen.items():
+        outer = next((seen[a] for a in _ancestors(key) if a in seen), None)
+        if outer is not None:
+            raise SpecError("output", f"Expected outputs apart from one another. Got {item.output!r} inside {outer.output!r} "
+                                      f"instead: one conversion would write into the other's image.")
+    for item in seen.values():
+        if not url_scheme(item.output) and output_key(item.path) == output_key(item.output):
+            raise SpecError("output", f"Expected an output apart from its source. Got {item.output!r} for the source file itself instead.")
+
+
+def _ancestors(key: str) -> Iterator[str]:
+    """The directories (or bucket prefixes) above an output's key."""
+    scheme, sep, rest = key.partition("://")
+    if sep:
+        parts = rest.split("/")
+        yield from (f"{scheme}://{'/'.join(parts[:n])}" for n in range(len(parts) - 1, 0, -1))
+        return
+    while (parent := os.path.dirname(key)) != key:
+        yield parent
+        key = parent
+
+
+def _field_hint() -> str:
+    return "; ".join("{" + f + "}: " + what for f, what in TEMPLATE_FIELDS.items())
