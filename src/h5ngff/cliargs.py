@@ -60,7 +60,8 @@ class SuggestingParser(argparse.ArgumentParser):
     def _chosen_subcommand(self, parsed: argparse.Namespace) -> argparse.ArgumentParser | None:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                return action.choices.get(getattr(parsed, action.dest, None))
+                chosen = getattr(parsed, action.dest, None)
+                return None if chosen is None else action.choices.get(chosen)
         return None
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -26,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import ErrorDetails
 
 from .codecs_table import (
     DEFAULT_CNAME,
@@ -660,7 +662,7 @@ def _is_union_tag(part: Any) -> bool:
     return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
 
 
-def _field_path(err: dict[str, Any]) -> str:
+def _field_path(err: ErrorDetails) -> str:
     """The wire (camelCase) path of an error: ``output.chunks[1]``. A misspelt key is quoted as the
     user wrote it (camel-casing ``Workers`` would name a valid field)."""
     loc = list(err["loc"])
@@ -681,7 +683,7 @@ def _field_path(err: dict[str, Any]) -> str:
 _PATTERN_WORDS = {SLURM_WALLTIME: f"a SLURM time limit: {SLURM_WALLTIME_FORMATS}"}
 
 
-def _expected(err: dict[str, Any]) -> str:
+def _expected(err: ErrorDetails) -> str:
     """What one failed check allows, as the object of 'Expected …'."""
     kind = err["type"]
     if kind == "literal_error":
@@ -698,7 +700,7 @@ def _expected(err: dict[str, Any]) -> str:
     return err["msg"].removeprefix("Input should be ").split(",")[0]
 
 
-def _describe_pydantic_error(err: dict[str, Any], alternatives: list[dict[str, Any]] = ()) -> tuple[str, str]:
+def _describe_pydantic_error(err: ErrorDetails, alternatives: Sequence[ErrorDetails] = ()) -> tuple[str, str]:
     """Turn one pydantic error into (field path, 'Expected … Got … instead.'). ``alternatives``
     are the other members of the same union that also failed: their allowed values are named too."""
     field = _field_path(err)
