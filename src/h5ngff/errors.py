@@ -45,6 +45,10 @@ class H5ngffError(Exception):
     #: The runner's summary of the failed run (figures per worker), where it got that far: a
     #: ``runner.RunSummary``, which lives layers above this module (so it cannot be named here).
     summary: Any = None
+    #: A failed run's totals so far (``engine.driver.RunTotals``, a layer above), set by the driver.
+    totals: Any = None
+    #: Object store requests a failed slab retried before it failed, set by the slab task.
+    store_retries: int = 0
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Errors raised in a Dask worker are pickled back to the client; subclasses with richer
