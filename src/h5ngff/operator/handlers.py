@@ -12,11 +12,14 @@ object waits for the watch to catch up instead of acting twice.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -434,7 +437,11 @@ async def remove_children(kube: Kube, owner: Owner, lease: str | None, lease_nam
     return left
 
 
-async def run_operator(cfg: OperatorConfig, stop_flag: Any = None, ready_flag: Any = None, liveness: str | None = None) -> None:
+#: What kopf accepts as its stop and ready flags (kopf._cogs.aiokits.aioadapters.Flag, not exported).
+Flag = asyncio.Future[Any] | asyncio.Event | concurrent.futures.Future[Any] | threading.Event
+
+
+async def run_operator(cfg: OperatorConfig, stop_flag: Flag | None = None, ready_flag: Flag | None = None, liveness: str | None = None) -> None:
     """Run the operator until ``stop_flag`` is set (or forever). Peering (unless ``cfg.peering``
     is None) lets several replicas run: only the one with the highest priority acts."""
     await kopf.operator(
