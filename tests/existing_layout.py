@@ -14,19 +14,13 @@ import numpy as np
 
 from h5ngff.spec import CompressorSpec
 from h5ngff.engine.write.chunkio import ArrayLayout
+from h5ngff.engine.codecs import spec_from_metadata
 
 
 def _compressor_from_zarr(meta: dict[str, Any], fmt: int) -> tuple[CompressorSpec, tuple[int, ...], tuple[int, ...] | None, bool]:
     """Our compressor spec, chunks, shards and whether chunks carry the crc32c codec."""
     if fmt == 2:
-        comp = meta.get("compressor")
-        chunks = tuple(meta["chunks"])
-        if comp is None:
-            return CompressorSpec(codec="none"), chunks, None, False
-        if comp["id"] == "blosc":
-            shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}[comp["shuffle"]]
-            return CompressorSpec(codec="blosc", cname=comp["cname"], clevel=comp["clevel"], shuffle=shuffle), chunks, None, False
-        return CompressorSpec(codec=comp["id"], clevel=comp.get("level")), chunks, None, False
+        return spec_from_metadata(meta.get("compressor")), tuple(meta["chunks"]), None, False
     codecs = meta["codecs"]
     chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
     shards = None
@@ -36,13 +30,7 @@ def _compressor_from_zarr(meta: dict[str, Any], fmt: int) -> tuple[CompressorSpe
         codecs = codecs[0]["configuration"]["codecs"]
     crc = any(c["name"] == "crc32c" for c in codecs)
     inner = [c for c in codecs if c["name"] not in ("bytes", "crc32c")]
-    if not inner:
-        return CompressorSpec(codec="none"), chunks, shards, crc
-    c = inner[0]
-    conf = c.get("configuration", {})
-    if c["name"] == "blosc":
-        return CompressorSpec(codec="blosc", cname=conf["cname"], clevel=conf["clevel"], shuffle=conf["shuffle"]), chunks, shards, crc
-    return CompressorSpec(codec=c["name"], clevel=conf.get("level")), chunks, shards, crc
+    return spec_from_metadata(inner[0] if inner else None), chunks, shards, crc
 
 
 def level_layout(path: str, level_path: str, fmt: int, level: int, checksums: bool | None = None) -> ArrayLayout:

@@ -15,7 +15,7 @@ from conftest import smooth, spec_for
 from formats_fixtures import read_by_independent_clients
 from h5ngff.engine.sources import open_source
 from h5ngff.engine.verify.check import verify_output
-from h5ngff.errors import SpecError
+from h5ngff.errors import SourceError, SpecError
 from reference import reference_pyramid
 
 LEVELS = 3
@@ -151,3 +151,24 @@ def test_a_single_view_is_zyx_and_read_exactly(tmp_path):
     reader = open_source(spec_for(xml, "unused", dataset="/")).reader
     assert reader.shape == (5, 20, 18) and reader.lead_shape == ()
     np.testing.assert_array_equal(reader[(slice(0, 5), slice(3, 20), slice(0, 18))], data[0, 0, 0, :, 3:])
+
+
+_MISSING_VIEW = '<MissingViews><MissingView setup="9" /></MissingViews></SequenceDescription>'
+
+
+@pytest.mark.parametrize("damage", [lambda text: text.replace("<id>0</id>", "", 1),
+                                    lambda text: text.replace("</SequenceDescription>", _MISSING_VIEW, 1)], ids=["setup id", "missing view"])
+def test_an_xml_without_a_required_element_is_a_source_error(tmp_path, damage):
+    """A ViewSetup without its <id>, or a MissingView without its time point, is named; it used
+    to surface as a TypeError from int(None). Negative control: the undamaged XML opens."""
+    data = smooth((1, 1, 1, 5, 20, 18), "uint16", seed=6)
+    xml = write_npy2bdv(tmp_path / "one.h5", data, labels=("only",))
+    open_source(spec_for(xml, "unused", dataset="/"))  # the control
+    with open(xml) as f:
+        text = f.read()
+    damaged = damage(text)
+    assert damaged != text
+    with open(xml, "w") as f:
+        f.write(damaged)
+    with pytest.raises(SourceError, match="BigDataViewer XML has a <(ViewSetup|MissingView)> without"):
+        open_source(spec_for(xml, "unused", dataset="/"))

@@ -8,19 +8,22 @@ import ast
 import dataclasses
 import functools
 from pathlib import Path
+from typing import get_args
 
+import pytest
 import yaml
 
-from h5ngff import job, jobspec
+from h5ngff import codecs_table, job, jobspec
 from h5ngff.backends import kubernetes
 from h5ngff.backends.base import dask_memory_config
+from h5ngff.engine import codecs as engine_codecs
 from h5ngff.engine.write import downsample
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
 from h5ngff.operator import manifests
 from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, MemoryConstants, Thresholds, make_plan
 from h5ngff.planner import memory, plan
-from h5ngff.spec import parse_spec
+from h5ngff.spec import CompressorSpec, parse_spec
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "h5ngff"
 
@@ -121,3 +124,58 @@ def test_every_child_names_the_same_owner_as_the_crd():
     for child in (runner, cluster, manifests.build_runner_role(owner)):
         (ref,) = child["metadata"]["ownerReferences"]
         assert (ref["apiVersion"], ref["kind"], ref["name"], ref["uid"]) == (f"{crd['group']}/{crd['versions'][0]['name']}", crd["names"]["kind"], "scan-42", "uid-42")
+
+
+# --- the codecs: one entry each (h5ngff/codecs_table.py, engine/codecs.py) ---------------------------
+
+
+def test_each_codec_fact_is_defined_once_in_the_codec_table():
+    """The codec names, blosc's cnames and the level ranges used to be spelled out in spec.py
+    (twice: a tuple beside a Literal), cliargs.py, the CRD's CEL rule and the planner."""
+    for name in ("BLOSC_CNAMES", "LEVEL_RANGES", "DEFAULT_LEVEL", "BLOSC_SHUFFLES"):
+        assert _assignments(name) == ["codecs_table.py"], name
+    for literal in ("blosclz", "lz4hc", "plain-zstd", "noshuffle"):
+        assert _literals(literal) == ["codecs_table.py"], literal
+
+
+def test_the_literals_name_the_tables_and_the_spec_uses_them():
+    assert get_args(CompressorSpec.model_fields["codec"].annotation) == tuple(codecs_table.CODECS)
+    assert get_args(CompressorSpec.model_fields["cname"].annotation)[0] == codecs_table.BloscCname
+    assert get_args(codecs_table.BloscCname) == tuple(codecs_table.BLOSC_CNAMES)
+    assert CompressorSpec().codec == codecs_table.DEFAULT_CODEC and CompressorSpec().level == codecs_table.DEFAULT_LEVEL
+
+
+def test_negative_control_a_literal_that_parts_from_its_table_is_refused():
+    with pytest.raises(AssertionError, match="the Literal says"):
+        codecs_table.same_names(codecs_table.CodecName, [*codecs_table.CODECS, "lzma"], "codec names")
+    with pytest.raises(AssertionError, match="the Literal says"):
+        codecs_table.same_names(codecs_table.BloscCname, reversed(codecs_table.BLOSC_CNAMES), "blosc cnames")
+
+
+def test_the_engine_has_one_entry_per_codec_of_the_table():
+    assert list(engine_codecs.CODECS) == list(codecs_table.CODECS)
+    assert all(entry.facts is codecs_table.CODECS[name] for name, entry in engine_codecs.CODECS.items())
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_every_codec_reads_back_from_its_own_metadata(fmt):
+    """The metadata the engine writes names the codec as the table does: engine/existing.py reads
+    it back into the same spec. Only the crc32c codec (Zarr v3) is set aside."""
+    specs = [CompressorSpec(codec=name, clevel=None if f.levels is None else f.levels[1]) for name, f in codecs_table.CODECS.items()]
+    specs += [CompressorSpec(codec="blosc", cname=c, shuffle=s, clevel=1) for c in codecs_table.BLOSC_CNAMES for s in codecs_table.BLOSC_SHUFFLES]
+    for spec in specs:
+        written = engine_codecs.zarr_compressors(spec, fmt, checksums=True)
+        if fmt == 2:
+            meta = None if written is None else written.get_config()
+        else:
+            meta = next((c.to_dict() for c in written if c.to_dict()["name"] != "crc32c"), None)
+        back = engine_codecs.spec_from_metadata(meta)
+        assert (back.codec, back.level, back.blosc_cname, back.blosc_shuffle) == (spec.codec, spec.level, spec.blosc_cname, spec.blosc_shuffle)
+
+
+def test_the_memory_term_follows_the_codec_table():
+    """zstd (plain, or inside blosc) keeps a zstd context per thread; the planner prices it."""
+    assert plan._uses_zstd(parse_spec({"source": {"path": "a.h5", "dataset": "d"}, "output": {"path": "o"}}))
+    for compressor, zstd in [({"codec": "zstd"}, True), ({"codec": "blosc", "cname": "lz4"}, False), ({"codec": "gzip"}, False), ({"codec": "none"}, False)]:
+        spec = parse_spec({"source": {"path": "a.h5", "dataset": "d"}, "output": {"path": "o", "compressor": compressor}})
+        assert plan._uses_zstd(spec) is zstd, compressor

@@ -11,11 +11,14 @@ from typing import Any
 
 from .errors import SpecError
 from .patches import deep_merge
-from .spec import BLOSC_CNAMES
+from .codecs_table import BLOSC_CNAMES, CODECS
 
+#: The codecs the CLI names on their own (plain-zstd, gzip, none), by their CLI name.
+_BY_CLI_NAME = {c.cli_name: c for c in CODECS.values() if c.cli_name is not None}
 COMPRESSOR_HELP = (
-    "CODEC[:LEVEL[:SHUFFLE]]. Blosc with an inner codec: zstd, lz4, lz4hc, zlib, blosclz "
-    "(e.g. zstd:5:bitshuffle, the default; lz4:3:shuffle; optionally prefixed blosc:); plain-zstd:LEVEL; gzip:LEVEL; none."
+    f"CODEC[:LEVEL[:SHUFFLE]]. Blosc with an inner codec: {', '.join(BLOSC_CNAMES)} "
+    "(e.g. zstd:5:bitshuffle, the default; lz4:3:shuffle; optionally prefixed blosc:); "
+    + "; ".join(name if c.levels is None else f"{name}:LEVEL" for name, c in _BY_CLI_NAME.items()) + "."
 )
 
 
@@ -57,7 +60,8 @@ class SuggestingParser(argparse.ArgumentParser):
     def _chosen_subcommand(self, parsed: argparse.Namespace) -> argparse.ArgumentParser | None:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                return action.choices.get(getattr(parsed, action.dest, None))
+                chosen = getattr(parsed, action.dest, None)
+                return None if chosen is None else action.choices.get(chosen)
         return None
 
 
@@ -149,13 +153,12 @@ def parse_compressor(text: str) -> dict[str, Any]:
         level = int(rest[0]) if rest and rest[0] else None
     except ValueError:
         raise SpecError("output.compressor", f"Expected {COMPRESSOR_HELP} Got {text!r} instead (the level must be an integer).") from None
-    if not explicit_blosc:
-        if name == "none" and not rest:
-            return {"codec": "none"}
-        if name == "gzip" and len(rest) <= 1:
-            return {"codec": "gzip", "clevel": level}
-        if name == "plain-zstd" and len(rest) <= 1:
-            return {"codec": "zstd", "clevel": level}
+    own = None if explicit_blosc else _BY_CLI_NAME.get(name)
+    if own is not None:
+        if own.levels is None and not rest:
+            return {"codec": own.name}
+        if own.levels is not None and len(rest) <= 1:
+            return {"codec": own.name, "clevel": level}
     if name in BLOSC_CNAMES and len(rest) <= 2:
         spec: dict[str, Any] = {"codec": "blosc", "cname": name, "clevel": level}
         if len(rest) == 2 and rest[1]:

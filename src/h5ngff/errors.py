@@ -9,10 +9,14 @@ quote the real numbers and say what to change.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 
 class ExitCode(IntEnum):
     """The ``h5ngff`` exit status: one table, printed by ``h5ngff --help`` and in the README."""
+
+    #: What the status means, in the words of the table.
+    meaning: str
 
     def __new__(cls, value: int, meaning: str) -> "ExitCode":
         member = int.__new__(cls, value)
@@ -38,10 +42,15 @@ class H5ngffError(Exception):
     reason = "Error"
     #: The CLI's exit code for this family (the table is ExitCode above).
     exit_code: int = ExitCode.FAILED
-    #: The runner's summary of the failed run (figures per worker), where it got that far.
-    summary = None
+    #: The runner's summary of the failed run (figures per worker), where it got that far: a
+    #: ``runner.RunSummary``, which lives layers above this module (so it cannot be named here).
+    summary: Any = None
+    #: A failed run's totals so far (``engine.write.driver.RunTotals``, a layer above), set by the driver.
+    totals: Any = None
+    #: Object store requests a failed slab retried before it failed, set by the slab task.
+    store_retries: int = 0
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         # Errors raised in a Dask worker are pickled back to the client; subclasses with richer
         # constructors must survive that round trip with their message and attributes intact.
         # A client-side run summary stays behind: it is no part of the error's identity.
@@ -49,7 +58,7 @@ class H5ngffError(Exception):
         return (_rebuild, (type(self), str(self), state))
 
 
-def _rebuild(cls: type, message: str, state: dict) -> "H5ngffError":
+def _rebuild(cls: type[H5ngffError], message: str, state: dict[str, Any]) -> H5ngffError:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
@@ -149,6 +158,10 @@ class WorkerFailedError(H5ngffError, RuntimeError):
     def __init__(self, message: str, worker: str | None = None, slab: str | None = None):
         self.worker = worker
         self.slab = slab
+        #: What the run's diagnosis counted (backends/diagnostics.py): workers the kernel
+        #: OOM-killed, and workers Dask's nanny terminated at its memory threshold.
+        self.oom_kills = 0
+        self.memory_terminations = 0
         super().__init__(message)
 
 

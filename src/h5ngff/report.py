@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from rich.console import Console, Group
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.console import Console, Group, RenderableType
+from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -71,7 +71,7 @@ def plan_renderable(job: PlannedJob, notices: bool = True) -> Group:
     th = plan.memory.thresholds
     mem.add_row(Text("pod limit", style="bold"), Text(_mib(plan.memory.pod_limit), style="bold"), f"pod resources: requests = limits = {k8s_quantity(plan.memory.pod_limit)} (Guaranteed QoS)")
     mem.add_row("dask thresholds", "", f"target {th.target}, spill {th.spill}, pause {th.pause}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)")
-    parts = [head, Text(""), passes, Text(""), mem]
+    parts: list[RenderableType] = [head, Text(""), passes, Text(""), mem]
     if notices and job.notices:
         parts.append(notices_renderable(job.notices))
     return Group(*parts)
@@ -106,7 +106,7 @@ def summary_renderable(summary: RunSummary) -> Group:
     for w in summary.workers:
         ratio = w.peak_rss / plan.memory.predicted_peak if plan.memory.predicted_peak else math.nan
         style = "green" if ratio <= 1.0 else "red"
-        row = [w.name, _mib(w.peak_rss), _mib(plan.memory.predicted_peak), Text(f"{ratio:.2f}", style=style), _mib(plan.memory.memory_limit), _mib(w.pod_limit or plan.memory.pod_limit)]
+        row: list[RenderableType] = [w.name, _mib(w.peak_rss), _mib(plan.memory.predicted_peak), Text(f"{ratio:.2f}", style=style), _mib(plan.memory.memory_limit), _mib(w.pod_limit or plan.memory.pod_limit)]
         if has_cgroup:
             need = w.pod_nonreclaimable_peak
             pod = w.pod_limit or plan.memory.pod_limit
@@ -131,7 +131,7 @@ class ProgressBar:
             console=console,
             transient=False,
         )
-        self.task = None
+        self.task: TaskID | None = None
 
     def __enter__(self) -> "ProgressBar":
         self.bar.__enter__()

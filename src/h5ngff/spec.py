@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -26,7 +27,18 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import ErrorDetails
 
+from .codecs_table import (
+    DEFAULT_CNAME,
+    DEFAULT_CODEC,
+    DEFAULT_LEVEL,
+    DEFAULT_SHUFFLE,
+    LEVEL_RANGES,
+    BloscCname,
+    BloscShuffle,
+    CodecName,
+)
 from .errors import SpecError
 from .units import MiB, parse_bytes
 
@@ -54,10 +66,6 @@ MAX_QUANTITY_LENGTH = 64
 #: below the pod limit). The spec sits below the planner (pyproject's import layers), so it holds
 #: the number, and tests/test_operator_admission_limits.py fails when the two part.
 MIN_WORKER_MEMORY = 226 * MiB
-BLOSC_CNAMES = ("zstd", "lz4", "lz4hc", "zlib", "blosclz")
-#: Allowed compression levels per codec, inclusive. zstd's negative "fast" levels are excluded on
-#: purpose: they are rarely wanted for archives and complicate the level's meaning.
-LEVEL_RANGES = {"blosc": (0, 9), "zstd": (1, 22), "gzip": (1, 9)}
 
 #: URL schemes an output path may carry; a path without ``scheme://`` is a local directory.
 OUTPUT_SCHEMES: tuple[str, ...] = ("s3",)
@@ -228,10 +236,11 @@ class SourceSpec(_Model):
 class CompressorSpec(_Model):
     """How chunks are compressed. One flat object so the CRD schema stays structural."""
 
-    codec: Literal["blosc", "zstd", "gzip", "none"] = Field("blosc", description="blosc (with cname/shuffle), zstd, gzip or none.")
-    cname: Literal["zstd", "lz4", "lz4hc", "zlib", "blosclz"] | None = Field(None, description="Blosc's inner compressor (blosc only; default zstd).")
+    # The names, defaults and level ranges are the codec table's (h5ngff/codecs_table.py).
+    codec: CodecName = Field(DEFAULT_CODEC, description="blosc (with cname/shuffle), zstd, gzip or none.")
+    cname: BloscCname | None = Field(None, description="Blosc's inner compressor (blosc only; default zstd).")
     clevel: Int | None = Field(None, description="Compression level: blosc 0-9, zstd 1-22, gzip 1-9 (default 5).")
-    shuffle: Literal["noshuffle", "shuffle", "bitshuffle"] | None = Field(None, description="Blosc's shuffle filter (blosc only; default bitshuffle).")
+    shuffle: BloscShuffle | None = Field(None, description="Blosc's shuffle filter (blosc only; default bitshuffle).")
 
     @model_validator(mode="after")
     def _codec_options(self) -> "CompressorSpec":
@@ -241,25 +250,26 @@ class CompressorSpec(_Model):
                     raise _FieldError(
                         name, f"Expected {name} only with codec 'blosc'. Got {name}={getattr(self, name)!r} with codec {self.codec!r} instead."
                     )
-        if self.codec == "none" and self.clevel is not None:
-            raise _FieldError("clevel", f"Expected no clevel with codec 'none'. Got clevel={self.clevel} instead.")
-        if self.codec in LEVEL_RANGES and self.clevel is not None:
-            low, high = LEVEL_RANGES[self.codec]
+        levels = LEVEL_RANGES.get(self.codec)
+        if levels is None and self.clevel is not None:
+            raise _FieldError("clevel", f"Expected no clevel with codec {self.codec!r}. Got clevel={self.clevel} instead.")
+        if levels is not None and self.clevel is not None:
+            low, high = levels
             if not low <= self.clevel <= high:
                 raise _FieldError("clevel", f"Expected clevel between {low} and {high} for codec {self.codec!r}. Got {self.clevel} instead.")
         return self
 
     @property
     def level(self) -> int:
-        return 5 if self.clevel is None else self.clevel
+        return DEFAULT_LEVEL if self.clevel is None else self.clevel
 
     @property
-    def blosc_cname(self) -> str:
-        return self.cname or "zstd"
+    def blosc_cname(self) -> BloscCname:
+        return self.cname or DEFAULT_CNAME
 
     @property
-    def blosc_shuffle(self) -> str:
-        return self.shuffle or "bitshuffle"
+    def blosc_shuffle(self) -> BloscShuffle:
+        return self.shuffle or DEFAULT_SHUFFLE
 
     def describe(self) -> str:
         if self.codec == "blosc":
@@ -652,7 +662,7 @@ def _is_union_tag(part: Any) -> bool:
     return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
 
 
-def _field_path(err: dict[str, Any]) -> str:
+def _field_path(err: ErrorDetails) -> str:
     """The wire (camelCase) path of an error: ``output.chunks[1]``. A misspelt key is quoted as the
     user wrote it (camel-casing ``Workers`` would name a valid field)."""
     loc = list(err["loc"])
@@ -673,7 +683,7 @@ def _field_path(err: dict[str, Any]) -> str:
 _PATTERN_WORDS = {SLURM_WALLTIME: f"a SLURM time limit: {SLURM_WALLTIME_FORMATS}"}
 
 
-def _expected(err: dict[str, Any]) -> str:
+def _expected(err: ErrorDetails) -> str:
     """What one failed check allows, as the object of 'Expected …'."""
     kind = err["type"]
     if kind == "literal_error":
@@ -690,7 +700,7 @@ def _expected(err: dict[str, Any]) -> str:
     return err["msg"].removeprefix("Input should be ").split(",")[0]
 
 
-def _describe_pydantic_error(err: dict[str, Any], alternatives: list[dict[str, Any]] = ()) -> tuple[str, str]:
+def _describe_pydantic_error(err: ErrorDetails, alternatives: Sequence[ErrorDetails] = ()) -> tuple[str, str]:
     """Turn one pydantic error into (field path, 'Expected … Got … instead.'). ``alternatives``
     are the other members of the same union that also failed: their allowed values are named too."""
     field = _field_path(err)

@@ -12,29 +12,30 @@ import math
 import threading
 
 import numpy as np
+import numpy.typing as npt
 
 _local = threading.local()
 
 
-def _buffer(slot: int, shape: tuple[int, ...], dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    need = math.prod(shape) * dtype.itemsize
-    buffers = getattr(_local, "buffers", None)
+def _buffer(slot: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
+    dt = np.dtype(dtype)
+    need = math.prod(shape) * dt.itemsize
+    buffers: dict[int, np.ndarray] | None = getattr(_local, "buffers", None)
     if buffers is None:
         buffers = _local.buffers = {}
     buf = buffers.get(slot)
     if buf is None or buf.nbytes < need:
         buffers.pop(slot, None)  # drop the old one before allocating a larger one
         buf = buffers[slot] = np.empty(need, dtype=np.uint8)
-    return buf[:need].view(dtype).reshape(shape)
+    return buf[:need].view(dt).reshape(shape)
 
 
-def slab_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+def slab_buffer(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     """An uninitialised C-contiguous array of ``shape``, backed by this thread's slab buffer."""
     return _buffer(0, shape, dtype)
 
 
-def level_buffer(depth: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+def level_buffer(depth: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     """The same for the ``depth``-th level a slab builds (1 = the first downsampled level)."""
     return _buffer(depth, shape, dtype)
 

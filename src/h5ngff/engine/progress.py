@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..phases import Phase
 
@@ -59,7 +59,7 @@ class Broadcast:
     def add(self, listener: Listener) -> None:
         self.listeners.append(listener)
 
-    def emit(self, **changes) -> Progress:
+    def emit(self, **changes: Any) -> Progress:
         for key, value in changes.items():
             setattr(self.progress, key, value)
         for listener in self.listeners:

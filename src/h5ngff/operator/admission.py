@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from itertools import permutations
 from typing import Any
 
+from ..codecs_table import DEFAULT_CODEC, LEVEL_RANGES, CodecName
 from ..jobspec import DEFAULT_MAX_RETRY_INTERVAL, DEFAULT_RETRY_INTERVAL, MAX_VOLUME_NAME, MAX_VOLUMES, SCRATCH_VOLUME
 from ..spec import (
     MAX_AXES,
@@ -149,6 +150,20 @@ def _unit_kind_rule() -> CelRule:
                    why="planner: resolve_scale_units")
 
 
+def _level_range_rule() -> CelRule:
+    """``clevel`` within its codec's range (the codec table's LEVEL_RANGES); a spec without
+    ``codec`` has the default codec's range."""
+    def within(codec: CodecName) -> str:
+        low, high = LEVEL_RANGES[codec]
+        return f"self.clevel >= {low} && self.clevel <= {high}"
+
+    branches = [f"has(self.codec) && self.codec == '{c}' ? {within(c)} : " for c in LEVEL_RANGES if c != DEFAULT_CODEC]
+    branches.append(f"!has(self.codec) || self.codec == '{DEFAULT_CODEC}' ? {within(DEFAULT_CODEC)} : true")
+    ranges = ", ".join(f"{low}-{high} for {c}" for c, (low, high) in LEVEL_RANGES.items())
+    return CelRule("output.compressor", "!has(self.clevel) || (" + "".join(branches) + ")",
+                   f"output.compressor.clevel must be {ranges}", ".clevel", why="codecs_table.LEVEL_RANGES")
+
+
 def _shard_multiple_rule() -> CelRule:
     terms = " && ".join(f"(size(self.chunks) <= {i} || self.shards[{i}] % self.chunks[{i}] == 0)" for i in range(MAX_AXES))
     return CelRule("output", f"!has(self.shards) || !has(self.chunks) || size(self.shards) != size(self.chunks) || ({terms})",
@@ -242,11 +257,7 @@ CEL_RULES: tuple[CelRule, ...] = (
             "output.compressor.shuffle is for codec blosc only", ".shuffle", why="CompressorSpec._codec_options"),
     CelRule("output.compressor", "!has(self.clevel) || !has(self.codec) || self.codec != 'none'",
             "output.compressor.clevel is not allowed with codec none", ".clevel", why="CompressorSpec._codec_options"),
-    CelRule("output.compressor",
-            "!has(self.clevel) || (has(self.codec) && self.codec == 'zstd' ? self.clevel >= 1 && self.clevel <= 22 : "
-            "has(self.codec) && self.codec == 'gzip' ? self.clevel >= 1 && self.clevel <= 9 : "
-            "!has(self.codec) || self.codec == 'blosc' ? self.clevel >= 0 && self.clevel <= 9 : true)",
-            "output.compressor.clevel must be 0-9 for blosc, 1-22 for zstd, 1-9 for gzip", ".clevel", why="CompressorSpec.LEVEL_RANGES"),
+    _level_range_rule(),
     CelRule("output", "!has(self.shards) || !has(self.ngffVersion) || self.ngffVersion == '0.5'",
             "output.shards needs ngffVersion '0.5' (Zarr v3)", ".shards", why="OutputSpec._shards_need_v3"),
     CelRule("output", "!has(self.shards) || !has(self.chunks) || size(self.shards) == size(self.chunks)",

@@ -59,7 +59,7 @@ def job_summary(job: dict[str, Any]) -> JobSummary:
 def runner_report(status: dict[str, Any], attempt: int) -> dict[str, Any] | None:
     """The runner's own account of ``attempt``, if it delivered one."""
     report = status.get("runner") or None
-    if report and report.get("attempt") == attempt and report.get("outcome") in TERMINAL_PHASES:
+    if isinstance(report, dict) and report.get("attempt") == attempt and report.get("outcome") in TERMINAL_PHASES:
         return report
     return None
 

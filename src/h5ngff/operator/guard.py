@@ -19,16 +19,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 import kopf
 
 from ..errors import SpecError
 from ..jobspec import API_VERSION, GROUP, KIND, VERSION, ConversionJobSpec, parse_job_spec
 from ..k8s import dask_cluster_name
-from .kube import Transient, namespaced
+from .kube import Kube, Transient, namespaced
 from .manifests import PLURAL
-from .policy import dask_cluster_violations
+from .policy import TenantPolicy, dask_cluster_violations
 
 log = logging.getLogger(__name__)
 
@@ -37,26 +37,48 @@ DENIED = "PolicyDenied"
 #: How often each (namespace, DaskCluster) was judged, in this process: what tests wait for
 #: instead of sleeping ("it stays" means it was checked and kept).
 checked: Counter[tuple[str, str]] = Counter()
+#: A DaskCluster's owning ConversionJob: its name, uid and spec.
+Owner = tuple[str, str, dict[str, Any]]
 
 
-def register_cluster_guard(registry: kopf.OperatorRegistry, cfg: Any) -> None:
+class GuardConfig(Protocol):
+    """What the guard reads of the operator's OperatorConfig (handlers.py, which imports this)."""
+
+    @property
+    def policy(self) -> TenantPolicy: ...
+    @property
+    def image(self) -> str: ...
+    @property
+    def runner_service_account(self) -> str | None: ...
+    @property
+    def retry_delay(self) -> float: ...
+
+
+class GuardMemo(Protocol):
+    """What the guard reads of kopf's memo (handlers.OperatorMemo)."""
+
+    kube: Kube
+
+
+def register_cluster_guard(registry: kopf.OperatorRegistry, cfg: GuardConfig) -> None:
     """Add the index of ConversionJobs by cluster name and the DaskCluster check to ``registry``
     (``cfg`` is the operator's OperatorConfig: its policy, image and runner account)."""
 
     @kopf.index(GROUP, VERSION, PLURAL, id="cluster_owners", registry=registry)
-    def cluster_owners(namespace: str | None, name: str, uid: str, spec: kopf.Spec, **_: Any) -> dict:
+    def cluster_owners(namespace: str | None, name: str, uid: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str | None, str], Owner]:
         return {(namespace, dask_cluster_name(name)): (name, uid, dict(spec))}
 
     @kopf.on.event("kubernetes.dask.org", "v1", "daskclusters", id="cluster_guard", registry=registry)
-    async def cluster_guard(type: str, body: kopf.Body, namespace: str | None, name: str, meta: kopf.Meta, memo: Any, **kwargs: Any) -> None:
+    async def cluster_guard(type: str, body: kopf.Body, namespace: str | None, name: str, meta: kopf.Meta, memo: GuardMemo, **kwargs: Any) -> None:
         if type == "DELETED" or meta.get("deletionTimestamp") or namespace is None:
             return
         # kopf passes every index under its id; a parameter of that name would not fit kopf's types.
-        owner = next(iter(kwargs["cluster_owners"].get((namespace, name), ())), None)
+        owners: kopf.Index[tuple[str | None, str], Owner] = kwargs["cluster_owners"]
+        owner = next(iter(owners.get((namespace, name), ())), None)
         await _judge(cfg, memo.kube, dict(body), namespace, name, owner)
 
 
-async def _judge(cfg: Any, kube: Any, body: dict, namespace: str, name: str, owner: tuple[str, str, dict] | None) -> None:
+async def _judge(cfg: GuardConfig, kube: Kube, body: dict[str, Any], namespace: str, name: str, owner: Owner | None) -> None:
     """Delete the DaskCluster ``body`` if it asks for more than its job and the policy allow."""
     violations = dask_cluster_violations(body, _spec_of(owner), cfg.policy, cfg.image, cfg.runner_service_account)
     if violations:
@@ -70,7 +92,7 @@ async def _judge(cfg: Any, kube: Any, body: dict, namespace: str, name: str, own
     checked[namespace, name] += 1
 
 
-async def _delete(kube: Any, namespace: str, name: str, delay: float, tries: int = 3) -> None:
+async def _delete(kube: Kube, namespace: str, name: str, delay: float, tries: int = 3) -> None:
     # An event handler is not retried by kopf: retry a hiccup here, or the cluster would stay
     # until its next change.
     for attempt in range(tries):
@@ -83,7 +105,7 @@ async def _delete(kube: Any, namespace: str, name: str, delay: float, tries: int
             await asyncio.sleep(delay)
 
 
-def _spec_of(owner: tuple[str, str, dict] | None) -> ConversionJobSpec | None:
+def _spec_of(owner: Owner | None) -> ConversionJobSpec | None:
     if owner is None:
         return None
     try:

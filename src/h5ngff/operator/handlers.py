@@ -12,14 +12,18 @@ object waits for the watch to catch up instead of acting twice.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import kopf
 
@@ -45,13 +49,28 @@ from .manifests import (
 )
 from .guard import register_cluster_guard
 from .policy import TenantPolicy, policy_violations
-from .reconcile import Decision, Observed, job_summary, live_pods, reconcile
+from .diagnose import JobSummary, job_summary, live_pods
+from .reconcile import Decision, Observed, reconcile
 from ..phases import TERMINAL_PHASES
 from .status import now
 
+if TYPE_CHECKING:
+    from ..metrics.operator import OperatorMetrics
+
 log = logging.getLogger(__name__)
 
-CJ = {"group": GROUP, "version": VERSION, "plural": PLURAL}
+
+class _Resource(TypedDict):
+    """kopf's keyword arguments naming a resource."""
+
+    group: str
+    version: str
+    plural: str
+
+
+CJ: _Resource = {"group": GROUP, "version": VERSION, "plural": PLURAL}
+#: The runner Jobs index (id ``runner_jobs``): (namespace, job label) -> the Jobs' summaries.
+RunnerJobs = kopf.Index[tuple[str, str], JobSummary]
 OPERATOR_AGENT = "h5ngff-operator"
 #: How long a pass waits for its own previous status write to show up before acting anyway.
 CONSISTENCY_WINDOW = 15.0
@@ -84,7 +103,7 @@ class OperatorConfig:
     #: Seconds a deleted ConversionJob's finalizer waits for its pods to exit before it lets go
     #: (the garbage collector removes what is left).
     delete_wait: float = 120.0
-    metrics: Any = None  #: an OperatorMetrics, or None
+    metrics: OperatorMetrics | None = None
     #: Namespace of every output Lease (operator/lease.py: the keys of URL and plain-path outputs
     #: are cluster-wide, so their Leases must all be in one place): the operator's own, which the
     #: Helm chart passes as POD_NAMESPACE (downward API). Outside a pod "default", which every
@@ -97,6 +116,24 @@ class Expectation:
     attempts: int
     phase: str
     deadline: float
+
+
+#: A spec as validated once per generation: (the spec, or None and the reason).
+Parsed = tuple[ConversionJobSpec | None, str | None]
+
+
+class OperatorMemo(kopf.Memo):
+    """What the operator keeps between passes (kopf's memo, attributes declared). kopf gives each
+    ConversionJob a shallow copy of the operator's memo, so these objects are shared."""
+
+    kube: Kube
+    #: ConversionJob uid -> what our last status write should make the object show.
+    expectations: dict[str, Expectation]
+    #: ConversionJob uid -> (its spec as JSON, what parsing it gave).
+    parsed: dict[str, tuple[str, Parsed]]
+    leases: LeaseScope
+    #: (ConversionJob uid, attempt) whose runner Job create this process saw refused.
+    uncreated: set[tuple[str, int]]
 
 
 def build_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
@@ -124,31 +161,33 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.startup(id="startup", registry=registry)
-    async def startup(memo: kopf.Memo, **_: Any) -> None:
+    async def startup(memo: OperatorMemo, **_: Any) -> None:
         memo.kube = await Kube.connect(cfg.api, agent=OPERATOR_AGENT)
         memo.expectations = {}
         memo.parsed = {}
         memo.leases = LeaseScope(cfg.lease_namespace)
-        #: (ConversionJob uid, attempt) whose runner Job create this process saw refused.
         memo.uncreated = set()
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
-    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    async def cleanup(memo: OperatorMemo, **_: Any) -> None:
         await memo.kube.close()
 
     @kopf.index("batch", "v1", "jobs", labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: "runner"}, id="runner_jobs", registry=registry)
-    def runner_jobs(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict:
-        return {(namespace, labels[LABEL_JOB]): job_summary(dict(body))}
+    def runner_jobs(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[tuple[str, str], JobSummary]:
+        return {(_namespace(namespace), labels[LABEL_JOB]): job_summary(dict(body))}
 
     @kopf.on.event(**CJ, id="observe", registry=registry)
-    def observe(type: str | None, name: str, namespace: str, status: kopf.Status, **_: Any) -> None:
+    def observe(type: str | None, name: str, namespace: str | None, status: kopf.Status, **_: Any) -> None:
         if cfg.metrics is not None:
-            cfg.metrics.forget(namespace, name) if type == "DELETED" else cfg.metrics.observe(namespace, name, status.get("phase"))
+            ns = _namespace(namespace)
+            cfg.metrics.forget(ns, name) if type == "DELETED" else cfg.metrics.observe(ns, name, status.get("phase"))
 
     @kopf.timer(**CJ, interval=cfg.interval, when=_not_deleted, backoff=cfg.retry_delay, id="reconcile", registry=registry)
-    async def reconcile_job(body: kopf.Body, memo: kopf.Memo, runner_jobs: kopf.Index, **_: Any) -> None:
+    async def reconcile_job(body: kopf.Body, memo: OperatorMemo, **kwargs: Any) -> None:
+        # kopf passes every index under its id; a parameter of that name would not fit kopf's types.
+        index: RunnerJobs = kwargs["runner_jobs"]
         try:
-            await _reconcile(cfg, body, memo, runner_jobs)
+            await _reconcile(cfg, body, memo, index)
         except (Transient, Conflict) as exc:  # a write race or a hiccup: the next pass sees fresh state
             _count_error(cfg, "conflict" if isinstance(exc, Conflict) else "transient")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay) from None
@@ -157,8 +196,9 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay * 6) from None
 
     @kopf.on.delete(**CJ, backoff=cfg.retry_delay, id="delete_children", registry=registry)
-    async def delete_children(name: str, namespace: str, uid: str, status: kopf.Status, memo: kopf.Memo, logger: kopf.Logger,
-                              runtime: Any, **_: Any) -> None:
+    async def delete_children(name: str, namespace: str | None, uid: str, status: kopf.Status, memo: OperatorMemo, logger: kopf.Logger,
+                              runtime: timedelta, **_: Any) -> None:
+        namespace = _namespace(namespace)
         try:
             left = await remove_children(memo.kube, Owner(namespace, name, uid), status.get("outputLease"), cfg.lease_namespace)
         except Transient as exc:
@@ -176,6 +216,13 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     return registry
 
 
+def _namespace(namespace: str | None) -> str:
+    """ConversionJobs and Jobs are namespaced: kopf passes None only for cluster-wide objects."""
+    if namespace is None:
+        raise kopf.PermanentError("Expected a namespaced object. Got one without a namespace instead.")
+    return namespace
+
+
 def _not_deleted(meta: kopf.Meta, **_: Any) -> bool:
     # Every ConversionJob gets passes, finished ones too: a pass on a finished, unchanged job
     # costs no API call, and it is where a spec edit is noticed (docs/operator.md, Lifecycle).
@@ -187,7 +234,7 @@ def _count_error(cfg: OperatorConfig, kind: str) -> None:
         cfg.metrics.reconcile_error(kind)
 
 
-def _parse(memo: kopf.Memo, body: kopf.Body) -> tuple[ConversionJobSpec | None, str | None]:
+def _parse(memo: OperatorMemo, body: kopf.Body) -> Parsed:
     """The spec, validated once per generation: passes over finished jobs repeat every interval."""
     meta, data = body["metadata"], dict(body.get("spec") or {})
     key = json.dumps(data, sort_keys=True, default=str)
@@ -195,27 +242,28 @@ def _parse(memo: kopf.Memo, body: kopf.Body) -> tuple[ConversionJobSpec | None, 
     if cached is not None and cached[0] == key:
         return cached[1]
     try:
-        result: tuple[ConversionJobSpec | None, str | None] = (parse_job_spec(data), None)
+        result: Parsed = (parse_job_spec(data), None)
     except SpecError as exc:
         result = (None, str(exc))
     memo.parsed[meta["uid"]] = (key, result)
     return result
 
 
-def observe_job(owner: Owner, body: kopf.Body, spec: ConversionJobSpec | None, error: str | None, index: kopf.Index) -> Observed:
+def observe_job(owner: Owner, body: kopf.Body, spec: ConversionJobSpec | None, error: str | None, index: RunnerJobs) -> Observed:
     """What a pass knows without an API call: the object, its spec, and the runner Jobs index."""
     meta, status = body["metadata"], dict(body.get("status") or {})
     jobs = tuple(j for j in index.get((owner.namespace, label_value(owner.name)), ()) if j.owner_uid in ("", owner.uid))
-    common = dict(jobs=jobs, now=now(), generation=int(meta.get("generation") or 1), spec_error=error)
+    t, generation = now(), int(meta.get("generation") or 1)
     if spec is None:
-        return Observed(owner.name, status, 0, status.get("output") or "", **common)
+        return Observed(owner.name, status, 0, status.get("output") or "", jobs=jobs, now=t, generation=generation, spec_error=error)
     delays = tuple(spec.retry.delay(n) for n in range(1, spec.backoff_limit + 2))
     return Observed(owner.name, status, spec.backoff_limit, spec.output.path, conversion=spec.conversion_hash(),
                     legacy_conversion=spec.legacy_conversion_hash(), retry_delays=delays,
-                    deadline_seconds=spec.active_deadline_seconds, lease_name=lease_name(output_key(spec, owner.namespace)), **common)
+                    deadline_seconds=spec.active_deadline_seconds, lease_name=lease_name(output_key(spec, owner.namespace)),
+                    jobs=jobs, now=t, generation=generation, spec_error=error)
 
 
-async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: kopf.Memo, index: kopf.Index) -> None:
+async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: OperatorMemo, index: RunnerJobs) -> None:
     meta, status = body["metadata"], dict(body.get("status") or {})
     owner = Owner(meta["namespace"], meta["name"], meta["uid"])
     if _stale(memo, owner.uid, status):
@@ -248,7 +296,7 @@ async def _decide(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, obse
     return decision
 
 
-async def _act(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: ConversionJobSpec | None, body: kopf.Body,
+async def _act(cfg: OperatorConfig, memo: OperatorMemo, owner: Owner, spec: ConversionJobSpec | None, body: kopf.Body,
                decision: Decision) -> str | None:
     """Carry a decision out in the order that survives a crash between any two calls: children
     deleted and the Lease given back before the status write that forgets them; the status
@@ -304,13 +352,13 @@ async def pods_of(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]
     return pods + [p for p in dask if p["metadata"]["name"] not in seen]
 
 
-async def _write_status(memo: kopf.Memo, owner: Owner, patch: dict[str, Any]) -> None:
+async def _write_status(memo: OperatorMemo, owner: Owner, patch: dict[str, Any]) -> None:
     # Our own client, not kopf's ``patch``: kopf applies a timer's patch outside the handler, where
     # an API error (a 409, say) ends the timer for good; here it is a TemporaryError and a retry.
     await memo.kube.patch_merge(namespaced(API_VERSION, owner.namespace, PLURAL, owner.name, "status"), {"status": patch})
 
 
-def _stale(memo: kopf.Memo, uid: str, status: dict[str, Any]) -> bool:
+def _stale(memo: OperatorMemo, uid: str, status: dict[str, Any]) -> bool:
     """True while the object does not yet show what our last pass wrote (the watch lags)."""
     expected: Expectation | None = memo.expectations.get(uid)
     if expected is None:
@@ -338,11 +386,11 @@ async def _clean_up(kube: Kube, owner: Owner, decision: Decision, leases: LeaseS
 PERMANENT_REFUSALS = (400, 422)
 
 
-async def _create_runner(cfg: OperatorConfig, memo: kopf.Memo, owner: Owner, spec: ConversionJobSpec,
+async def _create_runner(cfg: OperatorConfig, memo: OperatorMemo, owner: Owner, spec: ConversionJobSpec,
                          decision: Decision) -> tuple[str | None, str | None]:
     """Create the attempt's runner Job: (its uid, None), (None, None) when it exists already, or
     (None, Kubernetes' message) when Kubernetes refuses it for good."""
-    kube: Kube = memo.kube
+    kube = memo.kube
     attempt = decision.ensure_attempt or 0
     await _ensure_runner_rbac(kube, owner, runner_account(spec, cfg.runner_service_account))
     job = build_runner_job(owner, spec, attempt, cfg.image, resume=decision.resume, default_service_account=cfg.runner_service_account)
@@ -389,7 +437,11 @@ async def remove_children(kube: Kube, owner: Owner, lease: str | None, lease_nam
     return left
 
 
-async def run_operator(cfg: OperatorConfig, stop_flag: Any = None, ready_flag: Any = None, liveness: str | None = None) -> None:
+#: What kopf accepts as its stop and ready flags (kopf._cogs.aiokits.aioadapters.Flag, not exported).
+Flag = asyncio.Future[Any] | asyncio.Event | concurrent.futures.Future[Any] | threading.Event
+
+
+async def run_operator(cfg: OperatorConfig, stop_flag: Flag | None = None, ready_flag: Flag | None = None, liveness: str | None = None) -> None:
     """Run the operator until ``stop_flag`` is set (or forever). Peering (unless ``cfg.peering``
     is None) lets several replicas run: only the one with the highest priority acts."""
     await kopf.operator(
@@ -403,5 +455,5 @@ async def run_operator(cfg: OperatorConfig, stop_flag: Any = None, ready_flag: A
         stop_flag=stop_flag,
         ready_flag=ready_flag,
         liveness_endpoint=liveness,
-        memo=kopf.Memo(),
+        memo=OperatorMemo(),
     )

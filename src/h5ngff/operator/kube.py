@@ -67,7 +67,7 @@ async def api_client(cfg: KubeConfig, agent: str) -> client.ApiClient:
         api = client.ApiClient(conf)
     else:
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_incluster_config()
+            config.load_incluster_config()  # type: ignore[no-untyped-call]  # unannotated in kubernetes_asyncio
         else:
             await config.load_kube_config()
         api = client.ApiClient()
@@ -110,7 +110,8 @@ class Kube:
     async def close(self) -> None:
         await self.api.close()
 
-    async def _call(self, method: str, path: str, body: Any = None, query: list | None = None, content_type: str | None = None) -> Any:
+    async def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+                    content_type: str | None = None) -> Any:
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type or "application/json"
@@ -126,7 +127,7 @@ class Kube:
             raise _classify(exc, f"{method} {path}") from None
 
     async def get(self, path: str) -> dict[str, Any] | None:
-        return await self._call("GET", path)
+        return _object(await self._call("GET", path), f"GET {path}")
 
     async def list(self, path: str, label_selector: dict[str, str] | None = None, field_selector: dict[str, str] | None = None) -> list[dict[str, Any]]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in label_selector.items()))] if label_selector else []
@@ -138,8 +139,9 @@ class Kube:
         # touch another job's children.
         return [i for i in items if _has_labels(i, label_selector or {}) and _has_fields(i, field_selector or {})]
 
-    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", path, body)
+    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The object created (None: the API answered 404, e.g. no such namespace)."""
+        return _object(await self._call("POST", path, body), f"POST {path}")
 
     async def delete(self, path: str) -> bool:
         """True if something was deleted, False if it was already gone."""
@@ -147,7 +149,14 @@ class Kube:
         return result is not None
 
     async def patch_merge(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
-        return await self._call("PATCH", path, patch, content_type=MERGE_PATCH)
+        return _object(await self._call("PATCH", path, patch, content_type=MERGE_PATCH), f"PATCH {path}")
+
+
+def _object(answer: object, what: str) -> dict[str, Any] | None:
+    """An API answer that must be one JSON object (None: 404)."""
+    if answer is None or isinstance(answer, dict):
+        return answer
+    raise KubeError(f"{what}: expected a JSON object. Got {type(answer).__name__} instead.")
 
 
 def _has_labels(obj: dict[str, Any], wanted: dict[str, str]) -> bool:

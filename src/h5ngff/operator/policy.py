@@ -108,7 +108,7 @@ class TenantPolicy:
     allowed_volume_types: tuple[str, ...] = DEFAULT_VOLUME_TYPES
 
 
-def volume_type(volume: dict) -> str:
+def volume_type(volume: dict[str, Any]) -> str:
     """The source type of a PodSpec volume (its one key besides ``name``); a volume with none is
     an emptyDir, as Kubernetes defaults it."""
     kinds = sorted(k for k in volume if k != "name")

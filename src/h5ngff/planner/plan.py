@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from ..codecs_table import context as codec_context
 from ..errors import BudgetTooSmallError, SpecError, UnsupportedDatasetError
 from ..spec import UPLOADS_IN_FLIGHT, ConversionSpec, url_scheme
 from ..units import MiB, format_bytes
@@ -159,8 +160,9 @@ def upload_depth_for(spec: ConversionSpec, unit_bytes: int) -> int:
 
 
 def _uses_zstd(spec: ConversionSpec) -> bool:
+    """Whether the encoder keeps a zstd context per thread (the codec table's memory term)."""
     c = spec.output.compressor
-    return c.codec == "zstd" or (c.codec == "blosc" and c.blosc_cname == "zstd")
+    return codec_context(c.codec, c.blosc_cname) == "zstd"
 
 
 def _check_dataset(ds: DatasetInfo) -> None:

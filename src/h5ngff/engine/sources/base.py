@@ -17,6 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 from itertools import product
+from typing import Any
 
 import h5py
 import hdf5plugin  # noqa: F401  registers blosc, zstd, lz4, bitshuffle... with HDF5
@@ -197,7 +198,7 @@ def piece_storage(datasets: list[h5py.Dataset]) -> tuple[tuple[int, ...] | None,
 
 
 def composite_info(lead_shape: tuple[int, ...], inner_shape: tuple[int, ...], dtype: np.dtype, datasets: list[h5py.Dataset],
-                   read_dtype: np.dtype | None = None, **attrs) -> DatasetInfo:
+                   read_dtype: np.dtype | None = None, **attrs: Any) -> DatasetInfo:
     """The planner's view of pieces stacked over ``lead_shape``: each piece is one HDF5 chunk deep
     along the leading axes, so a slab's chunk cache covers exactly the pieces it spans.
     ``read_dtype`` is the dtype of the buffer the pieces are read into (SlabSource: the storage

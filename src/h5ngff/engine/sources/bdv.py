@@ -42,7 +42,7 @@ class Setup:
     size: tuple[int, int, int]  # z, y, x
     voxel: tuple[float, float, float]  # z, y, x
     unit: str
-    attributes: dict
+    attributes: dict[str, int]
 
 
 def xml_pair(path: str) -> tuple[str, str]:
@@ -61,9 +61,9 @@ def xml_pair(path: str) -> tuple[str, str]:
         raise SourceError(f"source.path: {xml!r} is not valid XML ({exc}).") from None
     loader = root.find("SequenceDescription/ImageLoader")
     fmt = loader.get("format") if loader is not None else None
-    if fmt != "bdv.hdf5" or loader.find("hdf5") is None:
+    h5 = loader.find("hdf5") if loader is not None else None
+    if fmt != "bdv.hdf5" or h5 is None:
         raise UnsupportedDatasetError(f"source.path: {xml!r} uses the image loader {fmt!r}; h5ngff reads 'bdv.hdf5' (BigDataViewer HDF5). Re-save it as HDF5 in Fiji (BigDataViewer > Export Current Image as XML/HDF5).")
-    h5 = loader.find("hdf5")
     name = (h5.text or "").strip()
     if h5.get("type", "relative") == "relative":
         base = root.find("BasePath")
@@ -78,16 +78,31 @@ def _ints(text: str | None) -> list[int]:
     return [int(float(v)) for v in (text or "").split()]
 
 
+def _text(element: ET.Element, tag: str | None = None) -> str:
+    """The text of ``element`` (or of its child ``tag``) where the BDV format requires one."""
+    text = element.text if tag is None else element.findtext(tag)
+    if text is None:
+        raise SourceError(f"source.path: the BigDataViewer XML has a <{element.tag}> without {'text' if tag is None else f'<{tag}>'}.")
+    return text
+
+
+def _attribute(element: ET.Element, name: str) -> str:
+    value = element.get(name)
+    if value is None:
+        raise SourceError(f"source.path: the BigDataViewer XML has a <{element.tag}> without its {name!r} attribute.")
+    return value
+
+
 def _setups(root: ET.Element) -> list[Setup]:
     setups = []
     for vs in root.findall("SequenceDescription/ViewSetups/ViewSetup"):
         x, y, z = _ints(vs.findtext("size"))
         vox = vs.find("voxelSize")
-        vx, vy, vz = (float(v) for v in vox.findtext("size").split()) if vox is not None else (1.0, 1.0, 1.0)
+        vx, vy, vz = (float(v) for v in _text(vox, "size").split()) if vox is not None else (1.0, 1.0, 1.0)
         unit = (vox.findtext("unit") or "").strip() if vox is not None else ""
         found = vs.find("attributes")
-        attrs = {a.tag: int(a.text) for a in (list(found) if found is not None else [])}
-        setups.append(Setup(int(vs.findtext("id")), (z, y, x), (vz, vy, vx), unit, attrs))
+        attrs = {a.tag: int(_text(a)) for a in (list(found) if found is not None else [])}
+        setups.append(Setup(int(_text(vs, "id")), (z, y, x), (vz, vy, vx), unit, attrs))
     return setups
 
 
@@ -181,7 +196,7 @@ def open_bdv(spec: ConversionSpec) -> Opened:
     root = ET.parse(xml).getroot()
     setups = _select(_setups(root), spec, xml)
     times = _timepoints(root, xml)
-    missing = {(int(m.get("timepoint")), int(m.get("setup"))) for m in root.findall("SequenceDescription/MissingViews/MissingView")}
+    missing = {(int(_attribute(m, "timepoint")), int(_attribute(m, "setup"))) for m in root.findall("SequenceDescription/MissingViews/MissingView")}
     gaps = [(t, s.id) for t in times for s in setups if (t, s.id) in missing]
     if gaps:
         raise UnsupportedDatasetError(f"source.path: {xml!r} marks views as missing (time point, setup): {gaps[:5]}; an OME-Zarr image needs every channel at every time point.")
@@ -244,7 +259,7 @@ def _dtype(f: h5py.File, setup: int, ds: h5py.Dataset) -> tuple[np.dtype, np.dty
 
 
 def _channel_names(root: ET.Element, setups: list[Setup]) -> tuple[str, ...] | None:
-    names = {int(c.findtext("id")): (c.findtext("name") or "").strip() for c in root.findall("SequenceDescription/ViewSetups/Attributes[@name='channel']/Channel")}
+    names = {int(_text(c, "id")): (c.findtext("name") or "").strip() for c in root.findall("SequenceDescription/ViewSetups/Attributes[@name='channel']/Channel")}
     if not names:
         return None
     return tuple(names.get(s.attributes.get("channel", 0), "") for s in setups)

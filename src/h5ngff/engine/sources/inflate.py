@@ -42,7 +42,7 @@ def direct_deflate(ds: h5py.Dataset) -> bool:
     if _libdeflate is None or DISABLE_ENV in os.environ or ds.chunks is None or ds.dtype.kind not in "biuf" or ds.dtype.fields:
         return False
     plist = ds.id.get_create_plist()
-    return plist.get_nfilters() == 1 and plist.get_filter(0)[0] == _DEFLATE
+    return bool(plist.get_nfilters() == 1 and plist.get_filter(0)[0] == _DEFLATE)
 
 
 def direct_read(ds: h5py.Dataset, into: np.dtype | str | None = None) -> bool:

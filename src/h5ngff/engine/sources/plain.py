@@ -79,7 +79,7 @@ def expand(f: h5py.File, selection: str) -> tuple[list[str], tuple[int, ...]]:
     return names, (len(names),)
 
 
-def _natural(name: str) -> list:
+def _natural(name: str) -> list[int | str]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
@@ -129,7 +129,7 @@ def _check_agree(names: list[str], datasets: list[h5py.Dataset]) -> None:
             )
 
 
-def _stacked_axes(stack: str, inner_ndim: int, physical: Physical, spec: ConversionSpec):
+def _stacked_axes(stack: str, inner_ndim: int, physical: Physical, spec: ConversionSpec) -> tuple[str | None, tuple[float, ...] | None, tuple[str, ...] | None]:
     inner = physical.axes or _DEFAULT_INNER.get(inner_ndim)
     if inner is None or inner_ndim + len(stack) > 5:
         raise UnsupportedDatasetError(f"source.dataset: stacking {inner_ndim}-dimensional datasets along {stack!r} gives {inner_ndim + len(stack)} dimensions; NGFF images have 2 to 5.")

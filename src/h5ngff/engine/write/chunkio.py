@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass
 from itertools import product
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import google_crc32c
 import numpy as np
@@ -27,12 +27,17 @@ from . import faults
 from ..buffers import slab_buffer
 from ..codecs import chunk_codec
 from ..stores import Store, open_store
-from ..stores.local import TMP_MARK  # noqa: F401 - re-exported: output, checksums and verify look for it
+from ..stores.local import TMP_MARK as TMP_MARK  # re-exported: output, checksums and verify look for it
 #: The recorded size of a unit not stored because it is the fill value everywhere. No stored unit
 #: has 0 bytes (an encoded chunk has a header; a shard has its index).
 from .manifest import EMPTY_UNIT_BYTES
 
 Shape = tuple[int, ...]
+Fill = float | int | bool
+#: ``on_chunk(data, unit_region)``: sees each unit's (or inner chunk's) data while it is in cache.
+OnChunk = Callable[[np.ndarray, tuple[slice, ...]], None]
+#: ``on_file(key, pieces)``: sees the bytes of each chunk file written.
+OnFile = Callable[[str, list[bytes]], None]
 _EMPTY = np.uint64(2**64 - 1)
 
 
@@ -99,7 +104,7 @@ class ArrayLayout:
         return tuple(slice(i * u, min((i + 1) * u, n)) for i, u, n in zip(index, self.unit, self.shape))
 
 
-def _padded(block: np.ndarray, shape: Shape, fill) -> np.ndarray:
+def _padded(block: np.ndarray, shape: Shape, fill: Fill) -> np.ndarray:
     """A C-contiguous copy of ``block`` in a full chunk; edge chunks are padded with the fill value,
     as zarr stores them."""
     if block.shape == shape:
@@ -109,13 +114,14 @@ def _padded(block: np.ndarray, shape: Shape, fill) -> np.ndarray:
     return out
 
 
-def encode_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk=None, unit=None) -> bytes:
+def encode_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk: OnChunk | None = None, unit: tuple[slice, ...] = ()) -> bytes:
     data = encode_stored_chunk(layout, block, on_chunk, unit, skip_empty=False)
     assert data is not None
     return data
 
 
-def encode_stored_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk=None, unit=None, skip_empty: bool = True) -> bytes | None:
+def encode_stored_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk: OnChunk | None = None, unit: tuple[slice, ...] = (),
+                        skip_empty: bool = True) -> bytes | None:
     """The chunk's encoded bytes, or None for a chunk that is the fill value everywhere: it is
     not stored, as zarr does with ``write_empty_chunks=False``, and reads back as the fill value."""
     chunk = _padded(block, layout.chunks, layout.fill_value)
@@ -128,10 +134,11 @@ def encode_stored_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk=None, u
     return chunk.tobytes() if codec is None else bytes(codec.encode(chunk))
 
 
-def checksum_piece(data) -> bytes:
+def checksum_piece(data: bytes | np.ndarray) -> bytes:
     """The Zarr v3 crc32c codec's suffix: the CRC32C of ``data``, 4 bytes little-endian. Written as
     a separate piece after the chunk's bytes, so no copy of the encoded chunk is made."""
-    return google_crc32c.value(data).to_bytes(4, "little")
+    crc: int = google_crc32c.value(data)
+    return crc.to_bytes(4, "little")
 
 
 def stored_pieces(layout: ArrayLayout, data: bytes) -> list[bytes]:
@@ -144,7 +151,7 @@ def stored_pieces(layout: ArrayLayout, data: bytes) -> list[bytes]:
 _EMPTY_PROBE_STRIDE = 61
 
 
-def is_fill_chunk(chunk: np.ndarray, fill) -> bool:
+def is_fill_chunk(chunk: np.ndarray, fill: Fill) -> bool:
     """Whether a C-contiguous chunk equals a zero fill value bit for bit (-0.0 and NaN payloads are
     data, so the bytes are compared, not the values). A non-zero fill value is never skipped."""
     if fill:
@@ -155,7 +162,7 @@ def is_fill_chunk(chunk: np.ndarray, fill) -> bool:
     return not int(flat.view(np.uint8).max(initial=0))
 
 
-def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start: Shape, on_chunk=None) -> int:
+def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start: Shape, on_chunk: OnChunk | None = None) -> int:
     """Stream one shard into ``f``: inner chunks in C order, each written as soon as it is encoded,
     then the index (offset, nbytes per chunk, little-endian uint64) and its CRC32C: zarr's
     ``sharding_indexed`` codec with the index at the end.
@@ -206,7 +213,8 @@ def shard_index_bytes(layout: ArrayLayout) -> int:
     return 16 * math.prod(shard_grid(layout)) + 4
 
 
-def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk=None, on_file=None) -> list[tuple[str, int]]:
+def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk: OnChunk | None = None,
+                on_file: OnFile | None = None) -> list[tuple[str, int]]:
     """Write every unit of ``block`` (placed at ``origin`` in the level). The block must cover whole
     units (or reach the array's edge): that is what makes each unit's writer unique.
 
@@ -253,7 +261,7 @@ class _NothingStored(Exception):
     """Every inner chunk of a shard is the fill value: the unit is dropped, nothing stored."""
 
 
-def _write_shard_unit(store: Store, key: str, layout: ArrayLayout, sub: np.ndarray, unit: tuple[slice, ...], on_chunk) -> int:
+def _write_shard_unit(store: Store, key: str, layout: ArrayLayout, sub: np.ndarray, unit: tuple[slice, ...], on_chunk: OnChunk | None) -> int:
     try:
         with store.writer(key) as f:
             if not write_shard(f, layout, sub, tuple(u.start for u in unit), on_chunk):
@@ -276,10 +284,9 @@ def check_alignment(layout: ArrayLayout, region: tuple[slice, ...]) -> None:
 
 
 def decode_chunk(layout: ArrayLayout, data: bytes) -> np.ndarray:
-    if layout.crc_codec:
-        data = checked_payload(data)
+    payload = checked_payload(data) if layout.crc_codec else data
     codec = chunk_codec(layout.compressor)
-    raw = data if codec is None else codec.decode(data)
+    raw = payload if codec is None else codec.decode(payload)
     arr = np.frombuffer(raw, dtype=layout.dtype)
     if arr.size != math.prod(layout.chunks):
         raise ValueError(f"decoded {arr.size} elements, expected {math.prod(layout.chunks)}")

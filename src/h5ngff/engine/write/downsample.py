@@ -19,11 +19,13 @@ pass is bit-identical to one built inside the first pass.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from itertools import product
 
 import numpy as np
+import numpy.typing as npt
 
-from ...planner.memory import STRIP_ELEMENTS
+from ...planner.memory import STRIP_ELEMENTS as STRIP_ELEMENTS  # re-exported: levelcheck reads it here
 
 # Output elements are computed STRIP_ELEMENTS at a time (defined in the planner, which prices it).
 # Pairwise sums along the first downsampled axis hold 4 then 2 float64 values per output element,
@@ -35,7 +37,7 @@ def output_shape(shape: tuple[int, ...], downsampled: tuple[bool, ...]) -> tuple
     return tuple(-(-n // 2) if d else n for n, d in zip(shape, downsampled))
 
 
-def _output_blocks(shape: tuple[int, ...], limit: int):
+def _output_blocks(shape: tuple[int, ...], limit: int) -> Iterator[tuple[slice, ...]]:
     """Output regions of at most ``limit`` elements, split from the first axis on."""
     block = list(shape)
     for axis in range(len(shape)):
@@ -63,12 +65,12 @@ def downsample(block: np.ndarray, downsampled: tuple[bool, ...], method: str, ou
     return out
 
 
-def _pair(a: np.ndarray, axis: int, op, dtype) -> np.ndarray:
+def _pair(a: np.ndarray, axis: int, op: np.ufunc, dtype: npt.DTypeLike) -> np.ndarray:
     """Combine neighbours 2i and 2i+1 along ``axis`` (a lone last element passes through)."""
     n = a.shape[axis]
     full = n // 2
 
-    def at(s):
+    def at(s: slice) -> tuple[slice, ...]:
         return (slice(None),) * axis + (s,)
 
     shape = list(a.shape)
@@ -80,7 +82,7 @@ def _pair(a: np.ndarray, axis: int, op, dtype) -> np.ndarray:
     return out
 
 
-def _pairwise(block: np.ndarray, downsampled: tuple[bool, ...], op, dtype) -> np.ndarray:
+def _pairwise(block: np.ndarray, downsampled: tuple[bool, ...], op: np.ufunc, dtype: npt.DTypeLike) -> np.ndarray:
     """Reduce 2-blocks one axis at a time, outermost first: the first step combines whole
     contiguous planes (fast, vectorised), and each step halves the data the next one reads."""
     a = block
@@ -90,12 +92,12 @@ def _pairwise(block: np.ndarray, downsampled: tuple[bool, ...], op, dtype) -> np
     return a
 
 
-def _views(block: np.ndarray, downsampled: tuple[bool, ...]):
+def _views(block: np.ndarray, downsampled: tuple[bool, ...]) -> Iterator[tuple[np.ndarray, tuple[slice, ...]]]:
     """The 2**k strided views of a block, each with the region of the output it covers (the
     64-bit integer mean sums these one by one, so it never holds input-sized temporaries)."""
     axes = [i for i, d in enumerate(downsampled) if d]
     for offsets in product((0, 1), repeat=len(axes)):
-        index = [slice(None)] * block.ndim
+        index: list[slice] = [slice(None)] * block.ndim
         for axis, o in zip(axes, offsets):
             index[axis] = slice(o, None, 2)
         view = block[tuple(index)]
@@ -133,7 +135,7 @@ def _reduce(block: np.ndarray, downsampled: tuple[bool, ...], method: str) -> np
     return _integer_mean(block, downsampled, output_shape(block.shape, downsampled), log2)
 
 
-def _integer_mean(block: np.ndarray, downsampled, shape, log2: np.ndarray) -> np.ndarray:
+def _integer_mean(block: np.ndarray, downsampled: tuple[bool, ...], shape: tuple[int, ...], log2: np.ndarray) -> np.ndarray:
     dtype = block.dtype
     data = block.view(np.uint8) if dtype.kind == "b" else block
     if data.dtype.itemsize < 8:
@@ -144,11 +146,11 @@ def _integer_mean(block: np.ndarray, downsampled, shape, log2: np.ndarray) -> np
         floor, remainder = _wide_integer_sum(data, downsampled, shape, log2)
     half = (1 << log2) >> 1  # 0 when a single voxel fed the output: nothing to round
     round_up = (remainder > half) | ((remainder == half) & (half > 0) & ((floor & 1) == 1))
-    result = floor + round_up
+    result: np.ndarray = floor + round_up
     return result.astype(np.uint8).view(np.bool_) if dtype.kind == "b" else result.astype(dtype)
 
 
-def _wide_integer_sum(data: np.ndarray, downsampled, shape, log2: np.ndarray):
+def _wide_integer_sum(data: np.ndarray, downsampled: tuple[bool, ...], shape: tuple[int, ...], log2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Floor and remainder of the sum divided by 2**log2 for 64-bit integers, without overflow:
     each value is split as hi * 2**32 + lo and the halves are summed separately."""
     signed = data.dtype.kind == "i"

@@ -11,9 +11,9 @@ import uuid
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
-from distributed import Client, as_completed
+from distributed import Client, Future, as_completed
 
 from ...errors import H5ngffError, WorkersLostError
 from ...phases import Phase
@@ -25,11 +25,22 @@ from .output import Output, finish_output
 from ..progress import Broadcast
 from ..stores import store_retries
 from ..sources import slab_source
+from .chunkio import ArrayLayout
+from ..sources.base import SlabSource
 from .tasks import SlabResult, SlabTask, expected_units, run_slab
 from .manifest import MANIFEST_DIR
 from .window import histogram_key, windows
 
 log = logging.getLogger(__name__)
+
+
+class Guard(Protocol):
+    """The output lock's guard (``engine.write.lock.output_lock`` yields one): raises once the lock is
+    lost (a bucket's lease not renewed in time), and calls back when that happens."""
+
+    def check(self) -> None: ...
+
+    def on_lost(self, callback: Callable[[], None]) -> Callable[[], None]: ...
 
 
 @dataclass
@@ -48,6 +59,8 @@ def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: in
     p = plan.passes[pass_index]
     # The steps this pass builds: from the level it reads (0 for the HDF5 source) to its last.
     steps = level_steps(plan.levels)[max(p.source_level, 0):p.levels[-1]]
+    # The first pass reads the HDF5 source; later ones read a level an earlier pass wrote.
+    source: SlabSource | ArrayLayout
     if p.source_level == -1:
         source = slab_source(spec, plan.hdf5_cache_bytes)
         src_shape = plan.dataset.shape
@@ -79,7 +92,7 @@ def pending_tasks(tasks: Iterable[SlabTask], verified: dict[int, set[str]]) -> t
     return todo, skipped
 
 
-def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast, guard=None) -> RunTotals:
+def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast, guard: Guard | None = None) -> RunTotals:
     """Run every pass, then finish the output. Raises the first task error (after cancelling the rest).
 
     ``guard`` (engine.write.lock's): once the output's lock is lost the slabs are cancelled and its
@@ -100,16 +113,17 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
         _run_passes(client, plan, output, events, passes, totals, guard)
     except H5ngffError as exc:
         # A failed run's figures too (runner: exc.totals): the failed slab's retries and ours.
-        totals.store_retries += getattr(exc, "store_retries", 0) + store_retries.mine() - driver_retries
+        totals.store_retries += exc.store_retries + store_retries.mine() - driver_retries
         totals.seconds = time.perf_counter() - start
-        exc.totals = totals  # type: ignore[attr-defined]
+        exc.totals = totals
         raise
     totals.store_retries += store_retries.mine() - driver_retries
     totals.seconds = time.perf_counter() - start
     return totals
 
 
-def _run_passes(client: Client, plan: Plan, output: Output, events: Broadcast, passes: list[tuple[list[SlabTask], int]], totals: RunTotals, guard) -> None:
+def _run_passes(client: Client, plan: Plan, output: Output, events: Broadcast, passes: list[tuple[list[SlabTask], int]], totals: RunTotals,
+                 guard: Guard | None) -> None:
     token = uuid.uuid4().hex[:8]
     for pass_index, (todo, _) in enumerate(passes):
         events.emit(pass_index=pass_index)
@@ -123,12 +137,12 @@ def _run_passes(client: Client, plan: Plan, output: Output, events: Broadcast, p
                         store_retries=p.store_retries + result.store_retries)
 
 
-def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict | None = None) -> None:
+def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict[str, Any] | None = None) -> None:
     """Metadata and completion marker, last of all. ``summary`` (the run's figures) is not
     written into the image: it changes every run, and an output's objects must be the same bytes
     however it was written (uninterrupted or resumed). The --json summary carries it."""
     channels = plan.dataset.shape[plan.axes.index("c")] if "c" in plan.axes else 1
-    finish_output(output, plan, spec, channel_windows(output, channels))
+    finish_output(output, plan, spec, list(channel_windows(output, channels)))  # a list of tuple[float, ...]
 
 
 def channel_windows(output: Output, channels: int) -> list[tuple[float, float, float, float]]:
@@ -167,7 +181,7 @@ class _NoWorkersWatchdog:
     """A background thread that notices a cluster which has lost every worker. When it trips it
     cancels the run's futures, which wakes the waiting client (no polling in the result loop)."""
 
-    def __init__(self, client: Client, timeout: float, cancel):
+    def __init__(self, client: Client, timeout: float, cancel: Callable[[], None]):
         self.client = client
         self.timeout = timeout
         self.cancel = cancel
@@ -179,7 +193,7 @@ class _NoWorkersWatchdog:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
 
     def _watch(self) -> None:
@@ -202,7 +216,7 @@ class _NoWorkersWatchdog:
         return WorkersLostError(f"No Dask worker for {self.timeout:.0f} s: every worker died and none came back.")
 
 
-def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str, guard=None) -> Iterator[SlabResult]:
+def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str, guard: Guard | None = None) -> Iterator[SlabResult]:
     """Yield results as tasks finish, keeping at most ``inflight`` submitted at any time.
 
     Submitting everything at once would let the scheduler hold thousands of tasks and decide the
@@ -210,13 +224,15 @@ def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str, gu
     """
     queue = iter(tasks)
 
-    def submit(task: SlabTask):
-        return client.submit(run_slab, task, key=f"{task.key}-{token}", pure=False)
+    def submit(task: SlabTask) -> Future[SlabResult]:
+        future: Future[SlabResult] = client.submit(run_slab, task, key=f"{task.key}-{token}", pure=False)
+        return future
 
-    futures = as_completed([submit(t) for t in islice(queue, inflight)], loop=client.loop, with_results=False)
+    # distributed leaves as_completed, its add() and Client.cancel unannotated.
+    futures = as_completed([submit(t) for t in islice(queue, inflight)], loop=client.loop, with_results=False)  # type: ignore[no-untyped-call]
 
     def cancel_all() -> None:
-        client.cancel(list(futures.futures))
+        client.cancel(list(futures.futures))  # type: ignore[no-untyped-call]
 
     forget = guard.on_lost(cancel_all) if guard is not None else (lambda: None)
     with _NoWorkersWatchdog(client, NO_WORKERS_TIMEOUT, cancel_all) as watchdog:
@@ -228,7 +244,7 @@ def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str, gu
                 future.release()
                 following = next(queue, None)
                 if following is not None:
-                    futures.add(submit(following))
+                    futures.add(submit(following))  # type: ignore[no-untyped-call]
                 yield result
         except CancelledError:
             if watchdog.tripped:
@@ -240,4 +256,4 @@ def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str, gu
             forget()
             remaining = list(futures.futures)
             if remaining:
-                client.cancel(remaining)
+                client.cancel(remaining)  # type: ignore[no-untyped-call]

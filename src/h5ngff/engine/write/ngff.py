@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ... import __version__
@@ -85,7 +86,7 @@ def omero(plan: Plan, windows: list[tuple[float, ...]]) -> dict[str, Any]:
     return {"channels": channels, "rdefs": rdefs}
 
 
-def _json_number(value: float, kind: str, to_int=int) -> float | int:
+def _json_number(value: float, kind: str, to_int: Callable[[float], float] = int) -> float | int:
     # JSON has no NaN or Infinity; windows are taken over finite values, 0 where none exist.
     if not math.isfinite(value):
         return 0.0

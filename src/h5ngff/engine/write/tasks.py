@@ -110,7 +110,7 @@ def run_slab(task: SlabTask) -> SlabResult:
     try:
         return _run_slab(task, retries_before)
     except H5ngffError as exc:
-        exc.store_retries = store_retries.mine() - retries_before  # type: ignore[attr-defined]
+        exc.store_retries = store_retries.mine() - retries_before
         raise
 
 

@@ -29,6 +29,7 @@ import sys
 from typing import Any, Iterable
 
 import numpy as np
+import numpy.typing as npt
 
 from ...planner.memory import WINDOW_SAMPLE_STRIDE
 from . import faults
@@ -47,7 +48,7 @@ _FLOAT_HIGH_NONFINITE = 0xFF80
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0
 
 
-def key_mode(dtype) -> str:
+def key_mode(dtype: npt.DTypeLike) -> str:
     """'u' (one bin per value), 's' (one bin per value, offset) or 'f' (float32 top-16-bit keys)."""
     dt = np.dtype(dtype)
     if dt.kind in "bu" and dt.itemsize <= 2:
@@ -111,7 +112,7 @@ class SampledHistogram:
     """Bin keys sampled per channel while a slab's chunks are written; counted once per slab
     (one np.bincount over the slab's samples costs a fraction of one per chunk)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype: npt.DTypeLike) -> None:
         self.mode = key_mode(dtype)
         self.samples: dict[int, list[np.ndarray]] = {}
 
