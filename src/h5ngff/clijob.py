@@ -184,7 +184,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 def cmd_operator(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
-    from .operator.handlers import DEFAULT_IMAGE, OperatorConfig, run_operator
+    from .operator.handlers import OperatorConfig, run_operator
+    from .operator.manifests import DEFAULT_IMAGE
 
     metrics = None
     if args.metrics_port:

@@ -47,7 +47,7 @@ class ExternalBackend:
         return Capacity(cores=threads, memory_bytes=memory, default_workers=len(workers))
 
     def memory_limit(self) -> int | None:
-        limits = [w.get("memory_limit") for w in self.workers().values() if w.get("memory_limit")]
+        limits = [int(w["memory_limit"]) for w in self.workers().values() if w.get("memory_limit")]
         return min(limits) if limits else None
 
     def fit(self, spec: ConversionSpec) -> ConversionSpec:

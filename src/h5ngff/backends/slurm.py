@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +38,7 @@ from typing import Any
 import dask
 from distributed import Client
 
-from ..errors import ClusterError, NannyTerminatedError, OOMKilledError, WorkerFailedError, WorkersLostError, WorkersPendingError
+from ..errors import ClusterError, H5ngffError, NannyTerminatedError, OOMKilledError, WorkerFailedError, WorkersLostError, WorkersPendingError
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec, SlurmSpec
 from ..units import MiB, format_bytes
@@ -180,12 +180,11 @@ class SlurmSession(Session):
         lost = self.jobs.lost_error()
         if lost is None:
             return err
-        for counter in ("oom_kills", "memory_terminations"):  # classify_failure's counts, 0 here
-            setattr(lost, counter, getattr(err, counter, 0))
+        lost.oom_kills, lost.memory_terminations = err.oom_kills, err.memory_terminations  # classify_failure's counts, 0 here
         return lost
 
 
-def _import_jobqueue():
+def _import_jobqueue() -> Any:
     """dask_jobqueue's SLURMCluster. Importing dask_jobqueue installs a SIGINT handler of its
     own (``sys.exit()``, for its SLURMRunner), which turned a Ctrl-C into exit status 0 with the
     jobs left to their death timeout; the handler that was in place is put back."""
@@ -198,7 +197,7 @@ def _import_jobqueue():
 
 
 @contextmanager
-def _cluster(plan: Plan, settings: SlurmSpec, backend: SlurmBackend, job_name: str):
+def _cluster(plan: Plan, settings: SlurmSpec, backend: SlurmBackend, job_name: str) -> Iterator[Any]:
     SLURMCluster = _import_jobqueue()
 
     def script(worker_name: str, scheduler: str) -> JobScript:
@@ -226,13 +225,14 @@ def _cluster(plan: Plan, settings: SlurmSpec, backend: SlurmBackend, job_name: s
             log.debug("SLURMCluster.close failed", exc_info=True)
 
 
-def _planned_job_class():
+def _planned_job_class() -> Any:
     """dask-jobqueue's SLURMJob with the script replaced by the plan's (imported lazily)."""
     from dask_jobqueue.slurm import SLURMJob
 
     class PlannedSLURMJob(SLURMJob):
-        def __init__(self, scheduler=None, name=None, h5ngff_script=None, **kwargs):
-            super().__init__(scheduler=scheduler, name=name, **kwargs)
+        def __init__(self, scheduler: str | None = None, name: str | None = None, *, h5ngff_script: Callable[..., JobScript], **kwargs: Any) -> None:
+            untyped_init: Any = super().__init__  # dask-jobqueue is untyped
+            untyped_init(scheduler=scheduler, name=name, **kwargs)
             script = h5ngff_script(worker_name=str(name), scheduler=str(scheduler))
             self.shebang = script.shebang
             self.job_header = "\n".join(script.header)
@@ -312,7 +312,7 @@ class SlurmJobs:
             f"SLURM's reason: {reasons}. Each job asks for --mem={self.job_mem // MiB}M and --cpus-per-task={self.plan.threads_per_worker}: "
             f"{advice}.", reasons=reasons)
 
-    def _ended_error(self, name: str, s: JobState):
+    def _ended_error(self, name: str, s: JobState) -> H5ngffError:
         err = self._err_text(s.job_id).strip().splitlines()[-8:]
         tail = "\n".join(err) or f"(no .err file in {self.log_dir})"
         if s.state == "OUT_OF_MEMORY" or oom_events(self._err_text(s.job_id)):
@@ -381,7 +381,7 @@ class SlurmJobs:
     def refresh(self, client: Client | None = None) -> None:
         """Re-read every job's figures: its cgroup through the worker (while it runs), its .err."""
         self._known_jobs()
-        figures: dict[str, dict] = {}
+        figures: dict[str, dict[str, Any]] = {}
         if client is not None:
             try:
                 figures = {str(v.get("name")): v for v in client.run(job_cgroup_figures, on_error="ignore").values() if isinstance(v, dict)}
@@ -418,7 +418,7 @@ class SlurmJobs:
         self.refresh()
 
 
-def job_cgroup_figures(dask_worker=None) -> dict[str, Any]:
+def job_cgroup_figures(dask_worker: Any = None) -> dict[str, Any]:
     """Runs in a worker: its SLURM job's memory cgroup (v1) limit, peak and OOM kills, read from
     ``/proc/self/cgroup`` up to the ``job_<id>`` directory. Empty where there is none."""
     out: dict[str, Any] = {"name": str(getattr(dask_worker, "name", ""))}
