@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from conftest import smooth, spec_for  # noqa: E402
 from formats_fixtures import write_ims  # noqa: E402
 
-from h5ngff.backends.local import LocalBackend  # noqa: E402
+from h5ngff.backends.local import LocalPodsBackend  # noqa: E402
 from h5ngff.runner import plan_job, run_job  # noqa: E402
 
 MiB = 1 << 20
@@ -31,7 +31,7 @@ def main() -> None:
     path = write_ims(os.path.join(d, "big.ims"), data, block=(16, 128, 128), levels=1)
     spec = spec_for(path, os.path.join(d, "out.ome.zarr"), dataset="/", output={"chunks": [1, 8, 64, 64]},
                     pyramid={"levels": 1}, resources={"workers": 2, "slab": [2, 8, 768, 500]})
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     summary = run_job(job, backend)
     memory = job.plan.memory

@@ -138,13 +138,16 @@ class _OpenSession:
 
     def __init__(self, backend: Backend, session: Session):
         self.backend, self.open = backend, session
-        self.name, self.owns_workers = backend.name, backend.owns_workers
+        self.name = backend.name
 
     def capacity(self) -> Capacity:
         return self.backend.capacity()
 
     def fit(self, spec):
         return self.backend.fit(spec)
+
+    def describe(self, spec, plan):
+        return self.backend.describe(spec, plan)
 
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
@@ -160,11 +163,11 @@ def contract_job(backend: Backend, directory: str):
     return plan_job(spec, backend), data
 
 
-def observe_session(backend: Backend, plan: Plan, job=None, teardown_timeout: float = TEARDOWN_TIMEOUT) -> tuple[SessionObservation, ConversionObservation | None]:
+def observe_session(backend: Backend, plan: Plan, owns_workers: bool, job=None, teardown_timeout: float = TEARDOWN_TIMEOUT) -> tuple[SessionObservation, ConversionObservation | None]:
     """Open one session of ``backend`` for ``plan``, look at it from the inside, run ``job``'s
     conversion on it (when given) through the real runner, kill a worker, close the session, and
-    look again."""
-    observed = SessionObservation(plan, bool(getattr(backend, "owns_workers", True)))
+    look again. ``owns_workers``: what the backend's entry in the factory says (backends/factory.py)."""
+    observed = SessionObservation(plan, owns_workers)
     converted = None
     since = time.time()
     with backend.session(plan) as session:
@@ -198,9 +201,8 @@ def observe_session(backend: Backend, plan: Plan, job=None, teardown_timeout: fl
 
 
 def check_protocol(backend: Any) -> None:
-    _require(isinstance(backend, Backend), f"{type(backend).__name__} lacks part of the Backend protocol (name, owns_workers, capacity, fit, session)")
+    _require(isinstance(backend, Backend), f"{type(backend).__name__} lacks part of the Backend protocol (name, capacity, fit, describe, session)")
     _require(isinstance(backend.name, str) and backend.name, f"a backend's name must be a non-empty string, got {backend.name!r}")
-    _require(isinstance(backend.owns_workers, bool), f"owns_workers must be a bool, got {backend.owns_workers!r}")
 
 
 def check_capacity(capacity: Any) -> None:
@@ -278,18 +280,28 @@ SESSION_CHECKS: tuple[Callable[[SessionObservation], None], ...] = (check_sessio
 
 
 class BackendContract:
-    """Subclass as ``TestMyBackend(BackendContract)`` and define the classmethod ``new_backend``."""
+    """Subclass as ``TestMyBackend(BackendContract)``, name the backend's ``kind`` (its entry in
+    backends/factory.py, which says whether it owns its workers) and define the classmethod
+    ``new_backend``."""
+
+    kind = ""
 
     @classmethod
     def new_backend(cls) -> Backend:
         raise NotImplementedError
+
+    @classmethod
+    def owns_workers(cls) -> bool:
+        from h5ngff.backends.factory import BACKENDS
+
+        return BACKENDS[cls.kind].owns_workers
 
     @pytest.fixture(scope="class")
     @classmethod
     def contract_run(cls, tmp_path_factory) -> tuple[SessionObservation, ConversionObservation]:
         backend = cls.new_backend()
         job = contract_job(backend, str(tmp_path_factory.mktemp("contract")))
-        observed, converted = observe_session(backend, job[0].plan, job)
+        observed, converted = observe_session(backend, job[0].plan, cls.owns_workers(), job)
         assert converted is not None
         return observed, converted
 

@@ -269,7 +269,7 @@ def test_verify_source_passes_and_names_a_wrong_level(anisotropic, tmp_path):
 def test_the_plan_bounds_the_measured_worker_peak(tmp_path):
     """Under enforced pod limits: the one worker's peak stays under the predicted peak, whose
     pyramid term holds levels of 1/4 and 1/16 of the slab (y and x halved), not 1/8 and 1/64."""
-    from h5ngff.backends.local import LocalBackend
+    from h5ngff.backends.local import LocalPodsBackend
     from h5ngff.runner import plan_job, run_job
 
     data = smooth((32, 512, 512), "uint16", seed=12)
@@ -277,7 +277,7 @@ def test_the_plan_bounds_the_measured_worker_peak(tmp_path):
     out = str(tmp_path / "out.ome.zarr")
     spec = spec_for(h5, out, output={"chunks": [16, 64, 64]}, image={"scale": [4, 1, 1]}, pyramid={"levels": 4},
                     resources={"workers": 1, "slab": [32, 512, 512]})
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     assert _steps(job.plan) == [YX, YX, ZYX]
     summary = run_job(job, backend)

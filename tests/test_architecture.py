@@ -166,9 +166,10 @@ def test_negative_control_each_contract_catches_a_violation(package_copy, tmp_pa
     assert broken_names <= allowed, broken_names
 
 
-#: The operator modules that build a backend (and so may import backends); every other operator
-#: module takes Kubernetes names, labels and pod conventions from h5ngff.k8s.
-OPERATOR_BUILDS_BACKENDS = {"h5ngff.operator.render", "h5ngff.operator.runner_cmd"}
+#: The operator modules that build a backend or run on one (and so may import backends: the
+#: factory, the Backend protocol); every other operator module takes Kubernetes names, labels and
+#: pod conventions from h5ngff.k8s.
+OPERATOR_BUILDS_BACKENDS = {"h5ngff.operator.render", "h5ngff.operator.runner_cmd", "h5ngff.operator.attempt"}
 
 
 def operator_imports_of_backends(package_parent: Path) -> set[str]:

@@ -41,7 +41,7 @@ from conftest import requires_cgroups
 from slurm_local import slurm_cluster  # noqa: F401  (session fixture)
 from distributed import Client, LocalCluster
 
-from h5ngff.backends.base import Backend, Session
+from h5ngff.backends.base import Backend, Description, Session
 from h5ngff.backends.factory import BACKENDS, BackendOptions, make_backend
 from h5ngff.jobspec import Owner
 from h5ngff.backends.local import LocalBackend
@@ -60,6 +60,8 @@ def test_the_factory_builds_every_registered_backend():
 
 
 class TestLocal(BackendContract):
+    kind = "local"
+
     @classmethod
     def new_backend(cls) -> Backend:
         return make_backend("local")
@@ -68,12 +70,15 @@ class TestLocal(BackendContract):
 @requires_cgroups
 @pytest.mark.cgroup
 class TestLocalPods(BackendContract):
+    kind = "local-pods"
+
     @classmethod
     def new_backend(cls) -> Backend:
         return make_backend("local-pods")
 
 
 class TestExternal(BackendContract):
+    kind = "external"
     address = ""
 
     @pytest.fixture(scope="class", autouse=True)
@@ -92,6 +97,7 @@ class TestExternal(BackendContract):
 class TestSlurm(BackendContract):
     """The worker jobs of a real single-node SLURM (tests/slurm_local.py), cgroup-enforced --mem."""
 
+    kind = "slurm"
     logs = ""
 
     @pytest.fixture(scope="class", autouse=True)
@@ -156,6 +162,7 @@ class KubeHarness:
 
 
 class TestKubernetes(BackendContract):
+    kind = "kubernetes"
     names = itertools.count(1)
 
     @pytest.fixture(scope="class", autouse=True)
@@ -182,7 +189,6 @@ class BrokenBackend:
     without our Dask plugins (so a worker's death goes unrecorded), and leaves them running."""
 
     name = "broken"
-    owns_workers = True
 
     def __init__(self) -> None:
         self.leaked: list[LocalCluster] = []
@@ -192,6 +198,9 @@ class BrokenBackend:
 
     def fit(self, spec):
         return spec
+
+    def describe(self, spec, plan):
+        return Description()
 
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
@@ -211,7 +220,7 @@ def test_negative_control_a_broken_backend_fails_the_contract(tmp_path):
     check_protocol(broken)  # it has the right shape: only running it shows what is wrong
     job, _ = contract_job(broken, str(tmp_path))
     try:
-        observed, _ = observe_session(broken, job.plan, teardown_timeout=3.0)
+        observed, _ = observe_session(broken, job.plan, owns_workers=True, teardown_timeout=3.0)
     finally:
         for cluster in broken.leaked:
             cluster.close()
@@ -226,7 +235,6 @@ def test_negative_control_a_broken_backend_fails_the_contract(tmp_path):
 def test_negative_control_an_incomplete_backend_fails_the_protocol():
     class NoFit:
         name = "nofit"
-        owns_workers = True
 
         def capacity(self): ...
 

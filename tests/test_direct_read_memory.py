@@ -137,7 +137,7 @@ def test_a_gzip_source_stays_under_a_tight_plan_in_pod_limits(tmp_path_factory, 
     """Measured under enforced pod limits: the busiest worker stays under its prediction, and the
     prediction is within 1.2x of it on both read paths. Before, the direct path was priced for a
     chunk cache it never fills (the issue's case: 1.72x; this scaled-down one: about 1.3x)."""
-    from h5ngff.backends.local import LocalBackend
+    from h5ngff.backends.local import LocalPodsBackend
     from h5ngff.runner import plan_job, run_job
 
     if not libdeflate:
@@ -148,7 +148,7 @@ def test_a_gzip_source_stays_under_a_tight_plan_in_pod_limits(tmp_path_factory, 
         f.create_dataset("/volume/data", data=data, chunks=(1, 24, 100, 100), compression="gzip")
     out = str(tmp_path / "out.ome.zarr")
     spec = spec_for(path, out, output={"chunks": [1, 64, 64, 64]}, pyramid={"levels": 3}, resources={"workers": 1})
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     assert job.plan.dataset.hdf5_direct_read is libdeflate
     assert (job.plan.hdf5_cache_bytes == 0) is libdeflate

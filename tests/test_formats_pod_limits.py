@@ -10,7 +10,7 @@ import zarr
 
 from conftest import requires_cgroups, smooth, spec_for
 from formats_fixtures import write_ims
-from h5ngff.backends.local import LocalBackend
+from h5ngff.backends.local import LocalBackend, LocalPodsBackend
 from h5ngff.errors import OOMKilledError
 from h5ngff.runner import plan_job, run_job
 
@@ -32,7 +32,7 @@ def ims_spec(path, out, **resources):
 def test_multichannel_imaris_stays_under_the_plan_in_pod_limits(ims, tmp_path):
     path, data = ims
     out = str(tmp_path / "out.ome.zarr")
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(ims_spec(path, out), backend)
     assert job.plan.passes[0].slab[0] == 2  # every slab reads both channels' datasets
     summary = run_job(job, backend)
@@ -53,7 +53,7 @@ def test_negative_control_the_kernel_kills_below_the_plan(ims, tmp_path):
     # Below the predicted peak by half a slab: the worker cannot hold the slab it must read.
     limit = plan.memory.predicted_peak - slab_bytes // 2
     assert limit < plan.memory.pod_limit
-    backend = LocalBackend(enforce_pod_limits=True, pod_limit=limit)
+    backend = LocalPodsBackend(pod_limit=limit)
     with pytest.raises(OOMKilledError) as caught:
         run_job(plan_job(spec, backend), backend)
     assert caught.value.oom_kills >= 1

@@ -27,7 +27,7 @@ from conftest import requires_cgroups, spec_for, write_h5
 from h5ngff.backends.base import Session
 from h5ngff.backends.diagnostics import ClusterEvents, process_memory, register_plugins
 from h5ngff.backends.external import ExternalBackend
-from h5ngff.backends.local import LocalBackend
+from h5ngff.backends.local import LocalBackend, LocalPodsBackend
 from h5ngff.engine.progress import Progress
 from h5ngff.errors import SpecError
 from h5ngff.metrics.exporter import MetricsExporter
@@ -131,7 +131,7 @@ def test_a_killed_worker_is_a_restart_and_an_oom_killed_one_is_an_oom_kill(tmp_p
     spec = spec_for(h5, str(tmp_path / "out.ome.zarr"), resources={"workers": 1})
     # The nanny's terminate threshold off, so the kernel, not Dask, stops the allocation.
     constants = dataclasses.replace(DEFAULT_CONSTANTS, terminate_fraction=False)
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     plan = plan_job(spec, backend, constants).plan
     exporter = MetricsExporter(0, "kills", "tests", addr="127.0.0.1")
     try:
@@ -301,13 +301,11 @@ def test_the_exporter_answers_while_the_job_is_planned(shared_cluster, tmp_path,
     runner were refused. Planning is intercepted here to scrape the port from inside it."""
     from h5ngff import runner
     from h5ngff.cli import main
-    from h5ngff.operator import attempt
 
     h5 = write_h5(tmp_path / "in.h5", volume((16, 64, 64)))
     port = _free_port()
     seen: list[str] = []
-    module = runner if command == "convert" else attempt
-    real = module.plan_job
+    real = runner.plan_job  # convert and run both plan in the one run sequence (runner.execute)
 
     def planning(*args, **kwargs):
         try:
@@ -316,7 +314,7 @@ def test_the_exporter_answers_while_the_job_is_planned(shared_cluster, tmp_path,
             seen.append(f"refused: {exc}")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, "plan_job", planning)
+    monkeypatch.setattr(runner, "plan_job", planning)
     out = tmp_path / "out.ome.zarr"
     if command == "convert":
         argv = ["convert", f"{h5}:/volume/data", str(out)]

@@ -27,7 +27,7 @@ import yaml
 
 from conftest import spec_for, write_h5
 from h5ngff.backends.cgroups import cgroups_available
-from h5ngff.backends.local import LocalBackend
+from h5ngff.backends.local import LocalBackend, LocalPodsBackend
 from h5ngff.metrics.assets import RULES, Query, asset_path, dashboard_queries, load_dashboard, load_rules, referenced_metrics, rule_queries, substitute
 from h5ngff.metrics.exporter import MetricsExporter
 from h5ngff.metrics.operator import OPERATOR_METRICS, OperatorMetrics
@@ -145,7 +145,7 @@ def scraped(tmp_path_factory):
         h5 = write_h5(tmp / "in.h5", data)
         spec = spec_for(h5, str(tmp / "out.ome.zarr"), output={"chunks": [16, 32, 32]}, resources={"workers": 2, "slab": [32, 64, 64]}, pyramid={"levels": 2})
         pods = cgroups_available() is None
-        backend = LocalBackend(enforce_pod_limits=pods)
+        backend = LocalPodsBackend() if pods else LocalBackend()
         job = plan_job(spec, backend)
         prom.wait(f'up{{job="{SCRAPE_JOB}"}} == 1')
         start = time.time()

@@ -17,7 +17,7 @@ import pytest
 import zarr
 
 from conftest import requires_cgroups, spec_for, write_h5
-from h5ngff.backends.local import LocalBackend
+from h5ngff.backends.local import LocalBackend, LocalPodsBackend
 from h5ngff.errors import NannyTerminatedError, OOMKilledError
 from h5ngff.runner import plan_job, run_job
 from h5ngff.sample import write_sample
@@ -46,7 +46,7 @@ def user_spec(h5: str, out: str, **resources):
 
 def test_user_case_runs_with_no_oom_kills_under_pod_limits(user_case, tmp_path):
     out = str(tmp_path / "out.ome.zarr")
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(user_spec(user_case, out), backend)
     assert job.plan.workers == 8
     summary = run_job(job, backend)
@@ -72,7 +72,7 @@ def test_negative_control_kernel_kills_below_the_plan(user_case, tmp_path):
     )
     probe = plan_job(spec, LocalBackend())
     limit = int(0.6 * probe.plan.memory.pod_limit)
-    backend = LocalBackend(enforce_pod_limits=True, pod_limit=limit)
+    backend = LocalPodsBackend(pod_limit=limit)
     with pytest.raises(OOMKilledError, match=rf"^OOMKilled by the kernel \(pod limit {limit >> 20} MiB\)") as caught:
         run_job(plan_job(spec, backend), backend)
     assert caught.value.reason == "OOMKilled"
@@ -108,7 +108,7 @@ def test_dask_terminates_a_runaway_task_before_the_kernel(user_case, tmp_path, m
     pod limit leaves room for that, so the kernel never has to kill. Retries are bounded."""
     out = str(tmp_path / "out.ome.zarr")
     spec = spec_for(user_case, out, output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 2})
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     monkeypatch.setenv("H5NGFF_FAULTS", f"slab_extra_bytes={3 * job.plan.memory.memory_limit},fault_growth_rate=1GiB")
     started = time.time()
@@ -129,7 +129,7 @@ def run_200_slabs(tmp_path, constants=None):
     data = np.random.default_rng(0).integers(0, 4000, size=(200, 256, 512), dtype=np.uint16)
     h5 = write_h5(tmp_path / "in.h5", data)
     spec = spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [1, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 2, "slab": [1, 256, 512]})
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(spec, backend, constants) if constants else plan_job(spec, backend)
     assert job.plan.n_tasks >= 200
     marks: list[tuple[float, float]] = []

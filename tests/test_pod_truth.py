@@ -17,7 +17,7 @@ import pytest
 
 from conftest import requires_cgroups, spec_for, write_h5
 from h5ngff.backends.cgroups import create_pod_cgroup, nonreclaimable_terms
-from h5ngff.backends.local import LocalBackend
+from h5ngff.backends.local import LocalPodsBackend
 from h5ngff.backends.podwatch import PodWatcher
 from h5ngff.errors import OOMKilledError
 from h5ngff.runner import plan_job, run_job
@@ -125,7 +125,7 @@ def test_a_run_the_kernel_kills_reports_one_count_and_real_peaks(tmp_path):
     h5 = _tiny_volume(tmp_path, (128, 512, 512))  # two slabs, one per pod
     spec = spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [64, 64, 64]}, pyramid={"levels": 1},
                     resources={"workers": 2, "slab": [128, 256, 512]})
-    backend = LocalBackend(enforce_pod_limits=True, pod_limit=150 * MiB)
+    backend = LocalPodsBackend(pod_limit=150 * MiB)
     job = plan_job(spec, backend)
     assert job.plan.memory.pod_limit > 150 * MiB
     with pytest.raises(OOMKilledError) as caught:
@@ -160,7 +160,7 @@ def test_the_pod_limit_is_close_to_what_the_pod_really_holds(tmp_path):
         return spec_for(h5, str(tmp_path / out), output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 1, "slab": [128, 256, 512]})
 
     spec_planned = spec("out.ome.zarr")
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(spec_planned, backend)
     assert job.plan.memory.pod_limit < 1 << 30
     summary = run_job(job, backend)
@@ -172,7 +172,7 @@ def test_the_pod_limit_is_close_to_what_the_pod_really_holds(tmp_path):
 
     pinned = max(w.pod_pinned_peak for w in summary.workers)
     limit = int(0.8 * pinned) // MiB * MiB
-    starved = LocalBackend(enforce_pod_limits=True, pod_limit=limit)
+    starved = LocalPodsBackend(pod_limit=limit)
     with pytest.raises(OOMKilledError) as caught:
         run_job(plan_job(spec("out2.ome.zarr"), starved), starved)
     workers = caught.value.summary.workers

@@ -19,7 +19,7 @@ import pytest
 import zarr
 
 from conftest import requires_cgroups, smooth, spec_for, write_h5
-from h5ngff.backends.local import LocalBackend
+from h5ngff.backends.local import LocalBackend, LocalPodsBackend
 from h5ngff.engine.write.chunkio import TMP_MARK, ArrayLayout, write_block
 from h5ngff.engine.write.output import completion_marker
 from h5ngff.engine.verify.check import verify_output
@@ -266,7 +266,7 @@ def test_huge_sparse_dataset_stays_within_its_plan(tmp_path):
     spec = spec_for(str(path), out, output={"chunks": [64, 256, 256]}, pyramid={"levels": 1}, resources={"workers": 2, "memoryPerWorker": "400Mi"})
     from h5ngff.backends.cgroups import cgroups_available
 
-    backend = LocalBackend(enforce_pod_limits=cgroups_available() is None)  # pod limits where the machine has them
+    backend = LocalPodsBackend() if cgroups_available() is None else LocalBackend()  # pod limits where the machine has them
     job = plan_job(spec, backend)
     summary = run_job(job, backend)
     for w in summary.workers:
@@ -301,7 +301,7 @@ def test_a_killed_pod_is_restarted_and_the_run_completes(source, tmp_path, monke
     out = str(tmp_path / "out.ome.zarr")
     monkeypatch.setenv("H5NGFF_FAULTS", "slab_sleep=0.15")
     spec = spec_for(h5, out, output={"chunks": [8, 32, 32]}, pyramid={"levels": 2}, resources={"workers": 2, "slab": [16, 64, 256]})
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     killed: list[int] = []
 
     def kill_a_nanny(progress):

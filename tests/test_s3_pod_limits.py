@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_cgroups, spec_for, write_h5
-from h5ngff.backends.local import LocalBackend
+from h5ngff.backends.local import LocalPodsBackend
 from h5ngff.runner import plan_job, run_job
 from s3_server import CREDENTIALS
 
@@ -31,7 +31,7 @@ def test_a_run_to_the_endpoint_under_pod_limits_stays_under_the_plan(s3, tmp_pat
     options = {"profile": "pods", "allow_http": "true"}
     spec = spec_for(h5, url, output={"chunks": [64, 64, 64], "storageOptions": options}, pyramid={"levels": 2},
                     resources={"workers": 2, "slab": [64, 128, 256]})
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     names = {t.name for t in job.plan.memory.terms}
     assert {"object store client", "object store upload buffers"} <= names

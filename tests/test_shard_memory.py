@@ -19,7 +19,7 @@ import pytest
 import zarr
 
 from conftest import requires_cgroups, spec_for, write_h5
-from h5ngff.backends.local import LocalBackend
+from h5ngff.backends.local import LocalPodsBackend
 from h5ngff.engine.write.chunkio import ArrayLayout, read_region, write_block
 from h5ngff.engine.write.tasks import _MinMax
 from h5ngff.planner import Capacity, DatasetInfo, make_plan
@@ -147,7 +147,7 @@ def test_regression_sharded_plan_exceeded_prediction(tmp_path):
     h5 = write_h5(tmp_path / "in.h5", data)
     out = str(tmp_path / "out.ome.zarr")
     spec = spec_for(h5, out, output={"chunks": [32, 32, 32], "shards": [64, 128, 256]}, pyramid={"levels": 3}, resources={"workers": 1})
-    backend = LocalBackend(enforce_pod_limits=True)
+    backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     assert [p.source_level for p in job.plan.passes] == [-1, 1], "the case must read shards in a later pass"
     assert "shard assembly" in {t.name for t in job.plan.memory.terms}

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
@@ -18,7 +18,12 @@ from .clijob import add_job_commands
 from .console import make_console, print_notices
 from .cliverify import add_verify_command
 from .errors import ExitCode, H5ngffError, exit_code_table
-from .spec import parse_spec
+from .spec import ConversionSpec, SlurmSpec, parse_spec
+
+if TYPE_CHECKING:
+    from .engine.progress import Listener
+    from .metrics.exporter import MetricsExporter
+    from .runner import RunSummary
 
 log = logging.getLogger("h5ngff")
 
@@ -118,7 +123,7 @@ def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
         p.add_argument("--no-progress", action="store_true", help="No progress bar (logs only).")
 
 
-def spec_from_args(args: argparse.Namespace) -> Any:
+def spec_from_args(args: argparse.Namespace) -> ConversionSpec:
     from .job import is_manifest_path, load_job
 
     if is_manifest_path(args.source):  # a ConversionJob manifest: its spec, under the flags
@@ -141,8 +146,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     spec = spec_from_args(args)
     backend = backend_from_args(args, _manifest_slurm(args))
     job = plan_job(spec, backend, constants_from_args(args))
-    _notice_memory_beyond_machine(job, backend)
-    script = backend.job_script(job.plan) if hasattr(backend, "job_script") else None
+    description = backend.describe(job.spec, job.plan)
+    job.notices.extend(description.notices)
+    script = description.job_script
     if args.json:
         document = {"plan": job.plan.to_dict(), "notices": job.notices, "spec": job.spec.to_wire()}
         if script is not None:
@@ -160,52 +166,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _notice_memory_beyond_machine(job, backend) -> None:
-    """A memory budget this machine does not have: the local backend starts the workers the plan
-    sizes and trusts the budget given (only its own default, a share of RAM, follows the machine),
-    so a budget beyond the RAM is planned as if it were there. Say so; the kernel would otherwise
-    say it, mid-run, by killing workers."""
-    if getattr(backend, "name", None) == "slurm":
-        _notice_budget_beyond_nodes(job, backend)
-        return
-    if getattr(backend, "name", None) not in ("local", "local-pods"):
-        return
-    from .units import format_bytes
-
-    r, plan = job.spec.resources, job.plan
-    machine = backend.capacity().memory_bytes
-    asked = r.memory_total_bytes if r.memory_per_worker_bytes is None else r.memory_per_worker_bytes * plan.workers
-    if asked is None or asked <= machine:
-        return
-    field = "resources.memoryPerWorker" if r.memory_per_worker_bytes is not None else "resources.memoryTotal"
-    given = (f"{format_bytes(r.memory_per_worker_bytes)} per worker x {plan.workers} worker(s) = {format_bytes(asked)}"
-             if r.memory_per_worker_bytes is not None else format_bytes(asked))
-    job.notices.append(f"{field}: {given} is more than this machine's {format_bytes(machine)} of memory. The plan takes the budget as given; "
-                       f"a local run that reaches it is killed by the kernel, not stopped by Dask. Give at most "
-                       f"{format_bytes(machine // max(1, plan.workers))} per worker here (or leave the budget out: the default is a share of this machine's memory).")
-
-
-def _notice_budget_beyond_nodes(job, backend) -> None:
-    """On SLURM, --memory-per-worker is the most one job's --mem may be; each job asks for what its
-    plan needs. A budget no node has is worth a word (issue: it was accepted in silence), and a
-    planned --mem no node has would pend for ever; sinfo is asked only for a budget the user gave."""
-    per_job = job.spec.resources.memory_per_worker_bytes
-    if per_job is None:
-        return
-    largest = backend.largest_node_bytes()
-    if largest is None or per_job <= largest:
-        return
-    from .units import format_bytes
-
-    where = f"partition {backend.settings.partition}" if backend.settings.partition else "this SLURM cluster"
-    mem = backend.job_mem_bytes(job.plan)
-    fits = "fits a node" if mem <= largest else "fits no node either: the jobs would pend until pendingTimeout"
-    job.notices.append(f"resources.memoryPerWorker: {format_bytes(per_job)} is more than any node of {where} offers "
-                       f"({format_bytes(largest)}, sinfo RealMemory). Each worker job asks for what its plan needs, at most the budget: "
-                       f"--mem={mem >> 20}M here, which {fits}. Give at most {format_bytes(largest)} per worker.")
-
-
-def _manifest_slurm(args: argparse.Namespace):
+def _manifest_slurm(args: argparse.Namespace) -> SlurmSpec | None:
     """The slurm: block of a ConversionJob manifest given as SOURCE, if any."""
     from .job import is_manifest_path, load_job
 
@@ -217,7 +178,7 @@ def cmd_convert(args: argparse.Namespace, console: Console) -> int:
     return convert_spec(spec, args, console)
 
 
-def _start_metrics(spec, args: argparse.Namespace):
+def _start_metrics(spec: ConversionSpec, args: argparse.Namespace) -> MetricsExporter | None:
     if getattr(args, "metrics_port", None) is None:
         return None
     from .metrics.exporter import MetricsExporter
@@ -225,46 +186,28 @@ def _start_metrics(spec, args: argparse.Namespace):
     return MetricsExporter.for_spec(spec, args.metrics_port)
 
 
-def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
-    from .engine.write.output import check_output
+def convert_spec(spec: ConversionSpec, args: argparse.Namespace, console: Console) -> int:
+    """``h5ngff convert``'s input and output around the run sequence (``runner.execute``)."""
     from .report import ProgressBar, plan_renderable, summary_renderable
-    from .runner import plan_job, run_job
+    from .runner import Linger, PlannedJob, execute
 
     backend = backend_from_args(args, _manifest_slurm(args))
+    constants = constants_from_args(args)
     metrics = _start_metrics(spec, args)  # before planning: Prometheus's first scrapes find the target up
-    try:
-        job = plan_job(spec, backend, constants_from_args(args))
-        from .engine.write import lock
 
-        lock.refuse_if_held(job.spec.output.path)  # another run writing it: refused before the plan is shown
-        check_output(job.plan, job.spec, job.source)  # a conflict is refused before the plan and the cluster
-        _notice_memory_beyond_machine(job, backend)
-    except BaseException:
-        if metrics is not None:
-            metrics.close()
-        raise
-    if not args.json:
-        console.print(plan_renderable(job, notices=False))
-        print_notices(job.notices)
-    listeners = []
-    bar = None
-    if not args.json and not args.no_progress:
-        bar = ProgressBar(console)
-        listeners.append(bar)
+    def show_plan(job: PlannedJob) -> None:
+        if not args.json:
+            console.print(plan_renderable(job, notices=False))
+            print_notices(job.notices)
+
+    bar: list[Listener] = [] if args.json or args.no_progress else [ProgressBar(console)]
     try:
-        if bar:
-            with bar:
-                summary = run_job(job, backend, listeners, metrics=metrics)
-        else:
-            summary = run_job(job, backend, listeners, metrics=metrics)
+        summary = execute(spec, backend, bar, metrics, constants=constants, on_plan=show_plan, linger=Linger(args.metrics_linger))
     except H5ngffError as exc:
         # A failed run's memory timeline is the one a user most needs to see.
         if args.memory_report and exc.summary is not None and exc.summary.timeline:
             _write_memory_report(exc.summary, args.memory_report, console)
         raise
-    finally:
-        if metrics is not None:
-            metrics.linger(args.metrics_linger)
     if args.memory_report:
         _write_memory_report(summary, args.memory_report)
     if args.json:
@@ -276,7 +219,7 @@ def convert_spec(spec, args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _write_memory_report(summary, path: str, console: Console | None = None) -> None:
+def _write_memory_report(summary: RunSummary, path: str, console: Console | None = None) -> None:
     from .metrics.timeline import write_memory_report
 
     write_memory_report(summary, path)

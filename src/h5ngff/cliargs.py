@@ -7,11 +7,16 @@ import argparse
 import difflib
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import SpecError
 from .patches import deep_merge
 from .codecs_table import BLOSC_CNAMES, CODECS
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+    from .backends.factory import BackendOptions
+    from .spec import SlurmSpec
 
 #: The codecs the CLI names on their own (plain-zstd, gzip, none), by their CLI name.
 _BY_CLI_NAME = {c.cli_name: c for c in CODECS.values() if c.cli_name is not None}
@@ -289,27 +294,52 @@ def constants_from_args(args: argparse.Namespace) -> Any:
     return MemoryConstants.from_file(args.calibration) if getattr(args, "calibration", None) else DEFAULT_CONSTANTS
 
 
-def backend_from_args(args: argparse.Namespace, slurm: Any = None) -> Any:
-    """The backend the flags ask for, built by the one backend factory (backends/factory.py).
-    ``slurm`` is a manifest's slurm: block; the --slurm-* flags override its fields."""
-    from .backends.factory import BackendOptions, make_backend
+def backend_from_args(args: argparse.Namespace, slurm: SlurmSpec | None = None) -> Backend:
+    """The backend the flags ask for (``BACKEND_FLAGS``), built by the one backend factory
+    (backends/factory.py). ``slurm`` is a manifest's slurm: block; the --slurm-* flags override its fields."""
+    from .backends.factory import make_backend
+
+    kind, options = next((kind, options) for kind, given, options in BACKEND_FLAGS if given(args))
+    return make_backend(kind, options(args, slurm))
+
+
+def _slurm_options(args: argparse.Namespace, slurm: SlurmSpec | None) -> BackendOptions:
+    from .backends.factory import BackendOptions
+    from .spec import SlurmSpec, parse_model
     from .units import parse_bytes
 
-    if getattr(args, "backend", None) == "slurm":
-        from .spec import SlurmSpec, parse_model
+    settings = parse_model(SlurmSpec, merge(slurm.to_wire() if slurm is not None else {}, slurm_overrides(args)))
+    return BackendOptions(slurm=settings, job_mem=parse_bytes(args.slurm_job_mem) if getattr(args, "slurm_job_mem", None) else None)
 
-        base = slurm.to_wire() if slurm is not None else {}
-        settings = parse_model(SlurmSpec, merge(base, slurm_overrides(args)))
-        job_mem = parse_bytes(args.slurm_job_mem) if getattr(args, "slurm_job_mem", None) else None
-        return make_backend("slurm", BackendOptions(slurm=settings, job_mem=job_mem))
-    if getattr(args, "kubernetes", False):
-        return make_backend("kubernetes")  # planning as the operator would; no cluster is started
-    if getattr(args, "scheduler", None):
-        return make_backend("external", BackendOptions(scheduler=args.scheduler))
-    if getattr(args, "enforce_pod_limits", False):
-        pod_limit = parse_bytes(args.pod_limit) if getattr(args, "pod_limit", None) else None
-        return make_backend("local-pods", BackendOptions(pod_limit=pod_limit))
-    return make_backend("local")
+
+def _pod_options(args: argparse.Namespace, slurm: SlurmSpec | None) -> BackendOptions:
+    from .backends.factory import BackendOptions
+    from .units import parse_bytes
+
+    return BackendOptions(pod_limit=parse_bytes(args.pod_limit) if getattr(args, "pod_limit", None) else None)
+
+
+def _scheduler_options(args: argparse.Namespace, slurm: SlurmSpec | None) -> BackendOptions:
+    from .backends.factory import BackendOptions
+
+    return BackendOptions(scheduler=args.scheduler)
+
+
+def _no_options(args: argparse.Namespace, slurm: SlurmSpec | None) -> BackendOptions:
+    from .backends.factory import BackendOptions
+
+    return BackendOptions()
+
+
+#: Which flags pick which backend (a kind of backends/factory.py), and the options each takes from
+#: them; the first row whose flags are given wins.
+BACKEND_FLAGS: tuple[tuple[str, Callable[[argparse.Namespace], bool], Callable[[argparse.Namespace, SlurmSpec | None], BackendOptions]], ...] = (
+    ("slurm", lambda a: getattr(a, "backend", None) == "slurm", _slurm_options),
+    ("kubernetes", lambda a: bool(getattr(a, "kubernetes", False)), _no_options),  # planning as the operator would; no cluster starts
+    ("external", lambda a: bool(getattr(a, "scheduler", None)), _scheduler_options),
+    ("local-pods", lambda a: bool(getattr(a, "enforce_pod_limits", False)), _pod_options),
+    ("local", lambda a: True, _no_options),
+)
 
 
 # --- SLURM (docs/slurm.md) -------------------------------------------------------------------

@@ -141,10 +141,14 @@ def _hide(sub: Any, name: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
+    """``h5ngff run``'s input and output around one attempt (``operator.attempt``, the run sequence)."""
     from .cliargs import backend_from_args, constants_from_args
+    from .console import print_notices
+    from .engine.progress import Listener
     from .job import load_job
     from .operator.attempt import AttemptOptions, run_locally
     from .report import ProgressBar, plan_renderable
+    from .runner import Linger, PlannedJob
 
     job = load_job(args.manifest)
     metrics = None
@@ -156,26 +160,15 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     spec = job.spec
     if args.overwrite:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"overwrite": True})})
-    bar = ProgressBar(console) if not args.json and not args.no_progress else None
-    entered: list[ProgressBar] = []
 
-    def show_plan(planned) -> None:  # the plan table first, then the bar below it
+    def show_plan(planned: PlannedJob) -> None:
         if not args.json:
-            from .console import print_notices
-
             console.print(plan_renderable(planned, notices=False))
             print_notices(planned.notices)  # stderr, as for convert
-        if bar is not None:
-            entered.append(bar.__enter__())
 
-    try:
-        options = AttemptOptions(constants_from_args(args), [bar] if bar else [], show_plan, metrics=metrics)
-        status, result = run_locally(job.name, spec, backend_from_args(args, spec.slurm), options)
-    finally:
-        for b in entered:
-            b.__exit__(None, None, None)
-        if metrics is not None:
-            metrics.linger(args.metrics_linger)
+    bar: list[Listener] = [] if args.json or args.no_progress else [ProgressBar(console)]
+    options = AttemptOptions(constants_from_args(args), bar, show_plan, metrics=metrics, linger=Linger(args.metrics_linger))
+    status, result = run_locally(job.name, spec, backend_from_args(args, spec.slurm), options)
     if args.memory_report and result.summary is not None:
         from .metrics.timeline import write_memory_report
 
@@ -191,7 +184,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 def cmd_operator(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
-    from .operator.handlers import DEFAULT_IMAGE, OperatorConfig, run_operator
+    from .operator.handlers import OperatorConfig, run_operator
+    from .operator.manifests import DEFAULT_IMAGE
 
     metrics = None
     if args.metrics_port:

@@ -154,6 +154,7 @@ class WorkerFailedError(H5ngffError, RuntimeError):
     """A Dask worker died while running a slab; subclasses say who killed it."""
 
     reason = "WorkerFailed"
+    oom_kills = memory_terminations = 0  #: the run's counts, set by backends.diagnostics.classify_failure
 
     def __init__(self, message: str, worker: str | None = None, slab: str | None = None):
         self.worker = worker

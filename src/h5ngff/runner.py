@@ -1,13 +1,17 @@
 """spec -> plan -> backend -> engine: the one code path behind ``h5ngff convert``, ``h5ngff run``
-and the Kubernetes runner Job."""
+and the Kubernetes runner Job.
+
+``execute`` is the run sequence they share; ``plan_job`` and ``run_job`` are its two halves (the
+plan commands and the tests call them alone)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed.scheduler import KilledWorker
 
@@ -17,8 +21,8 @@ from .backends.base import Backend, Session
 from .backends.diagnostics import ClusterEvents, WorkerReport
 from .backends.shutdown import quiet_sync_cancel_race
 from .engine.write.driver import RunTotals, finish, run_conversion
-from .engine.write.lock import output_lock
-from .engine.write.output import prepare_output
+from .engine.write.lock import output_lock, refuse_if_held
+from .engine.write.output import check_output, prepare_output
 from .engine.progress import Broadcast, Listener
 from .engine.sources.hdf5 import SourceIdentity
 from .engine.sources import open_source
@@ -27,6 +31,9 @@ from .metrics.probes import ClusterPoller
 from .phases import Phase
 from .planner import DEFAULT_CONSTANTS, DatasetInfo, MemoryConstants, Plan, make_plan
 from .spec import ConversionSpec
+
+if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
+    from .metrics.exporter import MetricsExporter
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ def plan_job(spec: ConversionSpec, backend: Backend, constants: MemoryConstants 
     opened = open_source(spec)
     dataset, identity = opened.info, opened.identity
     allocator = resolve_allocator(spec.resources.allocator)
-    notices = []
+    notices: list[str] = []
     if spec.resources.allocator == "jemalloc" and allocator != "jemalloc":
         notices.append("resources.allocator is jemalloc but libjemalloc.so.2 is not installed here; workers use glibc (apt-get install libjemalloc2).")
     spec = backend.fit(spec)
@@ -108,12 +115,89 @@ class RunSummary:
         return out
 
 
-def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None = None, metrics=None) -> RunSummary:
+@dataclass(frozen=True)
+class Linger:
+    """How long the metrics endpoint stays up once the run has ended, so that Prometheus scrapes
+    the final values: ``seconds`` long, or with ``until_scraped`` until one scrape has read them
+    (at most ``seconds``)."""
+
+    seconds: float = 0.0
+    until_scraped: bool = False
+
+
+@dataclass
+class Outcome:
+    """How a run sequence ended, as ``execute`` hands it to ``on_end``: the job (None where
+    planning failed), and the summary or the error."""
+
+    job: PlannedJob | None = None
+    summary: RunSummary | None = None
+    error: BaseException | None = None
+
+
+def execute(spec: ConversionSpec, backend: Backend, listeners: Sequence[Listener] = (), metrics: MetricsExporter | None = None, *,
+            constants: MemoryConstants = DEFAULT_CONSTANTS, on_plan: Callable[[PlannedJob], None] | None = None,
+            on_end: Callable[[Outcome], None] | None = None, linger: Linger = Linger()) -> RunSummary:
+    """The run sequence of ``h5ngff convert``, ``h5ngff run`` and the runner Job; the callers
+    keep only their input (flags, a manifest, the job's environment) and output (tables, status
+    patches):
+
+    1. plan ``spec`` for ``backend``;
+    2. refuse an output another run is writing, or one that is not ours, before any cluster starts;
+    3. add the backend's notices (``Backend.describe``) and hand the job to ``on_plan``;
+    4. run it (``run_job``): every progress event goes to ``listeners`` and ``metrics``, which
+       also sample the cluster while it is up; a listener that is a context manager (the progress
+       bar) is open for the run only;
+    5. hand the ``Outcome`` to ``on_end``, first: the outcome must not wait for step 6;
+    6. keep ``metrics`` up for ``linger`` (the last scrape). A run that never started closes them
+       at once: there are no final values to scrape.
+
+    Returns the summary; raises what failed (an H5ngffError with its reason) once ``on_end`` has
+    seen it."""
+    outcome = Outcome()
+    try:
+        job = outcome.job = _prepare(spec, backend, constants)
+        if on_plan is not None:
+            on_plan(job)
+    except BaseException as exc:
+        outcome.error = exc
+        if on_end is not None:
+            on_end(outcome)
+        if metrics is not None:
+            metrics.close()
+        raise
+    try:
+        with ExitStack() as stack:
+            for listener in listeners:
+                if isinstance(listener, AbstractContextManager):
+                    stack.enter_context(listener)
+            outcome.summary = run_job(job, backend, listeners, metrics)
+        return outcome.summary
+    except BaseException as exc:
+        outcome.error = exc
+        raise
+    finally:
+        if on_end is not None:
+            on_end(outcome)
+        # A Ctrl-C ends the process now; a finished or failed run waits for its last scrape.
+        if metrics is not None and (outcome.error is None or isinstance(outcome.error, Exception)):
+            metrics.linger(linger.seconds, until_scraped=linger.until_scraped)
+
+
+def _prepare(spec: ConversionSpec, backend: Backend, constants: MemoryConstants) -> PlannedJob:
+    """Plan, and refuse what would fail later, before anything is shown or started."""
+    job = plan_job(spec, backend, constants)
+    refuse_if_held(job.spec.output.path)  # another run writing it: refused before the plan is shown
+    check_output(job.plan, job.spec, job.source)  # a conflicting output: refused before the plan and the cluster
+    job.notices.extend(backend.describe(job.spec, job.plan).notices)
+    return job
+
+
+def run_job(job: PlannedJob, backend: Backend, listeners: Sequence[Listener] | None = None, metrics: MetricsExporter | None = None) -> RunSummary:
     """Convert. Returns a summary; raises H5ngffError on failure (after emitting ``Failed``).
 
-    ``metrics`` (a ``metrics.exporter.MetricsExporter``) hears every progress event and polls the
-    cluster while it is up."""
-    events = Broadcast(list(listeners or []) + ([metrics] if metrics is not None else []))
+    ``metrics`` hears every progress event and polls the cluster while it is up."""
+    events = Broadcast([*(listeners or ()), *([metrics] if metrics is not None else [])])
     quiet_sync_cancel_race()  # a Ctrl-C must print one line, not distributed's NameError (backends/shutdown.py)
     events.emit(phase=Phase.PLANNED, slabs_total=job.plan.n_tasks, message="")
     summary = RunSummary("Failed", job)
@@ -133,7 +217,8 @@ def run_job(job: PlannedJob, backend: Backend, listeners: list[Listener] | None 
         raise
 
 
-def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunSummary, metrics, start: float, started: float, guard) -> None:
+def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunSummary, metrics: MetricsExporter | None,
+             start: float, started: float, guard: Any) -> None:
     output = prepare_output(job.plan, job.spec, job.source)
     summary.totals = RunTotals()  # the output is written from here on: a failed run reports what it wrote
     summary.resumed = output.resumed

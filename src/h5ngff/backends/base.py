@@ -1,19 +1,22 @@
 """The backend contract: what every backend gives the runner (a capacity and a fitted spec for
-planning, then a session with a connected client), and the Dask settings every backend applies."""
+planning, a description of what it would do with the plan, then a session with a connected
+client), and what every backend shares: the Dask settings it applies, the client it connects,
+and the wait for its workers."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from distributed import Client
+from distributed import Client, LocalCluster
 
 from ..errors import WorkerFailedError
-from ..planner.model import Capacity, Plan
+from ..planner.model import Capacity, MemoryTerm, Plan
 from ..spec import ConversionSpec
 from .diagnostics import ClusterEvents, WorkerReport, classify_failure
 
@@ -122,9 +125,42 @@ def _by_name(events: Iterable[dict[str, Any]]) -> Counter[str]:
     return Counter(str(e["name"]) for e in events if e.get("name") is not None)
 
 
-def _natural(name: str) -> tuple:
+def _natural(name: str) -> tuple[str, int]:
     digits = "".join(ch for ch in name if ch.isdigit())
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
+
+
+@dataclass(frozen=True)
+class JobScript:
+    """The batch script each worker job runs, where a backend submits one job per worker (SLURM),
+    in the parts ``h5ngff plan`` explains."""
+
+    header: tuple[str, ...]
+    environment: tuple[str, ...]
+    prologue: tuple[str, ...]
+    command: str
+    #: The job's ``--mem`` in bytes, and the terms it is made of (the plan's pod terms).
+    mem_bytes: int
+    mem_terms: tuple[MemoryTerm, ...]
+    #: Why --mem differs from the plan (an override), or "".
+    mem_override: str = ""
+    shebang: str = "#!/usr/bin/env bash"
+
+    def text(self) -> str:
+        parts = [self.shebang, *self.header, "", *self.environment, *self.prologue, self.command]
+        return "\n".join(parts) + "\n"
+
+
+@dataclass(frozen=True)
+class Description:
+    """What a backend would do with a plan, beyond the plan itself: ``h5ngff plan`` shows it, and
+    the run sequence (``runner.execute``) adds its notices before the plan is shown. The caller
+    never asks which backend it has: a backend without a job script leaves it None."""
+
+    #: Sentences about this plan on this backend (a memory budget beyond this machine or any node).
+    notices: tuple[str, ...] = ()
+    #: The script every worker job runs, where the backend submits one job per worker.
+    job_script: JobScript | None = None
 
 
 @runtime_checkable
@@ -133,16 +169,12 @@ class Backend(Protocol):
     tests/backend_contract.py checks it against every backend, for real.
 
     A backend is built by ``backends.factory.make_backend`` (the one place that knows every
-    backend by name) and used by ``runner``: ``fit`` and ``capacity`` before planning, then one
+    backend by name, and which of them start their own workers) and used by ``runner``: ``fit``
+    and ``capacity`` before planning, ``describe`` once the plan is made, then one
     ``session(plan)`` per run."""
 
     #: Short name for logs and messages ("local", "external", ...). Never tested by the runner.
     name: str
-    #: True when ``session`` starts the workers itself, sized by the plan (its ``memory_limit``,
-    #: threads and Dask thresholds), and stops every worker process when it exits. False for a
-    #: cluster that exists before and after the session: the plan is fitted to its workers
-    #: (``fit``) and the session leaves them running.
-    owns_workers: bool
 
     def capacity(self) -> Capacity:
         """Cores, memory and default worker count for the choices a spec leaves on ``auto``."""
@@ -153,10 +185,52 @@ class Backend(Protocol):
         plan; the workers' real count, threads and memory limit where they are given."""
         ...
 
+    def describe(self, spec: ConversionSpec, plan: Plan) -> Description:
+        """What this backend would do with ``plan`` (planned from ``spec``): notices, a job script.
+        Starts nothing; may ask the cluster about itself (sinfo)."""
+        ...
+
     def session(self, plan: Plan) -> AbstractContextManager[Session]:
         """A cluster of ``plan.workers`` connected workers (a client on it, our Dask plugins
         registered) for the duration of the ``with`` block."""
         ...
+
+
+def connect(target: str | LocalCluster | Any, timeout: float | None = None) -> Client:
+    """A client of our own on ``target`` (a scheduler address or a cluster object), never the
+    process's default client: every backend connects through here."""
+    client: Any = Client  # distributed's Client is untyped; typed once, here
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    connected: Client = client(target, set_as_default=False, **kwargs)
+    return connected
+
+
+def local_cluster(**options: Any) -> LocalCluster:
+    """A ``LocalCluster`` in this process (the local backends' workers, pod emulation's scheduler)."""
+    start: Any = LocalCluster  # distributed's LocalCluster is untyped; typed once, here
+    cluster: LocalCluster = start(**options)
+    return cluster
+
+
+def connected_workers(client: Client) -> int:
+    """How many workers the scheduler has now."""
+    info: dict[str, Any] = client.scheduler_info(n_workers=-1)
+    return len(info["workers"])
+
+
+def wait_for_workers(client: Client, n: int, timeout: float, on_timeout: Callable[[int], BaseException],
+                     check: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:
+    """Until ``n`` workers are connected: the one wait of every backend that starts workers.
+
+    ``check`` runs between looks and raises where the backend already knows the workers will not
+    come (a pod process that exited, a job that ended); after ``timeout`` seconds the error is
+    ``on_timeout(connected)``, in the backend's own words."""
+    deadline = time.monotonic() + timeout
+    while (have := connected_workers(client)) < n:
+        check()
+        if time.monotonic() > deadline:
+            raise on_timeout(have)
+        time.sleep(interval)
 
 
 def machine_capacity(default_workers: int | None = None) -> Capacity:

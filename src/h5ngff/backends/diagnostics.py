@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from distributed import Client
@@ -37,12 +38,12 @@ class WorkerExitReporter(NannyPlugin):
     name = "h5ngff-worker-exit"
     idempotent = True
 
-    def setup(self, nanny) -> None:
+    def setup(self, nanny: Any) -> None:
         original = getattr(nanny, "_on_worker_exit", None)
         if original is None:  # a future distributed; the cgroup counters still tell OOM kills
             return
 
-        async def on_exit(exitcode, _original=original, _nanny=nanny):
+        async def on_exit(exitcode: int | None, _original: Any = original, _nanny: Any = nanny) -> Any:
             if _nanny.status in _NANNY_CLOSING:
                 # An exit the nanny asked for (the cluster is closing). Reporting it raced the
                 # nanny's closing connection pool and printed "Task exception was never
@@ -74,7 +75,7 @@ class QuietExpectedErrors(WorkerPlugin):
     name = "h5ngff-quiet-expected-errors"
     idempotent = True
 
-    def setup(self, worker) -> None:
+    def setup(self, worker: Any) -> None:
         logging.getLogger("distributed.worker").addFilter(drop_expected_failure)
 
 
@@ -86,7 +87,7 @@ def drop_expected_failure(record: logging.LogRecord) -> bool:
     return exception_text.split("(", 1)[0] not in _error_names(H5ngffError)
 
 
-def _error_names(cls: type) -> set[str]:
+def _error_names(cls: type[BaseException]) -> set[str]:
     return {cls.__name__}.union(*(_error_names(sub) for sub in cls.__subclasses__()))
 
 
@@ -98,14 +99,14 @@ def register_plugins(client: Client) -> None:
     client.register_plugin(StopHeartbeat())
 
 
-def _record_peak_on_termination(nanny) -> None:
+def _record_peak_on_termination(nanny: Any) -> None:
     """Add the worker's VmHWM to the nanny's ``worker-restart-memory`` event. The nanny logs that
     event just before it terminates the worker, so the kernel's high-water mark read here is the
     process's peak up to its last moments; a sampler would have missed the growth since its last
     sample (the nanny's own ``rss`` figure is only the RSS it compared with the threshold)."""
     original = nanny.log_event
 
-    def log_event(topic, msg, _original=original, _nanny=nanny):
+    def log_event(topic: str, msg: Any, _original: Any = original, _nanny: Any = nanny) -> Any:
         if topic == MEMORY_RESTART_TOPIC and isinstance(msg, dict):
             try:
                 pid = _nanny.process.process.pid
@@ -119,7 +120,7 @@ def _record_peak_on_termination(nanny) -> None:
 
 
 def _status_bytes(path: str) -> dict[str, int]:
-    status = {}
+    status: dict[str, int] = {}
     with open(path) as f:
         for line in f:
             if line.startswith(("VmRSS:", "VmHWM:")):
@@ -128,7 +129,7 @@ def _status_bytes(path: str) -> dict[str, int]:
     return status
 
 
-def process_memory(dask_worker=None) -> dict[str, Any]:
+def process_memory(dask_worker: Any = None) -> dict[str, Any]:
     """This process's current and peak RSS (kernel-tracked high-water mark), and the worker's own
     name (``client.run`` passes ``dask_worker``): a worker that is gone by the time its address
     would be looked up on the scheduler is still counted under its name, not as a new worker."""
@@ -213,7 +214,7 @@ class ClusterEvents:
 
 
 def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, memory_limit: int, oom_kills: int = 0,
-                     limit_name: str = "pod limit", workers: list[WorkerReport] = (), planned_limit: int | None = None) -> WorkerFailedError:
+                     limit_name: str = "pod limit", workers: Sequence[WorkerReport] = (), planned_limit: int | None = None) -> WorkerFailedError:
     """Turn a KilledWorker into the reason a user can act on. The kernel's OOM kills are checked
     first: a nanny termination that follows an OOM kill does not hide it. ``oom_kills`` is the
     run's one count (the sum of the per-worker counts the summary reports), so the message never
@@ -248,7 +249,7 @@ def _whose(limit_name: str) -> str:
     return "job's" if limit_name.startswith("job") else "pod's"
 
 
-def _killed_figures(workers) -> str:
+def _killed_figures(workers: Sequence[WorkerReport]) -> str:
     """The killed workers' own figures: peak RSS against the prediction, and the cgroup's peak."""
     parts = []
     for w in workers:

@@ -7,21 +7,19 @@ and the summary shows the measured peaks against the plan as everywhere else.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from distributed import Client
 
 from ..errors import ClusterError
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
-from .base import Session
+from .base import Description, Session, connect
 from .diagnostics import register_plugins
 
 
 class ExternalBackend:
     name = "external"
-    #: The cluster was there before the run and stays after it, its workers as they were.
-    owns_workers = False
 
     def __init__(self, address: str, timeout: float = 30):
         self.address = address
@@ -29,18 +27,16 @@ class ExternalBackend:
 
     def _connect(self) -> Client:
         try:
-            return Client(self.address, timeout=self.timeout, set_as_default=False)
+            return connect(self.address, timeout=self.timeout)
         except OSError as exc:
             raise ClusterError(f"--scheduler: cannot reach the Dask scheduler at {self.address!r} ({exc}). Is it running, and is the address right?") from None
 
-    def workers(self) -> dict:
+    def workers(self) -> dict[str, dict[str, Any]]:
         # A client of its own, closed at once: planning (``h5ngff plan --scheduler``) may never
         # open a session, and a client left open would try to reconnect once the cluster is gone.
-        client = self._connect()
-        try:
-            return client.scheduler_info(n_workers=-1)["workers"]
-        finally:
-            client.close()
+        with self._connect() as client:
+            workers: dict[str, dict[str, Any]] = client.scheduler_info(n_workers=-1)["workers"]
+            return workers
 
     def capacity(self) -> Capacity:
         workers = self.workers()
@@ -51,7 +47,7 @@ class ExternalBackend:
         return Capacity(cores=threads, memory_bytes=memory, default_workers=len(workers))
 
     def memory_limit(self) -> int | None:
-        limits = [w.get("memory_limit") for w in self.workers().values() if w.get("memory_limit")]
+        limits = [int(w["memory_limit"]) for w in self.workers().values() if w.get("memory_limit")]
         return min(limits) if limits else None
 
     def fit(self, spec: ConversionSpec) -> ConversionSpec:
@@ -65,11 +61,11 @@ class ExternalBackend:
             resources = resources.model_copy(update={"memory_per_worker": limit})
         return spec.model_copy(update={"resources": resources})
 
+    def describe(self, spec: ConversionSpec, plan: Plan) -> Description:
+        return Description()  # the plan was fitted to the workers there are: nothing to add
+
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
-        client = self._connect()
-        try:
+        with self._connect() as client:
             register_plugins(client)
             yield Session(client, self.name)
-        finally:
-            client.close()

@@ -3,7 +3,9 @@
 Every entry point builds its backend here: the CLI (``convert``, ``plan``, ``run``) from its
 flags, the Kubernetes runner Job from ``$H5NGFF_BACKEND``. Adding a backend is one entry in
 ``BACKENDS`` (plus the module that implements ``base.Backend``, and its class in the contract
-suite, tests/test_backend_contract.py); docs/backends.md says how.
+suite, tests/test_backend_contract.py); docs/backends.md says how. The entry also says whether
+the backend starts its own workers for each run (``owns_workers``): the runner Job accepts only
+those, and the contract checks that such a backend sizes its workers by the plan and stops them.
 
 Each builder imports its module only when called: the kubernetes backend pulls in kr8s and
 dask-kubernetes lazily, and a laptop running ``h5ngff convert`` needs neither.
@@ -46,6 +48,16 @@ class BackendOptions:
 BackendBuilder = Callable[[BackendOptions], Backend]
 
 
+@dataclass(frozen=True)
+class BackendKind:
+    build: BackendBuilder
+    #: True where ``session`` starts the workers itself, sized by the plan (its memory_limit,
+    #: threads and Dask thresholds), and stops every worker process when it exits. False for a
+    #: cluster that exists before and after the session: the plan is fitted to its workers
+    #: (``Backend.fit``) and the session leaves them running.
+    owns_workers: bool
+
+
 def _local(options: BackendOptions) -> Backend:
     from .local import LocalBackend
 
@@ -53,9 +65,9 @@ def _local(options: BackendOptions) -> Backend:
 
 
 def _local_pods(options: BackendOptions) -> Backend:
-    from .local import LocalBackend
+    from .local import LocalPodsBackend
 
-    return LocalBackend(enforce_pod_limits=True, pod_limit=options.pod_limit)
+    return LocalPodsBackend(pod_limit=options.pod_limit)
 
 
 def _external(options: BackendOptions) -> Backend:
@@ -82,18 +94,23 @@ def _slurm(options: BackendOptions) -> Backend:
 
 #: Every backend, by the name ``--backend``-like settings use ($H5NGFF_BACKEND in the runner Job).
 #: Register a new backend here (one line) and nowhere else.
-BACKENDS: dict[str, BackendBuilder] = {
-    "local": _local,
-    "local-pods": _local_pods,
-    "external": _external,
-    "kubernetes": _kubernetes,
-    "slurm": _slurm,
+BACKENDS: dict[str, BackendKind] = {
+    "local": BackendKind(_local, owns_workers=True),
+    "local-pods": BackendKind(_local_pods, owns_workers=True),
+    "external": BackendKind(_external, owns_workers=False),
+    "kubernetes": BackendKind(_kubernetes, owns_workers=True),
+    "slurm": BackendKind(_slurm, owns_workers=True),
 }
 
 
 def make_backend(kind: str, options: BackendOptions | None = None) -> Backend:
     """The backend called ``kind``, built from ``options``."""
-    builder = BACKENDS.get(kind)
-    if builder is None:
+    entry = BACKENDS.get(kind)
+    if entry is None:
         raise SpecError("backend", f"Expected one of {', '.join(BACKENDS)}. Got {kind!r} instead.")
-    return builder(options or BackendOptions())
+    return entry.build(options or BackendOptions())
+
+
+def owning_kinds() -> list[str]:
+    """The backends that start their own workers for each run (what a runner Job may use)."""
+    return [kind for kind, entry in BACKENDS.items() if entry.owns_workers]

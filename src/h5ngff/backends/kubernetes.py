@@ -34,7 +34,7 @@ from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
 from ..units import GiB, k8s_quantity
 from .allocator import allocator_env
-from .base import REMOTE_DEFAULT_WORKERS, Session, dask_env, dask_memory_config
+from .base import REMOTE_DEFAULT_WORKERS, Description, Session, connect, dask_env, dask_memory_config, wait_for_workers
 from .diagnostics import register_plugins
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,6 @@ class KubernetesBackend:
     """Runs each conversion on its own DaskCluster, created for the run and deleted after it."""
 
     name = "kubernetes"
-    owns_workers = True
 
     def __init__(self, owner: Owner, image: str, pod: PodSettings | None = None, default_workers: int = DEFAULT_WORKERS):
         self.owner = owner
@@ -165,6 +164,9 @@ class KubernetesBackend:
 
     def fit(self, spec: ConversionSpec) -> ConversionSpec:
         return spec  # the pods are created as the plan sizes them
+
+    def describe(self, spec: ConversionSpec, plan: Plan) -> Description:
+        return Description()  # the pods are the plan's; `h5ngff operator render --plan` shows them
 
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
@@ -183,7 +185,7 @@ class KubernetesBackend:
         except Exception as exc:  # dask-kubernetes raises RuntimeError, TimeoutError, httpx errors
             raise ClusterError(f"Could not start DaskCluster {self.owner.namespace}/{name}: {exc}. Is the Dask Operator installed and may the runner's service account create daskclusters?") from exc
         try:
-            with Client(cluster, set_as_default=False) as client:
+            with connect(cluster) as client:
                 register_plugins(client)
                 _wait_for_workers(client, plan.workers, name)
                 yield Session(client, self.name)
@@ -193,14 +195,13 @@ class KubernetesBackend:
 
 
 def _wait_for_workers(client: Client, n: int, name: str) -> None:
-    try:
-        client.wait_for_workers(n, timeout=WORKER_START_TIMEOUT)
-    except TimeoutError:
-        have = len(client.scheduler_info(n_workers=-1)["workers"])
-        raise ClusterError(
+    def refuse(have: int) -> ClusterError:
+        return ClusterError(
             f"Only {have} of {n} worker pod(s) of DaskCluster {name} connected within {WORKER_START_TIMEOUT} s. "
             f"Check `kubectl describe pods -l dask.org/cluster-name={name}`: too little free memory on the nodes for the planned pod limit is the usual cause."
-        ) from None
+        )
+
+    wait_for_workers(client, n, WORKER_START_TIMEOUT, refuse, interval=1.0)
 
 
 def delete_stale_cluster(name: str, namespace: str, timeout: float = RESOURCE_TIMEOUT) -> bool:

@@ -1,12 +1,15 @@
-"""The embedded default: a Dask cluster on this machine, sized by the plan.
+"""The embedded default: a Dask cluster on this machine, sized by the plan. Two backends:
 
-Two shapes:
+* ``LocalBackend`` (``local``, the default): a ``LocalCluster`` of one worker process per planned
+  worker, each with the planned ``memory_limit``, threads, Dask thresholds and allocator
+  environment.
+* ``LocalPodsBackend`` (``local-pods``, ``--enforce-pod-limits``): pod emulation. The scheduler
+  runs here and every worker is a ``dask worker`` nanny process with its own memory cgroup limited
+  to the planned pod limit, so nanny and worker share one limit exactly as they share a pod on
+  Kubernetes.
 
-* ``LocalCluster`` (the default): one worker process per planned worker, each with the planned
-  ``memory_limit``, threads, Dask thresholds and allocator environment.
-* pod emulation (``--enforce-pod-limits``): the scheduler runs here and every worker is a
-  ``dask worker`` nanny process with its own memory cgroup limited to the planned pod limit, so
-  nanny and worker share one limit exactly as they share a pod on Kubernetes.
+Both plan against this machine (``MachineBackend``): its cores and memory, and a word where the
+memory budget given is more than the machine has.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from distributed import Client, LocalCluster
 from ..errors import ClusterError
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
+from ..units import format_bytes
 from .allocator import allocator_env
-from .base import Session, dask_env, dask_memory_config, machine_capacity
+from .base import Description, Session, connect, dask_env, dask_memory_config, local_cluster, machine_capacity, wait_for_workers
 from .cgroups import MemoryCgroup, create_pod_cgroup
 from .diagnostics import WorkerReport, register_plugins
 from .podwatch import PodWatcher
@@ -42,14 +46,9 @@ log = logging.getLogger(__name__)
 WORKER_START_TIMEOUT = 120
 
 
-class LocalBackend:
-    owns_workers = True
-
-    def __init__(self, enforce_pod_limits: bool = False, pod_limit: int | None = None):
-        self.enforce_pod_limits = enforce_pod_limits
-        #: Replaces the planned pod limit (experiments and negative controls).
-        self.pod_limit = pod_limit
-        self.name = "local-pods" if enforce_pod_limits else "local"
+class MachineBackend:
+    """What the two backends of this machine share: they plan against its cores and memory and
+    start the workers as the plan sizes them."""
 
     def capacity(self) -> Capacity:
         return machine_capacity()
@@ -57,35 +56,73 @@ class LocalBackend:
     def fit(self, spec: ConversionSpec) -> ConversionSpec:
         return spec  # the workers are started as the plan sizes them
 
+    def describe(self, spec: ConversionSpec, plan: Plan) -> Description:
+        return Description(notices=tuple(filter(None, [self._memory_beyond_machine(spec, plan)])))
+
+    def _memory_beyond_machine(self, spec: ConversionSpec, plan: Plan) -> str | None:
+        """A memory budget this machine does not have: the workers are started as the plan sizes
+        them, and the budget given is trusted (only the default, a share of RAM, follows the
+        machine), so a budget beyond the RAM is planned as if it were there. Say so; the kernel
+        would otherwise say it, mid-run, by killing workers."""
+        r = spec.resources
+        machine = self.capacity().memory_bytes
+        asked = r.memory_total_bytes if r.memory_per_worker_bytes is None else r.memory_per_worker_bytes * plan.workers
+        if asked is None or asked <= machine:
+            return None
+        field = "resources.memoryPerWorker" if r.memory_per_worker_bytes is not None else "resources.memoryTotal"
+        given = (f"{format_bytes(r.memory_per_worker_bytes)} per worker x {plan.workers} worker(s) = {format_bytes(asked)}"
+                 if r.memory_per_worker_bytes is not None else format_bytes(asked))
+        return (f"{field}: {given} is more than this machine's {format_bytes(machine)} of memory. The plan takes the budget as given; "
+                f"a local run that reaches it is killed by the kernel, not stopped by Dask. Give at most "
+                f"{format_bytes(machine // max(1, plan.workers))} per worker here (or leave the budget out: the default is a share of this machine's memory).")
+
+
+class LocalBackend(MachineBackend):
+    """A ``LocalCluster`` sized by the plan."""
+
+    name = "local"
+
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
         config = dask_memory_config(plan)
         env = allocator_env(plan.allocator)
         with ExitStack() as stack:
-            if self.enforce_pod_limits:
-                pods = stack.enter_context(PodCluster(plan, config, env, self.pod_limit or plan.memory.pod_limit))
-                client = stack.enter_context(Client(pods.scheduler_address, set_as_default=False))
-                register_plugins(client)
-                pods.wait_for_workers(client)
-                yield Session(client, self.name, pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline))
-            else:
-                stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
-                stack.enter_context(workers_skip_main_module())
-                with ctrl_c_after_start():
-                    cluster = stack.enter_context(
-                        LocalCluster(
-                            n_workers=plan.workers,
-                            threads_per_worker=plan.threads_per_worker,
-                            memory_limit=plan.memory.memory_limit,
-                            processes=True,
-                            # ":0": a free port. The scheduler's HTTP server also serves /metrics.
-                            dashboard_address=":0",
-                            silence_logs=logging.ERROR,
-                        )
+            stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
+            stack.enter_context(workers_skip_main_module())
+            with ctrl_c_after_start():
+                cluster = stack.enter_context(
+                    local_cluster(
+                        n_workers=plan.workers,
+                        threads_per_worker=plan.threads_per_worker,
+                        memory_limit=plan.memory.memory_limit,
+                        processes=True,
+                        # ":0": a free port. The scheduler's HTTP server also serves /metrics.
+                        dashboard_address=":0",
+                        silence_logs=logging.ERROR,
                     )
-                    client = stack.enter_context(Client(cluster, set_as_default=False))
-                register_plugins(client)
-                yield Session(client, self.name)
+                )
+                client = stack.enter_context(connect(cluster))
+            register_plugins(client)
+            yield Session(client, self.name)
+
+
+class LocalPodsBackend(MachineBackend):
+    """Pod emulation: every worker in a memory cgroup of its own at the pod limit."""
+
+    name = "local-pods"
+
+    def __init__(self, pod_limit: int | None = None):
+        #: Replaces the planned pod limit (experiments and negative controls).
+        self.pod_limit = pod_limit
+
+    @contextmanager
+    def session(self, plan: Plan) -> Iterator[Session]:
+        with ExitStack() as stack:
+            pods = stack.enter_context(PodCluster(plan, dask_memory_config(plan), allocator_env(plan.allocator), self.pod_limit or plan.memory.pod_limit))
+            client = stack.enter_context(connect(pods.scheduler_address))
+            register_plugins(client)
+            pods.wait_for_workers(client)
+            yield Session(client, self.name, pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline))
 
 
 @contextmanager
@@ -142,7 +179,7 @@ def workers_skip_main_module() -> Iterator[None]:
 class Pod:
     index: int
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     cgroup: MemoryCgroup
     log_path: str
 
@@ -150,7 +187,7 @@ class Pod:
 class PodCluster:
     """A scheduler in this process and one cgroup-limited nanny+worker process per planned worker."""
 
-    def __init__(self, plan: Plan, config: dict, env: dict[str, str], pod_limit: int):
+    def __init__(self, plan: Plan, config: dict[str, Any], env: dict[str, str], pod_limit: int):
         self.plan = plan
         self.config = config
         self.env = env
@@ -172,7 +209,7 @@ class PodCluster:
 
     def __enter__(self) -> "PodCluster":
         with dask.config.set(self.config):
-            self._scheduler = LocalCluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=logging.ERROR)
+            self._scheduler = local_cluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=logging.ERROR)
         try:
             for i in range(self.plan.workers):
                 self.pods.append(self._start_pod(i))
@@ -228,13 +265,16 @@ class PodCluster:
         return Pod(index, name, process, group, log_path)
 
     def wait_for_workers(self, client: Client) -> None:
-        deadline = time.time() + WORKER_START_TIMEOUT
-        while len(client.scheduler_info(n_workers=-1)["workers"]) < len(self.pods):
-            dead = [p for p in self.pods if p.process.poll() is not None]
-            if dead or time.time() > deadline:
-                tail = self._log_tail(dead[0] if dead else self.pods[0])
-                raise ClusterError(f"Pod-emulated workers did not start (pod limit {self.pod_limit >> 20} MiB). Last log lines:\n{tail}")
-            time.sleep(0.1)
+        def refuse(dead: Pod | None = None) -> ClusterError:
+            tail = self._log_tail(dead or self.pods[0])
+            return ClusterError(f"Pod-emulated workers did not start (pod limit {self.pod_limit >> 20} MiB). Last log lines:\n{tail}")
+
+        def check() -> None:
+            dead = next((p for p in self.pods if p.process.poll() is not None), None)
+            if dead is not None:
+                raise refuse(dead)
+
+        wait_for_workers(client, len(self.pods), WORKER_START_TIMEOUT, lambda have: refuse(), check, interval=0.1)
 
     def refresh(self) -> None:
         peaks = self.watcher.peaks
@@ -267,7 +307,7 @@ class PodCluster:
     def _log_tail(self, pod: Pod, lines: int = 15) -> str:
         return "\n".join(self._log_text(pod).splitlines()[-lines:])
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._closing.set()
         if self._supervisor.is_alive():
             self._supervisor.join(timeout=15)
@@ -298,7 +338,7 @@ class PodCluster:
             self._scheduler = None
 
 
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
     except ProcessLookupError:

@@ -143,7 +143,7 @@ class KernelLog:
     """New records of the kernel log (/dev/kmsg) since this object was made; empty where the log is
     unreadable (no root, a container without it)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         try:
             self._fd: int | None = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
             os.lseek(self._fd, 0, os.SEEK_END)

@@ -51,7 +51,7 @@ class StopHeartbeat(WorkerPlugin):
     def __init__(self) -> None:
         self._in_flight: asyncio.Task[Any] | None = None
 
-    def setup(self, worker) -> None:
+    def setup(self, worker: Any) -> None:
         periodic = worker.periodic_callbacks.get("heartbeat")
         if periodic is None:  # a future distributed without it: nothing to stop
             return
@@ -66,7 +66,7 @@ class StopHeartbeat(WorkerPlugin):
 
         periodic.callback = tracked_heartbeat
 
-    async def teardown(self, worker) -> None:
+    async def teardown(self, worker: Any) -> None:
         periodic = worker.periodic_callbacks.get("heartbeat")
         if periodic is not None:
             periodic.stop()

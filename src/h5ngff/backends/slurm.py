@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +38,11 @@ from typing import Any
 import dask
 from distributed import Client
 
-from ..errors import ClusterError, NannyTerminatedError, OOMKilledError, WorkerFailedError, WorkersLostError, WorkersPendingError
+from ..errors import ClusterError, H5ngffError, NannyTerminatedError, OOMKilledError, WorkerFailedError, WorkersLostError, WorkersPendingError
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec, SlurmSpec
-from ..units import MiB
-from .base import REMOTE_DEFAULT_WORKERS, Session, dask_memory_config
+from ..units import MiB, format_bytes
+from .base import REMOTE_DEFAULT_WORKERS, Description, JobScript, Session, connect, dask_memory_config, wait_for_workers
 from .diagnostics import ClusterEvents, WorkerReport, register_plugins
 from .slurmctl import (
     NO_CONFIGURATION,
@@ -56,7 +56,7 @@ from .slurmctl import (
     queued_ids,
     sbatch_refusal,
 )
-from .slurmscript import JobScript, build_job_script, job_mem_mib
+from .slurmscript import build_job_script, job_mem_mib
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,6 @@ class SlurmBackend:
     """Runs each conversion on worker jobs submitted for the run and cancelled after it."""
 
     name = "slurm"
-    #: The worker jobs are submitted for the run, sized by the plan, and cancelled after it.
-    owns_workers = True
 
     def __init__(self, settings: SlurmSpec | None = None, job_mem: int | None = None, default_workers: int = DEFAULT_WORKERS):
         self.settings = settings or SlurmSpec()
@@ -100,6 +98,27 @@ class SlurmBackend:
     def job_script(self, plan: Plan, job_name: str = "h5ngff-RUN", **names: str) -> JobScript:
         return build_job_script(plan, self.settings, self.python, job_name=job_name, job_mem=self.job_mem, **names)
 
+    def describe(self, spec: ConversionSpec, plan: Plan) -> Description:
+        """The worker job's script, and a word where the budget is more than any node has."""
+        return Description(notices=tuple(filter(None, [self._budget_beyond_nodes(spec, plan)])), job_script=self.job_script(plan))
+
+    def _budget_beyond_nodes(self, spec: ConversionSpec, plan: Plan) -> str | None:
+        """On SLURM, --memory-per-worker is the most one job's --mem may be; each job asks for what
+        its plan needs. A budget no node has is worth a word (it was accepted in silence), and a
+        planned --mem no node has would pend for ever; sinfo is asked only for a budget the user gave."""
+        per_job = spec.resources.memory_per_worker_bytes
+        if per_job is None:
+            return None
+        largest = self.largest_node_bytes()
+        if largest is None or per_job <= largest:
+            return None
+        where = f"partition {self.settings.partition}" if self.settings.partition else "this SLURM cluster"
+        mem = self.job_mem_bytes(plan)
+        fits = "fits a node" if mem <= largest else "fits no node either: the jobs would pend until pendingTimeout"
+        return (f"resources.memoryPerWorker: {format_bytes(per_job)} is more than any node of {where} offers "
+                f"({format_bytes(largest)}, sinfo RealMemory). Each worker job asks for what its plan needs, at most the budget: "
+                f"--mem={mem >> 20}M here, which {fits}. Give at most {format_bytes(largest)} per worker.")
+
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
         job_name = f"h5ngff-{uuid.uuid4().hex[:10]}"
@@ -125,7 +144,7 @@ class SlurmBackend:
             # SIGTERM, and a nanny busy restarting its worker holds the job for SLURM's KillWait
             # (30 s by default); a job already cancelling can no longer be signalled.
             stack.callback(cancel_by_name, job_name, kill=True)
-            client = stack.enter_context(Client(cluster, set_as_default=False))
+            client = stack.enter_context(connect(cluster))
             register_plugins(client)
             cluster.scale(plan.workers)
             jobs.wait_for_workers(client, plan.workers, settings.pending_timeout)
@@ -161,12 +180,11 @@ class SlurmSession(Session):
         lost = self.jobs.lost_error()
         if lost is None:
             return err
-        for counter in ("oom_kills", "memory_terminations"):  # classify_failure's counts, 0 here
-            setattr(lost, counter, getattr(err, counter, 0))
+        lost.oom_kills, lost.memory_terminations = err.oom_kills, err.memory_terminations  # classify_failure's counts, 0 here
         return lost
 
 
-def _import_jobqueue():
+def _import_jobqueue() -> Any:
     """dask_jobqueue's SLURMCluster. Importing dask_jobqueue installs a SIGINT handler of its
     own (``sys.exit()``, for its SLURMRunner), which turned a Ctrl-C into exit status 0 with the
     jobs left to their death timeout; the handler that was in place is put back."""
@@ -179,7 +197,7 @@ def _import_jobqueue():
 
 
 @contextmanager
-def _cluster(plan: Plan, settings: SlurmSpec, backend: SlurmBackend, job_name: str):
+def _cluster(plan: Plan, settings: SlurmSpec, backend: SlurmBackend, job_name: str) -> Iterator[Any]:
     SLURMCluster = _import_jobqueue()
 
     def script(worker_name: str, scheduler: str) -> JobScript:
@@ -207,13 +225,14 @@ def _cluster(plan: Plan, settings: SlurmSpec, backend: SlurmBackend, job_name: s
             log.debug("SLURMCluster.close failed", exc_info=True)
 
 
-def _planned_job_class():
+def _planned_job_class() -> Any:
     """dask-jobqueue's SLURMJob with the script replaced by the plan's (imported lazily)."""
     from dask_jobqueue.slurm import SLURMJob
 
     class PlannedSLURMJob(SLURMJob):
-        def __init__(self, scheduler=None, name=None, h5ngff_script=None, **kwargs):
-            super().__init__(scheduler=scheduler, name=name, **kwargs)
+        def __init__(self, scheduler: str | None = None, name: str | None = None, *, h5ngff_script: Callable[..., JobScript], **kwargs: Any) -> None:
+            untyped_init: Any = super().__init__  # dask-jobqueue is untyped
+            untyped_init(scheduler=scheduler, name=name, **kwargs)
             script = h5ngff_script(worker_name=str(name), scheduler=str(scheduler))
             self.shebang = script.shebang
             self.job_header = "\n".join(script.header)
@@ -268,17 +287,17 @@ class SlurmJobs:
 
     def wait_for_workers(self, client: Client, n: int, timeout: float) -> None:
         """Until ``n`` workers connected; a job that ends first or pends past ``timeout`` fails the run."""
-        deadline = time.monotonic() + timeout
-        while len(client.scheduler_info(n_workers=-1)["workers"]) < n:
-            jobs = self._known_jobs()
-            states = {name: job_state(jid) for name, jid in jobs.items()}
+        states: dict[str, JobState | None] = {}
+
+        def check() -> None:
+            states.clear()
+            states.update({name: job_state(jid) for name, jid in self._known_jobs().items()})
             ended = {name: s for name, s in states.items() if s is not None and s.finished}
             if ended:
                 name, s = next(iter(ended.items()))
                 raise self._ended_error(name, s)
-            if time.monotonic() > deadline:
-                raise self._pending_error(n, len(client.scheduler_info(n_workers=-1)["workers"]), states, timeout)
-            time.sleep(0.5)
+
+        wait_for_workers(client, n, timeout, lambda have: self._pending_error(n, have, states, timeout), check, interval=0.5)
         self._known_jobs()
 
     def _pending_error(self, n: int, have: int, states: dict[str, JobState | None], timeout: float) -> WorkersPendingError:
@@ -293,7 +312,7 @@ class SlurmJobs:
             f"SLURM's reason: {reasons}. Each job asks for --mem={self.job_mem // MiB}M and --cpus-per-task={self.plan.threads_per_worker}: "
             f"{advice}.", reasons=reasons)
 
-    def _ended_error(self, name: str, s: JobState):
+    def _ended_error(self, name: str, s: JobState) -> H5ngffError:
         err = self._err_text(s.job_id).strip().splitlines()[-8:]
         tail = "\n".join(err) or f"(no .err file in {self.log_dir})"
         if s.state == "OUT_OF_MEMORY" or oom_events(self._err_text(s.job_id)):
@@ -362,7 +381,7 @@ class SlurmJobs:
     def refresh(self, client: Client | None = None) -> None:
         """Re-read every job's figures: its cgroup through the worker (while it runs), its .err."""
         self._known_jobs()
-        figures: dict[str, dict] = {}
+        figures: dict[str, dict[str, Any]] = {}
         if client is not None:
             try:
                 figures = {str(v.get("name")): v for v in client.run(job_cgroup_figures, on_error="ignore").values() if isinstance(v, dict)}
@@ -399,7 +418,7 @@ class SlurmJobs:
         self.refresh()
 
 
-def job_cgroup_figures(dask_worker=None) -> dict[str, Any]:
+def job_cgroup_figures(dask_worker: Any = None) -> dict[str, Any]:
     """Runs in a worker: its SLURM job's memory cgroup (v1) limit, peak and OOM kills, read from
     ``/proc/self/cgroup`` up to the ``job_<id>`` directory. Empty where there is none."""
     out: dict[str, Any] = {"name": str(getattr(dask_worker, "name", ""))}

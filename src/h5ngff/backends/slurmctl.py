@@ -74,7 +74,7 @@ def oom_events(err_text: str) -> int:
     return kills + len(OVER_MEMORY.findall(err_text))
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
 
 

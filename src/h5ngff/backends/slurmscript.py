@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import dataclass
 
-from ..planner.model import MemoryTerm, Plan
+from ..planner.model import Plan
 from ..spec import SlurmSpec
 from ..units import MiB
 from .allocator import GLIBC_ENV, JEMALLOC_CONF, JEMALLOC_PATHS
-from .base import dask_env, dask_memory_config
+from .base import JobScript, dask_env, dask_memory_config
 
 #: Seconds a worker waits for a lost scheduler before it exits, ending its job. A client killed
 #: with SIGKILL takes the scheduler with it; the reaper (backends/slurmreaper.py) cancels the jobs
@@ -36,26 +35,6 @@ WORKER_PLACEHOLDER = "WORKER"
 def job_mem_mib(limit_bytes: int) -> int:
     """``--mem`` in MiB (sbatch's ``M``), rounded up: SLURM must never grant less than planned."""
     return math.ceil(limit_bytes / MiB)
-
-
-@dataclass(frozen=True)
-class JobScript:
-    """One worker job's script, in the parts ``h5ngff plan`` explains."""
-
-    header: tuple[str, ...]
-    environment: tuple[str, ...]
-    prologue: tuple[str, ...]
-    command: str
-    #: The job's ``--mem`` in bytes, and the terms it is made of (the plan's pod terms).
-    mem_bytes: int
-    mem_terms: tuple[MemoryTerm, ...]
-    #: Why --mem differs from the plan (an override), or "".
-    mem_override: str = ""
-    shebang: str = "#!/usr/bin/env bash"
-
-    def text(self) -> str:
-        parts = [self.shebang, *self.header, "", *self.environment, *self.prologue, self.command]
-        return "\n".join(parts) + "\n"
 
 
 def build_header(plan: Plan, slurm: SlurmSpec, job_name: str, mem_bytes: int) -> tuple[str, ...]:

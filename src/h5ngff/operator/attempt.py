@@ -1,8 +1,8 @@
-"""One attempt of a ConversionJob: plan, convert, and report as status patches.
+"""One attempt of a ConversionJob: the run sequence (``runner.execute``), reported as status patches.
 
 The runner pod (``h5ngff runner``) sends the patches to the API server; ``h5ngff run job.yaml``
 merges them into a dict and prints the status the operator would show. Both run
-``runner.plan_job``/``run_job``: the one code path.
+``runner.execute``, as ``h5ngff convert`` does: this module only turns its steps into patches.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..engine.write.output import check_output
-from ..engine.progress import Progress
+from ..backends.base import Backend
+from ..engine.progress import Listener, Progress
 from ..errors import H5ngffError
 from ..jobspec import ConversionJobSpec
 from ..phases import WRITING_PHASES
 from ..planner import DEFAULT_CONSTANTS, MemoryConstants
-from ..runner import PlannedJob, RunSummary, plan_job, run_job
+from ..runner import Linger, Outcome, PlannedJob, RunSummary, execute
 from .status import (
     PROGRESS_INTERVAL,
     failed_patch,
@@ -32,6 +32,9 @@ from .status import (
     runner_report,
     succeeded_patch,
 )
+
+if TYPE_CHECKING:
+    from ..metrics.exporter import MetricsExporter
 
 log = logging.getLogger(__name__)
 
@@ -73,38 +76,56 @@ class ProgressForwarder:
 class AttemptOptions:
     constants: MemoryConstants = DEFAULT_CONSTANTS
     #: More progress listeners (e.g. the CLI's progress bar).
-    listeners: list[Callable[[Progress], None]] = field(default_factory=list)
+    listeners: list[Listener] = field(default_factory=list)
     #: Called with the plan before the conversion starts (e.g. to print it).
     on_plan: Callable[[PlannedJob], None] | None = None
     progress_interval: float = PROGRESS_INTERVAL
-    #: A metrics.exporter.MetricsExporter serving this attempt's metrics, or None.
-    metrics: Any = None
+    #: The exporter serving this attempt's metrics, or None.
+    metrics: MetricsExporter | None = None
+    #: How long ``metrics`` stay up once the attempt's outcome is reported.
+    linger: Linger = field(default_factory=Linger)
 
 
-def run_attempt(spec: ConversionJobSpec, backend, sink: Sink, attempt: int = 1, options: AttemptOptions | None = None) -> AttemptResult:
+def run_attempt(spec: ConversionJobSpec, backend: Backend, sink: Sink, attempt: int = 1, options: AttemptOptions | None = None) -> AttemptResult:
     """Plan and convert ``spec`` on ``backend``; every step goes to ``sink``. Never raises: an
     error becomes the attempt's Failed report (with its reason) and the exit code."""
     opts = options or AttemptOptions()
-    job: PlannedJob | None = None
-    try:
-        job = plan_job(spec.conversion(), backend, opts.constants)
-        check_output(job.plan, job.spec, job.source)  # refuse a conflicting output before any cluster starts
+    ended = Outcome()
+
+    def planned(job: PlannedJob) -> None:
         for notice in job.notices:
             log.warning("%s", notice)
         sink(planned_patch(job.plan, now()), False)
         if opts.on_plan is not None:
             opts.on_plan(job)
-        summary = run_job(job, backend, [ProgressForwarder(sink, opts.progress_interval), *opts.listeners], metrics=opts.metrics)
-    except H5ngffError as exc:
+
+    def end(outcome: Outcome) -> None:
+        nonlocal ended
+        ended = outcome
+        _report(sink, attempt, outcome)
+
+    try:
+        summary = execute(spec.conversion(), backend, [ProgressForwarder(sink, opts.progress_interval), *opts.listeners], opts.metrics,
+                          constants=opts.constants, on_plan=planned, on_end=end, linger=opts.linger)
+    except Exception as exc:
+        if ended.error is not exc:  # it failed before the run sequence began: report it here
+            _report(sink, attempt, Outcome(error=exc))
+        return AttemptResult(exc.exit_code if isinstance(exc, H5ngffError) else 1, job=ended.job, error=exc)
+    return AttemptResult(0, job=ended.job, summary=summary)
+
+
+def _report(sink: Sink, attempt: int, outcome: Outcome) -> None:
+    """The attempt's last patch: Succeeded with the result, or Failed with the reason (a bug is a
+    RunnerError: the operator still learns why this attempt ended). A Ctrl-C reports nothing."""
+    exc = outcome.error
+    if exc is None and outcome.job is not None and outcome.summary is not None:
+        sink(_succeeded(outcome.job, outcome.summary, attempt), True)
+    elif isinstance(exc, H5ngffError):
         log.error("attempt %d failed (%s): %s", attempt, exc.reason, exc)
         sink(runner_report(attempt, "Failed", now(), exc.reason, str(exc)), True)
-        return AttemptResult(exc.exit_code, job=job, error=exc)
-    except Exception as exc:  # a bug: still tell the operator why this attempt ended
-        log.exception("runner crashed")
+    elif isinstance(exc, Exception):
+        log.error("runner crashed", exc_info=exc)
         sink(runner_report(attempt, "Failed", now(), "RunnerError", f"{type(exc).__name__}: {exc}"), True)
-        return AttemptResult(1, job=job, error=exc)
-    sink(_succeeded(job, summary, attempt), True)
-    return AttemptResult(0, job=job, summary=summary)
 
 
 def _succeeded(job: PlannedJob, summary: RunSummary, attempt: int) -> dict[str, Any]:
@@ -117,7 +138,7 @@ def _succeeded(job: PlannedJob, summary: RunSummary, attempt: int) -> dict[str, 
     }
 
 
-def run_locally(name: str, spec: ConversionJobSpec, backend, options: AttemptOptions | None = None) -> tuple[dict[str, Any], AttemptResult]:
+def run_locally(name: str, spec: ConversionJobSpec, backend: Backend, options: AttemptOptions | None = None) -> tuple[dict[str, Any], AttemptResult]:
     """``h5ngff run``: one attempt on ``backend``; returns the status the operator would show.
 
     One attempt only: locally there is no pod to lose, and a deterministic failure (the usual

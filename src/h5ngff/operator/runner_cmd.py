@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import H5ngffError, SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
+from ..runner import Linger
 from ..units import parse_bytes
 from .attempt import AttemptOptions, run_attempt
 from .manifests import BACKEND_ENV, METRICS_PORT_ENV, SPEC_ENV
@@ -30,6 +31,7 @@ from .status import now, runner_report
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
+    from ..metrics.exporter import MetricsExporter
 
 log = logging.getLogger(__name__)
 
@@ -60,20 +62,24 @@ def spec_from_env() -> ConversionJobSpec:
 
 
 def runner_backend(args: RunnerArgs, spec: ConversionJobSpec) -> Backend:
-    """The backend ``$H5NGFF_BACKEND`` names (default kubernetes), from the one factory."""
-    from ..backends.factory import BACKENDS, BackendOptions, make_backend
+    """The backend ``$H5NGFF_BACKEND`` names (default kubernetes), from the one factory: one
+    that starts its own workers, since a runner Job makes the cluster for its attempt."""
+    from ..backends.factory import BACKENDS, BackendOptions, make_backend, owning_kinds
     from ..jobspec import Owner
 
     kind = os.environ.get(BACKEND_ENV, "kubernetes")
-    if kind not in BACKENDS or kind == "external":  # a runner Job makes its own cluster
-        raise SpecError("", f"Expected ${BACKEND_ENV} to be kubernetes, local or local-pods. Got {kind!r} instead.")
+    entry = BACKENDS.get(kind)
+    if entry is None or not entry.owns_workers:
+        kinds = owning_kinds()
+        raise SpecError("", f"Expected ${BACKEND_ENV} to be {', '.join(kinds[:-1])} or {kinds[-1]} (a backend that starts its own workers). "
+                            f"Got {kind!r} instead.")
     limit = os.environ.get(POD_LIMIT_ENV)
     options = BackendOptions(pod_limit=parse_bytes(limit) if limit else None, image=spec.pod.image or "", pod=spec.pod,
                              owner=Owner(args.namespace, args.name, args.uid, args.attempt))
     return make_backend(kind, options)
 
 
-def _exporter(spec: ConversionJobSpec):
+def _exporter(spec: ConversionJobSpec) -> MetricsExporter | None:
     """The job's Prometheus exporter when the runner Job asks for one (the operator sets the port)."""
     port = os.environ.get(METRICS_PORT_ENV)
     if not port:
@@ -98,10 +104,10 @@ def main(args: RunnerArgs) -> int:
             return exc.exit_code
         log.info("attempt %d of ConversionJob %s/%s on the %s backend", args.attempt, args.namespace, args.name, backend.name)
         metrics = _exporter(spec)
-        result = run_attempt(spec, backend, reporter, args.attempt, AttemptOptions(metrics=metrics))
-        reporter.flush(10.0)  # the outcome goes to the API first; lingering must not delay it
-        if metrics is not None:
-            metrics.linger(metrics_linger(), until_scraped=True)
+        # The outcome's patch is final: the reporter delivers it before the metrics linger.
+        linger = Linger(metrics_linger(), until_scraped=True) if metrics is not None else Linger()
+        result = run_attempt(spec, backend, reporter, args.attempt, AttemptOptions(metrics=metrics, linger=linger))
+        reporter.flush(10.0)
         return result.exit_code
     finally:
         reporter.close()
