@@ -22,6 +22,7 @@ from h5ngff.backends.slurmctl import parse_scontrol_job
 from h5ngff.engine import driver
 from h5ngff.errors import ClusterError, SpecError, WorkersLostError, WorkersPendingError
 from h5ngff.jobspec import parse_job_spec
+from h5ngff.phases import Phase
 from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import SlurmSpec
 
@@ -177,18 +178,21 @@ def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monk
     h5, _ = small
     job, backend = _slow_run(tmp_path, monkeypatch, h5, "c.ome.zarr")
 
+    writing = threading.Event()  # set by the run itself: its worker connected, its slabs are submitted
+
     def cancel_when_running():  # as an admin (or a preemption) would, once the worker works
-        deadline = time.monotonic() + 60
-        running: list[str] = []
-        while not running and time.monotonic() < deadline:
-            time.sleep(0.5)
-            running = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, check=False).stdout.split()
-        time.sleep(5)  # the worker connects and takes a slab
+        if not writing.wait(120):
+            return  # the run failed before writing: pytest.raises below reports what it raised
+        running = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, check=False).stdout.split()
         subprocess.run(["scancel", *running], check=False)
+
+    def on_progress(progress) -> None:
+        if progress.phase == Phase.WRITING:
+            writing.set()
 
     threading.Thread(target=cancel_when_running, daemon=True).start()
     with pytest.raises(WorkersLostError) as info:
-        run_job(job, backend)
+        run_job(job, backend, [on_progress])
     text = str(info.value)
     assert "JobState=CANCELLED" in text and "during the run" in text and "someone other than h5ngff" in text, text
     assert not squeue()
