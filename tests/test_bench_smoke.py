@@ -22,6 +22,8 @@ from bench.verify import verify
 
 from conftest import write_h5
 
+pytestmark = pytest.mark.integration
+
 SCALE = 0.002  # (150, 168, 90) float32, 9 MB
 
 WRONG_PEER = """\

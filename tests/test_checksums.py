@@ -30,6 +30,8 @@ from h5ngff.engine.existing import level_layout
 from h5ngff.engine.verify import verify_output
 from test_engine_resume import FLAGS, chunk_files, manifest_lines
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE = (16, 40, 36)
 OUTPUTS = {

@@ -21,6 +21,8 @@ import h5ngff as package
 from conftest import smooth, write_h5
 from h5ngff.engine.manifest import MANIFEST_DIR, MANIFEST_FILE
 
+pytestmark = pytest.mark.integration
+
 #: The commands run the h5ngff this test imports (its src/), wherever the test file lies.
 SRC = Path(package.__file__).resolve().parents[1]
 H5NGFF = [sys.executable, "-m", "h5ngff.cli"]

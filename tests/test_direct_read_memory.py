@@ -21,6 +21,8 @@ from h5ngff.planner import Capacity, DatasetInfo, make_plan
 from h5ngff.planner.memory import DEFAULT_CONSTANTS
 from h5ngff.units import MiB
 
+pytestmark = pytest.mark.integration
+
 ISSUE_SHAPE = (4, 64, 1024, 1024)
 ISSUE_HDF5_CHUNKS = (1, 24, 100, 100)
 

@@ -24,6 +24,8 @@ from h5ngff.engine.chunkio import is_fill_chunk
 from h5ngff.engine.manifest import Manifest
 from h5ngff.engine.verify import verify_output
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE, CHUNKS, SHARDS = (40, 96, 96), (8, 32, 32), (16, 64, 64)
 

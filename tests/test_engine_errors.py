@@ -21,6 +21,8 @@ from h5ngff.errors import (
     UnsupportedDatasetError,
 )
 
+pytestmark = pytest.mark.integration
+
 
 def assert_not_finished(out: str) -> None:
     assert completion_marker(out) is None

@@ -11,6 +11,8 @@ import zarr
 from conftest import smooth, spec_for, write_h5
 from reference import reference_pyramid
 
+pytestmark = pytest.mark.integration
+
 DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool"]
 
 

@@ -18,6 +18,8 @@ import zarr
 from conftest import smooth, spec_for, write_h5
 from h5ngff.errors import OutputConflictError
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 
 

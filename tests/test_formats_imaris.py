@@ -21,6 +21,8 @@ from h5ngff.engine.verify import verify_output
 from h5ngff.errors import UnsupportedDatasetError
 from reference import halving_steps, reference_pyramid
 
+pytestmark = pytest.mark.integration
+
 NAMES = ["DAPI", "GFP", "mCherry"]
 COLORS = [(0.0, 0.0, 1.0), (0.0, 1.0, 0.0), (1.0, 0.0, 1.0)]
 LEVELS = 3

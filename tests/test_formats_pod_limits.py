@@ -14,7 +14,7 @@ from h5ngff.backends.local import LocalBackend
 from h5ngff.errors import OOMKilledError
 from h5ngff.runner import plan_job, run_job
 
-pytestmark = [requires_cgroups, pytest.mark.cgroup]
+pytestmark = [requires_cgroups, pytest.mark.cgroup, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")

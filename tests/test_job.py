@@ -16,6 +16,8 @@ from h5ngff.errors import SpecError
 from h5ngff.job import load_job
 from h5ngff.sample import write_sample
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "manifests/examples/conversionjob.yaml"
 H5NGFF = [sys.executable, "-m", "h5ngff.cli"]

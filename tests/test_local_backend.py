@@ -15,8 +15,11 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from conftest import write_h5
+
+pytestmark = pytest.mark.integration
 
 #: The caller's main module imports a module of its own, then runs a conversion's cluster through
 #: the real LocalBackend (sized by a real plan) and asks each worker whether that module is loaded.

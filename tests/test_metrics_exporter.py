@@ -36,6 +36,8 @@ from h5ngff.metrics.probes import ClusterPoller
 from h5ngff.planner import DEFAULT_CONSTANTS
 from h5ngff.runner import plan_job, run_job
 
+pytestmark = pytest.mark.integration
+
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes",
                   "h5ngff_worker_pod_nonreclaimable_bytes", "h5ngff_worker_pod_nonreclaimable_peak_bytes"}

@@ -33,6 +33,8 @@ from operator_harness import CJ_PATH, CJ_RES, JOB_RES, LEASE_RES, emulator, fast
 from test_operator_kmock import SPEC, env_of, report
 from test_operator_reconcile import T1, job, obs, run
 
+pytestmark = pytest.mark.integration
+
 COMPLETE = {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
 
 

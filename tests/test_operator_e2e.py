@@ -26,7 +26,7 @@ from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, calls
 from operator_harness import emulator, fast_config, manifest, operator_running, passes, wait_for
 from test_operator_kmock import env_of, phases
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180), pytest.mark.integration]
 
 SHAPE = (40, 96, 80)
 

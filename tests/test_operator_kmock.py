@@ -23,7 +23,7 @@ from h5ngff.jobspec import parse_job_spec
 from h5ngff.units import k8s_quantity
 from operator_harness import CJ_RES, DASK_RES, JOB_RES, LEASE_RES, OperatorThread, emulator, fast_config, manifest, operator_running, passes, wait_for
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120), pytest.mark.integration]
 
 VOLUMES = [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}]
 MOUNTS = [{"name": "data", "mountPath": "/data"}]

@@ -29,7 +29,7 @@ from operator_harness import DASK_RES, emulator, fast_config, manifest, operator
 from test_operator_e2e import run_container
 from test_operator_kmock import phases
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240), pytest.mark.integration]
 
 DASK_PATH = "/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters"
 

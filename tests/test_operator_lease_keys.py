@@ -26,7 +26,7 @@ LEASES_PATH = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
 #: The operator's namespace in these tests: neither job's.
 OPS = "h5ngff-system"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]
 
 
 def key(path: str, pod: dict | None = None, namespace: str | None = None) -> str:

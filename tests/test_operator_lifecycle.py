@@ -35,7 +35,7 @@ from operator_harness import (
 )
 from test_operator_kmock import SPEC, env_of, phases, report
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120), pytest.mark.integration]
 
 COMPLETE = {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
 

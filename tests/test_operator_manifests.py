@@ -155,6 +155,7 @@ def test_scheduler_pod_is_guaranteed_and_sized_apart_from_workers():
     assert sched["service"]["selector"]["dask.org/cluster-name"] == dask_cluster_name("scan-42")
 
 
+@pytest.mark.integration
 def test_the_worker_container_starts_a_worker_with_the_planned_limits(tmp_path):
     """Run the built container's command for real: Dask must accept the args, and the worker
     must come up with the planned memory_limit, threads and thresholds."""

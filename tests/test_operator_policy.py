@@ -91,6 +91,7 @@ def test_reconcile_denies_first_and_ensures_nothing():
 DENIED = {**BASE, "pod": {"image": "evil.example/miner:1", "volumes": [HOST], "volumeMounts": [{"name": "node", "mountPath": "/host"}]}}
 
 
+@pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_a_denied_job_fails_with_policy_denied_and_creates_nothing():
@@ -109,6 +110,7 @@ async def test_a_denied_job_fails_with_policy_denied_and_creates_nothing():
         assert "PolicyDenied" in [e["reason"] for e in c.events()]
 
 
+@pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_the_same_job_runs_when_the_policy_allows_it():

@@ -22,7 +22,7 @@ from h5ngff.errors import NannyTerminatedError, OOMKilledError
 from h5ngff.runner import plan_job, run_job
 from h5ngff.sample import write_sample
 
-pytestmark = [requires_cgroups, pytest.mark.cgroup]
+pytestmark = [requires_cgroups, pytest.mark.cgroup, pytest.mark.integration]
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 
 

@@ -82,6 +82,7 @@ def _run_in_pod(tmp_path, mode: str, path: str):
         group.remove()
 
 
+@pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup
 def test_the_watcher_counts_anon_and_dirty_pages_but_not_clean_page_cache(tmp_path):
@@ -113,6 +114,7 @@ def _tiny_volume(tmp_path, shape=(128, 256, 512)):
     return write_h5(tmp_path / "in.h5", data)
 
 
+@pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup
 def test_a_run_the_kernel_kills_reports_one_count_and_real_peaks(tmp_path):
@@ -144,6 +146,7 @@ def test_a_run_the_kernel_kills_reports_one_count_and_real_peaks(tmp_path):
     assert all(w.peak_rss > 150 * MiB - w.nanny_anon_peak for w in killed), [w.to_dict() for w in killed]
 
 
+@pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup
 def test_the_pod_limit_is_close_to_what_the_pod_really_holds(tmp_path):

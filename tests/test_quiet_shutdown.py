@@ -29,6 +29,8 @@ from conftest import smooth, write_h5
 from h5ngff.backends.shutdown import TORNADO_CALLBACKS, is_sync_cancel_race, quiet_sync_cancel_race
 from h5ngff.errors import ExitCode
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 H5NGFF = [sys.executable, "-m", "h5ngff.cli"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}

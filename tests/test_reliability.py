@@ -28,6 +28,8 @@ from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import CompressorSpec
 from test_engine_resume import chunk_files, manifest_lines
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,64,256", "--workers", "2", "--no-progress"]
 

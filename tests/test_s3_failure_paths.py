@@ -29,6 +29,8 @@ from h5ngff.errors import OutputBusyError, OutputConflictError, OutputError
 from h5ngff.runner import plan_job, run_job
 from s3_server import FaultProxy
 
+pytestmark = pytest.mark.integration
+
 SHAPE = (32, 48, 40)
 
 

@@ -28,6 +28,8 @@ from h5ngff.errors import ExitCode, OutputBusyError, OutputError
 from s3_server import FaultProxy
 from test_s3_output import _chunk_objects, _env, _flags
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 #: Seconds: a renewal every 3.3 s, given up after 6.7 s without one; a dead remote holder is
 #: taken over after 10 s. Shorter ttls lost leases on this 2-core machine while a benchmark ran

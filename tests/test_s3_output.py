@@ -25,6 +25,8 @@ from h5ngff.metrics.families import ExportState, build_families
 from reference import reference_pyramid
 from s3_server import FaultProxy
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE = (24, 96, 80)

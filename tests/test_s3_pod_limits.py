@@ -15,7 +15,7 @@ from h5ngff.backends.local import LocalBackend
 from h5ngff.runner import plan_job, run_job
 from s3_server import CREDENTIALS
 
-pytestmark = [requires_cgroups, pytest.mark.cgroup]
+pytestmark = [requires_cgroups, pytest.mark.cgroup, pytest.mark.integration]
 
 
 def test_a_run_to_the_endpoint_under_pod_limits_stays_under_the_plan(s3, tmp_path, monkeypatch):

@@ -22,6 +22,8 @@ from h5ngff.engine.stores.awsconfig import resolve_chain
 from h5ngff.errors import CredentialsError, ExitCode, SpecError
 from s3_server import CREDENTIALS
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE = (16, 64, 48)

@@ -28,6 +28,8 @@ from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import CompressorSpec, parse_spec
 from h5ngff.units import MiB
 
+pytestmark = pytest.mark.integration
+
 ZSTD = CompressorSpec(codec="blosc", cname="zstd", clevel=5, shuffle="bitshuffle")
 
 

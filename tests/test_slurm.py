@@ -37,6 +37,8 @@ from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import SlurmSpec
 from h5ngff.units import MiB
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 
 

@@ -96,6 +96,7 @@ def _held_job(directive: str) -> str:
     return " ".join(w for w in line.split() if w.split("=")[0] in ("NumCPUs", "NumTasks", "NumNodes", "CPUs/Task", "MinMemoryNode", "MinMemoryCPU"))
 
 
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_sbatch_itself_reads_the_refused_directives_as_planned_options():
     """The oracle: every refused directive really changes what SLURM gives the job, and every
@@ -108,6 +109,7 @@ def test_sbatch_itself_reads_the_refused_directives_as_planned_options():
     assert all(got == baseline for got in same.values()), (baseline, same)
 
 
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_an_unreachable_controller_is_quoted_not_blamed_on_the_partition(small, tmp_path, monkeypatch):
     h5, _ = small
@@ -124,6 +126,7 @@ def test_an_unreachable_controller_is_quoted_not_blamed_on_the_partition(small, 
     assert "slurm.partition" not in text, text
 
 
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_missing_slurm_conf_keeps_slurms_own_words(small, tmp_path, monkeypatch):
     h5, _ = small
@@ -151,6 +154,7 @@ def short_partition():
         subprocess.run(["scontrol", "delete", f"PartitionName={name}"], check=False)
 
 
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_jobs_pending_on_a_partition_limit_are_not_told_to_wait(small, tmp_path, short_partition):
     h5, _ = small
@@ -173,6 +177,7 @@ def _slow_run(tmp_path, monkeypatch, h5, name, **slurm):
     return plan_job(spec, backend), backend
 
 
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monkeypatch):
     h5, _ = small
@@ -198,6 +203,7 @@ def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monk
     assert not squeue()
 
 
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_path, monkeypatch):
     """SLURM's shortest limit is one minute, checked every 30 s: the job ends TIMEOUT 60 to 90 s
@@ -213,6 +219,7 @@ def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_pat
     assert not squeue()
 
 
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_budget_larger_than_any_node_is_said_with_the_mem_each_job_asks_for(tmp_path, capsys):
     """Issue 27 item 12: --memory-per-worker 40TiB on this machine's one node was accepted in

@@ -107,6 +107,7 @@ def test_sweep_removes_only_what_a_killed_writer_left(tmp_path):
     assert store.sweep() == 0
 
 
+@pytest.mark.integration
 def test_a_sibling_prefix_with_the_same_start_is_not_ours(s3):
     """``out.ome.zarr`` must not list or delete ``out.ome.zarr.bak``: the prefix is a path."""
     from h5ngff.engine.stores.s3 import S3Store
@@ -119,6 +120,7 @@ def test_a_sibling_prefix_with_the_same_start_is_not_ours(s3):
     assert theirs.get("zarr.json") == b"precious"
 
 
+@pytest.mark.integration
 def test_transient_errors_are_retried_counted_and_bounded(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -137,6 +139,7 @@ def test_transient_errors_are_retried_counted_and_bounded(s3):
             store.put("b", b"data")
 
 
+@pytest.mark.integration
 def test_a_403_fails_at_once_with_what_to_change(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -155,6 +158,7 @@ def test_a_403_fails_at_once_with_what_to_change(s3):
 ROUND_TRIP = 0.5
 
 
+@pytest.mark.integration
 def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_block_exits(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -187,6 +191,7 @@ def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_blo
     assert synchronous >= 6 * ROUND_TRIP and overlapped < 0.5 * synchronous, (synchronous, overlapped)
 
 
+@pytest.mark.integration
 def test_the_window_bounds_the_puts_in_flight(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -203,6 +208,7 @@ def test_the_window_bounds_the_puts_in_flight(s3):
     assert 2 * 0.3 <= elapsed < 4 * 0.3, elapsed
 
 
+@pytest.mark.integration
 def test_a_failed_put_in_the_window_fails_the_block_after_the_others_are_done(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -236,6 +242,7 @@ def test_a_failed_put_in_the_window_fails_the_block_after_the_others_are_done(s3
         assert store_retries.mine() - retries_before == 1 and proxy.faults.injected("503") == 1
 
 
+@pytest.mark.integration
 def test_a_missing_bucket_fails_at_once_and_says_so(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -243,6 +250,7 @@ def test_a_missing_bucket_fails_at_once_and_says_so(s3):
         S3Store("no-such-bucket-h5ngff", "out", s3.options()).list("")
 
 
+@pytest.mark.integration
 def test_multipart_uploads_are_completed_or_aborted_never_left_half(s3):
     from h5ngff.engine.stores.s3 import S3Store
 

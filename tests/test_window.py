@@ -21,6 +21,7 @@ def _window(out: str, channel: int = 0) -> dict:
         return json.load(f)["attributes"]["ome"]["omero"]["channels"][channel]["window"]
 
 
+@pytest.mark.integration
 def test_hot_pixel_does_not_set_the_window(tmp_path, convert):
     rng = np.random.default_rng(3)
     data = (200 + rng.integers(0, 3, size=(40, 96, 96))).astype("uint16")  # background 200..202
