@@ -132,6 +132,7 @@ def test_stacked_pieces_are_direct_only_if_every_piece_is(files, selection, dire
     assert open_source(spec).info.hdf5_direct_read is direct
 
 
+@pytest.mark.slow
 @requires_cgroups
 @pytest.mark.cgroup
 @pytest.mark.parametrize("libdeflate", [True, False], ids=["direct chunks", "hdf5 filter"])

@@ -69,6 +69,7 @@ def converted(bdv, tmp_path_factory, shared_cluster):
     return out, run_job(plan_job(spec, backend), backend)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_every_level_equals_what_npy2bdv_reads(bdv, converted):
     _, data = bdv
@@ -82,6 +83,7 @@ def test_every_level_equals_what_npy2bdv_reads(bdv, converted):
         np.testing.assert_array_equal(zarr.open_array(f"{out}/{k}", mode="r")[...], expected)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_channel_names_and_independent_clients(bdv, converted):
     _, data = bdv

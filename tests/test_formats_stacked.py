@@ -33,6 +33,7 @@ def channels(tmp_path_factory):
     return path, data
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_stacked_channels_are_exact_at_every_level_with_slabs_spanning_datasets(channels, tmp_path, convert):
     path, data = channels

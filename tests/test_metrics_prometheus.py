@@ -35,7 +35,7 @@ from h5ngff.runner import plan_job, run_job
 
 PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-pytestmark = [pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)"), pytest.mark.integration]
+pytestmark = [pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)"), pytest.mark.integration, pytest.mark.slow]
 
 JOB, NAMESPACE, SCRAPE_JOB = "scrape-test", "h5ngff-tests", "h5ngff"
 OPERATOR_SCRAPE_JOB = "h5ngff-operator"

@@ -128,6 +128,7 @@ def kubeconfig(path, url: str) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 async def test_the_runner_converts_on_a_daskcluster_sized_by_its_plan(tmp_path):
     data = smooth((32, 96, 80), "uint16", seed=3)
     source = write_h5(tmp_path / "scan.h5", data)

@@ -91,6 +91,7 @@ def test_reconcile_denies_first_and_ensures_nothing():
 DENIED = {**BASE, "pod": {"image": "evil.example/miner:1", "volumes": [HOST], "volumeMounts": [{"name": "node", "mountPath": "/host"}]}}
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)

@@ -76,6 +76,7 @@ def test_render_prints_role_binding_and_runner_job(capsys, job_file):
     assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-scan"  # the manifest's own uid
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)

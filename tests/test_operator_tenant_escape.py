@@ -251,6 +251,7 @@ def _as_runner_builds(c, name: str, image: str = IMAGE) -> dict:
     return cluster
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)

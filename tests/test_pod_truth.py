@@ -82,6 +82,7 @@ def _run_in_pod(tmp_path, mode: str, path: str):
         group.remove()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup
@@ -114,6 +115,7 @@ def _tiny_volume(tmp_path, shape=(128, 256, 512)):
     return write_h5(tmp_path / "in.h5", data)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup
@@ -146,6 +148,7 @@ def test_a_run_the_kernel_kills_reports_one_count_and_real_peaks(tmp_path):
     assert all(w.peak_rss > 150 * MiB - w.nanny_anon_peak for w in killed), [w.to_dict() for w in killed]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup

@@ -153,6 +153,7 @@ def drained(loop: IOLoop, timeout: float = 30) -> None:
     assert marker.wait(timeout), f"the loop did not reach the marker within {timeout} s"
 
 
+@pytest.mark.slow
 def test_the_sync_cancel_race_is_dropped_and_only_it(monkeypatch):
     logger = logging.getLogger(TORNADO_CALLBACKS)
     monkeypatch.setattr(logger, "filters", [])

@@ -90,6 +90,7 @@ def _stop(proc):
     proc.wait()
 
 
+@pytest.mark.slow
 def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_lease_stops_its_run(source, s3, elsewhere):
     bucket = s3.new_bucket()
     url, key_prefix = f"s3://{bucket}/held.ome.zarr", "held.ome.zarr/"
@@ -136,6 +137,7 @@ def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_leas
     assert _lease(s3, bucket, key_prefix + LOCK_KEY)[0]["host"] == "another-workstation"
 
 
+@pytest.mark.slow
 def test_negative_control_with_the_lease_off_the_second_writer_is_not_refused(source, s3, convert):
     """A live lease held by this test process: the CLI is refused, naming it; the same conversion
     with lock=false is not refused and writes the prefix under the holder's feet."""
@@ -153,6 +155,7 @@ def test_negative_control_with_the_lease_off_the_second_writer_is_not_refused(so
     assert "off.ome.zarr/" + LOCK_KEY not in s3.keys(bucket, "off.ome.zarr/")
 
 
+@pytest.mark.slow
 def test_a_sigkilled_holder_is_waited_out_for_one_ttl_then_resumed_byte_identical(source, s3, convert, elsewhere):
     bucket = s3.new_bucket()
     clean = f"s3://{bucket}/clean.ome.zarr"
@@ -228,6 +231,7 @@ def test_the_server_refuses_a_taker_with_a_wrong_etag_and_one_of_two_racing_take
     assert json.loads(store.get_tagged(LOCK_KEY)[0])["token"] == winners[0]
 
 
+@pytest.mark.slow
 def test_a_store_without_conditional_writes_is_refused_with_what_to_do(source, s3, convert):
     bucket = s3.new_bucket()
     with FaultProxy(s3.url) as proxy:
@@ -241,6 +245,7 @@ def test_a_store_without_conditional_writes_is_refused_with_what_to_do(source, s
         assert convert(spec_for(source, f"s3://{bucket}/no-cas.ome.zarr", **spec)).status == "Succeeded"
 
 
+@pytest.mark.slow
 def test_a_lease_that_cannot_be_renewed_is_lost_within_two_thirds_of_its_ttl(s3):
     """Every renewal fails (the proxy resets the connection): the holder gives up 2/3 ttl after
     its last good renewal, before any watcher could call it stale, and calls back the driver's

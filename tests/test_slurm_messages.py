@@ -96,6 +96,7 @@ def _held_job(directive: str) -> str:
     return " ".join(w for w in line.split() if w.split("=")[0] in ("NumCPUs", "NumTasks", "NumNodes", "CPUs/Task", "MinMemoryNode", "MinMemoryCPU"))
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_sbatch_itself_reads_the_refused_directives_as_planned_options():
@@ -109,6 +110,7 @@ def test_sbatch_itself_reads_the_refused_directives_as_planned_options():
     assert all(got == baseline for got in same.values()), (baseline, same)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_an_unreachable_controller_is_quoted_not_blamed_on_the_partition(small, tmp_path, monkeypatch):
@@ -126,6 +128,7 @@ def test_an_unreachable_controller_is_quoted_not_blamed_on_the_partition(small, 
     assert "slurm.partition" not in text, text
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_missing_slurm_conf_keeps_slurms_own_words(small, tmp_path, monkeypatch):
@@ -154,6 +157,7 @@ def short_partition():
         subprocess.run(["scontrol", "delete", f"PartitionName={name}"], check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_jobs_pending_on_a_partition_limit_are_not_told_to_wait(small, tmp_path, short_partition):
@@ -177,6 +181,7 @@ def _slow_run(tmp_path, monkeypatch, h5, name, **slurm):
     return plan_job(spec, backend), backend
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monkeypatch):
@@ -203,6 +208,7 @@ def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monk
     assert not squeue()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_path, monkeypatch):
@@ -219,6 +225,7 @@ def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_pat
     assert not squeue()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_budget_larger_than_any_node_is_said_with_the_mem_each_job_asks_for(tmp_path, capsys):

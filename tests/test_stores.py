@@ -27,6 +27,7 @@ def store(request, tmp_path):
     return store
 
 
+@pytest.mark.slow
 def test_put_get_size_list_and_overwrite(store):
     assert store.put("0/c/0/0/0", b"abc") == 3
     store.put("zarr.json", b"{}")
@@ -120,6 +121,7 @@ def test_a_sibling_prefix_with_the_same_start_is_not_ours(s3):
     assert theirs.get("zarr.json") == b"precious"
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_transient_errors_are_retried_counted_and_bounded(s3):
     from h5ngff.engine.stores.s3 import S3Store
@@ -139,6 +141,7 @@ def test_transient_errors_are_retried_counted_and_bounded(s3):
             store.put("b", b"data")
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_403_fails_at_once_with_what_to_change(s3):
     from h5ngff.engine.stores.s3 import S3Store
@@ -158,6 +161,7 @@ def test_a_403_fails_at_once_with_what_to_change(s3):
 ROUND_TRIP = 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_block_exits(s3):
     from h5ngff.engine.stores.s3 import S3Store
@@ -191,6 +195,7 @@ def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_blo
     assert synchronous >= 6 * ROUND_TRIP and overlapped < 0.5 * synchronous, (synchronous, overlapped)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_the_window_bounds_the_puts_in_flight(s3):
     from h5ngff.engine.stores.s3 import S3Store
@@ -208,6 +213,7 @@ def test_the_window_bounds_the_puts_in_flight(s3):
     assert 2 * 0.3 <= elapsed < 4 * 0.3, elapsed
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_failed_put_in_the_window_fails_the_block_after_the_others_are_done(s3):
     from h5ngff.engine.stores.s3 import S3Store
@@ -250,6 +256,7 @@ def test_a_missing_bucket_fails_at_once_and_says_so(s3):
         S3Store("no-such-bucket-h5ngff", "out", s3.options()).list("")
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_multipart_uploads_are_completed_or_aborted_never_left_half(s3):
     from h5ngff.engine.stores.s3 import S3Store
@@ -273,6 +280,7 @@ def test_multipart_uploads_are_completed_or_aborted_never_left_half(s3):
     assert [u["Key"] for u in s3.client().list_multipart_uploads(Bucket=bucket)["Uploads"]] == ["out/left-open"]
 
 
+@pytest.mark.slow
 def test_the_engine_writes_and_reads_a_sharded_level_through_either_store(store):
     """chunkio's one path over both stores: shards streamed through ``writer``, read back through
     their index with ranged reads (any region, the fill value where nothing is stored), and an

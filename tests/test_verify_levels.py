@@ -71,6 +71,7 @@ def _reencode(layout: ArrayLayout, source_unit, target_unit) -> None:
     write_block(layout, data, tuple(r.start for r in layout.unit_region(target_unit)))
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_level1_chunk_replaced_by_another_valid_level1_chunk_is_reported(convert, tmp_path, case):
@@ -107,6 +108,7 @@ def test_a_level1_chunk_replaced_by_another_valid_level1_chunk_is_reported(conve
     assert f'"key": "{key}"' in cli.stdout and '"level": 1' in cli.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_swapped_level1_chunk_files_are_both_reported(convert, tmp_path):
     """The literal swap: two uncompressed level-1 chunk files of the same size trade places."""
@@ -213,6 +215,7 @@ def _whole_level_peak(layout: ArrayLayout) -> tuple[int, int]:
         tracemalloc.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_verify_memory_stays_within_its_bound_and_does_not_grow_with_the_image(convert, tmp_path):
     """tracemalloc sees NumPy's allocations. The peak of a full verify stays under the documented
@@ -235,6 +238,7 @@ def test_verify_memory_stays_within_its_bound_and_does_not_grow_with_the_image(c
     assert nbytes == data.nbytes and peak_whole > bound
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_verify_without_a_known_pyramid_rule_says_so(convert, tmp_path):
     """An output whose levels cannot be recomputed (a foreign method) is not passed silently."""
