@@ -15,7 +15,7 @@ from h5ngff.errors import OutputError
 from s3_server import FaultProxy
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])
 def store(request, tmp_path):
     if request.param == "local":
         return LocalStore(str(tmp_path / "out.ome.zarr"))
