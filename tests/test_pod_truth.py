@@ -55,7 +55,7 @@ else:
         while f.read(1 << 20):
             pass
 print("ready", flush=True)
-time.sleep(1.0)
+sys.stdin.readline()  # held until the parent has counted the watcher's samples
 """
 
 
@@ -69,12 +69,16 @@ def _run_in_pod(tmp_path, mode: str, path: str):
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
 
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, path], stdout=subprocess.PIPE, text=True, preexec_fn=enter_pod)
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=enter_pod)
         watcher.watch("pod-0", group, nanny_pid=-1)
         watcher.start()
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.3)
-        proc.wait(timeout=30)
+        # Three samples of the pod while the child holds its memory (counted, not slept for).
+        seen, deadline = watcher.peaks["pod-0"].samples, time.monotonic() + 30
+        while watcher.peaks["pod-0"].samples < seen + 3:
+            assert time.monotonic() < deadline, "the watcher took no samples"
+            time.sleep(0.01)
+        proc.communicate("go\n", timeout=30)
         watcher.stop()
         return watcher.peaks["pod-0"], group.peak()
     finally:
