@@ -256,8 +256,11 @@ def test_a_lease_that_cannot_be_renewed_is_lost_within_two_thirds_of_its_ttl(s3)
         lease = acquire(store, LeaseSettings(ttl=TTL))
         cancelled = threading.Event()
         lease.on_lost(cancelled.set)
-        time.sleep(TTL / 2)
-        lease.check()  # control: renewed through the healthy proxy (past its first renewal; the held test spans a whole ttl)
+        first, deadline = lease.etag, time.monotonic() + TTL
+        while lease.etag == first:  # its first renewal, counted by the lease's new ETag
+            assert time.monotonic() < deadline, "the lease was not renewed within one ttl"
+            time.sleep(0.05)
+        lease.check()  # control: renewed through the healthy proxy (the held test spans a whole ttl)
         t = time.monotonic()
         proxy.faults.add("reset", 10_000, "PUT", LOCK_KEY)
         assert cancelled.wait(TTL * 3), "the lease was never given up"
