@@ -210,6 +210,8 @@ def _independent_mean(above: np.ndarray, axes: tuple[bool, ...]) -> np.ndarray:
     return np.round(above.astype(np.float64).reshape(shape).mean(axis=tuple(reduce_axes))).astype(above.dtype)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_the_anisotropic_output_read_back_by_independent_readers(anisotropic):
     from ome_zarr.io import parse_url
     from ome_zarr.reader import Reader
@@ -245,6 +247,8 @@ def test_the_anisotropic_output_read_back_by_independent_readers(anisotropic):
     assert ms["metadata"]["description"] == "2x mean downsampling along yx, yx, zyx (levels 1 to 3)"
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_verify_source_passes_and_names_a_wrong_level(anisotropic, tmp_path):
     import shutil
 
@@ -264,6 +268,8 @@ def test_verify_source_passes_and_names_a_wrong_level(anisotropic, tmp_path):
     assert {level for level, _ in report.bad_units} == {2}, report.problems
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.skipif(cgroups_available() is not None, reason=f"memory cgroups unavailable: {cgroups_available()}")
 @pytest.mark.cgroup
 def test_the_plan_bounds_the_measured_worker_peak(tmp_path):

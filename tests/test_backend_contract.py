@@ -47,7 +47,7 @@ from h5ngff.jobspec import Owner
 from h5ngff.backends.local import LocalBackend
 from h5ngff.planner.model import Plan
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.integration, pytest.mark.slow]
 
 
 def test_the_factory_builds_every_registered_backend():

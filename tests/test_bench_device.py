@@ -144,6 +144,7 @@ def test_bench_allows_a_scale_above_one():
     assert "(150, 7536, 4016) float32" in done.stdout
 
 
+@pytest.mark.slow
 def test_preflight_imports_what_the_runs_need():
     done = _py(DEVICE / "preflight.py", "--only", "h5ngff,h5ngff-pyramid,tensorstore")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -22,6 +22,8 @@ from bench.verify import verify
 
 from conftest import write_h5
 
+pytestmark = pytest.mark.integration
+
 SCALE = 0.002  # (150, 168, 90) float32, 9 MB
 
 WRONG_PEER = """\
@@ -58,6 +60,7 @@ def _run(case: dict, run_id: str) -> dict:
     return next(r for r in case["runs"] if r["id"] == run_id)
 
 
+@pytest.mark.slow
 def test_limit_is_measured_per_stage_and_its_output_verified(smoke):
     _, case = smoke
     limit = case["limit"]
@@ -70,6 +73,7 @@ def test_limit_is_measured_per_stage_and_its_output_verified(smoke):
     assert 1.5 < limit["bytes_in"] / limit["bytes_out"] < 8
 
 
+@pytest.mark.slow
 def test_a_pyramid_run_is_set_against_the_pyramids_floor(smoke):
     """The floor of the pyramid is measured like the limit (before and after the tools, the faster
     kept; on one core and on 2 at once), verified mean-exact, and each pyramid run is reported
@@ -87,6 +91,7 @@ def test_a_pyramid_run_is_set_against_the_pyramids_floor(smoke):
     assert "The floor of the 3-level mean pyramid" in table
 
 
+@pytest.mark.slow
 def test_tools_are_timed_measured_and_verified(smoke):
     _, case = smoke
     h5ngff, ts = _run(case, "h5ngff"), _run(case, "tensorstore")
@@ -103,6 +108,7 @@ def test_tools_are_timed_measured_and_verified(smoke):
     assert ts["memory"]["peak_largest"] > 50e6
 
 
+@pytest.mark.slow
 def test_a_fast_wrong_result_is_failed_not_counted(smoke):
     results, case = smoke
     wrong = _run(case, "wrong")
@@ -137,6 +143,7 @@ def test_pyramid_verification_tells_mean_from_nearest(tmp_path):
     assert verify(_pyramid(tmp_path / "nearest2.zarr", [data, data[::2, ::2, ::2]]), source, case, 2, "shape").ok
 
 
+@pytest.mark.slow
 def test_memory_is_sampled_per_process(tmp_path):
     """A child that holds 300 MB is measured as such; its parent stays small."""
     code = textwrap.dedent("""
@@ -158,6 +165,7 @@ def test_memory_is_sampled_per_process(tmp_path):
     assert m.peak_worker == child.peak_rss and m.tree_peak > 300 << 20
 
 
+@pytest.mark.slow
 def test_a_hung_tool_is_killed_at_the_timeout(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text("import time\ntime.sleep(60)\n")
@@ -187,6 +195,7 @@ def test_one_failed_round_fails_the_tool_however_fast_the_others_were():
     assert combine_rounds([_round("ok", 10.0, 100), _round("ok", 5.0, 100)]).status == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["imaris", "bdv"])
 def test_container_cases_are_verified_against_an_independent_reader(tmp_path, name):
     """The Imaris and BDV cases (issue 15): the generated container reads back, through its
@@ -225,6 +234,7 @@ def test_container_cases_are_verified_against_an_independent_reader(tmp_path, na
             assert bad.startswith("level 0 is (2, 64, 92, 92) int16, expected (2, 64, 92, 92) uint16"), bad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, hdf5", [((150, 600, 90), {}), ((2, 40, 130, 70), {"chunks": (1, 32, 64, 64), "compression": "gzip"})])
 def test_pyramid_limit_writes_every_level_exactly_and_times_the_halving(tmp_path, shape, hdf5):
     """The pyramid's floor is a real, verified pyramid (levels mean-exact, so it cannot be fast by
@@ -308,6 +318,7 @@ def test_largest_first_and_passes():
     assert row["submitted_x"] == 1.5 and row["largest_first_x"] == 1.0
 
 
+@pytest.mark.slow
 def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path):
     """One tiny conversion with 2 workers through bench.scaling, in its own process (it makes
     itself a child subreaper)."""

@@ -30,6 +30,8 @@ from existing_layout import level_layout
 from h5ngff.engine.verify.check import verify_output
 from test_engine_resume import FLAGS, chunk_files, manifest_lines
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE = (16, 40, 36)
 OUTPUTS = {
@@ -59,6 +61,7 @@ def _flip_bit(path: str, offset: int) -> None:
     assert os.path.getsize(path) == size
 
 
+@pytest.mark.slow
 def test_v3_chunks_carry_crc32c_that_zarr_and_tensorstore_check(convert, tmp_path):
     """Our bytes are the codec's: zarr-python and tensorstore read them back, ome-zarr-py and
     ngff-zarr too; and both libraries refuse a chunk whose bit was flipped, so the CRC is real."""
@@ -137,6 +140,7 @@ def test_verify_decodes_independently_of_the_writer(convert, tmp_path, monkeypat
     assert not report.checksum_mismatches  # the CRCs are valid: only decoding independently sees it
 
 
+@pytest.mark.slow
 def test_an_absent_chunk_of_a_finished_output_reads_as_fill_unless_recorded(convert, tmp_path):
     """The writer skips chunks that are all fill value: such an absent chunk is accepted (and
     --source says whether it should be fill). A chunk that held data and is deleted is found
@@ -163,6 +167,7 @@ def _sidecars(out: str) -> dict[str, bytes]:
     return {name: open(os.path.join(base, name), "rb").read() for name in sorted(os.listdir(base))}
 
 
+@pytest.mark.slow
 def test_v2_killed_run_resumes_to_the_same_chunks_and_sidecar(convert, tmp_path):
     """One kill mid-run, then a resume: the chunks and the checksum sidecar are byte-identical to
     an uninterrupted run's, and the sidecar's CRCs are those of the files (computed here). The

@@ -24,6 +24,8 @@ from conftest import smooth, write_h5
 from h5ngff import errors
 from h5ngff.errors import ExitCode
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 H5NGFF = [sys.executable, "-m", "h5ngff.cli"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -113,6 +115,7 @@ def _run_setup(script: Path, timeout_s: int) -> tuple[subprocess.CompletedProces
     return proc, time.monotonic() - start
 
 
+@pytest.mark.slow
 @needs_apt
 def test_setup_gives_up_on_a_held_dpkg_lock_after_its_timeout_with_a_message(tmp_path):
     script = _setup_copy(tmp_path)
@@ -123,6 +126,7 @@ def test_setup_gives_up_on_a_held_dpkg_lock_after_its_timeout_with_a_message(tmp
     assert f"pid {os.getpid()}" in proc.stderr and "H5NGFF_APT_LOCK_TIMEOUT" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 @needs_apt
 def test_setup_waits_for_a_dpkg_lock_that_is_released(tmp_path):
     script = _setup_copy(tmp_path)
@@ -136,6 +140,7 @@ def test_setup_waits_for_a_dpkg_lock_that_is_released(tmp_path):
 # --- 2 and 15. verify's inputs ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_verify_source_that_is_not_hdf5_or_lacks_the_dataset(small, converted):
     out, _ = converted
     for source, words in ((f"{small / 'notes.txt'}:/x", "cannot be opened as HDF5"),
@@ -149,6 +154,7 @@ def test_verify_source_that_is_not_hdf5_or_lacks_the_dataset(small, converted):
     assert good.returncode == 0 and "equal to the pyramid computed from the source" in " ".join(good.stdout.split()), good.stdout + good.stderr
 
 
+@pytest.mark.slow
 def test_verify_a_missing_output_says_it_does_not_exist(small):
     proc = h5ngff("verify", small / "nothere.ome.zarr")
     assert proc.returncode == ExitCode.BAD_INPUT
@@ -158,6 +164,7 @@ def test_verify_a_missing_output_says_it_does_not_exist(small):
 # --- 3. a binary file given as a manifest -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_run_with_an_hdf5_file_instead_of_a_manifest(small):
     proc = h5ngff("run", small / "small.h5")
     no_traceback(proc)
@@ -171,6 +178,7 @@ def test_run_with_an_hdf5_file_instead_of_a_manifest(small):
 # --- 4. a real Ctrl-C ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_process_group_prints_one_line_not_tracebacks(small, tmp_path):
     out = tmp_path / "interrupted.ome.zarr"
     env = {**ENV, "H5NGFF_FAULTS": "slab_sleep=1"}
@@ -197,6 +205,7 @@ def test_ctrl_c_to_the_process_group_prints_one_line_not_tracebacks(small, tmp_p
 # --- 5. errors go to stderr ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_errors_go_to_stderr_and_json_to_stdout(small, tmp_path):
     proc = h5ngff("convert", f"{small / 'small.h5'}:/missing", tmp_path / "o.ome.zarr")
     assert proc.returncode == ExitCode.BAD_INPUT
@@ -208,6 +217,7 @@ def test_errors_go_to_stderr_and_json_to_stdout(small, tmp_path):
 # --- 6 and 10. the output is checked first; one exit-code table ----------------------------------
 
 
+@pytest.mark.slow
 def test_output_conflicts_are_refused_before_the_plan_and_the_cluster(small, tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -228,6 +238,7 @@ def test_output_conflicts_are_refused_before_the_plan_and_the_cluster(small, tmp
     assert run.returncode == ExitCode.OUTPUT_REFUSED and "OutputConflict" in run.stdout and "predicted peak RSS" not in run.stdout
 
 
+@pytest.mark.slow
 def test_an_unsupported_url_scheme_is_refused_not_written_as_a_local_directory(small, tmp_path):
     # Before the fix `convert in.h5:/d gs://bucket/x` exited 0 after writing ./gs:/bucket/x.
     proc = h5ngff("convert", f"{small / 'small.h5'}:/volume/data", "gs://bucket/x.ome.zarr", "--no-progress", cwd=tmp_path)
@@ -266,6 +277,7 @@ def _all_subclasses(cls):
 # --- 7. a group instead of a dataset ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_group_suggests_full_dataset_paths(small):
     proc = h5ngff("plan", f"{small / 'small.h5'}:/volume")
     assert proc.returncode == ExitCode.BAD_INPUT
@@ -277,6 +289,7 @@ def test_a_group_suggests_full_dataset_paths(small):
 # --- 8. a full disk --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_full_disk_gives_the_message_without_dask_logs(tmp_path):
     mount = tmp_path / "disk"
     mount.mkdir()
@@ -320,6 +333,7 @@ def test_ngff_version_the_model_accepts_exactly_what_the_crd_accepts(version):
     assert model_ok == crd_ok, (version, model_ok, crd_ok)
 
 
+@pytest.mark.slow
 def test_run_refuses_an_unquoted_ngff_version_and_says_to_quote_it(small, tmp_path):
     (tmp_path / "job.yaml").write_text(
         "apiVersion: h5ngff.dev/v1alpha1\nkind: ConversionJob\nmetadata: {name: unquoted}\n"
@@ -347,6 +361,7 @@ def test_a_typod_flag_gets_the_subcommand_usage_and_the_closest_flag(small):
 # --- 12. a closed pipe -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_pipe_ends_quietly(small):
     proc = subprocess.Popen([*H5NGFF, "plan", f"{small / 'small.h5'}:/volume/data", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -360,6 +375,7 @@ def test_a_closed_stdout_pipe_ends_quietly(small):
 # --- 13. clamped chunks and shards are noticed -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_chunks_and_shards_clipped_to_the_array_are_noticed(tmp_path):
     h5 = tmp_path / "z60.h5"
     with h5py.File(h5, "w") as f:
@@ -378,6 +394,7 @@ def test_chunks_and_shards_clipped_to_the_array_are_noticed(tmp_path):
 # --- 14. the memory report's figure ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_memory_report_figure(small):
     from h5ngff.backends.local import LocalBackend
     from h5ngff.engine.write.driver import RunTotals
@@ -406,12 +423,14 @@ def test_memory_report_figure(small):
 # --- 15. small things ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_small_runs_show_a_readable_rate(converted):
     _, proc = converted
     assert "0.00 GB/s" not in proc.stdout
     assert re.search(r"\(\d[\d,.]* [MGk]B/s of source data\)", proc.stdout), proc.stdout
 
 
+@pytest.mark.slow
 def test_help_texts():
     sample = h5ngff("sample", "--help").stdout
     assert re.search(r"--dataset DATASET\s+\S", sample), sample

@@ -21,6 +21,8 @@ import h5ngff as package
 from conftest import smooth, write_h5
 from h5ngff.engine.write.manifest import MANIFEST_DIR, MANIFEST_FILE
 
+pytestmark = pytest.mark.integration
+
 #: The commands run the h5ngff this test imports (its src/), wherever the test file lies.
 SRC = Path(package.__file__).resolve().parents[1]
 H5NGFF = [sys.executable, "-m", "h5ngff.cli"]
@@ -69,6 +71,7 @@ def _manifest_slabs(out: Path) -> int:
         return sum(1 for line in f if line.strip() and json.loads(line).get("kind") == "slab")
 
 
+@pytest.mark.slow
 def test_a_failed_runs_json_counts_the_slabs_it_wrote(corrupt_run):
     """Item 13: slabs_written was 0 on every failed run, whatever the manifest held."""
     out, proc = corrupt_run
@@ -81,6 +84,7 @@ def test_a_failed_runs_json_counts_the_slabs_it_wrote(corrupt_run):
     assert summary["bytes_read"] > 0 and summary["bytes_written"] > 0
 
 
+@pytest.mark.slow
 def test_exit_2_only_where_nothing_was_written(corrupt_run, small, tmp_path):
     """Item 16: exit 2 promises 'nothing was written'; a source that fails after slabs were
     written is a failed run (exit 1), its partial output resumable."""
@@ -109,6 +113,7 @@ BAD_SAMPLE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,field", BAD_SAMPLE, ids=[" ".join(f) for f, _ in BAD_SAMPLE])
 def test_sample_refuses_bad_inputs_with_exit_2_and_leaves_no_file(tmp_path, flags, field):
     proc = h5ngff("sample", tmp_path / "s.h5", *flags)
@@ -118,6 +123,7 @@ def test_sample_refuses_bad_inputs_with_exit_2_and_leaves_no_file(tmp_path, flag
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["10", "0,10,10", "1,1,1,1,1,1"])
 def test_demo_refuses_a_bad_shape_with_exit_2_and_writes_nothing(tmp_path, shape):
     proc = h5ngff("demo", tmp_path / "demo", "--shape", shape)
@@ -149,6 +155,7 @@ def test_sample_never_leaves_a_partial_file(tmp_path):
 # --- 16. front-door details ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_notices_go_to_stderr_and_the_tables_to_stdout(tmp_path):
     h5 = tmp_path / "z40.h5"
     with h5py.File(h5, "w") as f:
@@ -159,6 +166,7 @@ def test_notices_go_to_stderr_and_the_tables_to_stdout(tmp_path):
     assert "notice: output.chunks" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_tables_in_a_pipe_keep_their_full_width(small):
     proc = h5ngff("plan", f"{small / 'small.h5'}:/volume/data")
     assert proc.returncode == 0, proc.stderr
@@ -167,6 +175,7 @@ def test_tables_in_a_pipe_keep_their_full_width(small):
     assert any(c.isdigit() for c in pod[0].split("│")[1]), pod[0]  # the MiB figure
 
 
+@pytest.mark.slow
 def test_ngff_04_output_opens_in_zarr_and_ome_zarr_without_warnings(small, tmp_path):
     import zarr
     from ome_zarr.format import FormatV04
@@ -189,6 +198,7 @@ def test_ngff_04_output_opens_in_zarr_and_ome_zarr_without_warnings(small, tmp_p
     assert report.ok and report.checksums == "sidecar", report.problems
 
 
+@pytest.mark.slow
 def test_an_output_with_the_old_sidecar_place_still_verifies(small, tmp_path):
     """Outputs written before the sidecar moved into 0/ keep it at OUT/.h5ngff-checksums/."""
     from h5ngff.engine.write.checksums import LEGACY_SIDECAR_DIR, SIDECAR_DIR
@@ -207,6 +217,7 @@ def test_an_output_with_the_old_sidecar_place_still_verifies(small, tmp_path):
     assert not verify_output(str(out)).ok  # the old sidecar is really read
 
 
+@pytest.mark.slow
 def test_a_busy_output_is_refused_before_the_plan_is_printed(small, tmp_path):
     out = tmp_path / "busy.ome.zarr"
     out.mkdir()
@@ -223,6 +234,7 @@ def test_a_busy_output_is_refused_before_the_plan_is_printed(small, tmp_path):
     assert os.listdir(out) == [".h5ngff.lock"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,field", [("--chunks", "output.chunks"), ("--shards", "output.shards"), ("--slab", "resources.slab")])
 def test_a_negative_list_value_gets_the_specs_message_not_argparses(small, flag, field):
     proc = h5ngff("plan", f"{small / 'small.h5'}:/volume/data", flag, "-1,64,64")
@@ -231,6 +243,7 @@ def test_a_negative_list_value_gets_the_specs_message_not_argparses(small, flag,
     assert "expected one argument" not in proc.stderr and field in proc.stderr and "-1" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_a_mistyped_command_gets_the_closest_and_runner_stays_hidden():
     proc = h5ngff("conver", "in.h5:/data", "out.zarr")
     assert proc.returncode == 2 and "did you mean convert?" in proc.stderr, proc.stderr
@@ -240,6 +253,7 @@ def test_a_mistyped_command_gets_the_closest_and_runner_stays_hidden():
     assert h5ngff("runner", "--help").returncode == 0  # still there for the runner Job
 
 
+@pytest.mark.slow
 def test_a_memory_budget_beyond_this_machine_is_noticed(small):
     from h5ngff.backends.base import machine_capacity
 

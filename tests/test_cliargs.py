@@ -280,6 +280,8 @@ def _run(*argv, cwd=None, check=True):
     return proc
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_h5ngff_plan_json_reads_only_metadata(metadata_only_h5):
     proc = _run(
         "plan", f"{metadata_only_h5}:/volume/data", "--json",
@@ -319,6 +321,8 @@ def test_h5ngff_plan_json_reads_only_metadata(metadata_only_h5):
     assert spec["resources"]["memoryPerWorker"] == "1GiB"
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_plan_reads_axes_and_voxel_sizes_from_hdf5_attributes(tmp_path):
     """DIMENSION_LABELS (h5py dimension scales) give the axes and element_size_um the voxel
     sizes when no flag sets them; the same file without the attributes is the negative control."""
@@ -338,6 +342,8 @@ def test_plan_reads_axes_and_voxel_sizes_from_hdf5_attributes(tmp_path):
     assert plain["axes"] == "czyx" and plain["levels"][0]["scale"] == [1.0, 1.0, 1.0, 1.0]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_h5ngff_plan_table_and_refusal(metadata_only_h5):
     proc = _run("plan", f"{metadata_only_h5}:/volume/data", "--workers", "2", "--levels", "1")
     for word in ("interpreter", "slab buffers", "allocator slack", "MiB"):
@@ -348,6 +354,7 @@ def test_h5ngff_plan_table_and_refusal(metadata_only_h5):
     assert err["reason"] == "BudgetTooSmall" and "Raise resources.memoryPerWorker to at least" in err["message"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("command", ["plan", "convert"])
 def test_help_mentions_every_issue_flag(command):
     proc = _run(command, "--help")

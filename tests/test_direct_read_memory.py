@@ -21,6 +21,8 @@ from h5ngff.planner import Capacity, DatasetInfo, make_plan
 from h5ngff.planner.memory import DEFAULT_CONSTANTS
 from h5ngff.units import MiB
 
+pytestmark = pytest.mark.integration
+
 ISSUE_SHAPE = (4, 64, 1024, 1024)
 ISSUE_HDF5_CHUNKS = (1, 24, 100, 100)
 
@@ -130,6 +132,7 @@ def test_stacked_pieces_are_direct_only_if_every_piece_is(files, selection, dire
     assert open_source(spec).info.hdf5_direct_read is direct
 
 
+@pytest.mark.slow
 @requires_cgroups
 @pytest.mark.cgroup
 @pytest.mark.parametrize("libdeflate", [True, False], ids=["direct chunks", "hdf5 filter"])

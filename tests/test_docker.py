@@ -225,6 +225,7 @@ def test_healthcheck_targets(argv, url):
     assert healthcheck.target_url(argv) == url
 
 
+@pytest.mark.slow
 def test_healthcheck_probes_a_real_endpoint():
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):

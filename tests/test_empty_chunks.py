@@ -24,6 +24,8 @@ from h5ngff.engine.write.chunkio import is_fill_chunk
 from h5ngff.engine.write.manifest import Manifest
 from h5ngff.engine.verify.check import verify_output
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE, CHUNKS, SHARDS = (40, 96, 96), (8, 32, 32), (16, 64, 64)
 
@@ -44,6 +46,7 @@ def stored_files(level_dir: str) -> set[str]:
             if n not in ("zarr.json", ".zarray", ".zattrs") and os.path.basename(SIDECAR_DIR) not in os.path.relpath(d, level_dir).split(os.sep)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version,shards", [("0.5", None), ("0.5", SHARDS), ("0.4", None)])
 def test_empty_chunks_are_not_stored_and_read_as_fill(tmp_path, convert, version, shards):
     data = sparse_volume()
@@ -101,6 +104,7 @@ def test_only_all_zero_bits_count_as_empty():
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,96,96", "--compressor", "gzip:3", "--workers", "1", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_resume_trusts_recorded_empty_units_and_removes_a_stale_file(tmp_path, convert):
     """A run killed mid-way resumes without rewriting slabs whose units were left out as empty,
     and ends identical to an uninterrupted run (the window too). A file found at an empty unit's

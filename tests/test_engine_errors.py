@@ -21,6 +21,8 @@ from h5ngff.errors import (
     UnsupportedDatasetError,
 )
 
+pytestmark = pytest.mark.integration
+
 
 def assert_not_finished(out: str) -> None:
     assert completion_marker(out) is None
@@ -30,6 +32,7 @@ def assert_not_finished(out: str) -> None:
             assert "ome" not in json.load(f).get("attributes", {})
 
 
+@pytest.mark.slow
 def test_missing_file(tmp_path, convert):
     with pytest.raises(SourceNotFoundError, match=r"source.path: HDF5 file .*nope.h5.* does not exist"):
         convert(spec_for(str(tmp_path / "nope.h5"), str(tmp_path / "out.zarr")))
@@ -93,6 +96,7 @@ def test_truncated_file(tmp_path, convert):
     assert_not_finished(str(tmp_path / "out.zarr"))
 
 
+@pytest.mark.slow
 def test_corrupt_chunk_fails_the_run_without_a_finished_output(tmp_path, convert):
     data = smooth((16, 64, 64))
     h5 = write_h5(tmp_path / "in.h5", data, chunks=(8, 32, 32), compression="gzip", fletcher32=True)
@@ -115,6 +119,7 @@ def test_unwritable_output(tmp_path, convert):
         convert(spec_for(h5, str(blocker / "out.zarr")))
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_messages(tmp_path):
     """Through the real command line: exit 2 for bad input; the reason and the message on stderr
     (stdout only carries --json's document)."""

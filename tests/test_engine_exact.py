@@ -11,6 +11,8 @@ import zarr
 from conftest import smooth, spec_for, write_h5
 from reference import reference_pyramid
 
+pytestmark = pytest.mark.integration
+
 DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool"]
 
 
@@ -63,6 +65,7 @@ def test_hdf5_layouts_and_filters(tmp_path, convert, layout, dtype):
     assert_pyramid(out, data, (True, True, True), "mean", 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["mean", "nearest", "max"])
 def test_multipass_pyramid_equals_reference(tmp_path, convert, method, monkeypatch):
     """Later passes read written levels. Big volumes get there because a slab deep enough for every

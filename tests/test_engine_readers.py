@@ -14,6 +14,8 @@ import zarr
 from conftest import smooth, spec_for, write_h5
 from reference import reference_pyramid
 
+pytestmark = pytest.mark.integration
+
 CASES = {
     "0.5-zyx": dict(shape=(12, 40, 33), axes="zyx", output={"chunks": [4, 16, 16], "ngffVersion": "0.5"}),
     "0.5-shards": dict(shape=(12, 40, 33), axes="zyx", output={"chunks": [4, 8, 8], "shards": [8, 16, 16], "ngffVersion": "0.5"}),

@@ -18,6 +18,8 @@ import zarr
 from conftest import smooth, spec_for, write_h5
 from h5ngff.errors import OutputConflictError
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 
 
@@ -79,6 +81,7 @@ def kill_timing(fraction: float, seed: int) -> tuple[int, float]:
 
 # Three kill points, each with its own seed (the seed moves the kill by up to two slabs and 40 ms):
 # six combinations cost two and a half minutes of the suite and found nothing the three did not.
+@pytest.mark.slow
 @pytest.mark.parametrize(("fraction", "seed"), [(0.30, 1), (0.60, 2), (0.95, 3)])
 def test_killed_run_resumes_bit_identical(source, clean_run, fraction, seed):
     h5, data, base = source
@@ -107,6 +110,7 @@ def test_killed_run_resumes_bit_identical(source, clean_run, fraction, seed):
     np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data)
 
 
+@pytest.mark.slow
 def test_resume_check_is_not_vacuous(source, clean_run, tmp_path):
     """Negative control: a damaged chunk makes the comparison fail."""
     import shutil
@@ -120,6 +124,7 @@ def test_resume_check_is_not_vacuous(source, clean_run, tmp_path):
     assert chunk_files(copy) != chunk_files(clean_run)
 
 
+@pytest.mark.slow
 def test_a_finished_output_is_not_rewritten(source, clean_run, convert):
     h5, _, _ = source
     before = {p: os.stat(os.path.join(clean_run, p)).st_mtime_ns for p in chunk_files(clean_run)}
@@ -130,6 +135,7 @@ def test_a_finished_output_is_not_rewritten(source, clean_run, convert):
     assert before == after
 
 
+@pytest.mark.slow
 def test_output_of_another_conversion_is_refused(source, clean_run, convert):
     h5, _, _ = source
     spec = spec_for(h5, clean_run, output={"chunks": [16, 32, 32]}, pyramid={"levels": 2})
@@ -150,6 +156,7 @@ def test_foreign_directory_is_refused_even_with_overwrite(source, tmp_path, conv
     assert (foreign / "chapter1.tex").read_text() == "precious"
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_a_zarr_store(source, tmp_path, convert):
     h5, data, _ = source
     out = tmp_path / "old.zarr"

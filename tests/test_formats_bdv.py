@@ -69,6 +69,8 @@ def converted(bdv, tmp_path_factory, shared_cluster):
     return out, run_job(plan_job(spec, backend), backend)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_every_level_equals_what_npy2bdv_reads(bdv, converted):
     _, data = bdv
     out, summary = converted
@@ -81,6 +83,8 @@ def test_every_level_equals_what_npy2bdv_reads(bdv, converted):
         np.testing.assert_array_equal(zarr.open_array(f"{out}/{k}", mode="r")[...], expected)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_channel_names_and_independent_clients(bdv, converted):
     _, data = bdv
     out, _ = converted
@@ -91,6 +95,7 @@ def test_channel_names_and_independent_clients(bdv, converted):
     assert ms.images[0].scale["z"] == 2.0 and ms.images[0].scale["x"] == 0.5
 
 
+@pytest.mark.integration
 def test_verify_against_the_xml_and_the_h5_names_the_same_source(bdv, converted):
     xml, _ = bdv
     out, _ = converted
@@ -116,6 +121,7 @@ def test_int16_storage_is_reinterpreted_not_converted(bdv):
     assert not np.array_equal(clipped, data[1, 1])
 
 
+@pytest.mark.integration
 def test_several_tiles_are_refused_then_selected(tmp_path, convert):
     data = smooth((2, 1, 2, 6, 20, 18), "uint16", seed=4)
     xml = write_npy2bdv(tmp_path / "tiles.h5", data)
@@ -128,6 +134,7 @@ def test_several_tiles_are_refused_then_selected(tmp_path, convert):
     np.testing.assert_array_equal(zarr.open_array(f"{out}/0", mode="r")[...], read_npy2bdv(xml, 1, 2, tile=1)[0])
 
 
+@pytest.mark.integration
 def test_pybdv_files_read_the_same_way(tmp_path, convert):
     """A second independent writer: pybdv, one setup per channel, unit micrometer."""
     import pybdv

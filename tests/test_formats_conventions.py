@@ -54,6 +54,7 @@ CASES = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_convention_converts_exactly_with_its_axes_and_scale(name, tmp_path, convert):
     write, dataset, shape, axes, scale = CASES[name]

@@ -21,6 +21,8 @@ from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import UnsupportedDatasetError
 from reference import halving_steps, reference_pyramid
 
+pytestmark = pytest.mark.integration
+
 NAMES = ["DAPI", "GFP", "mCherry"]
 COLORS = [(0.0, 0.0, 1.0), (0.0, 1.0, 0.0), (1.0, 0.0, 1.0)]
 LEVELS = 3
@@ -51,6 +53,7 @@ def converted(ims_file, tmp_path_factory, shared_cluster):
     return out, summary
 
 
+@pytest.mark.slow
 def test_every_level_equals_the_independent_reader(ims_file, converted):
     _, data, _ = ims_file
     out, summary = converted
@@ -74,6 +77,7 @@ def test_scale_is_the_voxel_size_and_channels_carry_names_and_colours(ims_file, 
     assert [c["color"] for c in ome["omero"]["channels"]] == ["0000FF", "00FF00", "FF00FF"]
 
 
+@pytest.mark.slow
 def test_independent_ome_zarr_clients_read_it(ims_file, converted):
     _, data, _ = ims_file
     out, _ = converted
@@ -114,6 +118,7 @@ def test_differing_channel_sizes_are_refused_with_what_to_do(tmp_path):
         open_source(spec_for(path, str(tmp_path / "o"), dataset="/"))
 
 
+@pytest.mark.slow
 def test_cli_converts_an_ims_file_named_alone(ims_file, tmp_path):
     path, _, _ = ims_file
     out = str(tmp_path / "cli.ome.zarr")

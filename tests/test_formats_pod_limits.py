@@ -14,7 +14,7 @@ from h5ngff.backends.local import LocalBackend, LocalPodsBackend
 from h5ngff.errors import OOMKilledError
 from h5ngff.runner import plan_job, run_job
 
-pytestmark = [requires_cgroups, pytest.mark.cgroup]
+pytestmark = [requires_cgroups, pytest.mark.cgroup, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,7 @@ def ims_spec(path, out, **resources):
                     resources={"workers": 2, "slab": [2, 8, 768, 500], **resources})
 
 
+@pytest.mark.slow
 def test_multichannel_imaris_stays_under_the_plan_in_pod_limits(ims, tmp_path):
     path, data = ims
     out = str(tmp_path / "out.ome.zarr")
@@ -44,6 +45,7 @@ def test_multichannel_imaris_stays_under_the_plan_in_pod_limits(ims, tmp_path):
     np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data[0])
 
 
+@pytest.mark.slow
 def test_negative_control_the_kernel_kills_below_the_plan(ims, tmp_path):
     path, _ = ims
     out = str(tmp_path / "out.ome.zarr")

@@ -33,6 +33,8 @@ def channels(tmp_path_factory):
     return path, data
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_stacked_channels_are_exact_at_every_level_with_slabs_spanning_datasets(channels, tmp_path, convert):
     path, data = channels
     out = str(tmp_path / "out.ome.zarr")
@@ -50,6 +52,7 @@ def test_stacked_channels_are_exact_at_every_level_with_slabs_spanning_datasets(
     assert verify_output(out, (path, "/ch{0..2}")).ok
 
 
+@pytest.mark.integration
 def test_verify_compares_with_the_composite_source(channels, tmp_path, convert):
     path, data = channels
     out = str(tmp_path / "out.ome.zarr")
@@ -73,6 +76,7 @@ def test_a_range_a_list_and_a_glob_name_the_same_image(channels, tmp_path):
     assert described[0] == described[1] == described[2] == ((3, 12, 40, 33), "/ch0,/ch1,/ch2 stacked along c")
 
 
+@pytest.mark.integration
 def test_resume_is_keyed_on_the_resolved_datasets(channels, tmp_path, convert):
     path, _ = channels
     out = str(tmp_path / "out.ome.zarr")
@@ -83,6 +87,7 @@ def test_resume_is_keyed_on_the_resolved_datasets(channels, tmp_path, convert):
         convert(spec_for(path, out, dataset="/ch2,/ch1,/ch0", output={"chunks": [1, 4, 16, 16]}, pyramid={"levels": 1}))
 
 
+@pytest.mark.integration
 def test_time_points_and_channels_as_two_ranges(tmp_path, convert):
     """Fiji's HDF5 plugin layout: /t{T}/channel{C}, each 3-D with element_size_um (z, y, x)."""
     data = smooth((2, 2, 6, 20, 18), "float32", seed=5)

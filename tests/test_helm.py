@@ -502,6 +502,7 @@ def test_notes_and_operator_agree_on_the_runner_service_account():
     assert args[args.index("--runner-service-account") + 1] == "h5ngff-runner"
 
 
+@pytest.mark.slow
 def test_every_custom_kind_has_its_check():
     seen = {(o["apiVersion"], o["kind"]) for objs in (render(v) for v in VALUE_SETS.values()) for o in objs}
     seen |= {(o["apiVersion"], o["kind"]) for o in render({"watch": {"clusterWide": True}, "operator": {"peering": {"enabled": True}}})}

@@ -16,6 +16,8 @@ from h5ngff.errors import SpecError
 from h5ngff.job import load_job
 from h5ngff.sample import write_sample
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "manifests/examples/conversionjob.yaml"
 H5NGFF = [sys.executable, "-m", "h5ngff.cli"]
@@ -72,6 +74,7 @@ def demo_dir(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_plan_accepts_a_manifest_and_flags_override_it(demo_dir):
     out = subprocess.run([*H5NGFF, "plan", "manifests/examples/conversionjob.yaml", "--json", "--workers", "1"],
                          cwd=demo_dir, capture_output=True, text=True, timeout=120)
@@ -81,6 +84,7 @@ def test_plan_accepts_a_manifest_and_flags_override_it(demo_dir):
     assert planned["spec"]["output"]["path"] == "h5ngff-demo/job.ome.zarr" and planned["spec"]["pyramid"]["levels"] == 3
 
 
+@pytest.mark.slow
 def test_run_the_example_manifest_on_a_fresh_checkout(demo_dir):
     out = subprocess.run([*H5NGFF, "run", "manifests/examples/conversionjob.yaml", "--json"],
                          cwd=demo_dir, capture_output=True, text=True, timeout=240)
@@ -101,6 +105,7 @@ def test_run_the_example_manifest_on_a_fresh_checkout(demo_dir):
     assert len(image.datasets[0]) == 3
 
 
+@pytest.mark.slow
 def test_run_reports_an_unreadable_source_as_the_operator_would(demo_dir):
     doc = example()
     doc["spec"]["source"]["path"] = "h5ngff-demo/missing.h5"

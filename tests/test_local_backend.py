@@ -15,8 +15,11 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from conftest import write_h5
+
+pytestmark = pytest.mark.integration
 
 #: The caller's main module imports a module of its own, then runs a conversion's cluster through
 #: the real LocalBackend (sized by a real plan) and asks each worker whether that module is loaded.
@@ -58,6 +61,7 @@ def _run_caller(tmp_path, mode: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_workers_do_not_import_the_callers_main_module(tmp_path):
     result = _run_caller(tmp_path, "real")
     assert result["in_workers"] == [False, False]
@@ -66,6 +70,7 @@ def test_workers_do_not_import_the_callers_main_module(tmp_path):
     assert result["file_after"].endswith("caller.py")
 
 
+@pytest.mark.slow
 def test_negative_control_without_the_guard_workers_import_the_callers_main(tmp_path):
     result = _run_caller(tmp_path, "negative-control")
     assert result["in_workers"] == [True, True]
@@ -110,6 +115,7 @@ EXIT_TARGETS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_spawned_workers_exit_fast_with_their_code_and_output(tmp_path):
     (tmp_path / "exit_targets.py").write_text(EXIT_TARGETS)
     script = tmp_path / "exiter.py"

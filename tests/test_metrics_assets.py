@@ -122,12 +122,14 @@ def test_the_catalogue_is_exactly_what_the_exporter_emits_and_follows_prometheus
     assert worker == ['h5ngff_worker_rss_bytes{conversion_job="scan",conversion_job_namespace="imaging",worker="pod-0"} 410.0']
 
 
+@pytest.mark.integration
 @needs_promtool
 def test_promtool_check_metrics_accepts_every_metric():
     result = subprocess.run([PROMTOOL, "check", "metrics"], input=exposition(full_state()), capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.integration
 @needs_promtool
 def test_promtool_check_rules_passes():
     result = subprocess.run([PROMTOOL, "check", "rules", asset_path("rules/h5ngff-alerts.yaml")], capture_output=True, text=True)
@@ -143,6 +145,7 @@ def run_unit_tests(rule_file: str, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True)
 
 
+@pytest.mark.integration
 @needs_promtool
 def test_promtool_unit_tests_fire_each_alert_and_stay_silent_on_healthy_series(tmp_path):
     result = subprocess.run([PROMTOOL, "test", "rules", UNIT_TESTS], capture_output=True, text=True)
@@ -154,6 +157,7 @@ def test_promtool_unit_tests_fire_each_alert_and_stay_silent_on_healthy_series(t
     assert run_unit_tests(asset_path("rules/h5ngff-alerts.yaml"), tmp_path).returncode == 0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("weaken", [
     ("> 0.9", "> 0.93"),            # misses a worker at 92% of its limit
     ("for: 2m", "for: 30s"),        # fires on a short spike, and too early

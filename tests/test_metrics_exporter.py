@@ -36,6 +36,8 @@ from h5ngff.metrics.probes import ClusterPoller
 from h5ngff.planner import DEFAULT_CONSTANTS
 from h5ngff.runner import plan_job, run_job
 
+pytestmark = pytest.mark.integration
+
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes",
                   "h5ngff_worker_pod_nonreclaimable_bytes", "h5ngff_worker_pod_nonreclaimable_peak_bytes"}
@@ -63,6 +65,7 @@ def by_worker(text: str, name: str) -> dict[str, float]:
     return {dict(labels)["worker"]: v for (n, labels), v in samples(text).items() if n == name}
 
 
+@pytest.mark.slow
 def test_exporter_on_an_existing_cluster(shared_cluster, tmp_path):
     """--scheduler: worker memory from the scheduler and the workers, limits, job progress; no
     cgroup series, because these workers share the test's own cgroup (not a pod of their own)."""
@@ -97,6 +100,7 @@ def test_exporter_on_an_existing_cluster(shared_cluster, tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_listener_only_exports_the_job_phase_without_a_cluster():
     exporter = MetricsExporter(0, "nocluster", "tests", addr="127.0.0.1")
     try:
@@ -122,6 +126,7 @@ def _wait_for(exporter: MetricsExporter, name: str, worker: str, at_least: float
     raise AssertionError(f"{name}{{worker={worker!r}}} never reached {at_least}: {scrape(exporter.port)[-3000:]}")
 
 
+@pytest.mark.slow
 @requires_cgroups
 def test_a_killed_worker_is_a_restart_and_an_oom_killed_one_is_an_oom_kill(tmp_path):
     """Real exits of a pod-emulated worker: SIGKILL from outside counts as a nanny restart but
@@ -182,6 +187,7 @@ def _hold(nbytes: int) -> int:
     return os.getpid()
 
 
+@pytest.mark.slow
 def test_the_one_sampler_keeps_a_restarted_workers_peak_and_feeds_report_and_metrics(tmp_path):
     """One poller serves both readers. For the run's report (what MemorySampler did): a worker's
     peak is the highest of any of its processes, so a worker restarted after a spike keeps the
@@ -242,6 +248,7 @@ def _scrape_until_succeeded(proc: subprocess.Popen, port: int, labels: tuple, ti
     return values
 
 
+@pytest.mark.slow
 def test_cli_serves_metrics_during_the_run_and_lingers_after_it(shared_cluster, tmp_path):
     """``h5ngff convert --metrics-port --metrics-linger`` (on the shared cluster, to save a start)."""
     h5 = write_h5(tmp_path / "in.h5", volume())
@@ -262,6 +269,7 @@ def test_cli_serves_metrics_during_the_run_and_lingers_after_it(shared_cluster, 
     assert proc.returncode == 0, err
 
 
+@pytest.mark.slow
 def test_run_job_yaml_serves_metrics_labelled_by_the_manifest(shared_cluster, tmp_path):
     """``h5ngff run job.yaml --metrics-port``: the labels are the ConversionJob's name and namespace,
     as the operator's runner would have them, and progress reaches its total."""

@@ -35,7 +35,7 @@ from h5ngff.runner import plan_job, run_job
 
 PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-pytestmark = pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)")
+pytestmark = [pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)"), pytest.mark.integration, pytest.mark.slow]
 
 JOB, NAMESPACE, SCRAPE_JOB = "scrape-test", "h5ngff-tests", "h5ngff"
 OPERATOR_SCRAPE_JOB = "h5ngff-operator"
@@ -99,6 +99,22 @@ class PrometheusServer:
             time.sleep(0.2)
         raise AssertionError(f"Prometheus never returned {expr!r} within {timeout} s")
 
+    def rounds(self, n: int, timeout: float = 30) -> None:
+        """Wait until every target has been scraped, and every rule group evaluated, ``n`` more
+        times: counted in the server's own /targets and /rules answers (each new lastScrape or
+        lastEvaluation is one), not guessed from the intervals with a sleep."""
+        def stamps() -> dict[str, str]:
+            targets = {f"scrape {t['scrapeUrl']}": t["lastScrape"] for t in self.api("targets")["activeTargets"]}
+            return targets | {f"rules {g['name']}": g["lastEvaluation"] for g in self.api("rules")["groups"]}
+
+        seen = {key: {stamp} for key, stamp in stamps().items()}
+        deadline = time.time() + timeout
+        while any(len(s) <= n for s in seen.values()):
+            assert time.time() < deadline, f"Prometheus did not scrape and evaluate {n} more times within {timeout} s: {seen}"
+            time.sleep(0.1)
+            for key, stamp in stamps().items():
+                seen.setdefault(key, set()).add(stamp)
+
     def range(self, expr: str, start: float, end: float) -> list:
         return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="0.5")["result"]
 
@@ -153,7 +169,7 @@ def scraped(tmp_path_factory):
         prom.wait('h5ngff_job_phase{phase="Succeeded"} == 1', timeout=10)
         with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics") as r:
             exposition = r.read().decode()
-        time.sleep(1.0)  # two more scrapes and rule evaluations of the final state
+        prom.rounds(2)  # two more scrapes and rule evaluations of the final state
         end = time.time()
         workers = {w.name for w in summary.workers}
         yield Scraped(prom, start, end, summary, job.plan.memory.pod_limit, workers, pods, exposition)

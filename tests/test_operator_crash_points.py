@@ -33,6 +33,8 @@ from operator_harness import CJ_PATH, CJ_RES, JOB_RES, LEASE_RES, emulator, fast
 from test_operator_kmock import SPEC, env_of, report
 from test_operator_reconcile import T1, job, obs, run
 
+pytestmark = pytest.mark.integration
+
 COMPLETE = {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
 
 
@@ -138,6 +140,7 @@ def _overwrite(c, job_name: str) -> bool:
     return json.loads(env_of(c.jobs()[job_name])["H5NGFF_SPEC"])["output"]["overwrite"]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_a_finished_runner_gone_before_its_uid_was_recorded_never_runs_again():
@@ -156,6 +159,7 @@ async def test_a_finished_runner_gone_before_its_uid_was_recorded_never_runs_aga
         assert c.job_create_requests() == ["scan-runner-1"] and c.status("scan")["phase"] == "Succeeded"
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_a_runner_deleted_mid_run_before_its_uid_was_recorded_is_a_failed_attempt_that_resumes():
@@ -173,6 +177,7 @@ async def test_a_runner_deleted_mid_run_before_its_uid_was_recorded_is_a_failed_
             await wait_for(lambda: any(e["reason"] == "RunnerDeleted" for e in c.events()), what="RunnerDeleted event")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_a_first_attempt_that_may_have_run_is_created_again_with_overwrite_off():
@@ -188,6 +193,7 @@ async def test_a_first_attempt_that_may_have_run_is_created_again_with_overwrite
             await wait_for(lambda: any(e["reason"] == "RunnerRecreated" for e in c.events()), what="RunnerRecreated event")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_the_status_is_written_before_the_runner_job_exists():
@@ -205,6 +211,7 @@ async def test_the_status_is_written_before_the_runner_job_exists():
         assert c.status("scan")["runnerJobUid"] == c.jobs()["scan-runner-1"]["metadata"]["uid"]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_an_operator_upgrade_reruns_no_finished_job():
@@ -235,6 +242,7 @@ async def test_an_operator_upgrade_reruns_no_finished_job():
             await wait_for(lambda: "scan-runner-2" in c.jobs(), what="the edited conversion's runner")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_a_runner_job_kubernetes_refuses_fails_rejected_and_frees_the_output():

@@ -26,7 +26,7 @@ from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, calls
 from operator_harness import emulator, fast_config, manifest, operator_running, passes, wait_for
 from test_operator_kmock import env_of, phases
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180), pytest.mark.integration]
 
 SHAPE = (40, 96, 80)
 
@@ -83,6 +83,7 @@ def scrape_until(port: int, done, task: asyncio.Task, timeout: float = 150) -> d
     raise AssertionError("the runner's metrics never showed the final values (did it exit without lingering?)")
 
 
+@pytest.mark.slow
 async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp_path):
     data = smooth(SHAPE, "uint16", seed=6)
     source = write_h5(tmp_path / "scan.h5", data)
@@ -133,6 +134,7 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
     assert runner_calls and runner_calls <= calls(RUNNER_RULES + RUNNER_JOB_RULES)
 
 
+@pytest.mark.slow
 async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retrying(tmp_path):
     spec = {"source": {"path": str(tmp_path / "missing.h5"), "dataset": "/volume/data"},
             "output": {"path": str(tmp_path / "out.ome.zarr")}, "backoffLimit": 3}

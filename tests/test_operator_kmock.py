@@ -23,7 +23,7 @@ from h5ngff.jobspec import parse_job_spec
 from h5ngff.units import k8s_quantity
 from operator_harness import CJ_RES, DASK_RES, JOB_RES, LEASE_RES, OperatorThread, emulator, fast_config, manifest, operator_running, passes, wait_for
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120), pytest.mark.integration]
 
 VOLUMES = [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}]
 MOUNTS = [{"name": "data", "mountPath": "/data"}]
@@ -74,6 +74,7 @@ async def report(reporter: StatusReporter, patch: dict, final: bool = False) -> 
     await asyncio.to_thread(reporter, patch, final)
 
 
+@pytest.mark.slow
 async def test_applying_a_job_yields_exactly_one_runner_job():
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
@@ -100,6 +101,7 @@ async def test_applying_a_job_yields_exactly_one_runner_job():
         record(c)
 
 
+@pytest.mark.slow
 async def test_status_moves_through_the_phases_with_the_runner_and_the_job():
     from h5ngff.operator.status import planned_patch, progress_status, runner_report
     from test_operator_manifests import job_spec, plan_for
@@ -128,6 +130,7 @@ async def test_status_moves_through_the_phases_with_the_runner_and_the_job():
         record(c)
 
 
+@pytest.mark.slow
 async def test_an_oomkilled_runner_is_retried_up_to_the_backoff_limit():
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))  # backoffLimit 1: two attempts
@@ -173,6 +176,7 @@ async def test_a_worker_oom_the_runner_reports_is_retried_with_its_reason():
         record(c)
 
 
+@pytest.mark.slow
 async def test_an_invalid_spec_fails_with_invalid_spec_and_creates_nothing():
     bad = {**SPEC, "resources": {"workers": 0}}
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
@@ -201,6 +205,7 @@ async def test_deleting_a_job_removes_its_children():
         record(c)
 
 
+@pytest.mark.slow
 async def test_an_operator_restart_mid_flight_duplicates_nothing():
     async with emulator() as c:
         # The worst moment: a previous operator created the Job and died before writing status.
@@ -220,6 +225,7 @@ async def test_an_operator_restart_mid_flight_duplicates_nothing():
         record(c)
 
 
+@pytest.mark.slow
 async def test_a_runner_job_deleted_while_the_operator_was_down_is_a_failed_attempt():
     """The restarted operator's index lacks the Job it saw before: it asks the API, and only
     then counts the attempt as failed (RunnerDeleted) and resumes in the next one."""
@@ -238,6 +244,7 @@ async def test_a_runner_job_deleted_while_the_operator_was_down_is_a_failed_atte
         record(c)
 
 
+@pytest.mark.slow
 async def test_api_errors_409_500_and_watch_410_are_survived():
     async with emulator() as c:
         k = c.k
@@ -287,6 +294,7 @@ def _scrape(port: int) -> dict[str, float]:
     return samples
 
 
+@pytest.mark.slow
 async def test_two_peered_replicas_act_once_and_fail_over():
     """Two operators with kopf peering: only the higher-priority one acts; when it exits, the
     other takes over."""
@@ -319,6 +327,7 @@ def _peers(c) -> dict:
     return dict((obj.raw.get("status") or {}))
 
 
+@pytest.mark.slow
 async def test_recorded_api_calls_are_exactly_the_declared_rbac():
     """The operator and the runner call only what rbac.py declares, and everything declared as
     exercised was called (so the list stays tight). Issue 7's Helm RBAC reads rbac.py."""

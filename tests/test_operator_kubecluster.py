@@ -29,7 +29,7 @@ from operator_harness import DASK_RES, emulator, fast_config, manifest, operator
 from test_operator_e2e import run_container
 from test_operator_kmock import phases
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240), pytest.mark.integration]
 
 DASK_PATH = "/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters"
 
@@ -128,6 +128,7 @@ def kubeconfig(path, url: str) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 async def test_the_runner_converts_on_a_daskcluster_sized_by_its_plan(tmp_path):
     data = smooth((32, 96, 80), "uint16", seed=3)
     source = write_h5(tmp_path / "scan.h5", data)

@@ -26,7 +26,7 @@ LEASES_PATH = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
 #: The operator's namespace in these tests: neither job's.
 OPS = "h5ngff-system"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.integration]
 
 
 def key(path: str, pod: dict | None = None, namespace: str | None = None) -> str:
@@ -110,6 +110,7 @@ async def add_lease(c, key_: str, holder: str, ns: str = OPS) -> str:
     return name
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_two_namespaces_writing_one_bucket_prefix_take_turns(monkeypatch):
     monkeypatch.setenv("POD_NAMESPACE", OPS)  # as the Helm chart sets it: the operator's namespace
@@ -135,6 +136,7 @@ async def test_two_namespaces_writing_one_bucket_prefix_take_turns(monkeypatch):
         await wait_for(lambda: c.live(LEASE_RES, OPS) == {} and c.cj("second", "team-b") is None, what="Lease released by the finalizer")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("outer_first", [True, False], ids=["outer-first", "inner-first"])
 async def test_an_output_nested_in_a_busy_one_waits(outer_first):
@@ -155,6 +157,7 @@ async def test_an_output_nested_in_a_busy_one_waits(outer_first):
         await wait_for(lambda: "second-runner-1" in c.jobs() and c.status("second").get("attempts") == 1, what="the second job started")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("holder, key_", [("gone", "url:s3://scans/run-7/out.ome.zarr"), ("recreated", "url:s3://scans/run-7/out.ome.zarr/inner")])
 async def test_a_lease_whose_holder_is_gone_is_taken_over(holder, key_):
@@ -173,6 +176,7 @@ async def test_a_lease_whose_holder_is_gone_is_taken_over(holder, key_):
         assert ("get", GROUP, "conversionjobs", "") in c.api_calls()["operator"]  # rbac.py's unexercised rule, exercised
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_run_started_by_a_build_with_leases_in_the_jobs_namespace_keeps_and_releases_its_lease(monkeypatch):
     """An earlier build kept the Lease in the job's namespace under a bare name in

@@ -35,7 +35,7 @@ from operator_harness import (
 )
 from test_operator_kmock import SPEC, env_of, phases, report
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120), pytest.mark.integration]
 
 COMPLETE = {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
 
@@ -56,6 +56,7 @@ async def running(c, name: str = "scan", attempt: int = 1) -> None:
     await wait_for(lambda: c.status(name).get("phase") == "Running", what="Running")
 
 
+@pytest.mark.slow
 async def test_a_succeeded_job_never_runs_again_when_its_runner_job_vanishes():
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
@@ -70,6 +71,7 @@ async def test_a_succeeded_job_never_runs_again_when_its_runner_job_vanishes():
         assert c.status("scan")["observedGeneration"] == 1  # metadata edits are not a new generation
 
 
+@pytest.mark.slow
 async def test_a_success_the_operator_missed_while_down_stands():
     """The operator was down longer than the runner Job's TTL: the Job is gone, the runner's
     report of success is all that is left. Today's code re-ran attempt 1 with overwrite."""
@@ -91,6 +93,7 @@ async def test_a_success_the_operator_missed_while_down_stands():
         assert c.job_creations() == ["scan-runner-1"] and c.status("scan")["phase"] == "Succeeded"
 
 
+@pytest.mark.slow
 async def test_an_edit_of_the_conversion_runs_the_new_generation_and_other_edits_do_not():
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
@@ -111,6 +114,7 @@ async def test_an_edit_of_the_conversion_runs_the_new_generation_and_other_edits
         assert phases(c, "scan") == ["Pending", "Succeeded", "Pending"]
 
 
+@pytest.mark.slow
 async def test_an_edit_of_the_conversion_while_running_stops_the_runner_and_starts_the_new_generation():
     async with emulator() as c, Kubelet(c) as kubelet, operator_running(fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
@@ -129,6 +133,7 @@ async def test_an_edit_of_the_conversion_while_running_stops_the_runner_and_star
         assert c.status("scan")["observedGeneration"] == 2 and c.status("scan")["firstAttempt"] == 2
 
 
+@pytest.mark.slow
 async def test_an_invalid_edit_while_running_lets_the_run_finish_without_flapping():
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
@@ -147,6 +152,7 @@ async def test_an_invalid_edit_while_running_lets_the_run_finish_without_flappin
         assert phases(c, "scan") == ["Pending", "Running", "Succeeded"]
 
 
+@pytest.mark.slow
 async def test_a_second_job_on_the_same_output_waits_until_the_first_ends():
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("first", SPEC))
@@ -166,6 +172,7 @@ async def test_a_second_job_on_the_same_output_waits_until_the_first_ends():
         assert "reason" not in c.status("second")
 
 
+@pytest.mark.slow
 async def test_a_runner_job_deleted_while_running_is_a_failed_attempt_that_resumes():
     async with emulator() as c, Kubelet(c) as kubelet, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
@@ -185,6 +192,7 @@ async def test_a_runner_job_deleted_while_running_is_a_failed_attempt_that_resum
         assert c.job_creations() == ["scan-runner-1", "scan-runner-2"]
 
 
+@pytest.mark.slow
 async def test_a_runner_pod_deleted_while_running_is_a_failed_attempt_that_resumes():
     async with emulator() as c, Kubelet(c) as kubelet, operator_running(fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
@@ -200,6 +208,7 @@ async def test_a_runner_pod_deleted_while_running_is_a_failed_attempt_that_resum
         await wait_for(lambda: "Retrying" in reasons(c), what="Warning event")
 
 
+@pytest.mark.slow
 async def test_retries_back_off():
     spec = {**SPEC, "retry": {"intervalSeconds": 2, "maxIntervalSeconds": 2}}
     async with emulator() as c, operator_running(fast_config(c.url)):
@@ -214,6 +223,7 @@ async def test_retries_back_off():
         assert "in 2 s" in c.status("scan")["message"]
 
 
+@pytest.mark.slow
 async def test_active_deadline_ends_a_run_that_cannot_start():
     spec = {**SPEC, "activeDeadlineSeconds": 2}
     async with emulator() as c, operator_running(fast_config(c.url)):
@@ -232,6 +242,7 @@ async def test_active_deadline_ends_a_run_that_cannot_start():
         await wait_for(lambda: {"Unschedulable", "DeadlineExceeded"} <= set(reasons(c)), what="Warning events")
 
 
+@pytest.mark.slow
 async def test_a_runner_job_whose_pod_admission_rejects_says_failed_create():
     async with emulator() as c, operator_running(fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
@@ -246,6 +257,7 @@ async def test_a_runner_job_whose_pod_admission_rejects_says_failed_create():
         assert condition(c, "scan", "Running")["reason"] == "FailedCreate"
 
 
+@pytest.mark.slow
 async def test_deleting_a_running_job_stops_its_live_runner_cluster_and_pods(tmp_path):
     """A real runner process (the Job's container command, kubernetes backend) that has created
     its DaskCluster and waits for its pods; deleting the ConversionJob must leave nothing."""
@@ -277,12 +289,14 @@ async def test_deleting_a_running_job_stops_its_live_runner_cluster_and_pods(tmp
         assert "creating DaskCluster" in log, log[-2000:]
 
 
+@pytest.mark.slow
 async def test_the_watch_is_reestablished_after_410_gone():
     """After a 410 Gone the operator must watch again: an edit made afterwards reaches it."""
     async with emulator() as c:
         await _edit_after_a_gone_watch(c, blind=False)
 
 
+@pytest.mark.slow
 async def test_a_watch_that_is_not_reestablished_is_detected():
     """Negative control of the test above: later watch streams deliver nothing (as if the watch
     were never re-established); the same check must then fail."""

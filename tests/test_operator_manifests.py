@@ -155,6 +155,8 @@ def test_scheduler_pod_is_guaranteed_and_sized_apart_from_workers():
     assert sched["service"]["selector"]["dask.org/cluster-name"] == dask_cluster_name("scan-42")
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_the_worker_container_starts_a_worker_with_the_planned_limits(tmp_path):
     """Run the built container's command for real: Dask must accept the args, and the worker
     must come up with the planned memory_limit, threads and thresholds."""
@@ -260,6 +262,7 @@ def test_a_credentials_secret_is_a_plain_secret_name_never_another_namespace(nam
         job_spec(pod={"credentialsSecret": name})
 
 
+@pytest.mark.slow
 def test_the_output_lease_of_a_bucket_prefix_is_the_url_whatever_the_working_directory():
     from h5ngff.operator.lease import output_key
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from h5ngff.operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy, policy_vi
 from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, role_rules
 from h5ngff.operator.lease import LeaseState
 from h5ngff.operator.reconcile import Observed, reconcile
-from operator_harness import DASK_RES, JOB_RES, ROLE_RES, ROLEBINDING_RES, emulator, fast_config, manifest, operator_running, wait_for
+from operator_harness import DASK_RES, JOB_RES, ROLE_RES, ROLEBINDING_RES, emulator, fast_config, manifest, operator_running, passes, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_IMAGE, DEFAULT_SA = "ghcr.io/h5ngff/h5ngff:0.1.0", "h5ngff-runner"
@@ -92,13 +91,15 @@ def test_reconcile_denies_first_and_ensures_nothing():
 DENIED = {**BASE, "pod": {"image": "evil.example/miner:1", "volumes": [HOST], "volumeMounts": [{"name": "node", "mountPath": "/host"}]}}
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_a_denied_job_fails_with_policy_denied_and_creates_nothing():
-    async with emulator() as c, operator_running(fast_config(c.url)):
+    async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("greedy", DENIED))
         await wait_for(lambda: c.status("greedy").get("phase") == "Failed", what="Failed")
-        await asyncio.sleep(0.6)  # three reconcile intervals: a terminal job gets no further pass
+        await passes(cfg, "greedy", 3)  # three more passes over the failed job: none may create anything
         status = c.status("greedy")
         assert status["reason"] == "PolicyDenied"
         assert "evil.example/miner:1" in status["message"] and "hostPath" in status["message"]
@@ -110,6 +111,7 @@ async def test_a_denied_job_fails_with_policy_denied_and_creates_nothing():
         assert "PolicyDenied" in [e["reason"] for e in c.events()]
 
 
+@pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_the_same_job_runs_when_the_policy_allows_it():

@@ -76,6 +76,8 @@ def test_render_prints_role_binding_and_runner_job(capsys, job_file):
     assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-scan"  # the manifest's own uid
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_rendered_objects_are_what_the_operator_creates(capsys, job_file):
@@ -142,6 +144,7 @@ def test_an_invalid_manifest_exits_2(capsys, tmp_path):
     assert code == 2 and objs == [] and "resources.workers" in out
 
 
+@pytest.mark.integration
 def test_help_has_an_example_and_the_image_path_matches_the_dockerfile():
     from h5ngff.operator.render import IMAGE_JEMALLOC
 

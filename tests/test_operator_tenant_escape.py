@@ -251,6 +251,8 @@ def _as_runner_builds(c, name: str, image: str = IMAGE) -> dict:
     return cluster
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_the_operator_deletes_a_rogue_dask_cluster_and_keeps_the_one_the_runner_builds():

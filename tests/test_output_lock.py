@@ -21,6 +21,8 @@ from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import ExitCode
 from test_engine_resume import chunk_files, manifest_lines
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,64,256", "--workers", "1", "--no-progress"]
 #: The second writer, with the lock replaced by a no-op: the negative control of every refusal.

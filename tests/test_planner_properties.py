@@ -90,6 +90,7 @@ def _with_resources(spec_dict, **changes):
     return {**spec_dict, "resources": resources}
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(problems())
 def test_every_plan_satisfies_the_oracle(problem):
@@ -228,6 +229,7 @@ def test_more_budget_never_means_more_slabs(workers, threads, budget_mib):
     assert math.prod(large.slab) >= math.prod(small.slab)
 
 
+@pytest.mark.slow
 def test_property_strategy_reaches_the_interesting_cases():
     """Guard against a strategy that never produces refusals, multi-pass plans or HDF5 chunks."""
     seen = {"refused": 0, "multipass": 0, "multislab": 0, "hdf5": 0, "notice": 0, "sharded": 0, "sharded multipass": 0, "sharded threads": 0}

@@ -22,7 +22,7 @@ from h5ngff.errors import NannyTerminatedError, OOMKilledError
 from h5ngff.runner import plan_job, run_job
 from h5ngff.sample import write_sample
 
-pytestmark = [requires_cgroups, pytest.mark.cgroup]
+pytestmark = [requires_cgroups, pytest.mark.cgroup, pytest.mark.integration]
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 
 
@@ -44,6 +44,7 @@ def user_spec(h5: str, out: str, **resources):
     )
 
 
+@pytest.mark.slow
 def test_user_case_runs_with_no_oom_kills_under_pod_limits(user_case, tmp_path):
     out = str(tmp_path / "out.ome.zarr")
     backend = LocalPodsBackend()
@@ -63,6 +64,7 @@ def test_user_case_runs_with_no_oom_kills_under_pod_limits(user_case, tmp_path):
         np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], f["/volume/data"][...])
 
 
+@pytest.mark.slow
 def test_negative_control_kernel_kills_below_the_plan(user_case, tmp_path):
     """With the pod limit at 0.6x the plan, the kernel OOM-kills a worker, and h5ngff says so."""
     out = str(tmp_path / "out.ome.zarr")
@@ -82,6 +84,7 @@ def test_negative_control_kernel_kills_below_the_plan(user_case, tmp_path):
     assert sum(w.oom_kills for w in workers) >= 1 and all(w.pod_limit == limit for w in workers)
 
 
+@pytest.mark.slow
 def test_a_failed_run_reports_its_workers_in_json_and_draws_its_memory(user_case, tmp_path):
     """``h5ngff convert --json --memory-report`` on a run the kernel kills: the JSON carries the
     per-worker figures that explain it, and the report is drawn for the failed run too."""
@@ -103,6 +106,7 @@ def test_a_failed_run_reports_its_workers_in_json_and_draws_its_memory(user_case
     assert "OOM kills" in report.read_text() and "Failed" in report.read_text()
 
 
+@pytest.mark.slow
 def test_dask_terminates_a_runaway_task_before_the_kernel(user_case, tmp_path, monkeypatch):
     """A slab task that keeps allocating beyond its plan trips the nanny's terminate threshold; the
     pod limit leaves room for that, so the kernel never has to kill. Retries are bounded."""
@@ -154,10 +158,12 @@ def assert_flat(summary, marks) -> None:
         assert late <= early * 1.05, f"worker {worker}: RSS grew from {early >> 20} MiB at 10% to {late >> 20} MiB at 90%"
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_over_200_slabs(tmp_path):
     assert_flat(*run_200_slabs(tmp_path))
 
 
+@pytest.mark.slow
 def test_negative_control_a_leak_is_caught(tmp_path, monkeypatch):
     """300 KiB left behind per slab (about 24 MiB per worker between the 10% and 90% marks, four
     times the 5% the check allows) fails the flatness check. 100 KiB (8 MiB) sat too close to the

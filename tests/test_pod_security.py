@@ -197,6 +197,8 @@ def _start(container: dict, tmp_path: Path, name: str, extra_args: list[str], ex
     return subprocess.Popen(cmd, env=env, cwd="/", stdout=log, stderr=subprocess.STDOUT), log
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_the_scheduler_and_worker_run_on_a_read_only_root_with_the_scratch_volume(tmp_path):
     """The scheduler and worker containers as built (args, env with HOME=/tmp) start and compute

@@ -55,7 +55,7 @@ else:
         while f.read(1 << 20):
             pass
 print("ready", flush=True)
-time.sleep(1.0)
+sys.stdin.readline()  # held until the parent has counted the watcher's samples
 """
 
 
@@ -69,12 +69,16 @@ def _run_in_pod(tmp_path, mode: str, path: str):
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
 
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, path], stdout=subprocess.PIPE, text=True, preexec_fn=enter_pod)
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=enter_pod)
         watcher.watch("pod-0", group, nanny_pid=-1)
         watcher.start()
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.3)
-        proc.wait(timeout=30)
+        # Three samples of the pod while the child holds its memory (counted, not slept for).
+        seen, deadline = watcher.peaks["pod-0"].samples, time.monotonic() + 30
+        while watcher.peaks["pod-0"].samples < seen + 3:
+            assert time.monotonic() < deadline, "the watcher took no samples"
+            time.sleep(0.01)
+        proc.communicate("go\n", timeout=30)
         watcher.stop()
         return watcher.peaks["pod-0"], group.peak()
     finally:
@@ -82,6 +86,8 @@ def _run_in_pod(tmp_path, mode: str, path: str):
         group.remove()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup
 def test_the_watcher_counts_anon_and_dirty_pages_but_not_clean_page_cache(tmp_path):
@@ -113,6 +119,8 @@ def _tiny_volume(tmp_path, shape=(128, 256, 512)):
     return write_h5(tmp_path / "in.h5", data)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup
 def test_a_run_the_kernel_kills_reports_one_count_and_real_peaks(tmp_path):
@@ -144,6 +152,8 @@ def test_a_run_the_kernel_kills_reports_one_count_and_real_peaks(tmp_path):
     assert all(w.peak_rss > 150 * MiB - w.nanny_anon_peak for w in killed), [w.to_dict() for w in killed]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @requires_cgroups
 @pytest.mark.cgroup
 def test_the_pod_limit_is_close_to_what_the_pod_really_holds(tmp_path):

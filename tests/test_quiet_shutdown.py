@@ -29,6 +29,8 @@ from conftest import smooth, write_h5
 from h5ngff.backends.shutdown import TORNADO_CALLBACKS, is_sync_cancel_race, quiet_sync_cancel_race
 from h5ngff.errors import ExitCode
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 H5NGFF = [sys.executable, "-m", "h5ngff.cli"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -140,9 +142,18 @@ def interrupted_sync(loop: IOLoop) -> None:
     threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         sync(loop, asyncio.sleep, 0)
-    time.sleep(0.8)  # the loop runs the queued call, then sync's cancel()
+    drained(loop)  # the loop has run the queued call, then sync's cancel()
 
 
+def drained(loop: IOLoop, timeout: float = 30) -> None:
+    """Wait until ``loop`` has run every callback queued before this call (and logged what they
+    raised): its callbacks run in the order they were added, so a marker added now runs last."""
+    marker = threading.Event()
+    loop.add_callback(marker.set)
+    assert marker.wait(timeout), f"the loop did not reach the marker within {timeout} s"
+
+
+@pytest.mark.slow
 def test_the_sync_cancel_race_is_dropped_and_only_it(monkeypatch):
     logger = logging.getLogger(TORNADO_CALLBACKS)
     monkeypatch.setattr(logger, "filters", [])
@@ -162,7 +173,7 @@ def test_the_sync_cancel_race_is_dropped_and_only_it(monkeypatch):
             assert handler.records == []
             # Any other failing callback is still logged, a NameError included.
             loop.add_callback(lambda: undefined_name)  # type: ignore[name-defined]  # noqa: F821
-            time.sleep(0.3)
+            drained(loop)
             assert [type(r.exc_info[1]) for r in handler.records if r.exc_info] == [NameError]
     finally:
         logger.removeHandler(handler)

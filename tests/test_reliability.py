@@ -28,6 +28,8 @@ from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import CompressorSpec
 from test_engine_resume import chunk_files, manifest_lines
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,64,256", "--workers", "2", "--no-progress"]
 
@@ -47,6 +49,7 @@ def worker_processes() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
 
 
+@pytest.mark.slow
 def test_worker_sigkilled_mid_slab_reruns_the_slab(source, tmp_path, monkeypatch):
     h5, _, _, clean = source
     out = str(tmp_path / "out.ome.zarr")
@@ -73,6 +76,7 @@ def _temporaries(path: str) -> list[str]:
     return [os.path.join(d, n) for d, _, names in os.walk(path) for n in names if TMP_MARK in n]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sweep", [True, False], ids=["swept", "negative-control-no-sweep"])
 def test_regression_a_worker_killed_before_its_rename_leaves_no_temporary_file(tmp_path, monkeypatch, sweep):
     """A worker SIGKILLed between writing a chunk's temporary file and renaming it left that file
@@ -126,6 +130,7 @@ def test_regression_a_worker_killed_before_its_rename_leaves_no_temporary_file(t
         assert _temporaries(out) and not verify_output(out).ok
 
 
+@pytest.mark.slow
 def test_reader_polling_never_sees_a_finished_image_over_partial_data(source, tmp_path):
     """Poll the output while a run writes it: whenever the NGFF metadata is visible, every chunk
     must already be there and decode."""
@@ -151,6 +156,7 @@ def test_reader_polling_never_sees_a_finished_image_over_partial_data(source, tm
     assert sightings > 0 and partial_sightings == 0
 
 
+@pytest.mark.slow
 def test_truncated_chunk_and_stale_temp_file_are_rewritten_on_resume(source, tmp_path):
     h5, data, _, clean = source
     out = str(tmp_path / "out.ome.zarr")
@@ -178,6 +184,7 @@ def test_truncated_chunk_and_stale_temp_file_are_rewritten_on_resume(source, tmp
     assert verify_output(out, (h5, "/volume/data")).ok
 
 
+@pytest.mark.slow
 def test_verify_names_the_bad_chunks(source, tmp_path):
     h5, _, _, clean = source
     out = str(tmp_path / "copy.ome.zarr")
@@ -238,6 +245,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_disk_full_fails_clearly_and_resumes_after_space_is_freed(source, small_disk):
     h5, data, _, clean = source
     out = str(small_disk / "out.ome.zarr")
@@ -253,6 +261,7 @@ def test_disk_full_fails_clearly_and_resumes_after_space_is_freed(source, small_
     assert verify_output(out, (h5, "/volume/data")).ok
 
 
+@pytest.mark.slow
 def test_huge_sparse_dataset_stays_within_its_plan(tmp_path):
     """1 GiB of logical data in a file of a few KiB (no chunk ever written: all fill value).
     Memory follows the plan, not the logical size."""
@@ -276,6 +285,7 @@ def test_huge_sparse_dataset_stays_within_its_plan(tmp_path):
     assert level0.shape == (128, 2048, 4096) and int(level0[5, 1000, 4000]) == 7
 
 
+@pytest.mark.slow
 def test_names_from_input_cannot_escape_the_output(tmp_path, convert):
     """Dataset paths and image names come from users and files; only level numbers and chunk
     indices ever become file names, so nothing is written outside the output directory."""
@@ -292,6 +302,7 @@ def test_names_from_input_cannot_escape_the_output(tmp_path, convert):
     assert attrs["ome"]["multiscales"][0]["name"] == "../../../escape"  # kept as metadata text only
 
 
+@pytest.mark.slow
 @requires_cgroups
 @pytest.mark.cgroup
 def test_a_killed_pod_is_restarted_and_the_run_completes(source, tmp_path, monkeypatch):
@@ -318,6 +329,7 @@ def test_a_killed_pod_is_restarted_and_the_run_completes(source, tmp_path, monke
     assert chunk_files(out) == chunk_files(clean)
 
 
+@pytest.mark.slow
 def test_losing_every_worker_fails_the_run_instead_of_hanging(source, tmp_path, monkeypatch):
     """An existing cluster whose workers all go away: after the watchdog's timeout the run fails
     with WorkersLost, it does not wait forever."""

@@ -8,11 +8,14 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from h5ngff.engine.progress import Progress
 from h5ngff.metrics.exporter import MetricsExporter
 from h5ngff.operator.runner_cmd import DEFAULT_METRICS_LINGER, metrics_linger
 
 
+@pytest.mark.slow
 def test_lingering_ends_at_the_first_scrape_after_the_run():
     exporter = MetricsExporter(0, "scan", addr="127.0.0.1")
     try:
@@ -26,6 +29,7 @@ def test_lingering_ends_at_the_first_scrape_after_the_run():
         exporter.close()
 
 
+@pytest.mark.slow
 def test_a_scrape_of_the_final_values_before_lingering_counts():
     exporter = MetricsExporter(0, "scan", addr="127.0.0.1")
     try:
@@ -38,6 +42,7 @@ def test_a_scrape_of_the_final_values_before_lingering_counts():
         exporter.close()
 
 
+@pytest.mark.slow
 def test_without_a_scrape_it_lingers_the_whole_time():
     """Negative control: nobody scrapes, so the process stays up for the full linger."""
     exporter = MetricsExporter(0, "scan", addr="127.0.0.1")

@@ -29,6 +29,8 @@ from h5ngff.errors import OutputBusyError, OutputConflictError, OutputError
 from h5ngff.runner import plan_job, run_job
 from s3_server import FaultProxy
 
+pytestmark = pytest.mark.integration
+
 SHAPE = (32, 48, 40)
 
 
@@ -83,6 +85,7 @@ def _crash_at_put(monkeypatch, n: int) -> list[str]:
 
 # The start sequence's PUTs: the manifest header, 0/zarr.json, 1/zarr.json, zarr.json; the 5th is
 # the first slab's record (a kill after the start, mid-run).
+@pytest.mark.slow
 @pytest.mark.parametrize("overwrite", [False, True], ids=["resume", "overwrite"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_a_kill_at_any_point_of_the_start_leaves_a_prefix_that_resumes(source, s3, backend, monkeypatch, n, overwrite):
@@ -114,6 +117,7 @@ def test_a_run_starting_beside_a_live_one_is_busy_not_a_conflict(source, s3, bac
             check_output(job.plan, job.spec, job.source)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", range(6))
 def test_two_runs_started_at_once_the_loser_is_busy(source, s3, backend, attempt):
     bucket = s3.new_bucket()
@@ -140,6 +144,7 @@ def test_two_runs_started_at_once_the_loser_is_busy(source, s3, backend, attempt
     assert all(type(e) is OutputBusyError for e in errors), [str(e) for e in errors]
 
 
+@pytest.mark.slow
 def test_two_uninterrupted_runs_give_identical_objects_in_a_bucket(source, s3, backend):
     bucket = s3.new_bucket()
     for name in ("a", "b"):
@@ -149,6 +154,7 @@ def test_two_uninterrupted_runs_give_identical_objects_in_a_bucket(source, s3, b
     assert a == b
 
 
+@pytest.mark.slow
 def test_two_runs_and_a_resumed_run_give_identical_files_in_a_directory(source, backend, tmp_path, monkeypatch):
     outs = [str(tmp_path / f"{name}.ome.zarr") for name in ("a", "b", "killed")]
     for out in outs[:2]:
@@ -166,6 +172,7 @@ def test_two_runs_and_a_resumed_run_give_identical_files_in_a_directory(source, 
     assert a == b == resumed
 
 
+@pytest.mark.slow
 def test_a_failed_run_reports_its_store_retries(source, s3, backend):
     bucket = s3.new_bucket()
     with FaultProxy(s3.url) as proxy:

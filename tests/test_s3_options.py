@@ -37,6 +37,8 @@ def test_a_bad_storage_option_is_bad_input_with_what_is_expected(option, value, 
     assert "Debug" not in str(err.value) and "UnknownConfigurationKey" not in str(err.value)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_the_cli_refuses_retries_0_and_a_missing_bucket_with_exit_2(tmp_path):
     from conftest import smooth, write_h5
 
@@ -78,6 +80,7 @@ class _Silent:
             conn.close()
 
 
+@pytest.mark.slow
 def test_an_endpoint_that_never_answers_fails_in_bounded_time_with_a_notice_per_retry(caplog):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -91,6 +94,8 @@ def test_an_endpoint_that_never_answers_fails_in_bounded_time_with_a_notice_per_
     assert len(notices) == 2, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_the_cli_says_so_on_stderr_while_an_endpoint_hangs(tmp_path):
     from conftest import smooth, write_h5
 
@@ -111,6 +116,7 @@ def _env_base() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "HOME", "VIRTUAL_ENV", "LANG")}
 
 
+@pytest.mark.integration
 def test_no_credentials_says_where_they_are_looked_for(s3, monkeypatch, tmp_path):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -138,6 +144,8 @@ def test_without_the_s3_extra_the_error_names_it(monkeypatch):
     assert err.value.exit_code == ExitCode.BAD_INPUT
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_store_that_stays_unavailable_advises_what_any_command_can_do(s3):
     from h5ngff.engine.stores.s3 import S3Store
 

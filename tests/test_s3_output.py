@@ -25,6 +25,8 @@ from h5ngff.metrics.families import ExportState, build_families
 from reference import reference_pyramid
 from s3_server import FaultProxy
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE = (24, 96, 80)
@@ -55,6 +57,7 @@ def _flags(options):
     return [f for k, v in options.items() for f in ("--storage-option", f"{k}={v}")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shards", [None, [16, 64, 64]], ids=["chunks", "shards"])
 def test_every_level_exact_read_back_through_the_endpoint(source, s3, convert, monkeypatch, shards):
     h5, data = source
@@ -74,6 +77,7 @@ def test_every_level_exact_read_back_through_the_endpoint(source, s3, convert, m
         read_by_independent_clients(url, data, {"endpoint_url": s3.url})
 
 
+@pytest.mark.slow
 def test_verify_an_s3_output_with_and_without_source(source, s3, convert):
     from h5ngff.engine.verify.check import verify_output
 
@@ -106,6 +110,7 @@ def _chunk_objects(keys: dict[str, bytes], prefix: str) -> dict[str, bytes]:
     return {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix) and "/.h5ngff/" not in k and not k.endswith(("zarr.json", ".zattrs"))}
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_byte_identical_and_a_poller_never_sees_it_finished_early(s3, convert, tmp_path):
     # Two slabs (a 3-level pyramid of 8-deep chunks aligns slabs to 32 planes), run one after the
     # other: the kill lands after the first slab's record and before the second's. With one slab
@@ -175,6 +180,7 @@ def _poll_while(run, s3, bucket, prefix):
     return seen
 
 
+@pytest.mark.slow
 def test_injected_503s_and_resets_are_retried_and_counted(source, s3, convert):
     h5, data = source
     bucket = s3.new_bucket()
@@ -191,6 +197,7 @@ def test_injected_503s_and_resets_are_retried_and_counted(source, s3, convert):
     np.testing.assert_array_equal(_zarr_group(url, s3)["0"][...], data)
 
 
+@pytest.mark.slow
 def test_a_403_fails_fast_before_the_cluster_with_what_to_change(source, s3):
     h5, _ = source
     bucket = s3.new_bucket()
@@ -206,6 +213,7 @@ def test_a_403_fails_fast_before_the_cluster_with_what_to_change(source, s3):
     assert elapsed < 30
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_only_our_own_output(source, s3, convert):
     h5, data = source
     bucket = s3.new_bucket()
@@ -236,6 +244,7 @@ def test_an_unwritable_bucket_is_an_output_error_not_a_crash(source, s3, convert
         convert(_spec(h5, "s3://no-such-bucket-h5ngff/x.ome.zarr", s3.options()))
 
 
+@pytest.mark.slow
 def test_a_sparse_bucket_output_skips_empty_chunks_and_keeps_the_quantile_window(source, s3, convert, tmp_path):
     """Empty chunks, checksums and the window, merged with the bucket path: a chunk that is zero
     everywhere is no object, verify counts it as recorded (``emptyUnits``) and not as missing,
@@ -274,6 +283,7 @@ def test_a_sparse_bucket_output_skips_empty_chunks_and_keeps_the_quantile_window
     assert not broken.ok and "missing" in " ".join(broken.problems), broken.problems
 
 
+@pytest.mark.slow
 def test_ngff_04_in_a_bucket_has_no_sidecar_checksums():
     from h5ngff.spec import OutputSpec
 

@@ -15,9 +15,10 @@ from h5ngff.backends.local import LocalPodsBackend
 from h5ngff.runner import plan_job, run_job
 from s3_server import CREDENTIALS
 
-pytestmark = [requires_cgroups, pytest.mark.cgroup]
+pytestmark = [requires_cgroups, pytest.mark.cgroup, pytest.mark.integration]
 
 
+@pytest.mark.slow
 def test_a_run_to_the_endpoint_under_pod_limits_stays_under_the_plan(s3, tmp_path, monkeypatch):
     data = np.random.default_rng(5).standard_normal((64, 256, 256)).astype("float32")  # incompressible: full-size chunks
     h5 = write_h5(tmp_path / "in.h5", data)

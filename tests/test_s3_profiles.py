@@ -22,6 +22,8 @@ from h5ngff.engine.stores.awsconfig import resolve_chain
 from h5ngff.errors import CredentialsError, ExitCode, SpecError
 from s3_server import CREDENTIALS
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 SHAPE = (16, 64, 48)
@@ -80,6 +82,7 @@ def read_back(s3, url: str) -> np.ndarray:
     return zarr.open_group(store, mode="r")["0"][...]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["AWS_PROFILE", "storage option"])
 def test_a_profile_in_the_aws_files_writes_through_its_endpoint(source, s3, aws_files, how):
     h5, data = source
@@ -97,6 +100,7 @@ def test_a_profile_in_the_aws_files_writes_through_its_endpoint(source, s3, aws_
     assert "h5ngff-test-secret" not in proc.stdout + proc.stderr + verify.stdout + verify.stderr
 
 
+@pytest.mark.slow
 def test_without_the_profile_the_same_run_has_no_credentials_and_writes_nothing(source, s3, aws_files):
     """Negative control of the test above: the files alone name no credentials for 'default'."""
     h5, _ = source
@@ -107,6 +111,7 @@ def test_without_the_profile_the_same_run_has_no_credentials_and_writes_nothing(
     assert "predicted peak RSS" not in proc.stdout and s3.keys(bucket) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["AWS_PROFILE", "storage option"])
 def test_a_missing_profile_is_refused_before_anything_is_written(source, s3, aws_files, how):
     h5, _ = source

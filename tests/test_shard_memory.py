@@ -28,6 +28,8 @@ from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import CompressorSpec, parse_spec
 from h5ngff.units import MiB
 
+pytestmark = pytest.mark.integration
+
 ZSTD = CompressorSpec(codec="blosc", cname="zstd", clevel=5, shuffle="bitshuffle")
 
 
@@ -105,6 +107,7 @@ def _rise(mode: str, folder) -> int:
     return int(proc.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_regression_a_shard_is_never_held_whole_while_written(tmp_path):
     """Writing one 16 MiB shard of incompressible float32 raises the writer's memory by less than
     the plan's per-thread encode and shard terms. Negative control: the assembly this replaced
@@ -137,6 +140,7 @@ def test_plan_reserves_the_shard_index_per_thread_not_the_shard():
     assert large.memory.predicted_peak - small.memory.predicted_peak < 64 * 1024
 
 
+@pytest.mark.slow
 @requires_cgroups
 @pytest.mark.cgroup
 def test_regression_sharded_plan_exceeded_prediction(tmp_path):

@@ -37,6 +37,8 @@ from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import SlurmSpec
 from h5ngff.units import MiB
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 
 
@@ -143,6 +145,7 @@ def test_scontrol_and_err_readings():
 # --- a real SLURM -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
 def test_negative_control_job_mem_below_the_plan_is_oom_killed(tmp_path):
     # One 192 MiB slab in a job forced to 256 MiB. Dask caps the worker's memory_limit at the
@@ -172,6 +175,7 @@ def test_negative_control_job_mem_below_the_plan_is_oom_killed(tmp_path):
     assert not squeue(), "a job of the run is still queued"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
 def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_byte(small, tmp_path):
     """Kill the client (SIGKILL, no cleanup) mid-run: its jobs leave the queue. Re-running on SLURM
@@ -221,6 +225,7 @@ def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_by
     assert report.ok and report.compared_with_source and report.levels_compared == 2, report.problems
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
 def test_jobs_pending_past_the_timeout_fail_with_slurms_reason(small, tmp_path):
     h5, _ = small
@@ -234,6 +239,7 @@ def test_jobs_pending_past_the_timeout_fail_with_slurms_reason(small, tmp_path):
     assert not squeue(), "the pending job was left queued"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_script_slurm_refuses_fails_before_anything_is_submitted(small, tmp_path):
     h5, _ = small
@@ -244,6 +250,7 @@ def test_a_job_script_slurm_refuses_fails_before_anything_is_submitted(small, tm
     assert not squeue()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_cancelled_under_the_run_is_workers_lost(small, tmp_path):
     h5, _ = small
@@ -263,6 +270,7 @@ def test_a_job_cancelled_under_the_run_is_workers_lost(small, tmp_path):
     assert time.monotonic() - start < 30, "the cancelled job was not noticed before the pending timeout"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
 def test_ctrl_c_exits_130_and_cancels_the_jobs(small, tmp_path):
     h5, _ = small
@@ -279,6 +287,7 @@ def test_ctrl_c_exits_130_and_cancels_the_jobs(small, tmp_path):
     assert "interrupted" in stderr and not squeue()
 
 
+@pytest.mark.slow
 def test_negative_control_dask_jobqueue_alone_takes_over_ctrl_c():
     """Importing dask_jobqueue replaces SIGINT's handler with sys.exit(): a Ctrl-C exited 0 with
     the jobs left running. The backend imports it through _import_jobqueue, which restores it."""

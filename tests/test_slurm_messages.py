@@ -22,6 +22,7 @@ from h5ngff.backends.slurmctl import parse_scontrol_job
 from h5ngff.engine.write import driver
 from h5ngff.errors import ClusterError, SpecError, WorkersLostError, WorkersPendingError
 from h5ngff.jobspec import parse_job_spec
+from h5ngff.phases import Phase
 from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import SlurmSpec
 
@@ -95,6 +96,8 @@ def _held_job(directive: str) -> str:
     return " ".join(w for w in line.split() if w.split("=")[0] in ("NumCPUs", "NumTasks", "NumNodes", "CPUs/Task", "MinMemoryNode", "MinMemoryCPU"))
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_sbatch_itself_reads_the_refused_directives_as_planned_options():
     """The oracle: every refused directive really changes what SLURM gives the job, and every
@@ -107,6 +110,8 @@ def test_sbatch_itself_reads_the_refused_directives_as_planned_options():
     assert all(got == baseline for got in same.values()), (baseline, same)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_an_unreachable_controller_is_quoted_not_blamed_on_the_partition(small, tmp_path, monkeypatch):
     h5, _ = small
@@ -123,6 +128,8 @@ def test_an_unreachable_controller_is_quoted_not_blamed_on_the_partition(small, 
     assert "slurm.partition" not in text, text
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_missing_slurm_conf_keeps_slurms_own_words(small, tmp_path, monkeypatch):
     h5, _ = small
@@ -150,6 +157,8 @@ def short_partition():
         subprocess.run(["scontrol", "delete", f"PartitionName={name}"], check=False)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_jobs_pending_on_a_partition_limit_are_not_told_to_wait(small, tmp_path, short_partition):
     h5, _ = small
@@ -172,28 +181,35 @@ def _slow_run(tmp_path, monkeypatch, h5, name, **slurm):
     return plan_job(spec, backend), backend
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monkeypatch):
     h5, _ = small
     job, backend = _slow_run(tmp_path, monkeypatch, h5, "c.ome.zarr")
 
+    writing = threading.Event()  # set by the run itself: its worker connected, its slabs are submitted
+
     def cancel_when_running():  # as an admin (or a preemption) would, once the worker works
-        deadline = time.monotonic() + 60
-        running: list[str] = []
-        while not running and time.monotonic() < deadline:
-            time.sleep(0.5)
-            running = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, check=False).stdout.split()
-        time.sleep(5)  # the worker connects and takes a slab
+        if not writing.wait(120):
+            return  # the run failed before writing: pytest.raises below reports what it raised
+        running = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, check=False).stdout.split()
         subprocess.run(["scancel", *running], check=False)
+
+    def on_progress(progress) -> None:
+        if progress.phase == Phase.WRITING:
+            writing.set()
 
     threading.Thread(target=cancel_when_running, daemon=True).start()
     with pytest.raises(WorkersLostError) as info:
-        run_job(job, backend)
+        run_job(job, backend, [on_progress])
     text = str(info.value)
     assert "JobState=CANCELLED" in text and "during the run" in text and "someone other than h5ngff" in text, text
     assert not squeue()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_path, monkeypatch):
     """SLURM's shortest limit is one minute, checked every 30 s: the job ends TIMEOUT 60 to 90 s
@@ -209,6 +225,8 @@ def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_pat
     assert not squeue()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_budget_larger_than_any_node_is_said_with_the_mem_each_job_asks_for(tmp_path, capsys):
     """Issue 27 item 12: --memory-per-worker 40TiB on this machine's one node was accepted in

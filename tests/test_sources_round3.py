@@ -107,6 +107,7 @@ def converted(sources, tmp_path_factory, shared_cluster):
     return outs
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["plain", "stacked", "imaris", "bdv"])
 def test_cli_verify_with_the_source_convert_read(kind, sources, converted, capsys):
     import zarr
@@ -123,6 +124,7 @@ def test_cli_verify_with_the_source_convert_read(kind, sources, converted, capsy
     assert isinstance(report, dict) and not report["ok"] and report["mismatches"], report
 
 
+@pytest.mark.integration
 def test_cli_verify_with_a_source_of_another_kind_fails(sources, converted, capsys):
     """The Imaris output against the stacked source: a different source is not waved through."""
     code, report = verify_cli(converted["imaris"], sources["stacked"][0], capsys)
@@ -130,6 +132,7 @@ def test_cli_verify_with_a_source_of_another_kind_fails(sources, converted, caps
     assert any("shape" in p for p in report["problems"]), report
 
 
+@pytest.mark.integration
 def test_cli_verify_still_refuses_an_unreadable_source_up_front(sources, converted, capsys):
     text = sources["imaris"][0]
     code, printed = verify_cli(converted["imaris"], text + ".missing.ims", capsys)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "pyproject.toml"
 
@@ -48,6 +50,7 @@ def _package(tmp_path: Path, module: str, text: str) -> Path:
 UNTYPED = "def double(x):\n    return x * 2\n"
 
 
+@pytest.mark.slow
 def test_mypy_is_strict_on_the_planner_default_elsewhere_and_fails_on_a_finding(tmp_path):
     """One mypy run (the slow part) over three files: an untyped function is a finding in
     ``h5ngff.planner`` (strict) but not in ``h5ngff.engine`` (default mode), where a wrong return

@@ -15,7 +15,7 @@ from h5ngff.errors import OutputError
 from s3_server import FaultProxy
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])
 def store(request, tmp_path):
     if request.param == "local":
         return LocalStore(str(tmp_path / "out.ome.zarr"))
@@ -27,6 +27,7 @@ def store(request, tmp_path):
     return store
 
 
+@pytest.mark.slow
 def test_put_get_size_list_and_overwrite(store):
     assert store.put("0/c/0/0/0", b"abc") == 3
     store.put("zarr.json", b"{}")
@@ -107,6 +108,7 @@ def test_sweep_removes_only_what_a_killed_writer_left(tmp_path):
     assert store.sweep() == 0
 
 
+@pytest.mark.integration
 def test_a_sibling_prefix_with_the_same_start_is_not_ours(s3):
     """``out.ome.zarr`` must not list or delete ``out.ome.zarr.bak``: the prefix is a path."""
     from h5ngff.engine.stores.s3 import S3Store
@@ -119,6 +121,8 @@ def test_a_sibling_prefix_with_the_same_start_is_not_ours(s3):
     assert theirs.get("zarr.json") == b"precious"
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_transient_errors_are_retried_counted_and_bounded(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -137,6 +141,8 @@ def test_transient_errors_are_retried_counted_and_bounded(s3):
             store.put("b", b"data")
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_403_fails_at_once_with_what_to_change(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -155,6 +161,8 @@ def test_a_403_fails_at_once_with_what_to_change(s3):
 ROUND_TRIP = 0.5
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_block_exits(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -187,6 +195,8 @@ def test_overlapped_puts_share_their_round_trips_and_are_all_stored_when_the_blo
     assert synchronous >= 6 * ROUND_TRIP and overlapped < 0.5 * synchronous, (synchronous, overlapped)
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_the_window_bounds_the_puts_in_flight(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -203,6 +213,8 @@ def test_the_window_bounds_the_puts_in_flight(s3):
     assert 2 * 0.3 <= elapsed < 4 * 0.3, elapsed
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_a_failed_put_in_the_window_fails_the_block_after_the_others_are_done(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -236,6 +248,7 @@ def test_a_failed_put_in_the_window_fails_the_block_after_the_others_are_done(s3
         assert store_retries.mine() - retries_before == 1 and proxy.faults.injected("503") == 1
 
 
+@pytest.mark.integration
 def test_a_missing_bucket_fails_at_once_and_says_so(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -243,6 +256,8 @@ def test_a_missing_bucket_fails_at_once_and_says_so(s3):
         S3Store("no-such-bucket-h5ngff", "out", s3.options()).list("")
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_multipart_uploads_are_completed_or_aborted_never_left_half(s3):
     from h5ngff.engine.stores.s3 import S3Store
 
@@ -265,6 +280,7 @@ def test_multipart_uploads_are_completed_or_aborted_never_left_half(s3):
     assert [u["Key"] for u in s3.client().list_multipart_uploads(Bucket=bucket)["Uploads"]] == ["out/left-open"]
 
 
+@pytest.mark.slow
 def test_the_engine_writes_and_reads_a_sharded_level_through_either_store(store):
     """chunkio's one path over both stores: shards streamed through ``writer``, read back through
     their index with ranged reads (any region, the fill value where nothing is stored), and an

@@ -71,6 +71,8 @@ def _reencode(layout: ArrayLayout, source_unit, target_unit) -> None:
     write_block(layout, data, tuple(r.start for r in layout.unit_region(target_unit)))
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_level1_chunk_replaced_by_another_valid_level1_chunk_is_reported(convert, tmp_path, case):
     h5, out, data = _convert(convert, tmp_path, case)
@@ -106,6 +108,8 @@ def test_a_level1_chunk_replaced_by_another_valid_level1_chunk_is_reported(conve
     assert f'"key": "{key}"' in cli.stdout and '"level": 1' in cli.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_swapped_level1_chunk_files_are_both_reported(convert, tmp_path):
     """The literal swap: two uncompressed level-1 chunk files of the same size trade places."""
     h5, out, _ = _convert(convert, tmp_path, "v2-mean-u16")
@@ -126,6 +130,7 @@ def test_swapped_level1_chunk_files_are_both_reported(convert, tmp_path):
     assert cli.returncode == 1 and "level 1" in cli.stdout and "differs from the source" in cli.stdout
 
 
+@pytest.mark.integration
 def test_a_wrong_level0_chunk_is_not_blamed_on_the_levels_above(convert, tmp_path):
     """verify builds each level from the source's values, not from the stored level below."""
     h5, out, _ = _convert(convert, tmp_path, "v3-mean-f32")
@@ -136,6 +141,7 @@ def test_a_wrong_level0_chunk_is_not_blamed_on_the_levels_above(convert, tmp_pat
     assert report.bad_units == [(0, layout.key(victim))]
 
 
+@pytest.mark.integration
 def test_a_top_level_chunk_and_an_edge_chunk_are_checked_too(convert, tmp_path):
     """The odd edge (a partial chunk of the last level) is compared, not skipped."""
     h5, out, _ = _convert(convert, tmp_path, "v2-nearest-f64")
@@ -209,6 +215,8 @@ def _whole_level_peak(layout: ArrayLayout) -> tuple[int, int]:
         tracemalloc.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_verify_memory_stays_within_its_bound_and_does_not_grow_with_the_image(convert, tmp_path):
     """tracemalloc sees NumPy's allocations. The peak of a full verify stays under the documented
     bound (less the HDF5 cache, which lives in C) and is the same for a 4x larger image; the bound
@@ -230,6 +238,8 @@ def test_verify_memory_stays_within_its_bound_and_does_not_grow_with_the_image(c
     assert nbytes == data.nbytes and peak_whole > bound
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_verify_without_a_known_pyramid_rule_says_so(convert, tmp_path):
     """An output whose levels cannot be recomputed (a foreign method) is not passed silently."""
     h5, out, _ = _convert(convert, tmp_path, "v3-max-u8")

@@ -21,6 +21,8 @@ def _window(out: str, channel: int = 0) -> dict:
         return json.load(f)["attributes"]["ome"]["omero"]["channels"][channel]["window"]
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_hot_pixel_does_not_set_the_window(tmp_path, convert):
     rng = np.random.default_rng(3)
     data = (200 + rng.integers(0, 3, size=(40, 96, 96))).astype("uint16")  # background 200..202
@@ -61,6 +63,7 @@ def test_quantile_window_matches_numpy_within_one_bin(dtype):
         assert want_end <= end <= want_end * (1 + 2**-7) + 1e-9
 
 
+@pytest.mark.slow
 def test_float_keys_preserve_order_and_skip_non_finite():
     values = np.array([-np.inf, -3e38, -1.5, -1e-30, -0.0, 0.0, 1e-30, 2.5, 3e38, np.inf], dtype=np.float32)
     keys = sample_keys(np.repeat(values, STRIDE), "f").astype(np.int64)
