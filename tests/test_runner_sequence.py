@@ -24,6 +24,9 @@ from h5ngff.planner.model import Capacity, Plan
 from h5ngff.runner import Linger, Outcome, execute, plan_job
 from h5ngff.spec import ConversionSpec
 
+# The sequence runs on the suite's shared Dask cluster (real processes).
+pytestmark = pytest.mark.integration
+
 
 class Spy:
     """The shared cluster through the real ExternalBackend, with a notice of its own, recording
