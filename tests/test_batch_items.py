@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from h5ngff.batch import BatchItem, batch_items, expand_sources, is_template, output_key, refuse_collisions, render_output, split_pattern
+from h5ngff.batch.items import BatchItem, batch_items, expand_sources, is_template, output_key, refuse_collisions, render_output, split_pattern
 from h5ngff.errors import SpecError
 
 

@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from .cliargs import SuggestingParser, add_backend_flags, add_spec_flags, backend_from_args, constants_from_args, merge, spec_overrides, split_source
+from .cliargs import SuggestingParser, add_backend_flags, add_spec_flags, backend_from_args, constants_from_args, merge, spec_for_source, spec_overrides
+from .clibatch import convert_batch, is_batch
 from .clijob import add_job_commands
 from .console import make_console, print_notices
 from .cliverify import add_verify_command
@@ -83,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("convert", help="Convert an HDF5 dataset to OME-Zarr.", formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Plan, start a Dask cluster sized by the plan, convert, and report time and memory.", epilog=EPILOG_CONVERT)
-    c.add_argument("source", metavar="SOURCE", help="FILE.h5:/dataset (e.g. in.h5:/volume/data), several to stack (in.h5:/ch{0..2}), an Imaris FILE.ims, or a BigDataViewer dataset.xml (docs/formats.md).")
-    c.add_argument("output", metavar="OUTPUT", help="Output directory, e.g. out.ome.zarr.")
+    c.add_argument("sources", nargs="+", metavar="SOURCE", help="FILE.h5:/dataset (e.g. in.h5:/volume/data), several to stack (in.h5:/ch{0..2}), an Imaris FILE.ims, or a BigDataViewer dataset.xml (docs/formats.md). Several, or a quoted glob ('runs/*/*.h5:/data'), make a batch (docs/batch.md).")
+    c.add_argument("output", metavar="OUTPUT", help="Output directory, e.g. out.ome.zarr; for a batch a template: out/{stem}.ome.zarr ({stem}, {name}, {parent}).")
     _common_run_flags(c, convert=True)
+    c.add_argument("--fail-fast", action="store_true", help="Batch: stop at the first item that fails or is refused (default: convert the others).")
     add_spec_flags(c)
     c.set_defaults(func=cmd_convert)
 
@@ -131,12 +133,7 @@ def spec_from_args(args: argparse.Namespace) -> ConversionSpec:
         if args.output:
             base["output"]["path"] = args.output
         return parse_spec(merge(base, spec_overrides(args)))
-    path, dataset = split_source(args.source)
-    output = args.output or os.path.splitext(path)[0] + ".ome.zarr"
-    base = {"source": {"path": path, "dataset": dataset}, "output": {"path": output}}
-    if getattr(args, "overwrite", False):
-        base["output"]["overwrite"] = True
-    return parse_spec(merge(base, spec_overrides(args)))
+    return spec_for_source(args.source, args.output, args)
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
@@ -174,6 +171,9 @@ def _manifest_slurm(args: argparse.Namespace) -> SlurmSpec | None:
 
 
 def cmd_convert(args: argparse.Namespace, console: Console) -> int:
+    if is_batch(args.sources, args.output):
+        return convert_batch(args.sources, args.output, args, console)
+    args.source = args.sources[0]  # one source (several are a batch)
     spec = spec_from_args(args)
     return convert_spec(spec, args, console)
 

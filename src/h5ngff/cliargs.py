@@ -16,7 +16,7 @@ from .codecs_table import BLOSC_CNAMES, CODECS
 if TYPE_CHECKING:
     from .backends.base import Backend
     from .backends.factory import BackendOptions
-    from .spec import SlurmSpec
+    from .spec import ConversionSpec, SlurmSpec
 
 #: The codecs the CLI names on their own (plain-zstd, gzip, none), by their CLI name.
 _BY_CLI_NAME = {c.cli_name: c for c in CODECS.values() if c.cli_name is not None}
@@ -263,6 +263,18 @@ def parse_storage_options(items: list[str] | None) -> dict[str, str]:
             raise SpecError("output.storageOptions", f"Expected --storage-option KEY=VALUE, e.g. endpoint=http://127.0.0.1:9000. Got {item!r} instead.")
         out[key.strip()] = value.strip()
     return out
+
+
+def spec_for_source(source: str, output: str | None, args: argparse.Namespace) -> ConversionSpec:
+    """The spec of converting ``source`` (FILE.h5:/dataset, or a whole container) to ``output``
+    (default: beside the file) under the flags given."""
+    from .spec import parse_spec
+
+    path, dataset = split_source(source)
+    base: dict[str, Any] = {"source": {"path": path, "dataset": dataset}, "output": {"path": output or os.path.splitext(path)[0] + ".ome.zarr"}}
+    if getattr(args, "overwrite", False):
+        base["output"]["overwrite"] = True
+    return parse_spec(merge(base, spec_overrides(args)))
 
 
 def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:

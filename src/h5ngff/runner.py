@@ -156,7 +156,7 @@ def execute(spec: ConversionSpec, backend: Backend, listeners: Sequence[Listener
     seen it."""
     outcome = Outcome()
     try:
-        job = outcome.job = _prepare(spec, backend, constants)
+        job = outcome.job = prepare_job(spec, backend, constants)
         if on_plan is not None:
             on_plan(job)
     except BaseException as exc:
@@ -184,8 +184,9 @@ def execute(spec: ConversionSpec, backend: Backend, listeners: Sequence[Listener
             metrics.linger(linger.seconds, until_scraped=linger.until_scraped)
 
 
-def _prepare(spec: ConversionSpec, backend: Backend, constants: MemoryConstants) -> PlannedJob:
-    """Plan, and refuse what would fail later, before anything is shown or started."""
+def prepare_job(spec: ConversionSpec, backend: Backend, constants: MemoryConstants = DEFAULT_CONSTANTS) -> PlannedJob:
+    """Plan, and refuse what would fail later, before anything is shown or started (steps 1 to 3
+    of ``execute``; a batch takes them for each of its items)."""
     job = plan_job(spec, backend, constants)
     refuse_if_held(job.spec.output.path)  # another run writing it: refused before the plan is shown
     check_output(job.plan, job.spec, job.source)  # a conflicting output: refused before the plan and the cluster
@@ -193,10 +194,13 @@ def _prepare(spec: ConversionSpec, backend: Backend, constants: MemoryConstants)
     return job
 
 
-def run_job(job: PlannedJob, backend: Backend, listeners: Sequence[Listener] | None = None, metrics: MetricsExporter | None = None) -> RunSummary:
+def run_job(job: PlannedJob, backend: Backend, listeners: Sequence[Listener] | None = None, metrics: MetricsExporter | None = None,
+            cluster: Callable[[], AbstractContextManager[Session]] | None = None) -> RunSummary:
     """Convert. Returns a summary; raises H5ngffError on failure (after emitting ``Failed``).
 
-    ``metrics`` hears every progress event and polls the cluster while it is up."""
+    ``metrics`` hears every progress event and polls the cluster while it is up. ``cluster``
+    gives the session to run on where it is not one of the backend's for this job alone (a
+    batch's, planned for its largest item, started when an item first needs it)."""
     events = Broadcast([*(listeners or ()), *([metrics] if metrics is not None else [])])
     quiet_sync_cancel_race()  # a Ctrl-C must print one line, not distributed's NameError (backends/shutdown.py)
     events.emit(phase=Phase.PLANNED, slabs_total=job.plan.n_tasks, message="")
@@ -206,7 +210,7 @@ def run_job(job: PlannedJob, backend: Backend, listeners: Sequence[Listener] | N
         # The driver holds the output's lock from before the output is inspected (or deleted by
         # overwrite) until its completion marker is written; Dask workers never take it.
         with output_lock(job.spec.output.path, job.spec.output.storage_options) as guard:
-            _convert(job, backend, events, summary, metrics, start, started, guard)
+            _convert(job, backend, events, summary, metrics, start, started, guard, cluster)
         return summary
     except H5ngffError as exc:
         summary.error = exc
@@ -218,7 +222,7 @@ def run_job(job: PlannedJob, backend: Backend, listeners: Sequence[Listener] | N
 
 
 def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunSummary, metrics: MetricsExporter | None,
-             start: float, started: float, guard: Any) -> None:
+             start: float, started: float, guard: Any, cluster: Callable[[], AbstractContextManager[Session]] | None) -> None:
     output = prepare_output(job.plan, job.spec, job.source)
     summary.totals = RunTotals()  # the output is written from here on: a failed run reports what it wrote
     summary.resumed = output.resumed
@@ -228,7 +232,7 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
         summary.status = "Succeeded"
         return
     failure = None
-    with backend.session(job.plan) as session:
+    with cluster() if cluster is not None else backend.session(job.plan) as session:
         # The one sampler of the workers: the report's peaks and timeline, and the metrics.
         poller = ClusterPoller(session, job.plan)
         try:

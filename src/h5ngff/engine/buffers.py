@@ -14,15 +14,19 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
-_local = threading.local()
+#: Each thread's buffers, by thread: a thread uses only its own; ``release_all`` (between two
+#: conversions, when no slab runs) drops every thread's at once.
+_by_thread: dict[int, dict[int, np.ndarray]] = {}
+
+
+def _mine() -> dict[int, np.ndarray]:
+    return _by_thread.setdefault(threading.get_ident(), {})
 
 
 def _buffer(slot: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     dt = np.dtype(dtype)
     need = math.prod(shape) * dt.itemsize
-    buffers: dict[int, np.ndarray] | None = getattr(_local, "buffers", None)
-    if buffers is None:
-        buffers = _local.buffers = {}
+    buffers = _mine()
     buf = buffers.get(slot)
     if buf is None or buf.nbytes < need:
         buffers.pop(slot, None)  # drop the old one before allocating a larger one
@@ -43,11 +47,18 @@ def level_buffer(depth: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np
 def keep_levels(depth: int) -> None:
     """Drop level buffers deeper than ``depth``: a later pass that builds fewer levels than the
     first must not keep the first pass's deeper buffers on top of its own."""
-    buffers = getattr(_local, "buffers", {})
+    buffers = _mine()
     for slot in [s for s in buffers if s > depth]:
         del buffers[slot]
 
 
 def release() -> None:
     """Free this thread's buffers."""
-    _local.buffers = {}
+    _by_thread.pop(threading.get_ident(), None)
+
+
+def release_all() -> None:
+    """Free every thread's buffers, while no slab runs: the next conversion on this worker (a
+    batch's next item) sizes its own instead of keeping a larger item's on top of its plan. An
+    array a caller still holds keeps its memory until dropped (it references the buffer)."""
+    _by_thread.clear()

@@ -7,6 +7,7 @@ ever travels through Dask: a task's argument and result are a few hundred bytes.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -16,11 +17,11 @@ import numpy as np
 from ...errors import H5ngffError
 from .chunkio import ArrayLayout, read_region, write_block
 from . import faults
-from ..buffers import keep_levels, level_buffer
+from ..buffers import keep_levels, level_buffer, release_all
 from .downsample import downsample, output_shape
 from .checksums import FileChecksums
 from .manifest import SlabRecord
-from ..sources.base import SlabSource
+from ..sources.base import SlabSource, close_files
 from ..stores import store_retries
 from .window import SampledHistogram, histogram_key, write_histogram
 
@@ -101,6 +102,15 @@ class _MinMax:
 
     def stats(self) -> list[tuple[int, float, float]]:
         return [(c, self.low[c], self.high[c]) for c in sorted(self.low)]
+
+
+def release_between_conversions() -> None:
+    """On each worker, between two conversions on one cluster (a batch's items): the slab and
+    level buffers and the HDF5 files (with their chunk caches) of the last one go, so the next
+    one holds what its own plan counts, not a larger item's buffers on top."""
+    release_all()
+    close_files()
+    gc.collect()
 
 
 def run_slab(task: SlabTask) -> SlabResult:

@@ -16,8 +16,8 @@ import string
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-from .errors import SpecError
-from .spec import url_scheme
+from ..errors import SpecError
+from ..spec import url_scheme
 
 #: The fields an output template may use, with what each is for ``runs/day1/cell_07.h5``.
 TEMPLATE_FIELDS = {

@@ -1,0 +1,143 @@
+"""``h5ngff convert`` with several sources or a glob: a batch through one cluster (docs/batch.md).
+
+The CLI's input (patterns, the output template, the flags every item shares) and output (the
+batch's plan, an overall bar over a bar per item, the summary table); the batch itself runs in
+``batch.run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Sequence
+
+from rich.console import Console, Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from .batch.items import GLOB_CHARS, BatchItem, batch_items, expand_sources, is_template, split_pattern
+from .batch.run import COMPLETE, DONE, FAILED, NOT_RUN, REFUSED, BatchHooks, BatchSummary, ItemResult, run_batch
+from .cliargs import backend_from_args, constants_from_args, spec_for_source
+from .console import print_notices
+from .engine.progress import Listener, Progress as ProgressEvent
+from .errors import ExitCode, SpecError
+from .units import MiB
+
+OUTCOME_STYLE = {DONE: "green", COMPLETE: "green", REFUSED: "yellow", FAILED: "red", NOT_RUN: "dim"}
+
+
+def is_batch(sources: Sequence[str], output: str) -> bool:
+    """Several sources, a glob, or an output template make ``convert`` a batch."""
+    return len(sources) > 1 or is_template(output) or any(GLOB_CHARS.search(split_pattern(s)[0]) for s in sources)
+
+
+def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespace, console: Console) -> int:
+    """Exit 0 when every item is converted (now or by an earlier run), 1 otherwise; 2 when the
+    batch itself is refused before anything starts (colliding outputs, a pattern matching nothing)."""
+    for unsupported in ("memory_report", "metrics_port"):
+        if getattr(args, unsupported, None):
+            flag = "--" + unsupported.replace("_", "-")
+            raise SpecError(flag, f"Expected {flag} with one conversion; a batch reports each item's peak against its plan in its summary.")
+    if not is_template(template) and len(sources := expand_sources(patterns)) > 1:
+        raise SpecError("output", f"Expected an output template such as out/{{stem}}.ome.zarr for {len(sources)} sources. Got {template!r} instead.")
+    items = batch_items(patterns, template)
+    backend = backend_from_args(args, None)
+
+    def spec_for(item: BatchItem):
+        return spec_for_source(item.source, item.output, args)
+
+    progress = BatchProgress(console, len(items)) if not (args.json or args.no_progress) else None
+    def on_planned(summary: BatchSummary) -> None:
+        if not args.json:
+            _show_plan(summary, console)
+        if progress:
+            progress.planned(summary)
+
+    hooks = BatchHooks(
+        on_planned=on_planned,
+        listeners=(lambda result: [progress.item_listener(result)]) if progress else (lambda result: ()),
+        on_item=progress.item_done if progress else (lambda result: None),
+    )
+    if progress:
+        with progress:
+            summary = run_batch(items, spec_for, backend, constants=constants_from_args(args), fail_fast=args.fail_fast, hooks=hooks)
+    else:
+        summary = run_batch(items, spec_for, backend, constants=constants_from_args(args), fail_fast=args.fail_fast, hooks=hooks)
+    if args.json:
+        print(json.dumps(summary.to_dict(), indent=1, default=str))
+    else:
+        console.print(batch_renderable(summary))
+    return 0 if summary.ok else ExitCode.FAILED
+
+
+def _show_plan(summary: BatchSummary, console: Console) -> None:
+    sizing = summary.sizing
+    if sizing is None or sizing.job is None:
+        console.print(f"[red]No item of {len(summary.results)} could be planned.[/red]")
+        return
+    plan = sizing.job.plan
+    planned = sum(r.job is not None for r in summary.results)
+    console.print(f"[bold]batch[/bold]: {len(summary.results)} items, {planned} planned; one cluster of {plan.workers} worker(s) x "
+                  f"{plan.threads_per_worker} thread(s), pod limit {plan.memory.pod_limit / MiB:.0f} MiB each, sized by {sizing.item.source}")
+    print_notices(summary.notices)
+
+
+def batch_renderable(summary: BatchSummary) -> Group:
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    status = "Succeeded" if summary.ok else "Failed"
+    head.add_row("status", f"[{'green' if summary.ok else 'red'}]{status}[/]")
+    head.add_row("items", ", ".join(f"{summary.count(s)} {s.lower()}" for s in (DONE, COMPLETE, REFUSED, FAILED, NOT_RUN) if summary.count(s))
+                 + f" of {len(summary.results)}")
+    head.add_row("time", f"{summary.seconds:.2f} s, {summary.cluster_starts} cluster start(s)")
+    table = Table(title="Items: each worker's peak against its own item's plan", title_justify="left", show_edge=False)
+    for column in ("item", "output", "outcome", "GB read", "seconds", "peak MiB", "plan MiB", "peak/plan"):
+        table.add_column(column, justify="left" if column in ("item", "output", "outcome") else "right")
+    for r in summary.results:
+        d = r.to_dict()
+        ratio = f"{r.peak_rss / r.predicted_peak:.2f}" if r.peak_rss and r.predicted_peak else ""
+        table.add_row(r.item.source, r.item.output, Text(r.status, style=OUTCOME_STYLE[r.status]), f"{d['bytes_read'] / 1e9:.3f}",
+                      f"{d['seconds']:.2f}", f"{r.peak_rss / MiB:.0f}" if r.peak_rss else "", f"{r.predicted_peak / MiB:.0f}" if r.job else "", ratio)
+    problems = [Text(f"{r.item.source}: ({r.error.reason}) {r.error}", style=OUTCOME_STYLE[r.status]) for r in summary.results if r.error]
+    return Group(head, Text(""), table, *([Text("")] + problems if problems else []))
+
+
+class BatchProgress:
+    """An overall bar over the items, and one bar for the item running."""
+
+    def __init__(self, console: Console, items: int):
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
+                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console)
+        self.overall = self.bar.add_task("items", total=items, note="")
+        self.current: TaskID | None = None
+
+    def __enter__(self) -> "BatchProgress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(None, None, None)
+
+    def item_listener(self, result: ItemResult) -> Listener:
+        self.current = self.bar.add_task(result.item.output, total=max(result.job.plan.n_tasks if result.job else 1, 1), note="slabs")
+        task = self.current
+
+        def listen(p: ProgressEvent) -> None:
+            self.bar.update(task, completed=p.slabs_done, total=max(p.slabs_total, 1), note=f"slabs, {p.phase}")
+
+        return listen
+
+    def planned(self, summary: BatchSummary) -> None:
+        """Items refused while planning are done with: said, and counted on the overall bar."""
+        for result in summary.results:
+            if result.status == REFUSED:
+                self.item_done(result)
+
+    def item_done(self, result: ItemResult) -> None:
+        if self.current is not None:
+            self.bar.remove_task(self.current)
+            self.current = None
+        self.bar.console.print(Text(f"{result.status:8} {result.item.source} -> {result.item.output}", style=OUTCOME_STYLE[result.status]))
+        self.bar.advance(self.overall)
