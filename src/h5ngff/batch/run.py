@@ -62,6 +62,7 @@ class ItemResult:
             "reason": self.error.reason if self.error else None,
             "message": str(self.error) if self.error else None,
             "seconds": round(self.summary.seconds, 3) if self.summary else 0.0,
+            "resumed": bool(self.summary and self.summary.resumed),
             "bytes_read": totals.bytes_read if totals else 0,
             "bytes_written": totals.bytes_written if totals else 0,
             "peak_rss": self.peak_rss,

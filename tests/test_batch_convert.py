@@ -1,0 +1,208 @@
+"""Batch conversions (docs/batch.md): many files through one planned cluster.
+
+Real HDF5 files, real LocalClusters (worker processes), the real command in subprocesses, and
+the outputs read back through zarr-python against the sources."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from conftest import smooth, write_h5
+from h5ngff.backends.local import LocalBackend
+from h5ngff.batch import run as batch_run
+from h5ngff.batch.items import batch_items
+from h5ngff.batch.items import BatchItem
+from h5ngff.batch.run import COMPLETE, DONE, NOT_RUN, REFUSED, run_batch
+from h5ngff.errors import ExitCode
+from h5ngff.spec import parse_spec
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+H5NGFF = [sys.executable, "-m", "h5ngff.cli"]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+FLAGS = ["--workers", "2", "--chunks", "16,64,64", "--levels", "2"]
+
+
+def h5ngff(*argv, cwd=None, env=None, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run([*H5NGFF, *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or ENV)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Four small files of two dtypes (f32, and u16 gzip-chunked) and one that is not HDF5."""
+    day = tmp_path / "runs" / "day1"
+    day.mkdir(parents=True)
+    for i in range(4):
+        if i % 2:
+            write_h5(day / f"cell_{i}.h5", smooth((32, 96, 80), "float32", seed=i))
+        else:
+            write_h5(day / f"cell_{i}.h5", smooth((32, 96, 80), "uint16", seed=i), chunks=(8, 48, 40), compression="gzip")
+    return tmp_path
+
+
+def read_back(output: Path) -> np.ndarray:
+    return zarr.open_group(str(output), mode="r")["0"][...]
+
+
+def source_of(h5: Path) -> np.ndarray:
+    import h5py
+
+    with h5py.File(h5, "r") as f:
+        return f["/volume/data"][...]
+
+
+def test_a_bad_item_among_good_ones_fails_alone_and_the_exit_code_says_so(runs):
+    (runs / "runs" / "day1" / "cell_9.h5").write_text("not HDF5")
+    proc = h5ngff("convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--json", cwd=runs)
+    assert proc.returncode == ExitCode.FAILED, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    summary = json.loads(proc.stdout)
+    by_source = {r["source"]: r for r in summary["results"]}
+    assert by_source["runs/day1/cell_9.h5:/volume/data"]["status"] == REFUSED
+    assert by_source["runs/day1/cell_9.h5:/volume/data"]["reason"] == "SourceUnreadable"
+    assert [by_source[f"runs/day1/cell_{i}.h5:/volume/data"]["status"] for i in range(4)] == [DONE] * 4
+    assert summary["cluster_starts"] == 1 and summary["done"] == 4 and summary["refused"] == 1
+    for i in range(4):
+        np.testing.assert_array_equal(read_back(runs / "out" / f"cell_{i}.ome.zarr"), source_of(runs / "runs" / "day1" / f"cell_{i}.h5"))
+    assert not (runs / "out" / "cell_9.ome.zarr").exists()
+    # Every good item's peak is measured and stays under its own plan.
+    for r in summary["results"][:4]:
+        assert 0 < r["peak_rss"] <= r["predicted_peak"], r
+    # Negative control of the exit code: without the bad file, the same command exits 0, and a
+    # re-run finds every item complete without starting a cluster.
+    (runs / "runs" / "day1" / "cell_9.h5").unlink()
+    again = h5ngff("convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--json", cwd=runs)
+    assert again.returncode == 0, again.stderr[-3000:]
+    second = json.loads(again.stdout)
+    assert second["complete"] == 4 and second["cluster_starts"] == 0
+
+
+def test_fail_fast_stops_at_the_first_refusal(runs):
+    (runs / "runs" / "day1" / "cell_0.h5").write_text("not HDF5")
+    proc = h5ngff("convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--json", "--fail-fast", cwd=runs)
+    assert proc.returncode == ExitCode.FAILED
+    statuses = [r["status"] for r in json.loads(proc.stdout)["results"]]
+    assert statuses == [REFUSED, NOT_RUN, NOT_RUN, NOT_RUN]
+    assert not (runs / "out").exists()
+
+
+def test_two_sources_mapped_to_one_output_are_refused_before_anything_starts(runs):
+    other = runs / "runs" / "day2"
+    other.mkdir()
+    write_h5(other / "cell_0.h5", smooth((8, 32, 32)))
+    proc = h5ngff("convert", "runs/*/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, cwd=runs)
+    assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr
+    assert "both written to 'out/cell_0.ome.zarr'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (runs / "out").exists()
+    # Negative control: a template that tells them apart runs.
+    ok = h5ngff("convert", "runs/*/*.h5:/volume/data", "out/{parent}/{stem}.ome.zarr", *FLAGS, "--no-progress", cwd=runs)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert (runs / "out" / "day2" / "cell_0.ome.zarr" / "zarr.json").exists()
+
+
+def test_a_kill_mid_batch_then_a_rerun_resumes_byte_identical(runs, tmp_path):
+    env = {**ENV, "H5NGFF_FAULTS": "slab_sleep=0.3"}
+    argv = [*H5NGFF, "convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--slab", "16,96,80", "--no-progress"]
+    proc = subprocess.Popen(argv, cwd=runs, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        # Killed once the second item has begun writing: the first is complete, the second partial.
+        deadline = time.monotonic() + 120
+        while not list((runs / "out" / "cell_1.ome.zarr").rglob("c/*")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    rerun = h5ngff("convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--slab", "16,96,80", "--json", cwd=runs)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    results = json.loads(rerun.stdout)["results"]
+    assert [r["status"] for r in results] == [COMPLETE, DONE, DONE, DONE]
+    assert [r["resumed"] for r in results] == [True, True, False, False]  # the second item went on from its manifest
+    # The same batch, never interrupted, elsewhere: every file of every output has the same bytes.
+    fresh = h5ngff("convert", "runs/day1/*.h5:/volume/data", str(tmp_path / "fresh" / "{stem}.ome.zarr"), *FLAGS, "--slab", "16,96,80",
+                   "--no-progress", cwd=runs)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    for i in range(4):
+        resumed, clean = runs / "out" / f"cell_{i}.ome.zarr", tmp_path / "fresh" / f"cell_{i}.ome.zarr"
+        files = sorted(p.relative_to(clean) for p in clean.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(resumed) for p in resumed.rglob("*") if p.is_file())
+        assert all((clean / f).read_bytes() == (resumed / f).read_bytes() for f in files), i
+
+
+class CountingBackend(LocalBackend):
+    """The real local backend, counting the clusters it starts."""
+
+    def __init__(self):
+        super().__init__()
+        self.starts = 0
+
+    def session(self, plan):
+        self.starts += 1
+        return super().session(plan)
+
+
+def _remove(output: str) -> None:
+    out = Path(output)
+    for child in sorted(out.rglob("*"), reverse=True):
+        child.unlink() if child.is_file() else child.rmdir()
+    out.rmdir()
+
+
+def _specs(runs: Path, sizes: dict[str, tuple[int, ...]]):
+    day = runs / "sized"
+    day.mkdir()
+    for name, shape in sizes.items():
+        write_h5(day / f"{name}.h5", smooth(shape, "float32"))
+    items = batch_items([str(day / "*.h5") + ":/volume/data"], str(runs / "sized-out" / "{stem}.ome.zarr"))
+
+    def spec_for(item):
+        path, _, dataset = item.source.rpartition(":")
+        return parse_spec({"source": {"path": path, "dataset": dataset}, "output": {"path": item.output}, "resources": {"workers": 2}})
+
+    return items, spec_for
+
+
+def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monkeypatch):
+    """Items 16x apart in size: the cluster is planned for the largest, started once, and each
+    item's busiest worker stays under its own (smaller) plan: the workers drop the last item's
+    buffers between items."""
+    items, spec_for = _specs(runs, {"a_big": (64, 512, 512), "b_small": (16, 128, 128), "c_small": (16, 128, 128)})
+    backend = CountingBackend()
+    summary = run_batch(items, spec_for, backend)
+    assert [r.status for r in summary.results] == [DONE, DONE, DONE]
+    assert backend.starts == summary.cluster_starts == 1
+    assert summary.sizing is summary.results[0]
+    big, small = summary.results[0].job.plan, summary.results[1].job.plan
+    assert small.memory.predicted_peak < big.memory.predicted_peak and small.workers == big.workers
+    for r in summary.results:
+        assert 0 < r.peak_rss <= r.predicted_peak, (r.item.source, r.peak_rss, r.predicted_peak)
+    # Negative control 1: the same items as separate conversions start one cluster each.
+    separate = CountingBackend()
+    for item in items:
+        run_batch([item], spec_for, separate)
+    assert separate.starts == 0  # all complete now: nothing to start...
+    for item in items:
+        _remove(item.output)
+        run_batch([item], spec_for, separate)
+    assert separate.starts == 3
+    # Negative control 2: without the release between items, a small item run after the big one
+    # holds the big one's slab buffers and goes over its own plan.
+    for item in items[1:]:
+        _remove(item.output)
+    monkeypatch.setattr(batch_run, "release_between_conversions", lambda: None)
+    leaky = run_batch([BatchItem(items[0].source, items[0].path, str(runs / "again.ome.zarr")), *items[1:]], spec_for, CountingBackend())
+    assert [r.status for r in leaky.results] == [DONE, DONE, DONE]
+    assert any(r.peak_rss > r.predicted_peak for r in leaky.results[1:]), [(r.peak_rss, r.predicted_peak) for r in leaky.results]
