@@ -1,7 +1,10 @@
 """zarr-python's private internals, used by ``verify`` only through engine/zarr_internals.py, are
-proven on the zarr releases named in ``PROVEN_ZARR`` (3.1.0 and 3.1.6, each run with this file and
-the verify tests), and pyproject.toml pins zarr to them. This fails if the installed zarr is
-outside them or an internal is gone, so a zarr upgrade is a decision, not an accident."""
+proven on the zarr releases named in ``PROVEN_ZARR`` (3.1.6: this file and the verify tests pass
+on it), and pyproject.toml pins zarr to them. This fails if the installed zarr is outside them or
+an internal is gone, so a zarr upgrade is a decision, not an accident. It is its own negative
+control: run on zarr 3.1.0 to 3.1.5 (which the old pin ``zarr>=3.1,<4`` admitted), the internals
+check and the decoding tests fail (no ``AsyncArray.config``, no ``BytesCodec._decode_sync``), as
+verify itself did there."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def test_the_installed_zarr_is_one_the_internals_are_proven_on():
 def test_pyproject_pins_zarr_to_the_proven_releases():
     pins = re.findall(r'^\s*"zarr([<>=!~][^"]*)",', (ROOT / "pyproject.toml").read_text(), re.M)
     first, last = zi.PROVEN_ZARR
-    assert pins == [f">={first},<={last}"]
+    assert pins == [f"=={first}" if first == last else f">={first},<={last}"]
 
 
 def test_every_private_internal_is_there():
