@@ -81,7 +81,7 @@ def output_lock(path: str, storage_options: Mapping[str, Any] | None = None) -> 
         with _object_lease(store, path, storage_options) as guard:
             yield guard
         return
-    path = store.local_path
+    # (``path`` as the caller wrote it, which the messages name; it is the store's directory)
     if os.path.exists(path) and not os.path.isdir(path):
         yield Held()
         return
