@@ -307,3 +307,114 @@ def test_the_engine_writes_and_reads_a_sharded_level_through_either_store(store)
     store.put("0/c/0/0/0", bytes(body))
     with pytest.raises(ValueError, match="index checksum"):
         read_region(layout, (slice(0, 8), slice(0, 8), slice(0, 16)))
+
+
+# -- the capability members (engine/stores/base.py): what differs is asked of the store ----------
+
+
+def test_append_adds_in_place_where_the_store_can_and_refuses_where_it_cannot(store):
+    """A directory appends (the manifest's one file); a bucket has no append and says so, so the
+    manifest writes one object per batch there (tests/test_output_store.py)."""
+    if not store.supports_append:
+        with pytest.raises(OSError, match="no append"):
+            store.append("log", b"a\n")
+        assert store.size("log") is None
+        return
+    store.append(".h5ngff/log", b"a\n")  # creates the object (and its directory)
+    store.append(".h5ngff/log", b"b\n", sync=True)
+    assert store.get(".h5ngff/log") == b"a\nb\n" and store.list("") == {".h5ngff/log": 4}
+
+
+def test_occupied_sees_anything_but_the_ignored_keys(store, tmp_path):
+    assert not store.occupied()
+    store.put(".h5ngff.lock", b"held")
+    assert store.occupied() and not store.occupied(ignore=(".h5ngff.lock",))
+    store.put("0/c/0", b"1")
+    assert store.occupied(ignore=(".h5ngff.lock",))
+    if store.local_path is not None:  # a directory: an empty subdirectory, or a file in its place
+        from h5ngff.engine.stores import LocalStore
+
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "empty").mkdir()
+        (tmp_path / "f").write_text("x")
+        assert LocalStore(str(tmp_path / "d")).occupied() and LocalStore(str(tmp_path / "f")).occupied()
+        assert not LocalStore(str(tmp_path / "absent")).occupied()
+
+
+def test_delete_prefix_leaves_no_empty_directory_of_what_it_removed(store):
+    """--overwrite of a directory must not leave the old output's empty level directories (a
+    stale ``2/`` beside a new 2-level image). Control: a kept key keeps its directory."""
+    for key in ("0/c/0/0", "2/c/1/1", ".h5ngff/hist/0", ".h5ngff.lock", "zarr.json"):
+        store.put(key, b"1")
+    assert store.delete_prefix("", keep=(".h5ngff.lock", "zarr.json")) == 3
+    assert store.list("") == {".h5ngff.lock": 1, "zarr.json": 1}
+    if store.local_path is not None:
+        assert sorted(os.listdir(store.local_path)) == [".h5ngff.lock", "zarr.json"]
+        store.put("1/c/0", b"1")
+        store.put("1/c/1", b"1")
+        store.delete_prefix("1/", keep=("1/c/0",))
+        assert os.path.isdir(os.path.join(store.local_path, "1", "c"))
+
+
+def test_leftovers_names_what_sweep_removes(store):
+    store.put("0/c/0", b"kept")
+    if store.local_path is None:  # a bucket's uploads are whole or aborted: none
+        assert store.leftovers() == () and store.sweep() == 0
+        return
+    from h5ngff.engine.stores.local import TMP_MARK
+
+    left = os.path.join(store.local_path, "0", "c", f".1{TMP_MARK}0123456789ab")
+    with open(left, "wb") as f:
+        f.write(b"half")
+    assert store.leftovers() == (f"0/c/.1{TMP_MARK}0123456789ab",)
+    assert store.sweep() == 1 and store.leftovers() == ()
+
+
+def test_the_zarr_view_reads_the_same_objects(store):
+    """``as_zarr_store()``: zarr-python opens what the store holds, read-only."""
+    import zarr
+
+    store.put("zarr.json", b'{"zarr_format": 3, "node_type": "group", "attributes": {"a": 1}}')
+    view = store.as_zarr_store()
+    assert dict(zarr.open_group(view, mode="r").attrs) == {"a": 1}
+    assert view.read_only
+
+
+def test_conditional_writes_where_the_store_has_them(store):
+    """A bucket holds a lease object with them (engine.stores.s3lease); a directory has none and says
+    so at once (it is locked with flock on ``local_path``)."""
+    from h5ngff.engine.stores.base import ConditionalWritesUnsupported
+
+    if not store.supports_conditional_writes:
+        assert store.local_path is not None
+        with pytest.raises(ConditionalWritesUnsupported):
+            store.create("lease", b"1")
+        return
+    etag = store.create("lease", b"1")
+    assert etag and store.create("lease", b"2") is None  # exists: refused
+    assert store.replace("lease", b"3", "wrong") is None
+    assert store.replace("lease", b"3", etag) and store.get_tagged("lease")[0] == b"3"
+
+
+def test_check_creatable_refuses_a_root_that_cannot_be_made(store, tmp_path):
+    store.check_creatable()  # fresh: fine for both
+    if store.local_path is not None:
+        from h5ngff.engine.stores import LocalStore
+
+        (tmp_path / "a-file").write_text("x")
+        with pytest.raises(OutputError, match="is a file, not a directory"):
+            LocalStore(str(tmp_path / "a-file" / "out")).check_creatable()
+
+
+def test_no_caller_tests_the_type_of_its_store():
+    """Outside engine/stores, nothing asks which kind of store it holds (isinstance of a store
+    class, is_url): what differs is a capability member. Control: the pattern finds a planted line."""
+    import re
+    from pathlib import Path
+
+    pattern = re.compile(r"isinstance\([^)]*\b(LocalStore|S3Store|ObjectStore)\b|\bis_url\(")
+    assert pattern.search("    assert isinstance(store, S3Store)") and pattern.search("if is_url(path):")
+    src = Path(__file__).resolve().parents[1] / "src" / "h5ngff"
+    found = [f"{p.relative_to(src)}:{n}" for p in src.rglob("*.py") if "stores" not in p.parts
+             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []

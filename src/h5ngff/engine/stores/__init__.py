@@ -1,4 +1,6 @@
 """Where the bytes go: one Store protocol with two implementations (docs/engine.md, "Stores").
+What differs between them is in the protocol's capability members (base.py), so no caller
+outside this package asks which one it holds.
 
 - ``LocalStore``: a directory; every object written through a temporary name and a rename.
 - ``S3Store``: an S3-compatible bucket (AWS, MinIO, Ceph RGW); every object one whole PUT, large

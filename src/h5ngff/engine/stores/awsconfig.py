@@ -106,7 +106,7 @@ def resolve_chain(root: str, explicit: Mapping[str, Any], profile: str | None) -
                     credentials=BotocoreCredentials(credentials) if credentials is not None else None, origin=origin)
 
 
-def _endpoint(session, scoped: dict[str, Any]) -> str | None:
+def _endpoint(session: Any, scoped: dict[str, Any]) -> str | None:
     """The S3 endpoint URL configured for the profile, in the AWS SDKs' order: AWS_ENDPOINT_URL_S3,
     AWS_ENDPOINT_URL, the profile's ``services`` section, the profile's ``endpoint_url``."""
     if session.get_config_variable("ignore_configured_endpoint_urls"):
@@ -115,10 +115,11 @@ def _endpoint(session, scoped: dict[str, Any]) -> str | None:
     # tests/test_s3_profiles.py reads an endpoint from a services section through it).
     from botocore.configprovider import ConfiguredEndpointProvider
 
-    return ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=scoped, client_name="s3").provide()
+    endpoint: str | None = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=scoped, client_name="s3").provide()
+    return endpoint
 
 
-def _files_and_profiles(session) -> str:
+def _files_and_profiles(session: Any) -> str:
     import botocore.exceptions
 
     files = " and ".join(f"{path}{'' if os.path.exists(path) else ' (missing)'}" for path in shared_files())
@@ -133,7 +134,7 @@ class BotocoreCredentials:
     """obstore's credential provider over botocore's credentials: static ones once, refreshable
     ones (SSO, assume-role, web identity, instance roles) re-read every REFRESHABLE_TTL."""
 
-    def __init__(self, credentials):
+    def __init__(self, credentials: Any) -> None:
         self._credentials = credentials
 
     def __call__(self) -> dict[str, Any]:

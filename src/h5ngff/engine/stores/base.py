@@ -1,6 +1,11 @@
 """The Store protocol and the retry policy every networked store shares.
 
-Semantics every store keeps (tests/test_stores.py runs one contract suite against each):
+A Store is where an output's bytes go: every writer and reader of an output (the engine, its
+manifest and lock, ``verify``) goes through one, and none of them asks which kind it is. What
+differs between stores is said by the store itself, in the capability members below, never by a
+test of its type: a third store is a class with these members, passing tests/test_stores.py.
+
+Objects (every store; tests/test_stores.py runs one contract suite against each):
 
 - ``put(key, data)`` makes the object whole or not at all: no reader ever sees part of it;
   ``writer(key)`` does the same for bytes streamed into a file object (a shard, chunk by chunk),
@@ -11,17 +16,45 @@ Semantics every store keeps (tests/test_stores.py runs one contract suite agains
 - ``get_suffix(key, n)`` gives the last ``n`` bytes (all of a shorter object) and the object's
   size; ``get_ranges(key, [(start, length), ...])`` yields those byte ranges in order: a shard is
   read through its index, one inner chunk at a time, never whole;
-- ``list(prefix)`` gives every object under ``prefix`` with its size (recursive);
+- ``list(prefix)`` gives every object under ``prefix`` (a key prefix ending in ``/``, or "" for
+  all) with its size, recursively: resume and ``--overwrite`` need it, so every store lists;
 - ``delete(key)`` removes one object if it exists; ``delete_prefix(prefix, keep)`` removes every
-  object under ``prefix`` but the keys in ``keep``, and nothing else;
+  object under ``prefix`` but the keys in ``keep``, and nothing else (a directory also removes
+  the subdirectories it empties, so an overwritten output holds no empty level of the old one);
+- ``occupied(ignore)``: whether anything but the keys in ``ignore`` is at the root (a directory:
+  any entry, an empty subdirectory included, or a file where the directory would be);
 - ``sweep()`` removes what a killed writer left behind (a directory's temporary files; nothing
-  on a bucket, where an upload is whole or aborted) and returns how many;
+  on a bucket, where an upload is whole or aborted) and returns how many; ``leftovers()`` names
+  those keys without removing them (``verify`` reports them);
 - ``overlapped(depth)``: within the block, the calling thread's ``put`` and ``writer`` may
   return before the object is stored, with at most ``depth`` in flight; when the block exits
   cleanly every one is stored, and an error in any is raised (a bucket overlaps its round trips
   with encoding, engine.stores.uploads; a directory writes at once, as its writes do not wait).
-"""
 
+Capabilities (what differs, asked of the store; the callers in parentheses):
+
+- ``supports_append`` and ``append(key, data, sync)``: add bytes at the end of an object in one
+  write, creating it if absent; ``sync=True`` makes them durable first. Not atomic: a writer
+  killed mid-append may leave a torn tail, which a reader of an appended object must ignore. A
+  directory appends; a bucket has no append and raises OSError (the manifest appends to one
+  object where it can and writes one object per batch of records otherwise, engine.write.manifest);
+- ``supports_conditional_writes`` and ``create(key, data)`` (If-None-Match: *),
+  ``replace(key, data, etag)`` (If-Match), ``get_tagged(key)`` (bytes and ETag): what a one-writer
+  lease object needs (engine.stores.s3lease). A bucket has them (a store that answers 501 raises
+  ConditionalWritesUnsupported at the first request); a directory has not and raises
+  ConditionalWritesUnsupported at once: it is locked by ``flock`` on ``local_path`` instead;
+- ``local_path``: the directory on this machine that holds the objects, or None (a bucket). What
+  needs a real file (the ``flock`` of engine.write.lock) uses it; nothing else does;
+- ``as_zarr_store()``: zarr-python's read-only store over the same objects (a zarr LocalStore on
+  the directory; zarr's ObjectStore over the bucket's own client), what ``verify`` opens the
+  metadata with;
+- ``check_creatable()``: raise OutputError if an output cannot be created at the root (a
+  directory: its nearest existing ancestor must be a directory we may write into; a bucket: the
+  listing that found the prefix empty already proved it readable, so nothing more);
+- ``overwrites_foreign_zarr``: whether ``--overwrite`` may replace a Zarr store h5ngff did not
+  write (a directory: yes, as it always did; a bucket prefix: no, only an output of ours, since
+  other writers share the bucket and nothing there can be restored; docs/engine.md).
+"""
 from __future__ import annotations
 
 import logging
@@ -29,7 +62,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Collection, ContextManager, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, BinaryIO, Callable, Collection, ContextManager, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 from ...errors import OutputError
 from .options import ATTEMPTS, RETRY_DEADLINE_S
@@ -41,18 +74,35 @@ T = TypeVar("T")
 class Store(Protocol):
     #: Where the store is rooted, as the user wrote it (a directory or a URL).
     root: str
+    #: ``append`` adds to an object in place (a directory); else it raises (a bucket).
+    supports_append: bool
+    #: ``create``, ``replace`` and ``get_tagged`` work (a bucket); else they raise
+    #: ConditionalWritesUnsupported (a directory, locked by ``flock`` on ``local_path``).
+    supports_conditional_writes: bool
+    #: ``--overwrite`` may replace a Zarr that h5ngff did not write (a directory, not a bucket).
+    overwrites_foreign_zarr: bool
 
+    @property
+    def local_path(self) -> str | None: ...
     def put(self, key: str, data: bytes | memoryview | Iterable[bytes], sync: bool = False) -> int: ...
     def writer(self, key: str, sync: bool = False) -> ContextManager[BinaryIO]: ...
+    def append(self, key: str, data: bytes, sync: bool = False) -> None: ...
     def get(self, key: str) -> bytes: ...
     def get_suffix(self, key: str, length: int) -> tuple[bytes, int]: ...
     def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> Iterator[bytes]: ...
     def size(self, key: str) -> int | None: ...
     def list(self, prefix: str = "") -> dict[str, int]: ...
+    def occupied(self, ignore: Collection[str] = ()) -> bool: ...
     def delete(self, key: str) -> None: ...
     def delete_prefix(self, prefix: str, keep: Collection[str] = ()) -> int: ...
     def sweep(self) -> int: ...
+    def leftovers(self) -> tuple[str, ...]: ...
     def overlapped(self, depth: int) -> ContextManager[None]: ...
+    def create(self, key: str, data: bytes, policy: "RetryPolicy | None" = None) -> str | None: ...
+    def replace(self, key: str, data: bytes, etag: str, policy: "RetryPolicy | None" = None) -> str | None: ...
+    def get_tagged(self, key: str, policy: "RetryPolicy | None" = None) -> tuple[bytes, str] | None: ...
+    def as_zarr_store(self) -> Any: ...
+    def check_creatable(self) -> None: ...
 
 
 class ConditionalWritesUnsupported(Exception):

@@ -5,6 +5,10 @@ The temporary name is ``.<name>.h5ngff-tmp-<random>``: a writer killed before it
 it behind, and ``sweep`` (run on resume and before the completion marker, when nothing else is
 writing) removes it. Chunks and shards are not fsynced (a lost machine loses the unfinished run,
 which the manifest does not vouch for); ``sync=True`` fsyncs before the rename, for metadata.
+
+Its capabilities (engine.stores.base): it appends in place (the manifest's one file), has no
+conditional writes (the output is locked by ``flock`` on ``local_path``), and ``--overwrite`` may
+replace a Zarr store that h5ngff did not write.
 """
 
 from __future__ import annotations
@@ -14,20 +18,29 @@ import os
 import shutil
 import uuid
 from contextlib import contextmanager, nullcontext
-from typing import BinaryIO, ContextManager, Collection, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, ContextManager, Collection, Iterable, Iterator, Sequence
 
 from ...errors import DiskFullError, OutputError
+from .base import ConditionalWritesUnsupported, RetryPolicy
 
 TMP_MARK = ".h5ngff-tmp-"
 
 
 class LocalStore:
+    supports_append = True
+    supports_conditional_writes = False
+    overwrites_foreign_zarr = True
+
     def __init__(self, root: str):
         self.root = root
         #: Directories known to exist (made or seen by this store): one makedirs per directory,
         #: not one per chunk. A stale entry (a directory removed by --overwrite) is repaired on
         #: the FileNotFoundError it causes.
         self._dirs: set[str] = set()
+
+    @property
+    def local_path(self) -> str:
+        return self.root
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/")) if key else self.root
@@ -56,9 +69,7 @@ class LocalStore:
             os.replace(tmp, path)
         except OSError as exc:
             _remove_quietly(tmp)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFullError(f"No space left on the output device while writing {path}. Free space and re-run the same command; finished slabs are kept.") from exc
-            raise OutputError(f"Cannot write {path}: {exc.strerror or exc}. Check that the output location is writable.") from exc
+            raise _write_error(path, exc) from exc
         except BaseException:
             _remove_quietly(tmp)
             raise
@@ -70,6 +81,20 @@ class LocalStore:
             for piece in pieces:
                 n += f.write(piece)
         return n
+
+    def append(self, key: str, data: bytes, sync: bool = False) -> None:
+        """One write at the end of the file (created if absent): it reaches the kernel at once, so
+        a killed process loses nothing appended; ``sync`` fsyncs it, for a lost machine."""
+        path = self._path(key)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "ab") as f:
+                f.write(data)
+                f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+        except OSError as exc:
+            raise _write_error(path, exc) from exc
 
     def get(self, key: str) -> bytes:
         try:
@@ -130,22 +155,82 @@ class LocalStore:
         else:
             for key in keys:
                 os.unlink(self._path(key))
+            self._prune(target)
         return len(keys)
+
+    def _prune(self, top: str) -> None:
+        """Remove the directories under ``top`` left empty (and links to directories, which a walk
+        does not enter), deepest first; ``top`` itself stays."""
+        if not os.path.isdir(top):
+            return
+        for directory, subdirs, _ in os.walk(top, topdown=False):
+            for name in subdirs:
+                entry = os.path.join(directory, name)
+                if os.path.islink(entry):
+                    os.unlink(entry)
+            if directory != top:
+                try:
+                    os.rmdir(directory)
+                except OSError:
+                    pass  # holds a kept key
+        self._dirs.clear()
+
+    def occupied(self, ignore: Collection[str] = ()) -> bool:
+        if not os.path.exists(self.root):
+            return False
+        if not os.path.isdir(self.root):
+            return True  # a file where the directory would be
+        return any(name not in ignore for name in os.listdir(self.root))
+
+    def check_creatable(self) -> None:
+        """The nearest existing ancestor must be a directory we may write into."""
+        parent = os.path.abspath(self.root)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise OutputError(f"output.path: cannot create {self.root!r}: {parent!r} is a file, not a directory. Choose a writable location.")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise OutputError(f"output.path: cannot create {self.root!r}: permission denied ({parent}). Choose a writable location.")
 
     def sweep(self) -> int:
         """Delete the temporary files killed writers left (only ours: they carry TMP_MARK)."""
         removed = 0
-        for directory, _, files in os.walk(self.root):
-            for name in files:
-                if TMP_MARK in name:
-                    _remove_quietly(os.path.join(directory, name))
-                    removed += 1
+        for key in self.leftovers():
+            _remove_quietly(self._path(key))
+            removed += 1
         return removed
+
+    def leftovers(self) -> tuple[str, ...]:
+        """The temporary files killed writers left (they carry TMP_MARK), as keys."""
+        return tuple(os.path.relpath(os.path.join(directory, name), self.root).replace(os.sep, "/")
+                     for directory, _, files in os.walk(self.root) for name in files if TMP_MARK in name)
 
     def overlapped(self, depth: int) -> ContextManager[None]:
         """Nothing to overlap: a write returns once the kernel holds the bytes, without a round
         trip to wait for."""
         return nullcontext()
+
+    # -- no conditional writes: a directory is locked by flock (engine.write.lock) ---------------------
+    def create(self, key: str, data: bytes, policy: RetryPolicy | None = None) -> str | None:
+        raise ConditionalWritesUnsupported(f"{self.root} is a directory: it is locked with flock, not a lease object")
+
+    def replace(self, key: str, data: bytes, etag: str, policy: RetryPolicy | None = None) -> str | None:
+        raise ConditionalWritesUnsupported(f"{self.root} is a directory: it is locked with flock, not a lease object")
+
+    def get_tagged(self, key: str, policy: RetryPolicy | None = None) -> tuple[bytes, str] | None:
+        raise ConditionalWritesUnsupported(f"{self.root} is a directory: it is locked with flock, not a lease object")
+
+    def as_zarr_store(self) -> Any:
+        """zarr-python's read-only view of the directory (its own file reads)."""
+        from zarr.storage import LocalStore as ZarrLocalStore
+
+        return ZarrLocalStore(self.root, read_only=True)
+
+
+def _write_error(path: str, exc: OSError) -> OutputError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"No space left on the output device while writing {path}. Free space and re-run the same command; finished slabs are kept.")
+    return OutputError(f"Cannot write {path}: {exc.strerror or exc}. Check that the output location is writable.")
 
 
 def _remove_quietly(path: str) -> None:

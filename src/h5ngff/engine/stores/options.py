@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ...errors import SpecError
 from ...spec import UPLOADS_IN_FLIGHT
@@ -96,7 +96,7 @@ def _unknown(raw: str) -> SpecError:
     return SpecError("output.storageOptions", f"Expected one of the storage options {', '.join(sorted(VALID))}. Got {raw!r} instead.{hint}")
 
 
-_CHECKS = {"retries": lambda k, v: whole(k, v, 1), "multipart_threshold": lambda k, v: whole(k, v, 1), "part_size": lambda k, v: whole(k, v, 1),
+_CHECKS: dict[str, Callable[[str, Any], object]] = {"retries": lambda k, v: whole(k, v, 1), "multipart_threshold": lambda k, v: whole(k, v, 1), "part_size": lambda k, v: whole(k, v, 1),
            "lock": boolean, "allow_http": boolean, "allow_invalid_certificates": boolean, "timeout": seconds, "connect_timeout": seconds,
            "lock_ttl": lambda k, v: lock_ttl(v)}
 

@@ -7,6 +7,10 @@ Credentials, region and endpoint come from the standard AWS chain: storage optio
 ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``), then a profile
 of the shared AWS files (``awsconfig``: ``AWS_PROFILE`` or the ``profile`` option).
 
+Its capabilities (engine.stores.base): no append (the manifest writes one object per batch),
+conditional writes (the one-writer lease object, engine.stores.s3lease), no local path, and
+``--overwrite`` replaces only an output of ours.
+
 obstore's own retries are switched off: ``base.retrying`` retries here, so every retry is counted
 (h5ngff_store_retries_total) and a permanent error (403, no such bucket) is never retried.
 """
@@ -17,8 +21,9 @@ import io
 import os
 import re
 from contextlib import contextmanager
+from functools import partial
 from datetime import timedelta
-from typing import Any, BinaryIO, Collection, ContextManager, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Collection, ContextManager, Iterable, Iterator, NoReturn, Sequence, TypeVar
 
 import obstore
 from obstore import exceptions as obx
@@ -29,6 +34,8 @@ from . import options as opts
 from .awsconfig import resolve_chain
 from .base import ConditionalWritesUnsupported, RetryPolicy, TransientStoreError, retrying
 from .uploads import UploadWindow
+
+T = TypeVar("T")
 
 #: Objects above this many bytes go up as a multipart upload (S3 caps one PUT at 5 GiB; parts
 #: let a large shard's upload be retried part by part instead of whole).
@@ -108,6 +115,12 @@ def _refuse_plain_http(endpoint: str | None, client: dict[str, Any]) -> None:
 
 
 class S3Store:
+    supports_append = False
+    supports_conditional_writes = True
+    overwrites_foreign_zarr = False
+    #: No directory on this machine holds the objects (so no flock: a lease object instead).
+    local_path: str | None = None
+
     def __init__(self, bucket: str, prefix: str, options: dict[str, Any] | None = None):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -144,12 +157,12 @@ class S3Store:
             raise SpecError("output.path", "Expected s3://BUCKET/PREFIX with a bucket name. Got an s3:// URL with no bucket name instead: write s3://my-bucket/out.ome.zarr; nothing was written.")
         return cls(bucket, prefix, options)
 
-    def __reduce__(self):  # a Dask task may carry it: rebuild the client on the other side
+    def __reduce__(self) -> NoReturn:  # a Dask task may carry it: rebuild the client on the other side
         raise TypeError("S3Store is per process; pass the URL and options instead")
 
     # -- errors --------------------------------------------------------------------------------
-    def _classify(self, what: str):
-        def classify(exc: BaseException) -> BaseException:
+    def _classify(self, what: str) -> Callable[[BaseException], Exception]:
+        def classify(exc: BaseException) -> Exception:
             if isinstance(exc, (_Missing, _Conflict)):
                 return exc
             if isinstance(exc, (obx.AlreadyExistsError, obx.PreconditionError)):
@@ -167,7 +180,7 @@ class S3Store:
             return TransientStoreError(text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__)
         return classify
 
-    def _call(self, what: str, call):
+    def _call(self, what: str, call: Callable[[], T]) -> T:
         return retrying(call, what, self.policy, self._classify(what))
 
     # -- the protocol --------------------------------------------------------------------------
@@ -251,6 +264,19 @@ class S3Store:
 
         return self._call(f"LIST {prefix or '/'}", run)
 
+    def append(self, key: str, data: bytes, sync: bool = False) -> None:
+        raise OSError(f"{self.root}: an object store has no append (supports_append is False); write one object per batch instead")
+
+    def occupied(self, ignore: Collection[str] = ()) -> bool:
+        return bool(set(self.list("")) - set(ignore))
+
+    def check_creatable(self) -> None:
+        """Nothing to create: the listing that found the prefix empty proved the bucket readable
+        (a 403 or a missing bucket fails there, before any cluster starts)."""
+
+    def leftovers(self) -> tuple[str, ...]:
+        return ()  # see sweep
+
     def delete(self, key: str) -> None:
         self._call(f"DELETE {key}", lambda: obstore.delete(self._store, key))  # S3 deletes a missing key without error
 
@@ -261,7 +287,7 @@ class S3Store:
         keys = sorted(set(self.list(prefix)) - set(keep))
         for i in range(0, len(keys), 1000):  # S3's DeleteObjects takes at most 1000 keys
             batch = keys[i : i + 1000]
-            self._call(f"DELETE {len(batch)} objects under {prefix or '/'}", lambda batch=batch: obstore.delete(self._store, batch))
+            self._call(f"DELETE {len(batch)} objects under {prefix or '/'}", partial(obstore.delete, self._store, batch))
         return len(keys)
 
 
@@ -294,12 +320,13 @@ class S3Store:
 
     def get_tagged(self, key: str, policy: RetryPolicy | None = None) -> tuple[bytes, str] | None:
         """The object's bytes and ETag, or None if it is absent."""
-        def run():
+        def run() -> tuple[bytes, str]:
             try:
                 result = obstore.get(self._store, key)
             except (obx.NotFoundError, FileNotFoundError):
                 raise _Missing from None
-            return bytes(result.bytes()), result.meta["e_tag"]
+            etag: Any = result.meta["e_tag"]  # S3 always sends one (a store that does not is refused at create)
+            return bytes(result.bytes()), etag
 
         try:
             return retrying(run, f"GET {key}", policy or self.policy, self._classify(f"GET {key}"))
@@ -324,14 +351,14 @@ class _Conflict(Exception):
     """412 Precondition Failed (or obstore's AlreadyExists for If-None-Match)."""
 
 
-def _get_or_missing(store, key: str):
+def _get_or_missing(store: Any, key: str) -> Any:
     try:
         return obstore.get(store, key).bytes()
     except (obx.NotFoundError, FileNotFoundError):
         raise _Missing from None
 
 
-def _suffix_or_missing(store, key: str, length: int):
+def _suffix_or_missing(store: Any, key: str, length: int) -> tuple[Any, int]:
     # The body is read inside the retried call: it is what a reset connection loses.
     try:
         result = obstore.get(store, key, options={"range": {"suffix": length}})
@@ -340,14 +367,14 @@ def _suffix_or_missing(store, key: str, length: int):
         raise _Missing from None
 
 
-def _ranges_or_missing(store, key: str, starts: list[int], lengths: list[int]):
+def _ranges_or_missing(store: Any, key: str, starts: list[int], lengths: list[int]) -> Any:
     try:
         return obstore.get_ranges(store, key, starts=starts, lengths=lengths)
     except (obx.NotFoundError, FileNotFoundError):
         raise _Missing from None
 
 
-def _head_or_missing(store, key: str):
+def _head_or_missing(store: Any, key: str) -> Any:
     try:
         return obstore.head(store, key)
     except (obx.NotFoundError, FileNotFoundError):

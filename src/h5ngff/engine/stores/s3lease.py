@@ -39,7 +39,7 @@ import psutil
 
 from ... import __version__
 from ...errors import OutputBusyError, OutputError
-from .base import ConditionalWritesUnsupported, RetryPolicy
+from .base import ConditionalWritesUnsupported, RetryPolicy, Store
 from .options import boolean, canonical, lock_ttl
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def local_holder_alive(holder: Mapping[str, Any]) -> bool | None:
     if not here or holder.get("pid_space") != here or not isinstance(holder.get("pid"), int):
         return None
     try:
-        started = psutil.Process(holder["pid"]).create_time()
+        started = float(psutil.Process(holder["pid"]).create_time())
     except psutil.Error:  # no such process (or a zombie we cannot read): gone
         return False
     return abs(started - float(holder.get("pid_started", 0))) < 1.0  # a reused pid is another process
@@ -173,7 +173,7 @@ def _parse(data: bytes) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def acquire(store, settings: LeaseSettings, sleep: Callable[[float], None] = time.sleep) -> "Lease":
+def acquire(store: Store, settings: LeaseSettings, sleep: Callable[[float], None] = time.sleep) -> "Lease":
     """Create the lease, or take over a stale one; raise OutputBusyError if another run holds it."""
     me, policy = my_identity(settings.ttl), settings.policy()
     seen: tuple[str, float] | None = None  # (the holder's ETag, when we first saw it: monotonic)
@@ -219,7 +219,7 @@ def acquire(store, settings: LeaseSettings, sleep: Callable[[float], None] = tim
     raise OutputBusyError(f"output.path: {store.root!r}: its lease kept changing hands; other runs keep starting there. Retry.")
 
 
-def _check_exclusive(store, body: bytes, policy: RetryPolicy) -> None:
+def _check_exclusive(store: Store, body: bytes, policy: RetryPolicy) -> None:
     """A store that ignores If-None-Match would let every run 'create' the lease: a second
     create of the object we just wrote must be refused."""
     if store.create(LOCK_KEY, body, policy) is not None:
@@ -233,7 +233,7 @@ def _check_exclusive(store, body: bytes, policy: RetryPolicy) -> None:
 class Lease:
     """A held lease, renewed by a daemon thread until ``release``. ``check()`` raises once it is lost."""
 
-    def __init__(self, store, settings: LeaseSettings, me: dict[str, Any], etag: str):
+    def __init__(self, store: Store, settings: LeaseSettings, me: dict[str, Any], etag: str):
         self.store, self.settings, self.me, self.etag = store, settings, dict(me), etag
         self.error: OutputError | None = None
         self._callbacks: list[Callable[[], None]] = []

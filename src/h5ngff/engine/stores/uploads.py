@@ -70,13 +70,13 @@ class UploadWindow:
         if not self.depth:
             put()
             return
-        pending: deque[Future] = self._local.pending
+        pending: deque[Future[tuple[int, BaseException | None]]] = self._local.pending
         while len(pending) >= self._local.depth:
             self._settle_oldest(pending)
         pending.append(self._executor().submit(_counting_retries, put))
 
     def _drain(self, raise_first: bool) -> None:
-        pending: deque[Future] = self._local.pending
+        pending: deque[Future[tuple[int, BaseException | None]]] = self._local.pending
         first: BaseException | None = None
         while pending:
             try:
@@ -87,7 +87,7 @@ class UploadWindow:
             raise first
 
     @staticmethod
-    def _settle_oldest(pending: deque[Future]) -> None:
+    def _settle_oldest(pending: deque[Future[tuple[int, BaseException | None]]]) -> None:
         """Wait for the oldest PUT and raise its error. It leaves the window only once it has
         finished: if the wait itself is interrupted, it is still pending, and the window's exit
         waits for it again."""

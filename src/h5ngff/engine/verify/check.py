@@ -3,17 +3,18 @@ chunk, and optionally compare every level with the pyramid computed from the HDF
 (``levelcheck``), streaming one chunk or write unit at a time so memory stays bounded whatever
 the image size.
 
-Everything is read through zarr-python (``engine.verify.stored``): the root attributes, each level's
-array metadata, and every chunk, decoded by zarr's codec pipeline and checked by its crc32c
+Everything is decoded by zarr-python (``engine.verify.stored``): the root attributes and each level's
+array metadata, read through the store's zarr view (``Store.as_zarr_store()``), and every chunk,
+its bytes read through the output's Store and decoded by zarr's codecs and checked by its crc32c
 codec. None of the writer's own chunk code (``chunkio``) is used, so a bug shared by the
-writer's encoder and decoder cannot pass (tests/test_checksums.py injects one).
+writer's encoder and decoder cannot pass (tests/test_checksums.py injects one). A directory and a
+bucket go the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Callable
@@ -22,12 +23,11 @@ import zarr
 
 from ...errors import VerificationError
 from ..write.checksums import SIDECAR_DIR, load_sidecar, sidecar_key
-from ..write.chunkio import TMP_MARK
 from .levelcheck import SOURCE_CACHE_BYTES, LevelComparison, Mismatch, PyramidRule, chunk_count, pyramid_rule
 from ..write.manifest import Manifest
 from ..sources import verify_source
 from .stored import ChecksumMismatch, StoredLevel, open_levels
-from ..stores import is_url, open_store
+from ..stores import Store, open_store
 
 
 @dataclass
@@ -93,7 +93,8 @@ def _multiscales(fmt: int, attrs: dict[str, Any]) -> dict[str, Any]:
     ms = attrs.get("ome", {}).get("multiscales") if fmt == 3 else attrs.get("multiscales")
     if not ms:
         raise VerificationError("no OME-NGFF multiscales metadata: the output is unfinished or not an OME-Zarr image.")
-    return ms[0]
+    first: dict[str, Any] = ms[0]
+    return first
 
 
 def _validate_metadata(root: Any, fmt: int, report: VerifyReport) -> None:
@@ -111,23 +112,22 @@ def _validate_metadata(root: Any, fmt: int, report: VerifyReport) -> None:
         report.problems.append(f"the OME-NGFF metadata does not validate with {report.metadata_validator}: {str(exc)[:500]}")
 
 
-def _content(path: str, marker: dict[str, Any] | None) -> dict[str, Any]:
+def _content(store: Store, marker: dict[str, Any] | None) -> dict[str, Any]:
     """What the writer recorded about the conversion: from the completion marker, else the manifest."""
-    if marker and isinstance(marker.get("content"), dict):
-        return marker["content"]
-    manifest = Manifest.load(path) if os.path.isdir(path) else None
+    recorded = marker.get("content") if marker else None
+    if isinstance(recorded, dict):
+        return recorded
+    manifest = Manifest.load(store)
     return manifest.content if manifest is not None else {}
 
 
-def _sidecars(path: str, fmt: int, content: dict[str, Any], n_levels: int, report: VerifyReport,
-              storage_options: dict[str, str] | None = None) -> dict[int, dict[str, str] | None] | None:
+def _sidecars(store: Store, fmt: int, content: dict[str, Any], n_levels: int, report: VerifyReport) -> dict[int, dict[str, str] | None] | None:
     """Zarr v2: every level's recorded CRC32Cs, where the conversion kept them. They are written
     at completion, so an unfinished output (already reported) is not checked against them."""
     if fmt != 2 or content.get("checksums") != "crc32c" or not report.complete:
         return None
     report.checksums = "sidecar"
     sidecars: dict[int, dict[str, str] | None] = {}
-    store = open_store(path, storage_options or {})
     for level in range(n_levels):
         name = sidecar_key(level)
         try:
@@ -143,16 +143,10 @@ def _sidecars(path: str, fmt: int, content: dict[str, Any], n_levels: int, repor
 
 
 def zarr_root(path: str, storage_options: dict[str, str] | None = None) -> Any:
-    """What zarr-python opens: the directory itself, or for an ``s3://`` output zarr's
-    ObjectStore over the same obstore client the writer used (same options, endpoint and
-    credentials), read-only."""
-    if not is_url(path):
-        return path
-    from ..stores.s3 import S3Store
-
-    store = open_store(path, storage_options or {})
-    assert isinstance(store, S3Store)  # the one object store open_store makes for a URL
-    return store.as_zarr_store()
+    """What zarr-python opens: the output store's read-only zarr view (``Store.as_zarr_store``:
+    the directory, or zarr's ObjectStore over the same client the writer used, with the same
+    options, endpoint and credentials)."""
+    return open_store(path, storage_options or {}).as_zarr_store()
 
 
 def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Callable[[], None] | None = None,
@@ -163,7 +157,8 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
     (``levelcheck``); levels that cannot be compared are still decoded. ``on_total(n)`` is told
     how many ``on_unit()`` calls follow (files decoded plus chunks compared)."""
     report = VerifyReport(path)
-    root = zarr_root(path, storage_options)
+    store = open_store(path, storage_options or {})
+    root = store.as_zarr_store()
     try:
         fmt, attrs = _root(root, path)
         ms = _multiscales(fmt, attrs)
@@ -175,32 +170,35 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
     if not report.complete:
         report.problems.append("no completion marker (h5ngff.complete): the conversion did not finish; re-run it to resume.")
     _validate_metadata(root, fmt, report)
-    content = _content(path, marker)
+    content = _content(store, marker)
     datasets = ms.get("datasets", [])
     report.levels = len(datasets)
-    sidecars = _sidecars(path, fmt, content, len(datasets), report, storage_options)
-    levels, problems = open_levels(root, ms, report.complete, sidecars)
+    sidecars = _sidecars(store, fmt, content, len(datasets), report)
+    levels, problems = open_levels(root, store, ms, report.complete, sidecars)
     report.problems.extend(problems)
     if fmt == 3 and levels and all(lv.crc_codec for lv in levels):
         report.checksums = "crc32c codec"
-    source_ds, compared, rule = None, [], None
+    source_ds: Any = None
+    compared: list[StoredLevel] = []
+    rule: PyramidRule | None = None
     if source is not None and levels:
         recorded = marker.get("source") if marker else None
         source_ds, compared, rule = _comparable(ms, levels, len(datasets), source, report, content, recorded)
     decoded = [lv for lv in levels if lv not in compared]
     if on_total:
         on_total(sum(chunk_count(lv) for lv in compared) + sum(math.prod(lv.unit_grid) for lv in decoded))
-    if compared:
+    if compared and rule is not None:  # (a rule comes with every compared level)
         _compare_levels(source_ds, compared, rule, report, on_unit)
     empty_units = marker.get("emptyUnits") if marker else None
     for level in decoded:
         recorded_empty = None if not isinstance(empty_units, dict) else int(empty_units.get(str(level.level), 0))
         _check_units(level, report, on_unit, recorded_empty)
-    _stale_temporaries(path, report)
+    _stale_temporaries(store, report)
     return report
 
 
-def _comparable(ms, levels, n_levels, source, report, content, recorded=None):
+def _comparable(ms: dict[str, Any], levels: list[StoredLevel], n_levels: int, source: tuple[str, str], report: VerifyReport,
+                content: dict[str, Any], recorded: dict[str, Any] | None = None) -> tuple[Any, list[StoredLevel], PyramidRule | None]:
     """The source (a plain dataset or a composite: stacked, Imaris, BDV), the levels that can be
     compared with it, and the pyramid rule."""
     source_ds = dataclasses.replace(verify_source(source[0], source[1], recorded), cache_bytes=SOURCE_CACHE_BYTES)
@@ -218,7 +216,7 @@ def _comparable(ms, levels, n_levels, source, report, content, recorded=None):
     return source_ds, levels, rule
 
 
-def _compare_levels(source_ds, levels, rule, report: VerifyReport, on_unit) -> None:
+def _compare_levels(source_ds: Any, levels: list[StoredLevel], rule: PyramidRule, report: VerifyReport, on_unit: Callable[[], None] | None) -> None:
     walk = LevelComparison(source_ds, levels, rule, report.bad, on_unit, on_checksum=report.checksum)
     walk.run()
     report.levels_compared = max(report.levels_compared, len(levels))
@@ -227,7 +225,7 @@ def _compare_levels(source_ds, levels, rule, report: VerifyReport, on_unit) -> N
     report.mismatches.extend(walk.mismatches)
 
 
-def _check_units(level: StoredLevel, report: VerifyReport, on_unit, recorded_empty: int | None = None) -> None:
+def _check_units(level: StoredLevel, report: VerifyReport, on_unit: Callable[[], None] | None, recorded_empty: int | None = None) -> None:
     """Decode every chunk of every unit once (levels not compared with a source), one chunk at a
     time: every bad inner chunk of a shard is named, not just the first.
 
@@ -269,11 +267,8 @@ def _chunk_failed(level: StoredLevel, key: str, chunk: tuple[int, ...], exc: Exc
         report.bad(level.level, key, f"level {level.level} {where}: does not decode ({type(exc).__name__}: {exc}).")
 
 
-def _stale_temporaries(path: str, report: VerifyReport) -> None:
-    if is_url(path):
-        return  # objects are written whole: there are no temporaries to leave behind
-    for directory, _, files in os.walk(path):
-        for name in files:
-            if TMP_MARK in name:
-                report.problems.append(f"stale temporary file {os.path.relpath(os.path.join(directory, name), path)} (an interrupted write).")
-
+def _stale_temporaries(store: Store, report: VerifyReport) -> None:
+    """What killed writers left (a directory's temporary files; a bucket's objects are written
+    whole, so it has none)."""
+    for key in store.leftovers():
+        report.problems.append(f"stale temporary file {key} (an interrupted write).")

@@ -34,7 +34,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ...planner.grid import ceil_div
-from ..write.downsample import STRIP_ELEMENTS, downsample, output_shape
+from ...planner.memory import STRIP_ELEMENTS
+from ..write.downsample import downsample, output_shape
 from .stored import ChecksumMismatch, StoredLevel
 
 #: HDF5 chunk cache for the source while verifying: holds the HDF5 chunks under a tile of output
@@ -58,7 +59,7 @@ class PyramidRule:
         """The axes halved to build ``level`` (>= 1) from ``level - 1``."""
         d = self.downsampled
         if d and isinstance(d[0], tuple):
-            return tuple(d[level - 1])  # type: ignore[arg-type]
+            return tuple(d[level - 1])
         return d  # type: ignore[return-value]
 
     def fan_in(self, levels: int) -> int:
@@ -118,9 +119,9 @@ class LevelComparison:
     compared (the progress bar); ``on_checksum(level, key, chunk, mismatch)`` about each chunk
     whose bytes fail their CRC32C."""
 
-    def __init__(self, source, layouts: Sequence[StoredLevel], rule: PyramidRule,
+    def __init__(self, source: Any, layouts: Sequence[StoredLevel], rule: PyramidRule,
                  bad: Callable[[int, str, str], None], on_chunk: Callable[[], None] | None = None,
-                 on_checksum: Callable[[int, str, tuple[int, ...], ChecksumMismatch], None] | None = None):
+                 on_checksum: Callable[[int, str, tuple[int, ...], ChecksumMismatch], None] | None = None) -> None:
         self.source = source
         self.on_checksum = on_checksum
         self.layouts = layouts
@@ -189,7 +190,7 @@ class LevelComparison:
             if self.on_chunk:
                 self.on_chunk()
 
-    def _unreadable(self, layout: StoredLevel, unit, key: str, chunk: tuple[int, ...], exc: Exception) -> None:
+    def _unreadable(self, layout: StoredLevel, unit: tuple[int, ...], key: str, chunk: tuple[int, ...], exc: Exception) -> None:
         index = layout.index_problem(unit)
         if index is not None:
             return self._bad(layout.level, key, index, broken=True)
@@ -203,7 +204,7 @@ class LevelComparison:
         if layout.shards is None:
             self.broken.add((layout.level, key))
 
-    def _differences(self, layout, key, chunk, region, stored, expected) -> None:
+    def _differences(self, layout: StoredLevel, key: str, chunk: tuple[int, ...], region: tuple[slice, ...], stored: np.ndarray, expected: np.ndarray) -> None:
         view = tuple(slice(0, r.stop - r.start) for r in region)
         # Compared bitwise, so NaN equals the same NaN and -0.0 differs from 0.0.
         bits = np.dtype(f"u{expected.dtype.itemsize}")
@@ -227,29 +228,30 @@ class LevelComparison:
         self.bad(level, key, f"level {level} {key}: {message}")
 
 
-def _inner(layout, chunk: tuple[int, ...]) -> tuple[int, ...]:
+def _inner(layout: StoredLevel, chunk: tuple[int, ...]) -> tuple[int, ...]:
     """A chunk's index inside its shard."""
+    assert layout.shards is not None  # only a sharded level has inner chunks
     return tuple(c % (s // k) for c, s, k in zip(chunk, layout.shards, layout.chunks))
 
 
-def _all_fill(expected: np.ndarray, fill) -> bool:
+def _all_fill(expected: np.ndarray, fill: Any) -> bool:
     """Whether the source says this chunk is the fill value everywhere, bit for bit: the writer
     leaves such a chunk out (only for a zero fill value), so its absence is legitimate. Written
     here, not imported from the writer, so that verify shares no code with what it checks."""
     return not fill and not np.ascontiguousarray(expected).view(np.uint8).any()
 
 
-def _reads_as_fill(stored: np.ndarray, fill) -> bool:
+def _reads_as_fill(stored: np.ndarray, fill: Any) -> bool:
     """Whether a decoded chunk is the fill value everywhere (NaN fill included), as an absent
     chunk reads."""
     return np.array_equal(stored, np.full_like(stored, fill), equal_nan=np.issubdtype(stored.dtype, np.inexact))
 
 
-def _chunk_region(layout, chunk: tuple[int, ...]) -> tuple[slice, ...]:
+def _chunk_region(layout: StoredLevel, chunk: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(chunk, layout.chunks, layout.shape))
 
 
-def _unit_of(layout, chunk: tuple[int, ...]) -> tuple[int, ...]:
+def _unit_of(layout: StoredLevel, chunk: tuple[int, ...]) -> tuple[int, ...]:
     """The index of the file (chunk, or the shard holding it) that stores ``chunk``."""
     if layout.shards is None:
         return chunk

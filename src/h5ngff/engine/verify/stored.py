@@ -5,96 +5,34 @@ and decoder would pass unseen. Here the array metadata, the chunk keys, the code
 parsing from the metadata and their decoding, the crc32c check included) and the shard index
 are all zarr-python's; h5ngff only chooses which chunk to read, one at a time.
 
-The codecs run through their synchronous ``_decode_sync`` in this thread: zarr's own read path
-(an event loop thread, a thread hop per file read and per decompression, ~2,700 Python calls per
-chunk) cost 4-5x the old verify on a busy 2-core machine, for the same codec code. A codec
-without a synchronous decoder falls back to that path. The one thing zarr cannot tell is whether a
-chunk is *absent* (it reads as the fill value either way), so that is asked of the store; and
-for Zarr v2, which has no checksum codec, each file's raw bytes are checked against the CRC32C
-sidecar (``engine.write.checksums``).
+The codecs run synchronously in this thread (engine.verify.zarr_internals, where every private zarr
+use is kept): zarr's own read path (an event loop thread, a thread hop per file read and per
+decompression, ~2,700 Python calls per chunk) cost 4-5x the old verify on a busy 2-core machine,
+for the same codec code. The stored bytes are read through the output's Store (``get``, a
+``get_suffix`` for a shard's index, a ``get_ranges`` per inner chunk), the same calls for a
+directory and a bucket. The one thing zarr cannot tell is whether a chunk is *absent* (it reads as
+the fill value either way), so that is asked of the store; and for Zarr v2, which has no checksum
+codec, each file's raw bytes are checked against the CRC32C sidecar (``engine.write.checksums``).
 """
 
 from __future__ import annotations
 
 import ast
-import asyncio
-import os
 import re
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import product
-from typing import Any
+from typing import Any, Iterator
 
 import google_crc32c
 import numpy as np
 import zarr
-from zarr.abc.store import RangeByteRequest, SuffixByteRequest
-from zarr.core.buffer import default_buffer_prototype
-from zarr.codecs.sharding import _ShardIndex
-from zarr.core.codec_pipeline import codecs_from_list
-from zarr.storage import LocalStore
 
 from ...planner.grid import ceil_div
+from ..stores import Store
+from .zarr_internals import ShardIndex, buffer, chunk_codecs, decode, decode_shard_index, shard_index_size, v2_chain
 
 #: zarr-python's Crc32cCodec message: "Stored and computed checksum do not match. Stored: b'..'. Computed: b'..'."
 _ZARR_CRC = re.compile(r"checksum do not match\. Stored: (b'.*?'|b\".*?\")\. Computed: (b'.*?'|b\".*?\")\.")
-
-
-class _InlineExecutor(ThreadPoolExecutor):
-    """Runs each job at once, in the calling thread: the store's reads (``asyncio.to_thread`` in
-    zarr's LocalStore) then cost no thread switch."""
-
-    def submit(self, fn, /, *args, **kwargs):
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
-
-
-_local = threading.local()
-
-
-def _run(coro):
-    """Run a zarr store coroutine to completion on this thread's private loop."""
-    loop = getattr(_local, "loop", None)
-    if loop is None:
-        loop = _local.loop = asyncio.new_event_loop()
-        loop.set_default_executor(_InlineExecutor(max_workers=1))
-    return loop.run_until_complete(coro)
-
-
-def _read_file(path: str, byte_range):
-    """A local file's bytes (or a range: zarr's RangeByteRequest / SuffixByteRequest) as a zarr
-    Buffer, None if absent."""
-    try:
-        with open(path, "rb") as f:
-            if isinstance(byte_range, RangeByteRequest):
-                f.seek(byte_range.start)
-                data = f.read(byte_range.end - byte_range.start)
-            elif isinstance(byte_range, SuffixByteRequest):
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - byte_range.suffix))
-                data = f.read()
-            else:
-                data = f.read()
-    except (FileNotFoundError, IsADirectoryError):
-        return None
-    return default_buffer_prototype().buffer.from_bytes(data)
-
-
-def _decode(codecs, data, spec):
-    """zarr's codec chain, decoded in order: bytes-to-bytes codecs last to first (crc32c, then
-    the compressor), the array-to-bytes codec, then any array-to-array codecs."""
-    array_array, array_bytes, bytes_bytes = codecs_from_list(codecs)
-    for codec in reversed(bytes_bytes):
-        data = codec._decode_sync(data, spec)
-    data = array_bytes._decode_sync(data, spec)
-    for codec in reversed(array_array):
-        data = codec._decode_sync(data, spec)
-    return data.as_numpy_array()
 
 
 class ChecksumMismatch(ValueError):
@@ -125,12 +63,14 @@ class StoredLevel:
 
     level: int
     array: Any  # zarr.Array
+    #: The output's store, which the chunk bytes are read from (keys relative to its root).
+    store: Store
     #: Output finished (completion marker set): an absent chunk is a skipped all-fill chunk.
     complete: bool = True
     #: Zarr v2: key -> CRC32C (8 hex digits) of every chunk file written, from the sidecar.
     recorded: dict[str, str] | None = None
-    #: A few decoded shard indices (unit -> zarr's _ShardIndex, None: no shard file).
-    _indices: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    #: A few decoded shard indices (unit -> (the index, the shard's size); None: no shard file).
+    _indices: dict[tuple[int, ...], tuple[ShardIndex, int] | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Read once: zarr recomputes these properties from its metadata on every access.
@@ -140,24 +80,13 @@ class StoredLevel:
         self.shards: tuple[int, ...] | None = None if a.shards is None else tuple(a.shards)
         self.dtype: str = np.dtype(a.dtype).str
         self.fill_value = a.fill_value
-        meta = a._async_array.metadata
         self._v2 = a.metadata.zarr_format == 2
         self._codecs: Any = None
         self._spec: Any = None
         if not self._v2:
-            self._codecs, self._spec = self._chunk_codecs(meta)
-        store = a.store_path.store
-        # A local store is read with plain file reads (its bytes are the same); others through zarr.
-        self._root = str(store.root) if isinstance(store, LocalStore) else None
+            self._codecs, self._spec = chunk_codecs(a)
+        #: The level's key prefix in the store (its array's path in the group).
         self._prefix = a.store_path.path
-
-    def _chunk_codecs(self, meta):
-        spec = meta.get_chunk_spec((0,) * len(self.shape), self.array._async_array.config, default_buffer_prototype())
-        codecs = meta.codecs
-        if self.shards is not None:
-            sharding = codecs[0]
-            return sharding.codecs, sharding._get_chunk_spec(spec)
-        return codecs, spec
 
     @property
     def crc_codec(self) -> bool:
@@ -174,12 +103,12 @@ class StoredLevel:
 
     def key(self, unit: tuple[int, ...]) -> str:
         """The store key of a chunk or shard file, by zarr's own chunk key encoding."""
-        return self.array.metadata.encode_chunk_key(unit)
+        return str(self.array.metadata.encode_chunk_key(unit))
 
     def unit_region(self, unit: tuple[int, ...]) -> tuple[slice, ...]:
         return tuple(slice(i * u, min((i + 1) * u, n)) for i, u, n in zip(unit, self.unit, self.shape))
 
-    def inner_chunks(self, unit: tuple[int, ...]):
+    def inner_chunks(self, unit: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
         """The chunks (level chunk indices) stored in one unit that lie inside the array."""
         per = tuple(u // c for u, c in zip(self.unit, self.chunks))
         grid = tuple(ceil_div(n, c) for n, c in zip(self.shape, self.chunks))
@@ -187,9 +116,7 @@ class StoredLevel:
         return product(*ranges)
 
     def exists(self, unit: tuple[int, ...]) -> bool:
-        if self._root is not None:
-            return os.path.isfile(os.path.join(self._root, self._prefix, self.key(unit)))
-        return bool(_run((self.array.store_path / self.key(unit)).exists()))
+        return self.store.size(self._store_key(self.key(unit))) is not None
 
     def missing(self, unit: tuple[int, ...]) -> bool:
         """Absent, and not a legitimately skipped all-fill chunk: the output is unfinished, or the
@@ -223,9 +150,9 @@ class StoredLevel:
             raise mismatch from None
         return data[tuple(slice(0, min(k, n - i * k)) for i, k, n in zip(chunk, self.chunks, self.shape))]
 
-    def _check_crc(self, key: str, raw) -> None:
+    def _check_crc(self, key: str, raw: bytes) -> None:
         expected = (self.recorded or {}).get(key)
-        actual = f"{google_crc32c.value(raw.as_numpy_array()):08x}"
+        actual = f"{google_crc32c.value(raw):08x}"
         if expected != actual:
             raise ChecksumMismatch(expected or "none recorded", actual, "checksum sidecar")
 
@@ -241,68 +168,78 @@ class StoredLevel:
             return f"shard index {mismatch or f'does not decode ({type(exc).__name__}: {exc}).'}"
         return None
 
-    # -- zarr's metadata, codecs and store ----------------------------------------------------
-    def _get(self, key: str, byte_range=None):
-        if self._root is not None:
-            return _read_file(os.path.join(self._root, self._prefix, key), byte_range)
-        return _run((self.array.store_path / key).get(prototype=default_buffer_prototype(), byte_range=byte_range))
+    # -- zarr's metadata and codecs, the output's store --------------------------------------
+    def _store_key(self, key: str) -> str:
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _get(self, key: str) -> bytes | None:
+        try:
+            return self.store.get(self._store_key(key))
+        except KeyError:
+            return None
 
     def _fill(self) -> np.ndarray:
         return np.full(self.chunks, self.fill_value, dtype=self.array.dtype)
 
-    def _decode_chunk(self, raw) -> np.ndarray:
+    def _decode_chunk(self, raw: bytes) -> np.ndarray:
         if self._v2:
-            return self._decode_v2(raw.to_bytes())
-        return _decode(self._codecs, raw, self._spec).reshape(self.chunks)
+            return self._decode_v2(raw)
+        return decode(self._codecs, buffer(raw), self._spec).reshape(self.chunks)
 
     def _decode_v2(self, raw: bytes) -> np.ndarray:
         """Zarr v2's chain as zarr parsed it from ``.zarray``: compressor, then filters last to first."""
-        meta = self.array._async_array.metadata
-        data = raw if meta.compressor is None else meta.compressor.decode(raw)
-        for f in reversed(meta.filters or ()):
+        chain = v2_chain(self.array)
+        data = raw if chain.compressor is None else chain.compressor.decode(raw)
+        for f in reversed(chain.filters):
             data = f.decode(data)
-        return np.frombuffer(data, dtype=self.array.dtype).reshape(self.chunks, order=meta.order)
+        return np.frombuffer(data, dtype=self.array.dtype).reshape(self.chunks, order=chain.order)
 
-    def _shard_index(self, unit: tuple[int, ...]):
-        """zarr's decoded index of one shard (its crc32c checked by zarr's index codecs), the last
-        few kept: verify's walk comes back to a shard for each 2x2x2 block of its chunks."""
+    def _shard_index(self, unit: tuple[int, ...]) -> tuple[ShardIndex, int] | None:
+        """zarr's decoded index of one shard (its crc32c checked by zarr's index codecs) and the
+        shard's size, the last few kept: verify's walk comes back to a shard for each 2x2x2 block
+        of its chunks."""
         if unit in self._indices:
             return self._indices[unit]
-        assert self.shards is not None  # only sharded levels have a shard index
-        sharding = self.array._async_array.metadata.codecs[0]
-        per = tuple(s // c for s, c in zip(self.shards, self.chunks))
-        size = sharding._shard_index_size(per)
-        raw = self._get(self.key(unit), SuffixByteRequest(size))
-        if raw is None:
-            index = None
+        size = shard_index_size(self.array)
+        try:
+            tail, total = self.store.get_suffix(self._store_key(self.key(unit)), size)
+        except KeyError:
+            found = None
         else:
-            if len(raw) < size:
-                raise ValueError(f"shard of {len(raw)} bytes is shorter than its index ({size} bytes)")
-            index = _ShardIndex(_decode(sharding.index_codecs, raw, sharding._get_index_chunk_spec(per)))
+            if len(tail) < size:
+                raise ValueError(f"shard of {len(tail)} bytes is shorter than its index ({size} bytes)")
+            found = (decode_shard_index(self.array, tail), total)
         if len(self._indices) >= 16:
             self._indices.pop(next(iter(self._indices)))
-        self._indices[unit] = index
-        return index
+        self._indices[unit] = found
+        return found
 
-    def _inner_bytes(self, unit: tuple[int, ...], chunk: tuple[int, ...]):
-        index = self._shard_index(unit)
-        if index is None or self.shards is None:
+    def _inner_bytes(self, unit: tuple[int, ...], chunk: tuple[int, ...]) -> bytes | None:
+        found = self._shard_index(unit)
+        if found is None or self.shards is None:
             return None
+        index, total = found
         inner = tuple(c % (s // k) for c, s, k in zip(chunk, self.shards, self.chunks))
-        where = index.get_chunk_slice(inner)
+        where = index.chunk_slice(inner)
         if where is None:
             return None
-        raw = self._get(self.key(unit), RangeByteRequest(where[0], where[1]))
-        if raw is None or len(raw) != where[1] - where[0]:
+        start, stop = where
+        raw = None
+        if stop <= total:  # a range past the end is not asked of the store (a bucket answers 416)
+            try:
+                raw = next(iter(self.store.get_ranges(self._store_key(self.key(unit)), [(start, stop - start)])))
+            except KeyError:
+                raw = None
+        if raw is None or len(raw) != stop - start:
             raise ValueError(f"inner chunk {inner} runs past the end of the shard")
         return raw
 
 
-def open_levels(path: str, multiscale: dict[str, Any], complete: bool, sidecars: dict[int, dict[str, str] | None] | None = None) -> tuple[list[StoredLevel], list[str]]:
-    """Every level of ``multiscale`` opened with zarr-python, and the problems of those that do
-    not open."""
+def open_levels(root: Any, store: Store, multiscale: dict[str, Any], complete: bool, sidecars: dict[int, dict[str, str] | None] | None = None) -> tuple[list[StoredLevel], list[str]]:
+    """Every level of ``multiscale`` opened with zarr-python (``root``: what zarr opens, the
+    store's ``as_zarr_store()``), read from ``store``, and the problems of those that do not open."""
     levels, problems = [], []
-    group = zarr.open_group(path, mode="r")
+    group = zarr.open_group(root, mode="r")
     for index, ds in enumerate(multiscale.get("datasets", [])):
         try:
             array = group[ds["path"]]
@@ -312,5 +249,5 @@ def open_levels(path: str, multiscale: dict[str, Any], complete: bool, sidecars:
             problems.append(f"level {ds.get('path')}: unreadable array metadata ({type(exc).__name__}: {exc}).")
             continue
         recorded = None if sidecars is None else sidecars.get(index)
-        levels.append(StoredLevel(index, array, complete, recorded))
+        levels.append(StoredLevel(index, array, store, complete, recorded))
     return levels, problems

@@ -27,12 +27,14 @@ is invisible there. Outputs written before this move kept it at ``OUT/.h5ngff-ch
 from __future__ import annotations
 
 import json
-import os
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import google_crc32c
 
 from ..stores import Store
+
+if TYPE_CHECKING:
+    from .chunkio import ArrayLayout
 
 #: The sidecar directory, relative to the output: inside level 0's array (see above).
 SIDECAR_DIR = "0/.h5ngff-checksums"
@@ -56,7 +58,7 @@ class FileChecksums:
         self.entries: list[tuple[int, str, str]] = []
         self.level = 0
 
-    def on_file(self, layout) -> "FileChecksums | None":
+    def on_file(self, layout: "ArrayLayout") -> "FileChecksums | None":
         """The callback for one level's ``write_block`` (None where no sidecar is kept: Zarr v3
         carries its checksums in the chunks, and checksums may be off)."""
         if not layout.checksums or layout.zarr_format != 2:
@@ -66,10 +68,6 @@ class FileChecksums:
 
     def __call__(self, key: str, pieces: list[bytes]) -> None:
         self.entries.append((self.level, key, crc32c_hex(pieces)))
-
-
-def sidecar_path(root: str, level: int) -> str:
-    return os.path.join(root, SIDECAR_DIR, f"{level}.json")
 
 
 def sidecar_key(level: int, directory: str = SIDECAR_DIR) -> str:
@@ -96,5 +94,6 @@ def load_sidecar(store: Store, level: int) -> dict[str, str] | None:
             continue
         if not isinstance(doc, dict) or doc.get("format") != SIDECAR_FORMAT or not isinstance(doc.get("chunks"), dict):
             raise ValueError(f"{store.root}/{key} is not an {SIDECAR_FORMAT} sidecar")
-        return doc["chunks"]
+        chunks: dict[str, str] = doc["chunks"]
+        return chunks
     return None

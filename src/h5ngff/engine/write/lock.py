@@ -25,7 +25,8 @@ path's and starts over, so there are never two holders; a finished output is a p
 Scope: one machine, or a shared filesystem whose ``flock`` is honoured across clients (Linux NFS
 v4 maps it to a byte-range lock; after a client machine crashes, the server frees it only when
 the client's lease expires, ~90 s). Kubernetes jobs also take a Lease per output path (operator).
-An ``s3://`` output has no flock: it holds a lease object in the bucket instead (engine.stores.s3lease).
+A store with no local directory (``Store.local_path`` None: a bucket) has no flock: it holds a
+lease object under the same name instead (engine.stores.s3lease), where the store has conditional writes.
 
 ``output_lock`` yields a guard: ``check()`` raises once the lock is lost (only a lease can be)
 and ``on_lost(callback)`` lets the driver cancel its slabs at that moment.
@@ -44,11 +45,14 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
 from ...errors import OutputBusyError, OutputError
-from ...spec import url_scheme
+from ..stores.s3lease import LOCK_KEY, acquire, lease_settings, unsupported_message
+from ..stores import Store, open_store
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".h5ngff.lock"
+#: The lock's name under the output's root: a directory's flock file, a bucket's lease object
+#: (one name, so neither is content, and ``--overwrite`` keeps it).
+LOCK_NAME = LOCK_KEY
 #: A lock file can be unlinked by its releasing holder between our open and our flock: start over
 #: this many times (each race needs another run to finish in that window, so 2 would do).
 _ATTEMPTS = 20
@@ -70,11 +74,14 @@ def output_lock(path: str, storage_options: Mapping[str, Any] | None = None) -> 
     the guard (``check``, ``on_lost``).
 
     An output that exists but is not a directory is not locked: nothing will be written there
-    (``prepare_output`` refuses it). An object-store URL holds a lease object (engine.stores.s3lease)."""
-    if url_scheme(path) is not None:
-        with _object_lease(path, storage_options) as guard:
+    (``prepare_output`` refuses it). A store with no local directory holds a lease object
+    (engine.stores.s3lease)."""
+    store = open_store(path, storage_options)
+    if store.local_path is None:
+        with _object_lease(store, path, storage_options) as guard:
             yield guard
         return
+    # (``path`` as the caller wrote it, which the messages name; it is the store's directory)
     if os.path.exists(path) and not os.path.isdir(path):
         yield Held()
         return
@@ -90,15 +97,27 @@ def output_lock(path: str, storage_options: Mapping[str, Any] | None = None) -> 
 
 
 @contextmanager
-def _object_lease(path: str, options: Mapping[str, Any] | None) -> Iterator[Any]:
-    from ..stores.s3lease import acquire, lease_settings
-    from ..stores import open_store
+def inspection_lock(path: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[Any]:
+    """What ``check_output`` holds while it inspects an output, writing nothing: a lease (a
+    prefix another run is starting on holds its objects before its claim is readable, and that
+    run is busy, not a conflict); nothing for a directory, whose flock would create it (the CLI
+    probes its lock file first, ``refuse_if_held``)."""
+    if open_store(path, storage_options).local_path is not None:
+        yield Held()
+        return
+    with output_lock(path, storage_options) as guard:
+        yield guard
 
+
+@contextmanager
+def _object_lease(store: Store, path: str, options: Mapping[str, Any] | None) -> Iterator[Any]:
     settings = lease_settings(options)
     if not settings.enabled:
         log.warning("%s: storage option lock=false: no one-writer lease is taken; nothing stops a second run from writing this prefix.", path)
         yield Held()
         return
+    if not store.supports_conditional_writes:
+        raise OutputError(unsupported_message(store.root, "it has no conditional writes"))
     # The lease has a client of its own with a short request timeout (the data's is stores.options.TIMEOUT_S).
     lease = acquire(open_store(path, {**(options or {}), "timeout": settings.request_timeout}), settings)
     try:
@@ -141,14 +160,15 @@ def _describe_self(fd: int) -> None:
     os.pwrite(fd, json.dumps(info).encode(), 0)
 
 
-def _holder(fd: int) -> dict:
+def _holder(fd: int) -> dict[str, Any]:
     try:
-        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
     except ValueError:  # the holder has not written its details yet
         return {}
+    return holder if isinstance(holder, dict) else {}
 
 
-def _busy_message(output: str, holder: dict) -> str:
+def _busy_message(output: str, holder: dict[str, Any]) -> str:
     if holder.get("pid"):
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("started", 0)))
         who = f"pid {holder['pid']} on host {holder.get('host', '?')}, started {started}: {holder.get('command', '?')!r}"
@@ -166,10 +186,8 @@ def refuse_if_held(path: str) -> None:
     """Raise OutputBusyError if another run holds a local output's lock, without creating
     anything: the run takes the lock itself later (``output_lock``) and would refuse only then,
     after the plan had been printed. A probe, not a claim: it holds a shared lock for an instant,
-    so a run starting at that instant is refused as if this one held it. An object store's lease
-    is checked by the run."""
-    if url_scheme(path) is not None:
-        return
+    so a run starting at that instant is refused as if this one held it. A URL names no local
+    lock file (the open fails as for a missing one): an object store's lease is checked by the run."""
     try:
         fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:

@@ -1,14 +1,21 @@
-"""The resume manifest: the record of what has been written, kept inside the output.
+"""The resume manifest: the record of what has been written, kept inside the output's store.
 
-``<output>/.h5ngff/manifest.jsonl`` starts with a header (the content fingerprint) followed by one
-line per finished slab: every chunk or shard file it wrote, with its size, and the min/max it
-saw. Only the client appends, and each line is flushed and fsynced before the slab counts as
-done. A torn last line (the client was killed mid-write) is ignored.
+It holds a header (the content fingerprint) followed by one line per finished slab: every chunk or
+shard file it wrote, with its size, and the min/max it saw. Only the client writes it, and a slab
+counts as done once its line is stored. One class over the Store protocol, in one of two forms
+by what the store can do (engine.stores.base):
+
+- a store that appends (a directory): one object ``.h5ngff/manifest.jsonl``, the header written
+  whole (fsynced), then each batch of lines appended; the append reaches the kernel at once and
+  is fsynced at most once a second (``FSYNC_INTERVAL``). A torn last line (the client was killed
+  mid-write) is ignored;
+- a store that does not (a bucket: S3 has no append): one object per batch,
+  ``.h5ngff/manifest/<seq>-<id>.jsonl``, the header the first; loading lists them in order.
 
 When the output is finished, the completion marker goes into the root group's attributes and
-this directory is removed. The manifest, not the presence of files, is the record: a chunk that is missing reads back as
-the fill value, so presence proves nothing. On resume a slab is skipped only when every file it
-owns is recorded *and* still has the recorded size; anything else is rewritten.
+``.h5ngff/`` is removed. The manifest, not the presence of files, is the record: a chunk that is
+missing reads back as the fill value, so presence proves nothing. On resume a slab is skipped only
+when every file it owns is recorded *and* still has the recorded size; anything else is rewritten.
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+from ..stores import Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +37,10 @@ EMPTY_UNIT_BYTES = 0
 
 MANIFEST_DIR = ".h5ngff"
 MANIFEST_FILE = "manifest.jsonl"
+#: The appended form's one object (a store that appends).
+MANIFEST_KEY = f"{MANIFEST_DIR}/{MANIFEST_FILE}"
+#: The batch form's objects (a store that does not): ``<seq>-<id>.jsonl`` under this prefix.
+MANIFEST_PREFIX = f"{MANIFEST_DIR}/manifest/"
 FORMAT_VERSION = 1
 #: Seconds between fsyncs of the manifest (see Manifest.append).
 FSYNC_INTERVAL = 1.0
@@ -50,12 +63,11 @@ class SlabRecord:
 
 
 class Manifest:
-    """Append-only record of finished slabs for one output."""
+    """Append-only record of finished slabs for one output, in its store."""
 
-    def __init__(self, root: str):
-        self.root = root
-        self.dir = os.path.join(root, MANIFEST_DIR)
-        self.path = os.path.join(self.dir, MANIFEST_FILE)
+    def __init__(self, store: Store | str):
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.root = self.store.root
         self.header: dict[str, Any] | None = None
         self.records: list[SlabRecord] = []
         #: level -> key -> size of every file the manifest vouches for
@@ -63,17 +75,30 @@ class Manifest:
         #: level -> key -> CRC32C of every file recorded with one (Zarr v2 with checksums)
         self.checksums: dict[int, dict[str, str]] = {}
         self._synced = 0.0
+        #: The next batch object's sequence number (the batch form).
+        self._seq = 0
 
     # -- reading ---------------------------------------------------------------------------
     @classmethod
-    def load(cls, root: str) -> "Manifest | None":
+    def load(cls, store: Store | str) -> "Manifest | None":
         """The manifest of an existing output, or None if h5ngff did not write it."""
-        m = cls(root)
+        m = cls(store)
+        if m.store.supports_append:
+            m._read_appended()
+        else:
+            keys = sorted(m.store.list(MANIFEST_PREFIX))
+            for key in keys:
+                for raw in m.store.get(key).split(b"\n"):
+                    if raw.strip():
+                        m._entry(json.loads(raw))
+            m._seq = len(keys)
+        return m if m.header else None
+
+    def _read_appended(self) -> None:
         try:
-            with open(m.path, "rb") as f:
-                lines = f.read().split(b"\n")
-        except FileNotFoundError:
-            return None
+            lines = self.store.get(MANIFEST_KEY).split(b"\n")
+        except KeyError:
+            return
         for number, raw in enumerate(lines):
             if not raw.strip():
                 continue
@@ -81,12 +106,10 @@ class Manifest:
                 entry = json.loads(raw)
             except ValueError:
                 if number >= len(lines) - 2:
-                    log.warning("Ignoring a torn last line in %s (the previous run was interrupted while recording).", m.path)
+                    log.warning("Ignoring a torn last line in %s/%s (the previous run was interrupted while recording).", self.root, MANIFEST_KEY)
                     break
                 raise
-            m._entry(entry)
-        return m if m.header else None
-
+            self._entry(entry)
     def _entry(self, entry: dict[str, Any]) -> None:
         if entry.get("kind") == "header":
             self.header = entry
@@ -118,20 +141,15 @@ class Manifest:
 
     def verified_units(self, level_paths: dict[int, str]) -> dict[int, set[str]]:
         """Recorded files that still exist with their recorded size, and recorded empty units
-        (size 0: the fill value everywhere, never stored) that still have no file."""
+        (size 0: the fill value everywhere, never stored) that still have no file: one listing
+        per level. ``level_paths`` names the levels to check (level ``k``'s keys are ``k/...``)."""
         good: dict[int, set[str]] = {}
         for level, entries in self.units.items():
-            base = level_paths.get(level)
-            if base is None:
+            if level not in level_paths:
                 continue
-            ok = good.setdefault(level, set())
-            for key, nbytes in entries.items():
-                try:
-                    if os.stat(os.path.join(base, key)).st_size == nbytes:
-                        ok.add(key)
-                except FileNotFoundError:
-                    if nbytes == EMPTY_UNIT_BYTES:
-                        ok.add(key)
+            sizes = self.store.list(f"{level}/")
+            good[level] = {key for key, nbytes in entries.items()
+                           if sizes.get(f"{level}/{key}", EMPTY_UNIT_BYTES if nbytes == EMPTY_UNIT_BYTES else None) == nbytes}
         return good
 
     def empty_units(self) -> dict[int, int]:
@@ -152,16 +170,14 @@ class Manifest:
 
     # -- writing ---------------------------------------------------------------------------
     def start(self, content: dict[str, Any]) -> None:
-        """Begin a fresh manifest (the output directory must already exist)."""
-        os.makedirs(self.dir, exist_ok=True)
+        """Begin a fresh manifest: the header, stored whole and durable (the output's claim)."""
         self.header = {"kind": "header", "format": FORMAT_VERSION, "fingerprint": fingerprint(content), "content": content, "created": time.time()}
-        with open(self.path, "w") as f:
-            f.write(json.dumps(self.header) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.records = []
-        self.units = {}
-        self.checksums = {}
+        self.records, self.units, self.checksums, self._seq = [], {}, {}, 0
+        line = json.dumps(self.header) + "\n"
+        if self.store.supports_append:
+            self.store.put(MANIFEST_KEY, line.encode(), sync=True)
+        else:
+            self._put_batch(line)
 
     def append(self, records: Iterable[SlabRecord]) -> None:
         lines = []
@@ -170,13 +186,20 @@ class Manifest:
             lines.append(self._line(r))
         if not lines:
             return
+        text = "\n".join(lines) + "\n"
+        if not self.store.supports_append:
+            self._put_batch(text)
+            return
         # The write reaches the kernel at once, so a killed client loses nothing it recorded; the
         # fsync, which only matters if the machine itself goes down, is paced to once a second
         # because on network disks it can cost more than a small slab.
-        with open(self.path, "a") as f:
-            f.write("\n".join(lines) + "\n")
-            f.flush()
-            if time.monotonic() - self._synced >= FSYNC_INTERVAL:
-                os.fsync(f.fileno())
-                self._synced = time.monotonic()
+        sync = time.monotonic() - self._synced >= FSYNC_INTERVAL
+        self.store.append(MANIFEST_KEY, text.encode(), sync=sync)
+        if sync:
+            self._synced = time.monotonic()
 
+    def _put_batch(self, text: str) -> None:
+        # The sequence number orders the objects (a lexical list); the random part keeps a
+        # resumed run from overwriting a batch if two ever raced.
+        self.store.put(f"{MANIFEST_PREFIX}{self._seq:010d}-{uuid.uuid4().hex[:8]}.jsonl", text.encode())
+        self._seq += 1

@@ -1,12 +1,24 @@
-"""The output store: create it, resume it, or refuse it; and finish it with metadata written last.
+"""The output: create it, resume it, or refuse it; and finish it with metadata written last. One
+path for every store (a directory, a bucket prefix): what differs is asked of the store's
+capability members (engine.stores.base), never of its type.
 
-Order of writes, so that no reader ever sees a finished-looking image over missing chunks:
+Order of writes, so that no reader ever sees a finished-looking image over missing chunks, and a
+run killed at any point leaves an output h5ngff resumes or replaces:
 
-1. the root group and every level's array metadata (zarr writes these; no ``ome`` attributes yet);
-2. chunk files, each through a temporary name and a rename (engine.write.chunkio);
-3. the root group's attributes, replaced in one atomic rename: the NGFF metadata (multiscales,
+1. the manifest's header (engine.write.manifest): our claim on the output;
+2. the root group and every level's array metadata (zarr's own bytes, built in memory and stored
+   object by object; no ``ome`` attributes yet), stored again on a resume (the same bytes) in
+   case the kill came before them;
+3. chunk files, each whole or absent (a temporary name and a rename, or one PUT; engine.write.chunkio);
+4. the root group's attributes, replaced in one atomic write: the NGFF metadata (multiscales,
    omero) together with the completion marker ``h5ngff.complete`` and the content fingerprint;
-4. the manifest directory ``.h5ngff`` is removed: a finished output is a plain OME-Zarr.
+5. the manifest ``.h5ngff/`` is removed: a finished output is a plain OME-Zarr.
+
+``--overwrite`` deletes only an output of ours (found by its manifest or its completion marker),
+or, where the store allows it (``overwrites_foreign_zarr``: a directory), a Zarr store; never the
+one-writer lock (``LOCK_NAME``, a directory's flock file or a bucket's lease object), and the
+claims last: the data, then the root documents, then the manifest's header, so a run killed while
+deleting leaves an output that is still recognisably ours.
 """
 
 from __future__ import annotations
@@ -14,29 +26,29 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import zarr
-from zarr.storage import LocalStore
+from zarr.storage import MemoryStore
 
-from ...errors import OutputConflictError, OutputError
+from ...errors import OutputConflictError
 from ...planner.layout import level_steps
 from ...planner.model import Plan
 from ...spec import ConversionSpec
 from .chunkio import ArrayLayout
 from .checksums import write_sidecars
 from ..codecs import zarr_compressors
-from .lock import LOCK_NAME, output_lock
-from .manifest import MANIFEST_DIR, Manifest, fingerprint
+from .lock import LOCK_NAME, inspection_lock
+from .manifest import MANIFEST_DIR, MANIFEST_KEY, MANIFEST_PREFIX, Manifest, fingerprint
 from .ngff import root_attributes
-from .objoutput import ObjectManifest, create_object_output, inspect_object_output, object_marker, output_store, refuse_foreign, remove_ours
-from ..stores import Store, is_url, open_store
+from ..stores import Store, open_store
 from ..sources.hdf5 import SourceIdentity
 
 log = logging.getLogger(__name__)
 _ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray")
+#: The root documents that carry the completion marker (Zarr v3, v2).
+_ROOT_DOCUMENTS = ("zarr.json", ".zattrs")
 
 
 @dataclass(frozen=True)
@@ -55,7 +67,7 @@ class Output:
         return self.layouts[0].store()
 
 
-def zarr_format(spec: ConversionSpec) -> int:
+def zarr_format(spec: ConversionSpec) -> Literal[2, 3]:
     return 3 if spec.output.ngff_version == "0.5" else 2
 
 
@@ -73,7 +85,7 @@ def level_layouts(plan: Plan, spec: ConversionSpec) -> tuple[ArrayLayout, ...]:
             compressor=spec.output.compressor,
             level=level.index,
             fill_value=fill,
-            storage_options=tuple(sorted((spec.output.storage_options or {}).items())) if is_url(spec.output.path) else None,
+            storage_options=tuple(sorted((spec.output.storage_options or {}).items())),
             checksums=spec.output.checksums,
         )
         for level in plan.levels
@@ -111,33 +123,38 @@ def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict
     }
 
 
+def output_store(spec: ConversionSpec) -> Store:
+    return open_store(spec.output.path, spec.output.storage_options or {})
+
+
 def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> Output:
     """Create a fresh output, or reopen a resumable one, or refuse with a reason. Never deletes
-    anything that is not an h5ngff or Zarr output. The caller holds the output's lock
-    (``lock.output_lock``), so what is inspected here cannot change under us."""
+    anything that is not an h5ngff output (or, where the store allows it, a Zarr store). The
+    caller holds the output's lock (``lock.output_lock``), so what is inspected here cannot
+    change under us."""
     path = spec.output.path
     content = content_of(plan, spec, source)
     print_ = fingerprint(content)
     layouts = level_layouts(plan, spec)
     fmt = zarr_format(spec)
-    if is_url(path):
-        return _prepare_object_output(plan, spec, content, layouts)
-    if os.path.exists(path) and not _is_empty_dir(path):
-        existing = Manifest.load(path) if os.path.isdir(path) else None
-        finished = completion_marker(path)
-        _refuse_existing(path, spec, content, existing, finished)
+    store = output_store(spec)
+    if store.occupied(ignore=(LOCK_NAME,)):  # our own run's lock is not content
+        existing, finished = Manifest.load(store), object_marker(store)
+        _refuse_existing(store, path, spec, content, existing, finished)
         if spec.output.overwrite:
-            _remove_replaceable(path)
+            remove_ours(store)
         else:
             if existing is None:
                 log.info("%s is already complete; nothing to do.", path)
-                return Output(path, fmt, layouts, Manifest(path), print_, resumed=True, complete=True)
-            sweep_temporary_files(open_store(path))
+                return Output(path, fmt, layouts, Manifest(store), print_, resumed=True, complete=True)
+            sweep_temporary_files(store)
             log.info("Resuming %s: %d slab(s) already recorded.", path, len(existing.records))
+            if finished is None:  # (else finished but for the manifest's deletion: its metadata is whole)
+                _store_metadata(store, plan, spec, layouts)
             return Output(path, fmt, layouts, existing, print_, resumed=True)
-    _create(path, plan, spec, layouts)
-    manifest = Manifest(path)
+    manifest = Manifest(store)
     manifest.start(content)
+    _store_metadata(store, plan, spec, layouts)
     return Output(path, fmt, layouts, manifest, print_, resumed=False)
 
 
@@ -147,48 +164,44 @@ def completion_marker(path: str, storage_options: dict[str, str] | None = None) 
     return object_marker(open_store(path, storage_options))
 
 
-def _is_empty_dir(path: str) -> bool:
-    return os.path.isdir(path) and not [name for name in os.listdir(path) if name != LOCK_NAME]
+def object_marker(store: Store) -> dict[str, Any] | None:
+    """The ``h5ngff`` root attribute of a finished output in ``store`` (None if unfinished)."""
+    for name in _ROOT_DOCUMENTS:
+        try:
+            doc = json.loads(store.get(name))
+        except (KeyError, ValueError, OSError):  # absent, not JSON, or unreadable: not a finished output
+            continue
+        attrs = doc.get("attributes", {}) if name == "zarr.json" else doc
+        marker = attrs.get("h5ngff") if isinstance(attrs, dict) else None
+        if isinstance(marker, dict) and marker.get("complete"):
+            return marker
+    return None
 
 
 def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> None:
     """Refuse an output that ``prepare_output`` would refuse, writing nothing: the CLI and the
-    runner call it before they print the plan and start a cluster, so a conflict costs no wait."""
-    path = spec.output.path
-    if is_url(path):
-        # The lease first: a prefix another run is starting on holds its objects before its claim
-        # is readable, and that run is busy, not a conflict (nor objects to delete).
-        with output_lock(path, spec.output.storage_options):
-            _check_object_output(plan, spec, source)
-        return
-    if os.path.exists(path) and not _is_empty_dir(path):
-        existing = Manifest.load(path) if os.path.isdir(path) else None
-        _refuse_existing(path, spec, content_of(plan, spec, source), existing, completion_marker(path))
-        return
-    # The nearest existing ancestor must be a directory we may write into.
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise OutputError(f"output.path: cannot create {path!r}: {parent!r} is a file, not a directory. Choose a writable location.")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"output.path: cannot create {path!r}: permission denied ({parent}). Choose a writable location.")
-
-
-def _check_object_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> None:
+    runner call it before they print the plan and start a cluster, so a conflict costs no wait.
+    Where the lock is a lease it is taken first (``lock.inspection_lock``): a prefix another run
+    is starting on holds its objects before its claim is readable, and that run is busy, not a
+    conflict (nor objects to delete)."""
     store = output_store(spec)
-    present, manifest, marker = inspect_object_output(store)  # a 403 or a missing bucket fails here, before the cluster
-    if present:
-        refuse_foreign(store, manifest, marker)
-        if not spec.output.overwrite:
-            _refuse_existing(spec.output.path, spec, content_of(plan, spec, source), manifest, marker)
+    with inspection_lock(spec.output.path, spec.output.storage_options):
+        if not store.occupied(ignore=(LOCK_NAME,)):  # a 403 or a missing bucket fails here, before the cluster
+            store.check_creatable()
+            return
+        _refuse_existing(store, spec.output.path, spec, content_of(plan, spec, source), Manifest.load(store), object_marker(store))
 
 
-def _refuse_existing(path: str, spec: ConversionSpec, content: dict[str, Any], existing: Manifest | None, finished: dict[str, Any] | None) -> None:
-    """Raise OutputConflictError unless the non-empty ``path`` may be resumed or (--overwrite) replaced."""
+def _refuse_existing(store: Store, path: str, spec: ConversionSpec, content: dict[str, Any], existing: Manifest | None, finished: dict[str, Any] | None) -> None:
+    """Raise OutputConflictError unless the occupied output may be resumed or (--overwrite) replaced."""
     ours = existing is not None or finished is not None
+    if not ours and not store.overwrites_foreign_zarr:
+        raise OutputConflictError(
+            f"output.path: {store.root!r} holds objects that h5ngff did not write (no manifest, no completion marker), so it is "
+            f"neither resumed nor replaced, with or without --overwrite. Choose another prefix, or delete those objects yourself."
+        )
     if spec.output.overwrite:
-        if not ours and not any(os.path.exists(os.path.join(path, m)) for m in _ZARR_MARKERS):
+        if not ours and not any(store.size(m) is not None for m in _ZARR_MARKERS):
             raise OutputConflictError(
                 f"output.path: {path!r} exists and is neither an h5ngff output nor a Zarr store; --overwrite only replaces those. "
                 f"Remove it yourself or choose a new path."
@@ -199,7 +212,7 @@ def _refuse_existing(path: str, spec: ConversionSpec, content: dict[str, Any], e
             f"output.path: {path!r} exists and is not an h5ngff output, so it cannot be resumed. "
             f"Choose a new path, or set output.overwrite (--overwrite) to replace it if it is a Zarr store."
         )
-    old = existing.content if existing is not None else finished.get("content", {})
+    old = existing.content if existing is not None else (finished or {}).get("content", {})
     differences = _differences(old, content)
     if differences:
         raise OutputConflictError(
@@ -208,37 +221,33 @@ def _refuse_existing(path: str, spec: ConversionSpec, content: dict[str, Any], e
         )
 
 
-def _remove_replaceable(path: str) -> None:
-    log.info("Removing the existing output %s (--overwrite).", path)
-    if not os.path.isdir(path):
-        os.unlink(path)
-        return
-    # Everything but the lock file we hold (engine.write.lock): removing the directory itself would
-    # unlink it, and a second run could then lock a fresh file and write here beside us.
-    for name in os.listdir(path):
-        if name == LOCK_NAME:
-            continue
-        entry = os.path.join(path, name)
-        if os.path.isdir(entry) and not os.path.islink(entry):
-            shutil.rmtree(entry)
-        else:
-            os.unlink(entry)
+def remove_ours(store: Store) -> int:
+    """Delete the output but the lock, its claims last (the root documents, then the manifest's
+    header): a run killed while deleting leaves an output that is still recognisably ours."""
+    log.info("Removing the existing output %s (--overwrite).", store.root)
+    header = (MANIFEST_KEY, *sorted(store.list(MANIFEST_PREFIX))[:1])  # the appended form's object, or the batch form's first
+    claims = (*_ROOT_DOCUMENTS, *header)
+    removed = store.delete_prefix("", keep=(LOCK_NAME, *claims))
+    for key in claims:
+        if store.size(key) is not None:
+            store.delete(key)
+            removed += 1
+    return removed
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{key}: was {old.get(key)!r}, now {new.get(key)!r}" for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
 
-def _create(path: str, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        # Not overwrite=True: zarr would remove the whole directory, our held lock file with it.
-        # The directory holds nothing else by now (new, empty, or emptied by --overwrite).
-        _create_arrays(LocalStore(path), plan, spec, layouts)
-    except PermissionError as exc:
-        raise OutputError(f"output.path: cannot create {path!r}: permission denied ({exc.filename}). Choose a writable location.") from None
-    except OSError as exc:
-        raise OutputError(f"output.path: cannot create {path!r}: {exc.strerror or exc}. Choose a writable location.") from None
+def _store_metadata(store: Store, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:
+    """The root group and every level's array metadata, built by zarr in memory and stored one
+    document at a time (the bytes are zarr's own), in key order: the levels' before the root's.
+    Never through zarr's ``overwrite=True``, which would remove the whole store, the held lock
+    (a directory's lock file) with it."""
+    documents: dict[str, Any] = {}  # key -> zarr Buffer: MemoryStore's own dict, given to it
+    _create_arrays(MemoryStore(documents), plan, spec, layouts)
+    for key, data in sorted(documents.items()):
+        store.put(key, data.to_bytes())
 
 
 def _create_arrays(store: Any, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:
@@ -296,30 +305,3 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
         key, doc = ".zattrs", attrs
     store.put(key, json.dumps(doc, indent=2, default=str).encode(), sync=True)
     store.delete_prefix(f"{MANIFEST_DIR}/")
-
-
-def _prepare_object_output(plan: Plan, spec: ConversionSpec, content: dict[str, Any], layouts: tuple[ArrayLayout, ...]) -> Output:
-    """prepare_output for an s3:// output (engine.write.objoutput has the rules). The manifest header is
-    the first object written: our claim on the prefix, so a run killed at any later point leaves
-    an output h5ngff resumes or replaces; the array metadata follows it, and is PUT again on a
-    resume (the same bytes) in case the kill came before it."""
-    path, fmt, print_ = spec.output.path, zarr_format(spec), fingerprint(content)
-    store = output_store(spec)
-    present, manifest, marker = inspect_object_output(store)
-    if present:
-        refuse_foreign(store, manifest, marker)
-        if spec.output.overwrite:
-            remove_ours(store)
-        else:
-            _refuse_existing(path, spec, content, manifest, marker)
-            if manifest is None:
-                log.info("%s is already complete; nothing to do.", path)
-                return Output(path, fmt, layouts, ObjectManifest(store), print_, resumed=True, complete=True)
-            log.info("Resuming %s: %d slab(s) already recorded.", path, len(manifest.records))
-            if marker is None:  # finished but for the manifest's deletion: its metadata is whole
-                create_object_output(store, lambda memory: _create_arrays(memory, plan, spec, layouts))
-            return Output(path, fmt, layouts, manifest, print_, resumed=True)
-    manifest = ObjectManifest(store)
-    manifest.start(content)
-    create_object_output(store, lambda memory: _create_arrays(memory, plan, spec, layouts))
-    return Output(path, fmt, layouts, manifest, print_, resumed=False)
