@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -51,17 +52,27 @@ UNTYPED = "def double(x):\n    return x * 2\n"
 
 
 @pytest.mark.slow
-def test_mypy_is_strict_on_the_planner_default_elsewhere_and_fails_on_a_finding(tmp_path):
-    """One mypy run (the slow part) over three files: an untyped function is a finding in
-    ``h5ngff.planner`` (strict) but not in ``h5ngff.engine`` (default mode), where a wrong return
-    type still is."""
+def test_mypy_is_strict_below_the_cli_default_above_and_fails_on_a_finding(tmp_path):
+    """One mypy run (the slow part) over five files: an untyped function is a finding in the
+    planner, the engine, the backends and the operator (strict) but not in the runner (default
+    mode), where a wrong return type still is."""
     files = [
         _package(tmp_path, "planner.untyped", UNTYPED),
-        _package(tmp_path, "engine.untyped", UNTYPED),
-        _package(tmp_path, "engine.wrong", "def f() -> int:\n    return 'one'\n"),
+        _package(tmp_path, "engine.write.untyped", UNTYPED),
+        _package(tmp_path, "backends.untyped", UNTYPED),
+        _package(tmp_path, "operator.untyped", UNTYPED),
+        _package(tmp_path, "runner", UNTYPED + "def f() -> int:\n    return 'one'\n"),
     ]
     done = _run("mypy", "--config-file", str(CONFIG), "--no-incremental", "--cache-dir", str(tmp_path / "cache"),
                 *(str(f.relative_to(tmp_path)) for f in files), cwd=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     found = {(line.split(":")[0], line.rsplit("[", 1)[-1].rstrip("]")) for line in done.stdout.splitlines() if ": error:" in line}
-    assert found == {("h5ngff/planner/untyped.py", "no-untyped-def"), ("h5ngff/engine/wrong.py", "return-value")}, done.stdout
+    assert found == {("h5ngff/planner/untyped.py", "no-untyped-def"), ("h5ngff/engine/write/untyped.py", "no-untyped-def"),
+                     ("h5ngff/backends/untyped.py", "no-untyped-def"), ("h5ngff/operator/untyped.py", "no-untyped-def"),
+                     ("h5ngff/runner.py", "return-value")}, done.stdout
+
+
+def test_no_module_is_exempt_from_mypy():
+    """The issue-29 rule: no ``ignore_errors`` override hides a module's findings."""
+    config = tomllib.loads(CONFIG.read_text())["tool"]["mypy"]
+    assert not [o for o in config.get("overrides", []) if o.get("ignore_errors")], config.get("overrides")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zarr
 
-from h5ngff.engine.verify.check import zarr_internals as zi
+from h5ngff.engine.verify import zarr_internals as zi
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import os
+from typing import Any
 
 from ..units import MiB
 
@@ -14,7 +15,8 @@ from ..units import MiB
 WORKER_COLOURS = ("tab:blue", "tab:purple", "tab:brown", "tab:pink", "tab:cyan", "tab:olive", "tab:gray")
 
 
-def _figure(summary):
+def _figure(summary: Any) -> Any:
+    # ``summary`` is the runner's RunSummary, a layer above metrics: read by attribute.
     import matplotlib
 
     matplotlib.use("Agg")
