@@ -20,7 +20,8 @@ import zarr
 
 from conftest import requires_cgroups, smooth, spec_for, write_h5
 from h5ngff.backends.local import LocalBackend, LocalPodsBackend
-from h5ngff.engine.write.chunkio import TMP_MARK, ArrayLayout, write_block
+from h5ngff.engine.stores.local import TMP_MARK
+from h5ngff.engine.write.chunkio import ArrayLayout, write_block
 from h5ngff.engine.write.output import completion_marker
 from h5ngff.engine.verify.check import verify_output
 from h5ngff.errors import DiskFullError, UnalignedWriteError

@@ -27,9 +27,8 @@ from . import faults
 from ..buffers import slab_buffer
 from ..codecs import chunk_codec
 from ..stores import Store, open_store
-from ..stores.local import TMP_MARK as TMP_MARK  # re-exported: output, checksums and verify look for it
-#: The recorded size of a unit not stored because it is the fill value everywhere. No stored unit
-#: has 0 bytes (an encoded chunk has a header; a shard has its index).
+# EMPTY_UNIT_BYTES: the recorded size of a unit not stored because it is the fill value
+# everywhere. No stored unit has 0 bytes (an encoded chunk has a header; a shard has its index).
 from .manifest import EMPTY_UNIT_BYTES
 
 Shape = tuple[int, ...]
