@@ -228,13 +228,12 @@ def _write_memory_report(summary: RunSummary, path: str, console: Console | None
 
 
 def cmd_sample(args: argparse.Namespace, console: Console) -> int:
-    from .cliargs import _ints
     from .sample import check_chunks, check_dtype, parse_shape, write_sample
 
     # Checked before anything is written (exit 2); write_sample renames a whole file into place.
     shape = parse_shape(args.shape)
     check_dtype(args.dtype)
-    chunks = tuple(_ints(args.hdf5_chunks, "--hdf5-chunks")) if args.hdf5_chunks else None
+    chunks = parse_shape(args.hdf5_chunks, "--hdf5-chunks") if args.hdf5_chunks else None
     check_chunks(chunks, shape)
     write_sample(args.path, args.dataset, shape, args.dtype, chunks=chunks, compression="gzip" if args.gzip else None)
     console.print(f"wrote {args.path}:{args.dataset} shape {shape} {args.dtype}")
