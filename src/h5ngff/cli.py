@@ -125,15 +125,22 @@ def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
         p.add_argument("--no-progress", action="store_true", help="No progress bar (logs only).")
 
 
+def _source(args: argparse.Namespace) -> str:
+    """The one SOURCE (``convert`` takes several, which make a batch, see ``cmd_convert``)."""
+    sources = getattr(args, "sources", None)
+    return sources[0] if sources else args.source
+
+
 def spec_from_args(args: argparse.Namespace) -> ConversionSpec:
     from .job import is_manifest_path, load_job
 
-    if is_manifest_path(args.source):  # a ConversionJob manifest: its spec, under the flags
-        base = load_job(args.source).spec.conversion().to_wire()
+    source = _source(args)
+    if is_manifest_path(source):  # a ConversionJob manifest: its spec, under the flags
+        base = load_job(source).spec.conversion().to_wire()
         if args.output:
             base["output"]["path"] = args.output
         return parse_spec(merge(base, spec_overrides(args)))
-    return spec_for_source(args.source, args.output, args)
+    return spec_for_source(source, args.output, args)
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
@@ -167,13 +174,13 @@ def _manifest_slurm(args: argparse.Namespace) -> SlurmSpec | None:
     """The slurm: block of a ConversionJob manifest given as SOURCE, if any."""
     from .job import is_manifest_path, load_job
 
-    return load_job(args.source).spec.slurm if is_manifest_path(args.source) else None
+    source = _source(args)
+    return load_job(source).spec.slurm if is_manifest_path(source) else None
 
 
 def cmd_convert(args: argparse.Namespace, console: Console) -> int:
     if is_batch(args.sources, args.output):
         return convert_batch(args.sources, args.output, args, console)
-    args.source = args.sources[0]  # one source (several are a batch)
     spec = spec_from_args(args)
     return convert_spec(spec, args, console)
 
