@@ -69,7 +69,7 @@ def test_items_by_state_follow_the_hooks_and_always_sum_to_the_batch(clock):
     metrics = BatchMetrics(3, lambda figures: None)
     assert states(metrics) == {"Pending": 3}  # from the start, before any item is planned
     assert ("h5ngff_batch_planned_slabs", "") not in scraped(metrics)
-    items = [result(), result(n_tasks=20), result("Refused", n_tasks=0)]
+    items = [result(), result(n_tasks=20), result("Refused", n_tasks=40)]  # refused: its plan did not fit the cluster
     metrics.on_planned(SimpleNamespace(results=items))
     assert states(metrics) == {"Pending": 2, "Refused": 1}
     assert scraped(metrics)[("h5ngff_batch_planned_slabs", "")] == 30
@@ -231,3 +231,21 @@ def test_figures_are_immutable_snapshots():
     with pytest.raises(dataclasses.FrozenInstanceError):
         figures.states = ()  # type: ignore[misc]
     assert isinstance(figures.states, tuple)
+
+
+def test_a_batch_takes_metrics_port_but_still_refuses_memory_report(tmp_path):
+    """--memory-report stays one conversion's (a batch's summary shows each item against its
+    plan); the refusal comes before anything is expanded or started."""
+    from argparse import Namespace
+
+    from rich.console import Console
+
+    from h5ngff.clibatch import convert_batch
+    from h5ngff.errors import SpecError
+
+    with pytest.raises(SpecError, match="--memory-report"):
+        convert_batch([f"{tmp_path}/*.h5:/data"], str(tmp_path / "{stem}.ome.zarr"), Namespace(memory_report="r.html", metrics_port=9464), Console())
+    # --metrics-port passes the check: the batch goes on to expand its (here missing) sources.
+    with pytest.raises(SpecError) as refused:
+        convert_batch([f"{tmp_path}/*.h5:/data"], str(tmp_path / "{stem}.ome.zarr"), Namespace(memory_report=None, metrics_port=9464), Console())
+    assert "--memory-report" not in str(refused.value) and "--metrics-port" not in str(refused.value)

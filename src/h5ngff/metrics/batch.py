@@ -102,8 +102,9 @@ class BatchMetrics:
         def change() -> bool:
             self._index = {id(r): i for i, r in enumerate(summary.results)}
             for i, result in enumerate(summary.results):
-                self._planned[i] = result.job.plan.n_tasks if result.job is not None else 0
-                if result.status != NOT_RUN:  # refused while planning
+                if result.status == NOT_RUN:  # to run: its slabs are the batch's to do
+                    self._planned[i] = result.job.plan.n_tasks if result.job is not None else 0
+                else:  # refused while planning (some keep a plan that did not fit the cluster)
                     self._states[i] = result.status
             self._was_planned = True
             return True
