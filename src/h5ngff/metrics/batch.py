@@ -8,7 +8,7 @@ attributes below (``Protocol``), and ``around`` wraps the caller's hooks object 
 its class.
 
 Progress is any step of the batch: an item's planning starting (``planning``), an item starting
-or ending, or a slab of the running item finishing. The no-progress alert
+or ending, or the running item finishing a slab or changing phase. The no-progress alert
 (``H5ngffBatchNoProgress``) compares the last one with the clock while items are still to do.
 """
 
@@ -64,6 +64,7 @@ class BatchFigures:
     #: Slab tasks each item has finished, resumed ones included; never goes down.
     slabs_done: tuple[int, ...]
     last_progress: float
+    #: Every item is planned (``on_planned`` has run): the planned slabs are the batch's.
     planned: bool = False
 
 
