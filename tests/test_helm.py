@@ -459,7 +459,7 @@ def test_prometheus_rule_is_the_rule_file(rendered):
     (rule,) = find(rendered["monitoring"], "PrometheusRule")
     source = yaml.safe_load((ROOT / "src/h5ngff/metrics/rules/h5ngff-alerts.yaml").read_text())
     assert rule["spec"] == source
-    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} == {"H5ngffWorkerNearPodLimit", "H5ngffJobNoProgress", "H5ngffWorkerOOMKilled"}
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} == {"H5ngffWorkerNearPodLimit", "H5ngffJobNoProgress", "H5ngffBatchNoProgress", "H5ngffWorkerOOMKilled"}
 
 
 def test_grafana_dashboard_configmap_is_the_dashboard(rendered):

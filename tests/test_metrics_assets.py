@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from h5ngff.engine.progress import Progress
 from h5ngff.metrics.assets import asset_path, dashboard_queries, iter_panels, load_dashboard, load_rules, referenced_metrics, rule_queries, unknown_metrics
+from h5ngff.metrics.batch import BatchFigures
 from h5ngff.metrics.families import BY_NAME, CATALOGUE, ExportState, build_families
 from h5ngff.metrics.operator import OPERATOR_METRICS, OperatorMetrics
 from h5ngff.metrics.probes import CgroupFigures, ClusterSnapshot, WorkerFigures
@@ -93,7 +94,8 @@ def full_state() -> ExportState:
     snapshot = ClusterSnapshot(time=1e9, workers={"pod-0": worker}, nanny_restarts={"pod-0": 1}, oom_kills={"pod-0": 1}, memory_terminations={"pod-0": 0}, pod_limits={"pod-0": 1000},
                                pod_nonreclaimable_peaks={"pod-0": 260})
     progress = Progress(phase="Writing", slabs_done=5, slabs_total=10, bytes_read=100, bytes_written=50, passes=1)
-    return ExportState(progress=progress, last_progress=1e9, throughput=10.0, eta=5.0, predicted_peak=600, passes=1, snapshot=snapshot)
+    batch = BatchFigures(states=("Done", "Running", "Pending"), planned_slabs=(10, 10, 10), slabs_done=(10, 5, 0), last_progress=1e9, planned=True)
+    return ExportState(progress=progress, last_progress=1e9, throughput=10.0, eta=5.0, predicted_peak=600, passes=1, snapshot=snapshot, batch=batch)
 
 
 def exposition(state: ExportState) -> str:
@@ -133,7 +135,7 @@ def test_promtool_check_metrics_accepts_every_metric():
 @needs_promtool
 def test_promtool_check_rules_passes():
     result = subprocess.run([PROMTOOL, "check", "rules", asset_path("rules/h5ngff-alerts.yaml")], capture_output=True, text=True)
-    assert result.returncode == 0 and "SUCCESS: 3 rules found" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "SUCCESS: 4 rules found" in result.stdout, result.stdout + result.stderr
 
 
 def run_unit_tests(rule_file: str, tmp_path) -> subprocess.CompletedProcess:
@@ -161,9 +163,12 @@ def test_promtool_unit_tests_fire_each_alert_and_stay_silent_on_healthy_series(t
 @pytest.mark.parametrize("weaken", [
     ("> 0.9", "> 0.93"),            # misses a worker at 92% of its limit
     ("for: 2m", "for: 30s"),        # fires on a short spike, and too early
-    ("> 600", "> 700"),             # a stuck job alerts too late
+    ("h5ngff_job_last_progress_timestamp_seconds > 600", "h5ngff_job_last_progress_timestamp_seconds > 700"),  # a stuck job alerts too late
     ('phase!~"Succeeded|Failed"', 'phase!~"Failed"'),  # alerts on finished jobs
     ("h5ngff_worker_oom_kills_total > 0", "h5ngff_worker_oom_kills_total > 1"),  # misses the first kill
+    ("h5ngff_batch_last_progress_timestamp_seconds > 600", "h5ngff_batch_last_progress_timestamp_seconds > 700"),  # a stuck batch alerts too late
+    ('state=~"Pending|Running"', 'state=~"Pending"'),  # misses a batch whose last item is stuck
+    ('state=~"Pending|Running"', 'state=~"Pending|Running|NotRun"'),  # alerts on a --fail-fast batch that has ended
 ])
 @needs_promtool
 def test_promtool_unit_tests_fail_when_a_rule_is_weakened(weaken, tmp_path):

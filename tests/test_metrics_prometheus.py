@@ -15,6 +15,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -25,11 +26,12 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import spec_for, write_h5
+from conftest import smooth, spec_for, write_h5
 from h5ngff.backends.cgroups import cgroups_available
 from h5ngff.backends.local import LocalBackend, LocalPodsBackend
 from h5ngff.metrics.assets import RULES, Query, asset_path, dashboard_queries, load_dashboard, load_rules, referenced_metrics, rule_queries, substitute
-from h5ngff.metrics.exporter import MetricsExporter
+from h5ngff.metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV, MetricsExporter
+from h5ngff.metrics.families import CATALOGUE
 from h5ngff.metrics.operator import OPERATOR_METRICS, OperatorMetrics
 from h5ngff.runner import plan_job, run_job
 
@@ -40,6 +42,7 @@ pytestmark = [pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROME
 JOB, NAMESPACE, SCRAPE_JOB = "scrape-test", "h5ngff-tests", "h5ngff"
 OPERATOR_SCRAPE_JOB = "h5ngff-operator"
 POD_MONITOR_LABELS = {"namespace": NAMESPACE, "pod": f"{JOB}-runner-1-abcde", "container": "runner"}
+BATCH_METRICS = {m.name for m in CATALOGUE if m.name.startswith("h5ngff_batch_")}
 CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes",
                   "h5ngff_worker_pod_nonreclaimable_bytes", "h5ngff_worker_pod_nonreclaimable_peak_bytes"}
 
@@ -187,13 +190,13 @@ def relax(expr: str) -> str:
     return re.sub(r"(?<![<>=!])>=?\s*[0-9][0-9.eE+]*", ">= 0", expr)
 
 
-def substituted(query: Query, workers: set[str]) -> str:
-    # JOB and NAMESPACE hold no regex metacharacters, so they stand for themselves in =~ matchers.
-    expr = substitute(query.expr, {"job": JOB, "namespace": NAMESPACE, "worker": "|".join(sorted(workers)), "__rate_interval": "2s"})
+def substituted(query: Query, workers: set[str], job: str = JOB) -> str:
+    # The job names and NAMESPACE hold no regex metacharacters, so they stand for themselves in =~ matchers.
+    expr = substitute(query.expr, {"job": job, "namespace": NAMESPACE, "worker": "|".join(sorted(workers)), "__rate_interval": "2s"})
     return f"count by ({query.label}) ({expr})" if query.label else expr
 
 
-def check_series(result: list, query: Query, workers: set[str]) -> list[str]:
+def check_series(result: list, query: Query, workers: set[str], job: str = JOB) -> list[str]:
     """Problems with one expression's result: empty, wrong labels, implausible values."""
     if not result:
         return [f"{query.where}: no series for {query.expr!r}"]
@@ -211,8 +214,8 @@ def check_series(result: list, query: Query, workers: set[str]) -> list[str]:
             if not all(math.isfinite(v) and v >= 0 for v in values):
                 problems.append(f"{query.where}: values not finite and >= 0: {values[:5]}")
             continue
-        if labels.get("conversion_job") != JOB or labels.get("conversion_job_namespace") != NAMESPACE:
-            problems.append(f"{query.where}: labels {labels} lack conversion_job={JOB!r} conversion_job_namespace={NAMESPACE!r}")
+        if labels.get("conversion_job") != job or labels.get("conversion_job_namespace") != NAMESPACE:
+            problems.append(f"{query.where}: labels {labels} lack conversion_job={job!r} conversion_job_namespace={NAMESPACE!r}")
         if labels.get("job", SCRAPE_JOB) != SCRAPE_JOB or any(k.startswith("exported_") for k in labels):
             problems.append(f"{query.where}: our labels clash with Prometheus's target labels: {labels}")
         if "worker" in labels and labels["worker"] not in workers:
@@ -232,6 +235,8 @@ def test_every_dashboard_and_rule_expression_returns_labelled_plausible_series(s
     for query in all_queries():
         if not scraped.pods and referenced_metrics(query.expr) <= CGROUP_METRICS:
             continue  # plain LocalCluster: the workers share the test's cgroup, nothing to show
+        if referenced_metrics(query.expr) <= BATCH_METRICS:
+            continue  # one conversion, not a batch: the batch's scrape below checks these
         expr = substituted(query, scraped.workers)
         problems += check_series(scraped.prom.range(expr, scraped.start, scraped.end), query, scraped.workers)
     assert not problems, "\n".join(problems)
@@ -316,3 +321,94 @@ def test_no_label_is_renamed_under_pod_monitor_target_labels(scraped):
     assert renamed == []
     (series,) = scraped.prom.range(f'h5ngff_job_planned_slabs{{conversion_job="{JOB}"}}', scraped.start, scraped.end)
     assert series["metric"]["conversion_job_namespace"] == series["metric"]["namespace"] == NAMESPACE
+
+
+# --- a batch: h5ngff convert with a glob and --metrics-port, scraped -----------------------------
+
+BATCH_JOB = "batch-test"
+
+
+@dataclass
+class BatchScraped:
+    prom: PrometheusServer
+    start: float
+    end: float
+    result: dict
+    workers: set[str]
+
+
+def _scraped_once(prom: PrometheusServer, port: int) -> bool:
+    """Prometheus has tried the target on ``port`` at least once (up or not)."""
+    try:
+        targets = prom.api("targets")["activeTargets"]
+    except OSError:  # not listening, or its TSDB not open, yet
+        return False
+    return any(f":{port}/" in t["scrapeUrl"] and not t["lastScrape"].startswith("0001-") for t in targets)
+
+
+@pytest.fixture(scope="module")
+def batch_scraped(tmp_path_factory, shared_cluster):
+    """Three files and one that is not HDF5 through ``h5ngff convert 'runs/*.h5:/volume/data'
+    'out/{stem}.ome.zarr' --metrics-port`` on the shared cluster, scraped every 0.5 s from before
+    the process starts until it has lingered past the end."""
+    tmp = tmp_path_factory.mktemp("prometheus-batch")
+    runs = tmp / "runs"
+    runs.mkdir()
+    for i in range(3):  # 128 slabs each: a second or so per item, so 0.5 s scrapes see each run
+        write_h5(runs / f"cell_{i}.h5", smooth((128, 256, 256), "uint16", seed=i))
+    (runs / "cell_3.h5").write_bytes(b"not an HDF5 file")
+    port = free_port()
+    prom = PrometheusServer(str(tmp), f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}")  # no operator here: its target stays down
+    try:
+        deadline = time.time() + 30
+        while not _scraped_once(prom, port):  # the target is known and scraped before the batch starts
+            assert time.time() < deadline, "Prometheus never tried the batch's target"
+            time.sleep(0.2)
+        env = {**os.environ, JOB_NAME_ENV: BATCH_JOB, JOB_NAMESPACE_ENV: NAMESPACE}
+        cmd = [sys.executable, "-m", "h5ngff.cli", "convert", f"{runs}/*.h5:/volume/data", str(tmp / "out" / "{stem}.ome.zarr"),
+               "--scheduler", shared_cluster.scheduler_address, "--chunks", "16,64,64", "--slab", "16,64,64", "--levels", "2",
+               "--json", "--metrics-port", str(port), "--metrics-linger", "3"]
+        start = time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        end = time.time()
+        assert proc.returncode == 1, proc.stderr  # the bad file is refused: not every item converted
+        yield BatchScraped(prom, start, end, json.loads(proc.stdout), {str(name) for name in shared_cluster.workers})
+    finally:
+        prom.stop()
+
+
+def _batch_series(scraped: BatchScraped, expr: str) -> dict[str, list[float]]:
+    return {s["metric"].get("state", ""): [float(v) for _, v in s["values"]] for s in scraped.prom.range(expr, scraped.start, scraped.end)}
+
+
+def test_a_scraped_cli_batch_shows_its_items_by_state_and_its_progress(batch_scraped):
+    assert [r["status"] for r in batch_scraped.result["results"]] == ["Done", "Done", "Done", "Refused"]
+    sel = f'conversion_job="{BATCH_JOB}",conversion_job_namespace="{NAMESPACE}"'
+    items = _batch_series(batch_scraped, f"h5ngff_batch_items{{{sel}}}")
+    assert set(items) == {"Pending", "Running", "Done", "Complete", "Refused", "Failed", "NotRun"}
+    totals = [sum(values) for values in zip(*items.values())]
+    assert totals and set(totals) == {4}  # every scrape: the four items, in one state each
+    assert items["Done"][0] == 0  # the first scrape came before any item ended
+    assert items["Done"][-1] == 3 and items["Refused"][-1] == 1 and items["Pending"][-1] == items["Running"][-1] == 0
+    assert any(0 < done < 3 for done in items["Done"]), "no scrape caught the batch part-way"
+    assert max(items["Running"]) == 1, "no scrape caught an item running"
+    assert max(items["Failed"] + items["Complete"] + items["NotRun"]) == 0
+    (planned,) = _batch_series(batch_scraped, f"h5ngff_batch_planned_slabs{{{sel}}}").values()
+    (done,) = _batch_series(batch_scraped, f"h5ngff_batch_slabs_done_total{{{sel}}}").values()
+    assert planned[-1] == done[-1] > 0 and done == sorted(done)  # the counter reaches the plan and never goes down
+
+
+def test_every_dashboard_and_rule_expression_works_on_a_batch(batch_scraped):
+    """The whole dashboard on the batch's scrape: its Batch row, and the Job and Worker rows fed by
+    each item's run on the batch's one cluster (the workers' names are the cluster's)."""
+    problems = []
+    for query in all_queries():
+        metrics = referenced_metrics(query.expr)
+        if metrics <= CGROUP_METRICS or metrics <= set(OPERATOR_METRICS):
+            continue  # a plain cluster, and no operator here: the run's scrape above checks these
+        expr = substituted(query, batch_scraped.workers, BATCH_JOB)
+        problems += check_series(batch_scraped.prom.range(expr, batch_scraped.start, batch_scraped.end), query, batch_scraped.workers, BATCH_JOB)
+    assert not problems, "\n".join(problems)
+    rule = next(q for q in rule_queries(load_rules()) if q.where == "rule H5ngffBatchNoProgress")
+    assert not batch_scraped.prom.range(rule.expr, batch_scraped.start, batch_scraped.end)  # the real threshold: silent
+    assert not batch_scraped.prom.range('ALERTS{alertname=~"H5ngff.*"}', batch_scraped.start, batch_scraped.end)

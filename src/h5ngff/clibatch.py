@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -24,6 +25,10 @@ from .engine.progress import Listener, Progress as ProgressEvent
 from .errors import ExitCode, SpecError
 from .units import MiB
 
+if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
+    from .metrics.exporter import MetricsExporter
+    from .spec import ConversionSpec
+
 OUTCOME_STYLE = {DONE: "green", COMPLETE: "green", REFUSED: "yellow", FAILED: "red", NOT_RUN: "dim"}
 
 
@@ -35,10 +40,8 @@ def is_batch(sources: Sequence[str], output: str) -> bool:
 def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespace, console: Console) -> int:
     """Exit 0 when every item is converted (now or by an earlier run), 1 otherwise; 2 when the
     batch itself is refused before anything starts (colliding outputs, a pattern matching nothing)."""
-    for unsupported in ("memory_report", "metrics_port"):
-        if getattr(args, unsupported, None):
-            flag = "--" + unsupported.replace("_", "-")
-            raise SpecError(flag, f"Expected {flag} with one conversion; a batch reports each item's peak against its plan in its summary.")
+    if getattr(args, "memory_report", None):
+        raise SpecError("--memory-report", "Expected --memory-report with one conversion; a batch reports each item's peak against its plan in its summary.")
     if not is_template(template) and len(sources := expand_sources(patterns)) > 1:
         raise SpecError("output", f"Expected an output template such as out/{{stem}}.ome.zarr for {len(sources)} sources. Got {template!r} instead.")
     items = batch_items(patterns, template)
@@ -59,16 +62,35 @@ def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespa
         listeners=(lambda result: [progress.item_listener(result)]) if progress else (lambda result: ()),
         on_item=progress.item_done if progress else (lambda result: None),
     )
-    if progress:
-        with progress:
-            summary = run_batch(items, spec_for, backend, constants=constants_from_args(args), fail_fast=args.fail_fast, hooks=hooks)
-    else:
-        summary = run_batch(items, spec_for, backend, constants=constants_from_args(args), fail_fast=args.fail_fast, hooks=hooks)
-    if args.json:
-        print(json.dumps(summary.to_dict(), indent=1, default=str))
-    else:
-        console.print(batch_renderable(summary))
+    metrics = _start_metrics(items, args)  # before planning: Prometheus's first scrapes find the target up
+    try:
+        specs: Callable[[BatchItem], ConversionSpec] = spec_for
+        if metrics is not None and metrics.batch is not None:
+            hooks, specs = metrics.batch.around(hooks), metrics.batch.planning(spec_for)
+        with progress if progress else nullcontext():
+            summary = run_batch(items, specs, backend, constants=constants_from_args(args), fail_fast=args.fail_fast, hooks=hooks, metrics=metrics)
+        if metrics is not None and metrics.batch is not None:
+            metrics.batch.finished(summary)
+        if args.json:
+            print(json.dumps(summary.to_dict(), indent=1, default=str), flush=True)
+        else:
+            console.print(batch_renderable(summary))
+        if metrics is not None:
+            metrics.linger(args.metrics_linger)
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0 if summary.ok else ExitCode.FAILED
+
+
+def _start_metrics(items: Sequence[BatchItem], args: argparse.Namespace) -> MetricsExporter | None:
+    """``--metrics-port``: the batch's items by state and its progress, and the job and worker
+    series of the item running (docs/metrics.md, "Batches")."""
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    from .metrics.exporter import MetricsExporter
+
+    return MetricsExporter.for_batch([item.output for item in items], args.metrics_port)
 
 
 def _show_plan(summary: BatchSummary, console: Console) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..backends.base import Backend, Session
 from ..backends.diagnostics import reset_peak_rss
@@ -24,6 +24,9 @@ from ..runner import PlannedJob, RunSummary, prepare_job, run_job
 from ..spec import ConversionSpec
 from ..units import format_bytes
 from .items import BatchItem
+
+if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
+    from ..metrics.exporter import MetricsExporter
 
 #: An item's outcome. Done: converted now. Complete: finished by an earlier run, nothing to do.
 #: Refused: stopped before it started (bad file, a plan that does not fit, a busy or foreign
@@ -114,8 +117,10 @@ class BatchHooks:
 
 
 def run_batch(items: Sequence[BatchItem], spec_for: Callable[[BatchItem], ConversionSpec], backend: Backend, *,
-              constants: MemoryConstants = DEFAULT_CONSTANTS, fail_fast: bool = False, hooks: BatchHooks | None = None) -> BatchSummary:
-    """Plan every item, start one cluster for the largest plan, and convert the items on it in order."""
+              constants: MemoryConstants = DEFAULT_CONSTANTS, fail_fast: bool = False, hooks: BatchHooks | None = None,
+              metrics: MetricsExporter | None = None) -> BatchSummary:
+    """Plan every item, start one cluster for the largest plan, and convert the items on it in order.
+    ``metrics`` serves each item's job and worker series while it runs (docs/metrics.md, "Batches")."""
     hooks = hooks or BatchHooks()
     start = time.perf_counter()
     summary = BatchSummary([ItemResult(item) for item in items])
@@ -127,7 +132,7 @@ def run_batch(items: Sequence[BatchItem], spec_for: Callable[[BatchItem], Conver
         with ExitStack() as stack:
             cluster = _OneCluster(backend, summary.sizing.job.plan, stack, summary)
             for result in runnable:
-                _run_item(result, backend, cluster, hooks)
+                _run_item(result, backend, cluster, hooks, metrics)
                 if fail_fast and not result.ok:
                     break
     summary.seconds = time.perf_counter() - start
@@ -187,10 +192,10 @@ class _OneCluster:
         return nullcontext(self.session)
 
 
-def _run_item(result: ItemResult, backend: Backend, cluster: _OneCluster, hooks: BatchHooks) -> None:
+def _run_item(result: ItemResult, backend: Backend, cluster: _OneCluster, hooks: BatchHooks, metrics: MetricsExporter | None) -> None:
     assert result.job is not None
     try:
-        result.summary = run_job(result.job, backend, list(hooks.listeners(result)), None, cluster=cluster)
+        result.summary = run_job(result.job, backend, list(hooks.listeners(result)), metrics, cluster=cluster)
         totals = result.summary.totals
         result.status = COMPLETE if totals is not None and not totals.slabs_written and totals.slabs_skipped == result.job.plan.n_tasks else DONE
     except H5ngffError as exc:

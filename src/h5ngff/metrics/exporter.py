@@ -24,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import posixpath
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import Metric
@@ -36,6 +37,7 @@ from ..engine.progress import Progress
 from ..errors import SpecError
 from ..planner.model import Plan
 from ..phases import TERMINAL_PHASES, Phase
+from .batch import TO_DO, BatchFigures, BatchMetrics
 from .families import ExportState, build_families
 from .probes import ClusterPoller, ClusterSnapshot
 
@@ -64,6 +66,8 @@ class MetricsExporter:
         self._lock = threading.Lock()
         self._state = ExportState()
         self._poller: ClusterPoller | None = None
+        #: The batch this exporter serves (``start_batch``), None for one conversion.
+        self.batch: BatchMetrics | None = None
         #: Completed scrapes, so ``linger`` can tell when the final values were read.
         self.scrapes = 0
         #: ``scrapes`` when the job reached Succeeded or Failed: later scrapes read the final values.
@@ -84,6 +88,29 @@ class MetricsExporter:
         """Labels from the environment (set by the Kubernetes runner), else from the output path."""
         stem = os.path.basename(os.path.normpath(spec.output.path)).split(".")[0] or "h5ngff"
         return cls(port, os.environ.get(JOB_NAME_ENV) or stem, os.environ.get(JOB_NAMESPACE_ENV) or "local", **kwargs)
+
+    @classmethod
+    def for_batch(cls, outputs: Sequence[str], port: int, **kwargs) -> "MetricsExporter":
+        """The exporter of a batch of ``len(outputs)`` items, its ``batch`` started. Labels from
+        the environment (set by the Kubernetes runner), else the directory the outputs share
+        (``out/{stem}.ome.zarr`` gives ``out``)."""
+        exporter = cls(port, os.environ.get(JOB_NAME_ENV) or _shared_directory(outputs), os.environ.get(JOB_NAMESPACE_ENV) or "local", **kwargs)
+        exporter.start_batch(len(outputs))
+        return exporter
+
+    def start_batch(self, items: int) -> BatchMetrics:
+        """Serve the figures of a batch of ``items`` items from now on (its clock starts now).
+        Feed it through its hooks (``BatchMetrics.around``), and pass this exporter to
+        ``run_batch`` too, for the job and worker series of the item running."""
+        self.batch = BatchMetrics(items, self._batch_figures)
+        return self.batch
+
+    def _batch_figures(self, figures: BatchFigures) -> None:
+        with self._lock:
+            self._state.batch = figures
+        if not any(state in TO_DO for state in figures.states):
+            with self._scrape:  # every item has ended: later scrapes read the batch's final values
+                self._final_mark = self.scrapes
 
     @property
     def port(self) -> int:
@@ -183,3 +210,12 @@ class MetricsExporter:
         self.detach()
         self._server.shutdown()
         self._server.server_close()
+
+
+def _shared_directory(outputs: Sequence[str]) -> str:
+    """The last name of the directory every output is in ("batch" where they share none)."""
+    try:
+        shared = posixpath.commonpath([posixpath.dirname(o.rstrip("/")) for o in outputs]) if outputs else ""
+    except ValueError:  # absolute and relative paths mixed
+        shared = ""
+    return posixpath.basename(shared.rstrip("/")) or "batch"

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from .. import __version__
 from ..engine.progress import Progress
 from ..phases import RUN_PHASES as PHASES
+from .batch import ITEM_STATES, BatchFigures
 from .probes import SPILL_ACTIVITIES, ClusterSnapshot, WorkerFigures
 
 JOB_LABELS = ("conversion_job", "conversion_job_namespace")
@@ -63,6 +64,11 @@ CATALOGUE: tuple[MetricDef, ...] = (
     _job("h5ngff_job_predicted_peak_bytes", "gauge", "The plan's predicted peak RSS of one worker.", "plan"),
     _job("h5ngff_exporter_last_poll_timestamp_seconds", "gauge", "Unix time of the last successful poll of the Dask cluster; worker series are as of this time.", "exporter"),
     _job("h5ngff_exporter_poll_errors_total", "counter", "Polls of the Dask cluster that failed (the previous worker figures are kept).", "exporter"),
+    # A batch's runner (docs/metrics.md, "Batches"): the job labels name the batch.
+    _job("h5ngff_batch_items", "gauge", f"Items of the batch by state ({', '.join(ITEM_STATES)}); their sum is the batch's items.", "batch hooks", ("state",)),
+    _job("h5ngff_batch_planned_slabs", "gauge", "Slab tasks in the plans of the batch's items (absent until every item is planned).", "batch hooks"),
+    _job("h5ngff_batch_slabs_done_total", "counter", "Slab tasks the batch's items have finished, resumed ones and those of items found complete included.", "batch hooks"),
+    _job("h5ngff_batch_last_progress_timestamp_seconds", "gauge", "Unix time of the batch's last step: an item's planning started, an item started or ended, or a phase change or finished slab of the running item.", "batch hooks"),
     _worker("h5ngff_worker_rss_bytes", "gauge", "Resident set size of the worker process, read by the worker from /proc/self/status.", "client.run on the worker"),
     _worker("h5ngff_worker_rss_peak_bytes", "gauge", "Highest RSS of the current worker process (kernel high-water mark VmHWM).", "client.run on the worker"),
     _worker("h5ngff_worker_memory_bytes", "gauge", "Dask's memory breakdown of the worker: managed + unmanaged_old + unmanaged_recent = process RSS at the last heartbeat; spilled is on disk.", "scheduler MemoryState", ("type",)),
@@ -96,6 +102,7 @@ class ExportState:
     passes: int | None = None
     snapshot: ClusterSnapshot | None = None
     poll_errors: int = 0
+    batch: BatchFigures | None = None
 
 
 class _Families:
@@ -119,6 +126,8 @@ def build_families(conversion_job: str, namespace: str, state: ExportState) -> l
     out = _Families((conversion_job, namespace))
     out.add("h5ngff_build_info", 1.0, extra=(__version__,))
     _job_families(out, state)
+    if state.batch is not None:
+        _batch_families(out, state.batch)
     if state.snapshot is not None:
         out.add("h5ngff_exporter_last_poll_timestamp_seconds", state.snapshot.time)
         _worker_families(out, state.snapshot)
@@ -144,6 +153,15 @@ def _job_families(out: _Families, state: ExportState) -> None:
     out.add("h5ngff_job_eta_seconds", state.eta)
     out.add("h5ngff_job_last_progress_timestamp_seconds", state.last_progress)
     out.add("h5ngff_job_predicted_peak_bytes", state.predicted_peak)
+
+
+def _batch_families(out: _Families, batch: BatchFigures) -> None:
+    for item_state in ITEM_STATES:  # every state, 0 included: the alert and the panels need no absent series
+        out.add("h5ngff_batch_items", float(batch.states.count(item_state)), extra=(item_state,))
+    if batch.planned:
+        out.add("h5ngff_batch_planned_slabs", sum(batch.planned_slabs))
+    out.add("h5ngff_batch_slabs_done_total", sum(batch.slabs_done))
+    out.add("h5ngff_batch_last_progress_timestamp_seconds", batch.last_progress)
 
 
 def _worker_families(out: _Families, snap: ClusterSnapshot) -> None:
