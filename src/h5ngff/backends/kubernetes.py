@@ -39,8 +39,6 @@ from .diagnostics import register_plugins
 
 log = logging.getLogger(__name__)
 
-#: Workers for ``workers: auto`` on Kubernetes (backends/base.py): no core count to follow.
-DEFAULT_WORKERS = REMOTE_DEFAULT_WORKERS
 #: The scheduler holds task state only (slabs go worker -> storage); a few thousand tasks take
 #: well under 300 MiB, so 1 GiB is ample. Guaranteed QoS too: losing it loses the run.
 SCHEDULER_MEMORY = 1 * GiB
@@ -152,7 +150,7 @@ class KubernetesBackend:
 
     name = "kubernetes"
 
-    def __init__(self, owner: Owner, image: str, pod: PodSettings | None = None, default_workers: int = DEFAULT_WORKERS):
+    def __init__(self, owner: Owner, image: str, pod: PodSettings | None = None, default_workers: int = REMOTE_DEFAULT_WORKERS):
         self.owner = owner
         self.image = image
         self.pod = pod or PodSettings()

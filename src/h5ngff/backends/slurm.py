@@ -60,8 +60,6 @@ from .slurmscript import build_job_script, job_mem_mib
 
 log = logging.getLogger(__name__)
 
-#: Workers for ``workers: auto`` (backends/base.py): a SLURM cluster has no core count to follow.
-DEFAULT_WORKERS = REMOTE_DEFAULT_WORKERS
 #: Seconds to wait for SLURM to take the cancelled jobs out of the queue before giving up.
 CANCEL_WAIT = 30
 #: Seconds a worker may be gone (restarting after a kill) before its job is given up.
@@ -73,7 +71,7 @@ class SlurmBackend:
 
     name = "slurm"
 
-    def __init__(self, settings: SlurmSpec | None = None, job_mem: int | None = None, default_workers: int = DEFAULT_WORKERS):
+    def __init__(self, settings: SlurmSpec | None = None, job_mem: int | None = None, default_workers: int = REMOTE_DEFAULT_WORKERS):
         self.settings = settings or SlurmSpec()
         #: Replaces the planned --mem (experiments and negative controls only).
         self.job_mem = job_mem
