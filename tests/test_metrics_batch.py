@@ -19,7 +19,8 @@ from h5ngff.batch.items import batch_items
 from h5ngff.batch.run import BatchHooks, run_batch
 from h5ngff.engine.progress import Progress
 from h5ngff.metrics import batch as batch_metrics
-from h5ngff.metrics.batch import ITEM_STATES, BatchMetrics
+from h5ngff.metrics.batch import BatchMetrics
+from h5ngff.phases import ITEM_STATES, ITEMS_TO_DO
 from h5ngff.metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV, MetricsExporter, _shared_directory
 from h5ngff.metrics.families import ExportState, build_families
 
@@ -145,7 +146,7 @@ def test_a_broken_update_is_logged_and_never_stops_the_batch(caplog):
 def test_the_exported_states_cover_every_outcome_of_a_batch():
     outcomes = {batch_run.DONE, batch_run.COMPLETE, batch_run.REFUSED, batch_run.FAILED, batch_run.NOT_RUN}
     assert outcomes <= set(ITEM_STATES) and batch_metrics.NOT_RUN == batch_run.NOT_RUN
-    assert set(ITEM_STATES) - outcomes == set(batch_metrics.TO_DO)
+    assert set(ITEM_STATES) - outcomes == set(ITEMS_TO_DO)
 
 
 @pytest.mark.parametrize("outputs, name", [

@@ -33,3 +33,30 @@ JOB_PHASES: tuple[Phase, ...] = (Phase.PENDING, Phase.PLANNED, Phase.RUNNING, Ph
 TERMINAL_PHASES: frozenset[Phase] = frozenset({Phase.SUCCEEDED, Phase.FAILED})
 #: A run's phases in which slabs are being written or finished (the operator forwards progress).
 WRITING_PHASES: frozenset[Phase] = frozenset({Phase.WRITING, Phase.FINALIZING})
+
+
+class ItemState(StrEnum):
+    """A batch item's state (docs/batch.md, "Outcomes"): waiting and running while the batch runs,
+    then its outcome."""
+
+    #: Waiting for its turn.
+    PENDING = "Pending"
+    RUNNING = "Running"
+    #: Converted by this run.
+    DONE = "Done"
+    #: Finished by an earlier run: nothing to do.
+    COMPLETE = "Complete"
+    #: Stopped before it started: a bad file, a plan that does not fit, a busy or foreign output.
+    REFUSED = "Refused"
+    #: Started and failed; a re-run resumes it.
+    FAILED = "Failed"
+    #: A --fail-fast batch stopped before it.
+    NOT_RUN = "NotRun"
+
+
+#: Every item state, in order (the ``h5ngff_batch_items`` metric's label values).
+ITEM_STATES: tuple[ItemState, ...] = tuple(ItemState)
+#: Items still to do: a batch with one of these is expected to make progress.
+ITEMS_TO_DO: frozenset[ItemState] = frozenset({ItemState.PENDING, ItemState.RUNNING})
+#: The outcomes that count as converted.
+ITEMS_CONVERTED: frozenset[ItemState] = frozenset({ItemState.DONE, ItemState.COMPLETE})

@@ -19,6 +19,7 @@ from ..backends.diagnostics import reset_peak_rss
 from ..engine.progress import Listener
 from ..engine.write.tasks import release_between_conversions
 from ..errors import H5ngffError, PlanError
+from ..phases import ITEMS_CONVERTED, ItemState
 from ..planner import DEFAULT_CONSTANTS, MemoryConstants, Plan
 from ..runner import PlannedJob, RunSummary, prepare_job, run_job
 from ..spec import ConversionSpec
@@ -28,24 +29,21 @@ from .items import BatchItem
 if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
     from ..metrics.exporter import MetricsExporter
 
-#: An item's outcome. Done: converted now. Complete: finished by an earlier run, nothing to do.
-#: Refused: stopped before it started (bad file, a plan that does not fit, a busy or foreign
-#: output). Failed: it started and failed; a re-run resumes it. NotRun: a --fail-fast batch
-#: stopped before it.
-DONE, COMPLETE, REFUSED, FAILED, NOT_RUN = "Done", "Complete", "Refused", "Failed", "NotRun"
+#: An item's outcome (``phases.ItemState``; docs/batch.md, "Outcomes").
+DONE, COMPLETE, REFUSED, FAILED, NOT_RUN = ItemState.DONE, ItemState.COMPLETE, ItemState.REFUSED, ItemState.FAILED, ItemState.NOT_RUN
 
 
 @dataclass
 class ItemResult:
     item: BatchItem
-    status: str = NOT_RUN
+    status: ItemState = NOT_RUN
     job: PlannedJob | None = None
     summary: RunSummary | None = None
     error: H5ngffError | None = None
 
     @property
     def ok(self) -> bool:
-        return self.status in (DONE, COMPLETE)
+        return self.status in ITEMS_CONVERTED
 
     @property
     def peak_rss(self) -> int:

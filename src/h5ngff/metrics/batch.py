@@ -22,19 +22,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar
 
 from ..engine.progress import Listener, Progress
+from ..phases import ItemState
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 log = logging.getLogger(__name__)
 
-#: An item's state as exported: batch.run's outcomes (Done, Complete, Refused, Failed, NotRun),
-#: and Pending (waiting for its turn) and Running while the batch runs. NotRun only once the batch
-#: has ended: a --fail-fast batch stopped before the item.
-PENDING, RUNNING, NOT_RUN = "Pending", "Running", "NotRun"
-ITEM_STATES = (PENDING, RUNNING, "Done", "Complete", "Refused", "Failed", NOT_RUN)
-#: Items still to do: a batch with one of these is expected to make progress.
-TO_DO = (PENDING, RUNNING)
+#: An item's state as exported (``phases.ItemState``): Pending and Running while the batch runs,
+#: then its outcome. NotRun only once the batch has ended: a --fail-fast batch stopped before it.
+PENDING, RUNNING, NOT_RUN = ItemState.PENDING, ItemState.RUNNING, ItemState.NOT_RUN
 
 
 class ItemView(Protocol):
@@ -80,7 +77,7 @@ class BatchMetrics:
     def __init__(self, items: int, publish: Callable[[BatchFigures], None]):
         self._publish = publish
         self._lock = threading.Lock()
-        self._states = [PENDING] * items
+        self._states: list[str] = [PENDING] * items
         self._planned = [0] * items
         self._done = [0] * items
         self._index: dict[int, int] = {}  # id(ItemResult) -> position, from on_planned
@@ -140,7 +137,7 @@ class BatchMetrics:
         def change() -> bool:
             i = self._index[id(result)]
             self._states[i] = result.status
-            if result.status == "Complete":  # finished by an earlier run: every slab is done
+            if result.status == ItemState.COMPLETE:  # finished by an earlier run: every slab is done
                 self._done[i] = max(self._done[i], self._planned[i])
             return True
 

@@ -36,8 +36,8 @@ from prometheus_client.core import Metric
 from ..engine.progress import Progress
 from ..errors import SpecError
 from ..planner.model import Plan
-from ..phases import TERMINAL_PHASES, Phase
-from .batch import TO_DO, BatchFigures, BatchMetrics
+from ..phases import ITEMS_TO_DO, Phase, TERMINAL_PHASES
+from .batch import BatchFigures, BatchMetrics
 from .families import ExportState, build_families
 from .probes import ClusterPoller, ClusterSnapshot
 
@@ -108,7 +108,7 @@ class MetricsExporter:
     def _batch_figures(self, figures: BatchFigures) -> None:
         with self._lock:
             self._state.batch = figures
-        if not any(state in TO_DO for state in figures.states):
+        if not any(state in ITEMS_TO_DO for state in figures.states):
             with self._scrape:  # every item has ended: later scrapes read the batch's final values
                 self._final_mark = self.scrapes
 

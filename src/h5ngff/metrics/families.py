@@ -17,8 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from .. import __version__
 from ..engine.progress import Progress
-from ..phases import RUN_PHASES as PHASES
-from .batch import ITEM_STATES, BatchFigures
+from ..phases import ITEM_STATES, RUN_PHASES as PHASES
+from .batch import BatchFigures
 from .probes import SPILL_ACTIVITIES, ClusterSnapshot, WorkerFigures
 
 JOB_LABELS = ("conversion_job", "conversion_job_namespace")
