@@ -193,7 +193,10 @@ def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(share
     items = batch_items([f"{day}/*.h5:/volume/data"], str(tmp_path / "out" / "{stem}.ome.zarr"))
     exporter = MetricsExporter.for_batch([item.output for item in items], 0, addr="127.0.0.1")
     labels = (("conversion_job", "lab-run"), ("conversion_job_namespace", "imaging"))
-    item_states = lambda values: {dict(k[1])["state"]: v for k, v in values.items() if k[0] == "h5ngff_batch_items" and v}  # noqa: E731
+
+    def item_states(values):
+        return {dict(k[1])["state"]: v for k, v in values.items() if k[0] == "h5ngff_batch_items" and v}
+
     scrapes = []
 
     def after_item(r) -> None:

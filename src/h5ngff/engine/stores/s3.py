@@ -134,9 +134,10 @@ class S3Store:
         _refuse_plain_http(config.get("endpoint"), client)
         try:
             # The options are the user's KEY=VALUE strings: obstore checks them (raising the error
-            # below), so the TypedDicts of its stubs cannot be met statically.
-            self._store = _ObS3Store(bucket, prefix=self.prefix or None, config=config, client_options=client,  # type: ignore[arg-type]
-                                     retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)}, credential_provider=provider)
+            # below), so the TypedDicts of its stubs cannot be met statically: passed untyped.
+            user_options: dict[str, Any] = {"config": config, "client_options": client}
+            self._store = _ObS3Store(bucket, prefix=self.prefix or None, retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)},
+                                     credential_provider=provider, **user_options)
         except obx.BaseError as exc:
             raise SpecError("output.storageOptions", f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {str(exc).strip().splitlines()[0]}") from None
         self._uploads = UploadWindow(bucket)
