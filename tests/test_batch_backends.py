@@ -112,7 +112,7 @@ def test_a_batch_on_slurm_submits_one_set_of_worker_jobs_and_converts_every_item
     ((name, ids),) = jobs.items()
     assert len(ids) == summary["cluster"]["workers"] == 2, ids
     assert set(_scontrol_jobs(ids).values()) <= {name}
-    assert not squeue(), "a worker job of the batch is still queued"
+    assert not squeue(name), "a worker job of the batch is still queued"
     for i, r in enumerate(summary["results"]):
         assert r["status"] == "Done" and 0 < r["peak_rss"] <= r["predicted_peak"], r
         np.testing.assert_array_equal(zarr.open_group(str(runs / "out" / f"cell_{i}.ome.zarr"), mode="r")["0"][...],
