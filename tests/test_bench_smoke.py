@@ -4,6 +4,7 @@ catches a fast wrong result (the negative control), so a table it prints can be 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import textwrap
@@ -351,3 +352,33 @@ def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path
     assert len(run["task_seconds"]) == run["plan"]["n_tasks"] == run["summary"]["slabs_written"]
     assert [r["workers"] for r in run["tail_rows"]] == [1, 2, 64]
     assert run["tail_rows"][0]["submitted"] == pytest.approx(sum(run["task_seconds"]))
+
+
+@pytest.mark.slow
+def test_batch_bench_times_the_batch_the_separate_runs_and_the_limit_on_the_same_files(tmp_path):
+    """bench/batch.py at a tiny size: one cluster for the batch, the separate runs sampled and
+    extrapolated (both dtypes in the sample), the limit measured twice, every output verified."""
+    from bench import batch
+
+    result = tmp_path / "batch.json"
+    code = batch.main(["--files", "4", "--mb", "1", "--sample", "2", "--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
+                       "--result", str(result)])
+    r = json.loads(result.read_text())
+    assert code in (0, 1)  # the targets are not the smoke test's business at 4 MB
+    assert r["ok"] and not r["problems"] and r["cluster_starts"] == 1 and r["done"] == 4
+    assert r["separate_sampled"] and len(r["separate_runs"]) == 2 and {i % 2 for i in r["separate_picks"]} == {0, 1}
+    assert r["separate_seconds"] == pytest.approx(sum(r["separate_runs"]) / 2 * 4)
+    assert r["limit_seconds"] == min(r["limit_measurements"]) > 0 and len(r["limit_parts"][0]) == 2
+    assert r["batch_vs_separate"] == pytest.approx(r["batch_seconds"] / r["separate_seconds"])
+    assert r["command"].startswith("python -m bench.batch --files 4")
+    assert not os.path.exists(tmp_path / "work" / "batch"), "the outputs are removed once verified"
+
+
+def test_batch_bench_samples_both_dtypes_evenly():
+    from bench.batch import file_case, sample_indices
+
+    assert sample_indices(6, 10) == list(range(6))
+    picks = sample_indices(200, 10)
+    assert len(picks) == 10 and sum(i % 2 for i in picks) == 5 and picks[0] == 0 and picks[-1] >= 180
+    assert [file_case(i, 50).dtype for i in (0, 1)] == ["float32", "uint16"]
+    assert [math.prod(file_case(i, 50).shape) * (4, 2)[i] / 1e6 for i in (0, 1)] == [pytest.approx(50, rel=0.01)] * 2
