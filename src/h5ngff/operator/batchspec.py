@@ -28,6 +28,11 @@ from ..spec import SourceSpec, _FieldError, _Model, parse_model, url_scheme
 
 BATCH_KIND = "ConversionBatch"
 BATCH_PLURAL = "conversionbatches"
+#: The runner Job's environment for a batch attempt: the kind (``h5ngff runner`` then runs
+#: operator/batchrunner.py), the ids of the items it runs, and of those it resumes (overwrite off).
+KIND_ENV = "H5NGFF_KIND"
+ITEMS_ENV = "H5NGFF_ITEMS"
+RESUME_ENV = "H5NGFF_RESUME"
 #: At most this many items: a status entry per item must fit in one etcd object (1.5 MiB), and
 #: the CRD's CEL cost is bounded by the list's length.
 MAX_ITEMS = 1000
