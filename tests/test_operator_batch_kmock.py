@@ -21,7 +21,7 @@ from h5ngff.operator.batchspec import parse_batch_spec
 from h5ngff.operator.kube import KubeConfig
 from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_BATCH_RULES, RUNNER_RULES, calls
 from h5ngff.operator.reporter import StatusReporter
-from operator_harness import LEASE_RES, batch_manifest, emulator, fast_config, manifest, operator_running, passes, wait_for
+from operator_harness import CB_PATH, LEASE_RES, batch_manifest, emulator, fast_config, manifest, operator_running, passes, wait_for
 from test_operator_e2e import run_container
 from test_operator_kmock import env_of
 
@@ -178,3 +178,21 @@ async def test_the_runner_jobs_spec_is_the_batch_with_the_image_resolved():
     again = parse_batch_spec(json.loads(env_of(job)["H5NGFF_SPEC"]))
     assert [p.id for p in again.planned_items()] == [p.id for p in spec.planned_items()] and again.pod.image == "h5ngff:test"
     assert job["metadata"]["ownerReferences"][0]["kind"] == "ConversionBatch"
+
+
+@pytest.mark.slow
+async def test_deleting_a_running_batch_removes_its_runner_and_gives_its_leases_back():
+    spec = {"items": [_item("/data/x.h5"), _item("/data/y.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}, "pod": {"image": IMAGE}}
+    async with emulator() as c, operator_running(fast_config(c.url)):
+        await c.apply_batch(batch_manifest("gone", spec))
+        await wait_for(lambda: "gone-runner-1" in c.jobs() and len(c.live(LEASE_RES)) == 2, what="runner and Leases")
+        # Negative control first: a ConversionJob on one of its outputs waits while the batch lives.
+        await c.apply(manifest("next", {"source": {"path": "/data/w.h5", "dataset": "/d"}, "output": {"path": "/data/out/x.ome.zarr"},
+                                        "pod": {"image": IMAGE}}))
+        await wait_for(lambda: "OutputBusy" in str(c.status("next")), what="the job waits")
+        resp = await c.k.delete(f"{CB_PATH.format(ns='default')}/gone")
+        assert resp.status == 200, await resp.text()
+        await wait_for(lambda: "gone-runner-1" not in c.jobs(), what="runner Job deleted")
+        await wait_for(lambda: "next-runner-1" in c.jobs(), what="the job takes the freed output")
+        holders = {lease["spec"]["holderIdentity"].split("/")[1] for lease in c.live(LEASE_RES).values()}
+        assert holders == {"next"}
