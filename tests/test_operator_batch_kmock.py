@@ -196,3 +196,21 @@ async def test_deleting_a_running_batch_removes_its_runner_and_gives_its_leases_
         await wait_for(lambda: "next-runner-1" in c.jobs(), what="the job takes the freed output")
         holders = {lease["spec"]["holderIdentity"].split("/")[1] for lease in c.live(LEASE_RES).values()}
         assert holders == {"next"}
+
+
+async def test_a_batchs_lease_is_looked_up_as_a_batch_not_taken_for_an_abandoned_jobs():
+    """The holder's kind on the Lease decides where the operator looks for the holder: a live batch
+    holds its outputs. Negative control: looked up as a ConversionJob (what a Lease without the
+    kind means), the same holder counts as gone, and its output would be taken over."""
+    from h5ngff.operator.kube import Kube
+    from h5ngff.operator.lease import _holder_gone
+
+    async with emulator() as c:
+        await c.apply_batch(batch_manifest("live", {"items": [_item("/data/x.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}}))
+        kube = await Kube.connect(KubeConfig(c.url))
+        try:
+            assert await _holder_gone(kube, "default/live/uid-live", "ConversionBatch") is False
+            assert await _holder_gone(kube, "default/live/uid-live", "ConversionJob") is True  # the control
+            assert await _holder_gone(kube, "default/live/other-uid", "ConversionBatch") is True  # a new object of that name
+        finally:
+            await kube.close()
