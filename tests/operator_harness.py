@@ -28,6 +28,8 @@ CJ_PATH = "/apis/h5ngff.dev/v1alpha1/namespaces/{ns}/conversionjobs"
 JOBS_PATH = "/apis/batch/v1/namespaces/{ns}/jobs"
 PODS_PATH = "/api/v1/namespaces/{ns}/pods"
 CJ_RES = "h5ngff.dev/v1alpha1/conversionjobs"
+CB_PATH = "/apis/h5ngff.dev/v1alpha1/namespaces/{ns}/conversionbatches"
+CB_RES = "h5ngff.dev/v1alpha1/conversionbatches"
 JOB_RES = "batch/v1/jobs"
 POD_RES = "v1/pods"
 DASK_RES = "kubernetes.dask.org/v1/daskclusters"
@@ -42,6 +44,7 @@ AGENTS = (("kmock/", "test"), ("kopf/", "operator"), ("h5ngff-operator/", "opera
 def register_resources(k: kmock.KubernetesEmulator) -> None:
     info = kmock.ResourceInfo
     k.resources[CJ_RES] = info(kind="ConversionJob", namespaced=True, verbs=VERBS, subresources={"status"}, shortnames={"cj"})
+    k.resources[CB_RES] = info(kind="ConversionBatch", namespaced=True, verbs=VERBS, subresources={"status"}, shortnames={"cb"})
     k.resources[JOB_RES] = info(kind="Job", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[POD_RES] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[DASK_RES] = info(kind="DaskCluster", namespaced=True, verbs=VERBS)
@@ -64,6 +67,11 @@ def manifest(name: str, spec: dict[str, Any], namespace: str = "default", uid: s
     }
 
 
+def batch_manifest(name: str, spec: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
+    """A ConversionBatch (operator/batchspec.py) to ``Cluster.apply_batch``."""
+    return {**manifest(name, spec, namespace), "kind": "ConversionBatch"}
+
+
 class Cluster:
     """The emulator plus the verbs a test needs."""
 
@@ -83,6 +91,20 @@ class Cluster:
         """``kubectl patch --type merge`` (or a GitOps sync) of a ConversionJob."""
         resp = await self.k.patch(f"{CJ_PATH.format(ns=ns)}/{name}", json=patch, headers={"Content-Type": "application/merge-patch+json"})
         assert resp.status == 200, await resp.text()
+
+    async def apply_batch(self, doc: dict[str, Any]) -> None:
+        resp = await self.k.post(CB_PATH.format(ns=doc["metadata"].get("namespace", "default")), json=doc)
+        assert resp.status in (200, 201), await resp.text()
+
+    async def edit_batch(self, name: str, patch: dict[str, Any], ns: str = "default") -> None:
+        """A GitOps sync of a ConversionBatch (a merge patch: a list such as spec.items is replaced whole)."""
+        resp = await self.k.patch(f"{CB_PATH.format(ns=ns)}/{name}", json=patch, headers={"Content-Type": "application/merge-patch+json"})
+        assert resp.status == 200, await resp.text()
+
+    def batch_status(self, name: str, ns: str = "default") -> dict[str, Any]:
+        key = (kmock.resource(CB_RES), ns, name)
+        obj = self.k.objects[key] if key in self.k.objects else None
+        return ((obj.raw if obj is not None and not obj.deleted else None) or {}).get("status") or {}
 
     async def delete_cj(self, name: str, ns: str = "default") -> None:
         resp = await self.k.delete(f"{CJ_PATH.format(ns=ns)}/{name}")

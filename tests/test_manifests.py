@@ -29,7 +29,8 @@ from test_crd import validate_against_crd
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"
-EXAMPLES = sorted((MANIFESTS / "examples").glob("*.yaml"))
+#: ConversionJob examples (ConversionBatch examples: tests/test_operator_batch_spec.py).
+EXAMPLES = sorted(p for p in (MANIFESTS / "examples").glob("*.yaml") if "kind: ConversionBatch" not in p.read_text())
 sys.path.insert(0, str(ROOT / "scripts"))
 import render_manifests as rm  # noqa: E402
 
@@ -66,7 +67,8 @@ def test_kubectl_apply_k_objects_are_valid_kubernetes():
     (namespace,) = [o for o in objs if o["kind"] == "Namespace"]
     assert {o["metadata"].get("namespace") for o in objs} <= {None, namespace["metadata"]["name"]}
     crd = [o for o in objs if o["kind"] == "CustomResourceDefinition"]
-    assert [yaml.safe_dump(c) for c in crd] == [yaml.safe_dump(yaml.safe_load((ROOT / "src/h5ngff/operator/crd.yaml").read_text()))]
+    assert [yaml.safe_dump(c) for c in crd] == [yaml.safe_dump(yaml.safe_load((ROOT / f"src/h5ngff/operator/{name}").read_text()))
+                                                for name in ("crd.yaml", "crd-batch.yaml")]
 
 
 def _runner_account() -> str:

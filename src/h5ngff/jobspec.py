@@ -39,6 +39,8 @@ class Owner:
     name: str
     uid: str
     attempt: int = 1
+    #: ConversionJob, or ConversionBatch (operator/batchspec.py): the kind ownerReferences name.
+    kind: str = KIND
 
 #: Kubernetes Job defaults, chosen for memory-planned batch work: a run that failed twice for the
 #: same reason (usually memory) will fail a third time, so retry twice, not Kubernetes' six.

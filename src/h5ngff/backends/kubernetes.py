@@ -28,7 +28,7 @@ from typing import Any, Iterator
 from distributed import Client
 
 from ..errors import ClusterError
-from ..jobspec import API_VERSION, KIND, Owner, PodSettings
+from ..jobspec import API_VERSION, Owner, PodSettings
 from ..k8s import container_storage, credential_env, dask_cluster_name, env_list, labels, owner_reference, pod_placement, with_scratch
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
@@ -125,7 +125,7 @@ def build_dask_cluster(plan: Plan, owner: Owner, image: str, pod: PodSettings, a
             "labels": labels(owner.name, "dask-cluster", owner.attempt),
             # blockOwnerDeletion would need update rights on conversionjobs/finalizers; the
             # operator's finalizer deletes the cluster anyway.
-            "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid, block=False)],
+            "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid, block=False)],
         },
         "spec": {
             "idleTimeout": 0,

@@ -1,4 +1,4 @@
-"""The ConversionJob CRD, generated from the pydantic models.
+"""The ConversionJob and ConversionBatch CRDs, generated from the pydantic models.
 
 ``ConversionJobSpec`` (the spec the CLI also uses) and ``ConversionJobStatus`` give JSON schemas;
 ``structural`` turns them into the Kubernetes *structural* OpenAPI v3 schema the API server
@@ -11,6 +11,11 @@ Regenerate the checked-in copies after changing a model (a test fails until you 
 
     python -m h5ngff.operator.crd > src/h5ngff/operator/crd.yaml
     cp src/h5ngff/operator/crd.yaml manifests/crd.yaml
+    python -m h5ngff.operator.crd batch > src/h5ngff/operator/crd-batch.yaml
+    cp src/h5ngff/operator/crd-batch.yaml manifests/crd-batch.yaml
+
+Each CRD is a file of its own (one YAML document each): tools and tests that read ``crd.yaml``
+as one document keep working, and a cluster can take the ConversionJob CRD alone.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from pydantic import BaseModel
 
 from ..jobspec import ConversionJobSpec
 from .admission import apply_rules
+from .batchspec import BATCH_KIND, BATCH_PLURAL, ConversionBatchSpec
+from .batchstatus import ConversionBatchStatus
 from .manifests import GROUP, KIND, PLURAL, VERSION
 from .status import ConversionJobStatus
 
@@ -32,11 +39,23 @@ KEEP = {"type", "description", "properties", "items", "required", "enum", "minim
         "minItems", "maxItems", "pattern", "format", "additionalProperties",
         "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "exclusiveMinimum"}
 
-PRINTER_COLUMNS = [
+PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"},
     {"name": "Workers", "type": "integer", "jsonPath": ".status.plan.workers"},
     {"name": "Memory/worker", "type": "string", "jsonPath": ".status.plan.podLimit", "description": "Memory request and limit of each Dask worker pod."},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
+    {"name": "Attempts", "type": "integer", "jsonPath": ".status.attempts", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+BATCH_PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Total", "type": "integer", "jsonPath": ".status.total"},
+    {"name": "Succeeded", "type": "integer", "jsonPath": ".status.succeeded"},
+    {"name": "Failed", "type": "integer", "jsonPath": ".status.failed"},
+    {"name": "Running", "type": "integer", "jsonPath": ".status.running"},
     {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
     {"name": "Attempts", "type": "integer", "jsonPath": ".status.attempts", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -106,15 +125,11 @@ def _without_required(node: Any) -> Any:
     return node
 
 
-def build_crd() -> dict[str, Any]:
-    # The admission rules (OpenAPI keys and CEL) the models check in validators.
-    spec = apply_rules(schema_of(ConversionJobSpec))
-    # Only our own code writes the status, by merge patches; a "required" there could only make
-    # the API server reject a partial write of ours.
-    status = _without_required(schema_of(ConversionJobStatus))
+def _crd(kind: str, plural: str, short: str, description: str, spec: dict[str, Any], status: dict[str, Any],
+         columns: list[dict[str, Any]]) -> dict[str, Any]:
     root = {
         "type": "object",
-        "description": "Converts one HDF5 dataset to OME-Zarr on a Dask cluster sized by a memory plan.",
+        "description": description,
         "required": ["spec"],
         "properties": {
             "apiVersion": {"type": "string"},
@@ -127,30 +142,59 @@ def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/name": "h5ngff"}},
+        "metadata": {"name": f"{plural}.{GROUP}", "labels": {"app.kubernetes.io/name": "h5ngff"}},
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower(), "listKind": f"{KIND}List", "shortNames": ["cj"], "categories": ["h5ngff"]},
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List", "shortNames": [short], "categories": ["h5ngff"]},
             "versions": [{
                 "name": VERSION,
                 "served": True,
                 "storage": True,
                 "subresources": {"status": {}},
-                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "additionalPrinterColumns": columns,
                 "schema": {"openAPIV3Schema": root},
             }],
         },
     }
 
 
+def build_crd() -> dict[str, Any]:
+    # The admission rules (OpenAPI keys and CEL) the models check in validators.
+    spec = apply_rules(schema_of(ConversionJobSpec))
+    # Only our own code writes the status, by merge patches; a "required" there could only make
+    # the API server reject a partial write of ours.
+    status = _without_required(schema_of(ConversionJobStatus))
+    return _crd(KIND, PLURAL, "cj", "Converts one HDF5 dataset to OME-Zarr on a Dask cluster sized by a memory plan.", spec, status, PRINTER_COLUMNS)
+
+
+def batch_spec_schema() -> dict[str, Any]:
+    """The ConversionBatch ``.spec`` schema with a ConversionJob's admission rules: the rules of
+    ``source`` go to every item's source (the job's own source node, rules and all), the rest
+    (output template, resources, pod) apply as they are."""
+    spec = schema_of(ConversionBatchSpec)
+    spec["properties"]["source"] = copy.deepcopy(schema_of(ConversionJobSpec)["properties"]["source"])
+    apply_rules(spec)
+    source = spec["properties"].pop("source")
+    spec["properties"]["items"]["items"]["properties"]["source"] = source
+    return spec
+
+
+def build_batch_crd() -> dict[str, Any]:
+    status = _without_required(schema_of(ConversionBatchStatus))
+    return _crd(BATCH_KIND, BATCH_PLURAL, "cb", "Converts many HDF5 datasets to OME-Zarr through one runner and one Dask cluster sized for the largest.",
+                batch_spec_schema(), status, BATCH_PRINTER_COLUMNS)
+
+
 HEADER = "# Generated by `python -m h5ngff.operator.crd` from h5ngff's pydantic models. Do not edit.\n"
 
 
-def render() -> str:
-    text: str = yaml.safe_dump(build_crd(), sort_keys=False, width=120)  # a str when given no stream
+def render(kind: str = KIND) -> str:
+    """The CRD of ``kind`` (ConversionJob or ConversionBatch) as its checked-in file holds it."""
+    crd = build_batch_crd() if kind == BATCH_KIND else build_crd()
+    text: str = yaml.safe_dump(crd, sort_keys=False, width=120)  # a str when given no stream
     return HEADER + text
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    sys.stdout.write(render(BATCH_KIND if sys.argv[1:] == ["batch"] else KIND))

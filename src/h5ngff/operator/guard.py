@@ -27,6 +27,7 @@ from ..errors import SpecError
 from ..jobspec import API_VERSION, GROUP, KIND, VERSION, ConversionJobSpec, parse_job_spec
 from ..k8s import dask_cluster_name
 from .kube import Kube, Transient, namespaced
+from .batchspec import BATCH_KIND, BATCH_PLURAL, parse_batch_spec
 from .manifests import PLURAL
 from .policy import TenantPolicy, dask_cluster_violations
 
@@ -75,18 +76,35 @@ def register_cluster_guard(registry: kopf.OperatorRegistry, cfg: GuardConfig) ->
         # kopf passes every index under its id; a parameter of that name would not fit kopf's types.
         owners: kopf.Index[tuple[str | None, str], Owner] = kwargs["cluster_owners"]
         owner = next(iter(owners.get((namespace, name), ())), None)
-        await _judge(cfg, memo.kube, dict(body), namespace, name, owner)
+        kind = KIND
+        if owner is None:
+            owner = await _batch_owner(memo.kube, dict(body), namespace, name)
+            kind = BATCH_KIND if owner is not None else KIND
+        await _judge(cfg, memo.kube, dict(body), namespace, name, owner, kind)
 
 
-async def _judge(cfg: GuardConfig, kube: Kube, body: dict[str, Any], namespace: str, name: str, owner: Owner | None) -> None:
-    """Delete the DaskCluster ``body`` if it asks for more than its job and the policy allow."""
-    violations = dask_cluster_violations(body, _spec_of(owner), cfg.policy, cfg.image, cfg.runner_service_account)
+async def _batch_owner(kube: Kube, body: dict[str, Any], namespace: str, name: str) -> Owner | None:
+    """The ConversionBatch whose cluster this is: named by the cluster's ownerReference, and only
+    if that batch exists with that uid and its cluster has this name (a runner cannot borrow
+    another batch's spec by naming it: the name would not match)."""
+    for ref in (body.get("metadata") or {}).get("ownerReferences") or ():
+        if ref.get("kind") != BATCH_KIND or dask_cluster_name(str(ref.get("name"))) != name:
+            continue
+        batch = await kube.get(namespaced(API_VERSION, namespace, BATCH_PLURAL, str(ref["name"])))
+        if batch is not None and (batch.get("metadata") or {}).get("uid") == ref.get("uid"):
+            return str(ref["name"]), str(ref["uid"]), dict(batch.get("spec") or {})
+    return None
+
+
+async def _judge(cfg: GuardConfig, kube: Kube, body: dict[str, Any], namespace: str, name: str, owner: Owner | None, kind: str = KIND) -> None:
+    """Delete the DaskCluster ``body`` if it asks for more than its job (or batch) and the policy allow."""
+    violations = dask_cluster_violations(body, _spec_of(owner, kind), cfg.policy, cfg.image, cfg.runner_service_account)
     if violations:
         message = f"Deleted DaskCluster {namespace}/{name}: " + "; ".join(violations)
         log.warning("%s", message)
         await _delete(kube, namespace, name, cfg.retry_delay)
         # On the ConversionJob when there is one: that is where its author looks.
-        job = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": owner[0], "namespace": namespace, "uid": owner[1]}} if owner else None
+        job = {"apiVersion": API_VERSION, "kind": kind, "metadata": {"name": owner[0], "namespace": namespace, "uid": owner[1]}} if owner else None
         target: Any = job or body
         kopf.event(target, type="Warning", reason=DENIED, message=message[:1024])
     checked[namespace, name] += 1
@@ -105,10 +123,10 @@ async def _delete(kube: Kube, namespace: str, name: str, delay: float, tries: in
             await asyncio.sleep(delay)
 
 
-def _spec_of(owner: Owner | None) -> ConversionJobSpec | None:
+def _spec_of(owner: Owner | None, kind: str = KIND) -> ConversionJobSpec | None:
     if owner is None:
         return None
     try:
-        return parse_job_spec(owner[2])
+        return parse_batch_spec(owner[2]) if kind == BATCH_KIND else parse_job_spec(owner[2])
     except SpecError:
         return None  # a job with an invalid spec never gets a runner, so neither a cluster

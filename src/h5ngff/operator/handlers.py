@@ -47,6 +47,7 @@ from .manifests import (
     dask_cluster_name,
     runner_account,
 )
+from .batchhandlers import register_batch_handlers
 from .guard import register_cluster_guard
 from .policy import TenantPolicy, policy_violations
 from .diagnose import JobSummary, job_summary, live_pods
@@ -134,6 +135,9 @@ class OperatorMemo(kopf.Memo):
     leases: LeaseScope
     #: (ConversionJob uid, attempt) whose runner Job create this process saw refused.
     uncreated: set[tuple[str, int]]
+    #: ConversionBatches (operator/batchhandlers.py): parsed specs and announced attempts, by uid.
+    batch_parsed: dict[str, Any]
+    batch_expected: dict[str, tuple[int, float]]
 
 
 def build_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
@@ -151,6 +155,7 @@ def build_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
 def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     register_cluster_guard(registry, cfg)  # DaskClusters the runners create (operator/guard.py)
+    register_batch_handlers(registry, cfg)  # ConversionBatches (operator/batchhandlers.py); they share the runner_jobs index
 
     # Explicit ids: the default is the qualified name ("build_registry.<locals>.…"), and the
     # index's id is also the keyword under which handlers receive it.
@@ -167,6 +172,8 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         memo.parsed = {}
         memo.leases = LeaseScope(cfg.lease_namespace)
         memo.uncreated = set()
+        memo.batch_parsed = {}
+        memo.batch_expected = {}
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(memo: OperatorMemo, **_: Any) -> None:

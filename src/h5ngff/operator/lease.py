@@ -45,7 +45,8 @@ from typing import Any
 
 from ..k8s import LABEL_COMPONENT, labels, owner_reference
 from ..spec import url_scheme
-from ..jobspec import ConversionJobSpec
+from ..jobspec import KIND, ConversionJobSpec
+from .batchspec import BATCH_KIND, BATCH_PLURAL
 from .kube import Conflict, Kube, KubeError, namespaced
 from .manifests import API_VERSION, PLURAL
 
@@ -53,6 +54,11 @@ LEASE_API = "coordination.k8s.io/v1"
 COMPONENT = "output-lease"
 #: Annotation holding the full key (the name is a hash of it).
 KEY_ANNOTATION = "h5ngff.dev/output"
+#: Annotation naming the holder's kind (ConversionJob or ConversionBatch); a Lease without it is
+#: a ConversionJob's (earlier builds).
+HOLDER_KIND_ANNOTATION = "h5ngff.dev/holder-kind"
+#: The plural of each holder kind, to look the holder up.
+HOLDER_PLURALS = {KIND: PLURAL, BATCH_KIND: BATCH_PLURAL}
 
 
 @dataclass(frozen=True)
@@ -157,7 +163,7 @@ def lease_body(key: str, namespace: str, name: str, uid: str, api_version: str, 
     where = lease_namespace or namespace
     when = datetime.datetime.now(tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     meta: dict[str, Any] = {"name": lease_name(key), "namespace": where, "labels": labels(name, COMPONENT),
-                            "annotations": {KEY_ANNOTATION: key}}
+                            "annotations": {KEY_ANNOTATION: key, HOLDER_KIND_ANNOTATION: kind}}
     if where == namespace:
         # The garbage collector frees the output if the holder is deleted without its finalizer.
         meta["ownerReferences"] = [owner_reference(api_version, kind, name, uid, block=False)]
@@ -184,7 +190,7 @@ async def acquire(kube: Kube, body: dict[str, Any], job_namespace: str | None = 
             continue  # our own Lease of another output (an earlier run's, being released)
         if not overlaps(key, theirs):
             continue
-        if await _holder_gone(kube, holder):
+        if await _holder_gone(kube, holder, (lmeta.get("annotations") or {}).get(HOLDER_KIND_ANNOTATION) or KIND):
             await kube.delete(namespaced(LEASE_API, lease_ns, "leases", lmeta["name"]))
             continue
         what = "" if theirs == key else f" (output {theirs})"
@@ -213,15 +219,17 @@ async def _output_leases(kube: Kube, namespace: str, job_namespace: str | None) 
     return out
 
 
-async def _holder_gone(kube: Kube, holder: str) -> bool:
-    """True if the ConversionJob named by ``holder`` no longer exists (404, or a new object of the
-    same name). A holder we may not read (403: a namespace no longer served) counts as alive."""
+async def _holder_gone(kube: Kube, holder: str, kind: str = KIND) -> bool:
+    """True if the ConversionJob (or ConversionBatch: ``kind``) named by ``holder`` no longer exists
+    (404, or a new object of the same name). A holder we may not read (403: a namespace no longer
+    served), or of a kind this build does not know, counts as alive."""
     namespace, _, rest = holder.partition("/")
     name, _, uid = rest.partition("/")
-    if not (namespace and name and uid):
+    plural = HOLDER_PLURALS.get(kind)
+    if not (namespace and name and uid and plural):
         return False  # not ours to judge: never delete a Lease we cannot attribute
     try:
-        found = await kube.get(namespaced(API_VERSION, namespace, PLURAL, name))
+        found = await kube.get(namespaced(API_VERSION, namespace, plural, name))
     except KubeError as exc:
         if exc.status == 403:
             return False

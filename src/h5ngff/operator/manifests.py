@@ -28,7 +28,7 @@ from ..k8s import (
 from ..jobspec import API_VERSION, GROUP, KIND, VERSION, ConversionJobSpec, Owner
 from ..metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
 from ..units import GiB, k8s_quantity
-from .rbac import RUNNER_JOB_RULES, role_rules
+from .rbac import RUNNER_BATCH_RULES, RUNNER_JOB_RULES, role_rules
 
 __all__ = [
     "GROUP", "VERSION", "PLURAL", "KIND", "API_VERSION", "LABEL_JOB", "LABEL_ATTEMPT", "Owner",
@@ -80,7 +80,7 @@ def runner_spec(spec: ConversionJobSpec, image: str, resume: bool) -> dict[str, 
 
 
 def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, default_image: str, resume: bool = False,
-                     default_service_account: str | None = None) -> dict[str, Any]:
+                     default_service_account: str | None = None, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """The ``batch/v1`` Job of one attempt. It never retries by itself (``backoffLimit: 0``): the
     operator decides about retries, because only it can tell an OOM (retry) from a bad input
     (do not), and it records why each attempt failed."""
@@ -99,6 +99,7 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
             METRICS_PORT_ENV: str(RUNNER_METRICS_PORT),
             JOB_NAME_ENV: owner.name,
             JOB_NAMESPACE_ENV: owner.namespace,
+            **(extra_env or {}),
         }) + credential_env(spec.pod),
         "ports": [{"name": "metrics", "containerPort": RUNNER_METRICS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
@@ -119,7 +120,7 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": owner.namespace, "labels": meta_labels, "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid)]},
+        "metadata": {"name": name, "namespace": owner.namespace, "labels": meta_labels, "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)]},
         "spec": job_spec,
     }
 
@@ -140,8 +141,8 @@ def build_runner_role(owner: Owner) -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": {"name": runner_role_name(owner.name), "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
-                     "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid)]},
-        "rules": role_rules(RUNNER_JOB_RULES, resource_names=[owner.name]),
+                     "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)]},
+        "rules": role_rules(RUNNER_JOB_RULES if owner.kind == KIND else RUNNER_BATCH_RULES, resource_names=[owner.name]),
     }
 
 
@@ -152,7 +153,7 @@ def build_runner_role_binding(owner: Owner, account: str) -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
         "metadata": {"name": name, "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
-                     "ownerReferences": [owner_reference(API_VERSION, KIND, owner.name, owner.uid)]},
+                     "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)]},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": owner.namespace}],
     }

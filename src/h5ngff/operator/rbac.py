@@ -43,6 +43,13 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     Rule("kopf.dev", "clusterkopfpeerings", ("list", "watch", "patch"), "kopf peering between replicas (cluster-wide)"),
     Rule("kopf.dev", "kopfpeerings", ("list", "watch", "patch"), "kopf peering between replicas (with --namespace)", exercised=False),
     Rule(GROUP, "conversionjobs/finalizers", ("update",), "runner Jobs' ownerReferences set blockOwnerDeletion", exercised=False),
+    # ConversionBatches: kopf watches them in every run; the rest only where a batch exists
+    # (tests/test_operator_batch.py checks its calls against these rules).
+    Rule(GROUP, "conversionbatches", ("list", "watch"), "kopf watches ConversionBatches"),
+    Rule(GROUP, "conversionbatches", ("get", "patch"), "kopf patches a ConversionBatch's finalizer and annotations; a busy output's Lease "
+         "counts as abandoned once its holder ConversionBatch is gone", exercised=False),
+    Rule(GROUP, "conversionbatches/status", ("patch",), "phase, counts, items, conditions", exercised=False),
+    Rule(GROUP, "conversionbatches/finalizers", ("update",), "runner Jobs' ownerReferences set blockOwnerDeletion", exercised=False),
 )
 
 #: The runner's permission on its own ConversionJob, granted per job: the operator creates a Role
@@ -52,6 +59,11 @@ OPERATOR_RULES: tuple[Rule, ...] = (
 #: may create this Role because it holds the same permission itself (RBAC's escalation check).
 RUNNER_JOB_RULES: tuple[Rule, ...] = (
     Rule(GROUP, "conversionjobs/status", ("patch",), "plan, progress, result and the attempt's outcome, of its own job only"),
+)
+
+#: The same for a ConversionBatch's runner: its per-item reports, of its own batch only.
+RUNNER_BATCH_RULES: tuple[Rule, ...] = (
+    Rule(GROUP, "conversionbatches/status", ("patch",), "each item's report (status.itemReports), of its own batch only"),
 )
 
 RUNNER_RULES: tuple[Rule, ...] = (

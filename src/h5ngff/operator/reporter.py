@@ -27,10 +27,11 @@ RUNNER_AGENT = "h5ngff-runner"
 
 
 class StatusReporter:
-    """``reporter(patch, final)`` queues a status patch for one ConversionJob."""
+    """``reporter(patch, final)`` queues a status patch for one ConversionJob (or, with ``plural``
+    conversionbatches, one ConversionBatch)."""
 
-    def __init__(self, namespace: str, name: str, cfg: KubeConfig | None = None):
-        self.path = namespaced(API_VERSION, namespace, PLURAL, name, "status")
+    def __init__(self, namespace: str, name: str, cfg: KubeConfig | None = None, plural: str = PLURAL):
+        self.path = namespaced(API_VERSION, namespace, plural, name, "status")
         self.cfg = cfg or KubeConfig.from_env()
         self._pending: dict[str, Any] | None = None
         self._final = False

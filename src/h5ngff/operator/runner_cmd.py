@@ -25,6 +25,7 @@ from ..jobspec import ConversionJobSpec, parse_job_spec
 from ..runner import Linger
 from ..units import parse_bytes
 from .attempt import AttemptOptions, run_attempt
+from .batchspec import BATCH_KIND, KIND_ENV
 from .manifests import BACKEND_ENV, METRICS_PORT_ENV, SPEC_ENV
 from .reporter import StatusReporter
 from .status import now, runner_report
@@ -65,7 +66,7 @@ def runner_backend(args: RunnerArgs, spec: ConversionJobSpec) -> Backend:
     """The backend ``$H5NGFF_BACKEND`` names (default kubernetes), from the one factory: one
     that starts its own workers, since a runner Job makes the cluster for its attempt."""
     from ..backends.factory import BACKENDS, BackendOptions, make_backend, owning_kinds
-    from ..jobspec import Owner
+    from ..jobspec import KIND, Owner
 
     kind = os.environ.get(BACKEND_ENV, "kubernetes")
     entry = BACKENDS.get(kind)
@@ -74,8 +75,9 @@ def runner_backend(args: RunnerArgs, spec: ConversionJobSpec) -> Backend:
         raise SpecError("", f"Expected ${BACKEND_ENV} to be {', '.join(kinds[:-1])} or {kinds[-1]} (a backend that starts its own workers). "
                             f"Got {kind!r} instead.")
     limit = os.environ.get(POD_LIMIT_ENV)
+    owner_kind = BATCH_KIND if os.environ.get(KIND_ENV) == BATCH_KIND else KIND
     options = BackendOptions(pod_limit=parse_bytes(limit) if limit else None, image=spec.pod.image or "", pod=spec.pod,
-                             owner=Owner(args.namespace, args.name, args.uid, args.attempt))
+                             owner=Owner(args.namespace, args.name, args.uid, args.attempt, owner_kind))
     return make_backend(kind, options)
 
 
@@ -94,6 +96,10 @@ def _exporter(spec: ConversionJobSpec) -> MetricsExporter | None:
 
 
 def main(args: RunnerArgs) -> int:
+    if os.environ.get(KIND_ENV) == BATCH_KIND:  # a ConversionBatch's attempt (operator/batchrunner.py)
+        from .batchrunner import main as batch_main
+
+        return batch_main(args, runner_backend)
     reporter = StatusReporter(args.namespace, args.name)
     try:
         try:
