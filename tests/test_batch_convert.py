@@ -35,7 +35,9 @@ FLAGS = ["--workers", "2", "--chunks", "16,64,64", "--levels", "2"]
 
 
 def h5ngff(*argv, cwd=None, env=None, timeout=180) -> subprocess.CompletedProcess:
-    return subprocess.run([*H5NGFF, *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or ENV)
+    return subprocess.run(
+        [*H5NGFF, *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or ENV
+    )
 
 
 @pytest.fixture
@@ -47,7 +49,9 @@ def runs(tmp_path):
         if i % 2:
             write_h5(day / f"cell_{i}.h5", smooth((32, 96, 80), "float32", seed=i))
         else:
-            write_h5(day / f"cell_{i}.h5", smooth((32, 96, 80), "uint16", seed=i), chunks=(8, 48, 40), compression="gzip")
+            write_h5(
+                day / f"cell_{i}.h5", smooth((32, 96, 80), "uint16", seed=i), chunks=(8, 48, 40), compression="gzip"
+            )
     return tmp_path
 
 
@@ -74,7 +78,9 @@ def test_a_bad_item_among_good_ones_fails_alone_and_the_exit_code_says_so(runs):
     assert [by_source[f"runs/day1/cell_{i}.h5:/volume/data"]["status"] for i in range(4)] == [DONE] * 4
     assert summary["cluster_starts"] == 1 and summary["done"] == 4 and summary["refused"] == 1
     for i in range(4):
-        np.testing.assert_array_equal(read_back(runs / "out" / f"cell_{i}.ome.zarr"), source_of(runs / "runs" / "day1" / f"cell_{i}.h5"))
+        np.testing.assert_array_equal(
+            read_back(runs / "out" / f"cell_{i}.ome.zarr"), source_of(runs / "runs" / "day1" / f"cell_{i}.h5")
+        )
     assert not (runs / "out" / "cell_9.ome.zarr").exists()
     # Every good item's peak is measured and stays under its own plan.
     for r in summary["results"][:4]:
@@ -90,7 +96,9 @@ def test_a_bad_item_among_good_ones_fails_alone_and_the_exit_code_says_so(runs):
 
 def test_fail_fast_stops_at_the_first_refusal(runs):
     (runs / "runs" / "day1" / "cell_0.h5").write_text("not HDF5")
-    proc = h5ngff("convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--json", "--fail-fast", cwd=runs)
+    proc = h5ngff(
+        "convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--json", "--fail-fast", cwd=runs
+    )
     assert proc.returncode == ExitCode.FAILED
     statuses = [r["status"] for r in json.loads(proc.stdout)["results"]]
     assert statuses == [REFUSED, NOT_RUN, NOT_RUN, NOT_RUN]
@@ -106,19 +114,36 @@ def test_two_sources_mapped_to_one_output_are_refused_before_anything_starts(run
     assert "both written to 'out/cell_0.ome.zarr'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (runs / "out").exists()
     # Negative control: a template that tells them apart runs.
-    ok = h5ngff("convert", "runs/*/*.h5:/volume/data", "out/{parent}/{stem}.ome.zarr", *FLAGS, "--no-progress", cwd=runs)
+    ok = h5ngff(
+        "convert", "runs/*/*.h5:/volume/data", "out/{parent}/{stem}.ome.zarr", *FLAGS, "--no-progress", cwd=runs
+    )
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert (runs / "out" / "day2" / "cell_0.ome.zarr" / "zarr.json").exists()
 
 
 def test_a_kill_mid_batch_then_a_rerun_resumes_byte_identical(runs, tmp_path):
     env = {**ENV, "H5NGFF_FAULTS": "slab_sleep=0.3"}
-    argv = [*H5NGFF, "convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--slab", "16,96,80", "--no-progress"]
-    proc = subprocess.Popen(argv, cwd=runs, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    argv = [
+        *H5NGFF,
+        "convert",
+        "runs/day1/*.h5:/volume/data",
+        "out/{stem}.ome.zarr",
+        *FLAGS,
+        "--slab",
+        "16,96,80",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=runs, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         # Killed once the second item has begun writing: the first is complete, the second partial.
         deadline = time.monotonic() + 120
-        while not list((runs / "out" / "cell_1.ome.zarr").rglob("c/*")) and time.monotonic() < deadline and proc.poll() is None:
+        while (
+            not list((runs / "out" / "cell_1.ome.zarr").rglob("c/*"))
+            and time.monotonic() < deadline
+            and proc.poll() is None
+        ):
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         os.killpg(proc.pid, signal.SIGKILL)
@@ -126,14 +151,31 @@ def test_a_kill_mid_batch_then_a_rerun_resumes_byte_identical(runs, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    rerun = h5ngff("convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--slab", "16,96,80", "--json", cwd=runs)
+    rerun = h5ngff(
+        "convert",
+        "runs/day1/*.h5:/volume/data",
+        "out/{stem}.ome.zarr",
+        *FLAGS,
+        "--slab",
+        "16,96,80",
+        "--json",
+        cwd=runs,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     results = json.loads(rerun.stdout)["results"]
     assert [r["status"] for r in results] == [COMPLETE, DONE, DONE, DONE]
     assert [r["resumed"] for r in results] == [True, True, False, False]  # the second item went on from its manifest
     # The same batch, never interrupted, elsewhere: every file of every output has the same bytes.
-    fresh = h5ngff("convert", "runs/day1/*.h5:/volume/data", str(tmp_path / "fresh" / "{stem}.ome.zarr"), *FLAGS, "--slab", "16,96,80",
-                   "--no-progress", cwd=runs)
+    fresh = h5ngff(
+        "convert",
+        "runs/day1/*.h5:/volume/data",
+        str(tmp_path / "fresh" / "{stem}.ome.zarr"),
+        *FLAGS,
+        "--slab",
+        "16,96,80",
+        "--no-progress",
+        cwd=runs,
+    )
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     for i in range(4):
         resumed, clean = runs / "out" / f"cell_{i}.ome.zarr", tmp_path / "fresh" / f"cell_{i}.ome.zarr"
@@ -170,7 +212,9 @@ def _specs(runs: Path, sizes: dict[str, tuple[int, ...]]):
 
     def spec_for(item):
         path, _, dataset = item.source.rpartition(":")
-        return parse_spec({"source": {"path": path, "dataset": dataset}, "output": {"path": item.output}, "resources": {"workers": 2}})
+        return parse_spec(
+            {"source": {"path": path, "dataset": dataset}, "output": {"path": item.output}, "resources": {"workers": 2}}
+        )
 
     return items, spec_for
 
@@ -203,6 +247,47 @@ def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monk
     for item in items[1:]:
         _remove(item.output)
     monkeypatch.setattr(batch_run, "release_between_conversions", lambda: None)
-    leaky = run_batch([BatchItem(items[0].source, items[0].path, str(runs / "again.ome.zarr")), *items[1:]], spec_for, CountingBackend())
+    leaky = run_batch(
+        [BatchItem(items[0].source, items[0].path, str(runs / "again.ome.zarr")), *items[1:]],
+        spec_for,
+        CountingBackend(),
+    )
     assert [r.status for r in leaky.results] == [DONE, DONE, DONE]
-    assert any(r.peak_rss > r.predicted_peak for r in leaky.results[1:]), [(r.peak_rss, r.predicted_peak) for r in leaky.results]
+    assert any(r.peak_rss > r.predicted_peak for r in leaky.results[1:]), [
+        (r.peak_rss, r.predicted_peak) for r in leaky.results
+    ]
+
+
+def test_a_conversionbatch_manifest_runs_locally_with_the_operator_s_items(runs):
+    """``h5ngff batch BATCH.yaml``: the ConversionBatch one would kubectl apply, run here: each
+    item's own output or the template's, the flags over every item, a re-run complete."""
+    manifest = runs / "batch.yaml"
+    manifest.write_text(
+        "apiVersion: h5ngff.dev/v1alpha1\nkind: ConversionBatch\nmetadata: {name: local}\nspec:\n"
+        "  items:\n"
+        "    - source: {path: runs/day1/cell_0.h5, dataset: /volume/data}\n"
+        "    - source: {path: runs/day1/cell_1.h5, dataset: /volume/data}\n"
+        "      output: out/retake.ome.zarr\n"
+        "  output: {path: 'out/{stem}.ome.zarr'}\n"
+    )
+    proc = h5ngff("batch", manifest, *FLAGS, "--json", cwd=runs)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert [(r["output"], r["status"]) for r in summary["results"]] == [
+        ("out/cell_0.ome.zarr", DONE),
+        ("out/retake.ome.zarr", DONE),
+    ]
+    np.testing.assert_array_equal(
+        read_back(runs / "out" / "retake.ome.zarr"), source_of(runs / "runs" / "day1" / "cell_1.h5")
+    )
+    again = h5ngff("batch", manifest, *FLAGS, "--json", cwd=runs)
+    assert again.returncode == 0 and json.loads(again.stdout)["complete"] == 2, again.stderr[-3000:]
+    # Negative control: a ConversionJob is not a batch, and the message says which kind it wants.
+    job = runs / "job.yaml"
+    job.write_text("apiVersion: h5ngff.dev/v1alpha1\nkind: ConversionJob\nmetadata: {name: j}\nspec: {}\n")
+    wrong = h5ngff("batch", job, cwd=runs)
+    assert (
+        wrong.returncode == ExitCode.BAD_INPUT
+        and "kind: ConversionBatch" in wrong.stderr
+        and "Traceback" not in wrong.stderr
+    )

@@ -13,8 +13,17 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from .cliargs import SuggestingParser, add_backend_flags, add_spec_flags, backend_from_args, constants_from_args, merge, spec_for_source, spec_overrides
-from .clibatch import convert_batch, is_batch
+from .cliargs import (
+    SuggestingParser,
+    add_backend_flags,
+    add_spec_flags,
+    backend_from_args,
+    constants_from_args,
+    merge,
+    spec_for_source,
+    spec_overrides,
+)
+from .clibatch import add_batch_command, convert_batch, is_batch
 from .clijob import add_job_commands
 from .console import make_console, print_notices
 from .cliverify import add_verify_command
@@ -68,26 +77,53 @@ Exit status: see h5ngff --help.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = SuggestingParser(prog="h5ngff", description=DESCRIPTION, epilog=EPILOG_MAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = SuggestingParser(
+        prog="h5ngff", description=DESCRIPTION, epilog=EPILOG_MAIN, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"h5ngff {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="More log output (-vv for debug).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("plan", help="Show the plan for a conversion (reads HDF5 metadata only).", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Plan a conversion and explain every MiB a worker needs. Reads only HDF5 metadata.", epilog=EPILOG_PLAN)
+    p = sub.add_parser(
+        "plan",
+        help="Show the plan for a conversion (reads HDF5 metadata only).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Plan a conversion and explain every MiB a worker needs. Reads only HDF5 metadata.",
+        epilog=EPILOG_PLAN,
+    )
     p.add_argument("source", metavar="SOURCE", help="FILE.h5:/dataset, or a ConversionJob YAML file.")
-    p.add_argument("output", metavar="OUTPUT", nargs="?", help="Output path (only needed to show it; default SOURCE.ome.zarr).")
+    p.add_argument(
+        "output", metavar="OUTPUT", nargs="?", help="Output path (only needed to show it; default SOURCE.ome.zarr)."
+    )
     _common_run_flags(p, convert=False)
     add_spec_flags(p)
     p.set_defaults(func=cmd_plan)
 
-    c = sub.add_parser("convert", help="Convert an HDF5 dataset to OME-Zarr.", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Plan, start a Dask cluster sized by the plan, convert, and report time and memory.", epilog=EPILOG_CONVERT)
-    c.add_argument("sources", nargs="+", metavar="SOURCE", help="FILE.h5:/dataset (e.g. in.h5:/volume/data), several to stack (in.h5:/ch{0..2}), an Imaris FILE.ims, or a BigDataViewer dataset.xml (docs/formats.md). Several, or a quoted glob ('runs/*/*.h5:/data'), make a batch (docs/batch.md).")
-    c.add_argument("output", metavar="OUTPUT", help="Output directory, e.g. out.ome.zarr; for a batch a template: out/{stem}.ome.zarr ({stem}, {name}, {parent}).")
+    c = sub.add_parser(
+        "convert",
+        help="Convert an HDF5 dataset to OME-Zarr.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Plan, start a Dask cluster sized by the plan, convert, and report time and memory.",
+        epilog=EPILOG_CONVERT,
+    )
+    c.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="FILE.h5:/dataset (e.g. in.h5:/volume/data), several to stack (in.h5:/ch{0..2}), an Imaris FILE.ims, or a BigDataViewer dataset.xml (docs/formats.md). Several, or a quoted glob ('runs/*/*.h5:/data'), make a batch (docs/batch.md).",
+    )
+    c.add_argument(
+        "output",
+        metavar="OUTPUT",
+        help="Output directory, e.g. out.ome.zarr; for a batch a template: out/{stem}.ome.zarr ({stem}, {name}, {parent}).",
+    )
     _common_run_flags(c, convert=True)
-    c.add_argument("--fail-fast", action="store_true", help="Batch: stop at the first item that fails or is refused (default: convert the others).")
+    c.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="Batch: stop at the first item that fails or is refused (default: convert the others).",
+    )
     add_spec_flags(c)
     c.set_defaults(func=cmd_convert)
 
@@ -95,18 +131,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path", help="HDF5 file to write.")
     s.add_argument("--dataset", default="/volume/data", help="Dataset path inside the file (default /volume/data).")
     s.add_argument("--shape", default="96,768,512", help="Comma-separated shape (2 to 5 dimensions).")
-    s.add_argument("--dtype", default="uint16", help="numpy dtype name: an integer, float or bool type, e.g. uint16, float32.")
+    s.add_argument(
+        "--dtype", default="uint16", help="numpy dtype name: an integer, float or bool type, e.g. uint16, float32."
+    )
     s.add_argument("--hdf5-chunks", metavar="SHAPE", help="Store chunked with this chunk shape (default contiguous).")
     s.add_argument("--gzip", action="store_true", help="gzip-compress the HDF5 chunks (needs --hdf5-chunks).")
     s.set_defaults(func=cmd_sample)
 
     d = sub.add_parser("demo", help="Generate a sample, show its plan, convert it locally and write a memory report.")
-    d.add_argument("directory", nargs="?", default="h5ngff-demo", help="Where the sample, output and report go (default ./h5ngff-demo).")
-    d.add_argument("--shape", default="96,1024,1024", help="Sample shape, 2 to 5 dimensions (default 96,1024,1024 uint16, 192 MiB).")
+    d.add_argument(
+        "directory",
+        nargs="?",
+        default="h5ngff-demo",
+        help="Where the sample, output and report go (default ./h5ngff-demo).",
+    )
+    d.add_argument(
+        "--shape",
+        default="96,1024,1024",
+        help="Sample shape, 2 to 5 dimensions (default 96,1024,1024 uint16, 192 MiB).",
+    )
     d.set_defaults(func=cmd_demo)
     add_job_commands(sub, _common_run_flags)
+    add_batch_command(sub, _common_run_flags)
     add_verify_command(sub)
-    p.add_argument("--kubernetes", action="store_true", help="Plan as the operator would: workers auto = 4, no machine-memory budget.")
+    p.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="Plan as the operator would: workers auto = 4, no machine-memory budget.",
+    )
     return parser
 
 
@@ -115,13 +167,44 @@ def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
     add_backend_flags(p)
     p.add_argument("--calibration", metavar="FILE", help="JSON file overriding the memory model's measured constants.")
     if convert:
-        p.add_argument("--overwrite", action="store_true", help="Replace an existing h5ngff or Zarr output instead of resuming it (never one another run is writing).")
-        p.add_argument("--scheduler", metavar="ADDRESS", help="Use an existing Dask cluster (tcp://host:8786) instead of starting one.")
-        p.add_argument("--enforce-pod-limits", action="store_true", help="Run each worker in its own memory cgroup limited to the planned pod limit, as on Kubernetes.")
-        p.add_argument("--pod-limit", metavar="SIZE", help="Override the planned pod limit (with --enforce-pod-limits; for experiments).")
-        p.add_argument("--memory-report", metavar="FILE", help="Write a per-worker memory timeline (.png or .html) with the planned limits drawn in.")
-        p.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve Prometheus metrics on this port during the run (docs/metrics.md).")
-        p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS", help="With --metrics-port: keep serving the final values this long after the run, so Prometheus scrapes them.")
+        p.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="Replace an existing h5ngff or Zarr output instead of resuming it (never one another run is writing).",
+        )
+        p.add_argument(
+            "--scheduler",
+            metavar="ADDRESS",
+            help="Use an existing Dask cluster (tcp://host:8786) instead of starting one.",
+        )
+        p.add_argument(
+            "--enforce-pod-limits",
+            action="store_true",
+            help="Run each worker in its own memory cgroup limited to the planned pod limit, as on Kubernetes.",
+        )
+        p.add_argument(
+            "--pod-limit",
+            metavar="SIZE",
+            help="Override the planned pod limit (with --enforce-pod-limits; for experiments).",
+        )
+        p.add_argument(
+            "--memory-report",
+            metavar="FILE",
+            help="Write a per-worker memory timeline (.png or .html) with the planned limits drawn in.",
+        )
+        p.add_argument(
+            "--metrics-port",
+            type=int,
+            metavar="PORT",
+            help="Serve Prometheus metrics on this port during the run (docs/metrics.md).",
+        )
+        p.add_argument(
+            "--metrics-linger",
+            type=float,
+            default=0.0,
+            metavar="SECONDS",
+            help="With --metrics-port: keep serving the final values this long after the run, so Prometheus scrapes them.",
+        )
         p.add_argument("--no-progress", action="store_true", help="No progress bar (logs only).")
 
 
@@ -209,7 +292,9 @@ def convert_spec(spec: ConversionSpec, args: argparse.Namespace, console: Consol
 
     bar: list[Listener] = [] if args.json or args.no_progress else [ProgressBar(console)]
     try:
-        summary = execute(spec, backend, bar, metrics, constants=constants, on_plan=show_plan, linger=Linger(args.metrics_linger))
+        summary = execute(
+            spec, backend, bar, metrics, constants=constants, on_plan=show_plan, linger=Linger(args.metrics_linger)
+        )
     except H5ngffError as exc:
         # A failed run's memory timeline is the one a user most needs to see.
         if args.memory_report and exc.summary is not None and exc.summary.timeline:
@@ -256,19 +341,32 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     if not os.path.exists(source):
         console.print(f"[bold]1. sample[/bold]: writing {source} {shape} uint16")
         # Voxel sizes for the spatial axes only (z, y, x): leading t and c axes have none.
-        write_sample(source, "/volume/data", shape, "uint16", element_size_um=(2.0, 0.5, 0.5)[-min(len(shape), 3):] if len(shape) <= 3 else None)
+        write_sample(
+            source,
+            "/volume/data",
+            shape,
+            "uint16",
+            element_size_um=(2.0, 0.5, 0.5)[-min(len(shape), 3) :] if len(shape) <= 3 else None,
+        )
     parser = build_parser()
     output = os.path.join(args.directory, "sample.ome.zarr")
     report = os.path.join(args.directory, "memory-report.png")
-    console.print(f"[bold]2. plan and convert[/bold]: h5ngff convert {source}:/volume/data {output} --overwrite --memory-report {report}")
-    convert_args = parser.parse_args(["convert", f"{source}:/volume/data", output, "--overwrite", "--memory-report", report])
+    console.print(
+        f"[bold]2. plan and convert[/bold]: h5ngff convert {source}:/volume/data {output} --overwrite --memory-report {report}"
+    )
+    convert_args = parser.parse_args(
+        ["convert", f"{source}:/volume/data", output, "--overwrite", "--memory-report", report]
+    )
     return cmd_convert(convert_args, console)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         # Dask logs every worker start and stop at INFO; the progress bar says what matters. Import
         # distributed first: importing it installs its own logging config, which would undo ours.
@@ -313,7 +411,11 @@ def _exit_code(exc: H5ngffError) -> int:
     that proves corrupt mid-run, an output that stops being writable) is a failed run, exit 1,
     whose partial output a re-run resumes."""
     summary = exc.summary
-    if exc.exit_code in (ExitCode.BAD_INPUT, ExitCode.OUTPUT_REFUSED) and summary is not None and summary.totals is not None:
+    if (
+        exc.exit_code in (ExitCode.BAD_INPUT, ExitCode.OUTPUT_REFUSED)
+        and summary is not None
+        and summary.totals is not None
+    ):
         return ExitCode.FAILED
     return exc.exit_code
 

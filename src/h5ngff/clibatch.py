@@ -10,26 +10,87 @@ from __future__ import annotations
 import argparse
 import json
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rich.console import Console, Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
 from .batch.items import GLOB_CHARS, BatchItem, batch_items, expand_sources, is_template, split_pattern
 from .batch.run import COMPLETE, DONE, FAILED, NOT_RUN, REFUSED, BatchHooks, BatchSummary, ItemResult, run_batch
-from .cliargs import backend_from_args, constants_from_args, spec_for_source
+from .cliargs import add_spec_flags, backend_from_args, constants_from_args, merge, spec_for_source, spec_overrides
 from .console import print_notices
 from .engine.progress import Listener, Progress as ProgressEvent
 from .errors import ExitCode, SpecError
 from .units import MiB
 
 if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
+    from .backends.base import Backend
     from .metrics.exporter import MetricsExporter
     from .spec import ConversionSpec
 
 OUTCOME_STYLE = {DONE: "green", COMPLETE: "green", REFUSED: "yellow", FAILED: "red", NOT_RUN: "dim"}
+
+
+EPILOG_BATCH = """\
+examples:
+  h5ngff batch manifests/examples/conversionbatch.yaml            # the ConversionBatch you would kubectl apply
+  h5ngff batch run.yaml --workers 4 --json
+
+The same items, outputs, plans, outcomes and exit status as h5ngff convert with a glob and a
+template (docs/batch.md); the items and every setting come from the manifest's spec.
+"""
+
+
+def add_batch_command(sub: Any, common_run_flags: Callable[[argparse.ArgumentParser, bool], None]) -> None:
+    b = sub.add_parser(
+        "batch",
+        help="Run a ConversionBatch manifest locally: many files through one planned cluster.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG_BATCH,
+        description="Run a ConversionBatch manifest (the file you would kubectl apply) on a local Dask cluster.",
+    )
+    b.add_argument(
+        "manifest", metavar="BATCH.yaml", help="A ConversionBatch manifest (apiVersion h5ngff.dev/v1alpha1)."
+    )
+    common_run_flags(b, True)
+    add_spec_flags(b)  # over every item's spec, as over a manifest's in h5ngff plan and convert
+    b.add_argument("--fail-fast", action="store_true", help="Stop at the first item that fails or is refused.")
+    b.set_defaults(func=cmd_batch)
+
+
+def cmd_batch(args: argparse.Namespace, console: Console) -> int:
+    """``h5ngff batch BATCH.yaml``: the manifest's items, each with the spec one ConversionJob
+    would have, under the flags given (``--overwrite``, the backend's)."""
+    from .job import load_document, manifest_head, parse_spec_of
+    from .operator.batchspec import BATCH_KIND, parse_batch_spec
+    from .spec import parse_spec
+
+    doc = load_document(args.manifest, BATCH_KIND)
+    manifest_head(doc)
+    planned = parse_spec_of(doc, parse_batch_spec).planned_items()
+    specs = {p.item: p.spec for p in planned}
+    overrides = spec_overrides(args)
+
+    def spec_for(item: BatchItem) -> ConversionSpec:
+        return parse_spec(merge(specs[item].conversion().to_wire(), overrides))
+
+    return _run(
+        [p.item for p in planned],
+        spec_for,
+        backend_from_args(args, specs[planned[0].item].slurm if planned else None),
+        args,
+        console,
+    )
 
 
 def is_batch(sources: Sequence[str], output: str) -> bool:
@@ -41,16 +102,34 @@ def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespa
     """Exit 0 when every item is converted (now or by an earlier run), 1 otherwise; 2 when the
     batch itself is refused before anything starts (colliding outputs, a pattern matching nothing)."""
     if getattr(args, "memory_report", None):
-        raise SpecError("--memory-report", "Expected --memory-report with one conversion; a batch reports each item's peak against its plan in its summary.")
+        raise SpecError(
+            "--memory-report",
+            "Expected --memory-report with one conversion; a batch reports each item's peak against its plan in its summary.",
+        )
     if not is_template(template) and len(sources := expand_sources(patterns)) > 1:
-        raise SpecError("output", f"Expected an output template such as out/{{stem}}.ome.zarr for {len(sources)} sources. Got {template!r} instead.")
+        raise SpecError(
+            "output",
+            f"Expected an output template such as out/{{stem}}.ome.zarr for {len(sources)} sources. Got {template!r} instead.",
+        )
     items = batch_items(patterns, template)
-    backend = backend_from_args(args, None)
 
-    def spec_for(item: BatchItem):
+    def spec_for(item: BatchItem) -> ConversionSpec:
         return spec_for_source(item.source, item.output, args)
 
+    return _run(items, spec_for, backend_from_args(args, None), args, console)
+
+
+def _run(
+    items: Sequence[BatchItem],
+    spec_for: Callable[[BatchItem], ConversionSpec],
+    backend: Backend,
+    args: argparse.Namespace,
+    console: Console,
+) -> int:
+    """The batch's run, shown: its plan, a bar per item under an overall bar, the summary (or
+    ``--json``), and its metrics (``--metrics-port``). Exit 0 when every item is converted."""
     progress = BatchProgress(console, len(items)) if not (args.json or args.no_progress) else None
+
     def on_planned(summary: BatchSummary) -> None:
         if not args.json:
             _show_plan(summary, console)
@@ -68,7 +147,15 @@ def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespa
         if metrics is not None and metrics.batch is not None:
             hooks, specs = metrics.batch.around(hooks), metrics.batch.planning(spec_for)
         with progress if progress else nullcontext():
-            summary = run_batch(items, specs, backend, constants=constants_from_args(args), fail_fast=args.fail_fast, hooks=hooks, metrics=metrics)
+            summary = run_batch(
+                items,
+                specs,
+                backend,
+                constants=constants_from_args(args),
+                fail_fast=args.fail_fast,
+                hooks=hooks,
+                metrics=metrics,
+            )
         if metrics is not None and metrics.batch is not None:
             metrics.batch.finished(summary)
         if args.json:
@@ -100,8 +187,10 @@ def _show_plan(summary: BatchSummary, console: Console) -> None:
         return
     plan = sizing.job.plan
     planned = sum(r.job is not None for r in summary.results)
-    console.print(f"[bold]batch[/bold]: {len(summary.results)} items, {planned} planned; one cluster of {plan.workers} worker(s) x "
-                  f"{plan.threads_per_worker} thread(s), pod limit {plan.memory.pod_limit / MiB:.0f} MiB each, sized by {sizing.item.source}")
+    console.print(
+        f"[bold]batch[/bold]: {len(summary.results)} items, {planned} planned; one cluster of {plan.workers} worker(s) x "
+        f"{plan.threads_per_worker} thread(s), pod limit {plan.memory.pod_limit / MiB:.0f} MiB each, sized by {sizing.item.source}"
+    )
     print_notices(summary.notices)
 
 
@@ -111,8 +200,13 @@ def batch_renderable(summary: BatchSummary) -> Group:
     head.add_column()
     status = "Succeeded" if summary.ok else "Failed"
     head.add_row("status", f"[{'green' if summary.ok else 'red'}]{status}[/]")
-    head.add_row("items", ", ".join(f"{summary.count(s)} {s.lower()}" for s in (DONE, COMPLETE, REFUSED, FAILED, NOT_RUN) if summary.count(s))
-                 + f" of {len(summary.results)}")
+    head.add_row(
+        "items",
+        ", ".join(
+            f"{summary.count(s)} {s.lower()}" for s in (DONE, COMPLETE, REFUSED, FAILED, NOT_RUN) if summary.count(s)
+        )
+        + f" of {len(summary.results)}",
+    )
     head.add_row("time", f"{summary.seconds:.2f} s, {summary.cluster_starts} cluster start(s)")
     table = Table(title="Items: each worker's peak against its own item's plan", title_justify="left", show_edge=False)
     for column in ("item", "output", "outcome", "GB read", "seconds", "peak MiB", "plan MiB", "peak/plan"):
@@ -120,9 +214,21 @@ def batch_renderable(summary: BatchSummary) -> Group:
     for r in summary.results:
         d = r.to_dict()
         ratio = f"{r.peak_rss / r.predicted_peak:.2f}" if r.peak_rss and r.predicted_peak else ""
-        table.add_row(r.item.source, r.item.output, Text(r.status, style=OUTCOME_STYLE[r.status]), f"{d['bytes_read'] / 1e9:.3f}",
-                      f"{d['seconds']:.2f}", f"{r.peak_rss / MiB:.0f}" if r.peak_rss else "", f"{r.predicted_peak / MiB:.0f}" if r.job else "", ratio)
-    problems = [Text(f"{r.item.source}: ({r.error.reason}) {r.error}", style=OUTCOME_STYLE[r.status]) for r in summary.results if r.error]
+        table.add_row(
+            r.item.source,
+            r.item.output,
+            Text(r.status, style=OUTCOME_STYLE[r.status]),
+            f"{d['bytes_read'] / 1e9:.3f}",
+            f"{d['seconds']:.2f}",
+            f"{r.peak_rss / MiB:.0f}" if r.peak_rss else "",
+            f"{r.predicted_peak / MiB:.0f}" if r.job else "",
+            ratio,
+        )
+    problems = [
+        Text(f"{r.item.source}: ({r.error.reason}) {r.error}", style=OUTCOME_STYLE[r.status])
+        for r in summary.results
+        if r.error
+    ]
     return Group(head, Text(""), table, *([Text("")] + problems if problems else []))
 
 
@@ -130,8 +236,16 @@ class BatchProgress:
     """An overall bar over the items, and one bar for the item running."""
 
     def __init__(self, console: Console, items: int):
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
-                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console)
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[note]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=console,
+        )
         self.overall = self.bar.add_task("items", total=items, note="")
         self.current: TaskID | None = None
 
@@ -143,7 +257,9 @@ class BatchProgress:
         self.bar.__exit__(None, None, None)
 
     def item_listener(self, result: ItemResult) -> Listener:
-        self.current = self.bar.add_task(result.item.output, total=max(result.job.plan.n_tasks if result.job else 1, 1), note="slabs")
+        self.current = self.bar.add_task(
+            result.item.output, total=max(result.job.plan.n_tasks if result.job else 1, 1), note="slabs"
+        )
         task = self.current
 
         def listen(p: ProgressEvent) -> None:
@@ -161,5 +277,7 @@ class BatchProgress:
         if self.current is not None:
             self.bar.remove_task(self.current)
             self.current = None
-        self.bar.console.print(Text(f"{result.status:8} {result.item.source} -> {result.item.output}", style=OUTCOME_STYLE[result.status]))
+        self.bar.console.print(
+            Text(f"{result.status:8} {result.item.source} -> {result.item.output}", style=OUTCOME_STYLE[result.status])
+        )
         self.bar.advance(self.overall)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import yaml
 
@@ -16,6 +16,7 @@ from .errors import SpecError
 from .jobspec import API_VERSION, KIND, ConversionJobSpec, parse_job_spec
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -34,26 +35,59 @@ def is_manifest_path(text: str) -> bool:
 
 def load_job(path: str) -> JobManifest:
     """Read the (first) ConversionJob in a YAML file, or raise SpecError saying what is wrong."""
+    return parse_manifest(load_document(path, KIND), path)
+
+
+def load_document(path: str, kind: str) -> dict[str, Any]:
+    """The first document of ``kind`` in a YAML file, or a SpecError that says what is wrong."""
     try:
         with open(path) as f:
             documents = [d for d in yaml.safe_load_all(f) if d is not None]
     except FileNotFoundError:
-        raise SpecError("", f"Expected a ConversionJob manifest file. Got {path!r}, which does not exist, instead.") from None
+        raise SpecError("", f"Expected a {kind} manifest file. Got {path!r}, which does not exist, instead.") from None
     except IsADirectoryError:
-        raise SpecError("", f"Expected a ConversionJob manifest file. Got {path!r}, which is a directory, instead.") from None
+        raise SpecError("", f"Expected a {kind} manifest file. Got {path!r}, which is a directory, instead.") from None
     except UnicodeDecodeError:
-        raise SpecError("", f"Expected a ConversionJob manifest (YAML text). Got {path!r}, which is not a YAML text file (binary data"
-                            f"{', an HDF5 file' if _is_hdf5(path) else ''}), instead. To convert an HDF5 file directly: "
-                            f"h5ngff convert {path}:/dataset out.ome.zarr") from None
+        raise SpecError(
+            "",
+            f"Expected a {kind} manifest (YAML text). Got {path!r}, which is not a YAML text file (binary data"
+            f"{', an HDF5 file' if _is_hdf5(path) else ''}), instead. To convert an HDF5 file directly: "
+            f"h5ngff convert {path}:/dataset out.ome.zarr",
+        ) from None
     except OSError as exc:
-        raise SpecError("", f"Expected a readable ConversionJob manifest file. Got {path!r}, which cannot be read ({exc.strerror or exc}), instead.") from None
+        raise SpecError(
+            "",
+            f"Expected a readable {kind} manifest file. Got {path!r}, which cannot be read ({exc.strerror or exc}), instead.",
+        ) from None
     except yaml.YAMLError as exc:
         raise SpecError("", f"Expected valid YAML in {path}. Got a syntax error instead: {exc}") from None
-    jobs = [d for d in documents if isinstance(d, dict) and d.get("kind") == KIND]
-    if not jobs:
+    found = [d for d in documents if isinstance(d, dict) and d.get("kind") == kind]
+    if not found:
         kinds = [d.get("kind") if isinstance(d, dict) else type(d).__name__ for d in documents]
-        raise SpecError("kind", f"Expected a document with kind: {KIND} in {path}. Got {kinds or 'no documents'} instead.")
-    return parse_manifest(jobs[0], path)
+        raise SpecError(
+            "kind", f"Expected a document with kind: {kind} in {path}. Got {kinds or 'no documents'} instead."
+        )
+    return found[0]
+
+
+def manifest_head(doc: dict[str, Any]) -> tuple[str, str | None]:
+    """(name, namespace) of a manifest, its apiVersion checked."""
+    api_version = doc.get("apiVersion")
+    if api_version != API_VERSION:
+        raise SpecError("apiVersion", f"Expected {API_VERSION}. Got {api_version!r} instead.")
+    meta = doc.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
+        raise SpecError("metadata.name", f"Expected a name, as Kubernetes requires. Got {meta!r} instead.")
+    return meta["name"], meta.get("namespace")
+
+
+def parse_spec_of(doc: dict[str, Any], parse: Callable[[Any], S]) -> S:
+    """A manifest's ``.spec`` parsed by ``parse``; its errors name the field under ``spec.``."""
+    try:
+        return parse(doc.get("spec"))
+    except SpecError as exc:
+        message = str(exc)[len(exc.field) + 2 :] if exc.field else str(exc)
+        raise SpecError(f"spec.{exc.field}" if exc.field else "spec", message) from None
 
 
 def _is_hdf5(path: str) -> bool:
@@ -62,15 +96,4 @@ def _is_hdf5(path: str) -> bool:
 
 
 def parse_manifest(doc: dict[str, Any], path: str = "<manifest>") -> JobManifest:
-    api_version = doc.get("apiVersion")
-    if api_version != API_VERSION:
-        raise SpecError("apiVersion", f"Expected {API_VERSION}. Got {api_version!r} instead.")
-    meta = doc.get("metadata")
-    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
-        raise SpecError("metadata.name", f"Expected a name, as Kubernetes requires. Got {meta!r} instead.")
-    try:
-        spec = parse_job_spec(doc.get("spec"))
-    except SpecError as exc:
-        message = str(exc)[len(exc.field) + 2:] if exc.field else str(exc)
-        raise SpecError(f"spec.{exc.field}" if exc.field else "spec", message) from None
-    return JobManifest(os.fspath(path), meta["name"], meta.get("namespace"), spec, doc)
+    return JobManifest(os.fspath(path), *manifest_head(doc), parse_spec_of(doc, parse_job_spec), doc)
