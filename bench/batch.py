@@ -84,10 +84,15 @@ def ensure_inputs(files: int, mb: float, data_dir: str) -> list[tuple[str, Case]
     except (OSError, ValueError):
         pass
     os.makedirs(folder, exist_ok=True)
-    print(f"generating {files} files of {mb:g} MB in {folder} ({min(files, UNIQUE_FILES)} distinct, the rest copies of them)", flush=True)
+    print(
+        f"generating {files} files of {mb:g} MB in {folder} ({min(files, UNIQUE_FILES)} distinct, the rest copies of them)",
+        flush=True,
+    )
     for i, (path, case) in enumerate(inputs):
         if i < UNIQUE_FILES:
-            write_sample(path, DATASET, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=i)
+            write_sample(
+                path, DATASET, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=i
+            )
         else:  # a file of its own (its own inode and page cache) with the bytes of one of the same dtype
             shutil.copyfile(inputs[i % UNIQUE_FILES][0], path)
     with open(stamp, "w") as f:
@@ -119,7 +124,9 @@ def run_batch(inputs: list[tuple[str, Case]], out: str) -> tuple[float, dict]:
     shutil.rmtree(out, ignore_errors=True)
     _warm(inputs)
     folder = os.path.dirname(inputs[0][0])
-    took, proc = _h5ngff("convert", f"{folder}/*.h5:{DATASET}", os.path.join(out, "{stem}.ome.zarr"), *FLAGS, "--json", "--no-progress")
+    took, proc = _h5ngff(
+        "convert", f"{folder}/*.h5:{DATASET}", os.path.join(out, "{stem}.ome.zarr"), *FLAGS, "--json", "--no-progress"
+    )
     return took, json.loads(proc.stdout)
 
 
@@ -145,7 +152,9 @@ def run_separate(inputs: list[tuple[str, Case]], picks: list[int], out: str) -> 
     for i in picks:
         path, _ = inputs[i]
         stem = os.path.splitext(os.path.basename(path))[0]
-        took, _ = _h5ngff("convert", f"{path}:{DATASET}", os.path.join(out, f"{stem}.ome.zarr"), *FLAGS, "--no-progress")
+        took, _ = _h5ngff(
+            "convert", f"{path}:{DATASET}", os.path.join(out, f"{stem}.ome.zarr"), *FLAGS, "--no-progress"
+        )
         times.append(took)
     return times
 
@@ -175,7 +184,9 @@ def run_limit(inputs: list[tuple[str, Case]], levels: list[int], cores: int, out
     return sum(totals) / len(totals), totals
 
 
-def verify_sample(inputs: list[tuple[str, Case]], picks: list[int], out: str, suffix: str, levels: list[int]) -> str | None:
+def verify_sample(
+    inputs: list[tuple[str, Case]], picks: list[int], out: str, suffix: str, levels: list[int]
+) -> str | None:
     """None when every sampled output is right, else the first problem."""
     for i in picks:
         path, case = inputs[i]
@@ -187,18 +198,35 @@ def verify_sample(inputs: list[tuple[str, Case]], picks: list[int], out: str, su
 
 
 def _commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_DIR, check=False)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=REPO_DIR, check=False)
+    proc = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_DIR, check=False
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_DIR,
+        check=False,
+    )
     return (proc.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.batch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.batch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--files", type=int, default=200)
     ap.add_argument("--mb", type=float, default=50.0, help="Megabytes (1e6 bytes) of image data per file.")
-    ap.add_argument("--sample", type=int, default=10, help="Separate runs timed at most; with more files the total is extrapolated.")
+    ap.add_argument(
+        "--sample", type=int, default=10, help="Separate runs timed at most; with more files the total is extrapolated."
+    )
     ap.add_argument("--repeat", type=int, default=1, help="Rounds (interleaved); each measurement keeps its fastest.")
-    ap.add_argument("--cores", type=int, default=available_cores(), help="Cores the limit is split over (default: this process's affinity).")
+    ap.add_argument(
+        "--cores",
+        type=int,
+        default=available_cores(),
+        help="Cores the limit is split over (default: this process's affinity).",
+    )
     ap.add_argument("--data-dir", default=os.path.join(HERE, "data"))
     ap.add_argument("--work-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "h5ngff-bench-batch"))
     ap.add_argument("--result", help="Write the figures as JSON here.")
@@ -226,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         took, summary_now = run_batch(inputs, os.path.join(work, "batch"))
         batch_times.append(took)
         if round_ == 0:
-            levels = [_levels_of(os.path.join(work, "batch", os.path.splitext(os.path.basename(p))[0] + ".ome.zarr")) for p, _ in inputs]
+            levels = [
+                _levels_of(os.path.join(work, "batch", os.path.splitext(os.path.basename(p))[0] + ".ome.zarr"))
+                for p, _ in inputs
+            ]
             problems.append(verify_sample(inputs, checked, os.path.join(work, "batch"), ".ome.zarr", levels) or "")
         if took == min(batch_times):
             summary = summary_now
@@ -239,7 +270,16 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(os.path.join(work, "limit"), ignore_errors=True)
         separate_rounds.append(run_separate(inputs, picks, os.path.join(work, "separate")))
         if round_ == 0:
-            problems.append(verify_sample(inputs, [i for i in checked if i in picks] or picks[:1], os.path.join(work, "separate"), ".ome.zarr", levels) or "")
+            problems.append(
+                verify_sample(
+                    inputs,
+                    [i for i in checked if i in picks] or picks[:1],
+                    os.path.join(work, "separate"),
+                    ".ome.zarr",
+                    levels,
+                )
+                or ""
+            )
         shutil.rmtree(os.path.join(work, "separate"), ignore_errors=True)
     limit_s, parts = run_limit(inputs, levels, args.cores, os.path.join(work, "limit"))
     limit_times.append(limit_s)
@@ -252,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     per_run = sum(separate) / len(separate)
     separate_s = per_run * args.files
     vs_separate, vs_limit = batch_s / separate_s, batch_s / limit_s
-    worst_peak = max((r["peak_rss"] / r["predicted_peak"] for r in summary["results"] if r["predicted_peak"]), default=0.0)
+    worst_peak = max(
+        (r["peak_rss"] / r["predicted_peak"] for r in summary["results"] if r["predicted_peak"]), default=0.0
+    )
     # Where the batch's time goes: the items themselves (each from planned to its output complete),
     # and the rest (interpreter and imports, planning every item, the cluster's start and close).
     items_s = sum(r["seconds"] for r in summary["results"])
@@ -263,31 +305,76 @@ def main(argv: list[str] | None = None) -> int:
         return ", ".join(f"{t:.2f}" for t in times)
 
     print(f"command: {command}")
-    print(f"commit {_commit()}, {args.cores} core(s), load average {os.getloadavg()[0]:.1f} at the end, {args.repeat} round(s), fastest kept")
-    print(f"inputs: {args.files} files x {args.mb:g} MB ({gb:.3f} GB; float32 contiguous and uint16 chunked gzip alternating), "
-          f"{CHUNK}^3 chunks, {CODEC_TEXT}, levels auto ({min(levels)}-{max(levels)}), local default backend")
-    print(f"  batch     {batch_s:8.2f} s  one command (rounds {rounds(batch_times)}), {summary['cluster_starts']} cluster start(s), "
-          f"{summary['done']} done of {summary['items']}, {gb / batch_s:.3f} GB/s, busiest worker at {worst_peak:.2f}x its item's plan")
-    print(f"            {items_s:8.2f} s  of it in the items (mean {items_s / len(summary['results']):.3f} s), "
-          f"{batch_s - items_s:.2f} s interpreter, planning, cluster start and close")
-    how = (f"extrapolated from a sample of {len(picks)} runs (mean {per_run:.2f} s x {args.files})" if sampled
-           else f"{len(picks)} runs, mean {per_run:.2f} s")
-    print(f"  separate  {separate_s:8.2f} s  {how}; rounds' totals {rounds([sum(r) / len(r) * args.files for r in separate_rounds])}")
-    print(f"  limit     {limit_s:8.2f} s  on {args.cores} cores (parts' mean; measured {rounds(limit_times)} s, "
-          f"parts {'; '.join(rounds(p) for p in limit_parts)})")
+    print(
+        f"commit {_commit()}, {args.cores} core(s), load average {os.getloadavg()[0]:.1f} at the end, {args.repeat} round(s), fastest kept"
+    )
+    print(
+        f"inputs: {args.files} files x {args.mb:g} MB ({gb:.3f} GB; float32 contiguous and uint16 chunked gzip alternating), "
+        f"{CHUNK}^3 chunks, {CODEC_TEXT}, levels auto ({min(levels)}-{max(levels)}), local default backend"
+    )
+    print(
+        f"  batch     {batch_s:8.2f} s  one command (rounds {rounds(batch_times)}), {summary['cluster_starts']} cluster start(s), "
+        f"{summary['done']} done of {summary['items']}, {gb / batch_s:.3f} GB/s, busiest worker at {worst_peak:.2f}x its item's plan"
+    )
+    print(
+        f"            {items_s:8.2f} s  of it in the items (mean {items_s / len(summary['results']):.3f} s), "
+        f"{batch_s - items_s:.2f} s interpreter, planning, cluster start and close"
+    )
+    how = (
+        f"extrapolated from a sample of {len(picks)} runs (mean {per_run:.2f} s x {args.files})"
+        if sampled
+        else f"{len(picks)} runs, mean {per_run:.2f} s"
+    )
+    print(
+        f"  separate  {separate_s:8.2f} s  {how}; rounds' totals {rounds([sum(r) / len(r) * args.files for r in separate_rounds])}"
+    )
+    print(
+        f"  limit     {limit_s:8.2f} s  on {args.cores} cores (parts' mean; measured {rounds(limit_times)} s, "
+        f"parts {'; '.join(rounds(p) for p in limit_parts)})"
+    )
     met_separate, met_limit = vs_separate <= TARGET_SEPARATE, vs_limit <= TARGET_LIMIT
-    print(f"  batch / separate = {vs_separate:.3f}  (target <= {TARGET_SEPARATE}: {'met' if met_separate else 'MISSED'})")
+    print(
+        f"  batch / separate = {vs_separate:.3f}  (target <= {TARGET_SEPARATE}: {'met' if met_separate else 'MISSED'})"
+    )
     print(f"  batch / limit    = {vs_limit:.2f}  (target <= {TARGET_LIMIT}: {'met' if met_limit else 'MISSED'})")
-    print(f"  outputs verified (files {', '.join(map(str, checked))}): " + ("; ".join(problems) if problems else "batch, limit and separate exact"))
+    print(
+        f"  outputs verified (files {', '.join(map(str, checked))}): "
+        + ("; ".join(problems) if problems else "batch, limit and separate exact")
+    )
     if args.result:
         with open(args.result, "w") as f:
-            json.dump({"command": command, "commit": _commit(), "files": args.files, "mb": args.mb, "gb": gb, "cores": args.cores,
-                       "repeat": args.repeat, "levels": levels, "batch_seconds": batch_s, "batch_rounds": batch_times,
-                       "batch_items_seconds": items_s, "cluster_starts": summary["cluster_starts"], "done": summary["done"],
-                       "separate_seconds": separate_s, "separate_sampled": sampled, "separate_runs": separate, "separate_rounds": separate_rounds,
-                       "separate_picks": picks, "limit_seconds": limit_s, "limit_measurements": limit_times, "limit_parts": limit_parts,
-                       "batch_vs_separate": vs_separate, "batch_vs_limit": vs_limit, "worst_peak_vs_plan": worst_peak,
-                       "problems": problems, "ok": ok}, f, indent=1)
+            json.dump(
+                {
+                    "command": command,
+                    "commit": _commit(),
+                    "files": args.files,
+                    "mb": args.mb,
+                    "gb": gb,
+                    "cores": args.cores,
+                    "repeat": args.repeat,
+                    "levels": levels,
+                    "batch_seconds": batch_s,
+                    "batch_rounds": batch_times,
+                    "batch_items_seconds": items_s,
+                    "cluster_starts": summary["cluster_starts"],
+                    "done": summary["done"],
+                    "separate_seconds": separate_s,
+                    "separate_sampled": sampled,
+                    "separate_runs": separate,
+                    "separate_rounds": separate_rounds,
+                    "separate_picks": picks,
+                    "limit_seconds": limit_s,
+                    "limit_measurements": limit_times,
+                    "limit_parts": limit_parts,
+                    "batch_vs_separate": vs_separate,
+                    "batch_vs_limit": vs_limit,
+                    "worst_peak_vs_plan": worst_peak,
+                    "problems": problems,
+                    "ok": ok,
+                },
+                f,
+                indent=1,
+            )
     return 0 if ok and met_separate and met_limit else 1
 
 

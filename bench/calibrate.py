@@ -85,7 +85,10 @@ def matrix(quick: bool) -> list[Case]:
         Case("shards 128^3 of 64^3", flags=["--shards", "128,128,128"]),
         Case("big slab 384 MiB f32", dtype="float32", flags=["--slab", "128,768,1024", "--workers", "1"]),
         Case("big slab f32 pyramid 3", dtype="float32", levels=3, flags=["--slab", "128,512,1024", "--workers", "1"]),
-        Case("big slab u16 glibc-sized budget", flags=["--memory-per-worker", "900Mi", "--slab", "128,1024,1024", "--workers", "1"]),
+        Case(
+            "big slab u16 glibc-sized budget",
+            flags=["--memory-per-worker", "900Mi", "--slab", "128,1024,1024", "--workers", "1"],
+        ),
     ]
     return cases[:6] if quick else cases
 
@@ -99,23 +102,67 @@ def issue18_matrix() -> list[Case]:
         Case("shards 3 levels u16", levels=3, flags=["--shards", "128,256,256"]),
         Case("shards 2 levels f32 random", dtype="float32", data="random", levels=2, flags=["--shards", "128,256,256"]),
         Case("float64 3 threads", dtype="float64", shape=(64, 1024, 1024), flags=["--threads", "3", "--workers", "1"]),
-        Case("shards float64 2 threads 2 levels", dtype="float64", shape=(64, 512, 1024), levels=2, flags=["--shards", "64,256,256", "--threads", "2", "--workers", "1"]),
-        Case("4-D czyx u16 shards 2 levels", shape=(2, 64, 512, 1024), chunks="1,64,64,64", levels=2, flags=["--shards", "1,64,256,256"]),
+        Case(
+            "shards float64 2 threads 2 levels",
+            dtype="float64",
+            shape=(64, 512, 1024),
+            levels=2,
+            flags=["--shards", "64,256,256", "--threads", "2", "--workers", "1"],
+        ),
+        Case(
+            "4-D czyx u16 shards 2 levels",
+            shape=(2, 64, 512, 1024),
+            chunks="1,64,64,64",
+            levels=2,
+            flags=["--shards", "1,64,256,256"],
+        ),
         Case("5-D tczyx u16 2 levels", shape=(2, 2, 32, 512, 512), chunks="1,1,32,64,64", levels=2),
-        Case("memory-per-worker 400Mi shards", levels=2, flags=["--shards", "128,256,256", "--memory-per-worker", "400Mi"]),
+        Case(
+            "memory-per-worker 400Mi shards",
+            levels=2,
+            flags=["--shards", "128,256,256", "--memory-per-worker", "400Mi"],
+        ),
         Case("memory-total 700Mi workers auto", levels=2, flags=["--memory-total", "700Mi", "--workers", "auto"]),
         Case("gzip misaligned 50x100x100", layout="gzip", hdf5_chunks=(50, 100, 100), levels=2),
-        Case("gzip misaligned shards", layout="gzip", hdf5_chunks=(50, 100, 100), levels=2, flags=["--shards", "128,128,128"]),
-        Case("issue 18 f32 2048^2 shards 1 level random", dtype="float32", shape=big, data="random", flags=["--shards", "128,512,512"]),
-        Case("issue 18 f32 2048^2 shards 2 levels random", dtype="float32", shape=big, data="random", levels=2, flags=["--shards", "128,512,512"]),
+        Case(
+            "gzip misaligned shards",
+            layout="gzip",
+            hdf5_chunks=(50, 100, 100),
+            levels=2,
+            flags=["--shards", "128,128,128"],
+        ),
+        Case(
+            "issue 18 f32 2048^2 shards 1 level random",
+            dtype="float32",
+            shape=big,
+            data="random",
+            flags=["--shards", "128,512,512"],
+        ),
+        Case(
+            "issue 18 f32 2048^2 shards 2 levels random",
+            dtype="float32",
+            shape=big,
+            data="random",
+            levels=2,
+            flags=["--shards", "128,512,512"],
+        ),
     ]
 
 
 def round3_matrix() -> list[Case]:
     """The cases of "Sources and memory, round three": the gzip source read chunk by chunk with
     libdeflate (no HDF5 chunk cache) and the same through HDF5's filter, and a small uint8 plan."""
+
     def gzip4d(name: str, env: dict[str, str]) -> Case:
-        return Case(name, shape=(4, 64, 1024, 1024), layout="gzip", hdf5_chunks=(1, 24, 100, 100), chunks="1,64,64,64", levels=3, env=env)
+        return Case(
+            name,
+            shape=(4, 64, 1024, 1024),
+            layout="gzip",
+            hdf5_chunks=(1, 24, 100, 100),
+            chunks="1,64,64,64",
+            levels=3,
+            env=env,
+        )
 
     return [
         gzip4d("gzip 4-D 1x24x100x100 3 levels", {}),
@@ -137,7 +184,14 @@ def source_for(case: Case) -> str:
         if case.data == "random":
             _write_random(tmp, case.shape, case.dtype, chunks, "gzip" if case.layout == "gzip" else None)
         else:
-            write_sample(tmp, "/volume/data", case.shape, case.dtype, chunks=chunks, compression="gzip" if case.layout == "gzip" else None)
+            write_sample(
+                tmp,
+                "/volume/data",
+                case.shape,
+                case.dtype,
+                chunks=chunks,
+                compression="gzip" if case.layout == "gzip" else None,
+            )
         os.replace(tmp, path)
     return path
 
@@ -149,18 +203,42 @@ def _write_random(path: str, shape, dtype: str, chunks, compression) -> None:
         ds = f.create_dataset("/volume/data", shape=shape, dtype=dtype, chunks=chunks, compression=compression)
         for z in range(0, shape[0], 8):
             part = (min(8, shape[0] - z),) + tuple(shape[1:])
-            ds[z : z + part[0]] = rng.random(part, dtype=np.dtype(dtype)) if np.dtype(dtype).kind == "f" else rng.integers(0, 2**15, part).astype(dtype)
+            ds[z : z + part[0]] = (
+                rng.random(part, dtype=np.dtype(dtype))
+                if np.dtype(dtype).kind == "f"
+                else rng.integers(0, 2**15, part).astype(dtype)
+            )
 
 
 def run_case(case: Case, workers: int, allocator: str, calibration: str | None = None, backend: str = "pods") -> dict:
     source = source_for(case)
-    out = os.path.join(DATA, f"out-{allocator}-{backend}.ome.zarr")  # one per allocator and backend: matrices may run side by side
+    out = os.path.join(
+        DATA, f"out-{allocator}-{backend}.ome.zarr"
+    )  # one per allocator and backend: matrices may run side by side
     # pods: emulated pod limits here; slurm: one SLURM job per worker, its cgroup at the planned --mem
-    enforce = ["--enforce-pod-limits"] if backend == "pods" else ["--backend", "slurm", "--slurm-log-dir", os.path.join(DATA, "slurm-logs")]
+    enforce = (
+        ["--enforce-pod-limits"]
+        if backend == "pods"
+        else ["--backend", "slurm", "--slurm-log-dir", os.path.join(DATA, "slurm-logs")]
+    )
     cmd = [
-        sys.executable, "-m", "h5ngff.cli", "convert", f"{source}:/volume/data", out, "--overwrite", "--json",
-        *enforce, "--chunks", case.chunks, "--compressor", case.compressor, "--levels", str(case.levels),
-        "--allocator", allocator,
+        sys.executable,
+        "-m",
+        "h5ngff.cli",
+        "convert",
+        f"{source}:/volume/data",
+        out,
+        "--overwrite",
+        "--json",
+        *enforce,
+        "--chunks",
+        case.chunks,
+        "--compressor",
+        case.compressor,
+        "--levels",
+        str(case.levels),
+        "--allocator",
+        allocator,
     ]
     if "--workers" not in case.flags:
         cmd += ["--workers", str(workers)]
@@ -170,7 +248,11 @@ def run_case(case: Case, workers: int, allocator: str, calibration: str | None =
     started = time.time()
     subprocess.run(["sync"])  # start each run without the previous one's dirty pages in flight
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **case.env})
-    shown = "".join(f"{k}={v} " for k, v in case.env.items()) + "h5ngff " + shlex.join([os.path.relpath(a) if a.startswith(HERE) else a for a in cmd[3:]])
+    shown = (
+        "".join(f"{k}={v} " for k, v in case.env.items())
+        + "h5ngff "
+        + shlex.join([os.path.relpath(a) if a.startswith(HERE) else a for a in cmd[3:]])
+    )
     try:
         summary = json.loads(proc.stdout)
     except ValueError:
@@ -183,7 +265,12 @@ def run_case(case: Case, workers: int, allocator: str, calibration: str | None =
 
 def row(summary: dict) -> dict:
     if summary.get("status") != "Succeeded":
-        return {"case": summary["case"], "status": summary.get("reason") or summary.get("status"), "message": summary.get("message") or "", "command": summary.get("command", "")}
+        return {
+            "case": summary["case"],
+            "status": summary.get("reason") or summary.get("status"),
+            "message": summary.get("message") or "",
+            "command": summary.get("command", ""),
+        }
     workers = summary["workers"]
     measured = max(w["peak_rss"] for w in workers)
     cgroup = max((w["cgroup_peak"] or 0) for w in workers)
@@ -283,26 +370,43 @@ def pod_table(rows: list[dict], allocator: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Only the first few cases.")
-    parser.add_argument("--matrix", default="base", choices=["base", "issue18", "round3", "all"],
-                        help="base: the original matrix; issue18: shards at every level count, float64, threads, 4-D/5-D, "
-                             "budgets, misaligned gzip chunks and the issue's big sharded case; round3: the 4-D gzip source "
-                             "read with libdeflate and through HDF5's filter, and uint8 with 128^3 chunks; all: every case.")
-    parser.add_argument("--pod-table", action="store_true",
-                        help="Print the pod columns (pod limit against the pod's non-reclaimable and pinned peaks) for any matrix.")
+    parser.add_argument(
+        "--matrix",
+        default="base",
+        choices=["base", "issue18", "round3", "all"],
+        help="base: the original matrix; issue18: shards at every level count, float64, threads, 4-D/5-D, "
+        "budgets, misaligned gzip chunks and the issue's big sharded case; round3: the 4-D gzip source "
+        "read with libdeflate and through HDF5's filter, and uint8 with 128^3 chunks; all: every case.",
+    )
+    parser.add_argument(
+        "--pod-table",
+        action="store_true",
+        help="Print the pod columns (pod limit against the pod's non-reclaimable and pinned peaks) for any matrix.",
+    )
     parser.add_argument("--cases", help="Comma-separated case names to run.")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--allocator", default="jemalloc", choices=["jemalloc", "glibc"])
-    parser.add_argument("--backend", default="pods", choices=["pods", "slurm"],
-                        help="pods: emulated pod limits on this machine (default); slurm: under SLURM's job cgroups "
-                             "(needs a running SLURM: scripts/slurm-local start, and its SLURM_CONF).")
+    parser.add_argument(
+        "--backend",
+        default="pods",
+        choices=["pods", "slurm"],
+        help="pods: emulated pod limits on this machine (default); slurm: under SLURM's job cgroups "
+        "(needs a running SLURM: scripts/slurm-local start, and its SLURM_CONF).",
+    )
     parser.add_argument("--out", help="Also write the Markdown table to this file.")
-    parser.add_argument("--calibration", metavar="FILE",
-                        help="Constants to plan with (h5ngff convert --calibration). To re-fit the baseline after a "
-                             "library upgrade, plan with a generous interpreter_baseline: the implied-baseline column "
-                             "(measured minus the planned buffers) is the figure to fit.")
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="Constants to plan with (h5ngff convert --calibration). To re-fit the baseline after a "
+        "library upgrade, plan with a generous interpreter_baseline: the implied-baseline column "
+        "(measured minus the planned buffers) is the figure to fit.",
+    )
     args = parser.parse_args(argv)
-    cases = ((matrix(args.quick) if args.matrix in ("base", "all") else []) + (issue18_matrix() if args.matrix in ("issue18", "all") else [])
-             + (round3_matrix() if args.matrix in ("round3", "all") else []))
+    cases = (
+        (matrix(args.quick) if args.matrix in ("base", "all") else [])
+        + (issue18_matrix() if args.matrix in ("issue18", "all") else [])
+        + (round3_matrix() if args.matrix in ("round3", "all") else [])
+    )
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]
@@ -310,12 +414,28 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         r = row(run_case(case, args.workers, args.allocator, args.calibration, args.backend))
         rows.append(r)
-        print(json.dumps({k: (round(v / MiB, 1) if k in ("predicted", "measured", "cgroup", "pod_limit", "implied_baseline", "pod_peak", "pinned") and v else v) for k, v in r.items()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: (
+                        round(v / MiB, 1)
+                        if k
+                        in ("predicted", "measured", "cgroup", "pod_limit", "implied_baseline", "pod_peak", "pinned")
+                        and v
+                        else v
+                    )
+                    for k, v in r.items()
+                }
+            ),
+            flush=True,
+        )
     text = (pod_table if args.matrix != "base" or args.pod_table else table)(rows, args.allocator)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"<!-- {' '.join(['bench/calibrate'] + (argv if argv is not None else sys.argv[1:]))} -->\n{text}\n")
+            f.write(
+                f"<!-- {' '.join(['bench/calibrate'] + (argv if argv is not None else sys.argv[1:]))} -->\n{text}\n"
+            )
     bad = [r for r in rows if verdict(r) != "safe, tight"]
     return 1 if bad else 0
 

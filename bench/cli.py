@@ -30,21 +30,55 @@ def _csv(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scale", type=float, default=1.0, help="Fraction of the full-size volume's bytes; above 1, a larger volume (y and x scale by its square root; z stays 150). Default 1.")
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="Fraction of the full-size volume's bytes; above 1, a larger volume (y and x scale by its square root; z stays 150). Default 1.",
+    )
     p.add_argument("--cases", type=_csv, default=["f32", "u16-4d"], help="Comma-separated cases (default f32,u16-4d).")
     p.add_argument("--only", type=_csv, help="Only these run ids (see --list).")
     p.add_argument("--skip", type=_csv, help="Skip these run ids.")
-    p.add_argument("--data-dir", default=os.path.join(BENCH_DIR, "data"), help="Cache of generated inputs, per scale (default bench/data).")
-    p.add_argument("--results-dir", default=os.path.join(BENCH_DIR, "results"), help="Where each run's folder goes (default bench/results).")
-    p.add_argument("--work-dir", help="Where outputs are written (default DATA_DIR/scale-S/out); deleted after verification.")
-    p.add_argument("--cores", type=int, default=available_cores(), help="Cores the limit is divided by (default: the cores available here).")
+    p.add_argument(
+        "--data-dir",
+        default=os.path.join(BENCH_DIR, "data"),
+        help="Cache of generated inputs, per scale (default bench/data).",
+    )
+    p.add_argument(
+        "--results-dir",
+        default=os.path.join(BENCH_DIR, "results"),
+        help="Where each run's folder goes (default bench/results).",
+    )
+    p.add_argument(
+        "--work-dir", help="Where outputs are written (default DATA_DIR/scale-S/out); deleted after verification."
+    )
+    p.add_argument(
+        "--cores",
+        type=int,
+        default=available_cores(),
+        help="Cores the limit is divided by (default: the cores available here).",
+    )
     p.add_argument("--timeout", type=float, help="Seconds per run before it is killed (default 120 + 1500 x scale).")
     p.add_argument("--interval", type=float, default=0.05, help="Memory sampling interval, seconds (default 0.05).")
-    p.add_argument("--keep-outputs", action="store_true", help="Keep every output instead of deleting it after verification.")
-    p.add_argument("--profile", type=_csv, default=[], help="Run these ids once more under py-spy (untimed) and keep a flamegraph of where the time goes.")
-    p.add_argument("--repeat", type=int, default=1, help="Rounds of every run, interleaved; each tool's time is its fastest round "
-                   "and its memory the highest (default 1). Use 2 or more on a shared machine.")
+    p.add_argument(
+        "--keep-outputs", action="store_true", help="Keep every output instead of deleting it after verification."
+    )
+    p.add_argument(
+        "--profile",
+        type=_csv,
+        default=[],
+        help="Run these ids once more under py-spy (untimed) and keep a flamegraph of where the time goes.",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="Rounds of every run, interleaved; each tool's time is its fastest round "
+        "and its memory the highest (default 1). Use 2 or more on a shared machine.",
+    )
     p.add_argument("--list", action="store_true", help="List the cases and run ids and exit.")
     return p
 
@@ -64,11 +98,25 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown case(s) {unknown}; known: {list(cases)}")
     started = time.strftime("%Y%m%d-%H%M%S")
     out_dir = os.path.join(args.results_dir, f"{started}-scale{scale_tag(args.scale)}")
-    cfg = SuiteConfig(scale=args.scale, cases=args.cases, runs=select(DEFAULT_RUNS, args.only, args.skip), data_dir=args.data_dir,
-                      work_dir=args.work_dir or os.path.join(case_dir(args.data_dir, args.scale), "out"), results_dir=out_dir,
-                      cores=args.cores, timeout=args.timeout or default_timeout(args.scale), keep_outputs=args.keep_outputs, interval=args.interval,
-                      profile=args.profile, repeat=max(1, args.repeat))
-    return run_and_report(cfg, command="bench/run " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)), started=started)
+    cfg = SuiteConfig(
+        scale=args.scale,
+        cases=args.cases,
+        runs=select(DEFAULT_RUNS, args.only, args.skip),
+        data_dir=args.data_dir,
+        work_dir=args.work_dir or os.path.join(case_dir(args.data_dir, args.scale), "out"),
+        results_dir=out_dir,
+        cores=args.cores,
+        timeout=args.timeout or default_timeout(args.scale),
+        keep_outputs=args.keep_outputs,
+        interval=args.interval,
+        profile=args.profile,
+        repeat=max(1, args.repeat),
+    )
+    return run_and_report(
+        cfg,
+        command="bench/run " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        started=started,
+    )
 
 
 def run_and_report(cfg: SuiteConfig, command: str, started: str) -> int:

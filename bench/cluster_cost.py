@@ -65,14 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="h5ngff-cluster-cost-") as tmp:
         with h5py.File(f"{tmp}/in.h5", "w") as f:
             f.create_dataset("/volume/data", data=np.zeros((16, 64, 64), np.uint16))
-        spec = parse_spec({"source": {"path": f"{tmp}/in.h5", "dataset": "/volume/data"}, "output": {"path": f"{tmp}/out.ome.zarr"},
-                           "resources": {"workers": 2}})
+        spec = parse_spec(
+            {
+                "source": {"path": f"{tmp}/in.h5", "dataset": "/volume/data"},
+                "output": {"path": f"{tmp}/out.ome.zarr"},
+                "resources": {"workers": 2},
+            }
+        )
         plan = plan_job(spec, local.LocalBackend()).plan
         results: dict[str, list[dict[str, float]]] = {"h5ngff": [], "stock": []}
         for _ in range(args.rounds):
             for kind in results:
                 results[kind].append(one_round(plan, kind))
-    print(f"{'workers exit':16s} {'start s':>8s} {'first task s':>13s} {'close s':>8s}   (median of {args.rounds} rounds, 2 workers)")
+    print(
+        f"{'workers exit':16s} {'start s':>8s} {'first task s':>13s} {'close s':>8s}   (median of {args.rounds} rounds, 2 workers)"
+    )
     for kind, rounds in results.items():
         med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
         label = "os._exit" if kind == "h5ngff" else "normal teardown"

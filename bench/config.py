@@ -69,7 +69,11 @@ class Case:
         return lead + (min(USER_SLAB_ZY[0], z), min(USER_SLAB_ZY[1], y), x)
 
     def describe(self) -> str:
-        storage = "contiguous" if self.hdf5_chunks is None else f"chunked {self.hdf5_chunks} {self.compression or 'uncompressed'}"
+        storage = (
+            "contiguous"
+            if self.hdf5_chunks is None
+            else f"chunked {self.hdf5_chunks} {self.compression or 'uncompressed'}"
+        )
         return f"{self.shape} {self.dtype} {self.axes}, {storage}, {self.nbytes / 1e9:.3f} GB"
 
 
@@ -91,14 +95,49 @@ def build_cases(scale: float) -> dict[str, Case]:
     # its HDF5 chunks are a common acquisition layout (one channel, 32 planes, 256x256 tiles).
     h5_chunks = (1, 32, min(256, y), min(256, x))
     return {
-        "f32": Case("f32", "float32 3-D, contiguous (the reference case, docs/architecture.md)", (z, y, x), "float32", "zyx", None, None),
+        "f32": Case(
+            "f32",
+            "float32 3-D, contiguous (the reference case, docs/architecture.md)",
+            (z, y, x),
+            "float32",
+            "zyx",
+            None,
+            None,
+        ),
         # The same volume with 2/3 of its chunks zero (issue 16): empty chunks cost no encode or file.
-        "f32-sparse": Case("f32-sparse", "float32 3-D, contiguous, 2/3 of the chunks zero", (z, y, x), "float32", "zyx", None, None, sparse=2 / 3),
+        "f32-sparse": Case(
+            "f32-sparse",
+            "float32 3-D, contiguous, 2/3 of the chunks zero",
+            (z, y, x),
+            "float32",
+            "zyx",
+            None,
+            None,
+            sparse=2 / 3,
+        ),
         "u16-4d": Case("u16-4d", "uint16 4-D (c=2), chunked gzip", (2, z, y, x), "uint16", "czyx", h5_chunks, "gzip"),
-        "imaris": Case("imaris", "Imaris .ims, uint16 c=2, gzip blocks padded beyond the image (issue 15)", (c, cz, cy, cx), "uint16",
-                       "czyx", (1, 16, 128, 160), "gzip", dataset="/", container="ims"),
-        "bdv": Case("bdv", "BigDataViewer XML + HDF5 (npy2bdv), uint16 as int16, c=2 setups (issue 15)", (c, cz, cy, cx), "uint16",
-                    "czyx", (1, 4, 256, 256), None, dataset="/", container="bdv"),
+        "imaris": Case(
+            "imaris",
+            "Imaris .ims, uint16 c=2, gzip blocks padded beyond the image (issue 15)",
+            (c, cz, cy, cx),
+            "uint16",
+            "czyx",
+            (1, 16, 128, 160),
+            "gzip",
+            dataset="/",
+            container="ims",
+        ),
+        "bdv": Case(
+            "bdv",
+            "BigDataViewer XML + HDF5 (npy2bdv), uint16 as int16, c=2 setups (issue 15)",
+            (c, cz, cy, cx),
+            "uint16",
+            "czyx",
+            (1, 4, 256, 256),
+            None,
+            dataset="/",
+            container="bdv",
+        ),
     }
 
 

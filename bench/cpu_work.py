@@ -31,8 +31,13 @@ from .limit import measure_limit
 
 
 def h5ngff_cpu(source: str, dataset: str, out: str, levels: int, chunks: tuple[int, ...]) -> dict:
-    spec = parse_spec({"source": {"path": source, "dataset": dataset}, "output": {"path": out, "chunks": list(chunks)},
-                       "pyramid": {"levels": levels, "method": "mean"}})
+    spec = parse_spec(
+        {
+            "source": {"path": source, "dataset": dataset},
+            "output": {"path": out, "chunks": list(chunks)},
+            "pyramid": {"levels": levels, "method": "mean"},
+        }
+    )
     job = plan_job(spec, LocalBackend())
     output = prepare_output(job.plan, job.spec, job.source)
     stages = {"read": 0.0, "write": 0.0, "downsample": 0.0}
@@ -80,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  limit: {best['limit']:.2f} s")
             for key, value in best.items():
                 if key != "limit" and not key.endswith("stages"):
-                    stages = ", ".join(f"{k} {v:.2f}" for k, v in best[key + ' stages'].items())  # type: ignore[union-attr]
-                    print(f"  {key}: {value:.2f} s = {value / best['limit']:.2f}x the limit's CPU (task wall stages: {stages})")
+                    stages = ", ".join(f"{k} {v:.2f}" for k, v in best[key + " stages"].items())  # type: ignore[union-attr]
+                    print(
+                        f"  {key}: {value:.2f} s = {value / best['limit']:.2f}x the limit's CPU (task wall stages: {stages})"
+                    )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

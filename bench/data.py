@@ -31,8 +31,15 @@ def case_dir(data_dir: str, scale: float) -> str:
 
 
 def _identity(case: Case) -> dict:
-    identity = {"generator": GENERATOR_VERSION, "shape": list(case.shape), "dtype": case.dtype, "dataset": case.dataset,
-                "hdf5_chunks": list(case.hdf5_chunks) if case.hdf5_chunks else None, "compression": case.compression, "seed": 0}
+    identity = {
+        "generator": GENERATOR_VERSION,
+        "shape": list(case.shape),
+        "dtype": case.dtype,
+        "dataset": case.dataset,
+        "hdf5_chunks": list(case.hdf5_chunks) if case.hdf5_chunks else None,
+        "compression": case.compression,
+        "seed": 0,
+    }
     # Only the containers add the key, so the HDF5 inputs already cached stay valid.
     identity |= {"sparse": round(case.sparse, 4)} if case.sparse else {}
     return identity | ({"container": case.container} if case.container != "h5" else {})
@@ -75,17 +82,25 @@ def ensure_input(case: Case, scale: float, data_dir: str) -> tuple[str, dict]:
     else:
         tmp = path + ".tmp"
         # Written under a temporary name and renamed: an interrupted generation is never reused.
-        write_sample(tmp, case.dataset, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=0)
+        write_sample(
+            tmp, case.dataset, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=0
+        )
         if case.sparse:
             _zero_tail(tmp, case)
         os.replace(tmp, path)
-    meta = {"identity": identity, "seconds": round(time.perf_counter() - start, 1), "file_bytes": sum(os.path.getsize(p) for p in data_files(path)),
-            "blosc_ratio": round(blosc_ratio(path, case), 2)}
+    meta = {
+        "identity": identity,
+        "seconds": round(time.perf_counter() - start, 1),
+        "file_bytes": sum(os.path.getsize(p) for p in data_files(path)),
+        "blosc_ratio": round(blosc_ratio(path, case), 2),
+    }
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=1)
     low, high = REALISTIC_RATIO
     if not low <= meta["blosc_ratio"] <= high:
-        log.warning("%s compresses %.2fx with %s: outside the realistic %.1f-%.1fx", path, meta["blosc_ratio"], CODEC, low, high)
+        log.warning(
+            "%s compresses %.2fx with %s: outside the realistic %.1f-%.1fx", path, meta["blosc_ratio"], CODEC, low, high
+        )
     return path, meta
 
 
@@ -95,7 +110,12 @@ def blosc_ratio(path: str, case: Case, max_chunks: int = 48) -> float:
     lead = (0,) * (len(case.shape) - 3)
     z, y, x = case.shape[-3:]
     c = case.chunks[-1]
-    grid = [(zi, yi, xi) for zi in range(0, max(1, z - c + 1), c) for yi in range(0, max(1, y - c + 1), c) for xi in range(0, max(1, x - c + 1), c)]
+    grid = [
+        (zi, yi, xi)
+        for zi in range(0, max(1, z - c + 1), c)
+        for yi in range(0, max(1, y - c + 1), c)
+        for xi in range(0, max(1, x - c + 1), c)
+    ]
     picks = grid[:: max(1, len(grid) // max_chunks)][:max_chunks]
     raw = enc = 0
     with open_image(path, case) as ds:

@@ -29,16 +29,26 @@ def main() -> None:
     d = tempfile.mkdtemp(prefix="h5ngff-formats-")
     data = smooth((1, 2, 48, 768, 500), "uint16", seed=2)
     path = write_ims(os.path.join(d, "big.ims"), data, block=(16, 128, 128), levels=1)
-    spec = spec_for(path, os.path.join(d, "out.ome.zarr"), dataset="/", output={"chunks": [1, 8, 64, 64]},
-                    pyramid={"levels": 1}, resources={"workers": 2, "slab": [2, 8, 768, 500]})
+    spec = spec_for(
+        path,
+        os.path.join(d, "out.ome.zarr"),
+        dataset="/",
+        output={"chunks": [1, 8, 64, 64]},
+        pyramid={"levels": 1},
+        resources={"workers": 2, "slab": [2, 8, 768, 500]},
+    )
     backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     summary = run_job(job, backend)
     memory = job.plan.memory
-    print(f"slab {job.plan.passes[0].slab}  predicted peak {memory.predicted_peak / MiB:.1f} MiB  pod limit {memory.pod_limit / MiB:.0f} MiB")
+    print(
+        f"slab {job.plan.passes[0].slab}  predicted peak {memory.predicted_peak / MiB:.1f} MiB  pod limit {memory.pod_limit / MiB:.0f} MiB"
+    )
     for w in summary.workers:
-        print(f"{w.name}: peak RSS {w.peak_rss / MiB:.1f} MiB ({w.peak_rss / memory.predicted_peak:.2f} of plan)  "
-              f"cgroup peak {(w.cgroup_peak or 0) / MiB:.1f} MiB  OOM kills {w.oom_kills}")
+        print(
+            f"{w.name}: peak RSS {w.peak_rss / MiB:.1f} MiB ({w.peak_rss / memory.predicted_peak:.2f} of plan)  "
+            f"cgroup peak {(w.cgroup_peak or 0) / MiB:.1f} MiB  OOM kills {w.oom_kills}"
+        )
     print(f"{summary.seconds:.1f} s")
 
 

@@ -55,7 +55,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _create_array(out: str, shape, chunks, dtype) -> None:
     try:
-        zarr.create_array(out, shape=shape, chunks=chunks, dtype=dtype, compressors=BloscCodec(**CODEC), fill_value=0, zarr_format=3)
+        zarr.create_array(
+            out, shape=shape, chunks=chunks, dtype=dtype, compressors=BloscCodec(**CODEC), fill_value=0, zarr_format=3
+        )
     except zarr.errors.ContainsArrayError:
         pass  # another part of a parallel measurement made it (same metadata)
 
@@ -128,7 +130,9 @@ def _band(shape: tuple[int, ...], chunks: tuple[int, ...], levels: int, part: tu
     return min(units * i // n * unit, shape[-2]), min(units * (i + 1) // n * unit, shape[-2])
 
 
-def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], part: tuple[int, int] = (0, 1), levels: int = 1) -> dict:
+def measure_limit(
+    source: str, dataset: str, out: str, chunks: tuple[int, ...], part: tuple[int, int] = (0, 1), levels: int = 1
+) -> dict:
     """``part`` (i, n): n processes in parallel measure what n cores really do together (shared
     caches and memory bandwidth included); part i takes every n-th slab from the i-th, or for a
     pyramid (``levels`` > 1, see the module's docstring) the i-th band of rows."""
@@ -159,12 +163,18 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
         buffer = np.empty(slab_shape, dtype=ds.dtype)
         direct = direct_deflate(ds)
         cpu0, start = time.process_time(), clock()
-        slab_starts = product(*(range(0, n, s) for n, s in zip(shape[:-2], slab_shape[:-2])), range(rows[0], rows[1], slab_shape[-2]), (0,))
+        slab_starts = product(
+            *(range(0, n, s) for n, s in zip(shape[:-2], slab_shape[:-2])),
+            range(rows[0], rows[1], slab_shape[-2]),
+            (0,),
+        )
         for number, origin in enumerate(slab_starts):
             if levels == 1 and number % part[1] != part[0]:
                 continue
             t = clock()
-            sel = tuple(slice(o, min(o + s, n)) for o, s, n in zip(origin, slab_shape, shape[:-2] + (rows[1], shape[-1])))
+            sel = tuple(
+                slice(o, min(o + s, n)) for o, s, n in zip(origin, slab_shape, shape[:-2] + (rows[1], shape[-1]))
+            )
             dest = tuple(slice(0, r.stop - r.start) for r in sel)
             if direct:  # the same inflater h5ngff uses, so the limit stays a lower bound
                 read_deflate(ds, sel, buffer[dest])
@@ -187,24 +197,40 @@ def measure_limit(source: str, dataset: str, out: str, chunks: tuple[int, ...], 
                 t = clock()
                 level = downsample(level, halved, "mean")
                 stages["downsample"] += clock() - t
-            writers[k].write(level, tuple(b // 2 ** k if h else b for b, h in zip(band_origin, halved)))
+            writers[k].write(level, tuple(b // 2**k if h else b for b, h in zip(band_origin, halved)))
         total = clock() - start
         cpu = time.process_time() - cpu0
         bytes_in = int(np.prod(shape)) * ds.dtype.itemsize
-    return {"stages": stages, "total": total, "cpu_seconds": cpu, "chunks": sum(w.n_chunks for w in writers),
-            "bytes_in": bytes_in, "bytes_out": sum(w.bytes_out for w in writers), "levels": levels,
-            "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {
+        "stages": stages,
+        "total": total,
+        "cpu_seconds": cpu,
+        "chunks": sum(w.n_chunks for w in writers),
+        "bytes_in": bytes_in,
+        "bytes_out": sum(w.bytes_out for w in writers),
+        "levels": levels,
+        "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.limit", description="Measure the one-core physical limit of a conversion.")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.limit", description="Measure the one-core physical limit of a conversion."
+    )
     p.add_argument("--source", required=True)
     p.add_argument("--dataset", default="/volume/data")
     p.add_argument("--out", required=True)
     p.add_argument("--chunks", required=True, type=_ints)
     p.add_argument("--result", required=True)
-    p.add_argument("--part", default="0/1", help="I/N: only every N-th slab from the I-th (for a parallel measurement).")
-    p.add_argument("--levels", type=int, default=1, help="N > 1: the floor of an N-level mean pyramid (with --part, a band of rows each).")
+    p.add_argument(
+        "--part", default="0/1", help="I/N: only every N-th slab from the I-th (for a parallel measurement)."
+    )
+    p.add_argument(
+        "--levels",
+        type=int,
+        default=1,
+        help="N > 1: the floor of an N-level mean pyramid (with --part, a band of rows each).",
+    )
     args = p.parse_args(argv)
     index, count = (int(v) for v in args.part.split("/"))
     result = measure_limit(args.source, args.dataset, args.out, args.chunks, (index, count), args.levels)

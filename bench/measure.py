@@ -118,8 +118,15 @@ class TreeSampler(threading.Thread):
             return 0
 
 
-def run_measured(argv: list[str], *, timeout: float, log_path: str, cwd: str | None = None,
-                 env: dict | None = None, interval: float = 0.05) -> Measured:
+def run_measured(
+    argv: list[str],
+    *,
+    timeout: float,
+    log_path: str,
+    cwd: str | None = None,
+    env: dict | None = None,
+    interval: float = 0.05,
+) -> Measured:
     """Run ``argv`` to completion (or ``timeout``), with its output in ``log_path``."""
     with open(log_path, "ab") as out:
         start = time.perf_counter()
@@ -142,7 +149,14 @@ def run_measured(argv: list[str], *, timeout: float, log_path: str, cwd: str | N
         wall = time.perf_counter() - start
         sampler.stop()
     _kill_leftovers(sampler)
-    return Measured(proc.returncode, wall, timed_out, sorted(sampler.procs.values(), key=lambda p: p.pid), sampler.tree_peak, sampler.samples)
+    return Measured(
+        proc.returncode,
+        wall,
+        timed_out,
+        sorted(sampler.procs.values(), key=lambda p: p.pid),
+        sampler.tree_peak,
+        sampler.samples,
+    )
 
 
 def _kill_leftovers(sampler: TreeSampler, grace: float = 3.0) -> None:

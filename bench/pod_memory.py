@@ -31,15 +31,32 @@ def run(source: str, out_dir: str, name: str, flags: list[str], allocator: str) 
     tag = f"{name.split(',')[0].replace(' ', '-').replace(chr(39), '')}-{allocator}"
     output = os.path.join(out_dir, "out.ome.zarr")
     report = os.path.join(out_dir, f"memory-{tag}.png")
-    cmd = [sys.executable, "-m", "h5ngff.cli", "convert", f"{source}:/volume/data", output, "--overwrite", "--json",
-           "--enforce-pod-limits", "--levels", "1", "--allocator", allocator, "--memory-report", report] + flags
+    cmd = [
+        sys.executable,
+        "-m",
+        "h5ngff.cli",
+        "convert",
+        f"{source}:/volume/data",
+        output,
+        "--overwrite",
+        "--json",
+        "--enforce-pod-limits",
+        "--levels",
+        "1",
+        "--allocator",
+        allocator,
+        "--memory-report",
+        report,
+    ] + flags
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     try:
         summary = json.loads(proc.stdout)
     except ValueError:
         summary = {"status": "error", "message": proc.stderr[-500:]}
-    summary.update({"run": name, "allocator": allocator, "report": os.path.basename(report), "wall": time.time() - started})
+    summary.update(
+        {"run": name, "allocator": allocator, "report": os.path.basename(report), "wall": time.time() - started}
+    )
     return summary
 
 
@@ -50,7 +67,9 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         if r.get("status") != "Succeeded":
-            lines.append(f"| {r['run']} | {r['allocator']} | FAILED: {r.get('reason') or r.get('status')} {str(r.get('message'))[:80]} |||||||||")
+            lines.append(
+                f"| {r['run']} | {r['allocator']} | FAILED: {r.get('reason') or r.get('status')} {str(r.get('message'))[:80]} |||||||||"
+            )
             continue
         peaks = [w["peak_rss"] for w in r["workers"]]
         cgroups = [w["cgroup_peak"] or 0 for w in r["workers"]]

@@ -53,7 +53,12 @@ CASES = [
     Case("uint16 gzip source", "uint16", (128, 1024, 1024), ["--chunks", "64,64,64", "--workers", "2"], gzip=True),
     Case("float64 4 workers", "float64", (64, 1024, 1024), ["--chunks", "64,64,64", "--workers", "4"]),
     Case("4-D uint16", "uint16", (2, 64, 1024, 1024), ["--chunks", "1,64,64,64", "--workers", "2"]),
-    Case("float32 whole-volume slab (pod >= 1 GiB)", "float32", (128, 1536, 1024), ["--chunks", "64,64,64", "--workers", "1", "--slab", "128,1536,1024"]),
+    Case(
+        "float32 whole-volume slab (pod >= 1 GiB)",
+        "float32",
+        (128, 1536, 1024),
+        ["--chunks", "64,64,64", "--workers", "1", "--slab", "128,1536,1024"],
+    ),
 ]
 
 
@@ -62,13 +67,27 @@ def source_for(case: Case) -> str:
     path = os.path.join(DATA, f"{case.dtype}-{'x'.join(map(str, case.shape))}{'-gzip' if case.gzip else ''}.h5")
     if not os.path.exists(path):
         chunks = tuple([1] * (len(case.shape) - 3) + [64, 64, 64]) if case.gzip else None
-        write_sample(path, "/volume/data", case.shape, case.dtype, chunks=chunks, compression="gzip" if case.gzip else None)
+        write_sample(
+            path, "/volume/data", case.shape, case.dtype, chunks=chunks, compression="gzip" if case.gzip else None
+        )
     return path
 
 
 def convert(case: Case, pod_limit: int | None = None, env: dict | None = None, extra: list[str] | None = None) -> dict:
     out = os.path.join(DATA, "out.ome.zarr")
-    cmd = [sys.executable, "-m", "h5ngff.cli", "convert", f"{source_for(case)}:/volume/data", out, "--overwrite", "--json", "--enforce-pod-limits", *case.flags, *(extra or [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "h5ngff.cli",
+        "convert",
+        f"{source_for(case)}:/volume/data",
+        out,
+        "--overwrite",
+        "--json",
+        "--enforce-pod-limits",
+        *case.flags,
+        *(extra or []),
+    ]
     if pod_limit:
         cmd += ["--pod-limit", str(pod_limit)]
     subprocess.run(["sync"])  # start each run without the previous one's dirty pages in flight
@@ -89,8 +108,12 @@ def measure(summary: dict) -> dict:
     busiest = max(workers, key=lambda w: w.get("pod_nonreclaimable_peak") or 0, default={})
     pod_limit = max((w.get("pod_limit") or 0 for w in workers), default=0) or summary.get("pod_limit_per_worker", 0)
     return {
-        "status": summary.get("status"), "reason": summary.get("reason"), "message": (summary.get("message") or "")[:160],
-        "seconds": summary.get("seconds"), "pod_limit": pod_limit, "need": need,
+        "status": summary.get("status"),
+        "reason": summary.get("reason"),
+        "message": (summary.get("message") or "")[:160],
+        "seconds": summary.get("seconds"),
+        "pod_limit": pod_limit,
+        "need": need,
         "ratio": pod_limit / need if need else None,
         "terms": busiest.get("pod_nonreclaimable_terms") or {},
         "pinned": max((w.get("pod_pinned_peak") or 0 for w in workers), default=0),
@@ -102,7 +125,8 @@ def measure(summary: dict) -> dict:
         "kills": sum(w.get("oom_kills", 0) for w in workers),
         "restarts": sum(w.get("nanny_restarts", 0) + w.get("pod_restarts", 0) for w in workers),
         "terminations": sum(w.get("memory_terminations", 0) for w in workers),
-        "workers": len(workers), "bytes_written": summary.get("bytes_written", 0),
+        "workers": len(workers),
+        "bytes_written": summary.get("bytes_written", 0),
     }
 
 
@@ -119,9 +143,16 @@ def control(case: Case, need: int) -> dict:
     limit = int(CONTROL_FRACTION * need) // MiB * MiB
     m = measure(convert(case, limit))
     m["control_limit"] = limit
-    kills_in_message = m["message"].split("killed it, ")[-1].split(" time")[0] if "killed it, " in m["message"] else None
-    m["holds"] = (m["reason"] == "OOMKilled" and m["kills"] >= 1 and str(m["kills"]) == kills_in_message
-                  and all(p > 0 for p in m["peak_rss"]) and m["need"] > 0)
+    kills_in_message = (
+        m["message"].split("killed it, ")[-1].split(" time")[0] if "killed it, " in m["message"] else None
+    )
+    m["holds"] = (
+        m["reason"] == "OOMKilled"
+        and m["kills"] >= 1
+        and str(m["kills"]) == kills_in_message
+        and all(p > 0 for p in m["peak_rss"])
+        and m["need"] > 0
+    )
     return m
 
 
@@ -146,7 +177,12 @@ def overshoot(case: Case, rates: list[str]) -> list[dict]:
         threshold = 0.95 * plan["memory_limit"]
         m.update(rate=rate, threshold=threshold, overshoot=max(m["peak_rss"]) - threshold)
         rows.append(m)
-        print(json.dumps({k: m[k] for k in ("rate", "reason", "kills", "terminations", "threshold", "overshoot", "peak_rss")}), flush=True)
+        print(
+            json.dumps(
+                {k: m[k] for k in ("rate", "reason", "kills", "terminations", "threshold", "overshoot", "peak_rss")}
+            ),
+            flush=True,
+        )
     return rows
 
 
@@ -162,11 +198,16 @@ def table(rows: list[tuple[Case, dict, list[dict]]]) -> str:
     for case, m, c in rows:
         t = m["terms"]
         parts = f"{mib(m['need'])} ({mib(t.get('anon'))} + {mib(t.get('dirty'))} + {mib(t.get('writeback'))} + {mib(t.get('shmem'))} + {mib(t.get('unevictable'))})"
-        ctl = "; ".join(f"0.8 x {x['of']} = {mib(x['control_limit'])}: {x['reason'] or x['status']}, {x['kills']} kill(s), peak RSS {'/'.join(mib(p) for p in x['peak_rss'])}, "
-                        f"non-reclaimable {mib(x['need'])} ({'holds' if x['holds'] else 'no kill' if x['status'] == 'Succeeded' else 'DOES NOT HOLD'})" for x in c)
+        ctl = "; ".join(
+            f"0.8 x {x['of']} = {mib(x['control_limit'])}: {x['reason'] or x['status']}, {x['kills']} kill(s), peak RSS {'/'.join(mib(p) for p in x['peak_rss'])}, "
+            f"non-reclaimable {mib(x['need'])} ({'holds' if x['holds'] else 'no kill' if x['status'] == 'Succeeded' else 'DOES NOT HOLD'})"
+            for x in c
+        )
         ratio = f"{m['ratio']:.2f}" if m["ratio"] else ""
-        lines.append(f"| {case.name} | {mib(m['pod_limit'])} | {parts} | {ratio} | {mib(m['pinned'])} | {mib(m['nanny_anon'])} | {mib(m['dirty'])} | "
-                     f"{'/'.join(mib(p) for p in m['peak_rss'])} | {m['kills']} / {m['restarts']} / {m['terminations']} | {verdict(m)} | {ctl} |")
+        lines.append(
+            f"| {case.name} | {mib(m['pod_limit'])} | {parts} | {ratio} | {mib(m['pinned'])} | {mib(m['nanny_anon'])} | {mib(m['dirty'])} | "
+            f"{'/'.join(mib(p) for p in m['peak_rss'])} | {m['kills']} / {m['restarts']} / {m['terminations']} | {verdict(m)} | {ctl} |"
+        )
     return "\n".join(lines)
 
 
@@ -174,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", help="Comma-separated case names (default: all).")
     parser.add_argument("--no-control", action="store_true", help="Skip the 0.8 x negative controls.")
-    parser.add_argument("--overshoot", metavar="RATES", help="Measure the monitor overshoot at these growth rates (e.g. 1GiB,2GiB) on the first case.")
+    parser.add_argument(
+        "--overshoot",
+        metavar="RATES",
+        help="Measure the monitor overshoot at these growth rates (e.g. 1GiB,2GiB) on the first case.",
+    )
     parser.add_argument("--out", help="Also write the Markdown table to this file.")
     args = parser.parse_args(argv)
     cases = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
@@ -185,14 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         m = measure(convert(case))
         c = [] if args.no_control or not m["need"] else controls(case, m)
-        print(json.dumps({"case": case.name, "planned": {k: v for k, v in m.items() if k != "message"}, "control": c}), flush=True)
+        print(
+            json.dumps({"case": case.name, "planned": {k: v for k, v in m.items() if k != "message"}, "control": c}),
+            flush=True,
+        )
         rows.append((case, m, c))
         ok &= verdict(m).startswith("ok") and (not c or c[-1]["holds"])
     text = table(rows)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"<!-- python -m bench.pod_truth {' '.join(argv if argv is not None else sys.argv[1:])} -->\n{text}\n")
+            f.write(
+                f"<!-- python -m bench.pod_truth {' '.join(argv if argv is not None else sys.argv[1:])} -->\n{text}\n"
+            )
     return 0 if ok else 1
 
 

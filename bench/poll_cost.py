@@ -52,13 +52,26 @@ def main() -> None:
     source = os.path.join(directory, "in.h5")
     with h5py.File(source, "w") as f:
         f["data"] = np.zeros((16, 64, 64), np.uint16)
-    spec = parse_spec({"source": {"path": source, "dataset": "/data"}, "output": {"path": os.path.join(directory, "out.ome.zarr")}})
+    spec = parse_spec(
+        {"source": {"path": source, "dataset": "/data"}, "output": {"path": os.path.join(directory, "out.ome.zarr")}}
+    )
     plan = plan_job(spec, LocalBackend()).plan
-    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=logging.ERROR) as cluster, \
-            Client(cluster, set_as_default=False) as client:
+    with (
+        LocalCluster(
+            n_workers=args.workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         register_plugins(client)
         poller = ClusterPoller(Session(client, "local"), plan)
-        for label, fn in (("light (report only)", lambda: client.run(process_memory, on_error="ignore")), ("full (metrics listening)", poller.poll)):
+        for label, fn in (
+            ("light (report only)", lambda: client.run(process_memory, on_error="ignore")),
+            ("full (metrics listening)", poller.poll),
+        ):
             median, p90 = _timings(fn, args.polls)
             print(f"{label}: median {median:.1f} ms, p90 {p90:.1f} ms ({args.workers} workers, {args.polls} polls)")
 

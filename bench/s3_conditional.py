@@ -32,7 +32,9 @@ def _outcome(call) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--endpoint", help="an S3 endpoint (default: start moto's server on loopback)")
-    parser.add_argument("--bucket", help="an existing bucket to probe under a random prefix (default: a new one on moto)")
+    parser.add_argument(
+        "--bucket", help="an existing bucket to probe under a random prefix (default: a new one on moto)"
+    )
     args = parser.parse_args()
     sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
     import botocore.session
@@ -54,18 +56,56 @@ def main() -> None:
     first = obstore.put(store, "lock", b"one", mode="create")
     lines = [
         ("PUT If-None-Match: * (absent)", f"accepted: {first}"),
-        ("PUT If-None-Match: * (exists)  must refuse", _outcome(lambda: obstore.put(store, "lock", b"two", mode="create"))),
-        ("PUT If-Match: wrong ETag       must refuse", _outcome(lambda: obstore.put(store, "lock", b"three", mode={"e_tag": '"' + "0" * 32 + '"'}))),
+        (
+            "PUT If-None-Match: * (exists)  must refuse",
+            _outcome(lambda: obstore.put(store, "lock", b"two", mode="create")),
+        ),
+        (
+            "PUT If-Match: wrong ETag       must refuse",
+            _outcome(lambda: obstore.put(store, "lock", b"three", mode={"e_tag": '"' + "0" * 32 + '"'})),
+        ),
     ]
     second = obstore.put(store, "lock", b"four", mode={"e_tag": first["e_tag"]})
-    lines += [("PUT If-Match: current ETag", f"accepted: {second}"),
-              ("PUT If-Match: replaced ETag    must refuse", _outcome(lambda: obstore.put(store, "lock", b"five", mode={"e_tag": first["e_tag"]}))),
-              ("PUT If-Match: absent object    must refuse", _outcome(lambda: obstore.put(store, "nolock", b"x", mode={"e_tag": first["e_tag"]})))]
-    s3 = botocore.session.get_session().create_client("s3", endpoint_url=endpoint, region_name=os.environ.get("AWS_REGION", "us-east-1"),
-                                                      **({"aws_access_key_id": options["access_key_id"], "aws_secret_access_key": options["secret_access_key"]} if server else {}))
+    lines += [
+        ("PUT If-Match: current ETag", f"accepted: {second}"),
+        (
+            "PUT If-Match: replaced ETag    must refuse",
+            _outcome(lambda: obstore.put(store, "lock", b"five", mode={"e_tag": first["e_tag"]})),
+        ),
+        (
+            "PUT If-Match: absent object    must refuse",
+            _outcome(lambda: obstore.put(store, "nolock", b"x", mode={"e_tag": first["e_tag"]})),
+        ),
+    ]
+    s3 = botocore.session.get_session().create_client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=os.environ.get("AWS_REGION", "us-east-1"),
+        **(
+            {"aws_access_key_id": options["access_key_id"], "aws_secret_access_key": options["secret_access_key"]}
+            if server
+            else {}
+        ),
+    )
     key = f"{prefix}/lock"
-    lines += [("DELETE If-Match: wrong ETag    must refuse", _outcome(lambda: s3.delete_object(Bucket=bucket, Key=key, IfMatch='"' + "0" * 32 + '"')["ResponseMetadata"]["HTTPStatusCode"])),
-              ("DELETE If-Match: current ETag", _outcome(lambda: s3.delete_object(Bucket=bucket, Key=key, IfMatch=second["e_tag"])["ResponseMetadata"]["HTTPStatusCode"]))]
+    lines += [
+        (
+            "DELETE If-Match: wrong ETag    must refuse",
+            _outcome(
+                lambda: s3.delete_object(Bucket=bucket, Key=key, IfMatch='"' + "0" * 32 + '"')["ResponseMetadata"][
+                    "HTTPStatusCode"
+                ]
+            ),
+        ),
+        (
+            "DELETE If-Match: current ETag",
+            _outcome(
+                lambda: s3.delete_object(Bucket=bucket, Key=key, IfMatch=second["e_tag"])["ResponseMetadata"][
+                    "HTTPStatusCode"
+                ]
+            ),
+        ),
+    ]
     obstore.delete(store, ["lock", "nolock"])
     for what, outcome in lines:
         print(f"{what:45s} {outcome}")

@@ -29,7 +29,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KEY = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+KEY = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+}
 CODEC = "blosc:zstd:5:bitshuffle"
 
 # ngff-zarr 0.50 writes only to local directories ("write to a local directory and upload
@@ -63,8 +68,12 @@ def pinned(cores: set[int] | None):
 
 def start_moto(cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=pinned(cores))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=pinned(cores),
+    )
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
@@ -91,7 +100,15 @@ def same_as_source(url_or_path: str, source: str, endpoint: str) -> bool:
 
     store = url_or_path
     if url_or_path.startswith("s3://"):
-        store = FsspecStore.from_url(url_or_path, storage_options={"endpoint_url": endpoint, "key": KEY["AWS_ACCESS_KEY_ID"], "secret": KEY["AWS_SECRET_ACCESS_KEY"]}, read_only=True)
+        store = FsspecStore.from_url(
+            url_or_path,
+            storage_options={
+                "endpoint_url": endpoint,
+                "key": KEY["AWS_ACCESS_KEY_ID"],
+                "secret": KEY["AWS_SECRET_ACCESS_KEY"],
+            },
+            read_only=True,
+        )
     group = zarr.open_group(store, mode="r")
     attrs = group.attrs.asdict()
     multiscales = attrs.get("ome", attrs).get("multiscales")
@@ -108,11 +125,18 @@ def _cpu_seconds(pid: int) -> float:
     return t.user + t.system
 
 
-def start_latency_proxy(endpoint: str, latency_ms: float, cores: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+def start_latency_proxy(
+    endpoint: str, latency_ms: float, cores: set[int] | None = None
+) -> tuple[subprocess.Popen, str]:
     """bench/latency_proxy.py in front of the endpoint: every request arrives ``latency_ms`` late."""
     port = endpoint.rsplit(":", 1)[1]
-    proc = subprocess.Popen([sys.executable, "-m", "bench.latency_proxy", port, str(latency_ms)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            preexec_fn=pinned(cores))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.latency_proxy", port, str(latency_ms)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        preexec_fn=pinned(cores),
+    )
     assert proc.stdout is not None
     return proc, f"http://127.0.0.1:{proc.stdout.readline().strip()}"
 
@@ -122,11 +146,18 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=0.05)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--data-dir", default=str(ROOT / "bench" / "data"))
-    ap.add_argument("--latency-ms", type=float, default=0.0,
-                    help="deliver every request to the endpoint this late (bench/latency_proxy.py): a distant store's round trip; 0 = loopback")
-    ap.add_argument("--endpoint-core", action="store_true",
-                    help="give the endpoint (and proxy) the last core and every writer the others, as if the store were another machine; "
-                         "by default all share every core")
+    ap.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="deliver every request to the endpoint this late (bench/latency_proxy.py): a distant store's round trip; 0 = loopback",
+    )
+    ap.add_argument(
+        "--endpoint-core",
+        action="store_true",
+        help="give the endpoint (and proxy) the last core and every writer the others, as if the store were another machine; "
+        "by default all share every core",
+    )
     ap.add_argument("--skip", default="", help="comma-separated runs to leave out: disk, s3, s3-sync, ngff-zarr")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
@@ -146,21 +177,39 @@ def main() -> int:
     if args.endpoint_core and not writer_cores:
         ap.error("--endpoint-core needs at least 2 cores")
     moto, endpoint = start_moto(endpoint_cores)
-    proxy, writers_endpoint = start_latency_proxy(endpoint, args.latency_ms, endpoint_cores) if args.latency_ms else (None, endpoint)
-    env = {**os.environ, **KEY, "AWS_ENDPOINT_URL": writers_endpoint, "AWS_ALLOW_HTTP": "true", "PYTHONPATH": str(ROOT / "src")}
+    proxy, writers_endpoint = (
+        start_latency_proxy(endpoint, args.latency_ms, endpoint_cores) if args.latency_ms else (None, endpoint)
+    )
+    env = {
+        **os.environ,
+        **KEY,
+        "AWS_ENDPOINT_URL": writers_endpoint,
+        "AWS_ALLOW_HTTP": "true",
+        "PYTHONPATH": str(ROOT / "src"),
+    }
     h5ngff = [sys.executable, "-m", "h5ngff.cli", "convert", f"{source}:/volume/data"]
     common = ["--levels", "1", "--chunks", "64,64,64", "--compressor", CODEC, "--no-progress", "--json"]
     work = tempfile.mkdtemp(prefix="h5ngff-s3-bench-")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    names = {"disk": "h5ngff -> disk", "s3": "h5ngff -> s3", "s3-sync": "h5ngff -> s3, 1 PUT at a time", "ngff-zarr": "ngff-zarr -> s3"}
+    names = {
+        "disk": "h5ngff -> disk",
+        "s3": "h5ngff -> s3",
+        "s3-sync": "h5ngff -> s3, 1 PUT at a time",
+        "ngff-zarr": "ngff-zarr -> s3",
+    }
     times: dict[str, list[float]] = {name: [] for key, name in names.items() if key not in skip}
     endpoint_cpu: dict[str, list[float]] = {name: [] for name in times}
     exact: dict[str, bool] = {}
     try:
         import botocore.session
 
-        client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                                                               aws_access_key_id=KEY["AWS_ACCESS_KEY_ID"], aws_secret_access_key=KEY["AWS_SECRET_ACCESS_KEY"])
+        client = botocore.session.get_session().create_client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=KEY["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=KEY["AWS_SECRET_ACCESS_KEY"],
+        )
         client.create_bucket(Bucket="bench")
         for r in range(args.repeat):
             disk = os.path.join(work, f"disk-{r}.ome.zarr")
@@ -168,8 +217,14 @@ def main() -> int:
                 names["disk"]: (h5ngff + [disk] + common, disk),
                 names["s3"]: (h5ngff + [f"s3://bench/h5ngff-{r}.ome.zarr"] + common, f"s3://bench/h5ngff-{r}.ome.zarr"),
                 # The control: the same run with no PUT in flight while the next chunk is encoded.
-                names["s3-sync"]: (h5ngff + [f"s3://bench/sync-{r}.ome.zarr"] + common + ["--storage-option", "uploads_in_flight=0"], f"s3://bench/sync-{r}.ome.zarr"),
-                names["ngff-zarr"]: ([sys.executable, "-c", NGFF_ZARR_PEER, source, f"s3://bench/ngffzarr-{r}.ome.zarr"], f"s3://bench/ngffzarr-{r}.ome.zarr"),
+                names["s3-sync"]: (
+                    h5ngff + [f"s3://bench/sync-{r}.ome.zarr"] + common + ["--storage-option", "uploads_in_flight=0"],
+                    f"s3://bench/sync-{r}.ome.zarr",
+                ),
+                names["ngff-zarr"]: (
+                    [sys.executable, "-c", NGFF_ZARR_PEER, source, f"s3://bench/ngffzarr-{r}.ome.zarr"],
+                    f"s3://bench/ngffzarr-{r}.ome.zarr",
+                ),
             }
             for name, (argv, out) in runs.items():
                 if name not in times:
@@ -180,7 +235,10 @@ def main() -> int:
                 # cores as the writer: the CPU they spend serving the run is taken from its workers.
                 endpoint_cpu[name].append(_cpu_seconds(moto.pid) + (_cpu_seconds(proxy.pid) if proxy else 0.0) - before)
                 exact[name] = exact.get(name, True) and same_as_source(out, source, endpoint)
-                print(f"round {r + 1}: {name:30s} {times[name][-1]:6.2f} s  exact={exact[name]}  endpoint CPU {endpoint_cpu[name][-1]:.1f} s", flush=True)
+                print(
+                    f"round {r + 1}: {name:30s} {times[name][-1]:6.2f} s  exact={exact[name]}  endpoint CPU {endpoint_cpu[name][-1]:.1f} s",
+                    flush=True,
+                )
             shutil.rmtree(disk, ignore_errors=True)
     finally:
         for proc in (moto, proxy):
@@ -190,11 +248,19 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     best = {k: min(v) for k, v in times.items()}
     cores = len(writer_cores or all_cores)
-    where = (f"writers on {len(writer_cores)} core(s), the endpoint on its own" if writer_cores else f"writers and endpoint sharing {cores} cores")
-    print(f"\nseed case (150, {y}, {x}) float32, {nbytes / 1e9:.3f} GB, single level, (64,64,64) chunks, {CODEC}; "
-          f"endpoint latency +{args.latency_ms:g} ms; {where}; best of {args.repeat}:")
+    where = (
+        f"writers on {len(writer_cores)} core(s), the endpoint on its own"
+        if writer_cores
+        else f"writers and endpoint sharing {cores} cores"
+    )
+    print(
+        f"\nseed case (150, {y}, {x}) float32, {nbytes / 1e9:.3f} GB, single level, (64,64,64) chunks, {CODEC}; "
+        f"endpoint latency +{args.latency_ms:g} ms; {where}; best of {args.repeat}:"
+    )
     for name, secs in best.items():
-        print(f"| {name} | {secs:.2f} s | {nbytes / secs / 1e6:.0f} MB/s | endpoint CPU {min(endpoint_cpu[name]):.1f} s | exact {exact[name]} |")
+        print(
+            f"| {name} | {secs:.2f} s | {nbytes / secs / 1e6:.0f} MB/s | endpoint CPU {min(endpoint_cpu[name]):.1f} s | exact {exact[name]} |"
+        )
     summary: dict[str, float] = {}
     disk_name, s3_name = names["disk"], names["s3"]
     if disk_name in best and s3_name in best:
@@ -205,17 +271,30 @@ def main() -> int:
             # the endpoint's CPU spread over every core.
             bound = best[disk_name] + min(endpoint_cpu[s3_name]) / cores
             summary.update(shared_core_bound_s=bound, s3_over_bound=best[s3_name] / bound)
-            print(f"the endpoint's CPU on these {cores} shared cores makes {bound:.2f} s the least a run to it can take "
-                  f"({bound / best[disk_name]:.2f}x disk): s3 / that bound = {summary['s3_over_bound']:.2f}x")
+            print(
+                f"the endpoint's CPU on these {cores} shared cores makes {bound:.2f} s the least a run to it can take "
+                f"({bound / best[disk_name]:.2f}x disk): s3 / that bound = {summary['s3_over_bound']:.2f}x"
+            )
     if names["s3-sync"] in best and s3_name in best:
         summary["sync_over_overlapped"] = best[names["s3-sync"]] / best[s3_name]
         print(f"one PUT at a time / PUTs in flight = {summary['sync_over_overlapped']:.2f}x")
     if names["ngff-zarr"] in best and s3_name in best:
         summary["ngff_zarr_over_h5ngff"] = best[names["ngff-zarr"]] / best[s3_name]
         print(f"ngff-zarr s3 / h5ngff s3 = {summary['ngff_zarr_over_h5ngff']:.2f}x (target > 1)")
-    print(json.dumps({"best_seconds": best, "endpoint_cpu_seconds": {k: min(v) for k, v in endpoint_cpu.items()}, "exact": exact,
-                      "shape": [150, y, x], "repeat": args.repeat, "latency_ms": args.latency_ms,
-                      "endpoint_core": args.endpoint_core, **summary}))
+    print(
+        json.dumps(
+            {
+                "best_seconds": best,
+                "endpoint_cpu_seconds": {k: min(v) for k, v in endpoint_cpu.items()},
+                "exact": exact,
+                "shape": [150, y, x],
+                "repeat": args.repeat,
+                "latency_ms": args.latency_ms,
+                "endpoint_core": args.endpoint_core,
+                **summary,
+            }
+        )
+    )
     return 0 if all(exact.values()) else 1
 
 

@@ -84,7 +84,9 @@ def makespan(durations: Sequence[float], workers: int, ready: Sequence[float] | 
     return end
 
 
-def makespan_passes(tasks: Sequence[tuple[int, float]], workers: int, order: str = "submitted", ready: Sequence[float] | None = None) -> float:
+def makespan_passes(
+    tasks: Sequence[tuple[int, float]], workers: int, order: str = "submitted", ready: Sequence[float] | None = None
+) -> float:
     """``tasks``: (pass index, seconds) in the submitted order. Passes run one after another (a
     pass reads the level the one before wrote), each list-scheduled on ``workers``; ``order``
     "largest-first" sorts each pass's tasks by time, longest first. ``ready``: when each worker
@@ -113,8 +115,17 @@ def tail_rows(tasks: Sequence[tuple[int, float]], worker_counts: Iterable[int]) 
         ideal = total / n
         submitted = makespan_passes(tasks, n, "submitted")
         largest = makespan_passes(tasks, n, "largest-first")
-        rows.append({"workers": n, "ideal": ideal, "longest": longest, "submitted": submitted, "largest_first": largest,
-                     "submitted_x": submitted / ideal if ideal else 0.0, "largest_first_x": largest / ideal if ideal else 0.0})
+        rows.append(
+            {
+                "workers": n,
+                "ideal": ideal,
+                "longest": longest,
+                "submitted": submitted,
+                "largest_first": largest,
+                "submitted_x": submitted / ideal if ideal else 0.0,
+                "largest_first_x": largest / ideal if ideal else 0.0,
+            }
+        )
     return rows
 
 
@@ -221,8 +232,13 @@ class Accountant(threading.Thread):
         for proc in found:
             if proc.pid not in self._handles:
                 try:
-                    record = ProcRecord(proc.pid, _kind(proc, self.client_pid, self.nannies), " ".join(proc.cmdline()[:8])[:200], proc.ppid(),
-                                        proc.create_time())
+                    record = ProcRecord(
+                        proc.pid,
+                        _kind(proc, self.client_pid, self.nannies),
+                        " ".join(proc.cmdline()[:8])[:200],
+                        proc.ppid(),
+                        proc.create_time(),
+                    )
                 except psutil.Error:
                     continue
                 self._handles[proc.pid] = proc
@@ -305,8 +321,14 @@ def worker_idle(tasks: Sequence[dict[str, Any]], workers: int) -> dict[str, floa
         return {}
     first = min(a for spans in per.values() for a, _ in spans)
     last = max(b for spans in per.values() for _, b in spans)
-    out = {"span_x_workers": (last - first) * workers, "busy": 0.0, "before_first": 0.0, "between": 0.0, "after_last": 0.0,
-           "never_ran": (last - first) * max(0, workers - len(per))}
+    out = {
+        "span_x_workers": (last - first) * workers,
+        "busy": 0.0,
+        "before_first": 0.0,
+        "between": 0.0,
+        "after_last": 0.0,
+        "never_ran": (last - first) * max(0, workers - len(per)),
+    }
     for spans in per.values():
         spans.sort()
         out["busy"] += sum(b - a for a, b in spans)
@@ -333,10 +355,28 @@ def _pass_of(key: str) -> int:
         return 0
 
 
-def convert_argv(source: str, dataset: str, out: str, workers: int, levels: int, chunks: Sequence[int], record: str) -> list[str]:
-    argv = [sys.executable, "-m", "bench.scaling_client", record, "convert", f"{source}:{dataset}", out, "--json", "--no-progress",
-            "--chunks", ",".join(map(str, chunks)), "--compressor", f"{CODEC['cname']}:{CODEC['clevel']}:{CODEC['shuffle']}",
-            "--levels", str(levels), "--workers", str(workers)]
+def convert_argv(
+    source: str, dataset: str, out: str, workers: int, levels: int, chunks: Sequence[int], record: str
+) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.scaling_client",
+        record,
+        "convert",
+        f"{source}:{dataset}",
+        out,
+        "--json",
+        "--no-progress",
+        "--chunks",
+        ",".join(map(str, chunks)),
+        "--compressor",
+        f"{CODEC['cname']}:{CODEC['clevel']}:{CODEC['shuffle']}",
+        "--levels",
+        str(levels),
+        "--workers",
+        str(workers),
+    ]
     if levels > 1:
         argv += ["--downsample", "mean"]
     return argv
@@ -357,8 +397,13 @@ def analyse(launched: Launched, record: dict[str, Any], summary: dict[str, Any])
     children_at_main = sum(record.get("rusage_children", {}).values())
     # client_self and workers_waited: the client's getrusage when its main returned;
     # teardown_and_strays: the rest (interpreter teardown, descendants waited for later or adopted).
-    exact = {"tree": launched.tree_cpu, "client_and_waited": launched.client_wait4_cpu, "client_self": self_at_main,
-             "workers_waited": children_at_main, "teardown_and_strays": launched.tree_cpu - self_at_main - children_at_main}
+    exact = {
+        "tree": launched.tree_cpu,
+        "client_and_waited": launched.client_wait4_cpu,
+        "client_self": self_at_main,
+        "workers_waited": children_at_main,
+        "teardown_and_strays": launched.tree_cpu - self_at_main - children_at_main,
+    }
     # Sampled per kind (each process up to its last poll) and per client thread.
     by_kind: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
@@ -369,9 +414,15 @@ def analyse(launched: Launched, record: dict[str, Any], summary: dict[str, Any])
     by_thread: dict[str, float] = defaultdict(float)
     for tid, cpu in acct.threads.items():
         name = names.get(str(tid), "")
-        group = ("main thread (planning, driver loop, manifest, metadata)" if name == "MainThread"
-                 else "event-loop thread (scheduler, nannies, client comms)" if name == "IO loop"
-                 else "other named threads" if name else "threads not named (ended before a mark)")
+        group = (
+            "main thread (planning, driver loop, manifest, metadata)"
+            if name == "MainThread"
+            else "event-loop thread (scheduler, nannies, client comms)"
+            if name == "IO loop"
+            else "other named threads"
+            if name
+            else "threads not named (ended before a mark)"
+        )
         by_thread[group] += cpu
     sampled_total = sum(by_kind.values())
 
@@ -379,38 +430,95 @@ def analyse(launched: Launched, record: dict[str, Any], summary: dict[str, Any])
         return acct.series.at(b, kind) - acct.series.at(a, kind)
 
     # Phases, in time order: command start -> ... -> exit.
-    order = ["launched", "main", "cli_imported", "planned", "cluster_up", "first_task_start", "last_task_end", "slabs_done",
-             "cluster_closed", "metadata_written", "main_returned", "exited"]
+    order = [
+        "launched",
+        "main",
+        "cli_imported",
+        "planned",
+        "cluster_up",
+        "first_task_start",
+        "last_task_end",
+        "slabs_done",
+        "cluster_closed",
+        "metadata_written",
+        "main_returned",
+        "exited",
+    ]
     stamps = {**marks, "launched": t0, "first_task_start": first, "last_task_end": last, "exited": t_exit}
     present = [m for m in order if m in stamps and stamps[m] == stamps[m]]
     phases = []
     for a, b in zip(present, present[1:]):
         ta, tb = stamps[a], stamps[b]
-        phases.append({"from": a, "to": b, "wall": tb - ta, "cpu": window(ta, tb), "cpu_client": window(ta, tb, "client"),
-                       "cpu_workers": window(ta, tb, "worker")})
+        phases.append(
+            {
+                "from": a,
+                "to": b,
+                "wall": tb - ta,
+                "cpu": window(ta, tb),
+                "cpu_client": window(ta, tb, "client"),
+                "cpu_workers": window(ta, tb, "worker"),
+            }
+        )
     # The fixed costs. The tail's CPU ends at the exact tree total (what a process spent after
     # its last poll is in it); the head's ends at a poll-interpolated figure.
-    head = {"wall": first - t0, "cpu": acct.series.at(first), "cpu_client": acct.series.at(first, "client"),
-            "cpu_workers": acct.series.at(first, "worker")}
-    tail = {"wall": t_exit - last, "cpu": launched.tree_cpu - acct.series.at(last),
-            "cpu_client": (launched.client_wait4_cpu - children_at_main) - acct.series.at(last, "client"),
-            "cpu_workers": children_at_main - acct.series.at(last, "worker")}
+    head = {
+        "wall": first - t0,
+        "cpu": acct.series.at(first),
+        "cpu_client": acct.series.at(first, "client"),
+        "cpu_workers": acct.series.at(first, "worker"),
+    }
+    tail = {
+        "wall": t_exit - last,
+        "cpu": launched.tree_cpu - acct.series.at(last),
+        "cpu_client": (launched.client_wait4_cpu - children_at_main) - acct.series.at(last, "client"),
+        "cpu_workers": children_at_main - acct.series.at(last, "worker"),
+    }
     durations = [(_pass_of(t["key"]), t["stop"] - t["start"]) for t in tasks]
     return {
-        "wall": t_exit - t0, "returncode": launched.returncode, "timed_out": launched.timed_out, "strays": launched.strays,
-        "cpu_exact": exact, "cpu_sampled_by_kind": dict(by_kind), "processes_by_kind": dict(count), "cpu_sampled_total": sampled_total,
-        "cpu_client_threads_sampled": dict(by_thread), "stamps": stamps, "phases": phases, "head": head, "tail": tail,
-        "tasks": tasks, "task_seconds": [d for _, d in durations], "task_passes": [p for p, _ in durations],
-        "span": last - first, "in_tasks_cpu_window": window(first, last),
-        "summary": {k: summary.get(k) for k in ("status", "seconds", "slabs_written", "stage_seconds", "bytes_read", "bytes_written")},
-        "plan": {k: (summary.get("plan") or {}).get(k) for k in ("workers", "n_tasks", "inflight_per_worker", "passes")},
+        "wall": t_exit - t0,
+        "returncode": launched.returncode,
+        "timed_out": launched.timed_out,
+        "strays": launched.strays,
+        "cpu_exact": exact,
+        "cpu_sampled_by_kind": dict(by_kind),
+        "processes_by_kind": dict(count),
+        "cpu_sampled_total": sampled_total,
+        "cpu_client_threads_sampled": dict(by_thread),
+        "stamps": stamps,
+        "phases": phases,
+        "head": head,
+        "tail": tail,
+        "tasks": tasks,
+        "task_seconds": [d for _, d in durations],
+        "task_passes": [p for p, _ in durations],
+        "span": last - first,
+        "in_tasks_cpu_window": window(first, last),
+        "summary": {
+            k: summary.get(k)
+            for k in ("status", "seconds", "slabs_written", "stage_seconds", "bytes_read", "bytes_written")
+        },
+        "plan": {
+            k: (summary.get("plan") or {}).get(k) for k in ("workers", "n_tasks", "inflight_per_worker", "passes")
+        },
         "worker_peaks": [w.get("peak_rss") for w in summary.get("workers", [])],
-        "processes": [{"pid": p.pid, "kind": p.kind, "ppid": p.ppid, "cpu_sampled": p.cpu, "created": p.created, "last_poll": p.last_poll,
-                       "command": p.command} for p in acct.procs.values()],
+        "processes": [
+            {
+                "pid": p.pid,
+                "kind": p.kind,
+                "ppid": p.ppid,
+                "cpu_sampled": p.cpu,
+                "created": p.created,
+                "last_poll": p.last_poll,
+                "command": p.command,
+            }
+            for p in acct.procs.values()
+        ],
     }
 
 
-def run_one(case, source: str, workers: int, levels: int, work: str, logs: str, timeout: float, interval: float, do_verify: bool) -> dict[str, Any]:
+def run_one(
+    case, source: str, workers: int, levels: int, work: str, logs: str, timeout: float, interval: float, do_verify: bool
+) -> dict[str, Any]:
     tag = f"{case.name}-w{workers}-l{levels}-{time.strftime('%H%M%S')}"
     out = os.path.join(work, f"{tag}.ome.zarr")
     record_path = os.path.join(work, f"{tag}.record.json")
@@ -433,7 +541,7 @@ def run_one(case, source: str, workers: int, levels: int, work: str, logs: str, 
     except (OSError, ValueError):
         summary = {}
     result = analyse(launched, record, summary)
-    result.update(workers=workers, levels=levels, command=" ".join(argv[argv.index("convert"):]), log=log_path)
+    result.update(workers=workers, levels=levels, command=" ".join(argv[argv.index("convert") :]), log=log_path)
     if do_verify and launched.returncode == 0:
         from .verify import verify
 
@@ -444,7 +552,9 @@ def run_one(case, source: str, workers: int, levels: int, work: str, logs: str, 
     return result
 
 
-def launch(argv: list[str], env: dict[str, str], stdout_file, log_path: str, timeout: float, interval: float) -> Launched:
+def launch(
+    argv: list[str], env: dict[str, str], stdout_file, log_path: str, timeout: float, interval: float
+) -> Launched:
     """Run ``argv`` in its own session (stdout to ``stdout_file``, stderr to ``log_path``) and
     account for the CPU of every process it starts."""
     before = _children_cpu()
@@ -489,7 +599,16 @@ def _account(proc: subprocess.Popen, launched: float, before: float, timeout: fl
             pass
     psutil.wait_procs(alive, timeout=5.0)
     accountant.stop()
-    return Launched(proc.returncode, launched, exited, timed_out.is_set(), usage.ru_utime + usage.ru_stime, _children_cpu() - before, names, accountant)
+    return Launched(
+        proc.returncode,
+        launched,
+        exited,
+        timed_out.is_set(),
+        usage.ru_utime + usage.ru_stime,
+        _children_cpu() - before,
+        names,
+        accountant,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,8 +623,10 @@ def report(doc: dict[str, Any]) -> str:
     lines: list[str] = []
     add = lines.append
     limit = doc.get("limit_cpu")
-    add(f"Case {doc['case']}: {doc['describe']}; scale {doc['scale']}, levels {doc['levels']}, {doc['cores']} cores, "
-        f"load (1 min) {_f(doc['load'][0], 1)} before, {_f(doc['load'][1], 1)} after.")
+    add(
+        f"Case {doc['case']}: {doc['describe']}; scale {doc['scale']}, levels {doc['levels']}, {doc['cores']} cores, "
+        f"load (1 min) {_f(doc['load'][0], 1)} before, {_f(doc['load'][1], 1)} after."
+    )
     add("")
     if doc.get("limits"):
         add("#### The limit (bench.limit, one core, in one process)")
@@ -514,42 +635,64 @@ def report(doc: dict[str, Any]) -> str:
         add("|---|---|---|---|---|---|---|")
         for i, lim in enumerate(doc["limits"]):
             st = lim["stages"]
-            add(f"| {i + 1} | {_f(lim['cpu_seconds'])} | {_f(lim['total'])} | {_f(st['read'])} | {_f(st['extract'])} | {_f(st['encode'])} | {_f(st['write'])} |")
+            add(
+                f"| {i + 1} | {_f(lim['cpu_seconds'])} | {_f(lim['total'])} | {_f(st['read'])} | {_f(st['extract'])} | {_f(st['encode'])} | {_f(st['write'])} |"
+            )
         add("")
         add(f"Limit CPU-seconds (least of the rounds): **{_f(limit)}**.")
         add("")
     runs = doc["runs"]
     add("#### 1. CPU-seconds of every process of the conversion")
     add("")
-    add("Exact (kernel) columns: whole tree = this process's RUSAGE_CHILDREN around the run (orphans adopted and waited for); "
+    add(
+        "Exact (kernel) columns: whole tree = this process's RUSAGE_CHILDREN around the run (orphans adopted and waited for); "
         "client self and workers = the client's own getrusage when its main returned; teardown = the rest. "
-        "Sampled columns: psutil per process and per client thread, each up to its last poll.")
+        "Sampled columns: psutil per process and per client thread, each up to its last poll."
+    )
     add("")
-    add("| round | workers | wall s | CPU whole tree | x limit CPU | client self (exact) | workers (exact) | teardown + strays | "
-        "client main thread | event loop (scheduler, nannies) | client other threads | workers (sampled) | other processes | verified |")
+    add(
+        "| round | workers | wall s | CPU whole tree | x limit CPU | client self (exact) | workers (exact) | teardown + strays | "
+        "client main thread | event loop (scheduler, nannies) | client other threads | workers (sampled) | other processes | verified |"
+    )
     add("|" + "---|" * 14)
     for r in runs:
         ex, th, kind = r["cpu_exact"], r["cpu_client_threads_sampled"], r["cpu_sampled_by_kind"]
         ratio = ex["tree"] / limit if limit else None
         main_t = th.get("main thread (planning, driver loop, manifest, metadata)", 0.0)
         loop_t = th.get("event-loop thread (scheduler, nannies, client comms)", 0.0)
-        other_t = sum(v for k, v in th.items() if k not in ("main thread (planning, driver loop, manifest, metadata)", "event-loop thread (scheduler, nannies, client comms)"))
-        verified = r.get("verified", {}).get("text", "not verified") if r["returncode"] == 0 else f"exit {r['returncode']}"
-        add(f"| {r['round']} | {r['workers']} | {_f(r['wall'])} | **{_f(ex['tree'])}** | {_f(ratio)}x | {_f(ex['client_self'])} | "
+        other_t = sum(
+            v
+            for k, v in th.items()
+            if k
+            not in (
+                "main thread (planning, driver loop, manifest, metadata)",
+                "event-loop thread (scheduler, nannies, client comms)",
+            )
+        )
+        verified = (
+            r.get("verified", {}).get("text", "not verified") if r["returncode"] == 0 else f"exit {r['returncode']}"
+        )
+        add(
+            f"| {r['round']} | {r['workers']} | {_f(r['wall'])} | **{_f(ex['tree'])}** | {_f(ratio)}x | {_f(ex['client_self'])} | "
             f"{_f(ex['workers_waited'])} | {_f(ex['teardown_and_strays'])} | {_f(main_t)} | {_f(loop_t)} | {_f(other_t)} | "
             f"{_f(kind.get('worker', 0.0))} ({r['processes_by_kind'].get('worker', 0)}) | {_f(kind.get('other', 0.0) + kind.get('nanny', 0.0))} "
-            f"({r['processes_by_kind'].get('other', 0) + r['processes_by_kind'].get('nanny', 0)}) | {verified} |")
+            f"({r['processes_by_kind'].get('other', 0) + r['processes_by_kind'].get('nanny', 0)}) | {verified} |"
+        )
     add("")
     add("#### 2. Fixed cost: command start to the first task running, last task's end to exit")
     add("")
-    add("| round | workers | tasks | start -> first task: wall s | CPU s (client, workers) | first start -> last end: wall s | CPU s | "
-        "last end -> exit: wall s | CPU s (client, workers) | in tasks (sum of task wall s) |")
+    add(
+        "| round | workers | tasks | start -> first task: wall s | CPU s (client, workers) | first start -> last end: wall s | CPU s | "
+        "last end -> exit: wall s | CPU s (client, workers) | in tasks (sum of task wall s) |"
+    )
     add("|" + "---|" * 10)
     for r in runs:
         h, t = r["head"], r["tail"]
-        add(f"| {r['round']} | {r['workers']} | {len(r['task_seconds'])} | {_f(h['wall'])} | {_f(h['cpu'])} ({_f(h['cpu_client'])}, {_f(h['cpu_workers'])}) | "
+        add(
+            f"| {r['round']} | {r['workers']} | {len(r['task_seconds'])} | {_f(h['wall'])} | {_f(h['cpu'])} ({_f(h['cpu_client'])}, {_f(h['cpu_workers'])}) | "
             f"{_f(r['span'])} | {_f(r['in_tasks_cpu_window'])} | {_f(t['wall'])} | {_f(t['cpu'])} ({_f(t['cpu_client'])}, {_f(t['cpu_workers'])}) | "
-            f"{_f(sum(r['task_seconds']))} |")
+            f"{_f(sum(r['task_seconds']))} |"
+        )
     add("")
     add("Phases (wall s / CPU s of all processes; client timestamps, task times from the workers):")
     add("")
@@ -570,26 +713,36 @@ def report(doc: dict[str, Any]) -> str:
     add("")
     add("#### 3. The tail: measured task times list-scheduled on N workers")
     add("")
-    add("| tasks from | tasks | sum s | longest s | N | total/N s | submitted order s | x total/N | largest first s | x total/N |")
+    add(
+        "| tasks from | tasks | sum s | longest s | N | total/N s | submitted order s | x total/N | largest first s | x total/N |"
+    )
     add("|" + "---|" * 10)
     for r in runs:
         secs = r["task_seconds"]
         for row in r["tail_rows"]:
-            add(f"| r{r['round']} {r['workers']} workers | {len(secs)} | {_f(sum(secs))} | {_f(max(secs, default=0.0))} | {row['workers']} | {_f(row['ideal'])} | "
-                f"{_f(row['submitted'])} | {_f(row['submitted_x'], 3)} | {_f(row['largest_first'])} | {_f(row['largest_first_x'], 3)} |")
+            add(
+                f"| r{r['round']} {r['workers']} workers | {len(secs)} | {_f(sum(secs))} | {_f(max(secs, default=0.0))} | {row['workers']} | {_f(row['ideal'])} | "
+                f"{_f(row['submitted'])} | {_f(row['submitted_x'], 3)} | {_f(row['largest_first'])} | {_f(row['largest_first_x'], 3)} |"
+            )
     add("")
-    add("Check of the model on each run's own worker count, against the span measured (first task start to last task end): "
-        "simulated with every worker ready at the first start, and with each worker from its own first task start (the spread of those is the cluster's start-up skew):")
+    add(
+        "Check of the model on each run's own worker count, against the span measured (first task start to last task end): "
+        "simulated with every worker ready at the first start, and with each worker from its own first task start (the spread of those is the cluster's start-up skew):"
+    )
     add("")
     for r in runs:
         ready = r.get("worker_ready") or [0.0]
-        add(f"- r{r['round']} {r['workers']} workers: measured {_f(r['span'])} s; simulated {_f(r['model_check'])} s (all ready), "
-            f"{_f(r['model_check_ready'])} s (ready as measured; the last of {len(ready)} workers took its first task {_f(max(ready))} s after the first)")
+        add(
+            f"- r{r['round']} {r['workers']} workers: measured {_f(r['span'])} s; simulated {_f(r['model_check'])} s (all ready), "
+            f"{_f(r['model_check_ready'])} s (ready as measured; the last of {len(ready)} workers took its first task {_f(max(ready))} s after the first)"
+        )
         idle = r.get("idle") or {}
         if idle:
-            add(f"  worker-seconds of span x workers {_f(idle['span_x_workers'])}: in tasks {_f(idle['busy'])}, before a worker's first task "
+            add(
+                f"  worker-seconds of span x workers {_f(idle['span_x_workers'])}: in tasks {_f(idle['busy'])}, before a worker's first task "
                 f"{_f(idle['before_first'])}, between tasks {_f(idle['between'])}, after a worker's last task {_f(idle['after_last'])}"
-                + (f", workers that ran no task {_f(idle['never_ran'])}" if idle["never_ran"] else ""))
+                + (f", workers that ran no task {_f(idle['never_ran'])}" if idle["never_ran"] else "")
+            )
     return "\n".join(lines)
 
 
@@ -611,7 +764,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=os.path.join(BENCH_DIR, "data"))
     p.add_argument("--work-dir", default=None)
     p.add_argument("--result", default=None, help="JSON path (default bench/results/scaling-<time>-scale<S>.json)")
-    p.add_argument("--from-json", default=None, help="measure nothing: print the tables of an earlier result (tail re-derived with --tail-workers)")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        help="measure nothing: print the tables of an earlier result (tail re-derived with --tail-workers)",
+    )
     args = p.parse_args(argv)
     if args.from_json:
         with open(args.from_json) as f:
@@ -631,7 +788,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or tempfile.mkdtemp(prefix="h5ngff-scaling-")
     os.makedirs(work, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    result_path = args.result or os.path.join(BENCH_DIR, "results", f"scaling-{stamp}-scale{scale_tag(args.scale)}.json")
+    result_path = args.result or os.path.join(
+        BENCH_DIR, "results", f"scaling-{stamp}-scale{scale_tag(args.scale)}.json"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(result_path)), exist_ok=True)
     logs = os.path.join(work, "logs")
     os.makedirs(logs, exist_ok=True)
@@ -650,13 +809,28 @@ def main(argv: list[str] | None = None) -> int:
             r.update(round=number + 1, load_before=load, load_after=os.getloadavg()[0])
             derive(r, tail_ns)
             runs.append(r)
-            print(f"[round {number + 1}] {w} workers: wall {r['wall']:.2f} s, CPU {r['cpu_exact']['tree']:.2f} s, "
-                  f"exit {r['returncode']}, load {load:.1f}", file=sys.stderr, flush=True)
+            print(
+                f"[round {number + 1}] {w} workers: wall {r['wall']:.2f} s, CPU {r['cpu_exact']['tree']:.2f} s, "
+                f"exit {r['returncode']}, load {load:.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
     doc = {
-        "command": "PYTHONPATH=src .venv/bin/python -m bench.scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "started": stamp, "case": case.name, "describe": case.describe(), "scale": args.scale, "levels": args.levels, "cores": available_cores(),
-        "blosc_ratio": meta.get("blosc_ratio"), "load": [load_before, os.getloadavg()[0]], "interval": args.interval, "subreaper": subreaper,
-        "limits": limits, "limit_cpu": min((lim["cpu_seconds"] for lim in limits), default=None), "runs": runs,
+        "command": "PYTHONPATH=src .venv/bin/python -m bench.scaling "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started": stamp,
+        "case": case.name,
+        "describe": case.describe(),
+        "scale": args.scale,
+        "levels": args.levels,
+        "cores": available_cores(),
+        "blosc_ratio": meta.get("blosc_ratio"),
+        "load": [load_before, os.getloadavg()[0]],
+        "interval": args.interval,
+        "subreaper": subreaper,
+        "limits": limits,
+        "limit_cpu": min((lim["cpu_seconds"] for lim in limits), default=None),
+        "runs": runs,
     }
     text = report(doc)
     doc["report"] = text

@@ -57,9 +57,15 @@ class TaskRecorder(SchedulerPlugin):
             self.order[name] = (len(self.order), time.time())
         if start == "processing" and finish in ("memory", "erred"):
             compute = [s for s in kwargs.get("startstops", ()) if s.get("action") == "compute"]
-            self.finished.append({"key": name, "state": finish, "worker": str(kwargs.get("worker", "")),
-                                  "start": min((s["start"] for s in compute), default=None),
-                                  "stop": max((s["stop"] for s in compute), default=None)})
+            self.finished.append(
+                {
+                    "key": name,
+                    "state": finish,
+                    "worker": str(kwargs.get("worker", "")),
+                    "start": min((s["start"] for s in compute), default=None),
+                    "stop": max((s["stop"] for s in compute), default=None),
+                }
+            )
 
     def collect(self) -> list[dict[str, Any]]:
         out = []
@@ -98,7 +104,12 @@ def install_hooks() -> None:
     """Wrap four functions of ``h5ngff.runner`` (looked up there at call time)."""
     from h5ngff import runner
 
-    run_job, run_conversion, collect_workers, finish = runner.run_job, runner.run_conversion, runner._collect_workers, runner.finish
+    run_job, run_conversion, collect_workers, finish = (
+        runner.run_job,
+        runner.run_conversion,
+        runner._collect_workers,
+        runner.finish,
+    )
 
     def hooked_run_job(*args, **kwargs):
         _mark("planned")
@@ -143,7 +154,9 @@ def main(argv: list[str]) -> int:
         code = cli.main(cli_argv)
     finally:
         _mark("main_returned")
-        RECORD.update(code=code, rusage_self=_usage(resource.RUSAGE_SELF), rusage_children=_usage(resource.RUSAGE_CHILDREN))
+        RECORD.update(
+            code=code, rusage_self=_usage(resource.RUSAGE_SELF), rusage_children=_usage(resource.RUSAGE_CHILDREN)
+        )
         with open(record_path, "w") as f:
             json.dump(RECORD, f)
     return code

@@ -44,8 +44,23 @@ def digest_tree(root: str) -> dict[str, str]:
 
 def run(source: str, out: str, extra: list[str], levels: int) -> tuple[float, dict]:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "h5ngff.cli", "convert", source, out, "--workers", "2", "--threads", "1",
-           "--levels", str(levels), "--json", "--no-progress", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "h5ngff.cli",
+        "convert",
+        source,
+        out,
+        "--workers",
+        "2",
+        "--threads",
+        "1",
+        "--levels",
+        str(levels),
+        "--json",
+        "--no-progress",
+        *extra,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     took = time.perf_counter() - start
@@ -86,14 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     best = {name: min(t) for name, t in times.items()}
     ratio = best["slurm"] / best["local"]
     plan = last["slurm"]["plan"]["memory"]
-    print(f"case f32 {case.describe()}, scale {args.scale}, {args.levels} level(s), 2 workers x 1 thread, {args.repeat} round(s)")
+    print(
+        f"case f32 {case.describe()}, scale {args.scale}, {args.levels} level(s), 2 workers x 1 thread, {args.repeat} round(s)"
+    )
     for name in tools:
         rounds = ", ".join(f"{t:.1f}" for t in times[name])
-        print(f"  {name:6s} best {best[name]:6.1f} s  (rounds: {rounds}; conversion alone {last[name]['seconds']:.1f} s)")
+        print(
+            f"  {name:6s} best {best[name]:6.1f} s  (rounds: {rounds}; conversion alone {last[name]['seconds']:.1f} s)"
+        )
     print(f"  slurm / local = {ratio:.2f}  (target <= {TARGET})  outputs identical: {identical}")
     for w in last["slurm"]["workers"]:
-        print(f"  slurm {w['name']}: peak RSS {w['peak_rss'] / 2**20:.1f} MiB, predicted {plan['predicted_peak'] / 2**20:.1f} MiB, "
-              f"job cgroup peak {(w['cgroup_peak'] or 0) / 2**20:.1f} MiB of --mem {w['pod_limit'] / 2**20:.1f} MiB, OOM kills {w['oom_kills']}")
+        print(
+            f"  slurm {w['name']}: peak RSS {w['peak_rss'] / 2**20:.1f} MiB, predicted {plan['predicted_peak'] / 2**20:.1f} MiB, "
+            f"job cgroup peak {(w['cgroup_peak'] or 0) / 2**20:.1f} MiB of --mem {w['pod_limit'] / 2**20:.1f} MiB, OOM kills {w['oom_kills']}"
+        )
     return 0 if identical and ratio <= TARGET else 1
 
 

@@ -49,7 +49,9 @@ def botocore_put(endpoint, bucket):
     import botocore.session
     from botocore.config import Config
 
-    client = botocore.session.get_session().create_client("s3", endpoint_url=endpoint, config=Config(max_pool_connections=16))
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, config=Config(max_pool_connections=16)
+    )
     return lambda key, data: client.put_object(Bucket=bucket, Key=key, Body=data)
 
 
@@ -61,7 +63,10 @@ def run(name, put, objects, data, threads) -> None:
         list(pool.map(lambda i: put(f"{name}/c/{i}", data), range(objects)))
     s = time.perf_counter() - t
     grow = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    print(f"{name:9s} {objects} x {len(data) / 2**20:.1f} MiB, {threads} threads: {s:6.2f} s  {objects * len(data) / 2**20 / s:7.1f} MiB/s  peak RSS +{grow:.0f} MiB", flush=True)
+    print(
+        f"{name:9s} {objects} x {len(data) / 2**20:.1f} MiB, {threads} threads: {s:6.2f} s  {objects * len(data) / 2**20 / s:7.1f} MiB/s  peak RSS +{grow:.0f} MiB",
+        flush=True,
+    )
 
 
 def rss_mib() -> float:
@@ -91,24 +96,40 @@ def memory(endpoint: str, threads: int, profile: bool = False) -> None:
             f.write(f"[profile bench]\nregion = us-east-1\nendpoint_url = {endpoint}\n")
         with open(os.path.join(d, "credentials"), "w") as f:
             f.write("[bench]\naws_access_key_id = bench\naws_secret_access_key = bench\n")
-        os.environ.update(AWS_CONFIG_FILE=os.path.join(d, "config"), AWS_SHARED_CREDENTIALS_FILE=os.path.join(d, "credentials"))
+        os.environ.update(
+            AWS_CONFIG_FILE=os.path.join(d, "config"), AWS_SHARED_CREDENTIALS_FILE=os.path.join(d, "credentials")
+        )
         options = {"profile": "bench", "allow_http": "true"}
     store = open_store("s3://bench/memory", options)
     opened = rss_mib()
     data = os.urandom(2**20)
-    workers = [threading.Thread(target=lambda i=i: [store.put(f"{threads}/{i}/{k}", data) for k in range(40)]) for i in range(threads)]
+    workers = [
+        threading.Thread(target=lambda i=i: [store.put(f"{threads}/{i}/{k}", data) for k in range(40)])
+        for i in range(threads)
+    ]
     for t in workers:
         t.start()
     for t in workers:
         t.join()
-    print(f"{'profile, ' if profile else ''}{threads} writer thread(s): import + client {opened - before:.1f} MiB, after 40 x 1 MiB PUTs each {rss_mib() - before:.1f} MiB, "
-          f"OS threads {len(os.listdir('/proc/self/task'))}", flush=True)
+    print(
+        f"{'profile, ' if profile else ''}{threads} writer thread(s): import + client {opened - before:.1f} MiB, after 40 x 1 MiB PUTs each {rss_mib() - before:.1f} MiB, "
+        f"OS threads {len(os.listdir('/proc/self/task'))}",
+        flush=True,
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--memory", action="store_true", help="Measure the RSS of h5ngff's S3 store instead (1, 2 and 4 writer threads).")
-    ap.add_argument("--profile", action="store_true", help="With --memory: configure the store by an AWS profile in shared files (botocore).")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="Measure the RSS of h5ngff's S3 store instead (1, 2 and 4 writer threads).",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="With --memory: configure the store by an AWS profile in shared files (botocore).",
+    )
     ap.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--objects", type=int, default=96)
     ap.add_argument("--size-mib", type=float, default=1.0)
@@ -124,7 +145,11 @@ def main() -> None:
 
     # moto in its own process: it keeps every object in memory, which must not count as the client's.
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         for _ in range(100):
@@ -137,8 +162,18 @@ def main() -> None:
         if args.memory:
             src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
             for threads in (1, 2, 4):  # a fresh process each: RSS only grows
-                subprocess.run([sys.executable, __file__, "--memory-child", endpoint, str(threads), "profile" if args.profile else "env"], check=True,
-                               env={**os.environ, "PYTHONPATH": src})
+                subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--memory-child",
+                        endpoint,
+                        str(threads),
+                        "profile" if args.profile else "env",
+                    ],
+                    check=True,
+                    env={**os.environ, "PYTHONPATH": src},
+                )
             return
         data = os.urandom(int(args.size_mib * 2**20))
         clients = {"obstore": obstore_put, "s3fs": s3fs_put, "botocore": botocore_put}

@@ -110,9 +110,15 @@ class CaseResult:
     profiles: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"case": asdict(self.case), "source": self.source, "input": self.input_meta, "limit_error": self.limit_error,
-                "limit": asdict(self.limit) | {"seconds": self.limit.seconds} if self.limit else None,
-                "runs": [asdict(r) for r in self.runs], "profiles": self.profiles}
+        return {
+            "case": asdict(self.case),
+            "source": self.source,
+            "input": self.input_meta,
+            "limit_error": self.limit_error,
+            "limit": asdict(self.limit) | {"seconds": self.limit.seconds} if self.limit else None,
+            "runs": [asdict(r) for r in self.runs],
+            "profiles": self.profiles,
+        }
 
 
 def _env() -> dict:
@@ -143,7 +149,9 @@ def _prepare(path: str) -> None:
     os.sync()
 
 
-def best_limit(first: tuple[LimitResult | None, str], second: tuple[LimitResult | None, str]) -> tuple[LimitResult | None, str]:
+def best_limit(
+    first: tuple[LimitResult | None, str], second: tuple[LimitResult | None, str]
+) -> tuple[LimitResult | None, str]:
     """The faster of two measurements: other work on the machine only ever slows the limit down,
     so the minimum is the better estimate of what the hardware can do."""
     measured = [m for m, _ in (first, second) if m is not None]
@@ -154,22 +162,50 @@ def best_limit(first: tuple[LimitResult | None, str], second: tuple[LimitResult 
     return best, ""
 
 
-def run_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, tag: str = "limit", levels: int = 1) -> tuple[LimitResult | None, str]:
+def run_limit(
+    cfg: SuiteConfig, case: Case, source: str, logs: str, tag: str = "limit", levels: int = 1
+) -> tuple[LimitResult | None, str]:
     out = os.path.join(cfg.work_dir, f"{case.name}-{tag}.zarr")
     result_path = os.path.join(logs, f"{case.name}-{tag}.json")
     _prepare(out)
     warm_page_cache(source)
-    argv = [sys.executable, "-m", "bench.limit", "--source", source, "--dataset", case.dataset, "--out", out,
-            "--chunks", ",".join(map(str, case.chunks)), "--result", result_path, "--levels", str(levels)]
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.limit",
+        "--source",
+        source,
+        "--dataset",
+        case.dataset,
+        "--out",
+        out,
+        "--chunks",
+        ",".join(map(str, case.chunks)),
+        "--result",
+        result_path,
+        "--levels",
+        str(levels),
+    ]
     log_path = os.path.join(logs, f"{case.name}-{tag}.log")
     try:
-        measured = run_measured(argv, timeout=cfg.timeout, log_path=log_path, cwd=REPO_DIR, env=_env(), interval=cfg.interval)
+        measured = run_measured(
+            argv, timeout=cfg.timeout, log_path=log_path, cwd=REPO_DIR, env=_env(), interval=cfg.interval
+        )
         if measured.timed_out or measured.returncode != 0:
             return None, "timeout" if measured.timed_out else f"error: {_failure_line(log_path)}"
         with open(result_path) as f:
             r = json.load(f)
         verdict = verify(out, source, case, levels, "mean")
-        return LimitResult(r["stages"], r["total"], cfg.cores, r["bytes_in"], r["bytes_out"], verdict.message, verdict.ok, measured.to_dict()), ""
+        return LimitResult(
+            r["stages"],
+            r["total"],
+            cfg.cores,
+            r["bytes_in"],
+            r["bytes_out"],
+            verdict.message,
+            verdict.ok,
+            measured.to_dict(),
+        ), ""
     finally:
         _cleanup(cfg, out)
 
@@ -189,8 +225,25 @@ def run_parallel_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, lev
     for i in range(cfg.cores):
         result_path = os.path.join(logs, f"{case.name}-{tag}-{i}.json")
         results.append(result_path)
-        argv = [sys.executable, "-m", "bench.limit", "--source", source, "--dataset", case.dataset, "--out", out,
-                "--chunks", ",".join(map(str, case.chunks)), "--result", result_path, "--part", f"{i}/{cfg.cores}", "--levels", str(levels)]
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.limit",
+            "--source",
+            source,
+            "--dataset",
+            case.dataset,
+            "--out",
+            out,
+            "--chunks",
+            ",".join(map(str, case.chunks)),
+            "--result",
+            result_path,
+            "--part",
+            f"{i}/{cfg.cores}",
+            "--levels",
+            str(levels),
+        ]
         with open(os.path.join(logs, f"{case.name}-{tag}-{i}.log"), "w") as log:
             procs.append(subprocess.Popen(argv, cwd=REPO_DIR, env=_env(), stdout=log, stderr=subprocess.STDOUT))
     what = "limit" if levels == 1 else f"{levels}-level pyramid limit"
@@ -206,7 +259,9 @@ def run_parallel_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, lev
             _say(f"[{case.name}] parallel {what} FAILED verification: {verdict.message}")
             return None
         measured = max(totals) if levels == 1 else sum(totals) / len(totals)
-        _say(f"[{case.name}] {what} on {cfg.cores} cores in parallel, measured: {measured:.2f} s (parts {', '.join(f'{t:.2f}' for t in totals)})")
+        _say(
+            f"[{case.name}] {what} on {cfg.cores} cores in parallel, measured: {measured:.2f} s (parts {', '.join(f'{t:.2f}' for t in totals)})"
+        )
         return measured
     except subprocess.TimeoutExpired:
         for p in procs:
@@ -222,8 +277,24 @@ def _cleanup(cfg: SuiteConfig, out: str) -> None:
 
 
 def peer_argv(spec: RunSpec, case: Case, source: str, out: str, result_path: str) -> list[str]:
-    argv = [sys.executable, *spec.argv, "--source", source, "--dataset", case.dataset, "--out", out, "--result", result_path,
-            "--axes", case.axes, "--chunks", ",".join(map(str, case.chunks)), "--levels", str(spec.levels)]
+    argv = [
+        sys.executable,
+        *spec.argv,
+        "--source",
+        source,
+        "--dataset",
+        case.dataset,
+        "--out",
+        out,
+        "--result",
+        result_path,
+        "--axes",
+        case.axes,
+        "--chunks",
+        ",".join(map(str, case.chunks)),
+        "--levels",
+        str(spec.levels),
+    ]
     if spec.method:
         argv += ["--method", spec.method]
     if spec.user_slab:
@@ -241,10 +312,26 @@ def run_one(cfg: SuiteConfig, spec: RunSpec, case: Case, source: str, logs: str,
     log_path = os.path.join(logs, f"{case.name}-{spec.id}{round_tag}.log")
     _prepare(out)
     warm_page_cache(source)
-    measured: Measured = run_measured(peer_argv(spec, case, source, out, result_path), timeout=cfg.timeout, log_path=log_path,
-                                      cwd=REPO_DIR, env=_env(), interval=cfg.interval)
-    result = RunResult(case.name, spec.id, spec.tool, spec.label, spec.levels, "ok", "", wall=measured.wall, memory=measured.to_dict(),
-                       load1=os.getloadavg()[0])
+    measured: Measured = run_measured(
+        peer_argv(spec, case, source, out, result_path),
+        timeout=cfg.timeout,
+        log_path=log_path,
+        cwd=REPO_DIR,
+        env=_env(),
+        interval=cfg.interval,
+    )
+    result = RunResult(
+        case.name,
+        spec.id,
+        spec.tool,
+        spec.label,
+        spec.levels,
+        "ok",
+        "",
+        wall=measured.wall,
+        memory=measured.to_dict(),
+        load1=os.getloadavg()[0],
+    )
     try:
         if measured.timed_out:
             result.status, result.message = "timeout", f"timeout after {cfg.timeout:.0f} s"
@@ -312,8 +399,15 @@ def run_case(cfg: SuiteConfig, case: Case, logs: str) -> CaseResult:
     return CaseResult(case, source, meta, limit, limit_error, runs, profiles)
 
 
-def _pyramid_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, levels: int, limit: LimitResult,
-                   first: tuple[LimitResult | None, str]) -> None:
+def _pyramid_limit(
+    cfg: SuiteConfig,
+    case: Case,
+    source: str,
+    logs: str,
+    levels: int,
+    limit: LimitResult,
+    first: tuple[LimitResult | None, str],
+) -> None:
     """The floor of the pyramid the runs built (bench.limit --levels), verified like the limit and,
     like it, measured before and after the tools with the faster kept."""
     measured = (first, run_limit(cfg, case, source, logs, "limit-pyramid-again", levels))
@@ -329,15 +423,27 @@ def _pyramid_limit(cfg: SuiteConfig, case: Case, source: str, logs: str, levels:
     limit.pyramid_totals = pyramid.totals
     if cfg.cores > 1:
         limit.pyramid_parallel = run_parallel_limit(cfg, case, source, logs, levels)
-    _say(f"[{case.name}] {levels}-level pyramid limit: {pyramid.total:.2f} s on 1 core (of {', '.join(f'{t:.2f}' for t in pyramid.totals)}) -> "
-         f"{limit.pyramid_seconds:.2f} s on {limit.cores} ({pyramid.total / limit.total:.2f}x the single level's; {pyramid.verified})")
+    _say(
+        f"[{case.name}] {levels}-level pyramid limit: {pyramid.total:.2f} s on 1 core (of {', '.join(f'{t:.2f}' for t in pyramid.totals)}) -> "
+        f"{limit.pyramid_seconds:.2f} s on {limit.cores} ({pyramid.total / limit.total:.2f}x the single level's; {pyramid.verified})"
+    )
 
 
-def _container_case(cfg: SuiteConfig, case: Case, source: str, meta: dict, specs: list[RunSpec], logs: str) -> CaseResult:
+def _container_case(
+    cfg: SuiteConfig, case: Case, source: str, meta: dict, specs: list[RunSpec], logs: str
+) -> CaseResult:
     runs = _run_rounds(cfg, case, source, specs, logs)
     add_ratios(runs, specs, None)
     profiles = {spec.id: profile_run(cfg, spec, case, source, logs) for spec in specs if spec.id in cfg.profile}
-    return CaseResult(case, source, meta, None, "not applicable: the limit reads one HDF5 dataset, this case is a container", runs, profiles)
+    return CaseResult(
+        case,
+        source,
+        meta,
+        None,
+        "not applicable: the limit reads one HDF5 dataset, this case is a container",
+        runs,
+        profiles,
+    )
 
 
 def _run_rounds(cfg: SuiteConfig, case: Case, source: str, specs: list[RunSpec], logs: str) -> list[RunResult]:
@@ -347,7 +453,9 @@ def _run_rounds(cfg: SuiteConfig, case: Case, source: str, specs: list[RunSpec],
             r = run_one(cfg, spec, case, source, logs, f"-round{number + 1}" if number else "")
             took = f"{r.seconds:.2f} s" if r.seconds is not None else f"wall {r.wall:.1f} s"
             tag = f" (round {number + 1})" if cfg.repeat > 1 else ""
-            _say(f"[{case.name}] {spec.id}{tag}: {r.status} {took}, peak {r.memory.get('peak_largest', 0) / 1e9:.2f} GB/proc; {r.message}")
+            _say(
+                f"[{case.name}] {spec.id}{tag}: {r.status} {took}, peak {r.memory.get('peak_largest', 0) / 1e9:.2f} GB/proc; {r.message}"
+            )
             rounds[spec.id].append(r)
     return [combine_rounds(rounds[spec.id]) for spec in specs]
 
@@ -355,7 +463,9 @@ def _run_rounds(cfg: SuiteConfig, case: Case, source: str, specs: list[RunSpec],
 def _limit_said(case: Case, measured: tuple[LimitResult | None, str]) -> tuple[LimitResult | None, str]:
     limit, error = measured
     if limit:
-        _say(f"[{case.name}] physical limit: {limit.total:.2f} s on 1 core -> {limit.seconds:.2f} s on {limit.cores} ({limit.verified})")
+        _say(
+            f"[{case.name}] physical limit: {limit.total:.2f} s on 1 core -> {limit.seconds:.2f} s on {limit.cores} ({limit.verified})"
+        )
     else:
         _say(f"[{case.name}] physical limit: {error}")
     return measured
@@ -372,9 +482,17 @@ def profile_run(cfg: SuiteConfig, spec: RunSpec, case: Case, source: str, logs: 
         return "py-spy not installed (pip install -e '.[bench]')"
     _prepare(out)
     warm_page_cache(source)
-    argv = [spy, "record", "--subprocesses", "--rate", "100", "--format", "flamegraph", "-o", svg, "--"] + peer_argv(spec, case, source, out, result_path)
+    argv = [spy, "record", "--subprocesses", "--rate", "100", "--format", "flamegraph", "-o", svg, "--"] + peer_argv(
+        spec, case, source, out, result_path
+    )
     try:
-        measured = run_measured(argv, timeout=cfg.timeout * 2, log_path=os.path.join(logs, f"{case.name}-{spec.id}-profile.log"), cwd=REPO_DIR, env=_env())
+        measured = run_measured(
+            argv,
+            timeout=cfg.timeout * 2,
+            log_path=os.path.join(logs, f"{case.name}-{spec.id}-profile.log"),
+            cwd=REPO_DIR,
+            env=_env(),
+        )
     finally:
         _cleanup(cfg, out)
     _say(f"[{case.name}] {spec.id}: py-spy flamegraph {svg} (exit {measured.returncode})")

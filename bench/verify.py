@@ -56,14 +56,21 @@ def codec_text(arr: zarr.Array) -> str:
         if name == "sharding_indexed":
             return "sharded: " + " ".join(str(x) for x in config.get("codecs", []))
         if name != "bytes":
-            parts.append(f"{name}:" + ",".join(f"{k}={v}" for k, v in sorted(config.items()) if k not in ("name", "id")))
+            parts.append(
+                f"{name}:" + ",".join(f"{k}={v}" for k, v in sorted(config.items()) if k not in ("name", "id"))
+            )
     return " ".join(parts) or "none"
 
 
 def _codec_ok(arr: zarr.Array) -> bool:
     text = codec_text(arr)
     shuffle_ok = "shuffle=bitshuffle" in text or "shuffle=2" in text
-    return text.startswith("blosc:") and f"cname={CODEC['cname']}" in text and f"clevel={CODEC['clevel']}" in text and shuffle_ok
+    return (
+        text.startswith("blosc:")
+        and f"cname={CODEC['cname']}" in text
+        and f"clevel={CODEC['clevel']}" in text
+        and shuffle_ok
+    )
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -109,7 +116,9 @@ def _direct_mean(block: np.ndarray, axes: tuple[int, ...], f: int) -> np.ndarray
     return block.astype(np.float64).reshape(shape).mean(axis=reduce)
 
 
-def check_level(ds: h5py.Dataset, arr: zarr.Array, k: int, spatial: tuple[int, ...], method: str, rng) -> tuple[str | None, str]:
+def check_level(
+    ds: h5py.Dataset, arr: zarr.Array, k: int, spatial: tuple[int, ...], method: str, rng
+) -> tuple[str | None, str]:
     """(failure or None, how it was checked) for pyramid level ``k``."""
     f = 2**k
     for i, (n, m) in enumerate(zip(ds.shape, arr.shape)):
@@ -153,7 +162,7 @@ def _range_of(filename: str, name: str) -> tuple[float, float]:
     with h5py.File(filename, "r") as f:
         ds = f[name]
         for z in range(0, ds.shape[-3], 16):
-            block = ds[..., z:z + 16, :, :]
+            block = ds[..., z : z + 16, :, :]
             lo, hi = min(lo, float(block.min())), max(hi, float(block.max()))
     return lo, hi
 
@@ -193,7 +202,7 @@ def _verify_levels(arrays: list[zarr.Array], source: str, case: Case, method: st
 
 
 def _merge(notes: list[str]) -> list[str]:
-    """"L1 mean exact; L2 mean exact" -> "L1-2 mean exact"."""
+    """ "L1 mean exact; L2 mean exact" -> "L1-2 mean exact"."""
     out: list[list] = []
     for note in notes:
         level, how = note.split(" ", 1)

@@ -49,6 +49,7 @@ def main() -> None:
     baseline = _peak_of([sys.executable, "-c", "import h5ngff.cliverify, h5ngff.engine.verify.check, h5py, zarr"])[2]
     code, seconds, peak = _peak_of(CLI + ["verify", out, "--source", f"{h5}:/volume/data", "--json"])
     from h5ngff.engine.verify.levelcheck import PyramidRule, memory_bound
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from existing_layout import level_layout  # a test helper: the writer's layout of an existing level
 
@@ -56,9 +57,11 @@ def main() -> None:
     layouts = [level_layout(out, str(k), fmt, k) for k in range(a.levels)]
     bound = memory_bound(layouts, PyramidRule("mean", (True,) * len(shape)))
     mib = 1 << 20
-    print(f"shape {shape} {a.dtype} shards {a.shards}: level 0 {level0 / mib:.0f} MiB; verify exit {code} in {seconds:.1f} s; "
-          f"peak RSS {peak / mib:.1f} MiB = interpreter {baseline / mib:.1f} MiB + {(peak - baseline) / mib:.1f} MiB; "
-          f"documented bound {bound / mib:.1f} MiB above the interpreter")
+    print(
+        f"shape {shape} {a.dtype} shards {a.shards}: level 0 {level0 / mib:.0f} MiB; verify exit {code} in {seconds:.1f} s; "
+        f"peak RSS {peak / mib:.1f} MiB = interpreter {baseline / mib:.1f} MiB + {(peak - baseline) / mib:.1f} MiB; "
+        f"documented bound {bound / mib:.1f} MiB above the interpreter"
+    )
 
 
 if __name__ == "__main__":

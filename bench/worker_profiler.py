@@ -37,13 +37,22 @@ def one_run(source: str, dataset: str, profiler: bool) -> dict[str, float]:
     local.dask_memory_config = lambda plan: {**dask_memory_config(plan), "distributed.worker.profile.enabled": profiler}
     work = tempfile.mkdtemp(prefix="h5ngff-profiler-")
     try:
-        spec = parse_spec({"source": {"path": source, "dataset": dataset}, "output": {"path": f"{work}/out.ome.zarr"}, "pyramid": {"levels": 1}})
+        spec = parse_spec(
+            {
+                "source": {"path": source, "dataset": dataset},
+                "output": {"path": f"{work}/out.ome.zarr"},
+                "pyramid": {"levels": 1},
+            }
+        )
         backend = local.LocalBackend()
         job = plan_job(spec, backend)
         children, own, start = _cpu(resource.RUSAGE_CHILDREN), _cpu(resource.RUSAGE_SELF), time.perf_counter()
         run_job(job, backend)
-        return {"wall": time.perf_counter() - start, "workers cpu": _cpu(resource.RUSAGE_CHILDREN) - children,
-                "driver cpu": _cpu(resource.RUSAGE_SELF) - own}
+        return {
+            "wall": time.perf_counter() - start,
+            "workers cpu": _cpu(resource.RUSAGE_CHILDREN) - children,
+            "driver cpu": _cpu(resource.RUSAGE_SELF) - own,
+        }
     finally:
         local.dask_memory_config = dask_memory_config
         shutil.rmtree(work, ignore_errors=True)
@@ -57,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=os.path.join(os.path.dirname(__file__), "data"))
     args = p.parse_args(argv)
     cases = build_cases(args.scale)
-    print(f"{'case':8s} {'profiler':9s} {'wall s':>7s} {'workers CPU s':>14s} {'driver CPU s':>13s}   (median of {args.rounds})")
+    print(
+        f"{'case':8s} {'profiler':9s} {'wall s':>7s} {'workers CPU s':>14s} {'driver CPU s':>13s}   (median of {args.rounds})"
+    )
     for name in args.cases.split(","):
         case = cases[name]
         source, _ = ensure_input(case, args.scale, args.data_dir)
@@ -67,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs[profiler].append(one_run(str(source), case.dataset, profiler))
         for profiler, rounds in runs.items():
             med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-            print(f"{name:8s} {'on' if profiler else 'off':9s} {med['wall']:7.2f} {med['workers cpu']:14.2f} {med['driver cpu']:13.2f}")
+            print(
+                f"{name:8s} {'on' if profiler else 'off':9s} {med['wall']:7.2f} {med['workers cpu']:14.2f} {med['driver cpu']:13.2f}"
+            )
     return 0
 
 

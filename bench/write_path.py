@@ -37,13 +37,29 @@ def make_slab(shape: tuple[int, int, int]) -> np.ndarray:
 
 def with_zarr(slab: np.ndarray, path: str) -> None:
     zarr.config.set({"async.concurrency": 1, "threading.max_workers": 1})
-    arr = zarr.create_array(path, shape=slab.shape, chunks=CHUNK, dtype=slab.dtype, fill_value=0,
-                            compressors=[BloscCodec(cname="zstd", clevel=5, shuffle="bitshuffle")], overwrite=True)
+    arr = zarr.create_array(
+        path,
+        shape=slab.shape,
+        chunks=CHUNK,
+        dtype=slab.dtype,
+        fill_value=0,
+        compressors=[BloscCodec(cname="zstd", clevel=5, shuffle="bitshuffle")],
+        overwrite=True,
+    )
     arr[...] = slab
 
 
 def with_h5ngff(slab: np.ndarray, path: str) -> None:
-    layout = ArrayLayout(path, slab.shape, CHUNK, None, "<f4", 3, CompressorSpec(codec="blosc", cname="zstd", clevel=5, shuffle="bitshuffle"), 0)
+    layout = ArrayLayout(
+        path,
+        slab.shape,
+        CHUNK,
+        None,
+        "<f4",
+        3,
+        CompressorSpec(codec="blosc", cname="zstd", clevel=5, shuffle="bitshuffle"),
+        0,
+    )
     write_block(layout, slab, (0, 0, 0))
 
 
@@ -75,9 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             best[name] = min(best[name], time.perf_counter() - start)
             shutil.rmtree(path)
     chunks = np.prod([-(-n // c) for n, c in zip(slab.shape, CHUNK)])
-    print(f"slab {slab.shape} float32 ({slab.nbytes / 2**20:.0f} MiB, {chunks} chunks of 64^3), best of {args.repeat}, one thread:")
+    print(
+        f"slab {slab.shape} float32 ({slab.nbytes / 2**20:.0f} MiB, {chunks} chunks of 64^3), best of {args.repeat}, one thread:"
+    )
     for name, seconds in best.items():
-        print(f"  {name:12s} {seconds:6.2f} s   {seconds / best['bare']:.2f} x bare   {seconds / chunks * 1e3:.2f} ms/chunk")
+        print(
+            f"  {name:12s} {seconds:6.2f} s   {seconds / best['bare']:.2f} x bare   {seconds / chunks * 1e3:.2f} ms/chunk"
+        )
     return 0
 
 

@@ -82,15 +82,24 @@ def worker_settings_function() -> Callable[..., dict[str, Any]]:
     def worker_settings(dask_worker=None) -> dict[str, Any]:
         import os
 
-
-        return {"pid": os.getpid(), "nanny_pid": os.getppid(), "name": str(dask_worker.name), **{k: dask.config.get(k, None) for k in keys}}
+        return {
+            "pid": os.getpid(),
+            "nanny_pid": os.getppid(),
+            "name": str(dask_worker.name),
+            **{k: dask.config.get(k, None) for k in keys},
+        }
 
     return worker_settings
 
 
 def dask_memory_config_keys() -> list[str]:
-    return ["distributed.worker.memory.target", "distributed.worker.memory.spill", "distributed.worker.memory.pause",
-            "distributed.worker.memory.terminate", "distributed.worker.memory.monitor-interval"]
+    return [
+        "distributed.worker.memory.target",
+        "distributed.worker.memory.spill",
+        "distributed.worker.memory.pause",
+        "distributed.worker.memory.terminate",
+        "distributed.worker.memory.monitor-interval",
+    ]
 
 
 def _running(pid: int) -> bool:
@@ -163,7 +172,9 @@ def contract_job(backend: Backend, directory: str):
     return plan_job(spec, backend), data
 
 
-def observe_session(backend: Backend, plan: Plan, owns_workers: bool, job=None, teardown_timeout: float = TEARDOWN_TIMEOUT) -> tuple[SessionObservation, ConversionObservation | None]:
+def observe_session(
+    backend: Backend, plan: Plan, owns_workers: bool, job=None, teardown_timeout: float = TEARDOWN_TIMEOUT
+) -> tuple[SessionObservation, ConversionObservation | None]:
     """Open one session of ``backend`` for ``plan``, look at it from the inside, run ``job``'s
     conversion on it (when given) through the real runner, kill a worker, close the session, and
     look again. ``owns_workers``: what the backend's entry in the factory says (backends/factory.py)."""
@@ -201,21 +212,41 @@ def observe_session(backend: Backend, plan: Plan, owns_workers: bool, job=None, 
 
 
 def check_protocol(backend: Any) -> None:
-    _require(isinstance(backend, Backend), f"{type(backend).__name__} lacks part of the Backend protocol (name, capacity, fit, describe, session)")
-    _require(isinstance(backend.name, str) and backend.name, f"a backend's name must be a non-empty string, got {backend.name!r}")
+    _require(
+        isinstance(backend, Backend),
+        f"{type(backend).__name__} lacks part of the Backend protocol (name, capacity, fit, describe, session)",
+    )
+    _require(
+        isinstance(backend.name, str) and backend.name,
+        f"a backend's name must be a non-empty string, got {backend.name!r}",
+    )
 
 
 def check_capacity(capacity: Any) -> None:
     _require(isinstance(capacity, Capacity), f"capacity() must return a Capacity, got {capacity!r}")
     _require(capacity.cores >= 1, f"capacity().cores must be at least 1, got {capacity.cores}")
-    _require(capacity.memory_bytes >= 256 << 20, f"capacity().memory_bytes must leave room for a worker, got {capacity.memory_bytes}")
-    _require(capacity.default_workers is None or capacity.default_workers >= 1, f"capacity().default_workers must be None or >= 1, got {capacity.default_workers}")
+    _require(
+        capacity.memory_bytes >= 256 << 20,
+        f"capacity().memory_bytes must leave room for a worker, got {capacity.memory_bytes}",
+    )
+    _require(
+        capacity.default_workers is None or capacity.default_workers >= 1,
+        f"capacity().default_workers must be None or >= 1, got {capacity.default_workers}",
+    )
 
 
 def check_session(observed: SessionObservation) -> None:
-    _require(isinstance(observed.session, Session), f"session() must yield a Session, got {type(observed.session).__name__}")
-    _require(observed.client_status == "running", f"the session's client must be connected, its status was {observed.client_status!r}")
-    _require(len(observed.workers) == observed.plan.workers, f"the plan has {observed.plan.workers} workers; the session had {len(observed.workers)} connected")
+    _require(
+        isinstance(observed.session, Session), f"session() must yield a Session, got {type(observed.session).__name__}"
+    )
+    _require(
+        observed.client_status == "running",
+        f"the session's client must be connected, its status was {observed.client_status!r}",
+    )
+    _require(
+        len(observed.workers) == observed.plan.workers,
+        f"the plan has {observed.plan.workers} workers; the session had {len(observed.workers)} connected",
+    )
 
 
 def check_worker_sizes(observed: SessionObservation) -> None:
@@ -225,10 +256,19 @@ def check_worker_sizes(observed: SessionObservation) -> None:
     for address, info in observed.workers.items():
         limit, threads = info.get("memory_limit"), info.get("nthreads")
         if observed.owns_workers:
-            _require(limit == plan.memory.memory_limit, f"worker {address} has memory_limit {limit}, the plan says {plan.memory.memory_limit}")
-            _require(threads == plan.threads_per_worker, f"worker {address} has {threads} threads, the plan says {plan.threads_per_worker}")
+            _require(
+                limit == plan.memory.memory_limit,
+                f"worker {address} has memory_limit {limit}, the plan says {plan.memory.memory_limit}",
+            )
+            _require(
+                threads == plan.threads_per_worker,
+                f"worker {address} has {threads} threads, the plan says {plan.threads_per_worker}",
+            )
         else:
-            _require(limit and limit >= plan.memory.memory_limit, f"the plan's memory_limit {plan.memory.memory_limit} does not fit worker {address}'s {limit}")
+            _require(
+                limit and limit >= plan.memory.memory_limit,
+                f"the plan's memory_limit {plan.memory.memory_limit} does not fit worker {address}'s {limit}",
+            )
 
 
 def check_thresholds(observed: SessionObservation) -> None:
@@ -238,20 +278,31 @@ def check_thresholds(observed: SessionObservation) -> None:
     expected = {k: v for k, v in dask_memory_config(observed.plan).items() if k in dask_memory_config_keys()}
     for address, seen in observed.worker_config.items():
         for key, value in expected.items():
-            _require(str(seen.get(key)) == str(value), f"worker {address} reads {key} = {seen.get(key)!r}, the plan says {value!r}")
+            _require(
+                str(seen.get(key)) == str(value),
+                f"worker {address} reads {key} = {seen.get(key)!r}, the plan says {value!r}",
+            )
 
 
 def check_failure_reported(observed: SessionObservation) -> None:
     """A worker killed during the session shows in the session's own per-worker figures."""
     report = next((r for r in observed.reports_after_kill if r.name == observed.killed), None)
     restarts = report.nanny_restarts + report.pod_restarts if report else 0
-    _require(restarts >= 1, f"worker {observed.killed} was killed and restarted, but the session's reports say {observed.reports_after_kill}")
+    _require(
+        restarts >= 1,
+        f"worker {observed.killed} was killed and restarted, but the session's reports say {observed.reports_after_kill}",
+    )
 
 
 def check_teardown(observed: SessionObservation) -> None:
-    _require(observed.client_status_after in ("closed", "closing"), f"the session's client is still {observed.client_status_after!r} after the session")
+    _require(
+        observed.client_status_after in ("closed", "closing"),
+        f"the session's client is still {observed.client_status_after!r} after the session",
+    )
     if observed.owns_workers:
-        _require(not observed.alive_after, f"worker or nanny processes {sorted(observed.alive_after)} outlived the session")
+        _require(
+            not observed.alive_after, f"worker or nanny processes {sorted(observed.alive_after)} outlived the session"
+        )
     else:
         _require(observed.alive_after, "the session stopped the workers of a cluster it does not own")
 
@@ -264,16 +315,32 @@ def check_conversion(converted: ConversionObservation) -> None:
 
 def check_worker_reports(converted: ConversionObservation) -> None:
     plan, workers = converted.plan, converted.summary.workers
-    _require(len(workers) == plan.workers, f"{len(workers)} worker reports for {plan.workers} planned workers: {[w.name for w in workers]}")
-    _require(len({w.name for w in workers}) == len(workers), f"worker reports repeat a name: {[w.name for w in workers]}")
+    _require(
+        len(workers) == plan.workers,
+        f"{len(workers)} worker reports for {plan.workers} planned workers: {[w.name for w in workers]}",
+    )
+    _require(
+        len({w.name for w in workers}) == len(workers), f"worker reports repeat a name: {[w.name for w in workers]}"
+    )
     for w in workers:
         _require(w.peak_rss > 0, f"worker {w.name} reports no peak RSS")
-        _require(w.memory_limit == plan.memory.memory_limit and w.predicted_peak == plan.memory.predicted_peak, f"worker {w.name}'s report does not carry the plan: {w}")
-        _require(w.oom_kills == 0 and w.nanny_restarts == 0, f"worker {w.name} failed during a run that should not fail: {w}")
+        _require(
+            w.memory_limit == plan.memory.memory_limit and w.predicted_peak == plan.memory.predicted_peak,
+            f"worker {w.name}'s report does not carry the plan: {w}",
+        )
+        _require(
+            w.oom_kills == 0 and w.nanny_restarts == 0, f"worker {w.name} failed during a run that should not fail: {w}"
+        )
     _require(converted.summary.timeline, "no memory timeline was sampled during the run")
 
 
-SESSION_CHECKS: tuple[Callable[[SessionObservation], None], ...] = (check_session, check_worker_sizes, check_thresholds, check_failure_reported, check_teardown)
+SESSION_CHECKS: tuple[Callable[[SessionObservation], None], ...] = (
+    check_session,
+    check_worker_sizes,
+    check_thresholds,
+    check_failure_reported,
+    check_teardown,
+)
 
 
 # -- the base test class ------------------------------------------------------------------------

@@ -62,7 +62,14 @@ def shared_cluster():
     """One real LocalCluster (2 worker processes) reused by tests that convert many small files."""
     from distributed import LocalCluster
 
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, memory_limit="2GiB", processes=True, dashboard_address=None, silence_logs=logging.ERROR)
+    cluster = LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        memory_limit="2GiB",
+        processes=True,
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )
     yield cluster
     cluster.close()
 
@@ -84,12 +91,17 @@ def local_backend():
     return LocalBackend()
 
 
-requires_cgroups = pytest.mark.skipif(cgroups_available() is not None, reason=f"memory cgroups unavailable: {cgroups_available()}")
+requires_cgroups = pytest.mark.skipif(
+    cgroups_available() is not None, reason=f"memory cgroups unavailable: {cgroups_available()}"
+)
 
 
 def pytest_report_header(config):
     reason = cgroups_available()
-    return [f"h5ngff: memory cgroups {'available' if reason is None else 'unavailable: ' + reason}", f"cpus: {os.cpu_count()}"]
+    return [
+        f"h5ngff: memory cgroups {'available' if reason is None else 'unavailable: ' + reason}",
+        f"cpus: {os.cpu_count()}",
+    ]
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,9 @@ from h5ngff.engine.write.chunkio import ArrayLayout
 from h5ngff.engine.codecs import spec_from_metadata
 
 
-def _compressor_from_zarr(meta: dict[str, Any], fmt: int) -> tuple[CompressorSpec, tuple[int, ...], tuple[int, ...] | None, bool]:
+def _compressor_from_zarr(
+    meta: dict[str, Any], fmt: int
+) -> tuple[CompressorSpec, tuple[int, ...], tuple[int, ...] | None, bool]:
     """Our compressor spec, chunks, shards and whether chunks carry the crc32c codec."""
     if fmt == 2:
         return spec_from_metadata(meta.get("compressor")), tuple(meta["chunks"]), None, False
@@ -40,6 +42,20 @@ def level_layout(path: str, level_path: str, fmt: int, level: int, checksums: bo
     with open(meta_file) as f:
         meta = json.load(f)
     compressor, chunks, shards, crc = _compressor_from_zarr(meta, fmt)
-    dtype = np.dtype(meta["dtype"]).str if fmt == 2 else np.dtype(meta["data_type"] if meta["data_type"] != "bool" else "?").newbyteorder("<").str
-    return ArrayLayout(os.path.join(path, level_path), tuple(meta["shape"]), chunks, shards, dtype, fmt, compressor, level,
-                       meta.get("fill_value") or 0, checksums=crc if fmt == 3 else bool(checksums))
+    dtype = (
+        np.dtype(meta["dtype"]).str
+        if fmt == 2
+        else np.dtype(meta["data_type"] if meta["data_type"] != "bool" else "?").newbyteorder("<").str
+    )
+    return ArrayLayout(
+        os.path.join(path, level_path),
+        tuple(meta["shape"]),
+        chunks,
+        shards,
+        dtype,
+        fmt,
+        compressor,
+        level,
+        meta.get("fill_value") or 0,
+        checksums=crc if fmt == 3 else bool(checksums),
+    )

@@ -23,12 +23,19 @@ def _s1(value) -> np.ndarray:
     return np.array([c.encode() for c in str(value)], dtype="S1")
 
 
-def write_ims(path, data: np.ndarray, voxel=(2.0, 0.5, 0.25), block=(4, 16, 16), names=None, colors=None, levels: int = 2) -> str:
+def write_ims(
+    path, data: np.ndarray, voxel=(2.0, 0.5, 0.25), block=(4, 16, 16), names=None, colors=None, levels: int = 2
+) -> str:
     """An Imaris 5.5 file holding ``data`` (t, c, z, y, x) at voxel size ``voxel`` (z, y, x, um)."""
     T, C, Z, Y, X = data.shape
     with h5py.File(path, "w") as f:
-        for key, value in (("ImarisDataSet", "ImarisDataSet"), ("ImarisVersion", "5.5.0"), ("DataSetDirectoryName", "DataSet"),
-                           ("DataSetInfoDirectoryName", "DataSetInfo"), ("ThumbnailDirectoryName", "Thumbnail")):
+        for key, value in (
+            ("ImarisDataSet", "ImarisDataSet"),
+            ("ImarisVersion", "5.5.0"),
+            ("DataSetDirectoryName", "DataSet"),
+            ("DataSetInfoDirectoryName", "DataSetInfo"),
+            ("ThumbnailDirectoryName", "Thumbnail"),
+        ):
             f.attrs[key] = _s1(value)
         f.attrs["NumberOfDataSets"] = np.array([1], dtype=np.uint32)
         for r in range(levels):
@@ -108,6 +115,10 @@ def read_by_independent_clients(out: str, data: np.ndarray, storage_options: dic
         warnings.simplefilter("ignore")
         node = list(Reader(parse_url(out))())[0]
     np.testing.assert_array_equal(np.asarray(node.data[0]), data)
-    multiscales = ngff_zarr.from_ngff_zarr(out, storage_options=storage_options) if storage_options is not None else ngff_zarr.from_ngff_zarr(out)
+    multiscales = (
+        ngff_zarr.from_ngff_zarr(out, storage_options=storage_options)
+        if storage_options is not None
+        else ngff_zarr.from_ngff_zarr(out)
+    )
     np.testing.assert_array_equal(np.asarray(multiscales.images[0].data), data)
     return multiscales

@@ -37,14 +37,23 @@ LEASE_RES = "coordination.k8s.io/v1/leases"
 ROLE_RES = "rbac.authorization.k8s.io/v1/roles"
 ROLEBINDING_RES = "rbac.authorization.k8s.io/v1/rolebindings"
 #: Who made a request, by its User-Agent.
-AGENTS = (("kmock/", "test"), ("kopf/", "operator"), ("h5ngff-operator/", "operator"), ("h5ngff-runner/", "runner"),
-          ("kr8s/", "runner"))  # kr8s: dask-kubernetes' client, in the runner pod
+AGENTS = (
+    ("kmock/", "test"),
+    ("kopf/", "operator"),
+    ("h5ngff-operator/", "operator"),
+    ("h5ngff-runner/", "runner"),
+    ("kr8s/", "runner"),
+)  # kr8s: dask-kubernetes' client, in the runner pod
 
 
 def register_resources(k: kmock.KubernetesEmulator) -> None:
     info = kmock.ResourceInfo
-    k.resources[CJ_RES] = info(kind="ConversionJob", namespaced=True, verbs=VERBS, subresources={"status"}, shortnames={"cj"})
-    k.resources[CB_RES] = info(kind="ConversionBatch", namespaced=True, verbs=VERBS, subresources={"status"}, shortnames={"cb"})
+    k.resources[CJ_RES] = info(
+        kind="ConversionJob", namespaced=True, verbs=VERBS, subresources={"status"}, shortnames={"cj"}
+    )
+    k.resources[CB_RES] = info(
+        kind="ConversionBatch", namespaced=True, verbs=VERBS, subresources={"status"}, shortnames={"cb"}
+    )
     k.resources[JOB_RES] = info(kind="Job", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[POD_RES] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     k.resources[DASK_RES] = info(kind="DaskCluster", namespaced=True, verbs=VERBS)
@@ -52,7 +61,9 @@ def register_resources(k: kmock.KubernetesEmulator) -> None:
     k.resources[ROLE_RES] = info(kind="Role", namespaced=True, verbs=VERBS)
     k.resources[ROLEBINDING_RES] = info(kind="RoleBinding", namespaced=True, verbs=VERBS)
     # kopf starts watching only once the CRD resource itself is discoverable (docs/architecture.md, "The machines the tests run on").
-    k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
+    k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
+        kind="CustomResourceDefinition", namespaced=False, verbs=VERBS
+    )
     k.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=VERBS)
     k.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
 
@@ -89,7 +100,9 @@ class Cluster:
 
     async def edit(self, name: str, patch: dict[str, Any], ns: str = "default") -> None:
         """``kubectl patch --type merge`` (or a GitOps sync) of a ConversionJob."""
-        resp = await self.k.patch(f"{CJ_PATH.format(ns=ns)}/{name}", json=patch, headers={"Content-Type": "application/merge-patch+json"})
+        resp = await self.k.patch(
+            f"{CJ_PATH.format(ns=ns)}/{name}", json=patch, headers={"Content-Type": "application/merge-patch+json"}
+        )
         assert resp.status == 200, await resp.text()
 
     async def apply_batch(self, doc: dict[str, Any]) -> None:
@@ -98,7 +111,9 @@ class Cluster:
 
     async def edit_batch(self, name: str, patch: dict[str, Any], ns: str = "default") -> None:
         """A GitOps sync of a ConversionBatch (a merge patch: a list such as spec.items is replaced whole)."""
-        resp = await self.k.patch(f"{CB_PATH.format(ns=ns)}/{name}", json=patch, headers={"Content-Type": "application/merge-patch+json"})
+        resp = await self.k.patch(
+            f"{CB_PATH.format(ns=ns)}/{name}", json=patch, headers={"Content-Type": "application/merge-patch+json"}
+        )
         assert resp.status == 200, await resp.text()
 
     def batch_status(self, name: str, ns: str = "default") -> dict[str, Any]:
@@ -142,11 +157,18 @@ class Cluster:
 
     def job_create_requests(self) -> list[str]:
         """Names in every Job create request, including those answered 409."""
-        return [r.data["metadata"]["name"] for r in self.k if r.action == kmock.action.CREATE and r.resource == kmock.resource(JOB_RES)]
+        return [
+            r.data["metadata"]["name"]
+            for r in self.k
+            if r.action == kmock.action.CREATE and r.resource == kmock.resource(JOB_RES)
+        ]
 
     async def patch_job_status(self, name: str, status: dict[str, Any], ns: str = "default") -> None:
-        resp = await self.k.patch(f"{JOBS_PATH.format(ns=ns)}/{name}/status", json={"status": status},
-                                  headers={"Content-Type": "application/merge-patch+json"})
+        resp = await self.k.patch(
+            f"{JOBS_PATH.format(ns=ns)}/{name}/status",
+            json={"status": status},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
         assert resp.status == 200, await resp.text()
 
     async def add_pod(self, job: dict[str, Any], terminated: dict[str, Any] | None, ns: str = "default") -> str:
@@ -155,18 +177,33 @@ class Cluster:
         name = f"{job['metadata']['name']}-abcde"
         container = template["spec"]["containers"][0]
         pod = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns, "labels": {**template["metadata"]["labels"], "job-name": job["metadata"]["name"]}},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": ns,
+                "labels": {**template["metadata"]["labels"], "job-name": job["metadata"]["name"]},
+            },
             "spec": template["spec"],
-            "status": {"phase": "Failed" if terminated else "Running",
-                       "containerStatuses": [{"name": container["name"], "state": {"terminated": terminated} if terminated else {"running": {}}}]},
+            "status": {
+                "phase": "Failed" if terminated else "Running",
+                "containerStatuses": [
+                    {"name": container["name"], "state": {"terminated": terminated} if terminated else {"running": {}}}
+                ],
+            },
         }
         resp = await self.k.post(PODS_PATH.format(ns=ns), json=pod)
         assert resp.status in (200, 201), await resp.text()
         return name
 
     def events(self, ns: str = "default") -> list[dict[str, Any]]:
-        return [r.data for r in self.k if r.action == kmock.action.CREATE and r.resource == kmock.resource("v1/events") and isinstance(r.data, dict)]
+        return [
+            r.data
+            for r in self.k
+            if r.action == kmock.action.CREATE
+            and r.resource == kmock.resource("v1/events")
+            and isinstance(r.data, dict)
+        ]
 
     def api_calls(self) -> dict[str, set[tuple[str, str, str, str]]]:
         """(verb, apiGroup, resource, subresource) of every API request, by who made it:
@@ -200,8 +237,17 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: st
 def fast_config(url: str, **overrides: Any) -> OperatorConfig:
     """Operator settings for tests: sub-second passes and retries, no peering, pass counting."""
     # The tests' ConversionJobs name images of the test registry: the admin's policy allows them.
-    base = dict(image="h5ngff:test", policy=TenantPolicy(allowed_images=("registry.example/*",)), interval=0.2, api=KubeConfig(url), peering=None,
-                error_backoffs=(0.1, 0.2, 0.4), retry_delay=0.3, delete_wait=20.0, metrics=OperatorMetrics())
+    base = dict(
+        image="h5ngff:test",
+        policy=TenantPolicy(allowed_images=("registry.example/*",)),
+        interval=0.2,
+        api=KubeConfig(url),
+        peering=None,
+        error_backoffs=(0.1, 0.2, 0.4),
+        retry_delay=0.3,
+        delete_wait=20.0,
+        metrics=OperatorMetrics(),
+    )
     base.update(overrides)
     return OperatorConfig(**base)
 
@@ -211,7 +257,9 @@ async def passes(cfg: OperatorConfig, name: str, n: int = 3, ns: str = "default"
     "nothing happened" then means the operator looked ``n`` times (the first may have started
     before the test's last change) and did nothing, not that a sleep was long enough."""
     start = cfg.metrics.passes_of(ns, name)
-    await wait_for(lambda: cfg.metrics.passes_of(ns, name) >= start + n, timeout, f"{n} reconcile passes of {ns}/{name}")
+    await wait_for(
+        lambda: cfg.metrics.passes_of(ns, name) >= start + n, timeout, f"{n} reconcile passes of {ns}/{name}"
+    )
 
 
 class OperatorThread:
@@ -267,10 +315,17 @@ class Emulator(kmock.KubernetesEmulator):
                 meta["name"] = f"{meta['generateName']}{next(_names):05d}"
             meta.setdefault("uid", f"uid-{next(_names):05d}")
             meta.setdefault("generation", 1)
-        elif request.action == kmock.action.UPDATE and not request.subresource and isinstance(request.data, dict) and "spec" in request.data:
+        elif (
+            request.action == kmock.action.UPDATE
+            and not request.subresource
+            and isinstance(request.data, dict)
+            and "spec" in request.data
+        ):
             key = (request.resource, request.namespace, request.name)
             current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
-            if current is not None and apply_merge_patch(current.get("spec") or {}, request.data["spec"]) != current.get("spec"):
+            if current is not None and apply_merge_patch(
+                current.get("spec") or {}, request.data["spec"]
+            ) != current.get("spec"):
                 generation = int((current.get("metadata") or {}).get("generation") or 1) + 1
                 request.data.setdefault("metadata", {})["generation"] = generation
         return await super()._handle(request)
@@ -323,25 +378,36 @@ class Kubelet:
                 _signal_group(proc, 9)
                 await proc.wait()
 
-    async def run_pod(self, job_name: str, command: list[str] | None = None, env: dict[str, str] | None = None, cwd: str | None = None) -> str:
+    async def run_pod(
+        self, job_name: str, command: list[str] | None = None, env: dict[str, str] | None = None, cwd: str | None = None
+    ) -> str:
         """Start the Job's pod: Running in the API, and ``command`` as a real process if given."""
         import os
 
         job = self.c.jobs()[job_name]
         name = f"{job_name}-abcde"
         template = job["spec"]["template"]
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "namespace": "default", "labels": {**template["metadata"]["labels"], "job-name": job_name},
-                            "finalizers": [self.FINALIZER] if command else []},
-               "spec": template["spec"], "status": {"phase": "Running", "containerStatuses": [{"name": "runner", "state": {"running": {}}}]}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": "default",
+                "labels": {**template["metadata"]["labels"], "job-name": job_name},
+                "finalizers": [self.FINALIZER] if command else [],
+            },
+            "spec": template["spec"],
+            "status": {"phase": "Running", "containerStatuses": [{"name": "runner", "state": {"running": {}}}]},
+        }
         resp = await self.c.k.post(PODS_PATH.format(ns="default"), json=pod)
         assert resp.status in (200, 201), await resp.text()
         await self.c.patch_job_status(job_name, {"active": 1})
         self._pods_of[job_name] = name
         if command:
             log = open(os.path.join(cwd or ".", f"{name}.log"), "wb")
-            self.procs[name] = await asyncio.create_subprocess_exec(*command, env=env, cwd=cwd, stdout=log, stderr=asyncio.subprocess.STDOUT,
-                                                                    start_new_session=True)
+            self.procs[name] = await asyncio.create_subprocess_exec(
+                *command, env=env, cwd=cwd, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True
+            )
         return name
 
     async def _loop(self) -> None:
@@ -362,10 +428,27 @@ class Kubelet:
                 await self.c.k.delete(f"{PODS_PATH.format(ns='default')}/{name}")
         for job_name, pod_name in list(self._pods_of.items()):
             job = self.c.jobs().get(job_name)
-            if job is not None and pod_name not in self.c.live(POD_RES) and not (job.get("status") or {}).get("conditions"):
+            if (
+                job is not None
+                and pod_name not in self.c.live(POD_RES)
+                and not (job.get("status") or {}).get("conditions")
+            ):
                 del self._pods_of[job_name]
-                await self.c.patch_job_status(job_name, {"active": 0, "failed": 1, "conditions": [
-                    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]})
+                await self.c.patch_job_status(
+                    job_name,
+                    {
+                        "active": 0,
+                        "failed": 1,
+                        "conditions": [
+                            {
+                                "type": "Failed",
+                                "status": "True",
+                                "reason": "BackoffLimitExceeded",
+                                "message": "Job has reached the specified backoff limit",
+                            }
+                        ],
+                    },
+                )
         for name, proc in list(self.procs.items()):
             pod = self.c.live(POD_RES).get(name)
             if pod is None:
@@ -379,8 +462,16 @@ class Kubelet:
 
     async def _dask_pods(self, cluster: str) -> None:
         for role in ["scheduler"] + [f"default-worker-{i}" for i in range(self.workers)]:
-            pod = {"apiVersion": "v1", "kind": "Pod", "status": {"phase": "Pending"},
-                   "metadata": {"name": f"{cluster}-{role}", "namespace": "default", "labels": {"dask.org/cluster-name": cluster}}}
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "status": {"phase": "Pending"},
+                "metadata": {
+                    "name": f"{cluster}-{role}",
+                    "namespace": "default",
+                    "labels": {"dask.org/cluster-name": cluster},
+                },
+            }
             await self.c.k.post(PODS_PATH.format(ns="default"), json=pod)
 
     async def _terminate(self, name: str, proc: asyncio.subprocess.Process) -> None:
@@ -390,19 +481,36 @@ class Kubelet:
         except asyncio.TimeoutError:
             _signal_group(proc, 9)
             await proc.wait()
-        await self.c.k.patch(f"{PODS_PATH.format(ns='default')}/{name}", json={"metadata": {"finalizers": []}},
-                             headers={"Content-Type": "application/merge-patch+json"})
+        await self.c.k.patch(
+            f"{PODS_PATH.format(ns='default')}/{name}",
+            json={"metadata": {"finalizers": []}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
 
     async def _ended(self, pod_name: str, code: int) -> None:
         pod = self.c.live(POD_RES)[pod_name]
         job_name = pod["metadata"]["labels"]["job-name"]
         term = {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}
-        await self.c.k.patch(f"{PODS_PATH.format(ns='default')}/{pod_name}", json={"metadata": {"finalizers": []}, "status": {
-            "phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [{"name": "runner", "state": {"terminated": term}}]}},
-            headers={"Content-Type": "application/merge-patch+json"})
+        await self.c.k.patch(
+            f"{PODS_PATH.format(ns='default')}/{pod_name}",
+            json={
+                "metadata": {"finalizers": []},
+                "status": {
+                    "phase": "Succeeded" if code == 0 else "Failed",
+                    "containerStatuses": [{"name": "runner", "state": {"terminated": term}}],
+                },
+            },
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
         if job_name in self.c.jobs():
-            done = {"type": "Complete", "status": "True"} if code == 0 else {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}
-            await self.c.patch_job_status(job_name, {"active": 0, "succeeded" if code == 0 else "failed": 1, "conditions": [done]})
+            done = (
+                {"type": "Complete", "status": "True"}
+                if code == 0
+                else {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}
+            )
+            await self.c.patch_job_status(
+                job_name, {"active": 0, "succeeded" if code == 0 else "failed": 1, "conditions": [done]}
+            )
 
 
 def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:

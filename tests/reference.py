@@ -90,7 +90,9 @@ def step_axes(downsampled, k: int):
     return tuple(downsampled)
 
 
-def expected_buffer_terms(p, chunks, shards, itemsize: int, threads: int, downsampled, zstd: bool, constants) -> dict[str, int]:
+def expected_buffer_terms(
+    p, chunks, shards, itemsize: int, threads: int, downsampled, zstd: bool, constants
+) -> dict[str, int]:
     """The buffer terms of pass ``p`` by the documented formula (bytes). With T threads, a slab of
     S bytes and chunks of C bytes: slab T*S; chunk and encode T*(2C + 16 + codec context); shard
     assembly T*2*(16 * inner chunks + 4) (the index only: chunks are streamed); level read buffers

@@ -36,8 +36,12 @@ class S3Endpoint:
         import botocore.session
 
         return botocore.session.get_session().create_client(
-            "s3", endpoint_url=self.url, region_name=REGION, aws_access_key_id=CREDENTIALS["access_key_id"],
-            aws_secret_access_key=CREDENTIALS["secret_access_key"])
+            "s3",
+            endpoint_url=self.url,
+            region_name=REGION,
+            aws_access_key_id=CREDENTIALS["access_key_id"],
+            aws_secret_access_key=CREDENTIALS["secret_access_key"],
+        )
 
     def new_bucket(self) -> str:
         name = f"b-{uuid.uuid4().hex[:12]}"
@@ -54,8 +58,14 @@ class S3Endpoint:
 
     def env(self) -> dict[str, str]:
         """The AWS environment that points s3fs/botocore readers (ome-zarr-py, ngff-zarr) here."""
-        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": CREDENTIALS["access_key_id"],
-                "AWS_SECRET_ACCESS_KEY": CREDENTIALS["secret_access_key"], "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION, "AWS_ALLOW_HTTP": "true"}
+        return {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": CREDENTIALS["access_key_id"],
+            "AWS_SECRET_ACCESS_KEY": CREDENTIALS["secret_access_key"],
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_REGION": REGION,
+            "AWS_ALLOW_HTTP": "true",
+        }
 
 
 def start_moto() -> S3Endpoint:
@@ -123,8 +133,14 @@ class FaultProxy:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 if action in ("503", "403", "501"):
-                    code, text = {"503": ("SlowDown", "Please reduce your request rate."), "403": ("AccessDenied", "Access Denied"),
-                                  "501": ("NotImplemented", "A header you provided implies functionality that is not implemented.")}[action]
+                    code, text = {
+                        "503": ("SlowDown", "Please reduce your request rate."),
+                        "403": ("AccessDenied", "Access Denied"),
+                        "501": (
+                            "NotImplemented",
+                            "A header you provided implies functionality that is not implemented.",
+                        ),
+                    }[action]
                     payload = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{text}</Message></Error>'.encode()
                     self.send_response(int(action))
                     self.send_header("Content-Type", "application/xml")
@@ -142,7 +158,10 @@ class FaultProxy:
                     if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                         self.send_header(k, v)
                 # A HEAD answer has no body but the object's length: sizes come from it.
-                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data)))
+                self.send_header(
+                    "Content-Length",
+                    resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data)),
+                )
                 self.end_headers()
                 self.wfile.write(data)
                 conn.close()

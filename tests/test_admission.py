@@ -30,7 +30,10 @@ BASE = {
     "image": {"axes": "zyx", "scale": [2.0, 0.5, 0.5], "units": ["micrometer", "micrometer", "micrometer"]},
     "pyramid": {"levels": 3, "method": "mean"},
     "resources": {"workers": 2, "memoryPerWorker": "1Gi"},
-    "pod": {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c"}}], "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+    "pod": {
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "c"}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    },
 }
 
 
@@ -91,8 +94,11 @@ VALID = {
     "shards 0.5 explicit": edit("output.shards", [64, 64, 64]),
     "shards without chunks": edit("output.shards", [100, 100, 100], delete="output.chunks"),
     "ngff 0.4 no shards": edit("output.ngffVersion", "0.4"),
-    "tczyx": edit("image", {"axes": "tczyx", "scale": [1, 1, 1, 1, 1], "units": ["second", "", "micrometer", "micrometer", "micrometer"]},
-                  base=edit("output.chunks", [1, 1, 64, 64, 64])),
+    "tczyx": edit(
+        "image",
+        {"axes": "tczyx", "scale": [1, 1, 1, 1, 1], "units": ["second", "", "micrometer", "micrometer", "micrometer"]},
+        base=edit("output.chunks", [1, 1, 64, 64, 64]),
+    ),
     "upper-case axes": edit("image.axes", "ZYX"),
     "yx 2-D": edit("image", {"axes": "yx"}, base=edit("output.chunks", [256, 256])),
     "one space unit": edit("image.units", ["nanometer"]),
@@ -118,12 +124,16 @@ VALID = {
     "output path with a colon inside": edit("output.path", "/data/a:b"),
     "output Windows drive": edit("output.path", "C:/data/out.ome.zarr"),
     "output path with :// inside": edit("output.path", "/data/a://b"),
-    "output s3 with storage options": edit("output", {"path": "s3://b/x", "storageOptions": {"profile": "lab", "endpoint": "http://minio:9000"}}),
+    "output s3 with storage options": edit(
+        "output", {"path": "s3://b/x", "storageOptions": {"profile": "lab", "endpoint": "http://minio:9000"}}
+    ),
     "output local, empty storage options": edit("output.storageOptions", {}),
     "output s3, one PUT at a time": edit("output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "0"}}),
     "output s3, 32 PUTs in flight": edit("output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "32"}}),
     "output s3 ngff 0.4 without checksums": edit("output", {"path": "s3://b/x", "ngffVersion": "0.4"}),
-    "output s3 ngff 0.4 checksums false": edit("output", {"path": "s3://b/x", "ngffVersion": "0.4", "checksums": False}),
+    "output s3 ngff 0.4 checksums false": edit(
+        "output", {"path": "s3://b/x", "ngffVersion": "0.4", "checksums": False}
+    ),
     "output local ngff 0.4 checksums": edit("output", {"path": "/data/o", "ngffVersion": "0.4", "checksums": True}),
     "source relative path": edit("source.path", "data/in.h5"),
     "source path 4096": edit("source.path", "/" + "a" * 4095),
@@ -134,9 +144,22 @@ VALID = {
     "retry interval 400, max 400": edit("retry", {"intervalSeconds": 400, "maxIntervalSeconds": 400}),
     "retry max 10 (interval default)": edit("retry", {"maxIntervalSeconds": 10}),
     "stack tc": edit("source.stack", "tc"),
-    "slurm": edit("slurm", {"partition": "gpu", "prologue": ["module load hdf5"],
-                            "directives": ["--constraint=skylake", "#SBATCH --mem-bind=local", "  -C x", "--nodelist=n1",
-                                                           "-Jc2", "--ntasks-per-node=1", "--cpu-freq=high"]}),
+    "slurm": edit(
+        "slurm",
+        {
+            "partition": "gpu",
+            "prologue": ["module load hdf5"],
+            "directives": [
+                "--constraint=skylake",
+                "#SBATCH --mem-bind=local",
+                "  -C x",
+                "--nodelist=n1",
+                "-Jc2",
+                "--ntasks-per-node=1",
+                "--cpu-freq=high",
+            ],
+        },
+    ),
 }
 
 INVALID = {
@@ -189,15 +212,25 @@ INVALID = {
     "units vs axes": edit("image.units", ["micrometer", "micrometer"]),
     "one time unit": edit("image.units", ["second"]),
     "time unit on z": edit("image.units", ["second", "micrometer", "micrometer"]),
-    "space unit on t": edit("image", {"axes": "tzyx", "units": ["micrometer", "micrometer", "micrometer", "micrometer"]}, base=edit("output.chunks", [1, 64, 64, 64])),
-    "unit on c": edit("image", {"axes": "czyx", "units": ["micrometer", "micrometer", "micrometer", "micrometer"]}, base=edit("output.chunks", [1, 64, 64, 64])),
+    "space unit on t": edit(
+        "image",
+        {"axes": "tzyx", "units": ["micrometer", "micrometer", "micrometer", "micrometer"]},
+        base=edit("output.chunks", [1, 64, 64, 64]),
+    ),
+    "unit on c": edit(
+        "image",
+        {"axes": "czyx", "units": ["micrometer", "micrometer", "micrometer", "micrometer"]},
+        base=edit("output.chunks", [1, 64, 64, 64]),
+    ),
     "units six": no_axes(image={"units": [""] * 6}),
     "axes unknown letter": edit("image.axes", "zyq"),
     "axes repeated": edit("image.axes", "zzx"),
     "axes order": edit("image.axes", "zyxc"),
     "axes one spatial": edit("image", {"axes": "cx"}),
     "axes with space": edit("image.axes", " zyx"),
-    "pyramid axes not in image": edit("image", {"axes": "yx"}, base=edit("pyramid.axes", "zyx", base=edit("output.chunks", [64, 64]))),
+    "pyramid axes not in image": edit(
+        "image", {"axes": "yx"}, base=edit("pyramid.axes", "zyx", base=edit("output.chunks", [64, 64]))
+    ),
     "pyramid axes letter": edit("pyramid.axes", "t"),
     "pyramid axes repeated": edit("pyramid.axes", "yy"),
     "pyramid axes empty": edit("pyramid.axes", ""),
@@ -218,8 +251,12 @@ INVALID = {
     "volume empty name": edit("pod.volumes", [{"name": "", "emptyDir": {}}], base=edit("pod.volumeMounts", [])),
     "mount of no volume": edit("pod.volumeMounts", [{"name": "scratch", "mountPath": "/s"}]),
     "two volumes, one name": edit("pod.volumes", [{"name": "data", "emptyDir": {}}, {"name": "data", "emptyDir": {}}]),
-    "the scratch volume's name": edit("pod.volumes", [{"name": "h5ngff-scratch", "emptyDir": {}}], base=edit("pod.volumeMounts", [])),
-    "two mounts, one path": edit("pod.volumeMounts", [{"name": "data", "mountPath": "/d"}, {"name": "data", "mountPath": "/d"}]),
+    "the scratch volume's name": edit(
+        "pod.volumes", [{"name": "h5ngff-scratch", "emptyDir": {}}], base=edit("pod.volumeMounts", [])
+    ),
+    "two mounts, one path": edit(
+        "pod.volumeMounts", [{"name": "data", "mountPath": "/d"}, {"name": "data", "mountPath": "/d"}]
+    ),
     "relative mountPath": edit("pod.volumeMounts", [{"name": "data", "mountPath": "data"}]),
     "mount without a path": edit("pod.volumeMounts", [{"name": "data"}]),
     "empty image": edit("pod.image", ""),
@@ -247,9 +284,15 @@ INVALID = {
     "output path too long": edit("output.path", "/" + "a" * 4096),
     "output storage options with a local path": edit("output.storageOptions", {"profile": "lab"}),
     "output s3, 33 PUTs in flight": edit("output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "33"}}),
-    "output s3, PUTs in flight not a number": edit("output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "many"}}),
-    "output s3, negative PUTs in flight": edit("output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "-1"}}),
-    "output s3, PUTs in flight in capitals": edit("output", {"path": "s3://b/x", "storageOptions": {"UPLOADS_IN_FLIGHT": "99"}}),
+    "output s3, PUTs in flight not a number": edit(
+        "output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "many"}}
+    ),
+    "output s3, negative PUTs in flight": edit(
+        "output", {"path": "s3://b/x", "storageOptions": {"uploads_in_flight": "-1"}}
+    ),
+    "output s3, PUTs in flight in capitals": edit(
+        "output", {"path": "s3://b/x", "storageOptions": {"UPLOADS_IN_FLIGHT": "99"}}
+    ),
     "output s3 ngff 0.4 with checksums": edit("output", {"path": "s3://b/x", "ngffVersion": "0.4", "checksums": True}),
     "source s3": edit("source.path", "s3://bucket/in.h5"),
     "source https": edit("source.path", "https://example.org/in.h5"),
@@ -275,7 +318,10 @@ INVALID = {
     "stack x": edit("source.stack", "x"),
     "stack cc": edit("source.stack", "cc"),
     "stack empty": edit("source.stack", ""),
-    **{f"slurm {name} two lines": edit("slurm", {name: "a\nb"}) for name in ("partition", "account", "qos", "scratch", "python", "logDirectory")},
+    **{
+        f"slurm {name} two lines": edit("slurm", {name: "a\nb"})
+        for name in ("partition", "account", "qos", "scratch", "python", "logDirectory")
+    },
     "slurm prologue two lines": edit("slurm", {"prologue": ["module load hdf5\nrm -rf /"]}),
     "slurm directive --mem": edit("slurm", {"directives": ["--mem=1G"]}),
     "slurm directive #SBATCH -c 4": edit("slurm", {"directives": ["#SBATCH -c 4"]}),
@@ -341,8 +387,12 @@ def test_an_unquoted_ngff_version_is_refused_by_the_model_as_by_the_api_server(s
 
 
 def test_the_issues_examples_are_refused_with_a_message_naming_the_field(schema):
-    assert cel_errors(schema, INVALID["workers 0"]) == ["spec.resources.workers: resources.workers must be 'auto' or an integer from 1 to 4096"]
-    assert cel_errors(schema, INVALID["levels -1"]) == ["spec.pyramid.levels: pyramid.levels must be 'auto' or an integer from 1 to 16"]
+    assert cel_errors(schema, INVALID["workers 0"]) == [
+        "spec.resources.workers: resources.workers must be 'auto' or an integer from 1 to 4096"
+    ]
+    assert cel_errors(schema, INVALID["levels -1"]) == [
+        "spec.pyramid.levels: pyramid.levels must be 'auto' or an integer from 1 to 16"
+    ]
     (error,) = admission_errors(schema, INVALID["memory malformed"])
     assert error.startswith("resources.memoryPerWorker: '1 gig' does not match")
 
@@ -379,9 +429,22 @@ def disagreements(model_verdicts, failures, schema: dict, dropped_cel: set[str] 
 
 def test_without_cel_the_crd_admits_what_the_model_refuses(model_verdicts, failures, schema):
     found = disagreements(model_verdicts, failures, schema, dropped_cel=None)
-    assert {"workers 0", "levels -1", "memory too small string", "both budgets", "shards not multiple", "chunks vs axes",
-            "mount of no volume", "clevel with none", "output gs", "output http", "output file", "source s3",
-            "output storage options with a local path", "output s3 ngff 0.4 with checksums"} <= found
+    assert {
+        "workers 0",
+        "levels -1",
+        "memory too small string",
+        "both budgets",
+        "shards not multiple",
+        "chunks vs axes",
+        "mount of no volume",
+        "clevel with none",
+        "output gs",
+        "output http",
+        "output file",
+        "source s3",
+        "output storage options with a local path",
+        "output s3 ngff 0.4 with checksums",
+    } <= found
 
 
 def test_without_the_added_openapi_keys_the_crd_admits_what_the_model_refuses(model_verdicts, failures):
@@ -423,7 +486,11 @@ def test_lists_and_strings_cel_iterates_are_bounded(schema):
     for path in ("source.path", "output.path"):  # matched by the URL-scheme rules
         assert admission.node_at(schema, path)["maxLength"] == 4096, path
     assert admission.node_at(schema, "image.units")["items"]["maxLength"] <= 16
-    assert pod["volumes"]["items"]["properties"]["name"]["maxLength"] == pod["volumeMounts"]["items"]["properties"]["name"]["maxLength"] == 63
+    assert (
+        pod["volumes"]["items"]["properties"]["name"]["maxLength"]
+        == pod["volumeMounts"]["items"]["properties"]["name"]["maxLength"]
+        == 63
+    )
 
 
 def test_docs_list_every_rule():
@@ -435,8 +502,11 @@ def test_docs_list_every_rule():
 
 
 # ConversionJob examples; the ConversionBatch example passes its own CRD (tests/test_operator_batch_spec.py).
-@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "manifests/examples").glob("*.yaml") if "kind: ConversionBatch" not in p.read_text()),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in (ROOT / "manifests/examples").glob("*.yaml") if "kind: ConversionBatch" not in p.read_text()),
+    ids=lambda p: p.name,
+)
 def test_the_example_manifests_pass_admission(schema, path):
     import yaml
 

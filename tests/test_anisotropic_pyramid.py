@@ -41,8 +41,13 @@ ZYX, YX, Z = (True, True, True), (False, True, True), (True, False, False)
 def _spec(scale=None, levels=4, axes=None, image_axes=None, **sections):
     image = {k: v for k, v in (("scale", scale), ("axes", image_axes)) if v is not None}
     pyramid = {"levels": levels} | ({"axes": axes} if axes else {})
-    data = {"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "o.zarr"}, "image": image, "pyramid": pyramid,
-            "resources": {"workers": 2}}
+    data = {
+        "source": {"path": "in.h5", "dataset": "/d"},
+        "output": {"path": "o.zarr"},
+        "image": image,
+        "pyramid": pyramid,
+        "resources": {"workers": 2},
+    }
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
     return parse_spec(data)
@@ -66,8 +71,15 @@ TABLE = [
     ("z 3x: yx, yx, then z catches up", (256, 1024, 1024), None, [3, 1, 1], 5, None, [YX, YX, Z, YX]),
     ("2-D, y 2x: x first", (512, 1024), "yx", [2, 1], 3, None, [(False, True), (True, True)]),
     ("2-D, equal", (512, 1024), "yx", [0.3, 0.3], 3, None, [(True, True), (True, True)]),
-    ("t and c untouched", (2, 3, 16, 256, 256), "tczyx", [1, 1, 4, 1, 1], 4, None,
-     [(False, False, False, True, True)] * 2 + [(False, False, True, True, True)]),
+    (
+        "t and c untouched",
+        (2, 3, 16, 256, 256),
+        "tczyx",
+        [1, 1, 4, 1, 1],
+        4,
+        None,
+        [(False, False, False, True, True)] * 2 + [(False, False, True, True, True)],
+    ),
     ("pyramid.axes zyx overrides the rule", (64, 1024, 1024), None, [4, 1, 1], 4, "zyx", [ZYX, ZYX, ZYX]),
     ("pyramid.axes yx overrides the rule", (64, 1024, 1024), None, [1, 4, 4], 3, "yx", [YX, YX]),
 ]
@@ -100,9 +112,19 @@ def test_z_4x_reaches_isotropic_voxels_at_level_2():
 
 def test_auto_levels_go_on_until_every_halved_axis_fits_one_chunk():
     """yx, yx, zyx, zyx: z (256 planes, chunk 64) keeps the pyramid going after y and x fit."""
-    plan = make_plan(DatasetInfo((256, 256, 256), "<u2", 2), _spec([4, 1, 1], "auto", output={"chunks": [64, 64, 64]}), CAP)
-    assert [lv.shape for lv in plan.levels] == [(256, 256, 256), (256, 128, 128), (256, 64, 64), (128, 32, 32), (64, 16, 16)]
-    small = make_plan(DatasetInfo((16, 128, 128), "<u2", 2), _spec([4, 1, 1], "auto", output={"chunks": [16, 32, 32]}), CAP)
+    plan = make_plan(
+        DatasetInfo((256, 256, 256), "<u2", 2), _spec([4, 1, 1], "auto", output={"chunks": [64, 64, 64]}), CAP
+    )
+    assert [lv.shape for lv in plan.levels] == [
+        (256, 256, 256),
+        (256, 128, 128),
+        (256, 64, 64),
+        (128, 32, 32),
+        (64, 16, 16),
+    ]
+    small = make_plan(
+        DatasetInfo((16, 128, 128), "<u2", 2), _spec([4, 1, 1], "auto", output={"chunks": [16, 32, 32]}), CAP
+    )
     assert [lv.shape for lv in small.levels] == [(16, 128, 128), (16, 64, 64), (16, 32, 32)]
 
 
@@ -121,7 +143,9 @@ def test_the_output_records_the_steps_and_verify_reads_both_forms():
     assert [rule.step(k) for k in (1, 2, 3)] == [YX, YX, ZYX] and rule.fan_in(4) == 8
     foreign = pyramid_rule({"method": "mean"}, {}, layouts)  # no record: inferred per step from the shapes
     assert [foreign.step(k) for k in (1, 2, 3)] == [YX, YX, ZYX]
-    old = pyramid_rule({"method": "mean", "downsampled": [True, True, True]}, {}, [L(k, lv.shape) for k, lv in enumerate(iso.levels)])
+    old = pyramid_rule(
+        {"method": "mean", "downsampled": [True, True, True]}, {}, [L(k, lv.shape) for k, lv in enumerate(iso.levels)]
+    )
     assert [old.step(k) for k in (1, 2)] == [ZYX, ZYX]
     assert "level 1 has shape" in pyramid_rule({"method": "mean", "downsampled": [True, True, True]}, {}, layouts)
 
@@ -132,7 +156,9 @@ def test_pyramid_buffers_are_priced_with_the_reduction_of_each_step():
     ds = DatasetInfo((32, 512, 512), "<u2", 2)
     terms = {}
     for name, scale in (("aniso", [4, 1, 1]), ("iso", None)):
-        plan = make_plan(ds, _spec(scale, 4, output={"chunks": [16, 64, 64]}, resources={"workers": 1, "slab": [32, 512, 512]}), CAP)
+        plan = make_plan(
+            ds, _spec(scale, 4, output={"chunks": [16, 64, 64]}, resources={"workers": 1, "slab": [32, 512, 512]}), CAP
+        )
         assert [p.levels for p in plan.passes] == [(0, 1, 2, 3)]
         terms[name] = {t.name: t.bytes for t in plan.passes[0].terms}["pyramid buffers"]
     slab = 32 * 512 * 512 * 2
@@ -170,7 +196,11 @@ def test_every_level_follows_the_brute_force_rule(case):
         assert "pyramid.levels" in str(exc), exc
         return
     note(f"steps {_steps(plan)}")
-    expected = halving_steps(axes, scale, len(plan.levels) - 1) if override is None else [tuple(a in override for a in axes)] * (len(plan.levels) - 1)
+    expected = (
+        halving_steps(axes, scale, len(plan.levels) - 1)
+        if override is None
+        else [tuple(a in override for a in axes)] * (len(plan.levels) - 1)
+    )
     assert _steps(plan) == expected
     check_plan(plan, ds, spec, CAP)
 
@@ -190,7 +220,13 @@ def anisotropic(tmp_path_factory, shared_cluster):
     h5 = write_h5(str(tmp / "in.h5"), data)
     out = str(tmp / "out.ome.zarr")
     backend = ExternalBackend(shared_cluster.scheduler_address)
-    spec = spec_for(h5, out, output={"chunks": [8, 32, 32]}, image={"scale": SCALE, "units": ["micrometer"]}, pyramid={"levels": LEVELS})
+    spec = spec_for(
+        h5,
+        out,
+        output={"chunks": [8, 32, 32]},
+        image={"scale": SCALE, "units": ["micrometer"]},
+        pyramid={"levels": LEVELS},
+    )
     summary = run_job(plan_job(spec, backend), backend)
     assert summary.status == "Succeeded"
     return h5, out, data, summary
@@ -236,7 +272,9 @@ def test_the_anisotropic_output_read_back_by_independent_readers(anisotropic):
         # The scale recomputed from the shapes alone: level 0's voxel size x (shape0 / shape_k).
         factors = [a // b for a, b in zip(SHAPE, arr.shape)]
         assert transforms[k]["scale"] == pytest.approx([s * f for s, f in zip(SCALE, factors)])
-        assert transforms[k].get("translation", [0.0] * 3) == pytest.approx([0.5 * (f - 1) * s for s, f in zip(SCALE, factors)])
+        assert transforms[k].get("translation", [0.0] * 3) == pytest.approx(
+            [0.5 * (f - 1) * s for s, f in zip(SCALE, factors)]
+        )
         assert [ngff.images[k].scale[a] for a in "zyx"] == pytest.approx(transforms[k]["scale"])
         if k:
             step = tuple(a != b for a, b in zip(levels[k - 1].shape, arr.shape))
@@ -281,8 +319,14 @@ def test_the_plan_bounds_the_measured_worker_peak(tmp_path):
     data = smooth((32, 512, 512), "uint16", seed=12)
     h5 = write_h5(str(tmp_path / "in.h5"), data)
     out = str(tmp_path / "out.ome.zarr")
-    spec = spec_for(h5, out, output={"chunks": [16, 64, 64]}, image={"scale": [4, 1, 1]}, pyramid={"levels": 4},
-                    resources={"workers": 1, "slab": [32, 512, 512]})
+    spec = spec_for(
+        h5,
+        out,
+        output={"chunks": [16, 64, 64]},
+        image={"scale": [4, 1, 1]},
+        pyramid={"levels": 4},
+        resources={"workers": 1, "slab": [32, 512, 512]},
+    )
     backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     assert _steps(job.plan) == [YX, YX, ZYX]

@@ -31,7 +31,9 @@ def contracts() -> list[dict]:
 def lint(package_parent: Path, cwd: Path) -> subprocess.CompletedProcess:
     """Run ``lint-imports`` with our contracts on the package found under ``package_parent``."""
     env = {**os.environ, "PYTHONPATH": str(package_parent)}
-    return subprocess.run([LINT_IMPORTS, "--no-cache", str(PYPROJECT)], capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+    return subprocess.run(
+        [LINT_IMPORTS, "--no-cache", str(PYPROJECT)], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
+    )
 
 
 def contract_name(fragment: str) -> str:
@@ -48,7 +50,15 @@ def test_the_real_package_keeps_every_contract(tmp_path):
     kinds = {c["name"]: c["type"] for c in contracts()}
     assert list(kinds.values()).count("layers") == 2
     assert list(kinds.values()).count("acyclic_siblings") == 1
-    for fragment in ("Layers", "Engine rooms", "planner is pure", "kopf only", "dask_kubernetes only", "prometheus_client only", "No import cycles"):
+    for fragment in (
+        "Layers",
+        "Engine rooms",
+        "planner is pure",
+        "kopf only",
+        "dask_kubernetes only",
+        "prometheus_client only",
+        "No import cycles",
+    ):
         assert contract_name(fragment)
 
 
@@ -69,7 +79,13 @@ def test_no_import_cycle_in_the_package():
     cycles = []
     for m in modules:
         for imported in graph.find_modules_directly_imported_by(m):
-            if imported != m and imported.startswith("h5ngff") and not _is_package_of(imported, m) and not _is_package_of(m, imported) and graph.chain_exists(imported, m):
+            if (
+                imported != m
+                and imported.startswith("h5ngff")
+                and not _is_package_of(imported, m)
+                and not _is_package_of(m, imported)
+                and graph.chain_exists(imported, m)
+            ):
                 cycles.append((m, imported))
     assert not cycles, cycles[:10]
 
@@ -82,7 +98,11 @@ def _is_package_of(package: str, module: str) -> bool:
 def test_every_subpackage_is_a_regular_package():
     """import-linter (grimp) does not see modules in implicit namespace subpackages: a folder
     without __init__.py would silently escape every contract."""
-    missing = [str(d.relative_to(PACKAGE)) for d in PACKAGE.rglob("*") if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) and not (d / "__init__.py").exists()]
+    missing = [
+        str(d.relative_to(PACKAGE))
+        for d in PACKAGE.rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) and not (d / "__init__.py").exists()
+    ]
     assert not missing, f"add __init__.py to {missing}"
 
 
@@ -161,8 +181,13 @@ def test_negative_control_each_contract_catches_a_violation(package_copy, tmp_pa
     # Only the contract concerned breaks (and, for planner imports, the layering it also breaks;
     # an upward import also closes a cycle).
     broken_names = {c["name"] for c in contracts() if f"{c['name']} BROKEN" in flat}
-    allowed = {name, contract_name("Layers"), contract_name("planner is pure"), contract_name("No import cycles"),
-               contract_name("Engine rooms")}
+    allowed = {
+        name,
+        contract_name("Layers"),
+        contract_name("planner is pure"),
+        contract_name("No import cycles"),
+        contract_name("Engine rooms"),
+    }
     assert broken_names <= allowed, broken_names
 
 
@@ -175,11 +200,15 @@ OPERATOR_BUILDS_BACKENDS = {"h5ngff.operator.render", "h5ngff.operator.runner_cm
 def operator_imports_of_backends(package_parent: Path) -> set[str]:
     """Operator modules importing h5ngff.backends, in the package found under ``package_parent``
     (grimp in a subprocess, so a broken copy never mixes with the real package)."""
-    code = ("import grimp, json; g = grimp.build_graph('h5ngff'); "
-            "print(json.dumps(sorted({m for m in g.find_descendants('h5ngff.operator') "
-            "for i in g.find_modules_directly_imported_by(m) if i.startswith('h5ngff.backends')})))")
+    code = (
+        "import grimp, json; g = grimp.build_graph('h5ngff'); "
+        "print(json.dumps(sorted({m for m in g.find_descendants('h5ngff.operator') "
+        "for i in g.find_modules_directly_imported_by(m) if i.startswith('h5ngff.backends')})))"
+    )
     env = {**os.environ, "PYTHONPATH": str(package_parent)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=package_parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=package_parent
+    )
     assert proc.returncode == 0, proc.stderr
     return set(json.loads(proc.stdout))
 
@@ -200,7 +229,14 @@ def test_negative_control_a_missing_optional_module_is_tolerated(package_copy, t
     for path in (package_copy / "h5ngff").rglob("*.py"):
         text = path.read_text()
         # Cut the imports of the deleted modules so the rest of the package still parses as before.
-        kept = [ln for ln in text.splitlines() if not re.search(r"\boperator\.(handlers|attempt|runner_cmd|crd|kube|manifests|rbac|reconcile|reporter|status)\b|from \.+operator\b|backends\.kubernetes|from \.kubernetes|from \.\.operator", ln)]
+        kept = [
+            ln
+            for ln in text.splitlines()
+            if not re.search(
+                r"\boperator\.(handlers|attempt|runner_cmd|crd|kube|manifests|rbac|reconcile|reporter|status)\b|from \.+operator\b|backends\.kubernetes|from \.kubernetes|from \.\.operator",
+                ln,
+            )
+        ]
         path.write_text("\n".join(kept) + "\n")
     proc = lint(package_copy, tmp_path)
     out = proc.stdout + proc.stderr

@@ -55,7 +55,9 @@ def test_the_factory_builds_every_registered_backend():
     for kind in BACKENDS:
         backend: Backend = make_backend(kind, options)
         check_protocol(backend)
-    with pytest.raises(ValueError, match="Expected one of local, local-pods, external, kubernetes, slurm. Got 'pbs' instead"):
+    with pytest.raises(
+        ValueError, match="Expected one of local, local-pods, external, kubernetes, slurm. Got 'pbs' instead"
+    ):
         make_backend("pbs")
 
 
@@ -84,7 +86,14 @@ class TestExternal(BackendContract):
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
     def existing_cluster(cls):
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, memory_limit="2GiB", processes=True, dashboard_address=None, silence_logs=logging.ERROR)
+        cluster = LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            memory_limit="2GiB",
+            processes=True,
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+        )
         cls.address = cluster.scheduler_address
         yield cluster
         cluster.close()
@@ -139,7 +148,9 @@ class KubeHarness:
 
         self._stop = asyncio.Event()
         async with emulator() as c, FakeDaskOperator(c, self.log_dir) as fake:
-            c.k.resources["v1/services"] = kmock.ResourceInfo(kind="Service", namespaced=True, verbs={"list", "watch", "get", "create", "delete", "patch"})
+            c.k.resources["v1/services"] = kmock.ResourceInfo(
+                kind="Service", namespaced=True, verbs={"list", "watch", "get", "create", "delete", "patch"}
+            )
             self.cluster, self.fake = c, fake
             self.ready.set()
             await self._stop.wait()
@@ -177,7 +188,9 @@ class TestKubernetes(BackendContract):
     def new_backend(cls) -> Backend:
         # Each session its own DaskCluster name: the stand-in operator reacts to names.
         name = f"contract-{next(cls.names)}"
-        return make_backend("kubernetes", BackendOptions(owner=Owner("default", name, f"uid-{name}"), image="registry.example/h5ngff:1"))
+        return make_backend(
+            "kubernetes", BackendOptions(owner=Owner("default", name, f"uid-{name}"), image="registry.example/h5ngff:1")
+        )
 
 
 # -- the negative control ----------------------------------------------------------------------
@@ -205,8 +218,14 @@ class BrokenBackend:
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
         with dask.config.set({"distributed.worker.memory.target": 0.99}):
-            cluster = LocalCluster(n_workers=plan.workers, threads_per_worker=plan.threads_per_worker, memory_limit=2 * plan.memory.memory_limit,
-                                   processes=True, dashboard_address=None, silence_logs=logging.ERROR)
+            cluster = LocalCluster(
+                n_workers=plan.workers,
+                threads_per_worker=plan.threads_per_worker,
+                memory_limit=2 * plan.memory.memory_limit,
+                processes=True,
+                dashboard_address=None,
+                silence_logs=logging.ERROR,
+            )
         self.leaked.append(cluster)
         client = Client(cluster, set_as_default=False)
         try:
@@ -225,11 +244,21 @@ def test_negative_control_a_broken_backend_fails_the_contract(tmp_path):
         for cluster in broken.leaked:
             cluster.close()
     check_session(observed)  # connected, right worker count: the part it gets right passes
-    for check, what in [(check_worker_sizes, "memory_limit"), (check_thresholds, "distributed.worker.memory.target"),
-                        (check_failure_reported, "was killed and restarted"), (check_teardown, "outlived the session")]:
+    for check, what in [
+        (check_worker_sizes, "memory_limit"),
+        (check_thresholds, "distributed.worker.memory.target"),
+        (check_failure_reported, "was killed and restarted"),
+        (check_teardown, "outlived the session"),
+    ]:
         with pytest.raises(ContractViolation, match=what):
             check(observed)
-    assert set(SESSION_CHECKS) == {check_session, check_worker_sizes, check_thresholds, check_failure_reported, check_teardown}
+    assert set(SESSION_CHECKS) == {
+        check_session,
+        check_worker_sizes,
+        check_thresholds,
+        check_failure_reported,
+        check_teardown,
+    }
 
 
 def test_negative_control_an_incomplete_backend_fails_the_protocol():

@@ -50,7 +50,15 @@ def _env(**extra: str) -> dict[str, str]:
 def test_a_batch_to_an_s3_bucket_template_is_exact_read_back_through_the_endpoint(runs, s3):
     bucket = s3.new_bucket()
     flags = [f for k, v in s3.options().items() for f in ("--storage-option", f"{k}={v}")]
-    argv = [*CLI, "convert", "runs/*.h5:/volume/data", f"s3://{bucket}/prefix/{{stem}}.ome.zarr", *FLAGS, *flags, "--json"]
+    argv = [
+        *CLI,
+        "convert",
+        "runs/*.h5:/volume/data",
+        f"s3://{bucket}/prefix/{{stem}}.ome.zarr",
+        *FLAGS,
+        *flags,
+        "--json",
+    ]
     proc = subprocess.run(argv, cwd=runs, env=_env(**s3.env()), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -60,11 +68,16 @@ def test_a_batch_to_an_s3_bucket_template_is_exact_read_back_through_the_endpoin
 
     options = {"endpoint_url": s3.url, "key": "h5ngff-test", "secret": "h5ngff-test-secret"}
     for i in range(3):
-        group = zarr.open_group(FsspecStore.from_url(f"s3://{bucket}/prefix/cell_{i}.ome.zarr", storage_options=options, read_only=True), mode="r")
+        group = zarr.open_group(
+            FsspecStore.from_url(f"s3://{bucket}/prefix/cell_{i}.ome.zarr", storage_options=options, read_only=True),
+            mode="r",
+        )
         np.testing.assert_array_equal(group["0"][...], source_of(runs / "runs" / f"cell_{i}.h5"))
         assert group.attrs["h5ngff"]["complete"] is True
     keys = s3.keys(bucket)
-    assert {k.split("/")[1] for k in keys} == {f"cell_{i}.ome.zarr" for i in range(3)}, "an object outside the three outputs"
+    assert {k.split("/")[1] for k in keys} == {f"cell_{i}.ome.zarr" for i in range(3)}, (
+        "an object outside the three outputs"
+    )
     assert not [k for k in keys if "/.h5ngff/" in k], "a manifest left in a finished output"
     # A re-run finds every item complete in the bucket and starts no cluster.
     again = subprocess.run(argv, cwd=runs, env=_env(**s3.env()), capture_output=True, text=True, timeout=300)
@@ -72,10 +85,19 @@ def test_a_batch_to_an_s3_bucket_template_is_exact_read_back_through_the_endpoin
     second = json.loads(again.stdout)
     assert second["complete"] == 3 and second["cluster_starts"] == 0, second
     # Two items mapped to one object prefix are refused before anything is written there.
-    clash = subprocess.run([*CLI, "convert", "runs/*.h5:/volume/data", f"s3://{bucket}/other/{{parent}}.ome.zarr", *FLAGS, *flags],
-                           cwd=runs, env=_env(**s3.env()), capture_output=True, text=True, timeout=120)
-    assert clash.returncode == 2 and "both written to" in clash.stderr and "Traceback" not in clash.stderr, clash.stderr[-3000:]
+    clash = subprocess.run(
+        [*CLI, "convert", "runs/*.h5:/volume/data", f"s3://{bucket}/other/{{parent}}.ome.zarr", *FLAGS, *flags],
+        cwd=runs,
+        env=_env(**s3.env()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert clash.returncode == 2 and "both written to" in clash.stderr and "Traceback" not in clash.stderr, (
+        clash.stderr[-3000:]
+    )
     assert not s3.keys(bucket, "other/")
+
 
 def _jobs_of_logs(logs: Path) -> dict[str, set[str]]:
     """The worker jobs the batch submitted, by the job name of their session: every job writes
@@ -91,7 +113,9 @@ def _scontrol_jobs(job_ids: set[str]) -> dict[str, str]:
     """Each job's JobName as slurmctld recorded it (finished jobs stay visible for 10 min)."""
     names = {}
     for job_id in job_ids:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False
+        ).stdout
         match = re.search(r"JobName=(\S+)", out)
         if match:
             names[job_id] = match.group(1)
@@ -101,7 +125,18 @@ def _scontrol_jobs(job_ids: set[str]) -> dict[str, str]:
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_batch_on_slurm_submits_one_set_of_worker_jobs_and_converts_every_item(runs):
     logs = runs / "logs"
-    argv = [*CLI, "convert", "runs/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--backend", "slurm", "--slurm-log-dir", str(logs), "--json"]
+    argv = [
+        *CLI,
+        "convert",
+        "runs/*.h5:/volume/data",
+        "out/{stem}.ome.zarr",
+        *FLAGS,
+        "--backend",
+        "slurm",
+        "--slurm-log-dir",
+        str(logs),
+        "--json",
+    ]
     proc = subprocess.run(argv, cwd=runs, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
@@ -115,12 +150,31 @@ def test_a_batch_on_slurm_submits_one_set_of_worker_jobs_and_converts_every_item
     assert not squeue(name), "a worker job of the batch is still queued"
     for i, r in enumerate(summary["results"]):
         assert r["status"] == "Done" and 0 < r["peak_rss"] <= r["predicted_peak"], r
-        np.testing.assert_array_equal(zarr.open_group(str(runs / "out" / f"cell_{i}.ome.zarr"), mode="r")["0"][...],
-                                      source_of(runs / "runs" / f"cell_{i}.h5"))
+        np.testing.assert_array_equal(
+            zarr.open_group(str(runs / "out" / f"cell_{i}.ome.zarr"), mode="r")["0"][...],
+            source_of(runs / "runs" / f"cell_{i}.h5"),
+        )
     # Negative control of the count: the same three files converted one at a time submit three sets.
     logs_one = runs / "logs-one"
     for i in range(3):
-        one = subprocess.run([*CLI, "convert", f"runs/cell_{i}.h5:/volume/data", f"one/cell_{i}.ome.zarr", *FLAGS, "--backend", "slurm",
-                              "--slurm-log-dir", str(logs_one), "--no-progress"], cwd=runs, env=_env(), capture_output=True, text=True, timeout=600)
+        one = subprocess.run(
+            [
+                *CLI,
+                "convert",
+                f"runs/cell_{i}.h5:/volume/data",
+                f"one/cell_{i}.ome.zarr",
+                *FLAGS,
+                "--backend",
+                "slurm",
+                "--slurm-log-dir",
+                str(logs_one),
+                "--no-progress",
+            ],
+            cwd=runs,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert one.returncode == 0, one.stderr[-3000:]
     assert len(_jobs_of_logs(logs_one)) == 3

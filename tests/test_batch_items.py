@@ -7,7 +7,16 @@ import os
 
 import pytest
 
-from h5ngff.batch.items import BatchItem, batch_items, expand_sources, is_template, output_key, refuse_collisions, render_output, split_pattern
+from h5ngff.batch.items import (
+    BatchItem,
+    batch_items,
+    expand_sources,
+    is_template,
+    output_key,
+    refuse_collisions,
+    render_output,
+    split_pattern,
+)
 from h5ngff.errors import SpecError
 
 
@@ -42,7 +51,12 @@ def test_sources_expand_in_natural_order_each_file_once(runs):
 
 def test_recursive_globs_and_whole_containers(runs):
     got = expand_sources(["runs/**/*.h5"])
-    assert [source for source, _ in got] == ["runs/day1/cell_1.h5", "runs/day1/cell_2.h5", "runs/day1/cell_10.h5", "runs/day2/cell_1.h5"]
+    assert [source for source, _ in got] == [
+        "runs/day1/cell_1.h5",
+        "runs/day1/cell_2.h5",
+        "runs/day1/cell_10.h5",
+        "runs/day2/cell_1.h5",
+    ]
 
 
 def test_a_pattern_that_matches_nothing_is_named(runs):
@@ -63,12 +77,19 @@ def test_the_template_fields(runs):
 
 def test_two_sources_to_one_output_are_refused_naming_both(runs):
     # {stem} alone maps day1/cell_1 and day2/cell_1 to one output.
-    with pytest.raises(SpecError, match=r"'runs/day1/cell_1.h5:/data' and 'runs/day2/cell_1.h5:/data' both written to 'out/cell_1.ome.zarr'"):
+    with pytest.raises(
+        SpecError,
+        match=r"'runs/day1/cell_1.h5:/data' and 'runs/day2/cell_1.h5:/data' both written to 'out/cell_1.ome.zarr'",
+    ):
         batch_items(["runs/*/*.h5:/data"], "out/{stem}.ome.zarr")
     # Negative control: a template that tells them apart passes, one item per file.
     items = batch_items(["runs/*/*.h5:/data"], "out/{parent}_{stem}.ome.zarr")
-    assert [i.output for i in items] == ["out/day1_cell_1.ome.zarr", "out/day1_cell_2.ome.zarr", "out/day1_cell_10.ome.zarr",
-                                         "out/day2_cell_1.ome.zarr"]
+    assert [i.output for i in items] == [
+        "out/day1_cell_1.ome.zarr",
+        "out/day1_cell_2.ome.zarr",
+        "out/day1_cell_10.ome.zarr",
+        "out/day2_cell_1.ome.zarr",
+    ]
 
 
 def test_one_spelling_per_output():

@@ -30,7 +30,9 @@ def _bundle_module():
     return module
 
 
-def _run(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str, cwd: Path = ROOT, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), cwd=cwd, env=env or OFFLINE, capture_output=True, text=True, timeout=timeout)
 
 
@@ -42,7 +44,15 @@ def _py(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_bundle_help_names_its_options():
     done = _run(sys.executable, str(BUNDLE), "--help")
     assert done.returncode == 0, done.stderr
-    for option in ("--out", "--python-version", "--platform", "--with-provided", "--worktree", "--dry-run", "--no-wheels"):
+    for option in (
+        "--out",
+        "--python-version",
+        "--platform",
+        "--with-provided",
+        "--worktree",
+        "--dry-run",
+        "--no-wheels",
+    ):
         assert option in done.stdout
     assert os.access(BUNDLE, os.X_OK) and os.access(DEVICE / "run.sh", os.X_OK)
 
@@ -75,7 +85,11 @@ def test_dry_run_prints_what_it_would_fetch_and_writes_nothing(tmp_path):
     assert done.returncode == 0, done.stderr
     bundle = _bundle_module()
     lock = bundle.read_lock()
-    assert "pip download" in done.stdout and "--python-version 3.12" in done.stdout and "--only-binary=:all:" in done.stdout
+    assert (
+        "pip download" in done.stdout
+        and "--python-version 3.12" in done.stdout
+        and "--only-binary=:all:" in done.stdout
+    )
     for name in bundle.CARRIED:
         assert f"{name}=={lock[name]}" in done.stdout
     assert "numpy==" not in done.stdout  # provided by the target unless --with-provided
@@ -94,7 +108,9 @@ def test_run_sh_parses():
 def wheelless(tmp_path_factory):
     """A bundle with no wheels and no jemalloc, for a Python that cannot be this one: built offline."""
     out = tmp_path_factory.mktemp("device") / "bundle"
-    done = _run(sys.executable, str(BUNDLE), "--out", str(out), "--no-wheels", "--no-jemalloc", "--python-version", "3.0")
+    done = _run(
+        sys.executable, str(BUNDLE), "--out", str(out), "--no-wheels", "--no-jemalloc", "--python-version", "3.0"
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return out
 
@@ -103,8 +119,17 @@ def test_a_bundle_holds_the_tree_at_head_and_the_helpers(wheelless):
     out = wheelless
     head = _run("git", "rev-parse", "HEAD").stdout.strip()
     assert (out / "h5ngff" / "COMMIT").read_text().splitlines()[0] == head
-    for path in ("h5ngff/bench/cli.py", "h5ngff/bench/suite.py", "h5ngff/src/h5ngff/cli.py", "h5ngff/pyproject.toml",
-                 "stub/hdf5plugin/__init__.py", "run.sh", "preflight.py", "pregen.py", "summary.py"):
+    for path in (
+        "h5ngff/bench/cli.py",
+        "h5ngff/bench/suite.py",
+        "h5ngff/src/h5ngff/cli.py",
+        "h5ngff/pyproject.toml",
+        "stub/hdf5plugin/__init__.py",
+        "run.sh",
+        "preflight.py",
+        "pregen.py",
+        "summary.py",
+    ):
         assert (out / path).is_file(), path
     assert os.access(out / "run.sh", os.X_OK)
     assert list((out / "h5ngff" / "src").glob(f"h5ngff-*+g{head[:7]}.dist-info/METADATA"))
@@ -139,7 +164,17 @@ def test_pregen_writes_the_input_bit_for_bit(tmp_path):
 
 
 def test_bench_allows_a_scale_above_one():
-    done = _run(sys.executable, "-m", "bench", "--list", "--scale", "4", "--cases", "f32", env={**OFFLINE, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
+    done = _run(
+        sys.executable,
+        "-m",
+        "bench",
+        "--list",
+        "--scale",
+        "4",
+        "--cases",
+        "f32",
+        env={**OFFLINE, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "(150, 7536, 4016) float32" in done.stdout
 
@@ -152,14 +187,40 @@ def test_preflight_imports_what_the_runs_need():
 
 
 def test_summary_reads_a_results_file(tmp_path):
-    run = {"id": "h5ngff", "status": "ok", "seconds": 2.0, "rounds": [2.0, 2.5], "wall": 3.0, "ratio_limit": 1.1, "levels": 1,
-           "memory": {"n_workers": 2, "peak_worker": 1e8}, "extra": {"plan": {"workers": 2, "threads_per_worker": 1}}, "load1": 0.5, "message": "L0 exact"}
+    run = {
+        "id": "h5ngff",
+        "status": "ok",
+        "seconds": 2.0,
+        "rounds": [2.0, 2.5],
+        "wall": 3.0,
+        "ratio_limit": 1.1,
+        "levels": 1,
+        "memory": {"n_workers": 2, "peak_worker": 1e8},
+        "extra": {"plan": {"workers": 2, "threads_per_worker": 1}},
+        "load1": 0.5,
+        "message": "L0 exact",
+    }
     failed = {"id": "tensorstore", "status": "error", "seconds": None, "levels": 1, "message": "boom"}
-    doc = {"command": "bench/run", "machine": "m", "versions": {"h5ngff": "0.1.0"},
-           "cases": [{"case": {"name": "f32", "shape": [150, 64, 64], "dtype": "float32"}, "input": {"blosc_ratio": 3.5, "seconds": 0.1},
-                      "limit": {"cores": 2, "total": 1.8, "totals": [1.8], "seconds": 0.9, "parallel": 1.0, "stages": {}}, "runs": [run, failed]},
-                     {"case": {"name": "u16-4d", "shape": [2, 150, 64, 64], "dtype": "uint16"}, "input": {}, "limit": None,
-                      "limit_error": "no limit", "runs": []}]}
+    doc = {
+        "command": "bench/run",
+        "machine": "m",
+        "versions": {"h5ngff": "0.1.0"},
+        "cases": [
+            {
+                "case": {"name": "f32", "shape": [150, 64, 64], "dtype": "float32"},
+                "input": {"blosc_ratio": 3.5, "seconds": 0.1},
+                "limit": {"cores": 2, "total": 1.8, "totals": [1.8], "seconds": 0.9, "parallel": 1.0, "stages": {}},
+                "runs": [run, failed],
+            },
+            {
+                "case": {"name": "u16-4d", "shape": [2, 150, 64, 64], "dtype": "uint16"},
+                "input": {},
+                "limit": None,
+                "limit_error": "no limit",
+                "runs": [],
+            },
+        ],
+    }
     path = tmp_path / "results.json"
     path.write_text(json.dumps(doc))
     done = _py(DEVICE / "summary.py", str(path))

@@ -49,8 +49,16 @@ def smoke(tmp_path_factory):
     script.write_text(WRONG_PEER)
     runs = [r for r in DEFAULT_RUNS if r.id in ("h5ngff", "h5ngff-pyramid", "tensorstore")]
     runs.append(RunSpec("wrong", "wrong", "deliberately wrong copy", (str(script),)))
-    cfg = SuiteConfig(scale=SCALE, cases=["f32"], runs=runs, data_dir=str(tmp / "data"), work_dir=str(tmp / "out"),
-                      results_dir=str(tmp / "results"), cores=2, timeout=120)
+    cfg = SuiteConfig(
+        scale=SCALE,
+        cases=["f32"],
+        runs=runs,
+        data_dir=str(tmp / "data"),
+        work_dir=str(tmp / "out"),
+        results_dir=str(tmp / "results"),
+        cores=2,
+        timeout=120,
+    )
     assert run_and_report(cfg, command="pytest smoke", started="smoke") == 0
     with open(tmp / "results" / "results.json") as f:
         data = json.load(f)
@@ -88,7 +96,10 @@ def test_a_pyramid_run_is_set_against_the_pyramids_floor(smoke):
     assert pyramid["status"] == "ok" and pyramid["message"] == "L0 exact; L1-2 mean exact"
     table = (results / "results.md").read_text()
     floor = limit["pyramid_total"] / 2
-    assert f"against the 3-level pyramid's floor ({floor:.2f} s on 2 cores): h5ngff-pyramid {pyramid['seconds']:.2f} s" in table
+    assert (
+        f"against the 3-level pyramid's floor ({floor:.2f} s on 2 cores): h5ngff-pyramid {pyramid['seconds']:.2f} s"
+        in table
+    )
     assert "The floor of the 3-level mean pyramid" in table
 
 
@@ -125,7 +136,10 @@ def _pyramid(path, levels: list[np.ndarray]) -> str:
     root = zarr.open_group(str(path), mode="w")
     for i, data in enumerate(levels):
         root.create_array(str(i), data=data, chunks=tuple(min(64, n) for n in data.shape), compressors=zarr_blosc())
-    root.attrs["ome"] = {"version": "0.5", "multiscales": [{"datasets": [{"path": str(i)} for i in range(len(levels))]}]}
+    root.attrs["ome"] = {
+        "version": "0.5",
+        "multiscales": [{"datasets": [{"path": str(i)} for i in range(len(levels))]}],
+    }
     return str(path)
 
 
@@ -172,7 +186,9 @@ def test_a_hung_tool_is_killed_at_the_timeout(tmp_path):
     script.write_text("import time\ntime.sleep(60)\n")
     m = run_measured([sys.executable, str(script)], timeout=1, log_path=str(tmp_path / "log"))
     assert m.timed_out and m.wall < 15
-    assert not os.path.exists(f"/proc/{m.procs[0].pid}") or open(f"/proc/{m.procs[0].pid}/stat").read().split()[2] == "Z"
+    assert (
+        not os.path.exists(f"/proc/{m.procs[0].pid}") or open(f"/proc/{m.procs[0].pid}/stat").read().split()[2] == "Z"
+    )
 
 
 def _round(status: str, seconds: float | None, peak: int) -> RunResult:
@@ -236,7 +252,9 @@ def test_container_cases_are_verified_against_an_independent_reader(tmp_path, na
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape, hdf5", [((150, 600, 90), {}), ((2, 40, 130, 70), {"chunks": (1, 32, 64, 64), "compression": "gzip"})])
+@pytest.mark.parametrize(
+    "shape, hdf5", [((150, 600, 90), {}), ((2, 40, 130, 70), {"chunks": (1, 32, 64, 64), "compression": "gzip"})]
+)
 def test_pyramid_limit_writes_every_level_exactly_and_times_the_halving(tmp_path, shape, hdf5):
     """The pyramid's floor is a real, verified pyramid (levels mean-exact, so it cannot be fast by
     being wrong), with every chunk of every level encoded and the halving timed apart."""
@@ -261,7 +279,10 @@ def test_pyramid_limit_writes_every_level_exactly_and_times_the_halving(tmp_path
     assert result["chunks"] == sum(math.prod(-(-n // c) for n, c in zip(s, chunks)) for s in level_shapes)
     # The floor of one level is the same measurement as before: level 0 only, at the array's root.
     single = measure_limit(source, "/volume/data", str(tmp_path / "one.zarr"), chunks)
-    assert single["chunks"] == math.prod(-(-n // c) for n, c in zip(shape, chunks)) and "downsample" not in single["stages"]
+    assert (
+        single["chunks"] == math.prod(-(-n // c) for n, c in zip(shape, chunks))
+        and "downsample" not in single["stages"]
+    )
     assert verify(str(tmp_path / "one.zarr"), source, case, 1, "mean").ok
     # Split over 2 processes, each builds the pyramid of its band of rows: together the same output.
     split = str(tmp_path / "split.zarr")
@@ -328,8 +349,28 @@ def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path
     result = tmp_path / "scaling.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(["src", "."])}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "bench.scaling", "--scale", str(SCALE), "--workers", "2", "--tail-workers", "1,2,64",
-                           "--data-dir", str(tmp_path / "data"), "--result", str(result)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.scaling",
+            "--scale",
+            str(SCALE),
+            "--workers",
+            "2",
+            "--tail-workers",
+            "1,2,64",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--result",
+            str(result),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "#### 3. The tail" in done.stdout
     doc = json.loads(result.read_text())
@@ -345,8 +386,19 @@ def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path
     # Sampled per process, each up to its last poll: never more than the exact total.
     assert 0 < run["cpu_sampled_total"] <= exact["tree"] + 0.05
     s = run["stamps"]
-    order = ["launched", "main", "cli_imported", "planned", "cluster_up", "first_task_start", "last_task_end", "cluster_closed",
-             "metadata_written", "main_returned", "exited"]
+    order = [
+        "launched",
+        "main",
+        "cli_imported",
+        "planned",
+        "cluster_up",
+        "first_task_start",
+        "last_task_end",
+        "cluster_closed",
+        "metadata_written",
+        "main_returned",
+        "exited",
+    ]
     assert [s[k] for k in order] == sorted(s[k] for k in order)
     assert run["head"]["wall"] > 0 and run["tail"]["wall"] > 0 and 0 < run["head"]["cpu"] < exact["tree"]
     assert len(run["task_seconds"]) == run["plan"]["n_tasks"] == run["summary"]["slabs_written"]
@@ -361,8 +413,22 @@ def test_batch_bench_times_the_batch_the_separate_runs_and_the_limit_on_the_same
     from bench import batch
 
     result = tmp_path / "batch.json"
-    code = batch.main(["--files", "4", "--mb", "1", "--sample", "2", "--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
-                       "--result", str(result)])
+    code = batch.main(
+        [
+            "--files",
+            "4",
+            "--mb",
+            "1",
+            "--sample",
+            "2",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--result",
+            str(result),
+        ]
+    )
     r = json.loads(result.read_text())
     assert code in (0, 1)  # the targets are not the smoke test's business at 4 MB
     assert r["ok"] and not r["problems"] and r["cluster_starts"] == 1 and r["done"] == 4

@@ -81,7 +81,9 @@ def test_v3_chunks_carry_crc32c_that_zarr_and_tensorstore_check(convert, tmp_pat
         with pytest.raises(ValueError, match="checksum"):
             zarr.open_array(os.path.join(out, "0"), mode="r")[...]
         with pytest.raises(Exception, match="(?i)checksum|crc"):
-            ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(out, "0")}}).result().read().result()
+            ts.open(
+                {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(out, "0")}}
+            ).result().read().result()
 
 
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
@@ -124,7 +126,9 @@ def test_verify_decodes_independently_of_the_writer(convert, tmp_path, monkeypat
     layout = level_layout(out, "0", 3, 0)
     assert layout.checksums
     encode, decode = chunkio.encode_stored_chunk, chunkio.decode_chunk
-    monkeypatch.setattr(chunkio, "encode_stored_chunk", lambda lay, block, *a, **k: encode(lay, block.byteswap(), *a, **k))
+    monkeypatch.setattr(
+        chunkio, "encode_stored_chunk", lambda lay, block, *a, **k: encode(lay, block.byteswap(), *a, **k)
+    )
     monkeypatch.setattr(chunkio, "decode_chunk", lambda lay, raw: decode(lay, raw).byteswap())
     chunkio.write_block(layout, data, (0, 0, 0))  # level 0 rewritten with the bug
     # The old path: every unit decodes with chunkio, and equals the source.
@@ -178,8 +182,12 @@ def test_v2_killed_run_resumes_to_the_same_chunks_and_sidecar(convert, tmp_path)
     output = {"chunks": [8, 32, 32], "compressor": {"codec": "gzip", "clevel": 3}, "ngffVersion": "0.4"}
     same = dict(output=output, pyramid={"levels": 2}, resources={"slab": [16, 64, 256]})  # = FLAGS
     convert(spec_for(h5, clean, **same))
-    proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out, "--ngff-version", "0.4"] + FLAGS,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        CLI + ["convert", f"{h5}:/volume/data", out, "--ngff-version", "0.4"] + FLAGS,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     while manifest_lines(out) < 8 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)

@@ -32,7 +32,9 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.g
 
 
 def h5ngff(*argv, cwd=None, timeout=120, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*H5NGFF, *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or ENV)
+    return subprocess.run(
+        [*H5NGFF, *map(str, argv)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or ENV
+    )
 
 
 def no_traceback(proc: subprocess.CompletedProcess) -> None:
@@ -143,15 +145,19 @@ def test_setup_waits_for_a_dpkg_lock_that_is_released(tmp_path):
 @pytest.mark.slow
 def test_verify_source_that_is_not_hdf5_or_lacks_the_dataset(small, converted):
     out, _ = converted
-    for source, words in ((f"{small / 'notes.txt'}:/x", "cannot be opened as HDF5"),
-                          (f"{small / 'small.h5'}:/nope", "Datasets in the file: /volume/data")):
+    for source, words in (
+        (f"{small / 'notes.txt'}:/x", "cannot be opened as HDF5"),
+        (f"{small / 'small.h5'}:/nope", "Datasets in the file: /volume/data"),
+    ):
         for json_flag in ([], ["--json"]):
             proc = h5ngff("verify", out, "--source", source, *json_flag)
             no_traceback(proc)
             assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr
             assert words in (proc.stdout if json_flag else proc.stderr)
     good = h5ngff("verify", out, "--source", f"{small / 'small.h5'}:/volume/data")  # the positive control
-    assert good.returncode == 0 and "equal to the pyramid computed from the source" in " ".join(good.stdout.split()), good.stdout + good.stderr
+    assert good.returncode == 0 and "equal to the pyramid computed from the source" in " ".join(good.stdout.split()), (
+        good.stdout + good.stderr
+    )
 
 
 @pytest.mark.slow
@@ -182,9 +188,28 @@ def test_run_with_an_hdf5_file_instead_of_a_manifest(small):
 def test_ctrl_c_to_the_process_group_prints_one_line_not_tracebacks(small, tmp_path):
     out = tmp_path / "interrupted.ome.zarr"
     env = {**ENV, "H5NGFF_FAULTS": "slab_sleep=1"}
-    proc = subprocess.Popen([*H5NGFF, "convert", f"{small / 'small.h5'}:/volume/data", str(out), "--chunks", "8,64,64", "--slab", "8,64,64",
-                             "--levels", "1", "--workers", "2", "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            *H5NGFF,
+            "convert",
+            f"{small / 'small.h5'}:/volume/data",
+            str(out),
+            "--chunks",
+            "8,64,64",
+            "--slab",
+            "8,64,64",
+            "--levels",
+            "1",
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         # Once a chunk file exists the workers are running slab tasks: then a terminal's Ctrl-C
@@ -198,7 +223,9 @@ def test_ctrl_c_to_the_process_group_prints_one_line_not_tracebacks(small, tmp_p
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == ExitCode.INTERRUPTED, stderr[-3000:]
     assert "interrupted: re-run the same command to resume" in stderr
-    assert "Traceback" not in stderr and "CommClosedError" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "CommClosedError" not in stderr and "KeyboardInterrupt" not in stderr, stderr[
+        -3000:
+    ]
     assert len(stderr.strip().splitlines()) <= 3, stderr
 
 
@@ -231,17 +258,30 @@ def test_output_conflicts_are_refused_before_the_plan_and_the_cluster(small, tmp
         assert reason in proc.stderr and "predicted peak RSS" not in proc.stdout, proc.stdout
     assert (taken / "thesis.tex").read_text() == "precious"
     # h5ngff run refuses it before its plan too, with the status the operator would write.
-    job = {"apiVersion": "h5ngff.dev/v1alpha1", "kind": "ConversionJob", "metadata": {"name": "taken"},
-           "spec": {"source": {"path": str(small / "small.h5"), "dataset": "/volume/data"}, "output": {"path": str(taken)}}}
+    job = {
+        "apiVersion": "h5ngff.dev/v1alpha1",
+        "kind": "ConversionJob",
+        "metadata": {"name": "taken"},
+        "spec": {
+            "source": {"path": str(small / "small.h5"), "dataset": "/volume/data"},
+            "output": {"path": str(taken)},
+        },
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run = h5ngff("run", tmp_path / "job.yaml", "--no-progress")
-    assert run.returncode == ExitCode.OUTPUT_REFUSED and "OutputConflict" in run.stdout and "predicted peak RSS" not in run.stdout
+    assert (
+        run.returncode == ExitCode.OUTPUT_REFUSED
+        and "OutputConflict" in run.stdout
+        and "predicted peak RSS" not in run.stdout
+    )
 
 
 @pytest.mark.slow
 def test_an_unsupported_url_scheme_is_refused_not_written_as_a_local_directory(small, tmp_path):
     # Before the fix `convert in.h5:/d gs://bucket/x` exited 0 after writing ./gs:/bucket/x.
-    proc = h5ngff("convert", f"{small / 'small.h5'}:/volume/data", "gs://bucket/x.ome.zarr", "--no-progress", cwd=tmp_path)
+    proc = h5ngff(
+        "convert", f"{small / 'small.h5'}:/volume/data", "gs://bucket/x.ome.zarr", "--no-progress", cwd=tmp_path
+    )
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr
     assert "output.path" in proc.stderr and "gs:// is not supported" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []
@@ -283,7 +323,9 @@ def test_a_group_suggests_full_dataset_paths(small):
     assert proc.returncode == ExitCode.BAD_INPUT
     assert "Datasets in it: /volume/data." in " ".join(proc.stderr.split()), proc.stderr
     empty = h5ngff("plan", f"{small / 'small.h5'}:/empty")
-    assert "Datasets in it: ." not in " ".join(empty.stderr.split()) and "holds no datasets" in empty.stderr, empty.stderr
+    assert "Datasets in it: ." not in " ".join(empty.stderr.split()) and "holds no datasets" in empty.stderr, (
+        empty.stderr
+    )
 
 
 # --- 8. a full disk --------------------------------------------------------------------------
@@ -297,8 +339,20 @@ def test_full_disk_gives_the_message_without_dask_logs(tmp_path):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         h5 = write_h5(tmp_path / "big.h5", smooth((32, 128, 128)))  # 1 MiB uncompressed
-        proc = h5ngff("convert", f"{h5}:/volume/data", mount / "out.ome.zarr", "--compressor", "none", "--levels", "1",
-                      "--chunks", "8,128,128", "--workers", "1", "--no-progress")
+        proc = h5ngff(
+            "convert",
+            f"{h5}:/volume/data",
+            mount / "out.ome.zarr",
+            "--compressor",
+            "none",
+            "--levels",
+            "1",
+            "--chunks",
+            "8,128,128",
+            "--workers",
+            "1",
+            "--no-progress",
+        )
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
     assert proc.returncode == ExitCode.FAILED, proc.stderr[-3000:]
@@ -363,8 +417,13 @@ def test_a_typod_flag_gets_the_subcommand_usage_and_the_closest_flag(small):
 
 @pytest.mark.slow
 def test_a_closed_stdout_pipe_ends_quietly(small):
-    proc = subprocess.Popen([*H5NGFF, "plan", f"{small / 'small.h5'}:/volume/data", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [*H5NGFF, "plan", f"{small / 'small.h5'}:/volume/data", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     proc.stdout.close()  # as `| head` does once it has its lines: every write gets EPIPE
     stderr = proc.stderr.read()
     proc.wait(timeout=60)
@@ -402,7 +461,13 @@ def test_memory_report_figure(small):
     from h5ngff.runner import RunSummary, plan_job
     from h5ngff.spec import parse_spec
 
-    spec = parse_spec({"source": {"path": str(small / "small.h5"), "dataset": "/volume/data"}, "output": {"path": "o"}, "resources": {"workers": 4}})
+    spec = parse_spec(
+        {
+            "source": {"path": str(small / "small.h5"), "dataset": "/volume/data"},
+            "output": {"path": "o"},
+            "resources": {"workers": 4},
+        }
+    )
     job = plan_job(spec, LocalBackend())
     t0 = 1_000_000.0
     timeline = [(t0 + i * 0.25, str(w), (100 + i) << 20) for i in range(13) for w in range(4)]  # samples stop at 3 s
@@ -411,7 +476,11 @@ def test_memory_report_figure(small):
     ax = fig.axes[0]
     assert ax.get_xlim()[1] >= 6.2
     workers = [line for line in ax.get_lines() if line.get_label().startswith("worker")]
-    limits = [line for line in ax.get_lines() if not line.get_label().startswith("worker") and not line.get_label().startswith("_")]
+    limits = [
+        line
+        for line in ax.get_lines()
+        if not line.get_label().startswith("worker") and not line.get_label().startswith("_")
+    ]
     colours = [line.get_color() for line in workers + limits]
     assert len(workers) == 4 and len(limits) == 4 and len(set(colours)) == len(colours), colours
     legend = [t.get_text() for t in ax.get_legend().get_texts()]

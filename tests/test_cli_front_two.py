@@ -62,7 +62,20 @@ def corrupt_run(tmp_path_factory):
         f.seek(offset + 20)
         f.write(b"\xde\xad\xbe\xef" * 8)
     out = d / "out.ome.zarr"
-    proc = h5ngff("convert", f"{h5}:/volume/data", out, "--json", "--workers", "1", "--chunks", "8,64,64", "--slab", "8,64,64", "--levels", "1")
+    proc = h5ngff(
+        "convert",
+        f"{h5}:/volume/data",
+        out,
+        "--json",
+        "--workers",
+        "1",
+        "--chunks",
+        "8,64,64",
+        "--slab",
+        "8,64,64",
+        "--levels",
+        "1",
+    )
     return out, proc
 
 
@@ -119,7 +132,9 @@ def test_sample_refuses_bad_inputs_with_exit_2_and_leaves_no_file(tmp_path, flag
     proc = h5ngff("sample", tmp_path / "s.h5", *flags)
     no_traceback(proc)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert field in proc.stderr and "Expected" in proc.stderr and "Got " in proc.stderr and "instead" in proc.stderr, proc.stderr
+    assert field in proc.stderr and "Expected" in proc.stderr and "Got " in proc.stderr and "instead" in proc.stderr, (
+        proc.stderr
+    )
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
 
 
@@ -185,7 +200,18 @@ def test_ngff_04_output_opens_in_zarr_and_ome_zarr_without_warnings(small, tmp_p
     from h5ngff.engine.verify.check import verify_output
 
     out = tmp_path / "v04.ome.zarr"
-    proc = h5ngff("convert", f"{small / 'small.h5'}:/volume/data", out, "--ngff-version", "0.4", "--levels", "2", "--workers", "1", "--no-progress")
+    proc = h5ngff(
+        "convert",
+        f"{small / 'small.h5'}:/volume/data",
+        out,
+        "--ngff-version",
+        "0.4",
+        "--levels",
+        "2",
+        "--workers",
+        "1",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -205,12 +231,25 @@ def test_an_output_with_the_old_sidecar_place_still_verifies(small, tmp_path):
     from h5ngff.engine.verify.check import verify_output
 
     out = tmp_path / "old.ome.zarr"
-    proc = h5ngff("convert", f"{small / 'small.h5'}:/volume/data", out, "--ngff-version", "0.4", "--levels", "1", "--workers", "1", "--no-progress")
+    proc = h5ngff(
+        "convert",
+        f"{small / 'small.h5'}:/volume/data",
+        out,
+        "--ngff-version",
+        "0.4",
+        "--levels",
+        "1",
+        "--workers",
+        "1",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     if (out / SIDECAR_DIR).exists():
         shutil.move(out / SIDECAR_DIR, out / LEGACY_SIDECAR_DIR)
     assert verify_output(str(out)).checksums == "sidecar" and verify_output(str(out)).ok
-    chunk = next(p for p in (out / "0").rglob("*") if p.is_file() and not p.name.startswith(".") and ".h5ngff" not in str(p))
+    chunk = next(
+        p for p in (out / "0").rglob("*") if p.is_file() and not p.name.startswith(".") and ".h5ngff" not in str(p)
+    )
     data = bytearray(chunk.read_bytes())
     data[-1] ^= 1
     chunk.write_bytes(bytes(data))
@@ -224,7 +263,12 @@ def test_a_busy_output_is_refused_before_the_plan_is_printed(small, tmp_path):
     fd = os.open(out / ".h5ngff.lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": "the test"}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": "the test"}
+            ).encode(),
+        )
         proc = h5ngff("convert", f"{small / 'small.h5'}:/volume/data", out, "--no-progress")
     finally:
         os.close(fd)
@@ -235,7 +279,9 @@ def test_a_busy_output_is_refused_before_the_plan_is_printed(small, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag,field", [("--chunks", "output.chunks"), ("--shards", "output.shards"), ("--slab", "resources.slab")])
+@pytest.mark.parametrize(
+    "flag,field", [("--chunks", "output.chunks"), ("--shards", "output.shards"), ("--slab", "resources.slab")]
+)
 def test_a_negative_list_value_gets_the_specs_message_not_argparses(small, flag, field):
     proc = h5ngff("plan", f"{small / 'small.h5'}:/volume/data", flag, "-1,64,64")
     no_traceback(proc)
@@ -259,8 +305,21 @@ def test_a_memory_budget_beyond_this_machine_is_noticed(small):
 
     too_much = h5ngff("plan", f"{small / 'small.h5'}:/volume/data", "--memory-per-worker", "10TiB", "--workers", "2")
     assert too_much.returncode == 0, too_much.stderr
-    assert "resources.memoryPerWorker" in too_much.stderr and "more than this machine's" in too_much.stderr, too_much.stderr
-    as_json = json.loads(h5ngff("plan", f"{small / 'small.h5'}:/volume/data", "--memory-total", "10TiB", "--json").stdout)
-    assert any("resources.memoryTotal" in n and "more than this machine's" in n for n in as_json["notices"]), as_json["notices"]
-    fits = h5ngff("plan", f"{small / 'small.h5'}:/volume/data", "--memory-per-worker", f"{machine_capacity().memory_bytes // 4 // 2**20}MiB", "--workers", "2")
+    assert "resources.memoryPerWorker" in too_much.stderr and "more than this machine's" in too_much.stderr, (
+        too_much.stderr
+    )
+    as_json = json.loads(
+        h5ngff("plan", f"{small / 'small.h5'}:/volume/data", "--memory-total", "10TiB", "--json").stdout
+    )
+    assert any("resources.memoryTotal" in n and "more than this machine's" in n for n in as_json["notices"]), as_json[
+        "notices"
+    ]
+    fits = h5ngff(
+        "plan",
+        f"{small / 'small.h5'}:/volume/data",
+        "--memory-per-worker",
+        f"{machine_capacity().memory_bytes // 4 // 2**20}MiB",
+        "--workers",
+        "2",
+    )
     assert fits.returncode == 0 and "more than this machine's" not in fits.stderr, fits.stderr  # control

@@ -22,8 +22,20 @@ H5NGFF = str(Path(sys.executable).with_name("h5ngff"))
 
 #: The flags issue 2 says scripts may rely on (plan and convert share them).
 ISSUE_FLAGS = [
-    "--chunks", "--shards", "--slab", "--workers", "--threads", "--memory-per-worker", "--memory-total",
-    "--levels", "--downsample", "--compressor", "--ngff-version", "--axes", "--scale", "--json",
+    "--chunks",
+    "--shards",
+    "--slab",
+    "--workers",
+    "--threads",
+    "--memory-per-worker",
+    "--memory-total",
+    "--levels",
+    "--downsample",
+    "--compressor",
+    "--ngff-version",
+    "--axes",
+    "--scale",
+    "--json",
 ]
 
 
@@ -61,23 +73,43 @@ def test_regression_source_without_dataset_meant_the_root_group():
 # --- parse_compressor -------------------------------------------------------------------------
 
 COMPRESSORS = [
-    ("zstd:5:bitshuffle", {"codec": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"}, "blosc zstd level 5 bitshuffle"),
+    (
+        "zstd:5:bitshuffle",
+        {"codec": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"},
+        "blosc zstd level 5 bitshuffle",
+    ),
     ("zstd", {"codec": "blosc", "cname": "zstd", "clevel": None}, "blosc zstd level 5 bitshuffle"),
     ("zstd:3", {"codec": "blosc", "cname": "zstd", "clevel": 3}, "blosc zstd level 3 bitshuffle"),
-    ("zstd::noshuffle", {"codec": "blosc", "cname": "zstd", "clevel": None, "shuffle": "noshuffle"}, "blosc zstd level 5 noshuffle"),
-    ("lz4:3:shuffle", {"codec": "blosc", "cname": "lz4", "clevel": 3, "shuffle": "shuffle"}, "blosc lz4 level 3 shuffle"),
+    (
+        "zstd::noshuffle",
+        {"codec": "blosc", "cname": "zstd", "clevel": None, "shuffle": "noshuffle"},
+        "blosc zstd level 5 noshuffle",
+    ),
+    (
+        "lz4:3:shuffle",
+        {"codec": "blosc", "cname": "lz4", "clevel": 3, "shuffle": "shuffle"},
+        "blosc lz4 level 3 shuffle",
+    ),
     ("LZ4HC:9", {"codec": "blosc", "cname": "lz4hc", "clevel": 9}, "blosc lz4hc level 9 bitshuffle"),
     ("zlib:1", {"codec": "blosc", "cname": "zlib", "clevel": 1}, "blosc zlib level 1 bitshuffle"),
     ("blosclz:0", {"codec": "blosc", "cname": "blosclz", "clevel": 0}, "blosc blosclz level 0 bitshuffle"),
     ("blosc:lz4:5", {"codec": "blosc", "cname": "lz4", "clevel": 5}, "blosc lz4 level 5 bitshuffle"),
-    ("blosc:zstd:7:shuffle", {"codec": "blosc", "cname": "zstd", "clevel": 7, "shuffle": "shuffle"}, "blosc zstd level 7 shuffle"),
+    (
+        "blosc:zstd:7:shuffle",
+        {"codec": "blosc", "cname": "zstd", "clevel": 7, "shuffle": "shuffle"},
+        "blosc zstd level 7 shuffle",
+    ),
     ("blosc:zstd", {"codec": "blosc", "cname": "zstd", "clevel": None}, "blosc zstd level 5 bitshuffle"),
     ("plain-zstd:19", {"codec": "zstd", "clevel": 19}, "zstd level 19"),
     ("plain-zstd", {"codec": "zstd", "clevel": None}, "zstd level 5"),
     ("gzip:6", {"codec": "gzip", "clevel": 6}, "gzip level 6"),
     ("gzip", {"codec": "gzip", "clevel": None}, "gzip level 5"),
     ("none", {"codec": "none"}, "none"),
-    (" Zstd:5:BitShuffle ", {"codec": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"}, "blosc zstd level 5 bitshuffle"),
+    (
+        " Zstd:5:BitShuffle ",
+        {"codec": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"},
+        "blosc zstd level 5 bitshuffle",
+    ),
 ]
 
 
@@ -117,7 +149,11 @@ def test_parse_compressor_refuses(text, hint):
 
 def test_compressor_values_the_spec_refuses_are_caught_there():
     """parse_compressor only splits; ranges and shuffle names are the spec's job (one place)."""
-    for text, field in (("zstd:12", "output.compressor.clevel"), ("zstd:5:byteshuffle", "output.compressor.shuffle"), ("gzip:0", "output.compressor.clevel")):
+    for text, field in (
+        ("zstd:12", "output.compressor.clevel"),
+        ("zstd:5:byteshuffle", "output.compressor.shuffle"),
+        ("gzip:0", "output.compressor.clevel"),
+    ):
         fields = {k: v for k, v in parse_compressor(text).items() if v is not None}
         with pytest.raises(SpecError) as info:
             parse_spec({"source": {"path": "a.h5", "dataset": "/d"}, "output": {"path": "o", "compressor": fields}})
@@ -142,16 +178,60 @@ def _args(*argv: str, command: str = "plan"):
 
 def test_every_flag_lands_in_one_spec_field():
     args = _args(
-        "--chunks", "64,64,64", "--shards", "128x128x128", "--compressor", "lz4:3:shuffle", "--ngff-version", "0.5",
-        "--axes", "zyx", "--scale", "2.0,0.5,0.5", "--units", "micrometer", "--name", "scan",
-        "--levels", "3", "--downsample", "max", "--downsample-axes", "yx",
-        "--workers", "8", "--threads", "2", "--memory-per-worker", "1GiB", "--slab", "64,704,2008", "--allocator", "glibc",
+        "--chunks",
+        "64,64,64",
+        "--shards",
+        "128x128x128",
+        "--compressor",
+        "lz4:3:shuffle",
+        "--ngff-version",
+        "0.5",
+        "--axes",
+        "zyx",
+        "--scale",
+        "2.0,0.5,0.5",
+        "--units",
+        "micrometer",
+        "--name",
+        "scan",
+        "--levels",
+        "3",
+        "--downsample",
+        "max",
+        "--downsample-axes",
+        "yx",
+        "--workers",
+        "8",
+        "--threads",
+        "2",
+        "--memory-per-worker",
+        "1GiB",
+        "--slab",
+        "64,704,2008",
+        "--allocator",
+        "glibc",
     )
     assert spec_overrides(args) == {
-        "output": {"chunks": [64, 64, 64], "shards": [128, 128, 128], "compressor": {"codec": "blosc", "cname": "lz4", "clevel": 3, "shuffle": "shuffle"}, "ngffVersion": "0.5"},
-        "image": {"axes": "zyx", "scale": [2.0, 0.5, 0.5], "units": ["micrometer", "micrometer", "micrometer"], "name": "scan"},
+        "output": {
+            "chunks": [64, 64, 64],
+            "shards": [128, 128, 128],
+            "compressor": {"codec": "blosc", "cname": "lz4", "clevel": 3, "shuffle": "shuffle"},
+            "ngffVersion": "0.5",
+        },
+        "image": {
+            "axes": "zyx",
+            "scale": [2.0, 0.5, 0.5],
+            "units": ["micrometer", "micrometer", "micrometer"],
+            "name": "scan",
+        },
         "pyramid": {"levels": 3, "method": "max", "axes": "yx"},
-        "resources": {"workers": 8, "threadsPerWorker": 2, "memoryPerWorker": "1GiB", "slab": [64, 704, 2008], "allocator": "glibc"},
+        "resources": {
+            "workers": 8,
+            "threadsPerWorker": 2,
+            "memoryPerWorker": "1GiB",
+            "slab": [64, 704, 2008],
+            "allocator": "glibc",
+        },
     }
     spec = spec_from_args(args)
     assert spec.source.path == "in.h5" and spec.source.dataset == "/volume/data"
@@ -163,7 +243,9 @@ def test_every_flag_lands_in_one_spec_field():
 def test_unset_flags_leave_the_spec_alone():
     assert spec_overrides(_args()) == {}
     spec = spec_from_args(_args())
-    assert spec == parse_spec({"source": {"path": "in.h5", "dataset": "/volume/data"}, "output": {"path": "in.ome.zarr"}})
+    assert spec == parse_spec(
+        {"source": {"path": "in.h5", "dataset": "/volume/data"}, "output": {"path": "in.ome.zarr"}}
+    )
 
 
 @pytest.mark.parametrize(
@@ -177,8 +259,16 @@ def test_unset_flags_leave_the_spec_alone():
         (["--threads", "1"], ("resources", "threadsPerWorker"), 1),
         (["--compressor", "none"], ("output", "compressor"), {"codec": "none"}),
         (["--compressor", "gzip"], ("output", "compressor"), {"codec": "gzip"}),  # no level: the spec's default
-        (["--axes", "tczyx", "--units", "micrometer"], ("image", "units"), ["", "", "micrometer", "micrometer", "micrometer"]),
-        (["--units", "second,,micrometer,micrometer,micrometer"], ("image", "units"), ["second", "", "micrometer", "micrometer", "micrometer"]),
+        (
+            ["--axes", "tczyx", "--units", "micrometer"],
+            ("image", "units"),
+            ["", "", "micrometer", "micrometer", "micrometer"],
+        ),
+        (
+            ["--units", "second,,micrometer,micrometer,micrometer"],
+            ("image", "units"),
+            ["second", "", "micrometer", "micrometer", "micrometer"],
+        ),
     ],
 )
 def test_flag_values(argv, key, value):
@@ -264,7 +354,9 @@ def metadata_only_h5(tmp_path_factory):
     shape = (48, 300, 200)
     path = d / "ext.h5"
     with h5py.File(path, "w") as f:
-        ds = f.create_dataset("/volume/data", shape=shape, dtype="<f4", external=[(str(d / "ext.raw"), 0, int(np.prod(shape)) * 4)])
+        ds = f.create_dataset(
+            "/volume/data", shape=shape, dtype="<f4", external=[(str(d / "ext.raw"), 0, int(np.prod(shape)) * 4)]
+        )
         ds[...] = 1.0
         ds.attrs["element_size_um"] = [2.0, 0.5, 0.5]
     os.remove(d / "ext.raw")
@@ -284,19 +376,67 @@ def _run(*argv, cwd=None, check=True):
 @pytest.mark.integration
 def test_h5ngff_plan_json_reads_only_metadata(metadata_only_h5):
     proc = _run(
-        "plan", f"{metadata_only_h5}:/volume/data", "--json",
-        "--chunks", "16,64,64", "--shards", "16,128,128", "--slab", "30,100,200", "--workers", "2", "--threads", "2",
-        "--memory-per-worker", "1GiB", "--levels", "2", "--downsample", "max", "--compressor", "zstd:5:bitshuffle",
-        "--ngff-version", "0.5", "--axes", "zyx", "--scale", "2,0.5,0.5", "--calibration", "/dev/null",
+        "plan",
+        f"{metadata_only_h5}:/volume/data",
+        "--json",
+        "--chunks",
+        "16,64,64",
+        "--shards",
+        "16,128,128",
+        "--slab",
+        "30,100,200",
+        "--workers",
+        "2",
+        "--threads",
+        "2",
+        "--memory-per-worker",
+        "1GiB",
+        "--levels",
+        "2",
+        "--downsample",
+        "max",
+        "--compressor",
+        "zstd:5:bitshuffle",
+        "--ngff-version",
+        "0.5",
+        "--axes",
+        "zyx",
+        "--scale",
+        "2,0.5,0.5",
+        "--calibration",
+        "/dev/null",
         check=False,
     )
     # --calibration /dev/null is not a JSON object: a negative control for the flag's own check
     assert proc.returncode == 2 and json.loads(proc.stdout)["reason"] == "InvalidSpec"
     proc = _run(
-        "plan", f"{metadata_only_h5}:/volume/data", "--json",
-        "--chunks", "16,64,64", "--shards", "16,128,128", "--slab", "30,100,200", "--workers", "2", "--threads", "2",
-        "--memory-per-worker", "1GiB", "--levels", "2", "--downsample", "max", "--compressor", "zstd:5:bitshuffle",
-        "--ngff-version", "0.5", "--axes", "zyx", "--scale", "2,0.5,0.5",
+        "plan",
+        f"{metadata_only_h5}:/volume/data",
+        "--json",
+        "--chunks",
+        "16,64,64",
+        "--shards",
+        "16,128,128",
+        "--slab",
+        "30,100,200",
+        "--workers",
+        "2",
+        "--threads",
+        "2",
+        "--memory-per-worker",
+        "1GiB",
+        "--levels",
+        "2",
+        "--downsample",
+        "max",
+        "--compressor",
+        "zstd:5:bitshuffle",
+        "--ngff-version",
+        "0.5",
+        "--axes",
+        "zyx",
+        "--scale",
+        "2,0.5,0.5",
     )
     out = json.loads(proc.stdout)
     plan, spec = out["plan"], out["spec"]
@@ -348,7 +488,14 @@ def test_h5ngff_plan_table_and_refusal(metadata_only_h5):
     proc = _run("plan", f"{metadata_only_h5}:/volume/data", "--workers", "2", "--levels", "1")
     for word in ("interpreter", "slab buffers", "allocator slack", "MiB"):
         assert word in proc.stdout, proc.stdout
-    refused = _run("plan", f"{metadata_only_h5}:/volume/data", "--json", "--memory-per-worker", f"{MIN_WORKER_MEMORY // MiB}Mi", check=False)
+    refused = _run(
+        "plan",
+        f"{metadata_only_h5}:/volume/data",
+        "--json",
+        "--memory-per-worker",
+        f"{MIN_WORKER_MEMORY // MiB}Mi",
+        check=False,
+    )
     assert refused.returncode == 2
     err = json.loads(refused.stdout)
     assert err["reason"] == "BudgetTooSmall" and "Raise resources.memoryPerWorker to at least" in err["message"]

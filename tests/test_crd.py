@@ -21,12 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 COPIES = [ROOT / "src/h5ngff/operator/crd.yaml", ROOT / "manifests/crd.yaml"]
 EXAMPLE = ROOT / "manifests/examples/conversionjob.yaml"
 FORBIDDEN = {"$ref", "$defs", "anyOf", "oneOf", "allOf", "not", "title", "default", "const", "nullable"}
-REGENERATE = "python -m h5ngff.operator.crd > src/h5ngff/operator/crd.yaml && cp src/h5ngff/operator/crd.yaml manifests/crd.yaml"
+REGENERATE = (
+    "python -m h5ngff.operator.crd > src/h5ngff/operator/crd.yaml && cp src/h5ngff/operator/crd.yaml manifests/crd.yaml"
+)
 
 
 @pytest.mark.parametrize("path", COPIES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_checked_in_crd_matches_the_models(path):
-    assert path.read_text() == render(), f"{path.relative_to(ROOT)} drifted from the models; regenerate it: {REGENERATE}"
+    assert path.read_text() == render(), (
+        f"{path.relative_to(ROOT)} drifted from the models; regenerate it: {REGENERATE}"
+    )
 
 
 def openapi_schema() -> dict:
@@ -99,7 +103,11 @@ def test_the_schema_is_structural():
     for path, node in _walk(openapi_schema()):
         if not isinstance(node, dict) or path.endswith((".properties", ".enum", ".required")):
             continue
-        if path.split(".")[-2:-1] == ["properties"] or path == "$" or path.endswith((".items", ".additionalProperties")):
+        if (
+            path.split(".")[-2:-1] == ["properties"]
+            or path == "$"
+            or path.endswith((".items", ".additionalProperties"))
+        ):
             assert not FORBIDDEN & set(node), f"{path} uses {FORBIDDEN & set(node)}"
             kinds = {"type", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields"} & set(node)
             assert kinds, f"{path} has no type"
@@ -116,7 +124,13 @@ def test_the_crd_is_a_valid_kubernetes_object():
     version = crd["spec"]["versions"][0]
     assert crd["metadata"]["name"] == "conversionjobs.h5ngff.dev" and crd["spec"]["names"]["shortNames"] == ["cj"]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c] == ["Phase", "Progress", "Workers", "Memory/worker", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c] == [
+        "Phase",
+        "Progress",
+        "Workers",
+        "Memory/worker",
+        "Age",
+    ]
 
 
 def test_printer_columns_point_at_status_fields():
@@ -160,14 +174,18 @@ def test_the_example_is_valid_for_the_crd_and_the_model():
     assert job.spec.output.path.startswith("h5ngff-demo/")
 
 
-@pytest.mark.parametrize("change", [
-    lambda d: d["spec"]["resources"].update(memoryPerWorkr="1Gi"),  # a typo
-    lambda d: d["spec"]["output"].update(ngffVersion=0.5),  # unquoted: a number, not a string
-    lambda d: d["spec"]["output"].update(chunks="64,64,64"),
-    lambda d: d["spec"].update(backoffLimit=-1),
-    lambda d: d["spec"]["pyramid"].update(method="median"),
-    lambda d: d["spec"].pop("source"),
-], ids=["typo", "float-version", "chunks-string", "negative-backoff", "unknown-method", "no-source"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["spec"]["resources"].update(memoryPerWorkr="1Gi"),  # a typo
+        lambda d: d["spec"]["output"].update(ngffVersion=0.5),  # unquoted: a number, not a string
+        lambda d: d["spec"]["output"].update(chunks="64,64,64"),
+        lambda d: d["spec"].update(backoffLimit=-1),
+        lambda d: d["spec"]["pyramid"].update(method="median"),
+        lambda d: d["spec"].pop("source"),
+    ],
+    ids=["typo", "float-version", "chunks-string", "negative-backoff", "unknown-method", "no-source"],
+)
 def test_the_crd_rejects_broken_manifests(change):
     """Negative controls: the validation above is not vacuous."""
     doc = yaml.safe_load(EXAMPLE.read_text())

@@ -29,8 +29,12 @@ ISSUE_HDF5_CHUNKS = (1, 24, 100, 100)
 
 def _issue_plan(direct: bool, allocator: str = "jemalloc"):
     """The issue's case: uint16 (4, 64, 1024, 1024), gzip chunks (1, 24, 100, 100), 3 levels."""
-    ds = DatasetInfo(ISSUE_SHAPE, "<u2", 2, hdf5_chunks=ISSUE_HDF5_CHUNKS, hdf5_filters=("deflate",), hdf5_direct_read=direct)
-    spec = spec_for("in.h5", "out.ome.zarr", output={"chunks": [1, 64, 64, 64]}, pyramid={"levels": 3}, resources={"workers": 2})
+    ds = DatasetInfo(
+        ISSUE_SHAPE, "<u2", 2, hdf5_chunks=ISSUE_HDF5_CHUNKS, hdf5_filters=("deflate",), hdf5_direct_read=direct
+    )
+    spec = spec_for(
+        "in.h5", "out.ome.zarr", output={"chunks": [1, 64, 64, 64]}, pyramid={"levels": 3}, resources={"workers": 2}
+    )
     return make_plan(ds, spec, Capacity(cores=2, memory_bytes=24 << 30), allocator=allocator)
 
 
@@ -66,9 +70,23 @@ def test_the_direct_chunk_path_is_priced_without_a_chunk_cache(allocator):
 def test_without_straddling_both_paths_hold_the_same():
     """Where slabs hold whole HDF5 chunks there is no cache either way: the direct path differs
     only by its per-thread chunk buffers."""
+
     def plan(direct: bool, threads: int):
-        ds = DatasetInfo((2, 48, 512, 512), "<u2", 2, hdf5_chunks=(1, 48, 512, 512), hdf5_filters=("deflate",), hdf5_direct_read=direct)
-        spec = spec_for("in.h5", "out.ome.zarr", output={"chunks": [1, 48, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 1, "threadsPerWorker": threads})
+        ds = DatasetInfo(
+            (2, 48, 512, 512),
+            "<u2",
+            2,
+            hdf5_chunks=(1, 48, 512, 512),
+            hdf5_filters=("deflate",),
+            hdf5_direct_read=direct,
+        )
+        spec = spec_for(
+            "in.h5",
+            "out.ome.zarr",
+            output={"chunks": [1, 48, 64, 64]},
+            pyramid={"levels": 1},
+            resources={"workers": 1, "threadsPerWorker": threads},
+        )
         return make_plan(ds, spec, Capacity(cores=2, memory_bytes=24 << 30))
 
     chunk = 48 * 512 * 512 * 2
@@ -93,7 +111,9 @@ def files(tmp_path_factory):
     return path, data
 
 
-@pytest.mark.parametrize(("name", "direct"), [("gzip", True), ("shuffle", False), ("big", False), ("plain", False), ("contiguous", False)])
+@pytest.mark.parametrize(
+    ("name", "direct"), [("gzip", True), ("shuffle", False), ("big", False), ("plain", False), ("contiguous", False)]
+)
 def test_the_source_description_says_which_path_the_workers_take(files, name, direct, monkeypatch):
     """The planner's flag and the engine's read are one decision: read_slab goes through
     read_deflate exactly where inspect_source told the planner it would."""

@@ -90,8 +90,14 @@ def problems(text: str) -> list[str]:
         # the memory model's constants were measured with the locked versions
         out.append("the builder does not pin the locked versions")
     install = [(c, " ".join(c.value)) for c in final if c.cmd == "RUN" and "pip install" in " ".join(c.value)]
-    from_builder = [c for c, _ in install if any("from=builder" in f for f in c.flags)] + [c for c in final if c.cmd == "COPY" and "--from=builder" in c.flags]
-    if not install or not from_builder or not any("--no-index" in t and '"h5ngff[kubernetes,s3]"' in t for _, t in install):
+    from_builder = [c for c, _ in install if any("from=builder" in f for f in c.flags)] + [
+        c for c in final if c.cmd == "COPY" and "--from=builder" in c.flags
+    ]
+    if (
+        not install
+        or not from_builder
+        or not any("--no-index" in t and '"h5ngff[kubernetes,s3]"' in t for _, t in install)
+    ):
         out.append("h5ngff[kubernetes] is not installed from the builder's wheels")
     if not any(re.search(r"apt-get install[^&]*\blibjemalloc2\b", r) for r in runs):
         out.append("libjemalloc2 is not installed")
@@ -124,23 +130,56 @@ def test_the_dockerfile_holds_every_rule():
 TEXT = DOCKERFILE.read_text()
 
 
-@pytest.mark.parametrize("edit, problem", [
-    (lambda t: t.replace("ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm", "ARG PYTHON_IMAGE=python:3.11-slim"), "base not pinned"),
-    (lambda t: t.replace("ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm", "ARG PYTHON_IMAGE=python:latest"), "base not pinned"),
-    (lambda t: re.sub(r"(?s)FROM \$\{PYTHON_IMAGE\} AS builder.*?(?=FROM \$\{PYTHON_IMAGE\}\n)", "", t), "not multi-stage"),
-    (lambda t: t.replace("libjemalloc2 tini", "tini"), "libjemalloc2 is not installed"),
-    (lambda t: t.replace("ENV LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \\", "ENV \\"), "jemalloc is not preloaded"),
-    (lambda t: t.replace("muzzy_decay_ms:0", "muzzy_decay_ms:1000"), "MALLOC_CONF"),
-    (lambda t: t.replace("USER 10001:10001", "USER root"), "non-root"),
-    (lambda t: t.replace("USER 10001:10001", "USER 0"), "non-root"),
-    (lambda t: t.replace("USER 10001:10001\n", ""), "non-root"),
-    (lambda t: re.sub(r"(?s)HEALTHCHECK .*?healthcheck\"\]\n", "", t), "no HEALTHCHECK"),
-    (lambda t: t.replace('ENTRYPOINT ["/usr/bin/tini", "--"]', 'ENTRYPOINT ["h5ngff"]'), "ENTRYPOINT"),
-    (lambda t: t.replace('"h5ngff[kubernetes,s3]"', '"h5ngff"'), "h5ngff[kubernetes] is not installed"),
-    (lambda t: t.replace("RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \\", "RUN \\"), "h5ngff[kubernetes] is not installed"),
-    (lambda t: t.replace(" -c requirements/lock.txt", ""), "does not pin the locked versions"),
-], ids=["floating-minor", "latest", "single-stage", "no-jemalloc", "no-preload", "other-malloc-conf", "user-root",
-        "uid-0", "no-user", "no-healthcheck", "entrypoint-swallows-args", "no-kubernetes-extra", "not-from-builder", "unlocked"])
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (
+            lambda t: t.replace("ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm", "ARG PYTHON_IMAGE=python:3.11-slim"),
+            "base not pinned",
+        ),
+        (
+            lambda t: t.replace("ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm", "ARG PYTHON_IMAGE=python:latest"),
+            "base not pinned",
+        ),
+        (
+            lambda t: re.sub(r"(?s)FROM \$\{PYTHON_IMAGE\} AS builder.*?(?=FROM \$\{PYTHON_IMAGE\}\n)", "", t),
+            "not multi-stage",
+        ),
+        (lambda t: t.replace("libjemalloc2 tini", "tini"), "libjemalloc2 is not installed"),
+        (
+            lambda t: t.replace("ENV LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \\", "ENV \\"),
+            "jemalloc is not preloaded",
+        ),
+        (lambda t: t.replace("muzzy_decay_ms:0", "muzzy_decay_ms:1000"), "MALLOC_CONF"),
+        (lambda t: t.replace("USER 10001:10001", "USER root"), "non-root"),
+        (lambda t: t.replace("USER 10001:10001", "USER 0"), "non-root"),
+        (lambda t: t.replace("USER 10001:10001\n", ""), "non-root"),
+        (lambda t: re.sub(r"(?s)HEALTHCHECK .*?healthcheck\"\]\n", "", t), "no HEALTHCHECK"),
+        (lambda t: t.replace('ENTRYPOINT ["/usr/bin/tini", "--"]', 'ENTRYPOINT ["h5ngff"]'), "ENTRYPOINT"),
+        (lambda t: t.replace('"h5ngff[kubernetes,s3]"', '"h5ngff"'), "h5ngff[kubernetes] is not installed"),
+        (
+            lambda t: t.replace("RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \\", "RUN \\"),
+            "h5ngff[kubernetes] is not installed",
+        ),
+        (lambda t: t.replace(" -c requirements/lock.txt", ""), "does not pin the locked versions"),
+    ],
+    ids=[
+        "floating-minor",
+        "latest",
+        "single-stage",
+        "no-jemalloc",
+        "no-preload",
+        "other-malloc-conf",
+        "user-root",
+        "uid-0",
+        "no-user",
+        "no-healthcheck",
+        "entrypoint-swallows-args",
+        "no-kubernetes-extra",
+        "not-from-builder",
+        "unlocked",
+    ],
+)
 def test_each_rule_catches_its_breakage(edit, problem):
     edited = edit(TEXT)
     assert edited != TEXT, "the edit did not apply; update this negative control"
@@ -165,7 +204,10 @@ def test_tini_is_installed_where_the_entrypoint_looks():
     assert re.search(r"apt-get install[^&]*\btini\b", TEXT)
 
 
-@pytest.mark.skipif(not any(os.path.exists(p) for p in JEMALLOC_PATHS), reason="libjemalloc2 is not installed here (scripts/setup installs it)")
+@pytest.mark.skipif(
+    not any(os.path.exists(p) for p in JEMALLOC_PATHS),
+    reason="libjemalloc2 is not installed here (scripts/setup installs it)",
+)
 def test_jemalloc_accepts_the_images_malloc_conf():
     """Run Python with the image's preload and MALLOC_CONF: jemalloc is mapped and, because
     abort_conf is on, a setting this jemalloc did not understand would have aborted the process.
@@ -173,11 +215,21 @@ def test_jemalloc_accepts_the_images_malloc_conf():
     library = next(p for p in JEMALLOC_PATHS if os.path.exists(p))
     env = _env(_stages(TEXT)[-1])
     probe = "print(any('libjemalloc' in line for line in open('/proc/self/maps')))"
-    good = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "LD_PRELOAD": library, "MALLOC_CONF": env["MALLOC_CONF"]},
-                          capture_output=True, text=True, timeout=60)
+    good = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "LD_PRELOAD": library, "MALLOC_CONF": env["MALLOC_CONF"]},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert good.returncode == 0 and good.stdout.strip() == "True", good.stderr
-    bad = subprocess.run([sys.executable, "-c", "pass"], env={**os.environ, "LD_PRELOAD": library, "MALLOC_CONF": env["MALLOC_CONF"].replace("narenas", "narena")},
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-c", "pass"],
+        env={**os.environ, "LD_PRELOAD": library, "MALLOC_CONF": env["MALLOC_CONF"].replace("narenas", "narena")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "narena" in bad.stderr
 
 
@@ -195,32 +247,58 @@ def _dockerignore_allows(path: str) -> bool:
         if pattern.startswith("**/"):
             hit = any(fnmatch.fnmatch(part, pattern[3:]) for part in parts)
         else:
-            hit = any(fnmatch.fnmatchcase(prefix, pattern) and prefix.count("/") == pattern.count("/") for prefix in prefixes)
+            hit = any(
+                fnmatch.fnmatchcase(prefix, pattern) and prefix.count("/") == pattern.count("/") for prefix in prefixes
+            )
         if hit:
             allowed = negate
     return allowed
 
 
 def test_the_build_context_has_what_the_dockerfile_copies_and_nothing_big():
-    sources = [s for c in dockerfile.parse_string(TEXT) if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags) for s in c.value[:-1]]
+    sources = [
+        s
+        for c in dockerfile.parse_string(TEXT)
+        if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags)
+        for s in c.value[:-1]
+    ]
     assert set(sources) == {"pyproject.toml", "README.md", "requirements/lock.txt", "src", "docker/healthcheck.py"}
     for source in sources:
         assert (ROOT / source).exists(), source
         assert _dockerignore_allows(source), f".dockerignore excludes {source}, which the Dockerfile copies"
     assert _dockerignore_allows("src/h5ngff/operator/crd.yaml")
-    for unwanted in (".venv/bin/python", ".git/HEAD", "tests/test_helm.py", "h5ngff-demo/sample.h5", "src/h5ngff/__pycache__/cli.cpython-311.pyc", "src/h5ngff.egg-info/PKG-INFO"):
+    for unwanted in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/test_helm.py",
+        "h5ngff-demo/sample.h5",
+        "src/h5ngff/__pycache__/cli.cpython-311.pyc",
+        "src/h5ngff.egg-info/PKG-INFO",
+    ):
         assert not _dockerignore_allows(unwanted), unwanted
 
 
-@pytest.mark.parametrize("argv, url", [
-    (["/usr/bin/tini", "--", "h5ngff", "operator", "--liveness", "http://0.0.0.0:8080/healthz", "--standalone"], "http://127.0.0.1:8080/healthz"),
-    (["/usr/bin/tini", "--", "h5ngff", "operator", "--liveness=http://10.0.0.3:9000/live"], "http://10.0.0.3:9000/live"),
-    (["/usr/bin/tini", "--", "h5ngff", "operator"], None),
-    (["/usr/local/bin/python3.11", "/usr/local/bin/dask", "worker", "--dashboard-address", "8788"], "http://127.0.0.1:8788/health"),
-    (["/usr/bin/tini", "--", "dask", "scheduler", "--host", "0.0.0.0"], "http://127.0.0.1:8787/health"),
-    (["/usr/bin/tini", "--", "dask", "worker", "tcp://sched:8786"], None),
-    (["/usr/bin/tini", "--", "h5ngff", "runner", "--namespace", "ns", "--name", "job"], None),
-])
+@pytest.mark.parametrize(
+    "argv, url",
+    [
+        (
+            ["/usr/bin/tini", "--", "h5ngff", "operator", "--liveness", "http://0.0.0.0:8080/healthz", "--standalone"],
+            "http://127.0.0.1:8080/healthz",
+        ),
+        (
+            ["/usr/bin/tini", "--", "h5ngff", "operator", "--liveness=http://10.0.0.3:9000/live"],
+            "http://10.0.0.3:9000/live",
+        ),
+        (["/usr/bin/tini", "--", "h5ngff", "operator"], None),
+        (
+            ["/usr/local/bin/python3.11", "/usr/local/bin/dask", "worker", "--dashboard-address", "8788"],
+            "http://127.0.0.1:8788/health",
+        ),
+        (["/usr/bin/tini", "--", "dask", "scheduler", "--host", "0.0.0.0"], "http://127.0.0.1:8787/health"),
+        (["/usr/bin/tini", "--", "dask", "worker", "tcp://sched:8786"], None),
+        (["/usr/bin/tini", "--", "h5ngff", "runner", "--namespace", "ns", "--name", "job"], None),
+    ],
+)
 def test_healthcheck_targets(argv, url):
     assert healthcheck.target_url(argv) == url
 
@@ -244,4 +322,6 @@ def test_healthcheck_probes_a_real_endpoint():
     finally:
         server.shutdown()
         server.server_close()
-    assert healthcheck.check(["h5ngff", "operator", "--liveness", f"http://0.0.0.0:{port}/healthz"]) == 1  # nothing listens now
+    assert (
+        healthcheck.check(["h5ngff", "operator", "--liveness", f"http://0.0.0.0:{port}/healthz"]) == 1
+    )  # nothing listens now

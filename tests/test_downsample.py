@@ -10,7 +10,20 @@ from hypothesis import strategies as st
 from h5ngff.engine.write import downsample as ds
 from reference import reference_level
 
-DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool"]
+DTYPES = [
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "bool",
+]
 
 
 def random_data(shape, dtype, rng) -> np.ndarray:

@@ -42,8 +42,13 @@ def sparse_volume(dtype="uint16") -> np.ndarray:
 def stored_files(level_dir: str) -> set[str]:
     """The chunk files of a level: not its metadata, nor the NGFF 0.4 checksum sidecar that lives
     inside level 0's directory (docs/engine.md, Checksums)."""
-    return {os.path.relpath(os.path.join(d, n), level_dir) for d, _, names in os.walk(level_dir) for n in names
-            if n not in ("zarr.json", ".zarray", ".zattrs") and os.path.basename(SIDECAR_DIR) not in os.path.relpath(d, level_dir).split(os.sep)}
+    return {
+        os.path.relpath(os.path.join(d, n), level_dir)
+        for d, _, names in os.walk(level_dir)
+        for n in names
+        if n not in ("zarr.json", ".zarray", ".zattrs")
+        and os.path.basename(SIDECAR_DIR) not in os.path.relpath(d, level_dir).split(os.sep)
+    }
 
 
 @pytest.mark.slow
@@ -83,7 +88,7 @@ def test_a_shard_leaves_out_its_empty_inner_chunks(tmp_path, convert):
     with open(os.path.join(out, "0", "c", "0", "0", "0"), "rb") as f:
         raw = f.read()
     inner = int(np.prod([s // c for s, c in zip(SHARDS, CHUNKS)]))
-    index = np.frombuffer(raw[-(16 * inner + 4):-4], dtype="<u8").reshape(inner, 2)
+    index = np.frombuffer(raw[-(16 * inner + 4) : -4], dtype="<u8").reshape(inner, 2)
     stored = [i for i in range(inner) if index[i, 0] != 2**64 - 1]
     assert len(stored) == 2  # the chunk with data and its neighbour in x holding the sliver
     assert all(tuple(index[i]) == (2**64 - 1, 2**64 - 1) for i in range(inner) if i not in stored)
@@ -101,7 +106,19 @@ def test_only_all_zero_bits_count_as_empty():
     assert not is_fill_chunk(chunk, 5)  # a non-zero fill value: never left out
 
 
-FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,96,96", "--compressor", "gzip:3", "--workers", "1", "--no-progress"]
+FLAGS = [
+    "--chunks",
+    "8,32,32",
+    "--levels",
+    "2",
+    "--slab",
+    "16,96,96",
+    "--compressor",
+    "gzip:3",
+    "--workers",
+    "1",
+    "--no-progress",
+]
 
 
 @pytest.mark.slow
@@ -114,12 +131,23 @@ def test_resume_trusts_recorded_empty_units_and_removes_a_stale_file(tmp_path, c
     clean, out = str(tmp_path / "clean.ome.zarr"), str(tmp_path / "killed.ome.zarr")
 
     def spec(path):
-        return spec_for(h5, path, output={"chunks": [8, 32, 32], "compressor": {"codec": "gzip", "clevel": 3}}, pyramid={"levels": 2},
-                        resources={"slab": [16, 96, 96], "workers": 1})
+        return spec_for(
+            h5,
+            path,
+            output={"chunks": [8, 32, 32], "compressor": {"codec": "gzip", "clevel": 3}},
+            pyramid={"levels": 2},
+            resources={"slab": [16, 96, 96], "workers": 1},
+        )
 
     convert(spec(clean))
     env = {**os.environ, "H5NGFF_FAULTS": "slab_sleep=1.0"}
-    proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     while (Manifest.load(out) is None or not Manifest.load(out).records) and time.time() < deadline:
         time.sleep(0.02)
@@ -136,7 +164,9 @@ def test_resume_trusts_recorded_empty_units_and_removes_a_stale_file(tmp_path, c
     shutil.copy(os.path.join(clean, "0", "c", "0", "0", "0"), os.path.join(out, str(lv), key))
     assert key not in Manifest.load(out).verified_units({lv: os.path.join(out, str(lv))})[lv]
     summary = convert(spec(out))
-    assert summary.resumed and summary.totals.slabs_skipped == len(manifest.records) - 1  # all but the stale file's slab
+    assert (
+        summary.resumed and summary.totals.slabs_skipped == len(manifest.records) - 1
+    )  # all but the stale file's slab
     assert not os.path.exists(os.path.join(out, str(lv), key))
     for level in ("0", "1"):
         assert stored_files(os.path.join(out, level)) == stored_files(os.path.join(clean, level))

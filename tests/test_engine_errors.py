@@ -69,14 +69,18 @@ def test_non_numeric_dataset(tmp_path, convert, data, kind):
 def test_variable_length_strings(tmp_path, convert):
     path = tmp_path / "in.h5"
     with h5py.File(path, "w") as f:
-        f.create_dataset("/volume/data", data=np.array([["a", "bb"], ["c", "d"]], dtype=object), dtype=h5py.string_dtype())
+        f.create_dataset(
+            "/volume/data", data=np.array([["a", "bb"], ["c", "d"]], dtype=object), dtype=h5py.string_dtype()
+        )
     with pytest.raises(UnsupportedDatasetError, match="NGFF images hold numbers"):
         convert(spec_for(str(path), str(tmp_path / "out.zarr")))
 
 
 def test_one_dimensional_dataset(tmp_path, convert):
     h5 = write_h5(tmp_path / "in.h5", np.arange(100, dtype=np.uint8))
-    with pytest.raises(UnsupportedDatasetError, match=r"has 1 dimension\(s\) \(shape \(100,\)\); NGFF images have 2 to 5"):
+    with pytest.raises(
+        UnsupportedDatasetError, match=r"has 1 dimension\(s\) \(shape \(100,\)\); NGFF images have 2 to 5"
+    ):
         convert(spec_for(h5, str(tmp_path / "out.zarr")))
 
 
@@ -125,10 +129,14 @@ def test_cli_exit_codes_and_messages(tmp_path):
     (stdout only carries --json's document)."""
     h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)))
     cli = [sys.executable, "-m", "h5ngff.cli"]
-    bad_dataset = subprocess.run(cli + ["convert", f"{h5}:/missing", str(tmp_path / "o.zarr")], capture_output=True, text=True)
+    bad_dataset = subprocess.run(
+        cli + ["convert", f"{h5}:/missing", str(tmp_path / "o.zarr")], capture_output=True, text=True
+    )
     assert bad_dataset.returncode == 2
     assert "SourceUnreadable" in bad_dataset.stderr and "/volume/data" in bad_dataset.stderr and not bad_dataset.stdout
-    bad_flag = subprocess.run(cli + ["plan", f"{h5}:/volume/data", "--chunks", "0,8,8", "--json"], capture_output=True, text=True)
+    bad_flag = subprocess.run(
+        cli + ["plan", f"{h5}:/volume/data", "--chunks", "0,8,8", "--json"], capture_output=True, text=True
+    )
     assert bad_flag.returncode == 2
     assert json.loads(bad_flag.stdout) == {
         "status": "Failed",

@@ -13,7 +13,20 @@ from reference import reference_pyramid
 
 pytestmark = pytest.mark.integration
 
-DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bool"]
+DTYPES = [
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "bool",
+]
 
 
 def read_levels(path: str, n: int) -> list[np.ndarray]:
@@ -115,7 +128,14 @@ def test_formats_and_codecs(tmp_path, convert, version, compressor):
     data = smooth((10, 33, 20), "int16", seed=6)
     h5 = write_h5(tmp_path / "in.h5", data)
     out = str(tmp_path / "out.ome.zarr")
-    convert(spec_for(h5, out, output={"chunks": [4, 16, 8], "ngffVersion": version, "compressor": compressor}, pyramid={"levels": 2}))
+    convert(
+        spec_for(
+            h5,
+            out,
+            output={"chunks": [4, 16, 8], "ngffVersion": version, "compressor": compressor},
+            pyramid={"levels": 2},
+        )
+    )
     group = zarr.open_group(out, mode="r")
     assert group.metadata.zarr_format == (3 if version == "0.5" else 2)
     assert_pyramid(out, data, (True, True, True), "mean", 2)

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.integration
 
 CASES = {
     "0.5-zyx": dict(shape=(12, 40, 33), axes="zyx", output={"chunks": [4, 16, 16], "ngffVersion": "0.5"}),
-    "0.5-shards": dict(shape=(12, 40, 33), axes="zyx", output={"chunks": [4, 8, 8], "shards": [8, 16, 16], "ngffVersion": "0.5"}),
+    "0.5-shards": dict(
+        shape=(12, 40, 33), axes="zyx", output={"chunks": [4, 8, 8], "shards": [8, 16, 16], "ngffVersion": "0.5"}
+    ),
     "0.4-zyx": dict(shape=(12, 40, 33), axes="zyx", output={"chunks": [4, 16, 16], "ngffVersion": "0.4"}),
     "0.5-tczyx": dict(shape=(2, 3, 6, 20, 18), axes="tczyx", output={"chunks": [1, 1, 4, 8, 8], "ngffVersion": "0.5"}),
     "0.4-cyx": dict(shape=(2, 40, 33), axes="cyx", output={"chunks": [1, 16, 16], "ngffVersion": "0.4"}),
@@ -39,7 +41,13 @@ def outputs(tmp_path_factory, shared_cluster):
         out = str(base / f"{name}.ome.zarr")
         units = ["second" if a == "t" else "" if a == "c" else "micrometer" for a in case["axes"]]
         scale = [1.0 if a in "tc" else 0.5 for a in case["axes"]]
-        spec = spec_for(h5, out, output=case["output"], image={"axes": case["axes"], "units": units, "scale": scale, "name": name}, pyramid={"levels": 3})
+        spec = spec_for(
+            h5,
+            out,
+            output=case["output"],
+            image={"axes": case["axes"], "units": units, "scale": scale, "name": name},
+            pyramid={"levels": 3},
+        )
         backend = ExternalBackend(shared_cluster.scheduler_address)
         run_job(plan_job(spec, backend), backend)
         downsampled = tuple(a in "zyx" for a in case["axes"])

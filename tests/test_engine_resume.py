@@ -51,7 +51,19 @@ def manifest_lines(root: str) -> int:
 
 
 # 3 x 8 x 2 = 48 slabs; gzip keeps each slab slow enough for the kill to land mid-run.
-FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,64,256", "--compressor", "gzip:3", "--workers", "2", "--no-progress"]
+FLAGS = [
+    "--chunks",
+    "8,32,32",
+    "--levels",
+    "2",
+    "--slab",
+    "16,64,256",
+    "--compressor",
+    "gzip:3",
+    "--workers",
+    "2",
+    "--no-progress",
+]
 TOTAL_SLABS = 48
 
 
@@ -87,7 +99,12 @@ def test_killed_run_resumes_bit_identical(source, clean_run, fraction, seed):
     h5, data, base = source
     kill_after, extra_delay = kill_timing(fraction, seed)
     out = str(base / f"killed-{fraction}-{seed}.ome.zarr")
-    proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     while manifest_lines(out) < kill_after and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -96,9 +113,14 @@ def test_killed_run_resumes_bit_identical(source, clean_run, fraction, seed):
     proc.wait()
     recorded = manifest_lines(out)
     assert 0 < recorded < TOTAL_SLABS, f"the kill must land mid-run (recorded {recorded} of {TOTAL_SLABS} slabs)"
-    assert not os.path.exists(os.path.join(out, "zarr.json")) or "ome" not in json.load(open(os.path.join(out, "zarr.json")))["attributes"]
+    assert (
+        not os.path.exists(os.path.join(out, "zarr.json"))
+        or "ome" not in json.load(open(os.path.join(out, "zarr.json")))["attributes"]
+    )
 
-    result = subprocess.run(CLI + ["convert", f"{h5}:/volume/data", out, "--json"] + FLAGS, check=True, capture_output=True, text=True)
+    result = subprocess.run(
+        CLI + ["convert", f"{h5}:/volume/data", out, "--json"] + FLAGS, check=True, capture_output=True, text=True
+    )
     summary = json.loads(result.stdout)
     assert summary["resumed"] is True
     assert summary["slabs_skipped"] >= recorded
@@ -106,7 +128,9 @@ def test_killed_run_resumes_bit_identical(source, clean_run, fraction, seed):
     assert chunk_files(out) == chunk_files(clean_run)
     assert ome_attributes(out) == ome_attributes(clean_run)
     window = ome_attributes(out)["omero"]["channels"][0]["window"]
-    assert window["start"] > window["min"] and window["end"] < window["max"], "the quantile window, merged from per-slab histograms, is compared"
+    assert window["start"] > window["min"] and window["end"] < window["max"], (
+        "the quantile window, merged from per-slab histograms, is compared"
+    )
     np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data)
 
 
@@ -128,7 +152,13 @@ def test_resume_check_is_not_vacuous(source, clean_run, tmp_path):
 def test_a_finished_output_is_not_rewritten(source, clean_run, convert):
     h5, _, _ = source
     before = {p: os.stat(os.path.join(clean_run, p)).st_mtime_ns for p in chunk_files(clean_run)}
-    spec = spec_for(h5, clean_run, output={"chunks": [8, 32, 32], "compressor": {"codec": "gzip", "clevel": 3}}, pyramid={"levels": 2}, resources={"slab": [16, 64, 256]})
+    spec = spec_for(
+        h5,
+        clean_run,
+        output={"chunks": [8, 32, 32], "compressor": {"codec": "gzip", "clevel": 3}},
+        pyramid={"levels": 2},
+        resources={"slab": [16, 64, 256]},
+    )
     summary = convert(spec)
     assert summary.totals.slabs_written == 0
     after = {p: os.stat(os.path.join(clean_run, p)).st_mtime_ns for p in chunk_files(clean_run)}

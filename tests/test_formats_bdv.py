@@ -26,12 +26,16 @@ def write_npy2bdv(path, data, ntiles=1, labels=("488", "561")):
     import npy2bdv
 
     ntile, T, C = data.shape[:3]
-    writer = npy2bdv.BdvWriter(str(path), nchannels=C, ntiles=ntile, subsamp=((1, 1, 1), (1, 2, 2)), blockdim=((4, 16, 16),))
+    writer = npy2bdv.BdvWriter(
+        str(path), nchannels=C, ntiles=ntile, subsamp=((1, 1, 1), (1, 2, 2)), blockdim=((4, 16, 16),)
+    )
     writer.set_attribute_labels("channel", labels[:C])
     for tile in range(ntile):
         for t in range(T):
             for c in range(C):
-                writer.append_view(data[tile, t, c], time=t, channel=c, tile=tile, voxel_size_xyz=(0.5, 0.5, 2.0), voxel_units="um")
+                writer.append_view(
+                    data[tile, t, c], time=t, channel=c, tile=tile, voxel_size_xyz=(0.5, 0.5, 2.0), voxel_units="um"
+                )
     writer.write_xml()
     writer.close()
     return str(path)[:-3] + ".xml"
@@ -42,7 +46,9 @@ def read_npy2bdv(xml, T, C, tile=0):
 
     editor = npy2bdv.BdvEditor(xml, mode="r")  # read-only: the workers still hold the file open for reading
     try:
-        return np.stack([np.stack([editor.read_view(time=t, channel=c, tile=tile) for c in range(C)]) for t in range(T)])
+        return np.stack(
+            [np.stack([editor.read_view(time=t, channel=c, tile=tile) for c in range(C)]) for t in range(T)]
+        )
     finally:
         editor.finalize()
 
@@ -79,7 +85,9 @@ def test_every_level_equals_what_npy2bdv_reads(bdv, converted):
     assert plan.levels[0].scale == (1.0, 1.0, 2.0, 0.5, 0.5) and plan.units[2:] == ("micrometer",) * 3
     # z (2.0) is 4x y and x (0.5): the anisotropy rule halves y and x only, levels 1 and 2.
     yx = (False, False, False, True, True)
-    for k, expected in enumerate(reference_pyramid(data, [yx, yx, (False, False, True, True, True)][:LEVELS - 1], "mean", LEVELS)):
+    for k, expected in enumerate(
+        reference_pyramid(data, [yx, yx, (False, False, True, True, True)][: LEVELS - 1], "mean", LEVELS)
+    ):
         np.testing.assert_array_equal(zarr.open_array(f"{out}/{k}", mode="r")[...], expected)
 
 
@@ -129,7 +137,9 @@ def test_several_tiles_are_refused_then_selected(tmp_path, convert):
         open_source(spec_for(xml, "unused", dataset="/"))
     assert refused.value.field == "source"
     out = str(tmp_path / "tile1.ome.zarr")
-    summary = convert(spec_for(xml, out, dataset="/", source={"tile": 1}, output={"chunks": [1, 4, 16, 16]}, pyramid={"levels": 1}))
+    summary = convert(
+        spec_for(xml, out, dataset="/", source={"tile": 1}, output={"chunks": [1, 4, 16, 16]}, pyramid={"levels": 1})
+    )
     assert summary.job.plan.axes == "czyx"
     np.testing.assert_array_equal(zarr.open_array(f"{out}/0", mode="r")[...], read_npy2bdv(xml, 1, 2, tile=1)[0])
 
@@ -142,10 +152,20 @@ def test_pybdv_files_read_the_same_way(tmp_path, convert):
     data = smooth((2, 8, 24, 20), "uint16", seed=9)
     h5 = str(tmp_path / "pybdv.h5")
     for c in range(2):
-        pybdv.make_bdv(data[c], h5, resolution=[1.5, 0.3, 0.3], unit="micrometer", setup_id=c, timepoint=0,
-                       attributes={"channel": {"id": c}}, downscale_factors=[[1, 2, 2]])
+        pybdv.make_bdv(
+            data[c],
+            h5,
+            resolution=[1.5, 0.3, 0.3],
+            unit="micrometer",
+            setup_id=c,
+            timepoint=0,
+            attributes={"channel": {"id": c}},
+            downscale_factors=[[1, 2, 2]],
+        )
     out = str(tmp_path / "pybdv.ome.zarr")
-    summary = convert(spec_for(h5[:-3] + ".xml", out, dataset="/", output={"chunks": [1, 4, 16, 16]}, pyramid={"levels": 2}))
+    summary = convert(
+        spec_for(h5[:-3] + ".xml", out, dataset="/", output={"chunks": [1, 4, 16, 16]}, pyramid={"levels": 2})
+    )
     assert summary.job.plan.axes == "czyx" and summary.job.plan.levels[0].scale == (1.0, 1.5, 0.3, 0.3)
     # z (1.5) is 5x y and x (0.3): the anisotropy rule halves y and x only.
     for k, expected in enumerate(reference_pyramid(data, (False, False, True, True), "mean", 2)):
@@ -163,8 +183,14 @@ def test_a_single_view_is_zyx_and_read_exactly(tmp_path):
 _MISSING_VIEW = '<MissingViews><MissingView setup="9" /></MissingViews></SequenceDescription>'
 
 
-@pytest.mark.parametrize("damage", [lambda text: text.replace("<id>0</id>", "", 1),
-                                    lambda text: text.replace("</SequenceDescription>", _MISSING_VIEW, 1)], ids=["setup id", "missing view"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text.replace("<id>0</id>", "", 1),
+        lambda text: text.replace("</SequenceDescription>", _MISSING_VIEW, 1),
+    ],
+    ids=["setup id", "missing view"],
+)
 def test_an_xml_without_a_required_element_is_a_source_error(tmp_path, damage):
     """A ViewSetup without its <id>, or a MissingView without its time point, is named; it used
     to surface as a TypeError from int(None). Negative control: the undamaged XML opens."""

@@ -20,7 +20,9 @@ _FLAGS = {"t": 8, "c": 1, "z": 2, "y": 2, "x": 2}  # vigra's AxisType: Time, Cha
 
 def axistags(axes: str) -> str:
     """ilastik's ``axistags`` attribute as vigra's AxisTags.toJSON() writes it."""
-    return json.dumps({"axes": [{"key": a, "typeFlags": _FLAGS[a], "resolution": 0, "description": ""} for a in axes]}, indent=2)
+    return json.dumps(
+        {"axes": [{"key": a, "typeFlags": _FLAGS[a], "resolution": 0, "description": ""} for a in axes]}, indent=2
+    )
 
 
 def fiji_4d(path, data):
@@ -50,7 +52,13 @@ def labelled(path, data, labels):
 CASES = {
     "fiji-element_size_um-on-tzyx": (fiji_4d, "/data", (2, 6, 20, 18), "tzyx", (1.0, 2.0, 0.4, 0.4)),
     "ilastik-axistags-tczyx": (ilastik, "/exported_data", (2, 2, 6, 20, 18), "tczyx", (1.0,) * 5),
-    "dimension-labels-czyx": (lambda p, d: labelled(p, d, ["channel", "z", "y", "x"]), "/data", (3, 6, 20, 18), "czyx", (1.0,) * 4),
+    "dimension-labels-czyx": (
+        lambda p, d: labelled(p, d, ["channel", "z", "y", "x"]),
+        "/data",
+        (3, 6, 20, 18),
+        "czyx",
+        (1.0,) * 4,
+    ),
 }
 
 
@@ -62,7 +70,11 @@ def test_each_convention_converts_exactly_with_its_axes_and_scale(name, tmp_path
     path = str(tmp_path / "in.h5")
     write(path, data)
     out = str(tmp_path / "out.ome.zarr")
-    summary = convert(spec_for(path, out, dataset=dataset, output={"chunks": [1] * (len(shape) - 3) + [4, 8, 8]}, pyramid={"levels": 2}))
+    summary = convert(
+        spec_for(
+            path, out, dataset=dataset, output={"chunks": [1] * (len(shape) - 3) + [4, 8, 8]}, pyramid={"levels": 2}
+        )
+    )
     plan = summary.job.plan
     assert plan.axes == axes and plan.levels[0].scale == scale
     assert plan.units == tuple("micrometer" if a in "zyx" and name.startswith("fiji") else "" for a in axes)
@@ -73,7 +85,12 @@ def test_each_convention_converts_exactly_with_its_axes_and_scale(name, tmp_path
 def test_flags_override_the_attributes(tmp_path):
     path = str(tmp_path / "fiji.h5")
     fiji_4d(path, np.zeros((2, 4, 8, 8), "u2"))
-    spec = spec_for(path, "o", dataset="/data", image={"axes": "czyx", "scale": [1, 3, 3, 3], "units": ["", "nanometer", "nanometer", "nanometer"]})
+    spec = spec_for(
+        path,
+        "o",
+        dataset="/data",
+        image={"axes": "czyx", "scale": [1, 3, 3, 3], "units": ["", "nanometer", "nanometer", "nanometer"]},
+    )
     from h5ngff.planner import make_plan
     from h5ngff.planner.model import Capacity
 
@@ -108,6 +125,8 @@ def test_an_element_size_that_fits_no_axis_is_reported(tmp_path):
     path = str(tmp_path / "odd.h5")
     with h5py.File(path, "w") as f:
         f.create_dataset("/data", data=np.zeros((2, 4, 8, 8), "u2")).attrs["element_size_um"] = [0.5, 0.5]
-    with pytest.raises(SpecError, match=r"element_size_um has 2 values \[0.5, 0.5\] for a 4-dimensional dataset.*--scale"):
+    with pytest.raises(
+        SpecError, match=r"element_size_um has 2 values \[0.5, 0.5\] for a 4-dimensional dataset.*--scale"
+    ):
         open_source(spec_for(path, "o", dataset="/data"))
     assert open_source(spec_for(path, "o", dataset="/data", image={"scale": [1, 1, 1, 1]})).info.attr_scale is None

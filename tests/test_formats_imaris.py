@@ -31,7 +31,9 @@ LEVELS = 3
 @pytest.fixture(scope="module")
 def ims_file(tmp_path_factory):
     data = smooth((2, 3, 10, 37, 29), "uint16", seed=11)  # no axis a multiple of the (4, 16, 16) blocks
-    path = write_ims(tmp_path_factory.mktemp("ims") / "cells.ims", data, voxel=(2.0, 0.5, 0.25), names=NAMES, colors=COLORS)
+    path = write_ims(
+        tmp_path_factory.mktemp("ims") / "cells.ims", data, voxel=(2.0, 0.5, 0.25), names=NAMES, colors=COLORS
+    )
     independent, resolution = read_ims_independently(path)
     np.testing.assert_array_equal(independent, data)  # the fixture is what an independent reader sees
     with h5py.File(path) as f:  # and its blocks really are padded
@@ -48,7 +50,14 @@ def converted(ims_file, tmp_path_factory, shared_cluster):
     path, data, _ = ims_file
     out = str(tmp_path_factory.mktemp("ims-out") / "cells.ome.zarr")
     backend = ExternalBackend(shared_cluster.scheduler_address)
-    spec = spec_for(path, out, dataset="/", output={"chunks": [1, 1, 4, 16, 16]}, pyramid={"levels": LEVELS}, resources={"slab": [1, 2, 8, 37, 29]})
+    spec = spec_for(
+        path,
+        out,
+        dataset="/",
+        output={"chunks": [1, 1, 4, 16, 16]},
+        pyramid={"levels": LEVELS},
+        resources={"slab": [1, 2, 8, 37, 29]},
+    )
     summary = run_job(plan_job(spec, backend), backend)
     return out, summary
 
@@ -114,7 +123,10 @@ def test_differing_channel_sizes_are_refused_with_what_to_do(tmp_path):
     path = write_ims(tmp_path / "odd.ims", smooth((1, 2, 5, 20, 20), "uint16"))
     with h5py.File(path, "r+") as f:
         f["DataSet/ResolutionLevel 0/TimePoint 0/Channel 1"].attrs["ImageSizeX"] = np.array([b"1", b"8"], dtype="S1")
-    with pytest.raises(UnsupportedDatasetError, match=r"channel 1 is \(5, 20, 18\) .* but the image is \(5, 20, 20\).*Convert that channel alone"):
+    with pytest.raises(
+        UnsupportedDatasetError,
+        match=r"channel 1 is \(5, 20, 18\) .* but the image is \(5, 20, 20\).*Convert that channel alone",
+    ):
         open_source(spec_for(path, str(tmp_path / "o"), dataset="/"))
 
 
@@ -122,7 +134,12 @@ def test_differing_channel_sizes_are_refused_with_what_to_do(tmp_path):
 def test_cli_converts_an_ims_file_named_alone(ims_file, tmp_path):
     path, _, _ = ims_file
     out = str(tmp_path / "cli.ome.zarr")
-    proc = subprocess.run([sys.executable, "-m", "h5ngff.cli", "plan", path, out, "--json", "--levels", "1"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "h5ngff.cli", "plan", path, out, "--json", "--levels", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)["plan"]
     assert plan["axes"] == "tczyx" and plan["dataset"]["shape"] == [2, 3, 10, 37, 29]
@@ -142,10 +159,26 @@ def test_a_killed_imaris_run_resumes_bit_identical(ims_file, converted, tmp_path
     path, data, _ = ims_file
     clean, summary = converted
     total = summary.job.plan.n_tasks
-    flags = ["--chunks", "1,1,4,16,16", "--levels", str(LEVELS), "--slab", "1,2,8,37,29", "--workers", "2", "--no-progress"]
+    flags = [
+        "--chunks",
+        "1,1,4,16,16",
+        "--levels",
+        str(LEVELS),
+        "--slab",
+        "1,2,8,37,29",
+        "--workers",
+        "2",
+        "--no-progress",
+    ]
     out = str(tmp_path / "killed.ome.zarr")
     env = {**os.environ, "H5NGFF_FAULTS": "slab_sleep=0.4"}
-    proc = subprocess.Popen([sys.executable, "-m", "h5ngff.cli", "convert", path, out, *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "h5ngff.cli", "convert", path, out, *flags],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 180
     while manifest_lines(out) < 2 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -153,7 +186,12 @@ def test_a_killed_imaris_run_resumes_bit_identical(ims_file, converted, tmp_path
     proc.wait()
     recorded = manifest_lines(out)
     assert 0 < recorded < total, f"the kill must land mid-run ({recorded} of {total})"
-    result = subprocess.run([sys.executable, "-m", "h5ngff.cli", "convert", path, out, "--json", *flags], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "h5ngff.cli", "convert", path, out, "--json", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     resumed = json.loads(result.stdout)
     assert resumed["resumed"] is True and resumed["slabs_skipped"] >= recorded

@@ -25,8 +25,14 @@ def ims(tmp_path_factory):
 
 
 def ims_spec(path, out, **resources):
-    return spec_for(path, out, dataset="/", output={"chunks": [1, 8, 64, 64]}, pyramid={"levels": 1},
-                    resources={"workers": 2, "slab": [2, 8, 768, 500], **resources})
+    return spec_for(
+        path,
+        out,
+        dataset="/",
+        output={"chunks": [1, 8, 64, 64]},
+        pyramid={"levels": 1},
+        resources={"workers": 2, "slab": [2, 8, 768, 500], **resources},
+    )
 
 
 @pytest.mark.slow
@@ -40,7 +46,9 @@ def test_multichannel_imaris_stays_under_the_plan_in_pod_limits(ims, tmp_path):
     assert summary.status == "Succeeded" and len(summary.workers) == 2
     for w in summary.workers:
         assert w.oom_kills == 0 and w.memory_terminations == 0, w
-        assert 0 < w.peak_rss <= job.plan.memory.predicted_peak, f"{w.name}: measured {w.peak_rss} > predicted {job.plan.memory.predicted_peak}"
+        assert 0 < w.peak_rss <= job.plan.memory.predicted_peak, (
+            f"{w.name}: measured {w.peak_rss} > predicted {job.plan.memory.predicted_peak}"
+        )
         assert w.cgroup_peak is not None and w.cgroup_peak <= job.plan.memory.pod_limit
     np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data[0])
 

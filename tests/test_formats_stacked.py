@@ -38,7 +38,14 @@ def channels(tmp_path_factory):
 def test_stacked_channels_are_exact_at_every_level_with_slabs_spanning_datasets(channels, tmp_path, convert):
     path, data = channels
     out = str(tmp_path / "out.ome.zarr")
-    spec = spec_for(path, out, dataset="/ch{0..2}", output={"chunks": [1, 4, 16, 16]}, pyramid={"levels": 3}, resources={"slab": [2, 8, 40, 33]})
+    spec = spec_for(
+        path,
+        out,
+        dataset="/ch{0..2}",
+        output={"chunks": [1, 4, 16, 16]},
+        pyramid={"levels": 3},
+        resources={"slab": [2, 8, 40, 33]},
+    )
     summary = convert(spec)
     plan = summary.job.plan
     assert plan.axes == "czyx" and plan.passes[0].slab[0] == 2, plan.passes[0].slab  # a slab holds two datasets
@@ -98,9 +105,13 @@ def test_time_points_and_channels_as_two_ranges(tmp_path, convert):
                 ds = f.create_dataset(f"/t{t}/channel{c}", data=data[t, c])
                 ds.attrs["element_size_um"] = np.array([3.0, 0.25, 0.25], dtype="f4")
     out = str(tmp_path / "out.ome.zarr")
-    summary = convert(spec_for(path, out, dataset="/t{0..1}/channel{0..1}", output={"chunks": [1, 1, 4, 8, 8]}, pyramid={"levels": 2}))
+    summary = convert(
+        spec_for(path, out, dataset="/t{0..1}/channel{0..1}", output={"chunks": [1, 1, 4, 8, 8]}, pyramid={"levels": 2})
+    )
     assert summary.job.plan.axes == "tczyx" and summary.job.plan.levels[0].scale == (1.0, 1.0, 3.0, 0.25, 0.25)
-    want = reference_pyramid(data, halving_steps("tczyx", (1.0, 1.0, 3.0, 0.25, 0.25), 1), "mean", 2)  # y and x only: z is 12x
+    want = reference_pyramid(
+        data, halving_steps("tczyx", (1.0, 1.0, 3.0, 0.25, 0.25), 1), "mean", 2
+    )  # y and x only: z is 12x
     for got, expected in zip(levels_of(out, 2), want):
         np.testing.assert_array_equal(got, expected)
 

@@ -39,20 +39,38 @@ RELEASE, NAMESPACE = "conv", "imaging-system"
 VALUE_SETS = {
     "defaults": {},
     "cluster-wide": {"watch": {"clusterWide": True}, "runner": {"namespaces": ["imaging", "tomo"]}},
-    "monitoring": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
-                               "podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}},
+    "monitoring": {
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
+            "podMonitor": {"enabled": True},
+            "prometheusRule": {"enabled": True},
+        }
+    },
     "custom": {
-        "image": {"repository": "registry.example.org/lab/h5ngff", "digest": "sha256:" + "ab" * 32, "pullPolicy": "Always"},
+        "image": {
+            "repository": "registry.example.org/lab/h5ngff",
+            "digest": "sha256:" + "ab" * 32,
+            "pullPolicy": "Always",
+        },
         "jobDefaults": {"image": "registry.example.org/lab/h5ngff:nightly"},
         "imagePullSecrets": [{"name": "lab-registry"}],
         "watch": {"namespaces": ["imaging", "tomo"]},
-        "operator": {"replicas": 2, "peering": {"enabled": True, "name": "h5ngff-lab"}, "interval": 2.5,
-                     "extraArgs": ["--priority", "100"], "extraEnv": [{"name": "TZ", "value": "UTC"}],
-                     "resources": {"requests": {"cpu": "100m", "memory": "300Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
-                     "nodeSelector": {"node-role/infra": "true"}, "tolerations": [{"key": "infra", "operator": "Exists"}]},
+        "operator": {
+            "replicas": 2,
+            "peering": {"enabled": True, "name": "h5ngff-lab"},
+            "interval": 2.5,
+            "extraArgs": ["--priority", "100"],
+            "extraEnv": [{"name": "TZ", "value": "UTC"}],
+            "resources": {"requests": {"cpu": "100m", "memory": "300Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
+            "nodeSelector": {"node-role/infra": "true"},
+            "tolerations": [{"key": "infra", "operator": "Exists"}],
+        },
         "metrics": {"enabled": False, "grafanaDashboard": {"namespace": "grafana"}},
-        "policy": {"allowedImages": ["registry.example.org/lab/*"], "allowedServiceAccounts": ["lab-runner"],
-                   "allowedVolumeTypes": ["persistentVolumeClaim", "csi"]},
+        "policy": {
+            "allowedImages": ["registry.example.org/lab/*"],
+            "allowedServiceAccounts": ["lab-runner"],
+            "allowedVolumeTypes": ["persistentVolumeClaim", "csi"],
+        },
     },
 }
 
@@ -90,7 +108,9 @@ def operator_container(objs: list[dict]) -> dict:
 
 @pytest.mark.parametrize("values", VALUE_SETS, ids=str)
 def test_lint_is_clean(values):
-    report = helm_python.lint(str(CHART), VALUE_SETS[values], strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}.0")
+    report = helm_python.lint(
+        str(CHART), VALUE_SETS[values], strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}.0"
+    )
     assert report["errors"] == []
     # Severity 1 is "info": the only one is "icon is recommended" (the project has no icon).
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
@@ -140,7 +160,9 @@ def test_the_chart_ships_the_crd_from_the_models():
 
 @pytest.mark.parametrize("path", sorted(rm.chart_copies()), ids=lambda p: str(p.relative_to(CHART)))
 def test_chart_copies_equal_their_sources(path):
-    assert path.read_text() == rm.chart_copies()[path], f"{path.relative_to(ROOT)} drifted; run scripts/render-manifests"
+    assert path.read_text() == rm.chart_copies()[path], (
+        f"{path.relative_to(ROOT)} drifted; run scripts/render-manifests"
+    )
 
 
 def test_app_version_is_the_package_version():
@@ -152,22 +174,26 @@ def test_app_version_is_the_package_version():
 # --- values.schema.json -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad, where", [
-    ({"operator": {"replicas": -1}}, "/operator/replicas"),
-    ({"operator": {"replicaz": 2}}, "replicaz"),
-    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
-    ({"image": {"digest": "sha256:123"}}, "/image/digest"),
-    ({"watch": {"namespaces": ["Imaging_Data"]}}, "/watch/namespaces/0"),
-    ({"watch": {"clusterWide": "yes"}}, "/watch/clusterWide"),
-    ({"operator": {"healthPort": 70000}}, "/operator/healthPort"),
-    ({"operator": {"interval": 0}}, "/operator/interval"),
-    ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "/metrics/serviceMonitor/interval"),
-    ({"operator": {"resources": {"limits": {"memory": "lots"}}}}, "/operator/resources/limits/memory"),
-    ({"runner": {"serviceAccount": {"name": "Runner SA"}}}, "/runner/serviceAccount/name"),
-    ({"policy": {"allowedVolumeTypes": ["hostpath"]}}, "/policy/allowedVolumeTypes/0"),
-    ({"policy": {"allowedVolumeTypes": []}}, "/policy/allowedVolumeTypes"),
-    ({"policy": {"allowedServiceAccounts": ["Lab Runner"]}}, "/policy/allowedServiceAccounts/0"),
-], ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
+@pytest.mark.parametrize(
+    "bad, where",
+    [
+        ({"operator": {"replicas": -1}}, "/operator/replicas"),
+        ({"operator": {"replicaz": 2}}, "replicaz"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"image": {"digest": "sha256:123"}}, "/image/digest"),
+        ({"watch": {"namespaces": ["Imaging_Data"]}}, "/watch/namespaces/0"),
+        ({"watch": {"clusterWide": "yes"}}, "/watch/clusterWide"),
+        ({"operator": {"healthPort": 70000}}, "/operator/healthPort"),
+        ({"operator": {"interval": 0}}, "/operator/interval"),
+        ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "/metrics/serviceMonitor/interval"),
+        ({"operator": {"resources": {"limits": {"memory": "lots"}}}}, "/operator/resources/limits/memory"),
+        ({"runner": {"serviceAccount": {"name": "Runner SA"}}}, "/runner/serviceAccount/name"),
+        ({"policy": {"allowedVolumeTypes": ["hostpath"]}}, "/policy/allowedVolumeTypes/0"),
+        ({"policy": {"allowedVolumeTypes": []}}, "/policy/allowedVolumeTypes"),
+        ({"policy": {"allowedServiceAccounts": ["Lab Runner"]}}, "/policy/allowedServiceAccounts/0"),
+    ],
+    ids=lambda v: json.dumps(v) if isinstance(v, dict) else None,
+)
 def test_the_values_schema_rejects_bad_values(bad, where):
     with pytest.raises(helm_python.HelmValuesError) as err:
         render(bad)
@@ -240,7 +266,9 @@ def test_operator_args_are_real_flags_of_h5ngff_operator(rendered, values):
     assert container["args"][:2] == ["h5ngff", "operator"]
     args = build_parser().parse_args(container["args"][1:])  # exits (SystemExit) on an unknown flag
     merged = {**VALUE_SETS["defaults"], **VALUE_SETS[values]}
-    served = [] if merged.get("watch", {}).get("clusterWide") else merged.get("watch", {}).get("namespaces", [NAMESPACE])
+    served = (
+        [] if merged.get("watch", {}).get("clusterWide") else merged.get("watch", {}).get("namespaces", [NAMESPACE])
+    )
     assert args.namespace == served
     expected_image = merged.get("jobDefaults", {}).get("image") or container["image"]
     assert args.image == expected_image
@@ -265,9 +293,17 @@ def test_the_tenant_policy_reaches_the_operator(rendered, values):
     from h5ngff.operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
 
     args = build_parser().parse_args(operator_container(rendered[values])["args"][1:])
-    expected = TenantPolicy() if values == "defaults" else TenantPolicy(("registry.example.org/lab/*",), ("lab-runner",), ("persistentVolumeClaim", "csi"))
+    expected = (
+        TenantPolicy()
+        if values == "defaults"
+        else TenantPolicy(("registry.example.org/lab/*",), ("lab-runner",), ("persistentVolumeClaim", "csi"))
+    )
     assert policy_from_args(args) == expected
-    assert TenantPolicy().allowed_volume_types == DEFAULT_VOLUME_TYPES == tuple(yaml.safe_load((CHART / "values.yaml").read_text())["policy"]["allowedVolumeTypes"])
+    assert (
+        TenantPolicy().allowed_volume_types
+        == DEFAULT_VOLUME_TYPES
+        == tuple(yaml.safe_load((CHART / "values.yaml").read_text())["policy"]["allowedVolumeTypes"])
+    )
 
 
 def test_unknown_operator_flags_fail_the_parser():
@@ -283,7 +319,11 @@ def test_the_operator_runs_non_root_on_a_read_only_root(rendered):
     container = operator_container(objs)
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
     sc = container["securityContext"]
-    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert (
+        sc["readOnlyRootFilesystem"] is True
+        and sc["allowPrivilegeEscalation"] is False
+        and sc["capabilities"]["drop"] == ["ALL"]
+    )
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert "emptyDir" in volumes[mounts["/tmp"]]
@@ -297,7 +337,9 @@ def test_custom_image_digest_and_job_default_image(rendered):
     assert container["image"] == "registry.example.org/lab/h5ngff@sha256:" + "ab" * 32
     assert container["args"][container["args"].index("--image") + 1] == "registry.example.org/lab/h5ngff:nightly"
     defaults = operator_container(rendered["defaults"])
-    assert defaults["image"] == f"ghcr.io/h5ngff/h5ngff:{yaml.safe_load((CHART / 'Chart.yaml').read_text())['appVersion']}"
+    assert (
+        defaults["image"] == f"ghcr.io/h5ngff/h5ngff:{yaml.safe_load((CHART / 'Chart.yaml').read_text())['appVersion']}"
+    )
     (deployment,) = find(rendered["custom"], "Deployment")
     assert deployment["spec"]["replicas"] == 2 and "strategy" not in deployment["spec"]
 
@@ -307,7 +349,11 @@ def test_custom_image_digest_and_job_default_image(rendered):
 
 def granted(objs: list[dict], sa: str, sa_namespace: str) -> dict[str | None, set[tuple[str, str, str, str]]]:
     """What a service account may do: {namespace or None (cluster-wide): {(verb, group, resource, sub)}}."""
-    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objs if o["kind"] in ("Role", "ClusterRole")}
+    roles = {
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+        for o in objs
+        if o["kind"] in ("Role", "ClusterRole")
+    }
     out: dict[str | None, set] = {}
     for binding in objs:
         if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
@@ -343,8 +389,10 @@ def expected_operator(cluster_wide: bool, peering: bool) -> set[tuple[str, str, 
 @pytest.mark.parametrize("cluster_wide", [False, True], ids=["namespaced", "cluster-wide"])
 @pytest.mark.parametrize("peering", [False, True], ids=["standalone", "peering"])
 def test_operator_rbac_is_exactly_rbac_py(cluster_wide, peering):
-    values = {"watch": {"clusterWide": cluster_wide, "namespaces": [] if cluster_wide else ["imaging", "tomo"]},
-              "operator": {"peering": {"enabled": peering}}}
+    values = {
+        "watch": {"clusterWide": cluster_wide, "namespaces": [] if cluster_wide else ["imaging", "tomo"]},
+        "operator": {"peering": {"enabled": peering}},
+    }
     objs = render(values)
     sa = find(objs, "Deployment")[0]["spec"]["template"]["spec"]["serviceAccountName"]
     grants = granted(objs, sa, NAMESPACE)
@@ -432,7 +480,10 @@ def test_pod_monitor_selects_the_pods_h5ngff_builds(rendered):
     (expression,) = selector["matchExpressions"]
 
     def selected(pod_labels: dict) -> bool:
-        return selector["matchLabels"].items() <= pod_labels.items() and pod_labels.get(expression["key"]) in expression["values"]
+        return (
+            selector["matchLabels"].items() <= pod_labels.items()
+            and pod_labels.get(expression["key"]) in expression["values"]
+        )
 
     assert selected(labels("job", "runner", 1)) and selected(labels("job", "dask-cluster", 1))
     assert not selected(find(rendered["monitoring"], "Deployment")[0]["spec"]["template"]["metadata"]["labels"])
@@ -452,15 +503,26 @@ def _plan():
     from h5ngff.planner.model import Capacity, DatasetInfo
     from h5ngff.spec import parse_spec
 
-    spec = parse_spec({"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "out.ome.zarr"}, "resources": {"workers": 2}})
-    return make_plan(DatasetInfo(shape=(64, 128, 128), dtype="<u2", itemsize=2), spec, Capacity(cores=2, memory_bytes=8 << 30, default_workers=2))
+    spec = parse_spec(
+        {"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "out.ome.zarr"}, "resources": {"workers": 2}}
+    )
+    return make_plan(
+        DatasetInfo(shape=(64, 128, 128), dtype="<u2", itemsize=2),
+        spec,
+        Capacity(cores=2, memory_bytes=8 << 30, default_workers=2),
+    )
 
 
 def test_prometheus_rule_is_the_rule_file(rendered):
     (rule,) = find(rendered["monitoring"], "PrometheusRule")
     source = yaml.safe_load((ROOT / "src/h5ngff/metrics/rules/h5ngff-alerts.yaml").read_text())
     assert rule["spec"] == source
-    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} == {"H5ngffWorkerNearPodLimit", "H5ngffJobNoProgress", "H5ngffBatchNoProgress", "H5ngffWorkerOOMKilled"}
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} == {
+        "H5ngffWorkerNearPodLimit",
+        "H5ngffJobNoProgress",
+        "H5ngffBatchNoProgress",
+        "H5ngffWorkerOOMKilled",
+    }
 
 
 def test_grafana_dashboard_configmap_is_the_dashboard(rendered):
@@ -489,8 +551,13 @@ def test_edited_copies_show_in_the_rendering(tmp_path):
 def test_peering_objects_follow_the_mode(rendered):
     assert find(rendered["defaults"], "KopfPeering") == [] and find(rendered["defaults"], "ClusterKopfPeering") == []
     peerings = find(rendered["custom"], "KopfPeering")
-    assert {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in peerings} == {("imaging", "h5ngff-lab"), ("tomo", "h5ngff-lab")}
-    clusterwide = find(render({"watch": {"clusterWide": True}, "operator": {"peering": {"enabled": True}}}), "ClusterKopfPeering")
+    assert {(p["metadata"]["namespace"], p["metadata"]["name"]) for p in peerings} == {
+        ("imaging", "h5ngff-lab"),
+        ("tomo", "h5ngff-lab"),
+    }
+    clusterwide = find(
+        render({"watch": {"clusterWide": True}, "operator": {"peering": {"enabled": True}}}), "ClusterKopfPeering"
+    )
     assert [p["metadata"]["name"] for p in clusterwide] == ["h5ngff"] and "namespace" not in clusterwide[0]["metadata"]
 
 
@@ -506,12 +573,17 @@ def test_notes_and_operator_agree_on_the_runner_service_account():
 @pytest.mark.slow
 def test_every_custom_kind_has_its_check():
     seen = {(o["apiVersion"], o["kind"]) for objs in (render(v) for v in VALUE_SETS.values()) for o in objs}
-    seen |= {(o["apiVersion"], o["kind"]) for o in render({"watch": {"clusterWide": True}, "operator": {"peering": {"enabled": True}}})}
+    seen |= {
+        (o["apiVersion"], o["kind"])
+        for o in render({"watch": {"clusterWide": True}, "operator": {"peering": {"enabled": True}}})
+    }
     for key in seen:
         if key in CUSTOM_KINDS:
             assert CUSTOM_KINDS[key] in globals()
         else:  # a kind kubernetes-validate has a schema for (a stub fails it, but not for want of one)
             try:
-                kubernetes_validate.validate({"apiVersion": key[0], "kind": key[1], "metadata": {"name": "x"}}, KUBE_VERSION)
+                kubernetes_validate.validate(
+                    {"apiVersion": key[0], "kind": key[1], "metadata": {"name": "x"}}, KUBE_VERSION
+                )
             except kubernetes_validate.ValidationError:
                 pass

@@ -27,7 +27,9 @@ def h5(tmp_path_factory):
         f.create_dataset("float", data=data.astype("<f4") / 7, chunks=(4, 16, 32), compression="gzip")
         f.create_dataset("big", data=data.astype(">u2"), chunks=(4, 16, 32), compression="gzip")
         f.create_dataset("shuffle", data=data, chunks=(4, 16, 32), compression="gzip", shuffle=True)
-        sparse = f.create_dataset("sparse", shape=data.shape, dtype="<u2", chunks=(4, 16, 32), compression="gzip", fillvalue=7)
+        sparse = f.create_dataset(
+            "sparse", shape=data.shape, dtype="<u2", chunks=(4, 16, 32), compression="gzip", fillvalue=7
+        )
         sparse[:4, :16, :32] = data[:4, :16, :32]  # one chunk written; the others are never allocated
     return path, data
 

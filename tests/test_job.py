@@ -33,14 +33,29 @@ def example() -> dict:
     return yaml.safe_load(EXAMPLE.read_text())
 
 
-@pytest.mark.parametrize("change, field, words", [
-    (lambda d: d.update(apiVersion="h5ngff.dev/v1"), "apiVersion", "Expected h5ngff.dev/v1alpha1. Got 'h5ngff.dev/v1' instead."),
-    (lambda d: d.update(kind="Job"), "kind", "Expected a document with kind: ConversionJob"),
-    (lambda d: d["metadata"].pop("name"), "metadata.name", "Expected a name"),
-    (lambda d: d["spec"]["resources"].update(workers=0), "spec.resources.workers", "Expected 'auto' or an integer from 1 to 4096. Got 0 instead."),
-    (lambda d: d["spec"]["pod"]["volumeMounts"].append({"name": "scratch", "mountPath": "/s"}), "spec.pod", "Got a mount of 'scratch' instead."),
-    (lambda d: d["spec"].update(backofLimit=3), "spec.backofLimit", "Expected no such field"),
-])
+@pytest.mark.parametrize(
+    "change, field, words",
+    [
+        (
+            lambda d: d.update(apiVersion="h5ngff.dev/v1"),
+            "apiVersion",
+            "Expected h5ngff.dev/v1alpha1. Got 'h5ngff.dev/v1' instead.",
+        ),
+        (lambda d: d.update(kind="Job"), "kind", "Expected a document with kind: ConversionJob"),
+        (lambda d: d["metadata"].pop("name"), "metadata.name", "Expected a name"),
+        (
+            lambda d: d["spec"]["resources"].update(workers=0),
+            "spec.resources.workers",
+            "Expected 'auto' or an integer from 1 to 4096. Got 0 instead.",
+        ),
+        (
+            lambda d: d["spec"]["pod"]["volumeMounts"].append({"name": "scratch", "mountPath": "/s"}),
+            "spec.pod",
+            "Got a mount of 'scratch' instead.",
+        ),
+        (lambda d: d["spec"].update(backofLimit=3), "spec.backofLimit", "Expected no such field"),
+    ],
+)
 def test_manifest_errors_name_the_field(tmp_path, change, field, words):
     doc = example()
     change(doc)
@@ -76,8 +91,13 @@ def demo_dir(tmp_path):
 
 @pytest.mark.slow
 def test_plan_accepts_a_manifest_and_flags_override_it(demo_dir):
-    out = subprocess.run([*H5NGFF, "plan", "manifests/examples/conversionjob.yaml", "--json", "--workers", "1"],
-                         cwd=demo_dir, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*H5NGFF, "plan", "manifests/examples/conversionjob.yaml", "--json", "--workers", "1"],
+        cwd=demo_dir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     planned = json.loads(out.stdout)
     assert planned["plan"]["workers"] == 1  # the flag beat the manifest's 2
@@ -86,8 +106,13 @@ def test_plan_accepts_a_manifest_and_flags_override_it(demo_dir):
 
 @pytest.mark.slow
 def test_run_the_example_manifest_on_a_fresh_checkout(demo_dir):
-    out = subprocess.run([*H5NGFF, "run", "manifests/examples/conversionjob.yaml", "--json"],
-                         cwd=demo_dir, capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [*H5NGFF, "run", "manifests/examples/conversionjob.yaml", "--json"],
+        cwd=demo_dir,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
     status = doc["status"]

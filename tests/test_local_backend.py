@@ -55,8 +55,12 @@ def _run_caller(tmp_path, mode: str) -> dict:
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
     h5 = write_h5(tmp_path / "in.h5", np.zeros((16, 32, 32), np.uint16))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), h5, str(tmp_path / "out.ome.zarr"), mode],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), h5, str(tmp_path / "out.ome.zarr"), mode],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -121,7 +125,9 @@ def test_spawned_workers_exit_fast_with_their_code_and_output(tmp_path):
     script = tmp_path / "exiter.py"
     script.write_text(EXITER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as in a user's shell
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=180, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     codes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert codes == {"returns": 0, "exits_3": 3, "raises": 1, "hard_exit_unflushed": 0}

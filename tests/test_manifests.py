@@ -61,14 +61,24 @@ def _kustomize_objects() -> list[dict]:
 def test_kubectl_apply_k_objects_are_valid_kubernetes():
     objs = _kustomize_objects()
     kinds = {o["kind"] for o in objs}
-    assert {"CustomResourceDefinition", "Namespace", "Deployment", "ServiceAccount", "ClusterRole", "Role", "RoleBinding"} <= kinds
+    assert {
+        "CustomResourceDefinition",
+        "Namespace",
+        "Deployment",
+        "ServiceAccount",
+        "ClusterRole",
+        "Role",
+        "RoleBinding",
+    } <= kinds
     for obj in objs:
         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
     (namespace,) = [o for o in objs if o["kind"] == "Namespace"]
     assert {o["metadata"].get("namespace") for o in objs} <= {None, namespace["metadata"]["name"]}
     crd = [o for o in objs if o["kind"] == "CustomResourceDefinition"]
-    assert [yaml.safe_dump(c) for c in crd] == [yaml.safe_dump(yaml.safe_load((ROOT / f"src/h5ngff/operator/{name}").read_text()))
-                                                for name in ("crd.yaml", "crd-batch.yaml")]
+    assert [yaml.safe_dump(c) for c in crd] == [
+        yaml.safe_dump(yaml.safe_load((ROOT / f"src/h5ngff/operator/{name}").read_text()))
+        for name in ("crd.yaml", "crd-batch.yaml")
+    ]
 
 
 def _runner_account() -> str:
@@ -112,8 +122,12 @@ def test_each_example_plans_on_kubernetes(path, tmp_path):
     with h5py.File(source, "w") as f:
         f.create_dataset(job.spec.source.dataset, shape=SHAPES[len(axes)], dtype="uint16")
     spec = job.spec.conversion()
-    spec = spec.model_copy(update={"source": spec.source.model_copy(update={"path": str(source)}),
-                                   "output": spec.output.model_copy(update={"path": str(tmp_path / "out.ome.zarr")})})
+    spec = spec.model_copy(
+        update={
+            "source": spec.source.model_copy(update={"path": str(source)}),
+            "output": spec.output.model_copy(update={"path": str(tmp_path / "out.ome.zarr")}),
+        }
+    )
     backend = KubernetesBackend(Owner("ns", job.name, "uid"), image="img")
     planned = plan_job(spec, backend)
     plan = planned.plan
@@ -132,5 +146,12 @@ def test_the_promised_examples_exist():
     budget = [n for n, j in jobs.items() if j.spec.resources.memory_total is not None]
     five_d = [n for n, j in jobs.items() if j.spec.image.axes == "tczyx"]
     assert with_pvc and budget and five_d, (with_pvc, budget, five_d)
-    separate = [n for n, j in jobs.items() if len({v["persistentVolumeClaim"]["claimName"] for v in j.spec.pod.volumes or () if "persistentVolumeClaim" in v}) >= 2]
+    separate = [
+        n
+        for n, j in jobs.items()
+        if len(
+            {v["persistentVolumeClaim"]["claimName"] for v in j.spec.pod.volumes or () if "persistentVolumeClaim" in v}
+        )
+        >= 2
+    ]
     assert separate, "one example reads from one claim and writes to another"

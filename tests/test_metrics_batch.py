@@ -41,7 +41,9 @@ def clock(monkeypatch) -> Clock:
 
 
 def result(status="NotRun", n_tasks=10):
-    return SimpleNamespace(status=status, job=SimpleNamespace(plan=SimpleNamespace(n_tasks=n_tasks)) if n_tasks else None)
+    return SimpleNamespace(
+        status=status, job=SimpleNamespace(plan=SimpleNamespace(n_tasks=n_tasks)) if n_tasks else None
+    )
 
 
 def scraped(metrics: BatchMetrics) -> dict[tuple[str, str], float]:
@@ -87,7 +89,9 @@ def test_items_by_state_follow_the_hooks_and_always_sum_to_the_batch(clock):
     metrics.finished(SimpleNamespace(results=items))
     assert states(metrics) == {"Done": 1, "NotRun": 1, "Refused": 1}
     samples = scraped(metrics)
-    assert {state for name, state in samples if name == "h5ngff_batch_items"} == set(ITEM_STATES)  # every state, zeros included
+    assert {state for name, state in samples if name == "h5ngff_batch_items"} == set(
+        ITEM_STATES
+    )  # every state, zeros included
     assert samples[("h5ngff_batch_slabs_done_total", "")] == 10 and samples[("h5ngff_batch_planned_slabs", "")] == 30
 
 
@@ -118,8 +122,11 @@ def test_the_clock_moves_on_each_step_and_only_then(clock):
 
 def test_around_feeds_the_metrics_and_the_callers_hooks():
     seen = []
-    caller = BatchHooks(on_planned=lambda s: seen.append("planned"), listeners=lambda r: [lambda p: seen.append(p.phase)],
-                        on_item=lambda r: seen.append(r.status))
+    caller = BatchHooks(
+        on_planned=lambda s: seen.append("planned"),
+        listeners=lambda r: [lambda p: seen.append(p.phase)],
+        on_item=lambda r: seen.append(r.status),
+    )
     metrics = BatchMetrics(1, lambda figures: None)
     hooks = metrics.around(caller)
     assert isinstance(hooks, BatchHooks)
@@ -149,12 +156,15 @@ def test_the_exported_states_cover_every_outcome_of_a_batch():
     assert set(ITEM_STATES) - outcomes == set(ITEMS_TO_DO)
 
 
-@pytest.mark.parametrize("outputs, name", [
-    (["out/a.ome.zarr", "out/b.ome.zarr"], "out"),
-    (["/data/run-3/x/a.ome.zarr", "/data/run-3/y/b.ome.zarr"], "run-3"),
-    (["s3://bucket/lab/a.ome.zarr", "s3://bucket/lab/b.ome.zarr"], "lab"),
-    (["a.ome.zarr", "/abs/b.ome.zarr"], "batch"),
-])
+@pytest.mark.parametrize(
+    "outputs, name",
+    [
+        (["out/a.ome.zarr", "out/b.ome.zarr"], "out"),
+        (["/data/run-3/x/a.ome.zarr", "/data/run-3/y/b.ome.zarr"], "run-3"),
+        (["s3://bucket/lab/a.ome.zarr", "s3://bucket/lab/b.ome.zarr"], "lab"),
+        (["a.ome.zarr", "/abs/b.ome.zarr"], "batch"),
+    ],
+)
 def test_a_batch_is_labelled_by_the_directory_its_outputs_share(outputs, name):
     assert _shared_directory(outputs) == name
 
@@ -174,7 +184,11 @@ def test_for_batch_labels_from_the_outputs_unless_the_runner_names_the_batch(mon
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 @pytest.mark.integration
@@ -207,23 +221,38 @@ def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(share
         assert exporter.batch is not None
         hooks = exporter.batch.around(BatchHooks(on_item=after_item))
         backend = ExternalBackend(shared_cluster.scheduler_address)
-        summary = run_batch(items, exporter.batch.planning(lambda item: spec_for(item.path, item.output, output={"chunks": [16, 48, 40]})),
-                            backend, hooks=hooks, metrics=exporter)
+        summary = run_batch(
+            items,
+            exporter.batch.planning(lambda item: spec_for(item.path, item.output, output={"chunks": [16, 48, 40]})),
+            backend,
+            hooks=hooks,
+            metrics=exporter,
+        )
         exporter.batch.finished(summary)
         final = scrape(exporter.port)
     finally:
         exporter.close()
     assert [r.status for r in summary.results] == ["Done", "Done", "Done", "Refused"]
-    assert [item_states(s) for s in scrapes] == [{"Done": k, "Pending": 3 - k, "Refused": 1} if k < 3 else {"Done": 3, "Refused": 1} for k in (1, 2, 3)]
+    assert [item_states(s) for s in scrapes] == [
+        {"Done": k, "Pending": 3 - k, "Refused": 1} if k < 3 else {"Done": 3, "Refused": 1} for k in (1, 2, 3)
+    ]
     workers = {str(name) for name in shared_cluster.workers}
     for values in scrapes:  # each item's run polled the batch's cluster
-        rss = {dict(k[1])["worker"]: v for k, v in values.items() if k[0] == "h5ngff_worker_rss_bytes" and k[1][:2] == labels}
+        rss = {
+            dict(k[1])["worker"]: v
+            for k, v in values.items()
+            if k[0] == "h5ngff_worker_rss_bytes" and k[1][:2] == labels
+        }
         assert set(rss) == workers and all(v > 0 for v in rss.values()), rss
         assert values[("h5ngff_job_phase", labels + (("phase", "Succeeded"),))] == 1  # the item just ended
     planned = sum(r.job.plan.n_tasks for r in summary.results if r.job)
     assert final[("h5ngff_batch_planned_slabs", labels)] == planned == final[("h5ngff_batch_slabs_done_total", labels)]
     assert item_states(final) == {"Done": 3, "Refused": 1}
-    assert 0 < final[("h5ngff_batch_last_progress_timestamp_seconds", labels)] <= final[("h5ngff_exporter_last_poll_timestamp_seconds", labels)] + 60
+    assert (
+        0
+        < final[("h5ngff_batch_last_progress_timestamp_seconds", labels)]
+        <= final[("h5ngff_exporter_last_poll_timestamp_seconds", labels)] + 60
+    )
 
 
 def test_figures_are_immutable_snapshots():
@@ -248,8 +277,18 @@ def test_a_batch_takes_metrics_port_but_still_refuses_memory_report(tmp_path):
     from h5ngff.errors import SpecError
 
     with pytest.raises(SpecError, match="--memory-report"):
-        convert_batch([f"{tmp_path}/*.h5:/data"], str(tmp_path / "{stem}.ome.zarr"), Namespace(memory_report="r.html", metrics_port=9464), Console())
+        convert_batch(
+            [f"{tmp_path}/*.h5:/data"],
+            str(tmp_path / "{stem}.ome.zarr"),
+            Namespace(memory_report="r.html", metrics_port=9464),
+            Console(),
+        )
     # --metrics-port passes the check: the batch goes on to expand its (here missing) sources.
     with pytest.raises(SpecError) as refused:
-        convert_batch([f"{tmp_path}/*.h5:/data"], str(tmp_path / "{stem}.ome.zarr"), Namespace(memory_report=None, metrics_port=9464), Console())
+        convert_batch(
+            [f"{tmp_path}/*.h5:/data"],
+            str(tmp_path / "{stem}.ome.zarr"),
+            Namespace(memory_report=None, metrics_port=9464),
+            Console(),
+        )
     assert "--memory-report" not in str(refused.value) and "--metrics-port" not in str(refused.value)

@@ -39,8 +39,13 @@ from h5ngff.runner import plan_job, run_job
 pytestmark = pytest.mark.integration
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes",
-                  "h5ngff_worker_pod_nonreclaimable_bytes", "h5ngff_worker_pod_nonreclaimable_peak_bytes"}
+CGROUP_METRICS = {
+    "h5ngff_worker_cgroup_usage_bytes",
+    "h5ngff_worker_cgroup_working_set_bytes",
+    "h5ngff_worker_cgroup_limit_bytes",
+    "h5ngff_worker_pod_nonreclaimable_bytes",
+    "h5ngff_worker_pod_nonreclaimable_peak_bytes",
+}
 
 
 def volume(shape=(32, 256, 256)) -> np.ndarray:
@@ -89,11 +94,17 @@ def test_exporter_on_an_existing_cluster(shared_cluster, tmp_path):
     assert set(by_worker(text, "h5ngff_worker_nanny_restarts_total").values()) == {0}
     values = samples(text)
     labels = (("conversion_job", "existing"), ("conversion_job_namespace", "tests"))
-    assert values[("h5ngff_job_slabs_done_total", labels)] == job.plan.n_tasks == values[("h5ngff_job_planned_slabs", labels)]
+    assert (
+        values[("h5ngff_job_slabs_done_total", labels)]
+        == job.plan.n_tasks
+        == values[("h5ngff_job_planned_slabs", labels)]
+    )
     assert values[("h5ngff_job_read_bytes_total", labels)] == summary.totals.bytes_read
     assert values[("h5ngff_job_phase", labels + (("phase", "Succeeded"),))] == 1
     assert values[("h5ngff_exporter_poll_errors_total", labels)] == 0
-    names = {family.name + ("_total" if family.type == "counter" else "") for family in text_string_to_metric_families(text)}
+    names = {
+        family.name + ("_total" if family.type == "counter" else "") for family in text_string_to_metric_families(text)
+    }
     batch = {name for name in BY_NAME if name.startswith("h5ngff_batch_")}  # one conversion, not a batch
     assert names <= set(BY_NAME) and set(BY_NAME) - names == CGROUP_METRICS | batch
     if os.path.exists(PROMTOOL):
@@ -117,12 +128,18 @@ def test_listener_only_exports_the_job_phase_without_a_cluster():
     assert not any(name.startswith("h5ngff_worker_") for name, _ in values)
 
 
-def _wait_for(exporter: MetricsExporter, name: str, worker: str, at_least: float, timeout: float = 60) -> dict[str, float]:
+def _wait_for(
+    exporter: MetricsExporter, name: str, worker: str, at_least: float, timeout: float = 60
+) -> dict[str, float]:
     deadline = time.time() + timeout
     while time.time() < deadline:
         text = scrape(exporter.port)
         if by_worker(text, name).get(worker, 0) >= at_least:
-            return {metric: by_worker(text, metric).get(worker, 0) for metric in BY_NAME if metric.startswith("h5ngff_worker_")}
+            return {
+                metric: by_worker(text, metric).get(worker, 0)
+                for metric in BY_NAME
+                if metric.startswith("h5ngff_worker_")
+            }
         time.sleep(0.2)
     raise AssertionError(f"{name}{{worker={worker!r}}} never reached {at_least}: {scrape(exporter.port)[-3000:]}")
 
@@ -143,7 +160,10 @@ def test_a_killed_worker_is_a_restart_and_an_oom_killed_one_is_an_oom_kill(tmp_p
     try:
         with backend.session(plan) as session, _polled(exporter, session, plan):
             client = session.client
-            assert _wait_for(exporter, "h5ngff_worker_cgroup_limit_bytes", "pod-0", 1)["h5ngff_worker_cgroup_limit_bytes"] == plan.memory.pod_limit
+            assert (
+                _wait_for(exporter, "h5ngff_worker_cgroup_limit_bytes", "pod-0", 1)["h5ngff_worker_cgroup_limit_bytes"]
+                == plan.memory.pod_limit
+            )
             (pid,) = client.run(os.getpid).values()
             os.kill(pid, signal.SIGKILL)
             killed = _wait_for(exporter, "h5ngff_worker_nanny_restarts_total", "pod-0", 1)
@@ -196,13 +216,23 @@ def test_the_one_sampler_keeps_a_restarted_workers_peak_and_feeds_report_and_met
     did): the exporter serves the same polls. The negative control is the restarted process's
     own high-water mark, which no longer holds the spike."""
     held = 256 << 20
-    cluster = LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="2GiB", processes=True, dashboard_address=None, silence_logs=logging.ERROR)
+    cluster = LocalCluster(
+        n_workers=1,
+        threads_per_worker=1,
+        memory_limit="2GiB",
+        processes=True,
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )
     exporter = MetricsExporter(0, "sampler", "tests", addr="127.0.0.1")
     try:
         with Client(cluster, set_as_default=False) as client:
             register_plugins(client)
             session = Session(client, "local")
-            plan = plan_job(spec_for(write_h5(tmp_path / "in.h5", volume((16, 64, 64))), str(tmp_path / "out.ome.zarr")), LocalBackend()).plan
+            plan = plan_job(
+                spec_for(write_h5(tmp_path / "in.h5", volume((16, 64, 64))), str(tmp_path / "out.ome.zarr")),
+                LocalBackend(),
+            ).plan
             with _polled(exporter, session, plan) as poller:
                 (name,) = [str(w["name"]) for w in client.scheduler_info(n_workers=-1)["workers"].values()]
                 (pid,) = client.run(_hold, held).values()
@@ -255,8 +285,21 @@ def test_cli_serves_metrics_during_the_run_and_lingers_after_it(shared_cluster, 
     h5 = write_h5(tmp_path / "in.h5", volume())
     port = _free_port()
     env = {**os.environ, "H5NGFF_JOB_NAME": "cli-job", "H5NGFF_JOB_NAMESPACE": "cli-ns"}
-    cmd = [sys.executable, "-m", "h5ngff.cli", "convert", f"{h5}:/volume/data", str(tmp_path / "out.ome.zarr"),
-           "--scheduler", shared_cluster.scheduler_address, "--json", "--metrics-port", str(port), "--metrics-linger", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "h5ngff.cli",
+        "convert",
+        f"{h5}:/volume/data",
+        str(tmp_path / "out.ome.zarr"),
+        "--scheduler",
+        shared_cluster.scheduler_address,
+        "--json",
+        "--metrics-port",
+        str(port),
+        "--metrics-linger",
+        "3",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         labels = (("conversion_job", "cli-job"), ("conversion_job_namespace", "cli-ns"))
@@ -281,8 +324,20 @@ def test_run_job_yaml_serves_metrics_labelled_by_the_manifest(shared_cluster, tm
         f"spec:\n  source: {{path: {h5}, dataset: /volume/data}}\n  output: {{path: {tmp_path / 'out.ome.zarr'}}}\n"
     )
     port = _free_port()
-    cmd = [sys.executable, "-m", "h5ngff.cli", "run", str(manifest), "--scheduler", shared_cluster.scheduler_address, "--json",
-           "--metrics-port", str(port), "--metrics-linger", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "h5ngff.cli",
+        "run",
+        str(manifest),
+        "--scheduler",
+        shared_cluster.scheduler_address,
+        "--json",
+        "--metrics-port",
+        str(port),
+        "--metrics-linger",
+        "3",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     labels = (("conversion_job", "scan-7"), ("conversion_job_namespace", "imaging"))
     try:
@@ -329,12 +384,17 @@ def test_the_exporter_answers_while_the_job_is_planned(shared_cluster, tmp_path,
         argv = ["convert", f"{h5}:/volume/data", str(out)]
     else:
         manifest = tmp_path / "job.yaml"
-        manifest.write_text("apiVersion: h5ngff.dev/v1alpha1\nkind: ConversionJob\nmetadata: {name: early}\n"
-                            f"spec:\n  source: {{path: {h5}, dataset: /volume/data}}\n  output: {{path: {out}}}\n")
+        manifest.write_text(
+            "apiVersion: h5ngff.dev/v1alpha1\nkind: ConversionJob\nmetadata: {name: early}\n"
+            f"spec:\n  source: {{path: {h5}, dataset: /volume/data}}\n  output: {{path: {out}}}\n"
+        )
         argv = ["run", str(manifest)]
     assert main([*argv, "--scheduler", shared_cluster.scheduler_address, "--json", "--metrics-port", str(port)]) == 0
     (during,) = seen
     from h5ngff import __version__
 
-    assert f'h5ngff_build_info{{conversion_job="{"out" if command == "convert" else "early"}",conversion_job_namespace="local",version="{__version__}"}} 1.0' in during, during
+    assert (
+        f'h5ngff_build_info{{conversion_job="{"out" if command == "convert" else "early"}",conversion_job_namespace="local",version="{__version__}"}} 1.0'
+        in during
+    ), during
     assert "h5ngff_job_phase" not in during  # nothing planned yet: no progress series

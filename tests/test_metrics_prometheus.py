@@ -29,7 +29,17 @@ import yaml
 from conftest import smooth, spec_for, write_h5
 from h5ngff.backends.cgroups import cgroups_available
 from h5ngff.backends.local import LocalBackend, LocalPodsBackend
-from h5ngff.metrics.assets import RULES, Query, asset_path, dashboard_queries, load_dashboard, load_rules, referenced_metrics, rule_queries, substitute
+from h5ngff.metrics.assets import (
+    RULES,
+    Query,
+    asset_path,
+    dashboard_queries,
+    load_dashboard,
+    load_rules,
+    referenced_metrics,
+    rule_queries,
+    substitute,
+)
 from h5ngff.metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV, MetricsExporter
 from h5ngff.metrics.families import CATALOGUE
 from h5ngff.metrics.operator import OPERATOR_METRICS, OperatorMetrics
@@ -37,14 +47,26 @@ from h5ngff.runner import plan_job, run_job
 
 PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
-pytestmark = [pytest.mark.skipif(not os.path.exists(PROMETHEUS), reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)"), pytest.mark.integration, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(
+        not os.path.exists(PROMETHEUS),
+        reason=f"{PROMETHEUS} is absent (Debian package prometheus; scripts/setup installs it)",
+    ),
+    pytest.mark.integration,
+    pytest.mark.slow,
+]
 
 JOB, NAMESPACE, SCRAPE_JOB = "scrape-test", "h5ngff-tests", "h5ngff"
 OPERATOR_SCRAPE_JOB = "h5ngff-operator"
 POD_MONITOR_LABELS = {"namespace": NAMESPACE, "pod": f"{JOB}-runner-1-abcde", "container": "runner"}
 BATCH_METRICS = {m.name for m in CATALOGUE if m.name.startswith("h5ngff_batch_")}
-CGROUP_METRICS = {"h5ngff_worker_cgroup_usage_bytes", "h5ngff_worker_cgroup_working_set_bytes", "h5ngff_worker_cgroup_limit_bytes",
-                  "h5ngff_worker_pod_nonreclaimable_bytes", "h5ngff_worker_pod_nonreclaimable_peak_bytes"}
+CGROUP_METRICS = {
+    "h5ngff_worker_cgroup_usage_bytes",
+    "h5ngff_worker_cgroup_working_set_bytes",
+    "h5ngff_worker_cgroup_limit_bytes",
+    "h5ngff_worker_pod_nonreclaimable_bytes",
+    "h5ngff_worker_pod_nonreclaimable_peak_bytes",
+}
 
 
 def free_port() -> int:
@@ -64,17 +86,28 @@ class PrometheusServer:
             "rule_files": [asset_path(RULES)],
             # The target labels a PodMonitor adds (namespace, pod, container): exported labels of
             # the same names would be renamed exported_*, and the dashboard would filter on nothing.
-            "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [{"targets": [target], "labels": POD_MONITOR_LABELS}]},
-                               {"job_name": OPERATOR_SCRAPE_JOB, "static_configs": [{"targets": [operator_target], "labels": {"namespace": "h5ngff-system"}}]}],
+            "scrape_configs": [
+                {"job_name": SCRAPE_JOB, "static_configs": [{"targets": [target], "labels": POD_MONITOR_LABELS}]},
+                {
+                    "job_name": OPERATOR_SCRAPE_JOB,
+                    "static_configs": [{"targets": [operator_target], "labels": {"namespace": "h5ngff-system"}}],
+                },
+            ],
         }
         path = os.path.join(directory, "prometheus.yml")
         with open(path, "w") as f:
             yaml.safe_dump(config, f)
         self.log = open(os.path.join(directory, "prometheus.log"), "wb")
         self.process = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={path}", f"--storage.tsdb.path={os.path.join(directory, 'tsdb')}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                PROMETHEUS,
+                f"--config.file={path}",
+                f"--storage.tsdb.path={os.path.join(directory, 'tsdb')}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
 
     def api(self, path: str, **params) -> dict:
@@ -106,6 +139,7 @@ class PrometheusServer:
         """Wait until every target has been scraped, and every rule group evaluated, ``n`` more
         times: counted in the server's own /targets and /rules answers (each new lastScrape or
         lastEvaluation is one), not guessed from the intervals with a sleep."""
+
         def stamps() -> dict[str, str]:
             targets = {f"scrape {t['scrapeUrl']}": t["lastScrape"] for t in self.api("targets")["activeTargets"]}
             return targets | {f"rules {g['name']}": g["lastEvaluation"] for g in self.api("rules")["groups"]}
@@ -113,7 +147,9 @@ class PrometheusServer:
         seen = {key: {stamp} for key, stamp in stamps().items()}
         deadline = time.time() + timeout
         while any(len(s) <= n for s in seen.values()):
-            assert time.time() < deadline, f"Prometheus did not scrape and evaluate {n} more times within {timeout} s: {seen}"
+            assert time.time() < deadline, (
+                f"Prometheus did not scrape and evaluate {n} more times within {timeout} s: {seen}"
+            )
             time.sleep(0.1)
             for key, stamp in stamps().items():
                 seen.setdefault(key, set()).add(stamp)
@@ -162,7 +198,13 @@ def scraped(tmp_path_factory):
         shape = (64, 512, 512)
         data = (np.arange(np.prod(shape), dtype=np.uint32) * 7919 % 65521).astype(np.uint16).reshape(shape)
         h5 = write_h5(tmp / "in.h5", data)
-        spec = spec_for(h5, str(tmp / "out.ome.zarr"), output={"chunks": [16, 32, 32]}, resources={"workers": 2, "slab": [32, 64, 64]}, pyramid={"levels": 2})
+        spec = spec_for(
+            h5,
+            str(tmp / "out.ome.zarr"),
+            output={"chunks": [16, 32, 32]},
+            resources={"workers": 2, "slab": [32, 64, 64]},
+            pyramid={"levels": 2},
+        )
         pods = cgroups_available() is None
         backend = LocalPodsBackend() if pods else LocalBackend()
         job = plan_job(spec, backend)
@@ -192,7 +234,9 @@ def relax(expr: str) -> str:
 
 def substituted(query: Query, workers: set[str], job: str = JOB) -> str:
     # The job names and NAMESPACE hold no regex metacharacters, so they stand for themselves in =~ matchers.
-    expr = substitute(query.expr, {"job": job, "namespace": NAMESPACE, "worker": "|".join(sorted(workers)), "__rate_interval": "2s"})
+    expr = substitute(
+        query.expr, {"job": job, "namespace": NAMESPACE, "worker": "|".join(sorted(workers)), "__rate_interval": "2s"}
+    )
     return f"count by ({query.label}) ({expr})" if query.label else expr
 
 
@@ -202,20 +246,29 @@ def check_series(result: list, query: Query, workers: set[str], job: str = JOB) 
         return [f"{query.where}: no series for {query.expr!r}"]
     problems = []
     for series in result:
-        labels, values = series["metric"], [float(v) for _, v in series.get("values", [series.get("value", [0, "nan"])])]
+        labels, values = (
+            series["metric"],
+            [float(v) for _, v in series.get("values", [series.get("value", [0, "nan"])])],
+        )
         if query.label:
             if labels.get(query.label) in (None, ""):
                 problems.append(f"{query.where}: no {query.label!r} label in {labels}")
             continue
         if referenced_metrics(query.expr) <= set(OPERATOR_METRICS) and "conversion_job=~" not in query.expr:
             # The operator's series carry no job labels; they come from its own scrape job.
-            if labels.get("job", OPERATOR_SCRAPE_JOB) != OPERATOR_SCRAPE_JOB or any(k.startswith("exported_") for k in labels):
-                problems.append(f"{query.where}: operator series from the wrong target or with clashing labels: {labels}")
+            if labels.get("job", OPERATOR_SCRAPE_JOB) != OPERATOR_SCRAPE_JOB or any(
+                k.startswith("exported_") for k in labels
+            ):
+                problems.append(
+                    f"{query.where}: operator series from the wrong target or with clashing labels: {labels}"
+                )
             if not all(math.isfinite(v) and v >= 0 for v in values):
                 problems.append(f"{query.where}: values not finite and >= 0: {values[:5]}")
             continue
         if labels.get("conversion_job") != job or labels.get("conversion_job_namespace") != NAMESPACE:
-            problems.append(f"{query.where}: labels {labels} lack conversion_job={job!r} conversion_job_namespace={NAMESPACE!r}")
+            problems.append(
+                f"{query.where}: labels {labels} lack conversion_job={job!r} conversion_job_namespace={NAMESPACE!r}"
+            )
         if labels.get("job", SCRAPE_JOB) != SCRAPE_JOB or any(k.startswith("exported_") for k in labels):
             problems.append(f"{query.where}: our labels clash with Prometheus's target labels: {labels}")
         if "worker" in labels and labels["worker"] not in workers:
@@ -244,10 +297,21 @@ def test_every_dashboard_and_rule_expression_returns_labelled_plausible_series(s
 
 def test_the_check_fails_for_a_metric_the_exporter_does_not_export(scraped):
     """Negative control: the same check, on a panel with a made-up metric, reports it."""
-    fake = Query("panel 'made up' A", 'h5ngff_worker_made_up_bytes{conversion_job=~"$job",conversion_job_namespace=~"$namespace"}')
-    problems = check_series(scraped.prom.range(substituted(fake, scraped.workers), scraped.start, scraped.end), fake, scraped.workers)
+    fake = Query(
+        "panel 'made up' A",
+        'h5ngff_worker_made_up_bytes{conversion_job=~"$job",conversion_job_namespace=~"$namespace"}',
+    )
+    problems = check_series(
+        scraped.prom.range(substituted(fake, scraped.workers), scraped.start, scraped.end), fake, scraped.workers
+    )
     assert problems and "no series" in problems[0]
-    other = check_series(scraped.prom.range('label_replace(h5ngff_worker_rss_bytes, "conversion_job", "other", "", "")', scraped.start, scraped.end), fake, scraped.workers)
+    other = check_series(
+        scraped.prom.range(
+            'label_replace(h5ngff_worker_rss_bytes, "conversion_job", "other", "", "")', scraped.start, scraped.end
+        ),
+        fake,
+        scraped.workers,
+    )
     assert other and "lack conversion_job" in other[0]
 
 
@@ -270,7 +334,9 @@ def test_worker_memory_is_positive_and_within_the_pod_limit(scraped):
     assert all(0 < v <= scraped.pod_limit for v in process.values()), process
     if scraped.pods:  # the kernel's limit on each pod's cgroup is the planned one, and it held
         assert set(_instant(scraped, f"h5ngff_worker_cgroup_limit_bytes{sel}").values()) == {scraped.pod_limit}
-        peak_ws = scraped.prom.api("query", query=f"max_over_time(h5ngff_worker_cgroup_working_set_bytes{sel}[5m])", time=f"{scraped.end:.3f}")["result"]
+        peak_ws = scraped.prom.api(
+            "query", query=f"max_over_time(h5ngff_worker_cgroup_working_set_bytes{sel}[5m])", time=f"{scraped.end:.3f}"
+        )["result"]
         assert all(0 < float(s["value"][1]) <= scraped.pod_limit for s in peak_ws)
 
 
@@ -299,7 +365,9 @@ def test_alerts_stay_silent_on_a_healthy_run_and_every_rule_evaluates(scraped):
     for query in rule_queries(load_rules()):  # the real thresholds: empty throughout the run
         assert not scraped.prom.range(query.expr, scraped.start, scraped.end), query.where
     ratio = rule_queries(load_rules())[0]
-    values = [float(v) for s in scraped.prom.range(relax(ratio.expr), scraped.start, scraped.end) for _, v in s["values"]]
+    values = [
+        float(v) for s in scraped.prom.range(relax(ratio.expr), scraped.start, scraped.end) for _, v in s["values"]
+    ]
     assert values and 0 < max(values) <= 0.9
 
 
@@ -308,7 +376,9 @@ def test_promtool_check_metrics_passes_on_the_real_scrape(scraped):
     result = subprocess.run([PROMTOOL, "check", "metrics"], input=scraped.exposition, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     # Negative control: the same scrape with a counter re-typed as a gauge (a gauge named *_total).
-    bad = scraped.exposition.replace("# TYPE h5ngff_job_slabs_done_total counter", "# TYPE h5ngff_job_slabs_done_total gauge")
+    bad = scraped.exposition.replace(
+        "# TYPE h5ngff_job_slabs_done_total counter", "# TYPE h5ngff_job_slabs_done_total gauge"
+    )
     result = subprocess.run([PROMTOOL, "check", "metrics"], input=bad, capture_output=True, text=True)
     assert result.returncode != 0 and "_total" in result.stdout + result.stderr
 
@@ -317,7 +387,11 @@ def test_no_label_is_renamed_under_pod_monitor_target_labels(scraped):
     """Issue 17: with a PodMonitor's target labels (namespace, pod, container) on the scrape, the
     exporter's own labels keep their names: nothing becomes exported_*. Before the rename its
     ``namespace`` label became ``exported_namespace`` here."""
-    renamed = scraped.prom.range('{__name__=~"h5ngff_.+", exported_namespace!=""} or {__name__=~"h5ngff_.+", exported_job!=""}', scraped.start, scraped.end)
+    renamed = scraped.prom.range(
+        '{__name__=~"h5ngff_.+", exported_namespace!=""} or {__name__=~"h5ngff_.+", exported_job!=""}',
+        scraped.start,
+        scraped.end,
+    )
     assert renamed == []
     (series,) = scraped.prom.range(f'h5ngff_job_planned_slabs{{conversion_job="{JOB}"}}', scraped.start, scraped.end)
     assert series["metric"]["conversion_job_namespace"] == series["metric"]["namespace"] == NAMESPACE
@@ -358,16 +432,36 @@ def batch_scraped(tmp_path_factory, shared_cluster):
         write_h5(runs / f"cell_{i}.h5", smooth((128, 256, 256), "uint16", seed=i))
     (runs / "cell_3.h5").write_bytes(b"not an HDF5 file")
     port = free_port()
-    prom = PrometheusServer(str(tmp), f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}")  # no operator here: its target stays down
+    prom = PrometheusServer(
+        str(tmp), f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
+    )  # no operator here: its target stays down
     try:
         deadline = time.time() + 30
         while not _scraped_once(prom, port):  # the target is known and scraped before the batch starts
             assert time.time() < deadline, "Prometheus never tried the batch's target"
             time.sleep(0.2)
         env = {**os.environ, JOB_NAME_ENV: BATCH_JOB, JOB_NAMESPACE_ENV: NAMESPACE}
-        cmd = [sys.executable, "-m", "h5ngff.cli", "convert", f"{runs}/*.h5:/volume/data", str(tmp / "out" / "{stem}.ome.zarr"),
-               "--scheduler", shared_cluster.scheduler_address, "--chunks", "16,64,64", "--slab", "16,64,64", "--levels", "2",
-               "--json", "--metrics-port", str(port), "--metrics-linger", "3"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "h5ngff.cli",
+            "convert",
+            f"{runs}/*.h5:/volume/data",
+            str(tmp / "out" / "{stem}.ome.zarr"),
+            "--scheduler",
+            shared_cluster.scheduler_address,
+            "--chunks",
+            "16,64,64",
+            "--slab",
+            "16,64,64",
+            "--levels",
+            "2",
+            "--json",
+            "--metrics-port",
+            str(port),
+            "--metrics-linger",
+            "3",
+        ]
         start = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         end = time.time()
@@ -378,7 +472,10 @@ def batch_scraped(tmp_path_factory, shared_cluster):
 
 
 def _batch_series(scraped: BatchScraped, expr: str) -> dict[str, list[float]]:
-    return {s["metric"].get("state", ""): [float(v) for _, v in s["values"]] for s in scraped.prom.range(expr, scraped.start, scraped.end)}
+    return {
+        s["metric"].get("state", ""): [float(v) for _, v in s["values"]]
+        for s in scraped.prom.range(expr, scraped.start, scraped.end)
+    }
 
 
 def test_a_scraped_cli_batch_shows_its_items_by_state_and_its_progress(batch_scraped):
@@ -407,7 +504,12 @@ def test_every_dashboard_and_rule_expression_works_on_a_batch(batch_scraped):
         if metrics <= CGROUP_METRICS or metrics <= set(OPERATOR_METRICS):
             continue  # a plain cluster, and no operator here: the run's scrape above checks these
         expr = substituted(query, batch_scraped.workers, BATCH_JOB)
-        problems += check_series(batch_scraped.prom.range(expr, batch_scraped.start, batch_scraped.end), query, batch_scraped.workers, BATCH_JOB)
+        problems += check_series(
+            batch_scraped.prom.range(expr, batch_scraped.start, batch_scraped.end),
+            query,
+            batch_scraped.workers,
+            BATCH_JOB,
+        )
     assert not problems, "\n".join(problems)
     rule = next(q for q in rule_queries(load_rules()) if q.where == "rule H5ngffBatchNoProgress")
     assert not batch_scraped.prom.range(rule.expr, batch_scraped.start, batch_scraped.end)  # the real threshold: silent

@@ -38,7 +38,13 @@ def _assignments(name: str) -> list[str]:
     found = []
     for where, tree in _trees(PACKAGE).items():
         for node in tree.body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
                 found.append(where)
     return found
@@ -48,8 +54,14 @@ def _literals(value: str) -> list[str]:
     """Modules of the package holding the string literal ``value`` (docstrings aside)."""
     found = []
     for where, tree in _trees(PACKAGE).items():
-        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body
-                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        docs = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
         if any(isinstance(n, ast.Constant) and n.value == value and id(n) not in docs for n in ast.walk(tree)):
             found.append(where)
     return found
@@ -79,18 +91,30 @@ def test_negative_control_the_scan_sees_a_second_definition(tmp_path, monkeypatc
 
 def test_thresholds_have_no_defaults_of_their_own():
     """Thresholds said monitor_interval=0.1 while every plan used MemoryConstants' 0.02."""
-    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in dataclasses.fields(Thresholds))
+    assert all(
+        f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        for f in dataclasses.fields(Thresholds)
+    )
 
 
 def _plan(constants: MemoryConstants):
-    spec = parse_spec({"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "out.ome.zarr"}, "resources": {"workers": 2}})
+    spec = parse_spec(
+        {"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "out.ome.zarr"}, "resources": {"workers": 2}}
+    )
     return make_plan(DatasetInfo((64, 256, 256), "<u2", 2), spec, Capacity(cores=2, memory_bytes=8 << 30), constants)
 
 
 def test_the_plan_and_the_dask_config_carry_the_constants():
-    for constants in (DEFAULT_CONSTANTS, dataclasses.replace(DEFAULT_CONSTANTS, monitor_interval=0.05, planned_fraction=0.8)):
+    for constants in (
+        DEFAULT_CONSTANTS,
+        dataclasses.replace(DEFAULT_CONSTANTS, monitor_interval=0.05, planned_fraction=0.8),
+    ):
         t = _plan(constants).memory.thresholds
-        assert (t.planned, t.monitor_interval, t.terminate) == (constants.planned_fraction, constants.monitor_interval, constants.terminate_fraction)
+        assert (t.planned, t.monitor_interval, t.terminate) == (
+            constants.planned_fraction,
+            constants.monitor_interval,
+            constants.terminate_fraction,
+        )
         config = dask_memory_config(_plan(constants))
         assert config["distributed.worker.memory.monitor-interval"] == f"{round(constants.monitor_interval * 1000)}ms"
         assert config["distributed.worker.memory.terminate"] == constants.terminate_fraction
@@ -102,7 +126,12 @@ def test_the_plan_and_the_dask_config_carry_the_constants():
 def test_one_owner_class():
     assert manifests.Owner is jobspec.Owner
     assert getattr(kubernetes, "ClusterOwner", jobspec.Owner) is jobspec.Owner  # a kept name, if any, is the same class
-    owners = [(where, n.name) for where, tree in _trees(PACKAGE).items() for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name.endswith("Owner")]
+    owners = [
+        (where, n.name)
+        for where, tree in _trees(PACKAGE).items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and n.name.endswith("Owner")
+    ]
     assert owners == [("jobspec.py", "Owner")]
     assert _assignments("KIND") == ["jobspec.py"] and _assignments("API_VERSION") == ["jobspec.py"]
     assert _assignments("GROUP") == ["jobspec.py"] and _literals("h5ngff.dev") == ["jobspec.py"]
@@ -111,10 +140,20 @@ def test_one_owner_class():
 
 def test_every_child_names_the_same_owner_as_the_crd():
     crd = yaml.safe_load((PACKAGE / "operator" / "crd.yaml").read_text())["spec"]
-    assert (crd["group"], crd["names"]["kind"], crd["versions"][0]["name"]) == (jobspec.GROUP, jobspec.KIND, jobspec.VERSION)
+    assert (crd["group"], crd["names"]["kind"], crd["versions"][0]["name"]) == (
+        jobspec.GROUP,
+        jobspec.KIND,
+        jobspec.VERSION,
+    )
     assert (job.API_VERSION, job.KIND) == (jobspec.API_VERSION, jobspec.KIND)
     owner = jobspec.Owner("science", "scan-42", "uid-42")
-    spec = parse_job_spec({"source": {"path": "/d/in.h5", "dataset": "/volume/data"}, "output": {"path": "/d/out.ome.zarr"}, "resources": {"workers": 2}})
+    spec = parse_job_spec(
+        {
+            "source": {"path": "/d/in.h5", "dataset": "/volume/data"},
+            "output": {"path": "/d/out.ome.zarr"},
+            "resources": {"workers": 2},
+        }
+    )
     runner = manifests.build_runner_job(owner, spec, 1, "img")
     cluster = kubernetes.build_dask_cluster(_plan(DEFAULT_CONSTANTS), owner, "img", spec.pod)
     # The runner's exporter labels its series with the names the runner Job sets.
@@ -123,7 +162,12 @@ def test_every_child_names_the_same_owner_as_the_crd():
     assert _literals(JOB_NAME_ENV) == _literals(JOB_NAMESPACE_ENV) == ["metrics/exporter.py"]
     for child in (runner, cluster, manifests.build_runner_role(owner)):
         (ref,) = child["metadata"]["ownerReferences"]
-        assert (ref["apiVersion"], ref["kind"], ref["name"], ref["uid"]) == (f"{crd['group']}/{crd['versions'][0]['name']}", crd["names"]["kind"], "scan-42", "uid-42")
+        assert (ref["apiVersion"], ref["kind"], ref["name"], ref["uid"]) == (
+            f"{crd['group']}/{crd['versions'][0]['name']}",
+            crd["names"]["kind"],
+            "scan-42",
+            "uid-42",
+        )
 
 
 # --- the codecs: one entry each (h5ngff/codecs_table.py, engine/codecs.py) ---------------------------
@@ -161,8 +205,15 @@ def test_the_engine_has_one_entry_per_codec_of_the_table():
 def test_every_codec_reads_back_from_its_own_metadata(fmt):
     """The metadata the engine writes names the codec as the table does: engine/existing.py reads
     it back into the same spec. Only the crc32c codec (Zarr v3) is set aside."""
-    specs = [CompressorSpec(codec=name, clevel=None if f.levels is None else f.levels[1]) for name, f in codecs_table.CODECS.items()]
-    specs += [CompressorSpec(codec="blosc", cname=c, shuffle=s, clevel=1) for c in codecs_table.BLOSC_CNAMES for s in codecs_table.BLOSC_SHUFFLES]
+    specs = [
+        CompressorSpec(codec=name, clevel=None if f.levels is None else f.levels[1])
+        for name, f in codecs_table.CODECS.items()
+    ]
+    specs += [
+        CompressorSpec(codec="blosc", cname=c, shuffle=s, clevel=1)
+        for c in codecs_table.BLOSC_CNAMES
+        for s in codecs_table.BLOSC_SHUFFLES
+    ]
     for spec in specs:
         written = engine_codecs.zarr_compressors(spec, fmt, checksums=True)
         if fmt == 2:
@@ -170,12 +221,24 @@ def test_every_codec_reads_back_from_its_own_metadata(fmt):
         else:
             meta = next((c.to_dict() for c in written if c.to_dict()["name"] != "crc32c"), None)
         back = engine_codecs.spec_from_metadata(meta)
-        assert (back.codec, back.level, back.blosc_cname, back.blosc_shuffle) == (spec.codec, spec.level, spec.blosc_cname, spec.blosc_shuffle)
+        assert (back.codec, back.level, back.blosc_cname, back.blosc_shuffle) == (
+            spec.codec,
+            spec.level,
+            spec.blosc_cname,
+            spec.blosc_shuffle,
+        )
 
 
 def test_the_memory_term_follows_the_codec_table():
     """zstd (plain, or inside blosc) keeps a zstd context per thread; the planner prices it."""
     assert plan._uses_zstd(parse_spec({"source": {"path": "a.h5", "dataset": "d"}, "output": {"path": "o"}}))
-    for compressor, zstd in [({"codec": "zstd"}, True), ({"codec": "blosc", "cname": "lz4"}, False), ({"codec": "gzip"}, False), ({"codec": "none"}, False)]:
-        spec = parse_spec({"source": {"path": "a.h5", "dataset": "d"}, "output": {"path": "o", "compressor": compressor}})
+    for compressor, zstd in [
+        ({"codec": "zstd"}, True),
+        ({"codec": "blosc", "cname": "lz4"}, False),
+        ({"codec": "gzip"}, False),
+        ({"codec": "none"}, False),
+    ]:
+        spec = parse_spec(
+            {"source": {"path": "a.h5", "dataset": "d"}, "output": {"path": "o", "compressor": compressor}}
+        )
         assert plan._uses_zstd(spec) is zstd, compressor

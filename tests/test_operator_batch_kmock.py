@@ -21,7 +21,17 @@ from h5ngff.operator.batchspec import parse_batch_spec
 from h5ngff.operator.kube import KubeConfig
 from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_BATCH_RULES, RUNNER_RULES, calls
 from h5ngff.operator.reporter import StatusReporter
-from operator_harness import CB_PATH, LEASE_RES, batch_manifest, emulator, fast_config, manifest, operator_running, passes, wait_for
+from operator_harness import (
+    CB_PATH,
+    LEASE_RES,
+    batch_manifest,
+    emulator,
+    fast_config,
+    manifest,
+    operator_running,
+    passes,
+    wait_for,
+)
 from test_operator_e2e import run_container
 from test_operator_kmock import env_of
 
@@ -41,7 +51,11 @@ def by_output(status: dict) -> dict[str, dict]:
 
 async def finish(c, job_name: str, code: int) -> None:
     """The Job controller: the runner's container exited with ``code``."""
-    done = {"type": "Complete", "status": "True"} if code == 0 else {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}
+    done = (
+        {"type": "Complete", "status": "True"}
+        if code == 0
+        else {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}
+    )
     await c.patch_job_status(job_name, {"active": 0, "succeeded" if code == 0 else "failed": 1, "conditions": [done]})
 
 
@@ -56,9 +70,13 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
     out = tmp_path / "out"
 
     def spec(names: str) -> dict:
-        return {"items": [{"source": {"path": sources[n], "dataset": "/volume/data"}} for n in names],
-                "output": {"path": str(out / "{stem}.ome.zarr"), "chunks": [8, 16, 16]}, "pyramid": {"levels": 2},
-                "resources": {"workers": 1}, "pod": {"image": IMAGE}}
+        return {
+            "items": [{"source": {"path": sources[n], "dataset": "/volume/data"}} for n in names],
+            "output": {"path": str(out / "{stem}.ome.zarr"), "chunks": [8, 16, 16]},
+            "pyramid": {"levels": 2},
+            "resources": {"workers": 1},
+            "pod": {"image": IMAGE},
+        }
 
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply_batch(batch_manifest("run", spec("ab")))
@@ -92,7 +110,10 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
         code, log = await run_container(job2, c.url, str(tmp_path))
         assert code == 0, log
         await finish(c, "run-runner-2", code)
-        await wait_for(lambda: c.batch_status("run").get("succeeded") == 3 and c.batch_status("run").get("phase") == "Succeeded", what="3 Succeeded")
+        await wait_for(
+            lambda: c.batch_status("run").get("succeeded") == 3 and c.batch_status("run").get("phase") == "Succeeded",
+            what="3 Succeeded",
+        )
         np.testing.assert_array_equal(zarr.open_group(str(out / "c.ome.zarr"), mode="r")["0"][...], data["c"])
         assert {n: os.path.getmtime(out / f"{n}.ome.zarr" / "zarr.json") for n in "ab"} == written  # not run again
 
@@ -100,7 +121,10 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
         await c.edit_batch("run", {"spec": {"items": spec("bc")["items"]}})
         await wait_for(lambda: c.batch_status("run").get("total") == 2, what="the removal")
         await batch_passes(cfg, "run", 5)
-        assert set(by_output(c.batch_status("run"))) == {"b.ome.zarr", "c.ome.zarr"} and c.batch_status("run")["phase"] == "Succeeded"
+        assert (
+            set(by_output(c.batch_status("run"))) == {"b.ome.zarr", "c.ome.zarr"}
+            and c.batch_status("run")["phase"] == "Succeeded"
+        )
         np.testing.assert_array_equal(zarr.open_group(str(out / "a.ome.zarr"), mode="r")["0"][...], data["a"])
         assert c.job_creations() == ["run-runner-1", "run-runner-2"]
         calls_made = c.api_calls()
@@ -121,8 +145,16 @@ async def _report(reporter: StatusReporter, patch: dict) -> None:
 @pytest.mark.slow
 async def test_two_batches_naming_one_output_the_second_waits_until_the_first_is_done():
     shared = "/data/out/shared.ome.zarr"
-    first = {"items": [_item("/data/x.h5", shared)], "output": {"path": "/data/out/{stem}.ome.zarr"}, "pod": {"image": IMAGE}}
-    second = {"items": [_item("/data/y.h5", shared), _item("/data/z.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}, "pod": {"image": IMAGE}}
+    first = {
+        "items": [_item("/data/x.h5", shared)],
+        "output": {"path": "/data/out/{stem}.ome.zarr"},
+        "pod": {"image": IMAGE},
+    }
+    second = {
+        "items": [_item("/data/y.h5", shared), _item("/data/z.h5")],
+        "output": {"path": "/data/out/{stem}.ome.zarr"},
+        "pod": {"image": IMAGE},
+    }
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply_batch(batch_manifest("one", first))
         await wait_for(lambda: "one-runner-1" in c.jobs(), what="first runner")
@@ -133,18 +165,31 @@ async def test_two_batches_naming_one_output_the_second_waits_until_the_first_is
         assert "default/one/" in items["shared.ome.zarr"]["message"]
         assert ids_of(c.jobs()["two-runner-1"]) == [items["z.ome.zarr"]["id"]]  # the busy item is not started
         # A ConversionJob on the batch's output waits too: a batch's Lease is not taken for abandoned.
-        await c.apply(manifest("single", {"source": {"path": "/data/w.h5", "dataset": "/d"}, "output": {"path": shared}, "pod": {"image": IMAGE}}))
+        await c.apply(
+            manifest(
+                "single",
+                {
+                    "source": {"path": "/data/w.h5", "dataset": "/d"},
+                    "output": {"path": shared},
+                    "pod": {"image": IMAGE},
+                },
+            )
+        )
         await wait_for(lambda: "OutputBusy" in str(c.status("single")), what="the job waits")
         assert "single-runner-1" not in c.jobs()
 
         # The first batch finishes: the second runs its waiting item in its next attempt.
         one = by_output(c.batch_status("one"))["shared.ome.zarr"]["id"]
-        await _report(StatusReporter("default", "one", KubeConfig(c.url), plural="conversionbatches"),
-                      {"itemReports": {one: {"attempt": 1, "outcome": "Succeeded"}}})
+        await _report(
+            StatusReporter("default", "one", KubeConfig(c.url), plural="conversionbatches"),
+            {"itemReports": {one: {"attempt": 1, "outcome": "Succeeded"}}},
+        )
         await finish(c, "one-runner-1", 0)
         two_z = by_output(c.batch_status("two"))["z.ome.zarr"]["id"]
-        await _report(StatusReporter("default", "two", KubeConfig(c.url), plural="conversionbatches"),
-                      {"itemReports": {two_z: {"attempt": 1, "outcome": "Succeeded"}}})
+        await _report(
+            StatusReporter("default", "two", KubeConfig(c.url), plural="conversionbatches"),
+            {"itemReports": {two_z: {"attempt": 1, "outcome": "Succeeded"}}},
+        )
         await c.delete_cj("single")  # else it might take the output first: either order is one writer at a time
         await finish(c, "two-runner-1", 0)
         await wait_for(lambda: "two-runner-2" in c.jobs(), timeout=20, what="the waiting item's attempt")
@@ -155,7 +200,11 @@ async def test_two_batches_naming_one_output_the_second_waits_until_the_first_is
 
 @pytest.mark.slow
 async def test_a_policy_violating_batch_is_refused_with_policy_denied():
-    spec = {"items": [_item("/data/x.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}, "pod": {"image": "evil.example/miner:1"}}
+    spec = {
+        "items": [_item("/data/x.h5")],
+        "output": {"path": "/data/out/{stem}.ome.zarr"},
+        "pod": {"image": "evil.example/miner:1"},
+    }
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply_batch(batch_manifest("bad", spec))
         await wait_for(lambda: c.batch_status("bad").get("reason") == "PolicyDenied", what="PolicyDenied")
@@ -174,21 +223,37 @@ async def test_the_runner_jobs_spec_is_the_batch_with_the_image_resolved():
     from h5ngff.operator.manifests import Owner, build_runner_job
 
     spec = parse_batch_spec({"items": [_item("/data/x.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}})
-    job = build_runner_job(Owner("default", "b", "uid-b", 1, "ConversionBatch"), spec, 1, "h5ngff:test", extra_env={"H5NGFF_ITEMS": "x"})
+    job = build_runner_job(
+        Owner("default", "b", "uid-b", 1, "ConversionBatch"), spec, 1, "h5ngff:test", extra_env={"H5NGFF_ITEMS": "x"}
+    )
     again = parse_batch_spec(json.loads(env_of(job)["H5NGFF_SPEC"]))
-    assert [p.id for p in again.planned_items()] == [p.id for p in spec.planned_items()] and again.pod.image == "h5ngff:test"
+    assert [p.id for p in again.planned_items()] == [
+        p.id for p in spec.planned_items()
+    ] and again.pod.image == "h5ngff:test"
     assert job["metadata"]["ownerReferences"][0]["kind"] == "ConversionBatch"
 
 
 @pytest.mark.slow
 async def test_deleting_a_running_batch_removes_its_runner_and_gives_its_leases_back():
-    spec = {"items": [_item("/data/x.h5"), _item("/data/y.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}, "pod": {"image": IMAGE}}
+    spec = {
+        "items": [_item("/data/x.h5"), _item("/data/y.h5")],
+        "output": {"path": "/data/out/{stem}.ome.zarr"},
+        "pod": {"image": IMAGE},
+    }
     async with emulator() as c, operator_running(fast_config(c.url)):
         await c.apply_batch(batch_manifest("gone", spec))
         await wait_for(lambda: "gone-runner-1" in c.jobs() and len(c.live(LEASE_RES)) == 2, what="runner and Leases")
         # Negative control first: a ConversionJob on one of its outputs waits while the batch lives.
-        await c.apply(manifest("next", {"source": {"path": "/data/w.h5", "dataset": "/d"}, "output": {"path": "/data/out/x.ome.zarr"},
-                                        "pod": {"image": IMAGE}}))
+        await c.apply(
+            manifest(
+                "next",
+                {
+                    "source": {"path": "/data/w.h5", "dataset": "/d"},
+                    "output": {"path": "/data/out/x.ome.zarr"},
+                    "pod": {"image": IMAGE},
+                },
+            )
+        )
         await wait_for(lambda: "OutputBusy" in str(c.status("next")), what="the job waits")
         resp = await c.k.delete(f"{CB_PATH.format(ns='default')}/gone")
         assert resp.status == 200, await resp.text()
@@ -206,11 +271,15 @@ async def test_a_batchs_lease_is_looked_up_as_a_batch_not_taken_for_an_abandoned
     from h5ngff.operator.lease import _holder_gone
 
     async with emulator() as c:
-        await c.apply_batch(batch_manifest("live", {"items": [_item("/data/x.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}}))
+        await c.apply_batch(
+            batch_manifest("live", {"items": [_item("/data/x.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}})
+        )
         kube = await Kube.connect(KubeConfig(c.url))
         try:
             assert await _holder_gone(kube, "default/live/uid-live", "ConversionBatch") is False
             assert await _holder_gone(kube, "default/live/uid-live", "ConversionJob") is True  # the control
-            assert await _holder_gone(kube, "default/live/other-uid", "ConversionBatch") is True  # a new object of that name
+            assert (
+                await _holder_gone(kube, "default/live/other-uid", "ConversionBatch") is True
+            )  # a new object of that name
         finally:
             await kube.close()

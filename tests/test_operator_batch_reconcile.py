@@ -21,7 +21,9 @@ def src(name: str) -> dict:
 
 def desired(spec: dict) -> tuple[DesiredItem, ...]:
     batch = parse_batch_spec(spec)
-    return tuple(DesiredItem(p.id, p.item.source, p.output, p.conversion_hash(), f"lease-{p.id}") for p in batch.planned_items())
+    return tuple(
+        DesiredItem(p.id, p.item.source, p.output, p.conversion_hash(), f"lease-{p.id}") for p in batch.planned_items()
+    )
 
 
 class Driver:
@@ -39,8 +41,15 @@ class Driver:
 
     def observed(self) -> BatchObserved:
         jobs = tuple(JobSummary(n, 0, s, uid=f"uid-{n}") for n, s in self.job_state.items())
-        return BatchObserved("run", self.status, desired(self.spec), backoff_limit=self.spec.get("backoffLimit", 2), jobs=jobs, now="t",
-                             policy_denial=self.denial)
+        return BatchObserved(
+            "run",
+            self.status,
+            desired(self.spec),
+            backoff_limit=self.spec.get("backoffLimit", 2),
+            jobs=jobs,
+            now="t",
+            policy_denial=self.denial,
+        )
 
     def step(self):
         o = self.observed()
@@ -70,8 +79,10 @@ class Driver:
     def report(self, outcomes: dict[str, tuple[str, str | None]]):
         """The runner: item output -> (outcome, reason), for the current attempt."""
         by_output = {i["output"]: i["id"] for i in self.status["items"]}
-        reports = {by_output[out]: {"attempt": self.status["attempts"], "outcome": o, "reason": r, "message": r and f"{r}!"}
-                   for out, (o, r) in outcomes.items()}
+        reports = {
+            by_output[out]: {"attempt": self.status["attempts"], "outcome": o, "reason": r, "message": r and f"{r}!"}
+            for out, (o, r) in outcomes.items()
+        }
         self.status = merge(self.status, {"itemReports": reports})
 
     def end_job(self, state: str = "succeeded"):
@@ -124,7 +135,11 @@ def test_an_item_added_after_success_runs_alone():
     run_to_end(dr)
     dr.spec = {**dr.spec, "items": [src("a"), src("b"), src("c")]}
     dr.step()
-    assert dr.created == [1, 2] and dr.phases() == {"a.ome.zarr": "Succeeded", "b.ome.zarr": "Succeeded", "c.ome.zarr": "Running"}
+    assert dr.created == [1, 2] and dr.phases() == {
+        "a.ome.zarr": "Succeeded",
+        "b.ome.zarr": "Succeeded",
+        "c.ome.zarr": "Running",
+    }
     (only,) = dr.status["runningItems"]
     assert next(i for i in dr.status["items"] if i["id"] == only)["output"] == C and dr.status["phase"] == "Running"
     dr.report({C: ("Succeeded", None)})
@@ -222,14 +237,24 @@ def test_a_policy_denied_batch_starts_nothing_and_stops_a_running_attempt():
     dr = Driver({**BASE, "items": [src("a")]})
     dr.denial = "spec.pod.image 'evil' is not allowed"
     d = dr.step()
-    assert dr.status["phase"] == "Failed" and dr.status["reason"] == "PolicyDenied" and d.ensure_attempt is None and not dr.created
+    assert (
+        dr.status["phase"] == "Failed"
+        and dr.status["reason"] == "PolicyDenied"
+        and d.ensure_attempt is None
+        and not dr.created
+    )
     assert reconcile_batch(dr.observed()).patch == {}
     # Negative control: the same batch, allowed, runs; denied while running, it is stopped.
     dr = Driver({**BASE, "items": [src("a")]})
     dr.step()
     dr.denial = "tightened"
     d = dr.step()
-    assert d.delete_job == "run-runner-1" and d.delete_cluster and dr.leases == set() and dr.status["reason"] == "PolicyDenied"
+    assert (
+        d.delete_job == "run-runner-1"
+        and d.delete_cluster
+        and dr.leases == set()
+        and dr.status["reason"] == "PolicyDenied"
+    )
 
 
 def test_an_invalid_spec_starts_nothing():
@@ -245,6 +270,13 @@ def test_a_new_attempt_waits_for_the_previous_attempts_pods():
     dr.spec = {**dr.spec, "items": [src("a"), src("b")]}
     dr.pods = ({"metadata": {"name": "run-runner-1-abcde"}, "status": {"phase": "Running"}},)
     d = dr.step()
-    assert d.ensure_attempt is None and d.delete_cluster and "run-runner-1-abcde" in dr.status["message"] and dr.created == [1]
-    dr.pods = ({"metadata": {"name": "run-runner-1-abcde"}, "status": {"phase": "Succeeded"}},)  # exited: the attempt starts
+    assert (
+        d.ensure_attempt is None
+        and d.delete_cluster
+        and "run-runner-1-abcde" in dr.status["message"]
+        and dr.created == [1]
+    )
+    dr.pods = (
+        {"metadata": {"name": "run-runner-1-abcde"}, "status": {"phase": "Succeeded"}},
+    )  # exited: the attempt starts
     assert dr.step().ensure_attempt == 2

@@ -22,10 +22,16 @@ from h5ngff.operator.policy import TenantPolicy, policy_violations
 from test_crd import FORBIDDEN, _model_fields, _schema_fields, _walk
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIES = [ROOT / "src/h5ngff/operator/crd-batch.yaml", ROOT / "manifests/crd-batch.yaml", ROOT / "helm/h5ngff/crds/conversionbatches.h5ngff.dev.yaml"]
+COPIES = [
+    ROOT / "src/h5ngff/operator/crd-batch.yaml",
+    ROOT / "manifests/crd-batch.yaml",
+    ROOT / "helm/h5ngff/crds/conversionbatches.h5ngff.dev.yaml",
+]
 EXAMPLE = ROOT / "manifests/examples/conversionbatch.yaml"
-BASE = {"output": {"path": "/data/out/{stem}.ome.zarr"},
-        "items": [{"source": {"path": "/data/a.h5", "dataset": "/d"}}, {"source": {"path": "/data/b.h5", "dataset": "/d"}}]}
+BASE = {
+    "output": {"path": "/data/out/{stem}.ome.zarr"},
+    "items": [{"source": {"path": "/data/a.h5", "dataset": "/d"}}, {"source": {"path": "/data/b.h5", "dataset": "/d"}}],
+}
 
 
 def _spec_schema() -> dict:
@@ -34,60 +40,113 @@ def _spec_schema() -> dict:
 
 @pytest.mark.parametrize("path", COPIES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_checked_in_batch_crd_matches_the_models(path):
-    assert path.read_text() == render("ConversionBatch"), f"{path} drifted: python -m h5ngff.operator.crd batch > src/h5ngff/operator/crd-batch.yaml"
+    assert path.read_text() == render("ConversionBatch"), (
+        f"{path} drifted: python -m h5ngff.operator.crd batch > src/h5ngff/operator/crd-batch.yaml"
+    )
 
 
 def test_the_batch_crd_is_structural_and_valid_kubernetes():
     crd = build_batch_crd()
     kubernetes_validate.validate(crd, "1.33", strict=True)
     for path, node in _walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]):
-        if isinstance(node, dict) and (path.split(".")[-2:-1] == ["properties"] or path.endswith((".items", ".additionalProperties"))):
+        if isinstance(node, dict) and (
+            path.split(".")[-2:-1] == ["properties"] or path.endswith((".items", ".additionalProperties"))
+        ):
             assert not FORBIDDEN & set(node), f"{path} uses {FORBIDDEN & set(node)}"
-            assert {"type", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields"} & set(node), f"{path} has no type"
-    assert [c["name"] for c in BATCH_PRINTER_COLUMNS] == ["Phase", "Total", "Succeeded", "Failed", "Running", "Reason", "Attempts", "Age"]
+            assert {"type", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields"} & set(node), (
+                f"{path} has no type"
+            )
+    assert [c["name"] for c in BATCH_PRINTER_COLUMNS] == [
+        "Phase",
+        "Total",
+        "Succeeded",
+        "Failed",
+        "Running",
+        "Reason",
+        "Attempts",
+        "Age",
+    ]
     assert crd["spec"]["names"]["kind"] == "ConversionBatch" and crd["spec"]["names"]["shortNames"] == ["cb"]
 
 
 def test_every_batch_field_is_in_the_schema_and_nothing_else():
     schema = build_batch_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
     job_fields = {f for f in _model_fields(ConversionJobSpec) if not f.startswith("source")}
-    items = {"items", "items.output", *("items." + f for f in _model_fields(ConversionJobSpec) if f.startswith("source"))}
+    items = {
+        "items",
+        "items.output",
+        *("items." + f for f in _model_fields(ConversionJobSpec) if f.startswith("source")),
+    }
     assert _schema_fields(schema["spec"]) == job_fields | items  # the job's fields, reused, and the items
     status = _model_fields(ConversionBatchStatus)
     reports = {f for f in status if f.startswith("itemReports.")}
     assert _schema_fields(schema["status"]) == status - reports  # itemReports is a map: its entries' fields are below
-    assert {"itemReports." + f for f in _schema_fields(schema["status"]["properties"]["itemReports"]["additionalProperties"])} == reports
+    assert {
+        "itemReports." + f
+        for f in _schema_fields(schema["status"]["properties"]["itemReports"]["additionalProperties"])
+    } == reports
 
 
 def test_items_get_their_own_conversion_spec_from_the_template():
-    spec = parse_batch_spec({**BASE, "resources": {"memoryPerWorker": "1Gi"},
-                             "items": [*BASE["items"], {"source": {"path": "/data/c.h5", "dataset": "/d"}, "output": "/data/out/c-retake.ome.zarr"}]})
+    spec = parse_batch_spec(
+        {
+            **BASE,
+            "resources": {"memoryPerWorker": "1Gi"},
+            "items": [
+                *BASE["items"],
+                {"source": {"path": "/data/c.h5", "dataset": "/d"}, "output": "/data/out/c-retake.ome.zarr"},
+            ],
+        }
+    )
     items = spec.planned_items()
     assert [p.output for p in items] == ["/data/out/a.ome.zarr", "/data/out/b.ome.zarr", "/data/out/c-retake.ome.zarr"]
     assert all(isinstance(p.spec, ConversionJobSpec) and p.spec.resources.memory_per_worker == "1Gi" for p in items)
     assert items[0].item.source == "/data/a.h5:/d" and items[0].id == item_id("/data/out/a.ome.zarr")
     # The item's hash is the hash the same ConversionJob would have: one definition.
-    job = ConversionJobSpec.model_validate({"source": {"path": "/data/a.h5", "dataset": "/d"}, "output": {"path": "/data/out/a.ome.zarr"},
-                                            "resources": {"memoryPerWorker": "1Gi"}})
+    job = ConversionJobSpec.model_validate(
+        {
+            "source": {"path": "/data/a.h5", "dataset": "/d"},
+            "output": {"path": "/data/out/a.ome.zarr"},
+            "resources": {"memoryPerWorker": "1Gi"},
+        }
+    )
     assert items[0].conversion_hash() == job.conversion_hash()
     assert len({p.conversion_hash() for p in items}) == 3
 
 
 def test_relative_paths_resolve_against_the_working_directory():
-    spec = parse_batch_spec({**BASE, "output": {"path": "out/{parent}/{stem}.ome.zarr"}, "pod": {"workingDir": "/work"},
-                             "items": [{"source": {"path": "day1/a.h5", "dataset": "/d"}}]})
+    spec = parse_batch_spec(
+        {
+            **BASE,
+            "output": {"path": "out/{parent}/{stem}.ome.zarr"},
+            "pod": {"workingDir": "/work"},
+            "items": [{"source": {"path": "day1/a.h5", "dataset": "/d"}}],
+        }
+    )
     (item,) = spec.planned_items()
     assert item.item.path == "/work/day1/a.h5" and item.id == item_id("/work/out/day1/a.ome.zarr")
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda d: d["items"].append({"source": {"path": "/other/a.h5", "dataset": "/d"}}), "output"),  # two sources, one output
-    (lambda d: d["items"].append({"source": {"path": "/data/c.h5", "dataset": "/d"}, "output": "/data/out/a.ome.zarr/x.ome.zarr"}), "output"),
-    (lambda d: d["output"].update(path="/data/out/{nope}.ome.zarr"), "output.path"),
-    (lambda d: d.update(source={"path": "/data/a.h5", "dataset": "/d"}), "source"),
-    (lambda d: d["items"][0]["source"].update(path="s3://bucket/a.h5"), "items[0].source.path"),
-    (lambda d: d["items"][0].update(output=""), "items[0].output"),
-], ids=["two-to-one", "nested", "unknown-field", "top-level-source", "url-source", "empty-output"])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (
+            lambda d: d["items"].append({"source": {"path": "/other/a.h5", "dataset": "/d"}}),
+            "output",
+        ),  # two sources, one output
+        (
+            lambda d: d["items"].append(
+                {"source": {"path": "/data/c.h5", "dataset": "/d"}, "output": "/data/out/a.ome.zarr/x.ome.zarr"}
+            ),
+            "output",
+        ),
+        (lambda d: d["output"].update(path="/data/out/{nope}.ome.zarr"), "output.path"),
+        (lambda d: d.update(source={"path": "/data/a.h5", "dataset": "/d"}), "source"),
+        (lambda d: d["items"][0]["source"].update(path="s3://bucket/a.h5"), "items[0].source.path"),
+        (lambda d: d["items"][0].update(output=""), "items[0].output"),
+    ],
+    ids=["two-to-one", "nested", "unknown-field", "top-level-source", "url-source", "empty-output"],
+)
 def test_bad_batches_are_refused_naming_the_field(change, field):
     data = copy.deepcopy(BASE)
     change(data)
@@ -105,7 +164,10 @@ def test_admission_refuses_what_the_model_refuses_for_item_sources():
     assert any("items[1].source.path" in e and "not a URL" in e for e in admission_errors(schema, url))
     with pytest.raises(SpecError):
         parse_batch_spec(url)
-    both = {**copy.deepcopy(BASE), "resources": {"memoryPerWorker": "1Gi", "memoryTotal": "4Gi"}}  # a job-level rule, as for a job
+    both = {
+        **copy.deepcopy(BASE),
+        "resources": {"memoryPerWorker": "1Gi", "memoryTotal": "4Gi"},
+    }  # a job-level rule, as for a job
     assert admission_errors(schema, both) and pytest.raises(SpecError, parse_batch_spec, both)
 
 
@@ -115,8 +177,11 @@ def test_the_example_is_valid_for_the_crd_and_the_model():
     jsonschema.Draft4Validator(schema).validate(doc)
     assert admission_errors(_spec_schema(), doc["spec"]) == []
     spec = parse_batch_spec(doc["spec"])
-    assert [p.output for p in spec.planned_items()] == ["/out/2026-11-03/cell_01.ome.zarr", "/out/2026-11-03/cell_02.ome.zarr",
-                                                         "/out/2026-11-03/cell_03-retake.ome.zarr"]
+    assert [p.output for p in spec.planned_items()] == [
+        "/out/2026-11-03/cell_01.ome.zarr",
+        "/out/2026-11-03/cell_02.ome.zarr",
+        "/out/2026-11-03/cell_03-retake.ome.zarr",
+    ]
     broken = copy.deepcopy(doc)
     broken["spec"]["resources"]["threadPerWorker"] = 1  # negative control: a typo fails both
     with pytest.raises(jsonschema.ValidationError):
@@ -129,8 +194,16 @@ def test_the_tenant_policy_applies_to_a_batch_as_to_a_job():
     policy = TenantPolicy(allowed_images=("registry.example/*",))
     ok = parse_batch_spec({**BASE, "pod": {"image": "registry.example/h5ngff:1"}})
     assert isinstance(ok, ConversionBatchSpec) and policy_violations(ok, policy, "h5ngff:test", None) == []
-    bad = parse_batch_spec({**BASE, "pod": {"image": "evil.example/miner:1", "volumes": [{"name": "root", "hostPath": {"path": "/"}}],
-                                            "volumeMounts": [{"name": "root", "mountPath": "/host"}]}})
+    bad = parse_batch_spec(
+        {
+            **BASE,
+            "pod": {
+                "image": "evil.example/miner:1",
+                "volumes": [{"name": "root", "hostPath": {"path": "/"}}],
+                "volumeMounts": [{"name": "root", "mountPath": "/host"}],
+            },
+        }
+    )
     found = policy_violations(bad, policy, "h5ngff:test", None)
     assert any("spec.pod.image" in v for v in found) and any("hostPath" in v for v in found)
 

@@ -29,7 +29,18 @@ from h5ngff.operator.kube import KubeConfig
 from h5ngff.operator.reconcile import reconcile
 from h5ngff.operator.reporter import StatusReporter
 from h5ngff.operator.status import merge
-from operator_harness import CJ_PATH, CJ_RES, JOB_RES, LEASE_RES, emulator, fast_config, manifest, operator_running, passes, wait_for
+from operator_harness import (
+    CJ_PATH,
+    CJ_RES,
+    JOB_RES,
+    LEASE_RES,
+    emulator,
+    fast_config,
+    manifest,
+    operator_running,
+    passes,
+    wait_for,
+)
 from test_operator_kmock import SPEC, env_of, report
 from test_operator_reconcile import T1, job, obs, run
 
@@ -41,9 +52,19 @@ COMPLETE = {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "st
 def announced(attempt: int = 1, **extra):
     """The status right after the write that announces the run's first attempt, before its
     runner Job's uid is recorded: what a crash between those calls leaves."""
-    return {"phase": "Pending", "attempts": attempt, "firstAttempt": attempt, "runnerJob": f"scan-runner-{attempt}", "startTime": T1,
-            "conversionHash": "c1", "conversionGeneration": 1, "observedGeneration": 1, "outputLease": "lease-a",
-            "output": "/data/out.ome.zarr", **extra}
+    return {
+        "phase": "Pending",
+        "attempts": attempt,
+        "firstAttempt": attempt,
+        "runnerJob": f"scan-runner-{attempt}",
+        "startTime": T1,
+        "conversionHash": "c1",
+        "conversionGeneration": 1,
+        "observedGeneration": 1,
+        "outputLease": "lease-a",
+        "output": "/data/out.ome.zarr",
+        **extra,
+    }
 
 
 # -- the pure decisions, one per crash point ------------------------------------------------------
@@ -81,7 +102,12 @@ def test_a_job_deleted_mid_run_before_its_uid_was_recorded_is_a_failed_attempt()
 
 
 def test_a_refused_runner_job_fails_the_run_with_the_apis_message_and_gives_the_lease_back():
-    d = reconcile(dataclasses.replace(obs(announced(), pods=[]), create_rejected='Job.batch "scan-runner-1" is invalid: volumes[1].name: Duplicate value'))
+    d = reconcile(
+        dataclasses.replace(
+            obs(announced(), pods=[]),
+            create_rejected='Job.batch "scan-runner-1" is invalid: volumes[1].name: Duplicate value',
+        )
+    )
     s = merge(announced(), d.patch)
     assert s["phase"] == "Failed" and s["reason"] == "Rejected" and "Duplicate value" in s["message"]
     assert d.release_lease == "lease-a" and "outputLease" not in s and d.event[:2] == ("Warning", "Rejected")
@@ -92,7 +118,12 @@ def test_a_hash_from_another_build_at_the_same_generation_starts_nothing_and_is_
     s.pop("conversionGeneration")
     s.pop("outputLease")
     d, s2 = run(s, jobs=[job(1, "succeeded")])
-    assert d.ensure_attempt is None and s2["phase"] == "Succeeded" and s2["conversionHash"] == "c1" and s2["conversionGeneration"] == 1
+    assert (
+        d.ensure_attempt is None
+        and s2["phase"] == "Succeeded"
+        and s2["conversionHash"] == "c1"
+        and s2["conversionGeneration"] == 1
+    )
     # After adoption, an edit that keeps the conversion starts nothing; one that changes it does.
     d, _ = run(s2, jobs=[job(1, "succeeded")], generation=2)
     assert d.ensure_attempt is None
@@ -123,8 +154,11 @@ def test_the_conversion_hash_covers_what_the_user_wrote_not_the_defaults():
 
 async def _set_status(c, patch: dict) -> None:
     """Leave the status as a crash (or an older build) would have left it."""
-    resp = await c.k.patch(f"{CJ_PATH.format(ns='default')}/scan/status", json={"status": patch},
-                           headers={"Content-Type": "application/merge-patch+json"})
+    resp = await c.k.patch(
+        f"{CJ_PATH.format(ns='default')}/scan/status",
+        json={"status": patch},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     assert resp.status == 200, await resp.text()
 
 
@@ -154,7 +188,10 @@ async def test_a_finished_runner_gone_before_its_uid_was_recorded_never_runs_aga
         await c.patch_job_status("scan-runner-1", COMPLETE)
         assert (await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")).status == 200
         async with operator_running(cfg := fast_config(c.url)):
-            await wait_for(lambda: c.status("scan").get("phase") == "Succeeded" or len(c.job_create_requests()) > 1, what="Succeeded (or a re-run)")
+            await wait_for(
+                lambda: c.status("scan").get("phase") == "Succeeded" or len(c.job_create_requests()) > 1,
+                what="Succeeded (or a re-run)",
+            )
             await passes(cfg, "scan", 3)
         assert c.job_create_requests() == ["scan-runner-1"] and c.status("scan")["phase"] == "Succeeded"
 
@@ -173,7 +210,10 @@ async def test_a_runner_deleted_mid_run_before_its_uid_was_recorded_is_a_failed_
             await wait_for(lambda: len(c.job_create_requests()) > 1, what="the next attempt (or a re-creation)")
             await wait_for(lambda: c.status("scan").get("attempts") == 2, what="attempt 2 recorded")
             assert c.job_create_requests() == ["scan-runner-1", "scan-runner-2"]
-            assert c.status("scan")["failures"][-1]["reason"] == "RunnerDeleted" and _overwrite(c, "scan-runner-2") is False
+            assert (
+                c.status("scan")["failures"][-1]["reason"] == "RunnerDeleted"
+                and _overwrite(c, "scan-runner-2") is False
+            )
             await wait_for(lambda: any(e["reason"] == "RunnerDeleted" for e in c.events()), what="RunnerDeleted event")
 
 
@@ -190,7 +230,9 @@ async def test_a_first_attempt_that_may_have_run_is_created_again_with_overwrite
             await wait_for(lambda: "scan-runner-1" in c.jobs(), what="attempt 1 created again")
             await passes(cfg, "scan", 2)
             assert _overwrite(c, "scan-runner-1") is False and c.status("scan")["attempts"] == 1
-            await wait_for(lambda: any(e["reason"] == "RunnerRecreated" for e in c.events()), what="RunnerRecreated event")
+            await wait_for(
+                lambda: any(e["reason"] == "RunnerRecreated" for e in c.events()), what="RunnerRecreated event"
+            )
 
 
 @pytest.mark.slow
@@ -200,13 +242,22 @@ async def test_the_status_is_written_before_the_runner_job_exists():
     """Record before acting: when the Job create is sent, the status already announces it."""
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
-        await wait_for(lambda: "scan-runner-1" in c.jobs() and c.status("scan").get("runnerJobUid"), what="runner Job recorded")
+        await wait_for(
+            lambda: "scan-runner-1" in c.jobs() and c.status("scan").get("runnerJobUid"), what="runner Job recorded"
+        )
         await passes(cfg, "scan", 1)
         cjs, jobs = kmock.resource(CJ_RES), kmock.resource(JOB_RES)
-        order = [("status" if r.resource == cjs else "job") for r in c.k
-                 if (r.resource == cjs and r.subresource == "status" and r.action == kmock.action.UPDATE
-                     and "attempts" in ((r.data or {}).get("status") or {}))
-                 or (r.resource == jobs and r.action == kmock.action.CREATE)]
+        order = [
+            ("status" if r.resource == cjs else "job")
+            for r in c.k
+            if (
+                r.resource == cjs
+                and r.subresource == "status"
+                and r.action == kmock.action.UPDATE
+                and "attempts" in ((r.data or {}).get("status") or {})
+            )
+            or (r.resource == jobs and r.action == kmock.action.CREATE)
+        ]
         assert order[:2] == ["status", "job"]
         assert c.status("scan")["runnerJobUid"] == c.jobs()["scan-runner-1"]["metadata"]["uid"]
 
@@ -247,14 +298,30 @@ async def test_an_operator_upgrade_reruns_no_finished_job():
 @pytest.mark.timeout(120)
 async def test_a_runner_job_kubernetes_refuses_fails_rejected_and_frees_the_output():
     async with emulator() as c:
-        refusal = {"kind": "Status", "code": 422, "reason": "Invalid",
-                   "message": 'Job.batch "scan-runner-1" is invalid: spec.template.spec.volumes[1].name: Duplicate value: "data"'}
-        c.k["post", kmock.resource(JOB_RES), lambda r: (r.data or {}).get("metadata", {}).get("name") == "scan-runner-1"] << 422 << refusal
+        refusal = {
+            "kind": "Status",
+            "code": 422,
+            "reason": "Invalid",
+            "message": 'Job.batch "scan-runner-1" is invalid: spec.template.spec.volumes[1].name: Duplicate value: "data"',
+        }
+        (
+            c.k[
+                "post",
+                kmock.resource(JOB_RES),
+                lambda r: (r.data or {}).get("metadata", {}).get("name") == "scan-runner-1",
+            ]
+            << 422
+            << refusal
+        )
         async with operator_running(cfg := fast_config(c.url)):
             await c.apply(manifest("scan", SPEC))
             await wait_for(lambda: c.status("scan").get("phase") == "Failed", what="Failed")
             status = c.status("scan")
-            assert status["reason"] == "Rejected" and "Duplicate value" in status["message"] and "outputLease" not in status
+            assert (
+                status["reason"] == "Rejected"
+                and "Duplicate value" in status["message"]
+                and "outputLease" not in status
+            )
             assert not c.live(LEASE_RES)
             await wait_for(lambda: any(e["reason"] == "Rejected" for e in c.events()), what="Rejected event")
             await c.apply(manifest("other", SPEC))  # the same output: it is free, so the next job runs
@@ -266,16 +333,34 @@ async def test_a_runner_job_kubernetes_refuses_fails_rejected_and_frees_the_outp
 # -- shapes Kubernetes refuses are refused at validation ------------------------------------------
 
 
-@pytest.mark.parametrize("pod, says", [
-    ({"volumes": [{"name": "h5ngff-scratch", "emptyDir": {}}]}, "scratch volume"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}, "volumes names to be unique"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}]}, "mountPaths to be unique"),
-    ({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "x"}]}, "absolute path"),
-    ({"image": ""}, "empty string"),
-])
+@pytest.mark.parametrize(
+    "pod, says",
+    [
+        ({"volumes": [{"name": "h5ngff-scratch", "emptyDir": {}}]}, "scratch volume"),
+        ({"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}, "volumes names to be unique"),
+        (
+            {
+                "volumes": [{"name": "a", "emptyDir": {}}],
+                "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
+            },
+            "mountPaths to be unique",
+        ),
+        (
+            {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "x"}]},
+            "absolute path",
+        ),
+        ({"image": ""}, "empty string"),
+    ],
+)
 def test_pod_shapes_kubernetes_refuses_are_invalid_specs(pod, says):
     from h5ngff.errors import SpecError
+
     with pytest.raises(SpecError, match=says):
         parse_job_spec({**SPEC, "pod": pod})
     # control: the same pod without the collision is accepted
-    parse_job_spec({**SPEC, "pod": {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/x"}]}})
+    parse_job_spec(
+        {
+            **SPEC,
+            "pod": {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/x"}]},
+        }
+    )

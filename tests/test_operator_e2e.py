@@ -31,19 +31,31 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180), pytest.mark.integra
 SHAPE = (40, 96, 80)
 
 
-async def run_container(job: dict, api_url: str, cwd: str, backend: str = "local", timeout: float = 150, **extra_env: str) -> tuple[int, str]:
+async def run_container(
+    job: dict, api_url: str, cwd: str, backend: str = "local", timeout: float = 150, **extra_env: str
+) -> tuple[int, str]:
     """Execute the runner Job's container as the kubelet would, but as a local process."""
     (container,) = job["spec"]["template"]["spec"]["containers"]
-    env = {**os.environ, **env_of(job),
-           "H5NGFF_KUBE_API": api_url,  # instead of the pod's service account
-           "H5NGFF_BACKEND": backend,  # "local": the one substitution, no DaskCluster pods here
-           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-           "H5NGFF_METRICS_LINGER": "0",  # no Prometheus here, unless a test scrapes (extra_env)
-           **extra_env}
+    env = {
+        **os.environ,
+        **env_of(job),
+        "H5NGFF_KUBE_API": api_url,  # instead of the pod's service account
+        "H5NGFF_BACKEND": backend,  # "local": the one substitution, no DaskCluster pods here
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        "H5NGFF_METRICS_LINGER": "0",  # no Prometheus here, unless a test scrapes (extra_env)
+        **extra_env,
+    }
     log_path = os.path.join(cwd, f"{job['metadata']['name']}.log")
     with open(log_path, "wb") as log:
-        proc = await asyncio.create_subprocess_exec(*container["command"], *container["args"], env=env, cwd=container.get("workingDir", cwd),
-                                                    stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        proc = await asyncio.create_subprocess_exec(
+            *container["command"],
+            *container["args"],
+            env=env,
+            cwd=container.get("workingDir", cwd),
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = await asyncio.wait_for(proc.wait(), timeout)
         except asyncio.TimeoutError:
@@ -102,15 +114,24 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
         job = c.jobs()["scan-runner-1"]
         await c.patch_job_status("scan-runner-1", {"active": 1})
         port = free_port()
-        runner = asyncio.create_task(run_container(job, c.url, str(tmp_path), H5NGFF_METRICS_PORT=str(port), H5NGFF_METRICS_LINGER="60"))
+        runner = asyncio.create_task(
+            run_container(job, c.url, str(tmp_path), H5NGFF_METRICS_PORT=str(port), H5NGFF_METRICS_LINGER="60")
+        )
         # Prometheus' part: scrape until the final values show; the runner lingers for that one scrape.
-        final = await asyncio.to_thread(scrape_until, port, lambda m: m.get(("h5ngff_job_phase", "Succeeded")) == 1, runner)
+        final = await asyncio.to_thread(
+            scrape_until, port, lambda m: m.get(("h5ngff_job_phase", "Succeeded")) == 1, runner
+        )
         scraped_at = time.monotonic()
         code, log = await runner
         assert code == 0, log
         assert time.monotonic() - scraped_at < 20, "the runner lingered on after its final values were scraped"
-        assert "up to 60 s more" in log and final[("h5ngff_job_slabs_done_total", "")] == final[("h5ngff_job_planned_slabs", "")]
-        await c.patch_job_status("scan-runner-1", {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+        assert (
+            "up to 60 s more" in log
+            and final[("h5ngff_job_slabs_done_total", "")] == final[("h5ngff_job_planned_slabs", "")]
+        )
+        await c.patch_job_status(
+            "scan-runner-1", {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+        )
         await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
         status = c.status("scan")
         runner_calls = c.api_calls()["runner"]
@@ -122,7 +143,13 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
     assert progress["bytesRead"] >= data.nbytes and status["result"]["bytesWritten"] > 0
     assert status["runner"]["outcome"] == "Succeeded" and status["output"] == output
     assert phases(c, "scan") == ["Pending", "Planned", "Running", "Succeeded"]
-    assert {x["type"]: x["status"] for x in status["conditions"]} == {"Validated": "True", "OutputLease": "False", "Planned": "True", "Running": "False", "Complete": "True"}
+    assert {x["type"]: x["status"] for x in status["conditions"]} == {
+        "Validated": "True",
+        "OutputLease": "False",
+        "Planned": "True",
+        "Running": "False",
+        "Complete": "True",
+    }
 
     from ome_zarr_models.v05 import Image
 
@@ -136,15 +163,21 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
 
 @pytest.mark.slow
 async def test_a_runner_that_cannot_read_its_source_fails_the_job_without_retrying(tmp_path):
-    spec = {"source": {"path": str(tmp_path / "missing.h5"), "dataset": "/volume/data"},
-            "output": {"path": str(tmp_path / "out.ome.zarr")}, "backoffLimit": 3}
+    spec = {
+        "source": {"path": str(tmp_path / "missing.h5"), "dataset": "/volume/data"},
+        "output": {"path": str(tmp_path / "out.ome.zarr")},
+        "backoffLimit": 3,
+    }
     async with emulator() as c, operator_running(cfg := fast_config(c.url)):
         await c.apply(manifest("lost", spec))
         await wait_for(lambda: "lost-runner-1" in c.jobs(), what="runner Job")
         job = c.jobs()["lost-runner-1"]
         code, log = await run_container(job, c.url, str(tmp_path))
         assert code == 2, log
-        await c.patch_job_status("lost-runner-1", {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
+        await c.patch_job_status(
+            "lost-runner-1",
+            {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]},
+        )
         await wait_for(lambda: c.status("lost").get("phase") == "Failed", what="Failed")
         status = c.status("lost")
         await passes(cfg, "lost", 3)

@@ -21,7 +21,19 @@ from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_JOB_RULES, RUNNER_RULES,
 from h5ngff.operator.reporter import StatusReporter
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.units import k8s_quantity
-from operator_harness import CJ_RES, DASK_RES, JOB_RES, LEASE_RES, OperatorThread, emulator, fast_config, manifest, operator_running, passes, wait_for
+from operator_harness import (
+    CJ_RES,
+    DASK_RES,
+    JOB_RES,
+    LEASE_RES,
+    OperatorThread,
+    emulator,
+    fast_config,
+    manifest,
+    operator_running,
+    passes,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120), pytest.mark.integration]
 
@@ -66,7 +78,14 @@ async def fail_runner(c, job_name: str, oom: bool) -> None:
     job = c.jobs()[job_name]
     term = {"reason": "OOMKilled", "exitCode": 137} if oom else {"reason": "Error", "exitCode": 1}
     await c.add_pod(job, term)
-    await c.patch_job_status(job_name, {"failed": 1, "active": 0, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
+    await c.patch_job_status(
+        job_name,
+        {
+            "failed": 1,
+            "active": 0,
+            "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}],
+        },
+    )
 
 
 async def report(reporter: StatusReporter, patch: dict, final: bool = False) -> None:
@@ -87,8 +106,16 @@ async def test_applying_a_job_yields_exactly_one_runner_job():
         assert container["command"] == ["h5ngff", "runner"]
         assert container["args"] == ["--namespace", "default", "--name", "scan", "--uid", "uid-scan", "--attempt", "1"]
         assert container["image"] == "registry.example/h5ngff:1"
-        assert job["metadata"]["ownerReferences"] == [{"apiVersion": "h5ngff.dev/v1alpha1", "kind": "ConversionJob", "name": "scan",
-                                                      "uid": "uid-scan", "controller": True, "blockOwnerDeletion": True}]
+        assert job["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "h5ngff.dev/v1alpha1",
+                "kind": "ConversionJob",
+                "name": "scan",
+                "uid": "uid-scan",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert pod["volumes"][:-1] == VOLUMES and container["volumeMounts"][:-1] == MOUNTS  # + the /tmp scratch
         assert json.loads(env_of(job)["H5NGFF_SPEC"])["source"] == SPEC["source"]
         status = c.status("scan")
@@ -96,7 +123,10 @@ async def test_applying_a_job_yields_exactly_one_runner_job():
         assert {c_["type"]: c_["status"] for c_ in status["conditions"]} == {"Validated": "True", "OutputLease": "True"}
         assert status["observedGeneration"] == 1 and {x["observedGeneration"] for x in status["conditions"]} == {1}
         (lease,) = c.live(LEASE_RES).values()
-        assert lease["spec"]["holderIdentity"] == "default/scan/uid-scan" and status["outputLease"] == lease["metadata"]["name"]
+        assert (
+            lease["spec"]["holderIdentity"] == "default/scan/uid-scan"
+            and status["outputLease"] == lease["metadata"]["name"]
+        )
         assert [e["reason"] for e in c.events()] == ["RunnerCreated"]
         record(c)
 
@@ -113,14 +143,28 @@ async def test_status_moves_through_the_phases_with_the_runner_and_the_job():
         await c.patch_job_status("scan-runner-1", {"active": 1, "startTime": "2026-01-01T00:00:00Z"})
         reporter = StatusReporter("default", "scan", KubeConfig(c.url))
         await report(reporter, planned_patch(plan, "2026-01-01T00:00:01Z"))
-        await wait_for(lambda: any(x["type"] == "Planned" for x in c.status("scan").get("conditions", ())), what="Planned condition")
+        await wait_for(
+            lambda: any(x["type"] == "Planned" for x in c.status("scan").get("conditions", ())),
+            what="Planned condition",
+        )
         await report(reporter, {"phase": "Running", "progress": progress_status(3, plan.n_tasks)})
-        await wait_for(lambda: any(x["type"] == "Running" for x in c.status("scan").get("conditions", ())), what="Running condition")
-        assert c.status("scan")["plan"]["podLimit"].endswith("Mi") and c.status("scan")["plan"]["workers"] == plan.workers
-        await report(reporter, {"progress": progress_status(plan.n_tasks, plan.n_tasks), **runner_report(1, "Succeeded", "t")}, final=True)
+        await wait_for(
+            lambda: any(x["type"] == "Running" for x in c.status("scan").get("conditions", ())),
+            what="Running condition",
+        )
+        assert (
+            c.status("scan")["plan"]["podLimit"].endswith("Mi") and c.status("scan")["plan"]["workers"] == plan.workers
+        )
+        await report(
+            reporter,
+            {"progress": progress_status(plan.n_tasks, plan.n_tasks), **runner_report(1, "Succeeded", "t")},
+            final=True,
+        )
         await asyncio.to_thread(reporter.close)
         assert c.status("scan")["phase"] == "Running"  # only the Job's end makes it final
-        await c.patch_job_status("scan-runner-1", {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+        await c.patch_job_status(
+            "scan-runner-1", {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+        )
         await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
         status = c.status("scan")
         assert status["progress"]["percent"] == 100 and status["completionTime"]
@@ -136,14 +180,25 @@ async def test_an_oomkilled_runner_is_retried_up_to_the_backoff_limit():
         await c.apply(manifest("scan", SPEC))  # backoffLimit 1: two attempts
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner 1")
         # A DaskCluster the dead attempt left behind must go before the retry starts.
-        resp = await c.k.post("/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters",
-                              json={"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskCluster", "metadata": {"name": "scan-dask", "namespace": "default"}})
+        resp = await c.k.post(
+            "/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters",
+            json={
+                "apiVersion": "kubernetes.dask.org/v1",
+                "kind": "DaskCluster",
+                "metadata": {"name": "scan-dask", "namespace": "default"},
+            },
+        )
         assert resp.status == 200
         await fail_runner(c, "scan-runner-1", oom=True)
         await wait_for(lambda: "scan-runner-2" in c.jobs(), what="runner 2")
-        status = await wait_for(lambda: c.status("scan") if c.status("scan").get("attempts") == 2 else None, what="attempt 2")
+        status = await wait_for(
+            lambda: c.status("scan") if c.status("scan").get("attempts") == 2 else None, what="attempt 2"
+        )
         assert status["phase"] == "Pending" and status["reason"] == "OOMKilled"
-        assert status["failures"][0]["reason"] == "OOMKilled" and k8s_quantity(RUNNER_MEMORY) in status["failures"][0]["message"]
+        assert (
+            status["failures"][0]["reason"] == "OOMKilled"
+            and k8s_quantity(RUNNER_MEMORY) in status["failures"][0]["message"]
+        )
         assert "scan-dask" not in c.live(DASK_RES)
         # The retry resumes: overwrite is off in the spec the second runner gets.
         assert json.loads(env_of(c.jobs()["scan-runner-2"])["H5NGFF_SPEC"])["output"]["overwrite"] is False
@@ -167,10 +222,16 @@ async def test_a_worker_oom_the_runner_reports_is_retried_with_its_reason():
         await wait_for(lambda: c.jobs(), what="runner Job")
         reporter = StatusReporter("default", "scan", KubeConfig(c.url))
         message = "OOMKilled by the kernel (pod limit 286 MiB): a worker used more than its pod's memory limit"
-        await report(reporter, {"runner": {"attempt": 1, "outcome": "Failed", "reason": "OOMKilled", "message": message}}, final=True)
+        await report(
+            reporter,
+            {"runner": {"attempt": 1, "outcome": "Failed", "reason": "OOMKilled", "message": message}},
+            final=True,
+        )
         await asyncio.to_thread(reporter.close)
         await fail_runner(c, "scan-runner-1", oom=False)  # the runner exits 1 after reporting
-        status = await wait_for(lambda: c.status("scan") if c.status("scan").get("attempts") == 2 else None, what="attempt 2")
+        status = await wait_for(
+            lambda: c.status("scan") if c.status("scan").get("attempts") == 2 else None, what="attempt 2"
+        )
         assert status["failures"][0] == {**status["failures"][0], "reason": "OOMKilled", "message": message}
         assert "runner" not in status
         record(c)
@@ -196,8 +257,14 @@ async def test_deleting_a_job_removes_its_children():
     async with emulator() as c, operator_running(fast_config(c.url)):
         await c.apply(manifest("scan", SPEC))
         await wait_for(lambda: c.jobs(), what="runner Job")
-        await c.k.post("/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters",
-                       json={"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskCluster", "metadata": {"name": "scan-dask", "namespace": "default"}})
+        await c.k.post(
+            "/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters",
+            json={
+                "apiVersion": "kubernetes.dask.org/v1",
+                "kind": "DaskCluster",
+                "metadata": {"name": "scan-dask", "namespace": "default"},
+            },
+        )
         await wait_for(lambda: c.cj("scan")["metadata"].get("finalizers"), what="finalizer")
         await c.delete_cj("scan")
         await wait_for(lambda: c.cj("scan") is None, what="ConversionJob gone")
@@ -237,7 +304,9 @@ async def test_a_runner_job_deleted_while_the_operator_was_down_is_a_failed_atte
         resp = await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")
         assert resp.status == 200
         async with operator_running(fast_config(c.url)):
-            await wait_for(lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2, what="attempt 2")
+            await wait_for(
+                lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2, what="attempt 2"
+            )
         assert c.status("scan")["failures"][-1]["reason"] == "RunnerDeleted"
         assert c.job_creations() == ["scan-runner-1", "scan-runner-2"]
         assert ("get", "batch", "jobs", "") in c.api_calls()["operator"]  # looked up before it counted as deleted
@@ -251,13 +320,30 @@ async def test_api_errors_409_500_and_watch_410_are_survived():
         jobs = kmock.resource(JOB_RES)
         cjs = kmock.resource(CJ_RES)
         # The first Job creation is committed but answered 500, the next ones 409 (it exists).
-        k["post", jobs][:1] << 500 << {"kind": "Status", "code": 500, "reason": "InternalError", "message": "etcd leader changed"}
+        (
+            k["post", jobs][:1]
+            << 500
+            << {"kind": "Status", "code": 500, "reason": "InternalError", "message": "etcd leader changed"}
+        )
         # The first listing of ConversionJobs fails; the first watch stream ends with 410 Gone.
         k["list", cjs][:1] << 500 << {"kind": "Status", "code": 500, "message": "try again"}
-        gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "code": 410, "reason": "Expired", "message": "too old resource version"}}
+        gone = {
+            "type": "ERROR",
+            "object": {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "code": 410,
+                "reason": "Expired",
+                "message": "too old resource version",
+            },
+        }
         k["watch", cjs][:1] << (gone,)
         # The first status patch of the operator conflicts.
-        k["patch", cjs, kmock.subresource("status")][:1] << 409 << {"kind": "Status", "code": 409, "reason": "Conflict", "message": "the object has been modified"}
+        (
+            k["patch", cjs, kmock.subresource("status")][:1]
+            << 409
+            << {"kind": "Status", "code": 409, "reason": "Conflict", "message": "the object has been modified"}
+        )
         metrics = OperatorMetrics()
         server, _ = metrics.serve(0, addr="127.0.0.1")
         async with operator_running(cfg := fast_config(c.url, metrics=metrics)):
@@ -265,12 +351,18 @@ async def test_api_errors_409_500_and_watch_410_are_survived():
             await wait_for(lambda: c.status("scan").get("attempts") == 1, timeout=30, what="reconciled despite errors")
             await passes(cfg, "scan", 3)
             assert list(c.jobs()) == ["scan-runner-1"]
-            await c.patch_job_status("scan-runner-1", {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+            await c.patch_job_status(
+                "scan-runner-1", {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+            )
             await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", timeout=30, what="Succeeded")
             # Only a re-established watch brings this edit to the operator (the negative control:
             # test_operator_lifecycle.py::test_a_watch_that_is_not_reestablished_is_detected).
             await c.edit("scan", {"spec": {"backoffLimit": 3}})
-            await wait_for(lambda: c.status("scan").get("observedGeneration") == 2, timeout=10, what="an edit after the 410 observed")
+            await wait_for(
+                lambda: c.status("scan").get("observedGeneration") == 2,
+                timeout=10,
+                what="an edit after the 410 observed",
+            )
         assert sum(r.action == kmock.action.WATCH and r.resource == cjs for r in k) >= 2  # the watch was re-established
         record(c)
     # The operator's own metrics, scraped over HTTP: one job Succeeded, and the errors counted.
@@ -299,9 +391,17 @@ async def test_two_peered_replicas_act_once_and_fail_over():
     """Two operators with kopf peering: only the higher-priority one acts; when it exits, the
     other takes over."""
     async with emulator() as c:
-        c.k.resources["kopf.dev/v1/clusterkopfpeerings"] = c.k.ResourceInfo(kind="ClusterKopfPeering", namespaced=False, verbs={"list", "watch", "get", "patch"})
-        resp = await c.k.post("/apis/kopf.dev/v1/clusterkopfpeerings", json={"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
-                                                                              "metadata": {"name": "h5ngff", "resourceVersion": "1"}})
+        c.k.resources["kopf.dev/v1/clusterkopfpeerings"] = c.k.ResourceInfo(
+            kind="ClusterKopfPeering", namespaced=False, verbs={"list", "watch", "get", "patch"}
+        )
+        resp = await c.k.post(
+            "/apis/kopf.dev/v1/clusterkopfpeerings",
+            json={
+                "apiVersion": "kopf.dev/v1",
+                "kind": "ClusterKopfPeering",
+                "metadata": {"name": "h5ngff", "resourceVersion": "1"},
+            },
+        )
         assert resp.status == 200
         standby = await OperatorThread(fast_config(c.url, peering="h5ngff", priority=10)).start()
         try:
@@ -313,7 +413,9 @@ async def test_two_peered_replicas_act_once_and_fail_over():
                 assert standby.cfg.metrics.passes_of("default", "one") == 0  # the paused replica never reconciled
                 assert c.job_creations() == ["one-runner-1"]  # one replica acted, once
             await wait_for(lambda: len(_peers(c)) == 1, what="the active replica left the peering")
-            await c.apply(manifest("two", {**SPEC, "output": {"path": "/data/two.ome.zarr"}}))  # "one" holds /data/out.ome.zarr
+            await c.apply(
+                manifest("two", {**SPEC, "output": {"path": "/data/two.ome.zarr"}})
+            )  # "one" holds /data/out.ome.zarr
             await wait_for(lambda: "two-runner-1" in c.jobs(), what="the standby took over")
             await passes(standby.cfg, "two", 3)
             assert c.job_creations() == ["one-runner-1", "two-runner-1"]

@@ -81,7 +81,12 @@ class FakeDaskOperator:
         sched = spec["scheduler"]["spec"]["containers"][0]
         port, dash = free_port(), free_port()
         assert sched["args"][:2] == ["dask", "scheduler"]
-        args = [a if a != "0.0.0.0" else "127.0.0.1" for a in sched["args"][2:]] + ["--port", str(port), "--dashboard-address", f"127.0.0.1:{dash}"]
+        args = [a if a != "0.0.0.0" else "127.0.0.1" for a in sched["args"][2:]] + [
+            "--port",
+            str(port),
+            "--dashboard-address",
+            f"127.0.0.1:{dash}",
+        ]
         procs = [self._spawn("distributed.cli.dask_scheduler", args, _env(sched), f"{name}-scheduler.log")]
         worker = spec["worker"]["spec"]["containers"][0]
         assert worker["args"][:2] == ["dask", "worker"]
@@ -94,16 +99,34 @@ class FakeDaskOperator:
         self.procs[name] = procs
         labels = {"dask.org/cluster-name": name, "dask.org/component": "scheduler"}
         ready = [{"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]
-        await self._post("/api/v1/namespaces/default/pods", {"apiVersion": "v1", "kind": "Pod",
-                         "metadata": {"name": f"{name}-scheduler", "namespace": "default", "labels": labels},
-                         "status": {"phase": "Running", "conditions": ready}})
-        await self._post("/api/v1/namespaces/default/services", {"apiVersion": "v1", "kind": "Service",
-                         "metadata": {"name": f"{name}-scheduler", "namespace": "default", "labels": labels},
-                         "spec": {"type": "LoadBalancer", "selector": labels,
-                                  "ports": [{"name": "tcp-comm", "port": port}, {"name": "http-dashboard", "port": dash}]},
-                         "status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1"}]}}})
-        resp = await self.c.k.patch(f"{DASK_PATH}/{name}/status", json={"status": {"phase": "Running"}},
-                                    headers={"Content-Type": "application/merge-patch+json"})
+        await self._post(
+            "/api/v1/namespaces/default/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"{name}-scheduler", "namespace": "default", "labels": labels},
+                "status": {"phase": "Running", "conditions": ready},
+            },
+        )
+        await self._post(
+            "/api/v1/namespaces/default/services",
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": f"{name}-scheduler", "namespace": "default", "labels": labels},
+                "spec": {
+                    "type": "LoadBalancer",
+                    "selector": labels,
+                    "ports": [{"name": "tcp-comm", "port": port}, {"name": "http-dashboard", "port": dash}],
+                },
+                "status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1"}]}},
+            },
+        )
+        resp = await self.c.k.patch(
+            f"{DASK_PATH}/{name}/status",
+            json={"status": {"phase": "Running"}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
         assert resp.status == 200
 
     async def _post(self, path: str, body: dict) -> None:
@@ -113,7 +136,10 @@ class FakeDaskOperator:
     def _stop(self, name: str) -> None:
         for proc in self.procs.pop(name):
             proc.terminate()
-        for path in (f"/api/v1/namespaces/default/pods/{name}-scheduler", f"/api/v1/namespaces/default/services/{name}-scheduler"):
+        for path in (
+            f"/api/v1/namespaces/default/pods/{name}-scheduler",
+            f"/api/v1/namespaces/default/services/{name}-scheduler",
+        ):
             asyncio.ensure_future(self.c.k.delete(path))
 
 
@@ -140,8 +166,14 @@ async def test_the_runner_converts_on_a_daskcluster_sized_by_its_plan(tmp_path):
         "resources": {"workers": 2, "threadsPerWorker": 1, "memoryPerWorker": "1Gi", "slab": [16, 96, 80]},
         "pod": {"image": "registry.example/h5ngff:1"},
     }
-    async with emulator() as c, FakeDaskOperator(c, str(tmp_path)) as dask_operator, operator_running(fast_config(c.url)):
-        c.k.resources["v1/services"] = c.k.ResourceInfo(kind="Service", namespaced=True, verbs={"list", "watch", "get", "create", "delete", "patch"})
+    async with (
+        emulator() as c,
+        FakeDaskOperator(c, str(tmp_path)) as dask_operator,
+        operator_running(fast_config(c.url)),
+    ):
+        c.k.resources["v1/services"] = c.k.ResourceInfo(
+            kind="Service", namespaced=True, verbs={"list", "watch", "get", "create", "delete", "patch"}
+        )
         await c.apply(manifest("scan", spec))
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
         job = c.jobs()["scan-runner-1"]
@@ -153,7 +185,9 @@ async def test_the_runner_converts_on_a_daskcluster_sized_by_its_plan(tmp_path):
         finally:
             os.environ.pop("KUBECONFIG", None)
         assert code == 0, log[-4000:]
-        await c.patch_job_status("scan-runner-1", {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
+        await c.patch_job_status(
+            "scan-runner-1", {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+        )
         await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
         status = c.status("scan")
         cluster = dask_operator.seen["scan-dask"]
@@ -169,7 +203,9 @@ async def test_the_runner_converts_on_a_daskcluster_sized_by_its_plan(tmp_path):
     worker = cluster["spec"]["worker"]
     (container,) = worker["spec"]["containers"]
     assert worker["replicas"] == plan["workers"] == 2
-    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"] == plan["podLimit"]
+    assert (
+        container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"] == plan["podLimit"]
+    )
     assert container["args"][container["args"].index("--memory-limit") + 1] == str(plan["memoryLimitBytes"])
     assert cluster["metadata"]["ownerReferences"][0]["uid"] == "uid-scan"
     np.testing.assert_array_equal(zarr.open_group(output, mode="r")["0"][...], data)

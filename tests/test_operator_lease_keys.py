@@ -21,7 +21,10 @@ from test_operator_kmock import SPEC
 
 COMPLETE = {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
 SOURCE = {"path": "/data/in.h5", "dataset": "/volume/data"}
-CLAIM = {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}], "volumeMounts": [{"name": "data", "mountPath": "/data"}]}
+CLAIM = {
+    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
+    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+}
 LEASES_PATH = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
 #: The operator's namespace in these tests: neither job's.
 OPS = "h5ngff-system"
@@ -37,12 +40,16 @@ def key(path: str, pod: dict | None = None, namespace: str | None = None) -> str
 # --- keys -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, pod", [
-    ("//data/out.ome.zarr", {}),
-    ("///data//./out.ome.zarr/", {}),
-    ("out.ome.zarr", {"workingDir": "//data"}),
-    ("./out.ome.zarr", {"workingDir": "//data/"}),
-], ids=["double-slash-path", "many-slashes", "double-slash-workingDir", "double-slash-workingDir-trailing"])
+@pytest.mark.parametrize(
+    "path, pod",
+    [
+        ("//data/out.ome.zarr", {}),
+        ("///data//./out.ome.zarr/", {}),
+        ("out.ome.zarr", {"workingDir": "//data"}),
+        ("./out.ome.zarr", {"workingDir": "//data/"}),
+    ],
+    ids=["double-slash-path", "many-slashes", "double-slash-workingDir", "double-slash-workingDir-trailing"],
+)
 def test_every_spelling_of_a_plain_path_is_one_key(path, pod):
     # POSIX (and so posixpath.normpath) keeps a leading "//" apart from "/"; no volume does.
     assert key(path, pod) == key("/data/out.ome.zarr") == "path:/data/out.ome.zarr"
@@ -50,14 +57,23 @@ def test_every_spelling_of_a_plain_path_is_one_key(path, pod):
 
 def test_a_mount_path_with_a_leading_double_slash_is_the_same_claim():
     double = {**CLAIM, "volumeMounts": [{"name": "data", "mountPath": "//data"}]}
-    assert key("/data/out.ome.zarr", double) == key("//data/out.ome.zarr", CLAIM) == key("/data/out.ome.zarr", CLAIM) == "pvc:scans:/out.ome.zarr"
+    assert (
+        key("/data/out.ome.zarr", double)
+        == key("//data/out.ome.zarr", CLAIM)
+        == key("/data/out.ome.zarr", CLAIM)
+        == "pvc:scans:/out.ome.zarr"
+    )
     sub = {**CLAIM, "volumeMounts": [{"name": "data", "mountPath": "/mnt", "subPath": "//data"}]}
     assert key("/mnt/out.ome.zarr", sub) == "pvc:scans:/data/out.ome.zarr"
 
 
 def test_every_spelling_of_a_bucket_prefix_is_one_key():
     # Regression guard (already so on 9bb18a8): the URL key drops every leading slash.
-    for path in ("s3://scans/run-7/out.ome.zarr", "S3:///scans//run-7/./out.ome.zarr/", "s3:////scans/run-7/out.ome.zarr"):
+    for path in (
+        "s3://scans/run-7/out.ome.zarr",
+        "S3:///scans//run-7/./out.ome.zarr/",
+        "s3:////scans/run-7/out.ome.zarr",
+    ):
         assert key(path, {"workingDir": "//elsewhere"}) == "url:s3://scans/run-7/out.ome.zarr"
 
 
@@ -67,24 +83,31 @@ def test_a_claim_key_names_the_claims_namespace_and_a_bucket_or_plain_path_key_d
     assert key("/data/out.ome.zarr", CLAIM, "team-a") != key("/data/out.ome.zarr", CLAIM, "team-b")
     # A bucket prefix, or a path on a volume the operator cannot attribute, is one place cluster-wide.
     assert key("s3://scans/out.ome.zarr", None, "team-a") == key("s3://scans/out.ome.zarr", None, "team-b")
-    assert key("/data/out.ome.zarr", None, "team-a") == key("/data/out.ome.zarr", None, "team-b") == "path:/data/out.ome.zarr"
+    assert (
+        key("/data/out.ome.zarr", None, "team-a")
+        == key("/data/out.ome.zarr", None, "team-b")
+        == "path:/data/out.ome.zarr"
+    )
 
 
-@pytest.mark.parametrize("a, b, clash", [
-    ("path:/data/a.ome.zarr", "path:/data/a.ome.zarr/sub.ome.zarr", True),
-    ("path:/data/a.ome.zarr/sub.ome.zarr", "path:/data/a.ome.zarr", True),
-    ("path:/", "path:/data/a.ome.zarr", True),
-    ("path:/data/a.ome.zarr", "path:/data/a.ome.zarr2", False),  # a sibling sharing a prefix of the name
-    ("pvc:ns/scans:/a", "pvc:ns/scans:/a/b", True),
-    ("pvc:ns/scans:/a", "pvc:ns/other:/a/b", False),  # another claim
-    ("pvc:ns/scans:/a", "pvc:ns2/scans:/a/b", False),  # the same claim name in another namespace
-    ("pvc:ns/scans:/a", "path:/a/b", False),
-    ("url:s3://bucket/run", "url:s3://bucket/run/out.ome.zarr", True),
-    ("url:s3://bucket", "url:s3://bucket/run", True),
-    ("url:s3://bucket/run", "url:s3://bucket/run-2", False),
-    ("url:s3://bucket/run", "url:s3://other/run/x", False),
-    ("url:s3://bucket/run", "url:gs://bucket/run/x", False),
-])
+@pytest.mark.parametrize(
+    "a, b, clash",
+    [
+        ("path:/data/a.ome.zarr", "path:/data/a.ome.zarr/sub.ome.zarr", True),
+        ("path:/data/a.ome.zarr/sub.ome.zarr", "path:/data/a.ome.zarr", True),
+        ("path:/", "path:/data/a.ome.zarr", True),
+        ("path:/data/a.ome.zarr", "path:/data/a.ome.zarr2", False),  # a sibling sharing a prefix of the name
+        ("pvc:ns/scans:/a", "pvc:ns/scans:/a/b", True),
+        ("pvc:ns/scans:/a", "pvc:ns/other:/a/b", False),  # another claim
+        ("pvc:ns/scans:/a", "pvc:ns2/scans:/a/b", False),  # the same claim name in another namespace
+        ("pvc:ns/scans:/a", "path:/a/b", False),
+        ("url:s3://bucket/run", "url:s3://bucket/run/out.ome.zarr", True),
+        ("url:s3://bucket", "url:s3://bucket/run", True),
+        ("url:s3://bucket/run", "url:s3://bucket/run-2", False),
+        ("url:s3://bucket/run", "url:s3://other/run/x", False),
+        ("url:s3://bucket/run", "url:gs://bucket/run/x", False),
+    ],
+)
 def test_nested_outputs_overlap(a, b, clash):
     from h5ngff.operator.lease import overlaps
 
@@ -101,10 +124,17 @@ def s3_spec(path: str = "s3://scans/run-7/out.ome.zarr") -> dict:
 async def add_lease(c, key_: str, holder: str, ns: str = OPS) -> str:
     """A Lease as the operator writes them, held by ``holder`` ("namespace/name/uid")."""
     name = lease_name(key_)
-    body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-            "metadata": {"name": name, "namespace": ns, "annotations": {"h5ngff.dev/output": key_},
-                         "labels": {"app.kubernetes.io/component": "output-lease"}},
-            "spec": {"holderIdentity": holder, "acquireTime": "2026-01-01T00:00:00.000000Z"}}
+    body = {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "annotations": {"h5ngff.dev/output": key_},
+            "labels": {"app.kubernetes.io/component": "output-lease"},
+        },
+        "spec": {"holderIdentity": holder, "acquireTime": "2026-01-01T00:00:00.000000Z"},
+    }
     resp = await c.k.post(LEASES_PATH.format(ns=ns), json=body)
     assert resp.status in (200, 201), await resp.text()
     return name
@@ -118,7 +148,10 @@ async def test_two_namespaces_writing_one_bucket_prefix_take_turns(monkeypatch):
         await c.apply(manifest("first", s3_spec(), namespace="team-a"))
         await wait_for(lambda: "first-runner-1" in c.jobs("team-a"), what="first runner")
         await c.apply(manifest("second", s3_spec("s3:///scans//run-7/out.ome.zarr/"), namespace="team-b"))
-        await wait_for(lambda: c.status("second", "team-b").get("reason") == "OutputBusy" or c.jobs("team-b"), what="OutputBusy (or a second writer)")
+        await wait_for(
+            lambda: c.status("second", "team-b").get("reason") == "OutputBusy" or c.jobs("team-b"),
+            what="OutputBusy (or a second writer)",
+        )
         await passes(cfg, "second", 5, ns="team-b")
         assert c.jobs("team-b") == {} and c.status("second", "team-b")["phase"] == "Pending"
         assert "team-a/first/uid-first" in c.status("second", "team-b")["message"]
@@ -126,14 +159,25 @@ async def test_two_namespaces_writing_one_bucket_prefix_take_turns(monkeypatch):
         # garbage collector would take the owner for missing and free the output at once).
         assert c.live(LEASE_RES, "team-a") == c.live(LEASE_RES, "team-b") == {}
         (lease,) = c.live(LEASE_RES, OPS).values()
-        assert lease["spec"]["holderIdentity"] == "team-a/first/uid-first" and not lease["metadata"].get("ownerReferences")
+        assert lease["spec"]["holderIdentity"] == "team-a/first/uid-first" and not lease["metadata"].get(
+            "ownerReferences"
+        )
         await c.patch_job_status("first-runner-1", COMPLETE, ns="team-a")
-        await wait_for(lambda: "second-runner-1" in c.jobs("team-b") and c.status("second", "team-b").get("attempts") == 1, what="the second job started")
+        await wait_for(
+            lambda: "second-runner-1" in c.jobs("team-b") and c.status("second", "team-b").get("attempts") == 1,
+            what="the second job started",
+        )
         (lease,) = c.live(LEASE_RES, OPS).values()
-        assert lease["spec"]["holderIdentity"] == "team-b/second/uid-second" and c.status("first", "team-a")["phase"] == "Succeeded"
+        assert (
+            lease["spec"]["holderIdentity"] == "team-b/second/uid-second"
+            and c.status("first", "team-a")["phase"] == "Succeeded"
+        )
         # Deleting the holder (its finalizer) gives the Lease back, from the other namespace.
         await c.delete_cj("second", "team-b")
-        await wait_for(lambda: c.live(LEASE_RES, OPS) == {} and c.cj("second", "team-b") is None, what="Lease released by the finalizer")
+        await wait_for(
+            lambda: c.live(LEASE_RES, OPS) == {} and c.cj("second", "team-b") is None,
+            what="Lease released by the finalizer",
+        )
 
 
 @pytest.mark.slow
@@ -149,17 +193,26 @@ async def test_an_output_nested_in_a_busy_one_waits(outer_first):
         # Control: a sibling whose name merely starts the same is another output and starts at once.
         await c.apply(manifest("sibling", {**SPEC, "output": {"path": "/data/a.ome.zarr2"}}))
         await wait_for(lambda: "sibling-runner-1" in c.jobs(), what="the sibling started")
-        await wait_for(lambda: c.status("second").get("reason") == "OutputBusy" or "second-runner-1" in c.jobs(), what="OutputBusy (or a second writer)")
+        await wait_for(
+            lambda: c.status("second").get("reason") == "OutputBusy" or "second-runner-1" in c.jobs(),
+            what="OutputBusy (or a second writer)",
+        )
         await passes(cfg, "second", 5)
         assert "second-runner-1" not in c.jobs() and c.status("second")["phase"] == "Pending"
         assert "default/first/uid-first" in c.status("second")["message"]
         await c.patch_job_status("first-runner-1", COMPLETE)
-        await wait_for(lambda: "second-runner-1" in c.jobs() and c.status("second").get("attempts") == 1, what="the second job started")
+        await wait_for(
+            lambda: "second-runner-1" in c.jobs() and c.status("second").get("attempts") == 1,
+            what="the second job started",
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.asyncio
-@pytest.mark.parametrize("holder, key_", [("gone", "url:s3://scans/run-7/out.ome.zarr"), ("recreated", "url:s3://scans/run-7/out.ome.zarr/inner")])
+@pytest.mark.parametrize(
+    "holder, key_",
+    [("gone", "url:s3://scans/run-7/out.ome.zarr"), ("recreated", "url:s3://scans/run-7/out.ome.zarr/inner")],
+)
 async def test_a_lease_whose_holder_is_gone_is_taken_over(holder, key_):
     """A holder deleted without its finalizer (a force-deleted namespace) leaves its Lease, on the
     same output or one nested in it: the next job takes it over once the holder is gone, or is
@@ -170,10 +223,15 @@ async def test_a_lease_whose_holder_is_gone_is_taken_over(holder, key_):
         await add_lease(c, key_, "team-a/old/uid-old", ns="default")
         await c.apply(manifest("scan", s3_spec()))
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="the job started")
-        holders = {v["metadata"]["annotations"]["h5ngff.dev/output"]: v["spec"]["holderIdentity"] for v in c.live(LEASE_RES).values()}
+        holders = {
+            v["metadata"]["annotations"]["h5ngff.dev/output"]: v["spec"]["holderIdentity"]
+            for v in c.live(LEASE_RES).values()
+        }
         assert holders.get("url:s3://scans/run-7/out.ome.zarr") == "default/scan/uid-scan"
         assert "team-a/old/uid-old" not in holders.values()  # the stale Lease is gone
-        assert ("get", GROUP, "conversionjobs", "") in c.api_calls()["operator"]  # rbac.py's unexercised rule, exercised
+        assert ("get", GROUP, "conversionjobs", "") in c.api_calls()[
+            "operator"
+        ]  # rbac.py's unexercised rule, exercised
 
 
 @pytest.mark.slow
@@ -186,14 +244,24 @@ async def test_a_run_started_by_a_build_with_leases_in_the_jobs_namespace_keeps_
         monkeypatch.setenv("POD_NAMESPACE", "team-a")
         async with operator_running(fast_config(c.url)):
             await c.apply(manifest("first", s3_spec(), namespace="team-a"))
-            await wait_for(lambda: "first-runner-1" in c.jobs("team-a") and c.status("first", "team-a").get("outputLease"), what="first runner")
+            await wait_for(
+                lambda: "first-runner-1" in c.jobs("team-a") and c.status("first", "team-a").get("outputLease"),
+                what="first runner",
+            )
         (name,) = c.live(LEASE_RES, "team-a")
         assert c.status("first", "team-a")["outputLease"] == name
         monkeypatch.setenv("POD_NAMESPACE", OPS)  # upgraded
         async with operator_running(cfg := fast_config(c.url)):
-            await c.apply(manifest("second", s3_spec("s3://scans/run-7"), namespace="team-a"))  # contains first's output
-            await wait_for(lambda: c.status("second", "team-a").get("reason") == "OutputBusy" or c.jobs("team-a").keys() - {"first-runner-1"},
-                           what="OutputBusy (or a second writer)")
+            await c.apply(
+                manifest("second", s3_spec("s3://scans/run-7"), namespace="team-a")
+            )  # contains first's output
+            await wait_for(
+                lambda: (
+                    c.status("second", "team-a").get("reason") == "OutputBusy"
+                    or c.jobs("team-a").keys() - {"first-runner-1"}
+                ),
+                what="OutputBusy (or a second writer)",
+            )
             await passes(cfg, "second", 3, ns="team-a")
             assert set(c.jobs("team-a")) == {"first-runner-1"} and c.live(LEASE_RES, OPS) == {}
             await c.patch_job_status("first-runner-1", COMPLETE, ns="team-a")
@@ -220,4 +288,3 @@ def test_the_operator_flag_sets_the_lease_namespace(monkeypatch):
     args = build_parser().parse_args(["operator"])
     assert isinstance(args, argparse.Namespace) and args.lease_namespace == "from-env"
     assert build_parser().parse_args(["operator", "--lease-namespace", "ops"]).lease_namespace == "ops"
-

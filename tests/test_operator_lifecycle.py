@@ -65,7 +65,9 @@ async def test_a_succeeded_job_never_runs_again_when_its_runner_job_vanishes():
         await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
         resp = await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")  # ttlSecondsAfterFinished
         assert resp.status == 200
-        await c.edit("scan", {"metadata": {"labels": {"team": "imaging"}, "annotations": {"argocd.argoproj.io/sync": "x"}}})
+        await c.edit(
+            "scan", {"metadata": {"labels": {"team": "imaging"}, "annotations": {"argocd.argoproj.io/sync": "x"}}}
+        )
         await passes(cfg, "scan", 5)
         assert c.job_creations() == ["scan-runner-1"] and phases(c, "scan") == ["Pending", "Succeeded"]
         assert c.status("scan")["observedGeneration"] == 1  # metadata edits are not a new generation
@@ -87,7 +89,10 @@ async def test_a_success_the_operator_missed_while_down_stands():
         resp = await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")
         assert resp.status == 200
         async with operator_running(cfg := fast_config(c.url)):
-            await wait_for(lambda: c.status("scan").get("phase") == "Succeeded" or len(c.job_creations()) > 1, what="Succeeded (or a re-run)")
+            await wait_for(
+                lambda: c.status("scan").get("phase") == "Succeeded" or len(c.job_creations()) > 1,
+                what="Succeeded (or a re-run)",
+            )
             assert c.job_creations() == ["scan-runner-1"]
             await passes(cfg, "scan", 3)
         assert c.job_creations() == ["scan-runner-1"] and c.status("scan")["phase"] == "Succeeded"
@@ -100,15 +105,24 @@ async def test_an_edit_of_the_conversion_runs_the_new_generation_and_other_edits
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
         await c.patch_job_status("scan-runner-1", COMPLETE)
         await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
-        await c.edit("scan", {"spec": {"backoffLimit": 4, "ttlSecondsAfterFinished": 60}})  # how it runs, not what it computes
+        await c.edit(
+            "scan", {"spec": {"backoffLimit": 4, "ttlSecondsAfterFinished": 60}}
+        )  # how it runs, not what it computes
         await wait_for(lambda: c.status("scan").get("observedGeneration") == 2, what="generation 2 observed")
         await passes(cfg, "scan", 3)
         assert c.job_creations() == ["scan-runner-1"] and c.status("scan")["phase"] == "Succeeded"
         assert {x["observedGeneration"] for x in c.status("scan")["conditions"]} == {2}
         await c.edit("scan", {"spec": {"output": {"path": "/data/v2.ome.zarr"}}})
-        await wait_for(lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2, what="the new generation's runner")
+        await wait_for(
+            lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2,
+            what="the new generation's runner",
+        )
         status = c.status("scan")
-        assert status["observedGeneration"] == 3 and status["output"] == "/data/v2.ome.zarr" and status["phase"] == "Pending"
+        assert (
+            status["observedGeneration"] == 3
+            and status["output"] == "/data/v2.ome.zarr"
+            and status["phase"] == "Pending"
+        )
         assert status["attempts"] == status["firstAttempt"] == 2 and "completionTime" not in status
         assert json.loads(env_of(c.jobs()["scan-runner-2"])["H5NGFF_SPEC"])["output"]["path"] == "/data/v2.ome.zarr"
         assert phases(c, "scan") == ["Pending", "Succeeded", "Pending"]
@@ -121,11 +135,20 @@ async def test_an_edit_of_the_conversion_while_running_stops_the_runner_and_star
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
         await kubelet.run_pod("scan-runner-1")
         await running(c)
-        await c.k.post("/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters",
-                       json={"apiVersion": "kubernetes.dask.org/v1", "kind": "DaskCluster", "metadata": {"name": "scan-dask", "namespace": "default"}})
+        await c.k.post(
+            "/apis/kubernetes.dask.org/v1/namespaces/default/daskclusters",
+            json={
+                "apiVersion": "kubernetes.dask.org/v1",
+                "kind": "DaskCluster",
+                "metadata": {"name": "scan-dask", "namespace": "default"},
+            },
+        )
         await wait_for(lambda: len(c.live(POD_RES)) == 4, what="runner, scheduler and 2 worker pods")
         await c.edit("scan", {"spec": {"resources": {"workers": 3}}})
-        await wait_for(lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2, what="the new generation's runner")
+        await wait_for(
+            lambda: "scan-runner-2" in c.jobs() and c.status("scan").get("attempts") == 2,
+            what="the new generation's runner",
+        )
         assert "scan-runner-1" not in c.jobs() and c.live(DASK_RES) == {}
         assert c.live(POD_RES) == {}  # the new runner started only after every pod of the old one was gone
         assert json.loads(env_of(c.jobs()["scan-runner-2"])["H5NGFF_SPEC"])["resources"]["workers"] == 3
@@ -145,7 +168,10 @@ async def test_an_invalid_edit_while_running_lets_the_run_finish_without_flappin
         assert phases(c, "scan") == ["Pending", "Running"]
         await passes(cfg, "scan", 5)
         assert phases(c, "scan") == ["Pending", "Running"] and list(c.jobs()) == ["scan-runner-1"]
-        assert condition(c, "scan", "Validated")["observedGeneration"] == 2 and "Got 0 instead" in condition(c, "scan", "Validated")["message"]
+        assert (
+            condition(c, "scan", "Validated")["observedGeneration"] == 2
+            and "Got 0 instead" in condition(c, "scan", "Validated")["message"]
+        )
         assert reasons(c).count("InvalidSpec") == 1
         await c.patch_job_status("scan-runner-1", COMPLETE)
         await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
@@ -158,7 +184,10 @@ async def test_a_second_job_on_the_same_output_waits_until_the_first_ends():
         await c.apply(manifest("first", SPEC))
         await wait_for(lambda: "first-runner-1" in c.jobs(), what="first runner")
         await c.apply(manifest("second", SPEC))
-        await wait_for(lambda: c.status("second").get("reason") == "OutputBusy" or "second-runner-1" in c.jobs(), what="OutputBusy (or a second writer)")
+        await wait_for(
+            lambda: c.status("second").get("reason") == "OutputBusy" or "second-runner-1" in c.jobs(),
+            what="OutputBusy (or a second writer)",
+        )
         assert "second-runner-1" not in c.jobs()
         await passes(cfg, "second", 5)
         assert "second-runner-1" not in c.jobs() and c.status("second")["phase"] == "Pending"
@@ -166,9 +195,14 @@ async def test_a_second_job_on_the_same_output_waits_until_the_first_ends():
         (lease,) = c.live(LEASE_RES).values()
         assert lease["spec"]["holderIdentity"] == "default/first/uid-first"
         await c.patch_job_status("first-runner-1", COMPLETE)
-        await wait_for(lambda: "second-runner-1" in c.jobs() and c.status("second").get("attempts") == 1, what="the second job started")
+        await wait_for(
+            lambda: "second-runner-1" in c.jobs() and c.status("second").get("attempts") == 1,
+            what="the second job started",
+        )
         (lease,) = c.live(LEASE_RES).values()
-        assert lease["spec"]["holderIdentity"] == "default/second/uid-second" and c.status("first")["phase"] == "Succeeded"
+        assert (
+            lease["spec"]["holderIdentity"] == "default/second/uid-second" and c.status("first")["phase"] == "Succeeded"
+        )
         assert "reason" not in c.status("second")
 
 
@@ -181,7 +215,10 @@ async def test_a_runner_job_deleted_while_running_is_a_failed_attempt_that_resum
         await passes(cfg, "scan", 3)  # the operator has seen its Job running
         resp = await c.k.delete("/apis/batch/v1/namespaces/default/jobs/scan-runner-1")  # kubectl delete job
         assert resp.status == 200
-        await wait_for(lambda: "scan-runner-2" in c.jobs() or len(c.job_creations()) > 1, what="attempt 2 (or a silent re-creation)")
+        await wait_for(
+            lambda: "scan-runner-2" in c.jobs() or len(c.job_creations()) > 1,
+            what="attempt 2 (or a silent re-creation)",
+        )
         assert c.job_creations() == ["scan-runner-1", "scan-runner-2"]
         await wait_for(lambda: c.status("scan").get("attempts") == 2, what="attempt 2 recorded")
         status = c.status("scan")
@@ -214,7 +251,10 @@ async def test_retries_back_off():
     async with emulator() as c, operator_running(fast_config(c.url)):
         await c.apply(manifest("scan", spec))
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
-        await c.patch_job_status("scan-runner-1", {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]})
+        await c.patch_job_status(
+            "scan-runner-1",
+            {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]},
+        )
         failed_at = time.monotonic()
         await wait_for(lambda: c.status("scan").get("nextRetryTime"), what="backoff recorded")
         await wait_for(lambda: "scan-runner-2" in c.jobs(), what="attempt 2")
@@ -230,9 +270,24 @@ async def test_active_deadline_ends_a_run_that_cannot_start():
         await c.apply(manifest("scan", spec))
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
         pod = await c.add_pod(c.jobs()["scan-runner-1"], None)
-        await c.k.patch(f"/api/v1/namespaces/default/pods/{pod}/status", headers={"Content-Type": "application/merge-patch+json"}, json={"status": {
-            "phase": "Pending", "containerStatuses": [], "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                                                         "message": "0/3 nodes are available: 3 Insufficient memory."}]}})
+        await c.k.patch(
+            f"/api/v1/namespaces/default/pods/{pod}/status",
+            headers={"Content-Type": "application/merge-patch+json"},
+            json={
+                "status": {
+                    "phase": "Pending",
+                    "containerStatuses": [],
+                    "conditions": [
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": "0/3 nodes are available: 3 Insufficient memory.",
+                        }
+                    ],
+                }
+            },
+        )
         await wait_for(lambda: c.status("scan").get("reason") == "Unschedulable", what="Unschedulable")
         assert "3 Insufficient memory" in c.status("scan")["message"] and c.status("scan")["phase"] == "Pending"
         await wait_for(lambda: c.status("scan").get("phase") == "Failed", timeout=20, what="DeadlineExceeded")
@@ -248,9 +303,18 @@ async def test_a_runner_job_whose_pod_admission_rejects_says_failed_create():
         await c.apply(manifest("scan", SPEC))
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
         message = 'Error creating: pods "scan-runner-1-x" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true'
-        resp = await c.k.post("/api/v1/namespaces/default/events", json={  # the Job controller's Event
-            "apiVersion": "v1", "kind": "Event", "metadata": {"name": "scan-runner-1.1", "namespace": "default"}, "reason": "FailedCreate",
-            "type": "Warning", "message": message, "involvedObject": {"kind": "Job", "name": "scan-runner-1", "namespace": "default"}})
+        resp = await c.k.post(
+            "/api/v1/namespaces/default/events",
+            json={  # the Job controller's Event
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": "scan-runner-1.1", "namespace": "default"},
+                "reason": "FailedCreate",
+                "type": "Warning",
+                "message": message,
+                "involvedObject": {"kind": "Job", "name": "scan-runner-1", "namespace": "default"},
+            },
+        )
         assert resp.status == 200
         await wait_for(lambda: c.status("scan").get("reason") == "FailedCreate", what="FailedCreate")
         assert "violates PodSecurity" in c.status("scan")["message"]
@@ -265,15 +329,24 @@ async def test_deleting_a_running_job_stops_its_live_runner_cluster_and_pods(tmp
     from test_operator_kubecluster import kubeconfig
 
     source = write_h5(tmp_path / "scan.h5", smooth((16, 32, 32), "uint16", seed=1))
-    spec = {"source": {"path": source, "dataset": "/volume/data"}, "output": {"path": str(tmp_path / "out.ome.zarr")},
-            "resources": {"workers": 2, "memoryPerWorker": "1Gi"}, "pod": {"image": "registry.example/h5ngff:1"}}
+    spec = {
+        "source": {"path": source, "dataset": "/volume/data"},
+        "output": {"path": str(tmp_path / "out.ome.zarr")},
+        "resources": {"workers": 2, "memoryPerWorker": "1Gi"},
+        "pod": {"image": "registry.example/h5ngff:1"},
+    }
     async with emulator() as c, Kubelet(c, grace=5.0) as kubelet, operator_running(fast_config(c.url)):
         await c.apply(manifest("scan", spec))
         await wait_for(lambda: "scan-runner-1" in c.jobs(), what="runner Job")
         job = c.jobs()["scan-runner-1"]
         (container,) = job["spec"]["template"]["spec"]["containers"]
-        env = {**os.environ, **env_of(job), "H5NGFF_KUBE_API": c.url, "KUBECONFIG": kubeconfig(tmp_path / "kubeconfig", c.url),
-               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+        env = {
+            **os.environ,
+            **env_of(job),
+            "H5NGFF_KUBE_API": c.url,
+            "KUBECONFIG": kubeconfig(tmp_path / "kubeconfig", c.url),
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        }
         pod = await kubelet.run_pod("scan-runner-1", [*container["command"], *container["args"]], env, str(tmp_path))
         await wait_for(lambda: "scan-dask" in c.live(DASK_RES), timeout=60, what="the runner created its DaskCluster")
         await wait_for(lambda: c.status("scan").get("phase") == "Planned", what="the runner planned")
@@ -307,19 +380,33 @@ async def test_a_watch_that_is_not_reestablished_is_detected():
 
 async def _edit_after_a_gone_watch(c, blind: bool) -> None:
     cjs = kmock.resource(CJ_RES)
-    gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "code": 410, "reason": "Expired", "message": "too old resource version"}}
+    gone = {
+        "type": "ERROR",
+        "object": {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "code": 410,
+            "reason": "Expired",
+            "message": "too old resource version",
+        },
+    }
     await c.apply(manifest("scan", SPEC))
     c.k["watch", cjs][:1] << (gone,)
     if blind:
+
         async def silent(request):  # a stream that stays open and says nothing
             yield b""
             await asyncio.sleep(3600)
+
         c.k["watch", cjs][1:] << silent
     async with operator_running(cfg := fast_config(c.url)):
         await wait_for(lambda: c.status("scan").get("attempts") == 1, what="reconciled")
         # Edit only once the 410 was served and the next watch opened: an edit made before the
         # 410 arrives is seen by the re-list that follows it, blind watch or not (a CI flake).
-        await wait_for(lambda: len([r for r in c.k if r.action == kmock.action.WATCH and r.resource == cjs]) >= 2, what="the watch after the 410")
+        await wait_for(
+            lambda: len([r for r in c.k if r.action == kmock.action.WATCH and r.resource == cjs]) >= 2,
+            what="the watch after the 410",
+        )
         await c.edit("scan", {"spec": {"backoffLimit": 5}})
         await wait_for(lambda: c.status("scan").get("observedGeneration") == 2, timeout=5, what="generation 2 observed")
         await passes(cfg, "scan", 2)

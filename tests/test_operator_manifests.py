@@ -31,9 +31,14 @@ def job_spec(**extra):
         "source": {"path": "/data/in.h5", "dataset": "/volume/data"},
         "output": {"path": "/data/out.ome.zarr", "overwrite": True},
         "resources": {"workers": 3, "threadsPerWorker": 2, "memoryPerWorker": "2Gi"},
-        "pod": {"volumes": VOLUMES, "volumeMounts": MOUNTS, "serviceAccountName": "h5ngff-runner",
-                "nodeSelector": {"pool": "highmem"}, "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"}],
-                "workingDir": "/data"},
+        "pod": {
+            "volumes": VOLUMES,
+            "volumeMounts": MOUNTS,
+            "serviceAccountName": "h5ngff-runner",
+            "nodeSelector": {"pool": "highmem"},
+            "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"}],
+            "workingDir": "/data",
+        },
         "backoffLimit": 1,
         "ttlSecondsAfterFinished": 600,
     }
@@ -55,7 +60,16 @@ def test_runner_job_runs_the_hidden_runner_with_identity_owner_and_storage():
     job = build_runner_job(OWNER, spec, attempt=1, default_image="ghcr.io/x/h5ngff:1")
     meta, pod = job["metadata"], job["spec"]["template"]["spec"]
     assert meta["name"] == "scan-42-runner-1" and meta["namespace"] == "science"
-    assert meta["ownerReferences"] == [{"apiVersion": "h5ngff.dev/v1alpha1", "kind": "ConversionJob", "name": "scan-42", "uid": "0b9f-uid", "controller": True, "blockOwnerDeletion": True}]
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "h5ngff.dev/v1alpha1",
+            "kind": "ConversionJob",
+            "name": "scan-42",
+            "uid": "0b9f-uid",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     (c,) = pod["containers"]
     assert c["command"] == ["h5ngff", "runner"]
     assert c["args"] == ["--namespace", "science", "--name", "scan-42", "--uid", "0b9f-uid", "--attempt", "1"]
@@ -164,11 +178,24 @@ def test_the_worker_container_starts_a_worker_with_the_planned_limits(tmp_path):
     plan = plan_for(spec)
     container = build_worker_container(plan, "img", PodSettings())
     with LocalCluster(n_workers=0, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
-        env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]},
-               "DASK_WORKER_NAME": "pod-worker-0", "DASK_SCHEDULER_ADDRESS": cluster.scheduler_address}
+        env = {
+            **os.environ,
+            **{e["name"]: e["value"] for e in container["env"]},
+            "DASK_WORKER_NAME": "pod-worker-0",
+            "DASK_SCHEDULER_ADDRESS": cluster.scheduler_address,
+        }
         args = [a.replace("$(DASK_WORKER_NAME)", env["DASK_WORKER_NAME"]) for a in container["args"]]
         assert args[:2] == ["dask", "worker"]
-        cmd = [sys.executable, "-m", "distributed.cli.dask_worker", *args[2:], "--dashboard-address", ":0", "--local-directory", str(tmp_path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            *args[2:],
+            "--dashboard-address",
+            ":0",
+            "--local-directory",
+            str(tmp_path),
+        ]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             client.wait_for_workers(1, timeout=60)
@@ -178,7 +205,10 @@ def test_the_worker_container_starts_a_worker_with_the_planned_limits(tmp_path):
             import dask
 
             t = plan.memory.thresholds
-            config = {k: _one(client.run(dask.config.get, f"distributed.worker.memory.{k}")) for k in ("target", "spill", "pause", "terminate")}
+            config = {
+                k: _one(client.run(dask.config.get, f"distributed.worker.memory.{k}"))
+                for k in ("target", "spill", "pause", "terminate")
+            }
             assert config == {"target": t.target, "spill": t.spill, "pause": t.pause, "terminate": t.terminate}
             assert _one(client.run(os.getenv, "LD_PRELOAD")).endswith("libjemalloc.so.2")
         finally:
@@ -216,7 +246,9 @@ def test_runner_pods_get_the_default_service_account_and_serve_metrics():
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["H5NGFF_METRICS_PORT"] == str(RUNNER_METRICS_PORT)
     assert (env["H5NGFF_JOB_NAME"], env["H5NGFF_JOB_NAMESPACE"]) == (OWNER.name, OWNER.namespace)
-    own = build_runner_job(OWNER, job_spec(pod={"serviceAccountName": "mine"}), 1, "img", default_service_account="h5ngff-runner")
+    own = build_runner_job(
+        OWNER, job_spec(pod={"serviceAccountName": "mine"}), 1, "img", default_service_account="h5ngff-runner"
+    )
     assert own["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
     assert "serviceAccountName" not in build_runner_job(OWNER, spec, 1, "img")["spec"]["template"]["spec"]
 
@@ -234,8 +266,10 @@ def _containers(obj):
 
 
 def test_an_s3_output_gets_its_credentials_from_a_namespace_local_secret_in_runner_and_workers():
-    spec = job_spec(output={"path": "s3://scans/run-7/out.ome.zarr", "storageOptions": {"region": "eu-west-1"}},
-                    pod={"credentialsSecret": "s3-writer"})
+    spec = job_spec(
+        output={"path": "s3://scans/run-7/out.ome.zarr", "storageOptions": {"region": "eu-west-1"}},
+        pod={"credentialsSecret": "s3-writer"},
+    )
     runner = build_runner_job(OWNER, spec, attempt=1, default_image="img")
     plan = plan_for(spec)
     cluster = build_dask_cluster(plan, Owner("science", "scan-42", "0b9f-uid"), "img", spec.pod)
@@ -245,13 +279,23 @@ def test_an_s3_output_gets_its_credentials_from_a_namespace_local_secret_in_runn
         # A secretKeyRef has no namespace: the kubelet resolves it in the pod's (the job's)
         # namespace. Named keys only, never envFrom (tests/test_operator_tenant_escape.py).
         refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e}
-        assert refs == {k: {"name": "s3-writer", "key": k, "optional": True} for k in CREDENTIAL_ENV} and "envFrom" not in c
-    assert json.loads(next(e["value"] for e in rc["env"] if e["name"] == SPEC_ENV))["pod"]["credentialsSecret"] == "s3-writer"
-    assert not [e for e in rc["env"] if e["name"] in CREDENTIAL_ENV and "value" in e]  # the operator never reads the Secret
+        assert (
+            refs == {k: {"name": "s3-writer", "key": k, "optional": True} for k in CREDENTIAL_ENV}
+            and "envFrom" not in c
+        )
+    assert (
+        json.loads(next(e["value"] for e in rc["env"] if e["name"] == SPEC_ENV))["pod"]["credentialsSecret"]
+        == "s3-writer"
+    )
+    assert not [
+        e for e in rc["env"] if e["name"] in CREDENTIAL_ENV and "value" in e
+    ]  # the operator never reads the Secret
     # Negative control: without the field no container takes anything from a Secret.
     plain = job_spec()
     assert "secretKeyRef" not in json.dumps(build_runner_job(OWNER, plain, 1, "img"))
-    assert "secretKeyRef" not in json.dumps(build_dask_cluster(plan_for(plain), Owner("science", "scan-42", "u"), "img", plain.pod))
+    assert "secretKeyRef" not in json.dumps(
+        build_dask_cluster(plan_for(plain), Owner("science", "scan-42", "u"), "img", plain.pod)
+    )
 
 
 @pytest.mark.parametrize("name", ["other-ns/s3-writer", "S3Writer", "", "-x"])
@@ -270,4 +314,6 @@ def test_the_output_lease_of_a_bucket_prefix_is_the_url_whatever_the_working_dir
     b = job_spec(output={"path": "s3://scans/run-7//out.ome.zarr/"}, pod={"workingDir": "/elsewhere"})
     assert output_key(a) == output_key(b) == "url:s3://scans/run-7/out.ome.zarr"
     # Control: a relative local path does depend on the working directory.
-    assert output_key(job_spec(output={"path": "out.ome.zarr"})) != output_key(job_spec(output={"path": "out.ome.zarr"}, pod={"workingDir": "/elsewhere"}))
+    assert output_key(job_spec(output={"path": "out.ome.zarr"})) != output_key(
+        job_spec(output={"path": "out.ome.zarr"}, pod={"workingDir": "/elsewhere"})
+    )

@@ -25,7 +25,18 @@ from h5ngff.operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy, policy_vi
 from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, role_rules
 from h5ngff.operator.lease import LeaseState
 from h5ngff.operator.reconcile import Observed, reconcile
-from operator_harness import DASK_RES, JOB_RES, ROLE_RES, ROLEBINDING_RES, emulator, fast_config, manifest, operator_running, passes, wait_for
+from operator_harness import (
+    DASK_RES,
+    JOB_RES,
+    ROLE_RES,
+    ROLEBINDING_RES,
+    emulator,
+    fast_config,
+    manifest,
+    operator_running,
+    passes,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_IMAGE, DEFAULT_SA = "ghcr.io/h5ngff/h5ngff:0.1.0", "h5ngff-runner"
@@ -38,8 +49,11 @@ def spec_with(**pod):
 
 PVC = {"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}
 HOST = {"name": "node", "hostPath": {"path": "/"}}
-LAB = TenantPolicy(allowed_images=("registry.example.org/lab/*",), allowed_service_accounts=("lab-runner",),
-                   allowed_volume_types=(*DEFAULT_VOLUME_TYPES, "csi"))
+LAB = TenantPolicy(
+    allowed_images=("registry.example.org/lab/*",),
+    allowed_service_accounts=("lab-runner",),
+    allowed_volume_types=(*DEFAULT_VOLUME_TYPES, "csi"),
+)
 
 CASES = [
     # (pod settings, policy, expected number of violations, a phrase every message must hold)
@@ -51,7 +65,19 @@ CASES = [
     ({"serviceAccountName": DEFAULT_SA}, TenantPolicy(), 0, None),
     ({"serviceAccountName": "deployer"}, TenantPolicy(), 1, "policy.allowedServiceAccounts"),
     ({"serviceAccountName": "lab-runner"}, LAB, 0, None),
-    ({"volumes": [PVC, {"name": "cm", "configMap": {"name": "x"}}, {"name": "s", "secret": {"secretName": "x"}}, {"name": "e"}]}, TenantPolicy(), 0, None),
+    (
+        {
+            "volumes": [
+                PVC,
+                {"name": "cm", "configMap": {"name": "x"}},
+                {"name": "s", "secret": {"secretName": "x"}},
+                {"name": "e"},
+            ]
+        },
+        TenantPolicy(),
+        0,
+        None,
+    ),
     ({"volumes": [PVC, HOST]}, TenantPolicy(), 1, "hostPath"),
     ({"volumes": [{"name": "n", "nfs": {"server": "s", "path": "/"}}]}, TenantPolicy(), 1, "policy.allowedVolumeTypes"),
     ({"volumes": [{"name": "c", "csi": {"driver": "x"}}]}, TenantPolicy(), 1, "csi"),
@@ -83,12 +109,22 @@ def test_reconcile_denies_first_and_ensures_nothing():
     assert reconcile(Observed("scan", {}, 2, "/out", lease_name="lease-a")).needs == {"lease"}
     held = Observed("scan", {}, 2, "/out", lease_name="lease-a", lease=LeaseState("lease-a", True))
     assert reconcile(held).ensure_attempt == 1
-    assert reconcile(dataclasses.replace(held, policy_denial="spec.pod.image 'evil:1' is not allowed")).ensure_attempt is None
+    assert (
+        reconcile(dataclasses.replace(held, policy_denial="spec.pod.image 'evil:1' is not allowed")).ensure_attempt
+        is None
+    )
 
 
 # --- the real operator against KMock ------------------------------------------------------------
 
-DENIED = {**BASE, "pod": {"image": "evil.example/miner:1", "volumes": [HOST], "volumeMounts": [{"name": "node", "mountPath": "/host"}]}}
+DENIED = {
+    **BASE,
+    "pod": {
+        "image": "evil.example/miner:1",
+        "volumes": [HOST],
+        "volumeMounts": [{"name": "node", "mountPath": "/host"}],
+    },
+}
 
 
 @pytest.mark.slow
@@ -105,8 +141,13 @@ async def test_a_denied_job_fails_with_policy_denied_and_creates_nothing():
         assert "evil.example/miner:1" in status["message"] and "hostPath" in status["message"]
         for resource in (JOB_RES, ROLE_RES, ROLEBINDING_RES, DASK_RES):
             assert c.live(resource) == {}, resource
-        created = {r.resource.plural for r in c.k if r.action == kmock.action.CREATE and r.resource is not None
-                   and r.headers.get("User-Agent", "").startswith(("kopf/", "h5ngff-operator/"))}
+        created = {
+            r.resource.plural
+            for r in c.k
+            if r.action == kmock.action.CREATE
+            and r.resource is not None
+            and r.headers.get("User-Agent", "").startswith(("kopf/", "h5ngff-operator/"))
+        }
         assert created <= {"events"}, created
         assert "PolicyDenied" in [e["reason"] for e in c.events()]
 
@@ -120,12 +161,22 @@ async def test_the_same_job_runs_when_the_policy_allows_it():
     async with emulator() as c, operator_running(fast_config(c.url, policy=policy)):
         await c.apply(manifest("greedy", DENIED))
         # The status announces the attempt before its Job is created (record before acting).
-        await wait_for(lambda: c.status("greedy").get("phase") == "Pending" and c.status("greedy").get("runnerJobUid"), what="Pending, Job recorded")
+        await wait_for(
+            lambda: c.status("greedy").get("phase") == "Pending" and c.status("greedy").get("runnerJobUid"),
+            what="Pending, Job recorded",
+        )
         assert list(c.jobs()) == ["greedy-runner-1"]
         (role,) = c.live(ROLE_RES).values()
         (binding,) = c.live(ROLEBINDING_RES).values()
     assert role == {**build_runner_role(Owner("default", "greedy", "uid-greedy")), "metadata": role["metadata"]}
-    assert role["rules"] == [{"apiGroups": ["h5ngff.dev"], "resources": ["conversionjobs/status"], "resourceNames": ["greedy"], "verbs": ["patch"]}]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["h5ngff.dev"],
+            "resources": ["conversionjobs/status"],
+            "resourceNames": ["greedy"],
+            "verbs": ["patch"],
+        }
+    ]
     assert role["metadata"]["ownerReferences"][0]["uid"] == "uid-greedy"
     # the test harness's operator has no default runner account: the pod runs as "default"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "default", "namespace": "default"}]
@@ -144,8 +195,12 @@ def allows(roles: list[dict], bindings: list[dict], sa: str, verb: str, resource
         if not any(s["kind"] == "ServiceAccount" and s["name"] == sa for s in b["subjects"]):
             continue
         for rule in by_name[b["roleRef"]["name"]]["rules"]:
-            if group in rule["apiGroups"] and rest in rule["resources"] and verb in rule["verbs"] \
-                    and ("resourceNames" not in rule or name in rule["resourceNames"]):
+            if (
+                group in rule["apiGroups"]
+                and rest in rule["resources"]
+                and verb in rule["verbs"]
+                and ("resourceNames" not in rule or name in rule["resourceNames"])
+            ):
                 return True
     return False
 
@@ -168,7 +223,9 @@ def test_the_runner_may_patch_its_own_jobs_status_only():
     bindings = [ns_binding, build_runner_role_binding(mine, account)]
     assert allows(roles, bindings, account, "patch", STATUS, "mine")
     assert not allows(roles, bindings, account, "patch", STATUS, "theirs")
-    assert allows(roles, bindings, account, "create", "kubernetes.dask.org|daskclusters", "x")  # the rest stays namespace-wide
+    assert allows(
+        roles, bindings, account, "create", "kubernetes.dask.org|daskclusters", "x"
+    )  # the rest stays namespace-wide
 
 
 def test_the_namespace_wide_grant_of_before_lets_a_runner_patch_any_job():
@@ -182,7 +239,9 @@ def test_the_chart_no_longer_grants_status_namespace_wide():
     sys.path.insert(0, str(ROOT / "scripts"))
     import render_manifests as rm
 
-    runner_roles = [o for o in rm.render_objects({}) if o["kind"] == "Role" and o["metadata"]["name"].endswith("-runner")]
+    runner_roles = [
+        o for o in rm.render_objects({}) if o["kind"] == "Role" and o["metadata"]["name"].endswith("-runner")
+    ]
     assert runner_roles
     for role in runner_roles:
         assert not any("conversionjobs/status" in r["resources"] for r in role["rules"]), role["rules"]

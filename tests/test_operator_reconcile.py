@@ -18,11 +18,42 @@ T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T02:00:0
 HELD = LeaseState("lease-a", True)
 
 
-def obs(status, jobs=(), pods=None, events=None, lease=HELD, generation=1, conversion="c1", error=None, now=T1, backoff=2, delays=(0, 0, 0),
-        deadline=None, output="/data/out.ome.zarr", job_checked=True):
-    return Observed("scan", dict(status), backoff, output, tuple(jobs), tuple(pods or ()), pods is not None, now, generation=generation,
-                    conversion=conversion, spec_error=error, retry_delays=delays, deadline_seconds=deadline, lease_name="lease-a",
-                    lease=lease, events=tuple(events or ()), events_checked=events is not None, job_checked=job_checked)
+def obs(
+    status,
+    jobs=(),
+    pods=None,
+    events=None,
+    lease=HELD,
+    generation=1,
+    conversion="c1",
+    error=None,
+    now=T1,
+    backoff=2,
+    delays=(0, 0, 0),
+    deadline=None,
+    output="/data/out.ome.zarr",
+    job_checked=True,
+):
+    return Observed(
+        "scan",
+        dict(status),
+        backoff,
+        output,
+        tuple(jobs),
+        tuple(pods or ()),
+        pods is not None,
+        now,
+        generation=generation,
+        conversion=conversion,
+        spec_error=error,
+        retry_delays=delays,
+        deadline_seconds=deadline,
+        lease_name="lease-a",
+        lease=lease,
+        events=tuple(events or ()),
+        events_checked=events is not None,
+        job_checked=job_checked,
+    )
 
 
 def job(attempt, state="active", uid=None):
@@ -30,8 +61,13 @@ def job(attempt, state="active", uid=None):
 
 
 def pod(attempt, phase="Running", **status):
-    return {"metadata": {"name": f"scan-runner-{attempt}-abcde", "labels": {"h5ngff.dev/attempt": str(attempt), "app.kubernetes.io/component": "runner"}},
-            "status": {"phase": phase, **status}}
+    return {
+        "metadata": {
+            "name": f"scan-runner-{attempt}-abcde",
+            "labels": {"h5ngff.dev/attempt": str(attempt), "app.kubernetes.io/component": "runner"},
+        },
+        "status": {"phase": phase, **status},
+    }
 
 
 def run(status, o_kwargs=None, **kw):
@@ -42,9 +78,19 @@ def run(status, o_kwargs=None, **kw):
 
 def started(attempt=1, phase="Running", conversion="c1", **extra):
     """The status of a run that started attempt ``attempt`` (its first) and whose Job was seen."""
-    return {"phase": phase, "attempts": attempt, "firstAttempt": attempt, "runnerJob": f"scan-runner-{attempt}", "startTime": T0,
-            "conversionHash": conversion, "observedGeneration": 1, "outputLease": "lease-a", "runnerJobUid": f"job-uid-{attempt}",
-            "output": "/data/out.ome.zarr", **extra}
+    return {
+        "phase": phase,
+        "attempts": attempt,
+        "firstAttempt": attempt,
+        "runnerJob": f"scan-runner-{attempt}",
+        "startTime": T0,
+        "conversionHash": conversion,
+        "observedGeneration": 1,
+        "outputLease": "lease-a",
+        "runnerJobUid": f"job-uid-{attempt}",
+        "output": "/data/out.ome.zarr",
+        **extra,
+    }
 
 
 def succeeded():
@@ -69,7 +115,12 @@ def test_a_runner_that_reported_success_and_vanished_before_the_operator_saw_it_
     # Operator down longer than ttlSecondsAfterFinished: the Job is gone, the runner's report stays.
     s = started(runner={"attempt": 1, "outcome": "Succeeded"})
     d, s = run(s)
-    assert s["phase"] == "Succeeded" and d.ensure_attempt is None and d.release_lease == "lease-a" and "outputLease" not in s
+    assert (
+        s["phase"] == "Succeeded"
+        and d.ensure_attempt is None
+        and d.release_lease == "lease-a"
+        and "outputLease" not in s
+    )
 
 
 # -- a deleted runner is a failed attempt -------------------------------------------------------
@@ -101,8 +152,25 @@ def test_the_next_attempt_waits_for_the_deleted_runners_pod_to_exit():
 
 def test_a_runner_pod_deleted_under_its_job_is_a_failed_attempt():
     # backoffLimit 0 on the Job: the Job controller fails the Job when its only pod is deleted.
-    d, s = run(started(), jobs=[JobSummary("scan-runner-1", 1, "failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit", uid="job-uid-1")], pods=[])
-    assert s["attempts"] == 2 and s["failures"][-1]["reason"] == "RunnerFailed" and "pod is gone" in s["failures"][-1]["message"]
+    d, s = run(
+        started(),
+        jobs=[
+            JobSummary(
+                "scan-runner-1",
+                1,
+                "failed",
+                "BackoffLimitExceeded",
+                "Job has reached the specified backoff limit",
+                uid="job-uid-1",
+            )
+        ],
+        pods=[],
+    )
+    assert (
+        s["attempts"] == 2
+        and s["failures"][-1]["reason"] == "RunnerFailed"
+        and "pod is gone" in s["failures"][-1]["message"]
+    )
 
 
 # -- retries back off ---------------------------------------------------------------------------
@@ -138,12 +206,39 @@ def test_active_deadline_ends_the_run_and_stops_its_runner():
     assert d.delete_job is None
 
 
-@pytest.mark.parametrize("pod_status, reason, words", [
-    ({"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                      "message": "0/3 nodes are available: 3 Insufficient memory."}]}, "Unschedulable", "3 Insufficient memory"),
-    ({"containerStatuses": [{"name": "runner", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image \"nope:1\""}}}]},
-     "ImagePullBackOff", "nope:1"),
-])
+@pytest.mark.parametrize(
+    "pod_status, reason, words",
+    [
+        (
+            {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient memory.",
+                    }
+                ]
+            },
+            "Unschedulable",
+            "3 Insufficient memory",
+        ),
+        (
+            {
+                "containerStatuses": [
+                    {
+                        "name": "runner",
+                        "state": {
+                            "waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nope:1"'}
+                        },
+                    }
+                ]
+            },
+            "ImagePullBackOff",
+            "nope:1",
+        ),
+    ],
+)
 def test_a_runner_pod_that_cannot_start_says_why(pod_status, reason, words):
     s = started(phase="Pending")
     d, _ = run(s, jobs=[job(1, "pending")])
@@ -158,8 +253,11 @@ def test_a_runner_pod_that_cannot_start_says_why(pod_status, reason, words):
 
 
 def test_a_job_whose_pods_admission_rejects_says_failed_create():
-    event = {"reason": "FailedCreate", "involvedObject": {"kind": "Job", "name": "scan-runner-1"},
-             "message": 'pods "scan-runner-1-x" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true'}
+    event = {
+        "reason": "FailedCreate",
+        "involvedObject": {"kind": "Job", "name": "scan-runner-1"},
+        "message": 'pods "scan-runner-1-x" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true',
+    }
     _, s = run(started(phase="Pending"), jobs=[job(1, "pending")], pods=[], events=[event])
     assert s["reason"] == "FailedCreate" and "violates PodSecurity" in s["message"]
 
@@ -200,14 +298,21 @@ def test_an_edit_of_the_conversion_while_running_stops_the_attempt_then_starts_t
     d, s = run(s, generation=2, conversion="c2", pods=[])
     assert d.ensure_attempt == 2 and s["firstAttempt"] == 2
     # the new run's retries count from its own first attempt
-    d, s = run(s, jobs=[JobSummary("scan-runner-2", 2, "failed", uid="u2")], generation=2, conversion="c2", pods=[], backoff=1)
+    d, s = run(
+        s, jobs=[JobSummary("scan-runner-2", 2, "failed", uid="u2")], generation=2, conversion="c2", pods=[], backoff=1
+    )
     assert s["attempts"] == 3 and s["phase"] == "Pending"
 
 
 def test_an_output_another_job_holds_makes_this_one_wait():
     busy = LeaseState("lease-a", False, "default/first/uid-1", "2026-01-01T00:00:00.000000Z")
     d, s = run({}, lease=busy)
-    assert d.ensure_attempt is None and s["phase"] == "Pending" and s["reason"] == "OutputBusy" and "default/first" in s["message"]
+    assert (
+        d.ensure_attempt is None
+        and s["phase"] == "Pending"
+        and s["reason"] == "OutputBusy"
+        and "default/first" in s["message"]
+    )
     assert d.event[:2] == ("Normal", "OutputBusy")
     d, s2 = run(s, lease=busy)
     assert d.patch == {} and d.event is None  # no churn while it waits
@@ -216,8 +321,13 @@ def test_an_output_another_job_holds_makes_this_one_wait():
 
 
 def test_a_run_ending_gives_back_its_lease():
-    for jobs, phase in (([job(1, "succeeded")], "Succeeded"), ([JobSummary("scan-runner-1", 1, "failed", uid="job-uid-1")], "Failed")):
-        d, s = run(started(runner={"attempt": 1, "outcome": "Failed", "reason": "SourceUnreadable", "message": "m"}), jobs=jobs)
+    for jobs, phase in (
+        ([job(1, "succeeded")], "Succeeded"),
+        ([JobSummary("scan-runner-1", 1, "failed", uid="job-uid-1")], "Failed"),
+    ):
+        d, s = run(
+            started(runner={"attempt": 1, "outcome": "Failed", "reason": "SourceUnreadable", "message": "m"}), jobs=jobs
+        )
         assert s["phase"] == phase and d.release_lease == "lease-a" and "outputLease" not in s
 
 
@@ -236,7 +346,14 @@ def test_an_invalid_edit_while_running_lets_the_run_finish_without_flapping():
     _, done = run(s, jobs=[job(1, "succeeded")], generation=2, conversion="", error=err)
     assert done["phase"] == "Succeeded"
     # a failure now is final: the invalid spec cannot make a retry
-    _, failed = run(s, jobs=[JobSummary("scan-runner-1", 1, "failed", uid="job-uid-1")], generation=2, conversion="", error=err, pods=[])
+    _, failed = run(
+        s,
+        jobs=[JobSummary("scan-runner-1", 1, "failed", uid="job-uid-1")],
+        generation=2,
+        conversion="",
+        error=err,
+        pods=[],
+    )
     assert failed["phase"] == "Failed" and "not retried" in failed["message"] and failed["attempts"] == 1
 
 
@@ -257,8 +374,14 @@ def test_a_job_that_never_ran_fails_with_invalid_spec_once():
 # -- what counts as the conversion, and the Lease key --------------------------------------------
 
 
-BASE = {"source": {"path": "/data/in.h5", "dataset": "/d"}, "output": {"path": "/data/out.ome.zarr"},
-        "pod": {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}], "volumeMounts": [{"name": "data", "mountPath": "/data"}]}}
+BASE = {
+    "source": {"path": "/data/in.h5", "dataset": "/d"},
+    "output": {"path": "/data/out.ome.zarr"},
+    "pod": {
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    },
+}
 
 
 def _with(**changes):
@@ -272,31 +395,43 @@ def _with(**changes):
     return parse_job_spec(spec)
 
 
-@pytest.mark.parametrize("change, reruns", [
-    ({"output__chunks": [32, 32, 32]}, True),
-    ({"output__path": "/data/other.ome.zarr"}, True),
-    ({"resources": {"workers": 3}}, True),
-    ({"pyramid": {"levels": 2}}, True),
-    ({"output__overwrite": True}, False),
-    ({"backoffLimit": 5}, False),
-    ({"ttlSecondsAfterFinished": 60}, False),
-    ({"retry": {"intervalSeconds": 1}}, False),
-    ({"activeDeadlineSeconds": 3600}, False),
-    ({"pod__image": "registry.example/h5ngff:2"}, False),
-    ({"pod__nodeSelector": {"disk": "ssd"}}, False),
-])
+@pytest.mark.parametrize(
+    "change, reruns",
+    [
+        ({"output__chunks": [32, 32, 32]}, True),
+        ({"output__path": "/data/other.ome.zarr"}, True),
+        ({"resources": {"workers": 3}}, True),
+        ({"pyramid": {"levels": 2}}, True),
+        ({"output__overwrite": True}, False),
+        ({"backoffLimit": 5}, False),
+        ({"ttlSecondsAfterFinished": 60}, False),
+        ({"retry": {"intervalSeconds": 1}}, False),
+        ({"activeDeadlineSeconds": 3600}, False),
+        ({"pod__image": "registry.example/h5ngff:2"}, False),
+        ({"pod__nodeSelector": {"disk": "ssd"}}, False),
+    ],
+)
 def test_which_edits_change_the_conversion(change, reruns):
     assert (_with(**change).conversion_hash() != _with().conversion_hash()) is reruns
 
 
 def test_the_lease_key_is_the_claim_and_the_path_inside_it():
     assert output_key(_with()) == "pvc:scans:/out.ome.zarr"
-    moved = _with(pod={"volumes": BASE["pod"]["volumes"], "volumeMounts": [{"name": "data", "mountPath": "/mnt/x"}]},
-                  output__path="/mnt/x/./sub/../out.ome.zarr")
+    moved = _with(
+        pod={"volumes": BASE["pod"]["volumes"], "volumeMounts": [{"name": "data", "mountPath": "/mnt/x"}]},
+        output__path="/mnt/x/./sub/../out.ome.zarr",
+    )
     assert output_key(moved) == "pvc:scans:/out.ome.zarr"  # same claim, another mount point: the same output
-    other = _with(pod={"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "other"}}], "volumeMounts": BASE["pod"]["volumeMounts"]})
+    other = _with(
+        pod={
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "other"}}],
+            "volumeMounts": BASE["pod"]["volumeMounts"],
+        }
+    )
     assert output_key(other) != output_key(_with())
-    plain = parse_job_spec({"source": BASE["source"], "output": {"path": "out.ome.zarr"}, "pod": {"workingDir": "/work"}})
+    plain = parse_job_spec(
+        {"source": BASE["source"], "output": {"path": "out.ome.zarr"}, "pod": {"workingDir": "/work"}}
+    )
     assert output_key(plain) == "path:/work/out.ome.zarr"
     name = lease_name(output_key(_with()))
     assert name.startswith("h5ngff-output-") and len(name) <= 63 and name == lease_name("pvc:scans:/out.ome.zarr")

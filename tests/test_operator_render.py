@@ -26,7 +26,16 @@ import yaml
 from h5ngff.cli import main
 from h5ngff.operator.manifests import CHART_RUNNER_ACCOUNT
 from h5ngff.units import k8s_quantity
-from operator_harness import JOB_RES, ROLE_RES, ROLEBINDING_RES, emulator, fast_config, manifest, operator_running, wait_for
+from operator_harness import (
+    JOB_RES,
+    ROLE_RES,
+    ROLEBINDING_RES,
+    emulator,
+    fast_config,
+    manifest,
+    operator_running,
+    wait_for,
+)
 from pod_security import pod_specs, violations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,9 +45,12 @@ SPEC = {
     "output": {"path": "scan.ome.zarr", "chunks": [16, 32, 32]},
     "pyramid": {"levels": 2},
     "resources": {"workers": 2, "memoryPerWorker": "1Gi"},
-    "pod": {"image": "registry.example/h5ngff:1", "workingDir": "/data",
-            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
-            "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+    "pod": {
+        "image": "registry.example/h5ngff:1",
+        "workingDir": "/data",
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    },
 }
 FLAGS = ["--image", "h5ngff:test", "--allowed-image", "registry.example/*"]
 
@@ -46,7 +58,9 @@ FLAGS = ["--image", "h5ngff:test", "--allowed-image", "registry.example/*"]
 @pytest.fixture
 def job_file(tmp_path, monkeypatch):
     with h5py.File(tmp_path / "scan.h5", "w") as f:
-        f.create_dataset("volume/data", data=np.arange(48 * 96 * 80, dtype="<u2").reshape(48, 96, 80), chunks=(16, 32, 32))
+        f.create_dataset(
+            "volume/data", data=np.arange(48 * 96 * 80, dtype="<u2").reshape(48, 96, 80), chunks=(16, 32, 32)
+        )
     doc = manifest("scan", SPEC, namespace="imaging")
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -88,8 +102,11 @@ async def test_rendered_objects_are_what_the_operator_creates(capsys, job_file):
     async with emulator() as c, operator_running(fast_config(c.url, runner_service_account=CHART_RUNNER_ACCOUNT)):
         await c.apply(yaml.safe_load(job_file.read_text()))
         await wait_for(lambda: c.live(JOB_RES, "imaging"), what="runner Job")
-        created = {"Job": c.live(JOB_RES, "imaging")["scan-runner-1"], "Role": c.live(ROLE_RES, "imaging")["scan-runner-status"],
-                   "RoleBinding": c.live(ROLEBINDING_RES, "imaging")["scan-runner-status"]}
+        created = {
+            "Job": c.live(JOB_RES, "imaging")["scan-runner-1"],
+            "Role": c.live(ROLE_RES, "imaging")["scan-runner-status"],
+            "RoleBinding": c.live(ROLEBINDING_RES, "imaging")["scan-runner-status"],
+        }
     for kind, obj in created.items():
         for key in ("spec", "rules", "subjects", "roleRef"):
             assert obj.get(key) == rendered[kind].get(key), (kind, key)
@@ -106,7 +123,11 @@ def test_plan_adds_the_dask_cluster_sized_by_the_plan(capsys, job_file):
     worker = cluster["spec"]["worker"]
     (container,) = worker["spec"]["containers"]
     assert worker["replicas"] == plan["workers"] == 2
-    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"] == k8s_quantity(plan["memory"]["pod_limit"])
+    assert (
+        container["resources"]["limits"]["memory"]
+        == container["resources"]["requests"]["memory"]
+        == k8s_quantity(plan["memory"]["pod_limit"])
+    )
     args = container["args"]
     assert args[args.index("--memory-limit") + 1] == str(plan["memory"]["memory_limit"])
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -148,7 +169,11 @@ def test_an_invalid_manifest_exits_2(capsys, tmp_path):
 def test_help_has_an_example_and_the_image_path_matches_the_dockerfile():
     from h5ngff.operator.render import IMAGE_JEMALLOC
 
-    out = subprocess.run([sys.executable, "-m", "h5ngff.cli", "operator", "render", "--help"], capture_output=True, text=True,
-                         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-m", "h5ngff.cli", "operator", "render", "--help"],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0 and "h5ngff operator render job.yaml --plan" in out.stdout and "examples:" in out.stdout
     assert f"H5NGFF_JEMALLOC={IMAGE_JEMALLOC}" in (ROOT / "docker/Dockerfile").read_text()

@@ -20,8 +20,19 @@ T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
 
 
 def observe(status=None, jobs=(), pods=(), backoff=2, checked=False, now=T1):
-    return Observed("scan", dict(status or {}), backoff, "/data/out.ome.zarr", tuple(jobs), tuple(pods), checked, now,
-                    conversion="c1", lease_name="lease-x", lease=LeaseState("lease-x", True))
+    return Observed(
+        "scan",
+        dict(status or {}),
+        backoff,
+        "/data/out.ome.zarr",
+        tuple(jobs),
+        tuple(pods),
+        checked,
+        now,
+        conversion="c1",
+        lease_name="lease-x",
+        lease=LeaseState("lease-x", True),
+    )
 
 
 def apply(status, decision):
@@ -30,14 +41,28 @@ def apply(status, decision):
 
 def oom_pod(attempt=1, limit="1Gi"):
     return {
-        "metadata": {"name": f"scan-runner-{attempt}-x7k2p", "labels": {"h5ngff.dev/attempt": str(attempt), "app.kubernetes.io/component": "runner"}},
+        "metadata": {
+            "name": f"scan-runner-{attempt}-x7k2p",
+            "labels": {"h5ngff.dev/attempt": str(attempt), "app.kubernetes.io/component": "runner"},
+        },
         "spec": {"containers": [{"name": "runner", "resources": {"limits": {"memory": limit}}}]},
-        "status": {"phase": "Failed", "containerStatuses": [{"name": "runner", "state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {"name": "runner", "state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}
+            ],
+        },
     }
 
 
 def failed(attempt):
-    return JobSummary(f"scan-runner-{attempt}", attempt, "failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    return JobSummary(
+        f"scan-runner-{attempt}",
+        attempt,
+        "failed",
+        "BackoffLimitExceeded",
+        "Job has reached the specified backoff limit",
+    )
 
 
 def test_a_new_job_gets_its_first_runner_and_pending():
@@ -58,13 +83,19 @@ def test_a_missing_runner_of_the_current_attempt_is_ensured_not_a_new_attempt():
 
 
 def test_runner_progress_becomes_conditions_and_success_completes():
-    s = {"phase": "Running", "attempts": 1, "plan": {"workers": 4, "podLimit": "1536Mi", "tasks": 40},
-         "progress": {"slabsDone": 12, "slabsTotal": 40, "percent": 30, "summary": "12/40 (30%)"}}
+    s = {
+        "phase": "Running",
+        "attempts": 1,
+        "plan": {"workers": 4, "podLimit": "1536Mi", "tasks": 40},
+        "progress": {"slabsDone": 12, "slabsTotal": 40, "percent": 30, "summary": "12/40 (30%)"},
+    }
     d = reconcile(observe(s, [JobSummary("scan-runner-1", 1, "active")]))
     types = {c["type"]: c["status"] for c in d.patch["conditions"]}
     assert types == {"Planned": "True", "Running": "True"} and d.ensure_attempt is None
     s = apply(s, d)
-    assert reconcile(observe(s, [JobSummary("scan-runner-1", 1, "active")])).patch == {}  # idempotent: nothing new to write
+    assert (
+        reconcile(observe(s, [JobSummary("scan-runner-1", 1, "active")])).patch == {}
+    )  # idempotent: nothing new to write
     done = apply(s, reconcile(observe(s, [JobSummary("scan-runner-1", 1, "succeeded")])))
     assert done["phase"] == "Succeeded" and done["completionTime"] == T1
     assert done["progress"]["slabsDone"] == 40 and done["progress"]["percent"] == 100
@@ -102,7 +133,11 @@ def test_backoff_limit_zero_means_no_retry():
 
 @pytest.mark.parametrize("reason", ["OOMKilled", "NannyTerminated", "WorkerFailed", "ClusterUnavailable"])
 def test_worker_failures_the_runner_reports_are_retried(reason):
-    s = {"phase": "Running", "attempts": 1, "runner": {"attempt": 1, "outcome": "Failed", "reason": reason, "message": "pod limit 286 MiB"}}
+    s = {
+        "phase": "Running",
+        "attempts": 1,
+        "runner": {"attempt": 1, "outcome": "Failed", "reason": reason, "message": "pod limit 286 MiB"},
+    }
     d = reconcile(observe(s, [failed(1)]))
     assert not d.needs_pods  # the runner said why; no pod listing needed
     assert apply(s, d)["attempts"] == 2 and apply(s, d)["failures"][-1]["reason"] == reason
@@ -111,7 +146,11 @@ def test_worker_failures_the_runner_reports_are_retried(reason):
 
 @pytest.mark.parametrize("reason", ["InvalidSpec", "SourceUnreadable", "OutputConflict", "BudgetTooSmall"])
 def test_input_failures_are_final_at_once(reason):
-    s = {"phase": "Planned", "attempts": 1, "runner": {"attempt": 1, "outcome": "Failed", "reason": reason, "message": "m"}}
+    s = {
+        "phase": "Planned",
+        "attempts": 1,
+        "runner": {"attempt": 1, "outcome": "Failed", "reason": reason, "message": "m"},
+    }
     d = reconcile(observe(s, [failed(1)], backoff=5))
     out = apply(s, d)
     assert d.ensure_attempt is None and out["phase"] == "Failed" and out["reason"] == reason
@@ -135,14 +174,24 @@ def test_a_runner_that_exited_without_reporting_says_so():
 
 def test_finished_jobs_are_left_alone():
     for phase in ("Succeeded", "Failed"):
-        d = reconcile(observe({"phase": phase, "attempts": 1, "conversionHash": "c1", "observedGeneration": 1}, [failed(1)]))
+        d = reconcile(
+            observe({"phase": phase, "attempts": 1, "conversionHash": "c1", "observedGeneration": 1}, [failed(1)])
+        )
         assert d == type(d)()
 
 
 def test_job_summary_reads_the_job_controllers_words():
-    job = {"metadata": {"name": "scan-runner-3", "labels": {"h5ngff.dev/attempt": "3"},
-                        "ownerReferences": [{"uid": "u1", "controller": True}]},
-           "status": {"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too long"}]}}
+    job = {
+        "metadata": {
+            "name": "scan-runner-3",
+            "labels": {"h5ngff.dev/attempt": "3"},
+            "ownerReferences": [{"uid": "u1", "controller": True}],
+        },
+        "status": {
+            "failed": 1,
+            "conditions": [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": "too long"}],
+        },
+    }
     s = job_summary(job)
     assert (s.attempt, s.state, s.reason, s.owner_uid) == (3, "failed", "DeadlineExceeded", "u1")
     assert job_summary({"metadata": {"name": "x"}, "status": {"active": 1}}).state == "active"
@@ -160,7 +209,9 @@ def test_conditions_keep_their_transition_time_while_unchanged():
 
 def test_failure_records_are_idempotent_per_attempt():
     r = failure_record(1, "OOMKilled", "a", T0, None)
-    assert failure_record(1, "OOMKilled", "a", T1, r) == [{"attempt": 1, "reason": "OOMKilled", "message": "a", "time": T1}]
+    assert failure_record(1, "OOMKilled", "a", T1, r) == [
+        {"attempt": 1, "reason": "OOMKilled", "message": "a", "time": T1}
+    ]
     many = None
     for attempt in range(1, 15):
         many = failure_record(attempt, "OOMKilled", "", T0, many)

@@ -46,15 +46,25 @@ def job_spec(**extra):
         "source": {"path": "/data/in.h5", "dataset": "/volume/data"},
         "output": {"path": "/data/out.ome.zarr", "overwrite": True},
         "resources": {"workers": 3, "threadsPerWorker": 2, "memoryPerWorker": "2Gi"},
-        "pod": {"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
-                "volumeMounts": [{"name": "data", "mountPath": "/data"}], "serviceAccountName": "h5ngff-runner", "workingDir": "/data"},
+        "pod": {
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
+            "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+            "serviceAccountName": "h5ngff-runner",
+            "workingDir": "/data",
+        },
     }
     return parse_job_spec({**base, **extra})
 
 
 def plan_for(spec, allocator="jemalloc"):
     ds = DatasetInfo(shape=(128, 512, 512), dtype="<u2", itemsize=2)
-    return make_plan(ds, spec.conversion(), KubernetesBackend(Owner("ns", "j", "u"), image="img").capacity(), DEFAULT_CONSTANTS, allocator)
+    return make_plan(
+        ds,
+        spec.conversion(),
+        KubernetesBackend(Owner("ns", "j", "u"), image="img").capacity(),
+        DEFAULT_CONSTANTS,
+        allocator,
+    )
 
 
 def _containers(pod_spec: dict) -> list[dict]:
@@ -62,6 +72,7 @@ def _containers(pod_spec: dict) -> list[dict]:
 
 
 # --- 1. credentials as named keys -----------------------------------------------------------------
+
 
 def test_credentials_reach_runner_and_workers_as_named_keys_never_as_the_whole_secret():
     spec = job_spec(pod={"credentialsSecret": "s3-writer"})
@@ -75,7 +86,14 @@ def test_credentials_reach_runner_and_workers_as_named_keys_never_as_the_whole_s
     for _, e in refs:
         assert e["valueFrom"] == {"secretKeyRef": {"name": "s3-writer", "key": e["name"], "optional": True}}
     names = {e["name"] for _, e in refs}
-    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"} <= names
+    assert {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+        "AWS_DEFAULT_REGION",
+        "AWS_ENDPOINT_URL",
+    } <= names
     assert not {n for n in names if not n.startswith("AWS_")}  # never LD_PRELOAD, PYTHONPATH, ...
 
 
@@ -88,7 +106,13 @@ def test_the_credential_keys_cover_what_the_s3_store_reads_from_the_environment(
     read = set()
     for path in (ROOT / "src/h5ngff/engine/stores").glob("*.py"):
         read |= set(re.findall(r"\b(AWS_[A-Z0-9_]+)\b", path.read_text()))
-    files_and_profiles = {"AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE"}
+    files_and_profiles = {
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    }
     assert read - files_and_profiles <= set(CREDENTIAL_ENV), read - set(CREDENTIAL_ENV)
     assert not files_and_profiles & set(CREDENTIAL_ENV)
     assert len(set(CREDENTIAL_ENV)) == len(CREDENTIAL_ENV)
@@ -105,10 +129,25 @@ def test_a_job_cannot_set_environment_variables_at_all():
 REFUSED_MOUNTS = [
     ("/usr/local/lib/python3.11/site-packages/sitecustomize.py", "sitecustomize.py"),  # a ConfigMap key via subPath
     ("/usr/local/lib/python3.11/site-packages/h5ngff", None),
-    ("/usr/local/bin", None), ("/usr", None), ("/etc", None), ("/etc/ld.so.preload", "x"), ("/bin", None), ("/lib", None),
-    ("/opt/venv", None), ("/proc", None), ("/sys", None), ("/dev", None), ("/var/run/secrets/kubernetes.io", None),
-    ("/run", None), ("/", None), ("/var", None),
-    ("//usr/local/lib", None), ("/./etc", None), ("/usr/local/", None), ("/data/../usr/lib", None), ("usr/lib", None),
+    ("/usr/local/bin", None),
+    ("/usr", None),
+    ("/etc", None),
+    ("/etc/ld.so.preload", "x"),
+    ("/bin", None),
+    ("/lib", None),
+    ("/opt/venv", None),
+    ("/proc", None),
+    ("/sys", None),
+    ("/dev", None),
+    ("/var/run/secrets/kubernetes.io", None),
+    ("/run", None),
+    ("/", None),
+    ("/var", None),
+    ("//usr/local/lib", None),
+    ("/./etc", None),
+    ("/usr/local/", None),
+    ("/data/../usr/lib", None),
+    ("usr/lib", None),
 ]
 
 
@@ -128,13 +167,35 @@ def test_a_volume_at_under_or_over_the_images_system_paths_is_refused(path, sub)
 @pytest.mark.parametrize("path", ["/data", "/tmp/in", "/scratch/out", "/usr2", "/data/etc", "/mnt/usr"])
 def test_a_volume_elsewhere_is_allowed(path):
     """Negative control of the test above."""
-    spec = job_spec(pod={"volumes": [{"name": "d", "configMap": {"name": "cfg"}}], "volumeMounts": [{"name": "d", "mountPath": path}]})
+    spec = job_spec(
+        pod={
+            "volumes": [{"name": "d", "configMap": {"name": "cfg"}}],
+            "volumeMounts": [{"name": "d", "mountPath": path}],
+        }
+    )
     assert policy_violations(spec, POLICY, IMAGE, "h5ngff-runner") == []
 
 
-@pytest.mark.parametrize("path", ["/tmp", "/tmp/", "/tmp/.local", "/tmp/.local/lib/python3.11/site-packages", "/tmp/.config/dask",
-                                  "/tmp/.aws", "//tmp/./.config"])
-@pytest.mark.parametrize("volume", [{"persistentVolumeClaim": {"claimName": "scans"}}, {"configMap": {"name": "evil"}}, {"secret": {"secretName": "s"}}])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/tmp",
+        "/tmp/",
+        "/tmp/.local",
+        "/tmp/.local/lib/python3.11/site-packages",
+        "/tmp/.config/dask",
+        "/tmp/.aws",
+        "//tmp/./.config",
+    ],
+)
+@pytest.mark.parametrize(
+    "volume",
+    [
+        {"persistentVolumeClaim": {"claimName": "scans"}},
+        {"configMap": {"name": "evil"}},
+        {"secret": {"secretName": "s"}},
+    ],
+)
 def test_a_volume_the_tenant_writes_is_refused_over_home_where_python_dask_and_aws_read_start_up_code(path, volume):
     """HOME is /tmp: a claim there holding .local/lib/python3.11/site-packages/x.pth runs code in
     the runner (user site-packages), as ~/.config/dask preloads and ~/.aws credential_process do."""
@@ -143,8 +204,14 @@ def test_a_volume_the_tenant_writes_is_refused_over_home_where_python_dask_and_a
     assert f"mountPath {path!r}" in message and "HOME" in message and "emptyDir" in message
 
 
-@pytest.mark.parametrize(("path", "volume"), [("/tmp", {"emptyDir": {"medium": "Memory"}}), ("/tmp/.config", {"emptyDir": {}}),
-                                              ("/tmp/work", {"persistentVolumeClaim": {"claimName": "scans"}})])
+@pytest.mark.parametrize(
+    ("path", "volume"),
+    [
+        ("/tmp", {"emptyDir": {"medium": "Memory"}}),
+        ("/tmp/.config", {"emptyDir": {}}),
+        ("/tmp/work", {"persistentVolumeClaim": {"claimName": "scans"}}),
+    ],
+)
 def test_an_empty_dir_over_home_or_a_claim_under_it_is_allowed(path, volume):
     """Negative control of the test above: a fresh emptyDir holds no code, nor does a plain subdirectory."""
     spec = job_spec(pod={"volumes": [{"name": "v", **volume}], "volumeMounts": [{"name": "v", "mountPath": path}]})
@@ -153,15 +220,22 @@ def test_an_empty_dir_over_home_or_a_claim_under_it_is_allowed(path, volume):
 
 # --- 3. DaskClusters the runner creates -------------------------------------------------------------
 
+
 def _job(**pod):
-    base = {"image": IMAGE, "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
-            "volumeMounts": [{"name": "data", "mountPath": "/data"}], "credentialsSecret": "s3-writer"}
+    base = {
+        "image": IMAGE,
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "credentialsSecret": "s3-writer",
+    }
     return job_spec(pod={**base, **pod})
 
 
 def _cluster(spec, allocator="jemalloc", library=None):
     image = spec.pod.image or DEFAULT_IMAGE  # as the runner gets it (manifests.runner_spec)
-    return build_dask_cluster(plan_for(spec, allocator), Owner("science", "scan", "u"), image, spec.pod, allocator_library=library)
+    return build_dask_cluster(
+        plan_for(spec, allocator), Owner("science", "scan", "u"), image, spec.pod, allocator_library=library
+    )
 
 
 def _violations(cluster, spec):
@@ -170,7 +244,9 @@ def _violations(cluster, spec):
     return dask_cluster_violations(cluster, spec, POLICY, DEFAULT_IMAGE, "h5ngff-runner")
 
 
-@pytest.mark.parametrize(("allocator", "library"), [("jemalloc", "/usr/local/lib/libjemalloc.so.2"), ("jemalloc", None), ("glibc", None)])
+@pytest.mark.parametrize(
+    ("allocator", "library"), [("jemalloc", "/usr/local/lib/libjemalloc.so.2"), ("jemalloc", None), ("glibc", None)]
+)
 def test_a_cluster_as_the_runner_builds_it_passes(allocator, library):
     spec = _job()
     assert _violations(_cluster(spec, allocator, library), spec) == []
@@ -182,19 +258,36 @@ def _worker(c):
 
 
 def _env(c, name, value=None, **extra):
-    _worker(c)["containers"][0]["env"].append({"name": name, **({"value": value} if value is not None else {}), **extra})
+    _worker(c)["containers"][0]["env"].append(
+        {"name": name, **({"value": value} if value is not None else {}), **extra}
+    )
 
 
 ROGUE = {
     "worker image": (lambda c: _worker(c)["containers"][0].update(image=ROGUE_IMAGE), ROGUE_IMAGE),
-    "scheduler image": (lambda c: c["spec"]["scheduler"]["spec"]["containers"][0].update(image=ROGUE_IMAGE), ROGUE_IMAGE),
-    "init container": (lambda c: _worker(c).update(initContainers=[{"name": "x", "image": ROGUE_IMAGE}]), "initContainers"),
-    "hostPath volume": (lambda c: _worker(c)["volumes"].append({"name": "root", "hostPath": {"path": "/"}}), "hostPath"),
-    "another claim": (lambda c: _worker(c)["volumes"].append({"name": "other", "persistentVolumeClaim": {"claimName": "theirs"}}), "spec.pod.volumes"),
+    "scheduler image": (
+        lambda c: c["spec"]["scheduler"]["spec"]["containers"][0].update(image=ROGUE_IMAGE),
+        ROGUE_IMAGE,
+    ),
+    "init container": (
+        lambda c: _worker(c).update(initContainers=[{"name": "x", "image": ROGUE_IMAGE}]),
+        "initContainers",
+    ),
+    "hostPath volume": (
+        lambda c: _worker(c)["volumes"].append({"name": "root", "hostPath": {"path": "/"}}),
+        "hostPath",
+    ),
+    "another claim": (
+        lambda c: _worker(c)["volumes"].append({"name": "other", "persistentVolumeClaim": {"claimName": "theirs"}}),
+        "spec.pod.volumes",
+    ),
     "hostNetwork": (lambda c: _worker(c).update(hostNetwork=True), "hostNetwork"),
     "hostPID": (lambda c: _worker(c).update(hostPID=True), "hostPID"),
     "privileged": (lambda c: _worker(c)["containers"][0]["securityContext"].update(privileged=True), "securityContext"),
-    "capabilities": (lambda c: _worker(c)["containers"][0]["securityContext"].update(capabilities={"add": ["SYS_ADMIN"]}), "securityContext"),
+    "capabilities": (
+        lambda c: _worker(c)["containers"][0]["securityContext"].update(capabilities={"add": ["SYS_ADMIN"]}),
+        "securityContext",
+    ),
     "root user": (lambda c: _worker(c)["securityContext"].update(runAsUser=0, runAsNonRoot=False), "securityContext"),
     "token": (lambda c: _worker(c).update(automountServiceAccountToken=True), "automountServiceAccountToken"),
     "service account": (lambda c: _worker(c).update(serviceAccountName="ci-deployer"), "ci-deployer"),
@@ -203,12 +296,30 @@ ROGUE = {
     "PYTHONPATH": (lambda c: _env(c, "PYTHONPATH", "/data"), "PYTHONPATH"),
     "PYTHONSTARTUP": (lambda c: _env(c, "PYTHONSTARTUP", "/data/x.py"), "PYTHONSTARTUP"),
     "Dask preload": (lambda c: _env(c, "DASK_DISTRIBUTED__WORKER__PRELOAD", "/data/x.py"), "PRELOAD"),
-    "HOME on a volume": (lambda c: [e.update(value="/data") for e in _worker(c)["containers"][0]["env"] if e["name"] == "HOME"], "HOME"),
-    "envFrom": (lambda c: _worker(c)["containers"][0].update(envFrom=[{"secretRef": {"name": "s3-writer"}}]), "envFrom"),
-    "another Secret's key": (lambda c: _env(c, "AWS_ACCESS_KEY_ID", valueFrom={"secretKeyRef": {"name": "admin", "key": "AWS_ACCESS_KEY_ID"}}), "Secret"),
-    "a credential key as PYTHONPATH": (lambda c: _env(c, "PYTHONPATH", valueFrom={"secretKeyRef": {"name": "s3-writer", "key": "AWS_REGION"}}), "PYTHONPATH"),
-    "mount over site-packages": (lambda c: _worker(c)["containers"][0]["volumeMounts"].append(
-        {"name": "data", "mountPath": "/usr/local/lib/python3.11/site-packages/sitecustomize.py", "subPath": "x.py"}), "sitecustomize"),
+    "HOME on a volume": (
+        lambda c: [e.update(value="/data") for e in _worker(c)["containers"][0]["env"] if e["name"] == "HOME"],
+        "HOME",
+    ),
+    "envFrom": (
+        lambda c: _worker(c)["containers"][0].update(envFrom=[{"secretRef": {"name": "s3-writer"}}]),
+        "envFrom",
+    ),
+    "another Secret's key": (
+        lambda c: _env(
+            c, "AWS_ACCESS_KEY_ID", valueFrom={"secretKeyRef": {"name": "admin", "key": "AWS_ACCESS_KEY_ID"}}
+        ),
+        "Secret",
+    ),
+    "a credential key as PYTHONPATH": (
+        lambda c: _env(c, "PYTHONPATH", valueFrom={"secretKeyRef": {"name": "s3-writer", "key": "AWS_REGION"}}),
+        "PYTHONPATH",
+    ),
+    "mount over site-packages": (
+        lambda c: _worker(c)["containers"][0]["volumeMounts"].append(
+            {"name": "data", "mountPath": "/usr/local/lib/python3.11/site-packages/sitecustomize.py", "subPath": "x.py"}
+        ),
+        "sitecustomize",
+    ),
     "public scheduler": (lambda c: c["spec"]["scheduler"]["service"].update(type="LoadBalancer"), "LoadBalancer"),
 }
 
@@ -265,27 +376,38 @@ async def test_the_operator_deletes_a_rogue_dask_cluster_and_keeps_the_one_the_r
         stray = _as_runner_builds(c, "scan")
         stray["metadata"]["name"] = "stray-dask"
         await _post_cluster(c, stray)
-        await wait_for(lambda: not {"other-dask", "stray-dask"} & set(c.live(DASK_RES)), what="the rogue clusters deleted")
+        await wait_for(
+            lambda: not {"other-dask", "stray-dask"} & set(c.live(DASK_RES)), what="the rogue clusters deleted"
+        )
 
         from h5ngff.operator.guard import checked
 
         await wait_for(lambda: checked["default", "scan-dask"] >= 1, what="the legit cluster checked")
         assert "scan-dask" in c.live(DASK_RES)
-        denied = await wait_for(lambda: [e for e in c.events() if e.get("reason") == "PolicyDenied"], what="PolicyDenied events")
+        denied = await wait_for(
+            lambda: [e for e in c.events() if e.get("reason") == "PolicyDenied"], what="PolicyDenied events"
+        )
         on = {e["involvedObject"]["name"]: e for e in denied}
         assert on["other"]["involvedObject"]["kind"] == "ConversionJob" and ROGUE_IMAGE in on["other"]["message"]
-        assert on["other"]["type"] == "Warning" and "not the cluster of any ConversionJob" in on["stray-dask"]["message"]
+        assert (
+            on["other"]["type"] == "Warning" and "not the cluster of any ConversionJob" in on["stray-dask"]["message"]
+        )
         assert "scan" not in on
         # A change of the legit cluster is checked again, and it still stays.
-        resp = await c.k.patch(f"{DASK_PATH}/scan-dask", json={"metadata": {"labels": {"touched": "yes"}}},
-                               headers={"Content-Type": "application/merge-patch+json"})
+        resp = await c.k.patch(
+            f"{DASK_PATH}/scan-dask",
+            json={"metadata": {"labels": {"touched": "yes"}}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
         assert resp.status == 200, await resp.text()
         await wait_for(lambda: checked["default", "scan-dask"] >= 2, what="the legit cluster checked again")
         assert "scan-dask" in c.live(DASK_RES)
         # ... and a rogue change of it is not.
         rogue = copy.deepcopy(c.live(DASK_RES)["scan-dask"]["spec"])
         rogue["worker"]["spec"]["hostNetwork"] = True
-        resp = await c.k.patch(f"{DASK_PATH}/scan-dask", json={"spec": rogue}, headers={"Content-Type": "application/merge-patch+json"})
+        resp = await c.k.patch(
+            f"{DASK_PATH}/scan-dask", json={"spec": rogue}, headers={"Content-Type": "application/merge-patch+json"}
+        )
         assert resp.status == 200, await resp.text()
         await wait_for(lambda: "scan-dask" not in c.live(DASK_RES), what="the changed cluster deleted")
         assert json.dumps(c.live(DASK_RES)) == "{}"

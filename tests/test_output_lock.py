@@ -26,10 +26,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CLI = [sys.executable, "-m", "h5ngff.cli"]
 FLAGS = ["--chunks", "8,32,32", "--levels", "2", "--slab", "16,64,256", "--workers", "1", "--no-progress"]
 #: The second writer, with the lock replaced by a no-op: the negative control of every refusal.
-UNLOCKED = [sys.executable, "-c",
-            "import sys, contextlib, h5ngff.runner as r; from h5ngff.engine.write.lock import Held; "
-            "r.output_lock = lambda *args: contextlib.nullcontext(Held()); r.refuse_if_held = lambda *args: None; "
-            "from h5ngff.cli import main; sys.exit(main(sys.argv[1:]))"]
+UNLOCKED = [
+    sys.executable,
+    "-c",
+    "import sys, contextlib, h5ngff.runner as r; from h5ngff.engine.write.lock import Held; "
+    "r.output_lock = lambda *args: contextlib.nullcontext(Held()); r.refuse_if_held = lambda *args: None; "
+    "from h5ngff.cli import main; sys.exit(main(sys.argv[1:]))",
+]
 
 
 JOB = """apiVersion: h5ngff.dev/v1alpha1
@@ -53,8 +56,13 @@ def source(tmp_path_factory):
 def _start_slow(src: str, out: str, sleep: float = 0.4) -> subprocess.Popen:
     """A first writer that takes a while (each slab sleeps), stopped once it has written slabs."""
     env = {**os.environ, "H5NGFF_FAULTS": f"slab_sleep={sleep}"}
-    proc = subprocess.Popen(CLI + ["convert", src, out] + FLAGS, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        CLI + ["convert", src, out] + FLAGS,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 180
     while manifest_lines(out) < 2:
         assert proc.poll() is None, proc.stderr.read().decode()
@@ -92,14 +100,22 @@ def test_a_second_convert_and_an_overwrite_are_refused_while_the_first_runs(sour
         header, written = _header(out), set(chunk_files(out))
         second = subprocess.run(CLI + ["convert", src, out] + FLAGS, capture_output=True, text=True)
         assert second.returncode == ExitCode.OUTPUT_REFUSED, second.stdout + second.stderr
-        assert "OutputBusy" in second.stderr and f"pid {first.pid}" in second.stderr.replace("\n", " ")  # errors go to stderr
-        overwrite = subprocess.run(CLI + ["convert", src, out, "--overwrite", "--json"] + FLAGS, capture_output=True, text=True)
-        assert overwrite.returncode == ExitCode.OUTPUT_REFUSED and json.loads(overwrite.stdout)["reason"] == "OutputBusy"
+        assert "OutputBusy" in second.stderr and f"pid {first.pid}" in second.stderr.replace(
+            "\n", " "
+        )  # errors go to stderr
+        overwrite = subprocess.run(
+            CLI + ["convert", src, out, "--overwrite", "--json"] + FLAGS, capture_output=True, text=True
+        )
+        assert (
+            overwrite.returncode == ExitCode.OUTPUT_REFUSED and json.loads(overwrite.stdout)["reason"] == "OutputBusy"
+        )
         # Nothing was deleted: the first run's manifest and every file it had written are still there.
         assert _header(out) == header and written <= set(chunk_files(out))
         assert first.poll() is None  # checked while the first was still writing
         run = subprocess.run(CLI + ["run", str(job), "--json", "--no-progress"], capture_output=True, text=True)
-        assert run.returncode == ExitCode.OUTPUT_REFUSED and json.loads(run.stdout)["status"]["reason"] == "OutputBusy", run.stdout + run.stderr
+        assert (
+            run.returncode == ExitCode.OUTPUT_REFUSED and json.loads(run.stdout)["status"]["reason"] == "OutputBusy"
+        ), run.stdout + run.stderr
         assert first.poll() is None  # all three were refused while the first was still writing
         assert first.wait(timeout=300) == 0, first.stderr.read().decode()
     finally:
@@ -118,8 +134,12 @@ def test_negative_control_without_the_lock_overwrite_deletes_the_running_output(
     first = _start_slow(src, out)
     try:
         header = _header(out)
-        second = subprocess.Popen(UNLOCKED + ["convert", src, out, "--overwrite"] + FLAGS, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        second = subprocess.Popen(
+            UNLOCKED + ["convert", src, out, "--overwrite"] + FLAGS,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 180
             while True:
@@ -156,8 +176,14 @@ def test_negative_control_without_the_lock_a_second_convert_runs_beside_the_firs
     out = str(tmp_path / "out.ome.zarr")
     first = _start_slow(src, out, sleep=2.5)  # ~60 s: the second has time to start beside it
     env = {**os.environ, "H5NGFF_FAULTS": "slab_sleep=0.2"}
-    second = subprocess.Popen(UNLOCKED + ["convert", src, out] + FLAGS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True)
+    second = subprocess.Popen(
+        UNLOCKED + ["convert", src, out] + FLAGS,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         harm = None

@@ -28,7 +28,13 @@ def store(request, tmp_path):
 
 
 def _record(i: int, empty: bool = False) -> SlabRecord:
-    return SlabRecord(0, (i, 0, 0), [(0, f"c/{i}/0/0", 0 if empty else 100 + i)], [(0, float(i), float(i + 1))], [(0, f"c/{i}/0/0", f"{i:08x}")])
+    return SlabRecord(
+        0,
+        (i, 0, 0),
+        [(0, f"c/{i}/0/0", 0 if empty else 100 + i)],
+        [(0, float(i), float(i + 1))],
+        [(0, f"c/{i}/0/0", f"{i:08x}")],
+    )
 
 
 def test_the_manifest_takes_the_form_its_store_allows_and_reads_back_the_same(store):
@@ -84,7 +90,9 @@ def test_a_manifest_written_by_the_previous_build_still_loads(tmp_path):
     m.append([_record(1)])  # a resumed run appends to the same file
     assert (out / ".h5ngff" / "manifest.jsonl").read_bytes().startswith(old)
     assert [r.slab for r in Manifest.load(str(out)).records] == [(0, 0, 0), (1, 0, 0)]
-    (out / ".h5ngff" / "manifest.jsonl").write_bytes(old + b'{"kind": "slab", "pa')  # torn, as a killed client leaves it
+    (out / ".h5ngff" / "manifest.jsonl").write_bytes(
+        old + b'{"kind": "slab", "pa'
+    )  # torn, as a killed client leaves it
     assert [r.slab for r in Manifest.load(str(out)).records] == [(0, 0, 0)]
     # Control: a bad line that is not the last is not a torn write: it is an error.
     with open(out / ".h5ngff" / "manifest.jsonl", "a") as f:

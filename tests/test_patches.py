@@ -54,8 +54,13 @@ def _old_apply_merge_patch(document, patch):
 
 
 def test_negative_control_the_old_merge_kept_nested_nulls():
-    failing = [(o, p, r) for o, p, r in RFC_7386_EXAMPLES if o.startswith("{") and p.startswith("{")
-               and _old_apply_merge_patch(json.loads(o), json.loads(p)) != json.loads(r)]
+    failing = [
+        (o, p, r)
+        for o, p, r in RFC_7386_EXAMPLES
+        if o.startswith("{")
+        and p.startswith("{")
+        and _old_apply_merge_patch(json.loads(o), json.loads(p)) != json.loads(r)
+    ]
     assert failing == [("{}", '{"a":{"bb":{"ccc":null}}}', '{"a":{"bb":{}}}')]
 
 

@@ -31,7 +31,12 @@ def test_the_metrics_label_every_phase():
     assert families.PHASES == RUN_PHASES
     assert "Writing, Finalizing" in families.BY_NAME["h5ngff_job_phase"].help
     metrics = OperatorMetrics()
-    labels = [s.labels["phase"] for m in metrics.registry.collect() if m.name == "h5ngff_operator_conversionjobs" for s in m.samples]
+    labels = [
+        s.labels["phase"]
+        for m in metrics.registry.collect()
+        if m.name == "h5ngff_operator_conversionjobs"
+        for s in m.samples
+    ]
     assert labels == list(JOB_PHASES)
 
 
@@ -61,7 +66,11 @@ def _phase_literals(tree: ast.AST) -> tuple[list[str], list[int]]:
         if isinstance(node, ast.keyword) and node.arg == "phase" and isinstance(node.value, ast.Constant):
             used.append(node.value.value)
         elif isinstance(node, ast.Dict):
-            used += [v.value for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant) and k.value == "phase" and isinstance(v, ast.Constant)]
+            used += [
+                v.value
+                for k, v in zip(node.keys, node.values)
+                if isinstance(k, ast.Constant) and k.value == "phase" and isinstance(v, ast.Constant)
+            ]
         elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
             names = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in NAMES]
             if len(names) >= 2:

@@ -61,7 +61,14 @@ def test_headline_slab_is_exactly_the_users(headline):
 def test_headline_explains_every_mib(headline):
     c = DEFAULT_CONSTANTS
     terms = {t.name: t.bytes for t in headline.memory.terms}
-    assert list(terms) == ["interpreter", "slab buffers", "chunk and encode buffers", "window histogram", "hdf5 cache and decompression", "allocator slack"]
+    assert list(terms) == [
+        "interpreter",
+        "slab buffers",
+        "chunk and encode buffers",
+        "window histogram",
+        "hdf5 cache and decompression",
+        "allocator slack",
+    ]
     assert terms["slab buffers"] == 64 * 704 * 2008 * 4
     assert terms["interpreter"] == c.interpreter_baseline
     chunk = 64**3 * 4
@@ -75,8 +82,12 @@ def test_headline_explains_every_mib(headline):
     assert list(pod) == ["dask terminate threshold", "nanny", "page cache and overshoot room"]
     assert pod["dask terminate threshold"] == math.ceil(c.terminate_fraction * headline.memory.memory_limit)
     assert pod["nanny"] == c.nanny
-    assert pod["page cache and overshoot room"] == max(c.page_cache_floor, math.ceil(c.growth_rate * c.monitor_interval), pod["page cache and overshoot room"])
-    assert pod["page cache and overshoot room"] >= max(c.page_cache_floor, math.ceil(c.growth_rate * c.monitor_interval))
+    assert pod["page cache and overshoot room"] == max(
+        c.page_cache_floor, math.ceil(c.growth_rate * c.monitor_interval), pod["page cache and overshoot room"]
+    )
+    assert pod["page cache and overshoot room"] >= max(
+        c.page_cache_floor, math.ceil(c.growth_rate * c.monitor_interval)
+    )
     assert headline.memory.pod_limit == math.ceil(sum(pod.values()) / MiB) * MiB
     assert headline.memory.memory_limit == math.ceil(headline.memory.predicted_peak / c.planned_fraction / MiB) * MiB
 
@@ -136,7 +147,10 @@ def test_regression_user_slab_notice_duplicated():
     """With memoryTotal and workers auto, each worker count tried left its own re-alignment
     notice behind: the plan said the slab went to (128, 384, 128) and to (278, 512, 512)."""
     ds = DatasetInfo((278, 1661, 2619), "|u1", 1)
-    s = spec(output={"chunks": [128, 128, 128]}, resources={"workers": "auto", "threadsPerWorker": 2, "memoryTotal": 702545920, "slab": [27, 305, 111]})
+    s = spec(
+        output={"chunks": [128, 128, 128]},
+        resources={"workers": "auto", "threadsPerWorker": 2, "memoryTotal": 702545920, "slab": [27, 305, 111]},
+    )
     cap = Capacity(cores=7, memory_bytes=64 << 30)
     plan = make_plan(ds, s, cap)
     check_plan(plan, ds, s, cap)
@@ -150,7 +164,9 @@ def test_regression_user_slab_notice_duplicated():
 
 def _replan(ds, s, cap, **resources):
     data = s.to_wire()
-    data["resources"] = {k: v for k, v in data["resources"].items() if k not in ("memoryPerWorker", "memoryTotal")} | resources
+    data["resources"] = {
+        k: v for k, v in data["resources"].items() if k not in ("memoryPerWorker", "memoryTotal")
+    } | resources
     return make_plan(ds, parse_spec(data), cap)
 
 
@@ -160,7 +176,9 @@ def test_refusal_names_the_smallest_budget_and_the_knob():
         make_plan(HEADLINE, s, MACHINE)
     err = info.value
     text = str(err)
-    assert text.startswith("resources.memoryPerWorker: 240.0 MiB per worker is too small: your slab (64, 704, 2008) (345.1 MiB)")
+    assert text.startswith(
+        "resources.memoryPerWorker: 240.0 MiB per worker is too small: your slab (64, 704, 2008) (345.1 MiB)"
+    )
     assert f"Raise resources.memoryPerWorker to at least {err.minimum_bytes // MiB}Mi" in text
     assert "a smaller resources.slab (or none, to let the planner choose)" in text
     assert err.reason == "BudgetTooSmall" and err.exit_code == 2
@@ -171,11 +189,17 @@ def test_refusal_names_the_smallest_budget_and_the_knob():
 
 
 def test_refusal_suggests_chunks_and_threads_only_where_they_matter():
-    big_chunks = spec(output={"chunks": [128, 256, 256]}, pyramid={"levels": 1}, resources={"workers": 2, "threadsPerWorker": 4, "memoryPerWorker": "300Mi"})
+    big_chunks = spec(
+        output={"chunks": [128, 256, 256]},
+        pyramid={"levels": 1},
+        resources={"workers": 2, "threadsPerWorker": 4, "memoryPerWorker": "300Mi"},
+    )
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(HEADLINE, big_chunks, MACHINE)
     assert "smaller output.chunks" in str(info.value) and "fewer resources.threadsPerWorker" in str(info.value)
-    tiny = spec(output={"chunks": [8, 8]}, resources={"workers": 1, "threadsPerWorker": 2, "memoryPerWorker": MIN_WORKER_MEMORY})
+    tiny = spec(
+        output={"chunks": [8, 8]}, resources={"workers": 1, "threadsPerWorker": 2, "memoryPerWorker": MIN_WORKER_MEMORY}
+    )
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(DatasetInfo((64, 64), "|u1", 1), tiny, MACHINE)
     # Fixed costs dominate: only the budget can help.
@@ -212,7 +236,9 @@ def test_regression_refusal_minimum_too_small_with_hdf5_straddle():
     """The refusal priced a slab that cuts HDF5 chunks without its chunk cache: it asked for
     310Mi, and 310Mi was refused again."""
     ds = DatasetInfo((512, 512, 512), "<f4", 4, hdf5_chunks=(512, 512, 16), hdf5_filters=("gzip",))
-    s = spec(output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 2, "memoryPerWorker": "300Mi"})
+    s = spec(
+        output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 2, "memoryPerWorker": "300Mi"}
+    )
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(ds, s, MACHINE)
     minimum = info.value.minimum_bytes
@@ -226,7 +252,10 @@ def test_regression_refusal_minimum_not_the_smallest_for_a_pyramid():
     """With a pyramid, a little more budget lets pass 0 build every level, so the later pass that
     failed is not needed: the refusal asked for 280Mi where 279Mi plans."""
     ds = DatasetInfo((41, 58, 160), "<f8", 8)
-    s = spec(output={"chunks": [41, 58, 79], "shards": [41, 58, 158]}, resources={"workers": "auto", "memoryPerWorker": MIN_WORKER_MEMORY})
+    s = spec(
+        output={"chunks": [41, 58, 79], "shards": [41, 58, 158]},
+        resources={"workers": "auto", "memoryPerWorker": MIN_WORKER_MEMORY},
+    )
     cap = Capacity(cores=1, memory_bytes=1 << 30)
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(ds, s, cap)
@@ -244,7 +273,11 @@ def test_regression_refusal_minimum_not_the_smallest_for_a_pyramid():
 
 @pytest.mark.parametrize("total_mib", [600, 1500, 2500, 6000])
 def test_memory_total_picks_the_most_workers_that_fit(total_mib):
-    s = spec(output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": "auto", "memoryTotal": total_mib * MiB})
+    s = spec(
+        output={"chunks": [64, 64, 64]},
+        pyramid={"levels": 1},
+        resources={"workers": "auto", "memoryTotal": total_mib * MiB},
+    )
     plan = make_plan(HEADLINE, s, BIG)
     check_plan(plan, HEADLINE, s, BIG)
     # An independent search: every explicit worker count, largest that plans within the total.
@@ -264,7 +297,9 @@ def test_memory_total_too_small_for_one_worker():
     s = spec(pyramid={"levels": 1}, resources={"memoryTotal": MIN_WORKER_MEMORY})
     with pytest.raises(BudgetTooSmallError) as info:
         make_plan(HEADLINE, s, BIG)
-    assert str(info.value).startswith(f"resources.memoryTotal: {format_bytes(MIN_WORKER_MEMORY)} cannot hold even one worker")
+    assert str(info.value).startswith(
+        f"resources.memoryTotal: {format_bytes(MIN_WORKER_MEMORY)} cannot hold even one worker"
+    )
     plan = _replan(HEADLINE, s, BIG, memoryTotal=info.value.minimum_bytes)
     assert plan.workers == 1
 
@@ -313,7 +348,9 @@ def test_regression_plane_chunked_hdf5_refused_or_oversized():
     assert plan.slab == (64, 3768, 2008) and plan.hdf5_cache_bytes == 0 and not plan.notices
     # Where whole planes are too few for the threads, the cut slab caches exactly the planes it
     # touches: 64 of them, not 65 x 2 x 2.
-    many = spec(output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 8, "memoryPerWorker": "6Gi"})
+    many = spec(
+        output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 8, "memoryPerWorker": "6Gi"}
+    )
     plan = make_plan(ds, many, BIG)
     check_plan(plan, ds, many, BIG)
     assert plan.slab[0] == 64 and plan.hdf5_cache_bytes == 64 * 3768 * 2008 * 4
@@ -396,7 +433,12 @@ def test_regression_small_plans_terminated_for_a_few_mib_of_baseline():
     assert m.memory_limit > math.ceil(m.predicted_peak / c.planned_fraction / MiB) * MiB
     assert "of room below the terminate threshold" in m.memory_limit_why
     # Without the floor, the same plan has only a few MiB of room: what the floor is for.
-    bare = make_plan(DatasetInfo((16, 64, 64), "<u2", 2), spec(resources={"workers": 2}), MACHINE, MemoryConstants(terminate_headroom_floor=0))
+    bare = make_plan(
+        DatasetInfo((16, 64, 64), "<u2", 2),
+        spec(resources={"workers": 2}),
+        MACHINE,
+        MemoryConstants(terminate_headroom_floor=0),
+    )
     assert bare.memory.thresholds.terminate * bare.memory.memory_limit - bare.memory.predicted_peak < 8 * MiB
     # The headline case is large: the floor does not move it.
     big = make_plan(HEADLINE, headline_spec(), MACHINE).memory
@@ -407,7 +449,10 @@ def test_combined_worker_memory_still_fits_a_tight_budget():
     """Where the passes together overshoot, the planner re-plans under a lower budget."""
     ds = DatasetInfo((3789, 3926, 841), "<f4", 4)
     for budget in (900, 1200, 1700, 2500):
-        s = spec(output={"chunks": [64, 64, 64]}, resources={"workers": 2, "threadsPerWorker": 2, "memoryPerWorker": budget * MiB})
+        s = spec(
+            output={"chunks": [64, 64, 64]},
+            resources={"workers": 2, "threadsPerWorker": 2, "memoryPerWorker": budget * MiB},
+        )
         try:
             plan = make_plan(ds, s, BIG)
         except BudgetTooSmallError as exc:
@@ -422,7 +467,9 @@ def test_combined_worker_memory_still_fits_a_tight_budget():
 
 def test_constants_are_overridable_from_a_json_file(tmp_path, headline):
     path = tmp_path / "calibration.json"
-    path.write_text(json.dumps({"interpreter_baseline": DEFAULT_CONSTANTS.interpreter_baseline + 100 * MiB, "nanny": 50 * MiB}))
+    path.write_text(
+        json.dumps({"interpreter_baseline": DEFAULT_CONSTANTS.interpreter_baseline + 100 * MiB, "nanny": 50 * MiB})
+    )
     constants = MemoryConstants.from_file(path)
     assert constants.interpreter_baseline == DEFAULT_CONSTANTS.interpreter_baseline + 100 * MiB
     assert constants.nanny == 50 * MiB and constants.planned_fraction == DEFAULT_CONSTANTS.planned_fraction
@@ -494,7 +541,10 @@ def test_auto_levels_stop_when_one_chunk_holds_the_smallest_level():
 
 
 def test_empty_dimension_is_refused():
-    with pytest.raises(Exception, match=r"source.dataset: Expected every dimension to hold at least one element. Got shape \(0, 10, 10\)"):
+    with pytest.raises(
+        Exception,
+        match=r"source.dataset: Expected every dimension to hold at least one element. Got shape \(0, 10, 10\)",
+    ):
         make_plan(DatasetInfo((0, 10, 10), "<u2", 2), spec(), MACHINE)
 
 
@@ -506,7 +556,9 @@ def _upload_buffers(plan) -> int:
 
 
 def test_a_bucket_keeps_puts_in_flight_and_the_plan_counts_each():
-    bucket = make_plan(HEADLINE, spec(output={"path": "s3://b/out.ome.zarr", "chunks": [64, 64, 64]}, pyramid={"levels": 1}), MACHINE)
+    bucket = make_plan(
+        HEADLINE, spec(output={"path": "s3://b/out.ome.zarr", "chunks": [64, 64, 64]}, pyramid={"levels": 1}), MACHINE
+    )
     local = make_plan(HEADLINE, spec(output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}), MACHINE)
     assert local.upload_depth == 0 and not any(t.name.startswith("object store") for t in local.memory.terms)
     # 1 MiB chunks: the window's most; each held whole with its request body (x2).
@@ -514,15 +566,30 @@ def test_a_bucket_keeps_puts_in_flight_and_the_plan_counts_each():
     unit = 64**3 * 4 + 16  # the encoded bound of one chunk (blosc's header)
     assert _upload_buffers(bucket) == bucket.threads_per_worker * (6 + 1) * 2 * unit
     # A user's choice replaces the planner's, and the plan follows it.
-    one = make_plan(HEADLINE, spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "storageOptions": {"uploads_in_flight": "0"}}, pyramid={"levels": 1}), MACHINE)
+    one = make_plan(
+        HEADLINE,
+        spec(
+            output={"path": "s3://b/o", "chunks": [64, 64, 64], "storageOptions": {"uploads_in_flight": "0"}},
+            pyramid={"levels": 1},
+        ),
+        MACHINE,
+    )
     assert one.upload_depth == 0 and _upload_buffers(one) == one.threads_per_worker * 2 * unit
     assert one.memory.predicted_peak < bucket.memory.predicted_peak
 
 
 def test_large_shards_are_put_one_at_a_time():
-    shards = make_plan(HEADLINE, spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "shards": [128, 128, 128]}, pyramid={"levels": 1}), MACHINE)
+    shards = make_plan(
+        HEADLINE,
+        spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "shards": [128, 128, 128]}, pyramid={"levels": 1}),
+        MACHINE,
+    )
     assert shards.upload_depth == 1  # 8 MiB shards: one in flight while the next is built
-    big = make_plan(HEADLINE, spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "shards": [64, 256, 256]}, pyramid={"levels": 1}), MACHINE)
+    big = make_plan(
+        HEADLINE,
+        spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "shards": [64, 256, 256]}, pyramid={"levels": 1}),
+        MACHINE,
+    )
     assert big.upload_depth == 0  # 16 MiB and above: synchronous, as before
 
 
@@ -537,14 +604,21 @@ def test_a_budget_too_small_for_uploads_in_flight_puts_one_at_a_time_and_says_so
         resources = {"workers": 2, "threadsPerWorker": 4, "slab": [64, 64, 2008]}
         if budget:
             resources["memoryPerWorker"] = budget
-        return spec(output={"path": "s3://b/o", "chunks": [64, 64, 64], "storageOptions": options}, pyramid={"levels": 1}, resources=resources)
+        return spec(
+            output={"path": "s3://b/o", "chunks": [64, 64, 64], "storageOptions": options},
+            pyramid={"levels": 1},
+            resources=resources,
+        )
 
     overlapped = make_plan(HEADLINE, bucket(), MACHINE)
     one_at_a_time = make_plan(HEADLINE, bucket(uploads_in_flight="0"), MACHINE)
     assert overlapped.upload_depth == 6 and overlapped.memory.pod_limit > one_at_a_time.memory.pod_limit
     between = f"{(overlapped.memory.pod_limit + one_at_a_time.memory.pod_limit) // 2 // MiB}Mi"
     plan = make_plan(HEADLINE, bucket(between), MACHINE)
-    assert plan.upload_depth == 0 and plan.memory.pod_limit <= (overlapped.memory.pod_limit + one_at_a_time.memory.pod_limit) // 2
+    assert (
+        plan.upload_depth == 0
+        and plan.memory.pod_limit <= (overlapped.memory.pod_limit + one_at_a_time.memory.pod_limit) // 2
+    )
     assert any("one PUT at a time" in n for n in plan.notices)
     # The user's own depth is kept: the refusal names it as a knob instead.
     with pytest.raises(BudgetTooSmallError, match="uploads_in_flight"):

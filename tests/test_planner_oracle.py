@@ -103,10 +103,12 @@ def check_level_transforms(plan: Plan, spec: ConversionSpec, down) -> None:
     for lv in plan.levels:
         factors = tuple(_factors(down, 0, lv.index, len(scale0)))
         if lv.factors != factors:
-            _fail(f"level {lv.index}: factors {lv.factors}, the steps {down[:lv.index]} give {factors}")
+            _fail(f"level {lv.index}: factors {lv.factors}, the steps {down[: lv.index]} give {factors}")
         if not all(math.isclose(a, s * f) for a, s, f in zip(lv.scale, scale0, factors)):
             _fail(f"level {lv.index}: scale {lv.scale}, expected {scale0} x {factors}")
-        if not all(math.isclose(t, shift * (f - 1) * s, abs_tol=1e-12) for t, s, f in zip(lv.translation, scale0, factors)):
+        if not all(
+            math.isclose(t, shift * (f - 1) * s, abs_tol=1e-12) for t, s, f in zip(lv.translation, scale0, factors)
+        ):
             _fail(f"level {lv.index}: translation {lv.translation} for factors {factors}")
 
 
@@ -120,7 +122,9 @@ def check_chain(plan: Plan) -> None:
         _fail(f"pass 0 must read HDF5 and write level 0, got {plan.passes[0]}")
     for prev, p in zip(plan.passes, plan.passes[1:]):
         if p.source_level != prev.levels[-1] or p.levels[0] != p.source_level + 1:
-            _fail(f"pass {p.index} reads level {p.source_level} and writes {p.levels}; pass {prev.index} wrote {prev.levels}")
+            _fail(
+                f"pass {p.index} reads level {p.source_level} and writes {p.levels}; pass {prev.index} wrote {prev.levels}"
+            )
     if [p.index for p in plan.passes] != list(range(len(plan.passes))):
         _fail(f"pass indices {[p.index for p in plan.passes]}")
 
@@ -141,7 +145,11 @@ def check_tiling(src_shape, slab, grid) -> None:
             covered = b
         if covered != n:
             _fail(f"axis {axis}: slabs cover {covered} of {n}")
-    volume = sum(math.prod(b - a for a, b in box) for box in slab_boxes(src_shape, slab)) if math.prod(grid) <= 20_000 else math.prod(src_shape)
+    volume = (
+        sum(math.prod(b - a for a, b in box) for box in slab_boxes(src_shape, slab))
+        if math.prod(grid) <= 20_000
+        else math.prod(src_shape)
+    )
     if volume != math.prod(src_shape):
         _fail(f"slab volumes sum to {volume}, the source holds {math.prod(src_shape)}")
 
@@ -155,7 +163,9 @@ def check_alignment(p, src_shape, unit, down) -> None:
         step = u * fa
         for a, _ in axis_intervals(n, s):
             if a % step:
-                _fail(f"pass {p.index} axis {axis}: slab starts at {a}, not a multiple of the step {step} (unit {u}, {built} level(s) built)")
+                _fail(
+                    f"pass {p.index} axis {axis}: slab starts at {a}, not a multiple of the step {step} (unit {u}, {built} level(s) built)"
+                )
 
 
 def unit_owners(p, level: int, level_shape, src_shape, unit, down) -> Counter:
@@ -173,7 +183,9 @@ def unit_owners(p, level: int, level_shape, src_shape, unit, down) -> Counter:
             if hi > lk:
                 _fail(f"pass {p.index}: slab {box} writes level {level} up to {hi} on axis {axis}; the level has {lk}")
             if lo % u or (hi % u and hi != lk):
-                _fail(f"pass {p.index}: slab {box} writes [{lo}, {hi}) of level {level} on axis {axis}, part of a unit of {u}")
+                _fail(
+                    f"pass {p.index}: slab {box} writes [{lo}, {hi}) of level {level} on axis {axis}, part of a unit of {u}"
+                )
             ranges.append(range(lo // u, -(-hi // u)))
         owners.update(itertools.product(*ranges))
     return owners
@@ -227,13 +239,17 @@ def check_memory(plan: Plan, spec: ConversionSpec, capacity: Capacity) -> None:
         # One worker configuration serves every pass: none may peak above the planned fraction,
         # the room below Dask's terminate threshold that the plan promises.
         if p.predicted_peak > m.thresholds.planned * m.memory_limit:
-            _fail(f"pass {p.index} peaks at {p.predicted_peak / MiB:.1f} MiB, above planned x memory_limit {m.thresholds.planned * m.memory_limit / MiB:.1f} MiB")
+            _fail(
+                f"pass {p.index} peaks at {p.predicted_peak / MiB:.1f} MiB, above planned x memory_limit {m.thresholds.planned * m.memory_limit / MiB:.1f} MiB"
+            )
     # Dask must stop a worker before the kernel does: its terminate threshold sits below the pod
     # limit, which holds it and more (memory_limit itself may exceed the pod on big plans: Dask
     # never lets a worker reach it).
     threshold = math.ceil((m.thresholds.terminate or 1.0) * m.memory_limit)
     if not threshold < m.pod_limit or threshold not in [t.bytes for t in m.pod_terms]:
-        _fail(f"the terminate threshold {threshold} must be a pod term below the pod limit {m.pod_limit}: {m.pod_terms}")
+        _fail(
+            f"the terminate threshold {threshold} must be a pod term below the pod limit {m.pod_limit}: {m.pod_terms}"
+        )
     if sum(t.bytes for t in m.pod_terms) > m.pod_limit:
         _fail(f"pod terms {m.pod_terms} exceed the pod limit {m.pod_limit}")
     if r.memory_per_worker_bytes is not None and m.pod_limit > r.memory_per_worker_bytes:
@@ -250,13 +266,17 @@ def check_memory_terms(plan: Plan, spec: ConversionSpec) -> None:
     in docs/memory-model.md (reference.expected_buffer_terms), and checked against the engine's own
     shard layout: a shard costs its index per thread, never its bytes (issue 18)."""
     constants = DEFAULT_CONSTANTS
-    zstd = spec.output.compressor.codec == "zstd" or (spec.output.compressor.codec == "blosc" and spec.output.compressor.blosc_cname == "zstd")
+    zstd = spec.output.compressor.codec == "zstd" or (
+        spec.output.compressor.codec == "blosc" and spec.output.compressor.blosc_cname == "zstd"
+    )
     down = pyramid_steps(spec, plan.axes, plan.levels[0].scale, len(plan.levels) - 1)
     for p in plan.passes:
         terms = {t.name: t.bytes for t in p.terms}
         if len(terms) != len(p.terms):
             _fail(f"pass {p.index}: duplicate term names in {[t.name for t in p.terms]}")
-        expected = expected_buffer_terms(p, plan.chunks, plan.shards, plan.dataset.itemsize, plan.threads_per_worker, down, zstd, constants)
+        expected = expected_buffer_terms(
+            p, plan.chunks, plan.shards, plan.dataset.itemsize, plan.threads_per_worker, down, zstd, constants
+        )
         for name, value in expected.items():
             if terms.get(name) != value:
                 _fail(f"pass {p.index}: term {name!r} is {terms.get(name)}, the documented formula gives {value}")
@@ -264,10 +284,14 @@ def check_memory_terms(plan: Plan, spec: ConversionSpec) -> None:
         if extra:
             _fail(f"pass {p.index}: unexpected term(s) {sorted(extra)}")
         if plan.shards:
-            layout = ArrayLayout("unused", plan.levels[0].shape, plan.chunks, plan.shards, plan.dtype, 3, spec.output.compressor)
+            layout = ArrayLayout(
+                "unused", plan.levels[0].shape, plan.chunks, plan.shards, plan.dtype, 3, spec.output.compressor
+            )
             engine_index = plan.threads_per_worker * 2 * engine_shard_index_bytes(layout)
             if terms["shard assembly"] != engine_index:
-                _fail(f"pass {p.index}: shard assembly {terms['shard assembly']} B, the engine holds {engine_index} B of index per worker")
+                _fail(
+                    f"pass {p.index}: shard assembly {terms['shard assembly']} B, the engine holds {engine_index} B of index per worker"
+                )
         slack = constants.allocator_slack_jemalloc if plan.allocator == "jemalloc" else constants.allocator_slack_glibc
         dynamic = sum(v for k, v in terms.items() if k not in ("interpreter", "allocator slack"))
         if terms["allocator slack"] != math.ceil(slack * dynamic):
@@ -289,7 +313,9 @@ def check_notices(plan: Plan, ds: DatasetInfo) -> None:
         cuts = any(s % h and s != n for s, h, n in zip(slab, ds.hdf5_chunks, ds.shape))
         noticed = any("HDF5 chunks" in n for n in plan.notices)
         if cuts != noticed:
-            _fail(f"slab {slab} {'cuts' if cuts else 'does not cut'} HDF5 chunks {ds.hdf5_chunks}, notices: {plan.notices}")
+            _fail(
+                f"slab {slab} {'cuts' if cuts else 'does not cut'} HDF5 chunks {ds.hdf5_chunks}, notices: {plan.notices}"
+            )
     elif any("HDF5 chunks" in n for n in plan.notices):
         _fail(f"HDF5 notice for contiguous data: {plan.notices}")
 
@@ -338,7 +364,9 @@ def _spec(**sections) -> ConversionSpec:
 @pytest.fixture(scope="module")
 def good():
     ds = DatasetInfo((200, 1000, 600), "<u2", 2)
-    spec = _spec(output={"chunks": [32, 64, 64]}, pyramid={"levels": 3}, resources={"workers": 2, "memoryPerWorker": "1Gi"})
+    spec = _spec(
+        output={"chunks": [32, 64, 64]}, pyramid={"levels": 3}, resources={"workers": 2, "memoryPerWorker": "1Gi"}
+    )
     plan = make_plan(ds, spec, CAP)
     check_plan(plan, ds, spec, CAP)
     return ds, spec, plan
@@ -418,7 +446,13 @@ def test_oracle_rejects_a_stale_realign_notice(good):
 def test_oracle_rejects_duplicated_realign_notices(good):
     ds, spec, plan = good
     slab = plan.passes[0].slab
-    twice = dataclasses.replace(plan, notices=(f"resources.slab (1, 2, 3) re-aligned to {slab} so", f"resources.slab (1, 2, 3) re-aligned to {slab} again"))
+    twice = dataclasses.replace(
+        plan,
+        notices=(
+            f"resources.slab (1, 2, 3) re-aligned to {slab} so",
+            f"resources.slab (1, 2, 3) re-aligned to {slab} again",
+        ),
+    )
     with pytest.raises(OracleError, match="more than one"):
         check_notices(twice, ds)
 
@@ -435,7 +469,11 @@ def test_oracle_rejects_a_false_hdf5_notice(good):
 @pytest.fixture(scope="module")
 def sharded():
     ds = DatasetInfo((256, 1024, 1024), "<f4", 4)
-    spec = _spec(output={"chunks": [64, 64, 64], "shards": [128, 256, 256]}, pyramid={"levels": 3}, resources={"workers": 2, "threadsPerWorker": 2, "memoryPerWorker": "3Gi"})
+    spec = _spec(
+        output={"chunks": [64, 64, 64], "shards": [128, 256, 256]},
+        pyramid={"levels": 3},
+        resources={"workers": 2, "threadsPerWorker": 2, "memoryPerWorker": "3Gi"},
+    )
     plan = make_plan(ds, spec, CAP)
     check_plan(plan, ds, spec, CAP)
     assert len(plan.passes) >= 2, "a later pass must read shards"
@@ -477,11 +515,16 @@ def test_oracle_rejects_a_shard_sized_read_buffer(sharded):
     ds, spec, plan = sharded
     shard_bytes = math.prod(plan.shards) * 4
     with pytest.raises(OracleError, match="'level read buffers'"):
-        check_memory_terms(_with_term(plan, "level read buffers", plan.threads_per_worker * (shard_bytes + 16 + 64**3 * 4)), spec)
+        check_memory_terms(
+            _with_term(plan, "level read buffers", plan.threads_per_worker * (shard_bytes + 16 + 64**3 * 4)), spec
+        )
 
 
 def test_oracle_rejects_a_shard_term_on_an_unsharded_plan(good):
     ds, spec, plan = good
-    passes = tuple(dataclasses.replace(p, terms=p.terms + (dataclasses.replace(p.terms[0], name="shard assembly", bytes=4096),)) for p in plan.passes)
+    passes = tuple(
+        dataclasses.replace(p, terms=p.terms + (dataclasses.replace(p.terms[0], name="shard assembly", bytes=4096),))
+        for p in plan.passes
+    )
     with pytest.raises(OracleError, match="unexpected term"):
         check_memory_terms(dataclasses.replace(plan, passes=passes), spec)

@@ -22,7 +22,9 @@ from h5ngff.spec import MIN_WORKER_MEMORY
 from h5ngff.units import MiB
 from test_planner_oracle import check_plan, downsampled_axes, useful_levels
 
-PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+PROPERTY_SETTINGS = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 
 DTYPES = ["|u1", "<u2", "<i2", "<u4", "<f4", "<f8", "<i8", "|b1"]
 AXES = {2: "yx", 3: "zyx", 4: "czyx", 5: "tczyx"}
@@ -54,7 +56,10 @@ def problems(draw):
     pyramid_axes = draw(st.sampled_from([None, "yx", "zyx", "zy", "x"]))
     if pyramid_axes is not None and any(a not in axes for a in pyramid_axes):
         pyramid_axes = None
-    resources: dict = {"threadsPerWorker": draw(st.integers(1, 4)), "allocator": draw(st.sampled_from(["jemalloc", "glibc"]))}
+    resources: dict = {
+        "threadsPerWorker": draw(st.integers(1, 4)),
+        "allocator": draw(st.sampled_from(["jemalloc", "glibc"])),
+    }
     workers = draw(st.one_of(st.just("auto"), st.integers(1, 8)))
     resources["workers"] = workers
     budget = draw(st.sampled_from(["none", "perWorker", "total"]))
@@ -67,7 +72,10 @@ def problems(draw):
     spec = {
         "source": {"path": "in.h5", "dataset": "/volume/data"},
         "output": {"path": "out.ome.zarr", "chunks": chunks},
-        "pyramid": {"levels": draw(st.one_of(st.just("auto"), st.integers(1, 6))), "method": draw(st.sampled_from(["mean", "nearest", "max"]))},
+        "pyramid": {
+            "levels": draw(st.one_of(st.just("auto"), st.integers(1, 6))),
+            "method": draw(st.sampled_from(["mean", "nearest", "max"])),
+        },
         "resources": resources,
     }
     if sharded:
@@ -75,7 +83,9 @@ def problems(draw):
     if pyramid_axes:
         spec["pyramid"]["axes"] = pyramid_axes
     default_workers = draw(st.sampled_from([None, 4]))
-    capacity = Capacity(cores=draw(st.integers(1, 8)), memory_bytes=draw(st.integers(1, 64)) << 30, default_workers=default_workers)
+    capacity = Capacity(
+        cores=draw(st.integers(1, 8)), memory_bytes=draw(st.integers(1, 64)) << 30, default_workers=default_workers
+    )
     allocator = resources["allocator"]
     return ds, spec, capacity, allocator
 
@@ -160,7 +170,13 @@ def _check_most_workers(ds, spec_dict, capacity, allocator, plan) -> None:
 def test_overridden_constants_still_hold_the_oracle(budget, baseline, nanny, pause):
     """Calibration changes the constants; the invariants must not depend on the defaults."""
     constants = MemoryConstants().with_overrides(
-        {"interpreter_baseline": baseline, "nanny": nanny, "page_cache_floor": 8 * MiB, "planned_fraction": pause, "terminate_fraction": min(0.99, pause + 0.05)}
+        {
+            "interpreter_baseline": baseline,
+            "nanny": nanny,
+            "page_cache_floor": 8 * MiB,
+            "planned_fraction": pause,
+            "terminate_fraction": min(0.99, pause + 0.05),
+        }
     )
     ds = DatasetInfo((300, 1500, 1100), "<u2", 2, hdf5_chunks=(30, 250, 250), hdf5_filters=("gzip",))
     spec_dict = {
@@ -173,7 +189,9 @@ def test_overridden_constants_still_hold_the_oracle(budget, baseline, nanny, pau
     try:
         plan = make_plan(ds, parse_spec(spec_dict), capacity, constants)
     except BudgetTooSmallError as exc:
-        ok = make_plan(ds, parse_spec(_with_resources(spec_dict, memoryPerWorker=exc.minimum_bytes)), capacity, constants)
+        ok = make_plan(
+            ds, parse_spec(_with_resources(spec_dict, memoryPerWorker=exc.minimum_bytes)), capacity, constants
+        )
         assert ok.memory.pod_limit <= exc.minimum_bytes
         return
     check_plan(plan, ds, parse_spec(spec_dict), capacity)
@@ -232,9 +250,20 @@ def test_more_budget_never_means_more_slabs(workers, threads, budget_mib):
 @pytest.mark.slow
 def test_property_strategy_reaches_the_interesting_cases():
     """Guard against a strategy that never produces refusals, multi-pass plans or HDF5 chunks."""
-    seen = {"refused": 0, "multipass": 0, "multislab": 0, "hdf5": 0, "notice": 0, "sharded": 0, "sharded multipass": 0, "sharded threads": 0}
+    seen = {
+        "refused": 0,
+        "multipass": 0,
+        "multislab": 0,
+        "hdf5": 0,
+        "notice": 0,
+        "sharded": 0,
+        "sharded multipass": 0,
+        "sharded threads": 0,
+    }
 
-    @settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(problems())
     def sample(problem):
         ds, spec_dict, capacity, allocator = problem

@@ -37,8 +37,12 @@ def user_case(tmp_path_factory):
 
 def user_spec(h5: str, out: str, **resources):
     return spec_for(
-        h5, out,
-        output={"chunks": [64, 64, 64], "compressor": {"codec": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"}},
+        h5,
+        out,
+        output={
+            "chunks": [64, 64, 64],
+            "compressor": {"codec": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"},
+        },
         pyramid={"levels": 1},
         resources={"workers": 8, "slab": [64, 176, 502], **resources},
     )
@@ -56,7 +60,9 @@ def test_user_case_runs_with_no_oom_kills_under_pod_limits(user_case, tmp_path):
     for w in summary.workers:
         assert w.oom_kills == 0, w
         assert w.nanny_restarts == 0 and w.memory_terminations == 0, w
-        assert 0 < w.peak_rss <= job.plan.memory.predicted_peak, f"{w.name}: measured {w.peak_rss} > predicted {job.plan.memory.predicted_peak}"
+        assert 0 < w.peak_rss <= job.plan.memory.predicted_peak, (
+            f"{w.name}: measured {w.peak_rss} > predicted {job.plan.memory.predicted_peak}"
+        )
         assert w.cgroup_peak is not None and w.cgroup_peak <= job.plan.memory.pod_limit
     import h5py
 
@@ -69,7 +75,10 @@ def test_negative_control_kernel_kills_below_the_plan(user_case, tmp_path):
     """With the pod limit at 0.6x the plan, the kernel OOM-kills a worker, and h5ngff says so."""
     out = str(tmp_path / "out.ome.zarr")
     spec = spec_for(
-        user_case, out, output={"chunks": [64, 64, 64]}, pyramid={"levels": 1},
+        user_case,
+        out,
+        output={"chunks": [64, 64, 64]},
+        pyramid={"levels": 1},
         resources={"workers": 1, "slab": [150, 942, 502]},  # one 284 MiB slab: the slab dominates the plan
     )
     probe = plan_job(spec, LocalBackend())
@@ -90,10 +99,30 @@ def test_a_failed_run_reports_its_workers_in_json_and_draws_its_memory(user_case
     per-worker figures that explain it, and the report is drawn for the failed run too."""
     out, report = str(tmp_path / "out.ome.zarr"), tmp_path / "memory.html"
     flags = ["--chunks", "64,64,64", "--levels", "1", "--workers", "1", "--slab", "150,942,502"]
-    probe = json.loads(subprocess.run([*CLI, "plan", f"{user_case}:/volume/data", "--json", *flags], capture_output=True, text=True, check=True).stdout)
+    probe = json.loads(
+        subprocess.run(
+            [*CLI, "plan", f"{user_case}:/volume/data", "--json", *flags], capture_output=True, text=True, check=True
+        ).stdout
+    )
     limit = int(0.6 * probe["plan"]["memory"]["pod_limit"])
-    proc = subprocess.run([*CLI, "convert", f"{user_case}:/volume/data", out, "--json", "--enforce-pod-limits", "--pod-limit", str(limit),
-                           "--memory-report", str(report), *flags], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            *CLI,
+            "convert",
+            f"{user_case}:/volume/data",
+            out,
+            "--json",
+            "--enforce-pod-limits",
+            "--pod-limit",
+            str(limit),
+            "--memory-report",
+            str(report),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
     assert summary["status"] == "Failed" and summary["reason"] == "OOMKilled"
@@ -101,8 +130,15 @@ def test_a_failed_run_reports_its_workers_in_json_and_draws_its_memory(user_case
     assert worker["oom_kills"] >= 1 and worker["pod_limit"] == limit and worker["peak_rss"] > 0
     # The top level shows the limit that held and names the override (issue 28 item 9: it showed
     # the plan's figure, fails at 9bb18a8).
-    assert summary["pod_limit_per_worker"] == limit and summary["planned_pod_limit_per_worker"] == probe["plan"]["memory"]["pod_limit"]
-    assert summary["pod_limit_override"] == {"limit": "pod limit", "enforced": limit, "planned": probe["plan"]["memory"]["pod_limit"]}
+    assert (
+        summary["pod_limit_per_worker"] == limit
+        and summary["planned_pod_limit_per_worker"] == probe["plan"]["memory"]["pod_limit"]
+    )
+    assert summary["pod_limit_override"] == {
+        "limit": "pod limit",
+        "enforced": limit,
+        "planned": probe["plan"]["memory"]["pod_limit"],
+    }
     assert "OOM kills" in report.read_text() and "Failed" in report.read_text()
 
 
@@ -125,14 +161,22 @@ def test_dask_terminates_a_runaway_task_before_the_kernel(user_case, tmp_path, m
     # VmHWM was read as the nanny decided and until the process exited).
     threshold = job.plan.memory.thresholds.terminate * job.plan.memory.memory_limit
     terminated = [w for w in caught.value.summary.workers if w.memory_terminations]
-    assert terminated and all(w.peak_rss > threshold for w in terminated), [(w.name, w.peak_rss, threshold) for w in terminated]
+    assert terminated and all(w.peak_rss > threshold for w in terminated), [
+        (w.name, w.peak_rss, threshold) for w in terminated
+    ]
     assert time.time() - started < 240, "a slab that always exceeds its plan must fail, not loop"
 
 
 def run_200_slabs(tmp_path, constants=None):
     data = np.random.default_rng(0).integers(0, 4000, size=(200, 256, 512), dtype=np.uint16)
     h5 = write_h5(tmp_path / "in.h5", data)
-    spec = spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [1, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 2, "slab": [1, 256, 512]})
+    spec = spec_for(
+        h5,
+        str(tmp_path / "out.ome.zarr"),
+        output={"chunks": [1, 64, 64]},
+        pyramid={"levels": 1},
+        resources={"workers": 2, "slab": [1, 256, 512]},
+    )
     backend = LocalPodsBackend()
     job = plan_job(spec, backend, constants) if constants else plan_job(spec, backend)
     assert job.plan.n_tasks >= 200
@@ -155,7 +199,9 @@ def assert_flat(summary, marks) -> None:
     assert len(workers) == 2
     for worker in workers:
         early, late = rss_at(0.10, worker), rss_at(0.90, worker)
-        assert late <= early * 1.05, f"worker {worker}: RSS grew from {early >> 20} MiB at 10% to {late >> 20} MiB at 90%"
+        assert late <= early * 1.05, (
+            f"worker {worker}: RSS grew from {early >> 20} MiB at 10% to {late >> 20} MiB at 90%"
+        )
 
 
 @pytest.mark.slow

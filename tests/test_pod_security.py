@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def created_objects() -> list[dict]:
     spec = job_spec()
-    runner = build_runner_job(Owner("science", "scan-42", "uid"), spec, 1, "img:1", default_service_account="h5ngff-runner")
+    runner = build_runner_job(
+        Owner("science", "scan-42", "uid"), spec, 1, "img:1", default_service_account="h5ngff-runner"
+    )
     cluster = build_dask_cluster(plan_for(spec), Owner("science", "scan-42", "uid"), "img:1", spec.pod)
     return [runner, cluster]
 
@@ -52,7 +54,11 @@ def test_every_pod_meets_the_restricted_profile(where, pod, annotations):
 
 def test_all_four_pods_are_checked():
     names = [p[0] for p in PODS]
-    assert names[:3] == ["Job/scan-42-runner-1", "DaskCluster/scan-42-dask scheduler", "DaskCluster/scan-42-dask worker"]
+    assert names[:3] == [
+        "Job/scan-42-runner-1",
+        "DaskCluster/scan-42-dask scheduler",
+        "DaskCluster/scan-42-dask worker",
+    ]
     assert len(names) == 4 and names[3].startswith("Deployment/") and names[3].endswith("-operator")
 
 
@@ -77,7 +83,12 @@ def test_the_images_user_is_the_pods_user():
 
 
 def test_a_user_mount_at_tmp_replaces_the_scratch_volume():
-    spec = job_spec(pod={"volumes": [{"name": "fast", "emptyDir": {"medium": "Memory"}}], "volumeMounts": [{"name": "fast", "mountPath": "/tmp"}]})
+    spec = job_spec(
+        pod={
+            "volumes": [{"name": "fast", "emptyDir": {"medium": "Memory"}}],
+            "volumeMounts": [{"name": "fast", "mountPath": "/tmp"}],
+        }
+    )
     job = build_runner_job(Owner("ns", "j", "u"), spec, 1, "img")
     pod = job["spec"]["template"]["spec"]
     assert [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]] == ["/tmp"]
@@ -95,11 +106,17 @@ def _container(pod: dict) -> dict:
 
 BREAKS = {
     # restricted
-    "no runAsNonRoot": lambda p: (p["securityContext"].pop("runAsNonRoot"), _container(p)["securityContext"].pop("runAsNonRoot")),
+    "no runAsNonRoot": lambda p: (
+        p["securityContext"].pop("runAsNonRoot"),
+        _container(p)["securityContext"].pop("runAsNonRoot"),
+    ),
     "container runAsNonRoot false": lambda p: _container(p)["securityContext"].update(runAsNonRoot=False),
     "runAsUser 0": lambda p: p["securityContext"].update(runAsUser=0),
     "container runAsUser 0": lambda p: _container(p)["securityContext"].update(runAsUser=0),
-    "no seccomp": lambda p: (p["securityContext"].pop("seccompProfile"), _container(p)["securityContext"].pop("seccompProfile")),
+    "no seccomp": lambda p: (
+        p["securityContext"].pop("seccompProfile"),
+        _container(p)["securityContext"].pop("seccompProfile"),
+    ),
     "seccomp Unconfined": lambda p: _container(p)["securityContext"].update(seccompProfile={"type": "Unconfined"}),
     "no allowPrivilegeEscalation": lambda p: _container(p)["securityContext"].pop("allowPrivilegeEscalation"),
     "allowPrivilegeEscalation true": lambda p: _container(p)["securityContext"].update(allowPrivilegeEscalation=True),
@@ -120,8 +137,15 @@ BREAKS = {
     "SELinux type": lambda p: _container(p)["securityContext"].update(seLinuxOptions={"type": "spc_t"}),
     "procMount Unmasked": lambda p: _container(p)["securityContext"].update(procMount="Unmasked"),
     "hostProcess": lambda p: p["securityContext"].update(windowsOptions={"hostProcess": True}),
-    "privileged init container": lambda p: p.update(initContainers=[{**copy.deepcopy(_container(p)), "name": "init",
-                                                                     "securityContext": {**_container(p)["securityContext"], "privileged": True}}]),
+    "privileged init container": lambda p: p.update(
+        initContainers=[
+            {
+                **copy.deepcopy(_container(p)),
+                "name": "init",
+                "securityContext": {**_container(p)["securityContext"], "privileged": True},
+            }
+        ]
+    ),
 }
 
 
@@ -171,9 +195,24 @@ def _read_only_root_works() -> str | None:
 
     if shutil.which("unshare") is None:
         return "no unshare(1)"
-    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -o remount,ro,bind / && ! touch /ro-probe"],
-                           capture_output=True, timeout=30)
-    return None if probe.returncode == 0 else f"cannot make a read-only mount namespace here: {probe.stderr.decode()[:200]}"
+    probe = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -o remount,ro,bind / && ! touch /ro-probe",
+        ],
+        capture_output=True,
+        timeout=30,
+    )
+    return (
+        None
+        if probe.returncode == 0
+        else f"cannot make a read-only mount namespace here: {probe.stderr.decode()[:200]}"
+    )
 
 
 def _start(container: dict, tmp_path: Path, name: str, extra_args: list[str], extra_env: dict, scratch: bool):
@@ -185,14 +224,32 @@ def _start(container: dict, tmp_path: Path, name: str, extra_args: list[str], ex
 
     script = tmp_path / "ro-root.sh"
     script.write_text(RO_ROOT)
-    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]}, **extra_env, "SCRATCH": "1" if scratch else "0",
-           "PYTHONPATH": str(ROOT / "src"), "PYTHONDONTWRITEBYTECODE": "1",
-           # A checkout under /tmp (with its .venv) would vanish under the scratch mount: the
-           # script binds it back in. A pod's image has its code outside /tmp.
-           "KEEP": str(ROOT) if str(ROOT.resolve()).startswith("/tmp/") else ""}
+    env = {
+        **os.environ,
+        **{e["name"]: e["value"] for e in container["env"]},
+        **extra_env,
+        "SCRATCH": "1" if scratch else "0",
+        "PYTHONPATH": str(ROOT / "src"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        # A checkout under /tmp (with its .venv) would vanish under the scratch mount: the
+        # script binds it back in. A pod's image has its code outside /tmp.
+        "KEEP": str(ROOT) if str(ROOT.resolve()).startswith("/tmp/") else "",
+    }
     args = [a.replace("$(DASK_WORKER_NAME)", name) for a in container["args"]]
     module = {"worker": "distributed.cli.dask_worker", "scheduler": "distributed.cli.dask_scheduler"}[args[1]]
-    cmd = ["unshare", "--mount", "--propagation", "private", "sh", str(script), sys.executable, "-m", module, *args[2:], *extra_args]
+    cmd = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        str(script),
+        sys.executable,
+        "-m",
+        module,
+        *args[2:],
+        *extra_args,
+    ]
     log = open(tmp_path / f"{name}.log", "w+")
     return subprocess.Popen(cmd, env=env, cwd="/", stdout=log, stderr=subprocess.STDOUT), log
 
@@ -222,8 +279,21 @@ def test_the_scheduler_and_worker_run_on_a_read_only_root_with_the_scratch_volum
     address = f"tcp://127.0.0.1:{port}"
     procs = []
     try:
-        procs.append(_start(scheduler, tmp_path, "scheduler", ["--port", str(port), "--dashboard-address", ":0"], {}, scratch=True))
-        procs.append(_start(worker, tmp_path, "worker-ro", ["--dashboard-address", ":0"], {"DASK_SCHEDULER_ADDRESS": address}, scratch=True))
+        procs.append(
+            _start(
+                scheduler, tmp_path, "scheduler", ["--port", str(port), "--dashboard-address", ":0"], {}, scratch=True
+            )
+        )
+        procs.append(
+            _start(
+                worker,
+                tmp_path,
+                "worker-ro",
+                ["--dashboard-address", ":0"],
+                {"DASK_SCHEDULER_ADDRESS": address},
+                scratch=True,
+            )
+        )
         with Client(address, timeout=60) as client:
             client.wait_for_workers(1, timeout=90)
             (local_dir,) = client.run(lambda dask_worker: dask_worker.local_directory).values()
@@ -239,7 +309,14 @@ def test_the_scheduler_and_worker_run_on_a_read_only_root_with_the_scratch_volum
 
             assert set(client.run(cannot_write_root).values()) == {"Read-only file system"}
             # negative control: the same worker without the scratch volume does not start
-            bare, log = _start(worker, tmp_path, "worker-bare", ["--dashboard-address", ":0"], {"DASK_SCHEDULER_ADDRESS": address}, scratch=False)
+            bare, log = _start(
+                worker,
+                tmp_path,
+                "worker-bare",
+                ["--dashboard-address", ":0"],
+                {"DASK_SCHEDULER_ADDRESS": address},
+                scratch=False,
+            )
             procs.append((bare, log))
             code = bare.wait(timeout=90)
             log.seek(0)

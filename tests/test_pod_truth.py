@@ -25,16 +25,45 @@ from h5ngff.units import MiB
 
 # memory.stat as the kernel prints it (field names from Documentation/admin-guide/cgroup-v1/memory.rst
 # and cgroup-v2.rst); values in bytes.
-V1_STAT = {"cache": 9, "rss": 100, "rss_huge": 40, "shmem": 3, "dirty": 7, "writeback": 5, "unevictable": 2,
-           "total_cache": 90, "total_rss": 1000, "total_rss_huge": 400, "total_shmem": 30, "total_dirty": 70, "total_writeback": 50, "total_unevictable": 20}
-V2_STAT = {"anon": 1000, "anon_thp": 400, "file": 900, "shmem": 30, "file_dirty": 70, "file_writeback": 50, "unevictable": 20, "file_mapped": 10}
+V1_STAT = {
+    "cache": 9,
+    "rss": 100,
+    "rss_huge": 40,
+    "shmem": 3,
+    "dirty": 7,
+    "writeback": 5,
+    "unevictable": 2,
+    "total_cache": 90,
+    "total_rss": 1000,
+    "total_rss_huge": 400,
+    "total_shmem": 30,
+    "total_dirty": 70,
+    "total_writeback": 50,
+    "total_unevictable": 20,
+}
+V2_STAT = {
+    "anon": 1000,
+    "anon_thp": 400,
+    "file": 900,
+    "shmem": 30,
+    "file_dirty": 70,
+    "file_writeback": 50,
+    "unevictable": 20,
+    "file_mapped": 10,
+}
 
 
 @pytest.mark.parametrize("stat,version", [(V1_STAT, 1), (V2_STAT, 2)])
 def test_nonreclaimable_terms_read_both_cgroup_versions(stat, version):
     """Hierarchical v1 totals, v2 names; huge pages are already inside rss/anon, never added twice;
     clean page cache (cache, file) is not counted."""
-    assert nonreclaimable_terms(stat, version) == {"anon": 1000, "shmem": 30, "dirty": 70, "writeback": 50, "unevictable": 20}
+    assert nonreclaimable_terms(stat, version) == {
+        "anon": 1000,
+        "shmem": 30,
+        "dirty": 70,
+        "writeback": 50,
+        "unevictable": 20,
+    }
 
 
 def test_nonreclaimable_terms_fall_back_to_local_v1_names():
@@ -69,7 +98,13 @@ def _run_in_pod(tmp_path, mode: str, path: str):
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
 
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=enter_pod)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, mode, path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=enter_pod,
+        )
         watcher.watch("pod-0", group, nanny_pid=-1)
         watcher.start()
         assert proc.stdout.readline().strip() == "ready"
@@ -131,8 +166,13 @@ def test_a_run_the_kernel_kills_reports_one_count_and_real_peaks(tmp_path):
     non-reclaimable peak; the restarted processes stay in their pods, with the forced limit, never
     as extra workers with the plan's limit."""
     h5 = _tiny_volume(tmp_path, (128, 512, 512))  # two slabs, one per pod
-    spec = spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [64, 64, 64]}, pyramid={"levels": 1},
-                    resources={"workers": 2, "slab": [128, 256, 512]})
+    spec = spec_for(
+        h5,
+        str(tmp_path / "out.ome.zarr"),
+        output={"chunks": [64, 64, 64]},
+        pyramid={"levels": 1},
+        resources={"workers": 2, "slab": [128, 256, 512]},
+    )
     backend = LocalPodsBackend(pod_limit=150 * MiB)
     job = plan_job(spec, backend)
     assert job.plan.memory.pod_limit > 150 * MiB
@@ -167,7 +207,13 @@ def test_the_pod_limit_is_close_to_what_the_pod_really_holds(tmp_path):
     h5 = _tiny_volume(tmp_path)
 
     def spec(out: str):
-        return spec_for(h5, str(tmp_path / out), output={"chunks": [64, 64, 64]}, pyramid={"levels": 1}, resources={"workers": 1, "slab": [128, 256, 512]})
+        return spec_for(
+            h5,
+            str(tmp_path / out),
+            output={"chunks": [64, 64, 64]},
+            pyramid={"levels": 1},
+            resources={"workers": 1, "slab": [128, 256, 512]},
+        )
 
     spec_planned = spec("out.ome.zarr")
     backend = LocalPodsBackend()
@@ -178,7 +224,9 @@ def test_the_pod_limit_is_close_to_what_the_pod_really_holds(tmp_path):
     for w in summary.workers:
         assert (w.oom_kills, w.nanny_restarts, w.memory_terminations, w.pod_restarts) == (0, 0, 0, 0), w
         assert w.cgroup_peak is not None and w.pod_nonreclaimable_peak <= w.cgroup_peak <= w.pod_limit
-    assert job.plan.memory.pod_limit <= 1.6 * need, f"pod limit {job.plan.memory.pod_limit / MiB:.1f} MiB > 1.6 x the measured {need / MiB:.1f} MiB"
+    assert job.plan.memory.pod_limit <= 1.6 * need, (
+        f"pod limit {job.plan.memory.pod_limit / MiB:.1f} MiB > 1.6 x the measured {need / MiB:.1f} MiB"
+    )
 
     pinned = max(w.pod_pinned_peak for w in summary.workers)
     limit = int(0.8 * pinned) // MiB * MiB
@@ -203,7 +251,11 @@ def test_a_worker_first_read_mid_exec_is_read_again_not_filed_as_other(monkeypat
 
     lines = iter([b"", b"python\0-c\0from multiprocessing.spawn import spawn_main; spawn_main()\0"])
     monkeypatch.setattr(podwatch, "_cmdline", lambda pid: next(lines) if pid == 4242 else b"dask-worker\0")
-    monkeypatch.setattr(podwatch, "read_nonreclaimable", lambda cgroup: dict.fromkeys(("anon", "shmem", "dirty", "writeback", "unevictable"), 0))
+    monkeypatch.setattr(
+        podwatch,
+        "read_nonreclaimable",
+        lambda cgroup: dict.fromkeys(("anon", "shmem", "dirty", "writeback", "unevictable"), 0),
+    )
     monkeypatch.setattr(podwatch, "read_status", lambda pid: {"VmHWM": 500 * MiB, "RssAnon": 500 * MiB})
     watcher = PodWatcher()
     watcher.watch("pod-0", Pod(), nanny_pid=1)

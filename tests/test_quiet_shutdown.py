@@ -67,8 +67,13 @@ def assert_quiet(stderr: str) -> None:
 @pytest.mark.slow
 def test_sixteen_workers_under_cpu_load_end_without_a_traceback(tiny, tmp_path):
     with cpu_load():
-        proc = subprocess.run([*H5NGFF, "convert", f"{tiny}:/volume/data", str(tmp_path / "out.ome.zarr"), *SIXTEEN],
-                              capture_output=True, text=True, timeout=150, env=ENV)
+        proc = subprocess.run(
+            [*H5NGFF, "convert", f"{tiny}:/volume/data", str(tmp_path / "out.ome.zarr"), *SIXTEEN],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            env=ENV,
+        )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_quiet(proc.stderr)
 
@@ -79,8 +84,24 @@ def test_ctrl_c_of_sixteen_workers_under_cpu_load_prints_one_line(tiny, tmp_path
     env = {**ENV, "H5NGFF_FAULTS": "slab_sleep=1"}
     # 64 one-plane slabs of 1 s each on 16 workers: the run is busy for 4 s after its first chunk.
     with cpu_load():
-        proc = subprocess.Popen([*H5NGFF, "convert", f"{tiny}:/volume/data", str(out), *SIXTEEN, "--chunks", "1,32,32", "--slab", "1,32,32"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                *H5NGFF,
+                "convert",
+                f"{tiny}:/volume/data",
+                str(out),
+                *SIXTEEN,
+                "--chunks",
+                "1,32,32",
+                "--slab",
+                "1,32,32",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         try:
             # Once a chunk file exists the workers are running slab tasks. (Not covered: a Ctrl-C
             # while the 16 worker processes start, which still prints their KeyboardInterrupts.)

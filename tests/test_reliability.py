@@ -55,7 +55,9 @@ def test_worker_sigkilled_mid_slab_reruns_the_slab(source, tmp_path, monkeypatch
     h5, _, _, clean = source
     out = str(tmp_path / "out.ome.zarr")
     monkeypatch.setenv("H5NGFF_FAULTS", "slab_sleep=0.15")  # each slab takes long enough to be caught mid-way
-    spec = spec_for(h5, out, output={"chunks": [8, 32, 32]}, pyramid={"levels": 2}, resources={"workers": 2, "slab": [16, 64, 256]})
+    spec = spec_for(
+        h5, out, output={"chunks": [8, 32, 32]}, pyramid={"levels": 2}, resources={"workers": 2, "slab": [16, 64, 256]}
+    )
     backend = LocalBackend()
     job = plan_job(spec, backend)
     killed: list[int] = []
@@ -138,7 +140,12 @@ def test_reader_polling_never_sees_a_finished_image_over_partial_data(source, tm
     h5, _, _, _ = source
     out = str(tmp_path / "out.ome.zarr")
     env = {**os.environ, "H5NGFF_FAULTS": "slab_sleep=0.05"}
-    proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     sightings = partial_sightings = 0
     while proc.poll() is None or sightings == 0:
         try:
@@ -162,7 +169,13 @@ def test_truncated_chunk_and_stale_temp_file_are_rewritten_on_resume(source, tmp
     h5, data, _, clean = source
     out = str(tmp_path / "out.ome.zarr")
     env = {**os.environ, "H5NGFF_FAULTS": "slab_sleep=0.05"}
-    proc = subprocess.Popen(CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        CLI + ["convert", f"{h5}:/volume/data", out] + FLAGS,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     while manifest_lines(out) < 10 and proc.poll() is None:
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -177,7 +190,9 @@ def test_truncated_chunk_and_stale_temp_file_are_rewritten_on_resume(source, tmp
     stale = os.path.join(os.path.dirname(victim), f".{os.path.basename(victim)}{TMP_MARK}deadbeef0000")
     with open(stale, "wb") as f:
         f.write(b"half a chunk")
-    result = subprocess.run(CLI + ["convert", f"{h5}:/volume/data", out, "--json"] + FLAGS, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        CLI + ["convert", f"{h5}:/volume/data", out, "--json"] + FLAGS, capture_output=True, text=True, check=True
+    )
     summary = json.loads(result.stdout)
     assert summary["resumed"] and summary["slabs_skipped"] >= 9  # the damaged slab was not trusted
     assert not os.path.exists(stale)
@@ -225,7 +240,10 @@ def test_positive_control_two_writers_on_a_chunk_lose_data(tmp_path, monkeypatch
     zarr.create_array(str(tmp_path / "0"), shape=(8, 32), chunks=(8, 32), dtype="<u2", fill_value=0, compressors=None)
     layout = ArrayLayout(str(tmp_path / "0"), (8, 32), (8, 32), None, "<u2", 3, CompressorSpec(codec="none"), 0)
     first_half, second_half = data[:, :16], data[:, 16:]
-    threads = [threading.Thread(target=write_block, args=(layout, first_half, (0, 0))), threading.Thread(target=write_block, args=(layout, second_half, (0, 16)))]
+    threads = [
+        threading.Thread(target=write_block, args=(layout, first_half, (0, 0))),
+        threading.Thread(target=write_block, args=(layout, second_half, (0, 16))),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -250,7 +268,13 @@ def small_disk(tmp_path):
 def test_disk_full_fails_clearly_and_resumes_after_space_is_freed(source, small_disk):
     h5, data, _, clean = source
     out = str(small_disk / "out.ome.zarr")
-    spec = spec_for(h5, out, output={"chunks": [8, 32, 32], "compressor": {"codec": "none"}}, pyramid={"levels": 2}, resources={"workers": 2, "slab": [16, 64, 256]})
+    spec = spec_for(
+        h5,
+        out,
+        output={"chunks": [8, 32, 32], "compressor": {"codec": "none"}},
+        pyramid={"levels": 2},
+        resources={"workers": 2, "slab": [16, 64, 256]},
+    )
     backend = LocalBackend()
     with pytest.raises(DiskFullError, match="No space left on the output device"):
         run_job(plan_job(spec, backend), backend)
@@ -273,10 +297,18 @@ def test_huge_sparse_dataset_stays_within_its_plan(tmp_path):
         f.create_dataset("/volume/data", shape=(128, 2048, 4096), dtype="uint8", chunks=(64, 256, 256), fillvalue=7)
     assert os.path.getsize(path) < 100_000
     out = str(tmp_path / "out.ome.zarr")
-    spec = spec_for(str(path), out, output={"chunks": [64, 256, 256]}, pyramid={"levels": 1}, resources={"workers": 2, "memoryPerWorker": "400Mi"})
+    spec = spec_for(
+        str(path),
+        out,
+        output={"chunks": [64, 256, 256]},
+        pyramid={"levels": 1},
+        resources={"workers": 2, "memoryPerWorker": "400Mi"},
+    )
     from h5ngff.backends.cgroups import cgroups_available
 
-    backend = LocalPodsBackend() if cgroups_available() is None else LocalBackend()  # pod limits where the machine has them
+    backend = (
+        LocalPodsBackend() if cgroups_available() is None else LocalBackend()
+    )  # pod limits where the machine has them
     job = plan_job(spec, backend)
     summary = run_job(job, backend)
     for w in summary.workers:
@@ -312,13 +344,17 @@ def test_a_killed_pod_is_restarted_and_the_run_completes(source, tmp_path, monke
     h5, _, _, clean = source
     out = str(tmp_path / "out.ome.zarr")
     monkeypatch.setenv("H5NGFF_FAULTS", "slab_sleep=0.15")
-    spec = spec_for(h5, out, output={"chunks": [8, 32, 32]}, pyramid={"levels": 2}, resources={"workers": 2, "slab": [16, 64, 256]})
+    spec = spec_for(
+        h5, out, output={"chunks": [8, 32, 32]}, pyramid={"levels": 2}, resources={"workers": 2, "slab": [16, 64, 256]}
+    )
     backend = LocalPodsBackend()
     killed: list[int] = []
 
     def kill_a_nanny(progress):
         if not killed and progress.slabs_done >= progress.slabs_total // 3:
-            nanny = next(p for p in psutil.Process().children() if "distributed.cli.dask_worker" in " ".join(p.cmdline()))
+            nanny = next(
+                p for p in psutil.Process().children() if "distributed.cli.dask_worker" in " ".join(p.cmdline())
+            )
             killed.append(nanny.pid)
             os.killpg(nanny.pid, signal.SIGKILL)  # the nanny and its worker, as a pod OOM kill can
 
@@ -326,7 +362,9 @@ def test_a_killed_pod_is_restarted_and_the_run_completes(source, tmp_path, monke
     assert killed and summary.status == "Succeeded"
     assert sum(w.pod_restarts for w in summary.workers) >= 1
     # The restarted pod's new processes are the same pod, not a third worker.
-    assert [w.name for w in summary.workers] == ["pod-0", "pod-1"] and all(w.pod_nonreclaimable_peak for w in summary.workers)
+    assert [w.name for w in summary.workers] == ["pod-0", "pod-1"] and all(
+        w.pod_nonreclaimable_peak for w in summary.workers
+    )
     assert chunk_files(out) == chunk_files(clean)
 
 
@@ -347,7 +385,16 @@ def test_losing_every_worker_fails_the_run_instead_of_hanging(source, tmp_path, 
     h5, _, _, _ = source
     with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.ERROR) as cluster:
         backend = ExternalBackend(cluster.scheduler_address)
-        job = plan_job(spec_for(h5, str(tmp_path / "out.ome.zarr"), output={"chunks": [8, 32, 32]}, pyramid={"levels": 1}, resources={"slab": [16, 64, 256]}), backend)
+        job = plan_job(
+            spec_for(
+                h5,
+                str(tmp_path / "out.ome.zarr"),
+                output={"chunks": [8, 32, 32]},
+                pyramid={"levels": 1},
+                resources={"slab": [16, 64, 256]},
+            ),
+            backend,
+        )
         gone: list[bool] = []
 
         def remove_all_workers(progress):

@@ -19,8 +19,12 @@ from h5ngff.operator.runner_cmd import DEFAULT_METRICS_LINGER, metrics_linger
 def test_lingering_ends_at_the_first_scrape_after_the_run():
     exporter = MetricsExporter(0, "scan", addr="127.0.0.1")
     try:
-        urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=5).read()  # during the run: does not count
-        timer = threading.Timer(0.5, lambda: urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=5).read())
+        urllib.request.urlopen(
+            f"http://127.0.0.1:{exporter.port}/metrics", timeout=5
+        ).read()  # during the run: does not count
+        timer = threading.Timer(
+            0.5, lambda: urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=5).read()
+        )
         timer.start()
         t0 = time.monotonic()
         assert exporter.linger(30, until_scraped=True) is True

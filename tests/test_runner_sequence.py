@@ -95,8 +95,15 @@ def test_a_run_goes_plan_notices_run_outcome_then_linger(shared_cluster, source,
         log.append("end")
         seen.append(outcome)
 
-    summary = execute(spec_for(source, str(tmp_path / "out.ome.zarr")), spy, [lambda p: None], Metrics(log),
-                      on_plan=on_plan, on_end=on_end, linger=Linger(2.5, until_scraped=True))
+    summary = execute(
+        spec_for(source, str(tmp_path / "out.ome.zarr")),
+        spy,
+        [lambda p: None],
+        Metrics(log),
+        on_plan=on_plan,
+        on_end=on_end,
+        linger=Linger(2.5, until_scraped=True),
+    )
     assert summary.status == "Succeeded" and spy.sessions == 1
     assert log == ["plan", "end", "linger 2.5 True"]  # the outcome never waits for the last scrape
     assert seen[0].summary is summary and seen[0].error is None and seen[0].job is summary.job
@@ -108,7 +115,14 @@ def test_a_busy_output_is_refused_before_the_plan_and_any_cluster(shared_cluster
     ended: list[Outcome] = []
     with output_lock(str(out)):  # another run is writing it
         with pytest.raises(OutputBusyError):
-            execute(spec_for(source, str(out)), spy, (), Metrics(log), on_plan=lambda job: log.append("plan"), on_end=ended.append)
+            execute(
+                spec_for(source, str(out)),
+                spy,
+                (),
+                Metrics(log),
+                on_plan=lambda job: log.append("plan"),
+                on_end=ended.append,
+            )
     assert spy.sessions == 0 and log == ["close"]  # no plan shown, no cluster, nothing to linger for
     assert isinstance(ended[0].error, OutputBusyError) and ended[0].job is None
     # Negative control: once the other run is gone, the same call runs.
@@ -136,8 +150,14 @@ def test_a_failed_run_reports_its_outcome_and_still_lingers(shared_cluster, sour
     log: list[str] = []
     ended: list[Outcome] = []
     with pytest.raises(ClusterError, match="no cluster today"):
-        execute(spec_for(source, str(tmp_path / "out.ome.zarr")), Broken(shared_cluster.scheduler_address), (), Metrics(log),
-                on_end=lambda o: (ended.append(o), log.append("end")), linger=Linger(1.0))
+        execute(
+            spec_for(source, str(tmp_path / "out.ome.zarr")),
+            Broken(shared_cluster.scheduler_address),
+            (),
+            Metrics(log),
+            on_end=lambda o: (ended.append(o), log.append("end")),
+            linger=Linger(1.0),
+        )
     assert log == ["end", "linger 1.0 False"]
     assert isinstance(ended[0].error, ClusterError) and ended[0].job is not None and ended[0].summary is None
 
@@ -170,7 +190,9 @@ def test_the_local_backends_are_two_classes_that_plan_alike(source, tmp_path):
 
 def test_a_budget_beyond_this_machine_is_described(source, tmp_path):
     machine = LocalBackend().capacity().memory_bytes
-    spec = spec_for(source, str(tmp_path / "out.ome.zarr"), resources={"workers": 2, "memoryPerWorker": f"{machine // 2**20}MiB"})
+    spec = spec_for(
+        source, str(tmp_path / "out.ome.zarr"), resources={"workers": 2, "memoryPerWorker": f"{machine // 2**20}MiB"}
+    )
     (notice,) = LocalPodsBackend().describe(spec, plan_job(spec, LocalPodsBackend()).plan).notices
     assert notice.startswith("resources.memoryPerWorker:") and "is more than this machine's" in notice
 
@@ -188,7 +210,13 @@ def test_the_wait_for_workers_returns_stops_on_a_known_failure_and_times_out(sha
     with connect(shared_cluster.scheduler_address) as client:
         wait_for_workers(client, 2, 5, lambda have: AssertionError("two workers are there"))  # returns at once
         with pytest.raises(ClusterError, match="pod-0 exited"):
-            wait_for_workers(client, 3, 60, lambda have: AssertionError("should not time out"), check=_raise(ClusterError("pod-0 exited")))
+            wait_for_workers(
+                client,
+                3,
+                60,
+                lambda have: AssertionError("should not time out"),
+                check=_raise(ClusterError("pod-0 exited")),
+            )
         t0 = time.monotonic()
         with pytest.raises(ClusterError, match="only 2 of 3"):
             wait_for_workers(client, 3, 0.3, lambda have: ClusterError(f"only {have} of 3"), interval=0.05)

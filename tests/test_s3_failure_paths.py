@@ -61,11 +61,15 @@ def _run(spec, backend):
 
 
 def _objects(s3, bucket: str, prefix: str) -> dict[str, bytes]:
-    return {k[len(prefix):]: v for k, v in s3.keys(bucket, prefix).items()}
+    return {k[len(prefix) :]: v for k, v in s3.keys(bucket, prefix).items()}
 
 
 def _files(root: str) -> dict[str, bytes]:
-    return {os.path.relpath(os.path.join(d, f), root): Path(d, f).read_bytes() for d, _, names in os.walk(root) for f in names}
+    return {
+        os.path.relpath(os.path.join(d, f), root): Path(d, f).read_bytes()
+        for d, _, names in os.walk(root)
+        for f in names
+    }
 
 
 def _crash_at_put(monkeypatch, n: int) -> list[str]:
@@ -112,7 +116,9 @@ def test_a_run_starting_beside_a_live_one_is_busy_not_a_conflict(source, s3, bac
     spec = _spec(source, url, s3.options())
     job = plan_job(spec, backend)
     with output_lock(url, s3.options()):
-        S3Store(bucket, "out.ome.zarr", s3.options()).put("zarr.json", b'{"zarr_format": 3, "node_type": "group"}', sync=True)
+        S3Store(bucket, "out.ome.zarr", s3.options()).put(
+            "zarr.json", b'{"zarr_format": 3, "node_type": "group"}', sync=True
+        )
         with pytest.raises(OutputBusyError, match=f"pid {os.getpid()}"):
             check_output(job.plan, job.spec, job.source)
 
@@ -160,6 +166,7 @@ def test_two_runs_and_a_resumed_run_give_identical_files_in_a_directory(source, 
     for out in outs[:2]:
         _run(_spec(source, out), backend)
     with monkeypatch.context() as m:
+
         def die(self, records):
             raise Crash("killed before the first slab's record")
 

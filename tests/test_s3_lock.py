@@ -51,7 +51,11 @@ def elsewhere():
     prefix = ["unshare", "--pid", "--fork", "--mount-proc"]
     if os.geteuid() != 0:
         prefix[1:1] = ["--user", "--map-root-user"]
-    probe = subprocess.run(prefix + [sys.executable, "-c", "import os; print(os.stat('/proc/self/ns/pid').st_ino)"], capture_output=True, text=True)
+    probe = subprocess.run(
+        prefix + [sys.executable, "-c", "import os; print(os.stat('/proc/self/ns/pid').st_ino)"],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode != 0:
         pytest.skip(f"this kernel refuses a new pid namespace ({probe.stderr.strip()[:200]})")
     assert probe.stdout.strip() != str(os.stat("/proc/self/ns/pid").st_ino)
@@ -59,16 +63,26 @@ def elsewhere():
 
 
 def _run(s3, src, url, *extra, prefix=(), options=None, timeout=300, **env):
-    args = list(prefix) + CLI + ["convert", f"{src}:/volume/data", url, *FLAGS, *extra, *_flags(options or s3.options())]
-    return subprocess.run(args, env=_env(s3, H5NGFF_LOCK_TTL=str(TTL), **env), capture_output=True, text=True, timeout=timeout)
+    args = (
+        list(prefix) + CLI + ["convert", f"{src}:/volume/data", url, *FLAGS, *extra, *_flags(options or s3.options())]
+    )
+    return subprocess.run(
+        args, env=_env(s3, H5NGFF_LOCK_TTL=str(TTL), **env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _start_slow(s3, src, url, bucket, key_prefix, sleep, manifest_objects=2):
     """A first writer whose slabs each sleep, returned once it holds the lease and has written
     ``manifest_objects`` manifest objects (the header, then one per recorded slab)."""
     args = CLI + ["convert", f"{src}:/volume/data", url, *FLAGS, *_flags(s3.options())]
-    proc = subprocess.Popen(args, env=_env(s3, H5NGFF_LOCK_TTL=str(TTL), H5NGFF_FAULTS=f"slab_sleep={sleep}"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        env=_env(s3, H5NGFF_LOCK_TTL=str(TTL), H5NGFF_FAULTS=f"slab_sleep={sleep}"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     client, deadline = s3.client(), time.monotonic() + 180
     while True:
         keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=key_prefix).get("Contents", [])]
@@ -107,9 +121,15 @@ def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_leas
         overwrite = _run(s3, source, url, "--overwrite", "--json")
         assert overwrite.returncode == ExitCode.OUTPUT_REFUSED, overwrite.stderr[-2000:]
         report = json.loads(overwrite.stdout)
-        assert report["reason"] == "OutputBusy" and f"pid {first.pid}" in report["message"] and "alive on this host" in report["message"]
+        assert (
+            report["reason"] == "OutputBusy"
+            and f"pid {first.pid}" in report["message"]
+            and "alive on this host" in report["message"]
+        )
         after = s3.keys(bucket, key_prefix)
-        assert {k: v for k, v in before.items() if k != key_prefix + LOCK_KEY}.items() <= after.items(), "--overwrite deleted or changed objects"
+        assert {k: v for k, v in before.items() if k != key_prefix + LOCK_KEY}.items() <= after.items(), (
+            "--overwrite deleted or changed objects"
+        )
         # Renewal: past one ttl, a writer on another "machine" (it cannot see the pid) watches the
         # lease, sees it renewed, and is refused. Its control is the SIGKILL test: unrenewed, taken.
         time.sleep(max(0.0, TTL + 0.5 - (time.monotonic() - held_since)))
@@ -122,7 +142,13 @@ def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_leas
         # Lost: another workstation overwrites the lease. The first run's next renewal gets 412; it
         # cancels its slabs (each sleeping a minute, so only the cancel can end it this soon) and
         # fails without marking the output complete or touching the taker's lease.
-        intruder = {**my_identity(TTL), "host": "another-workstation", "pid": 4242, "pid_space": "elsewhere", "command": "intruder"}
+        intruder = {
+            **my_identity(TTL),
+            "host": "another-workstation",
+            "pid": 4242,
+            "pid_space": "elsewhere",
+            "command": "intruder",
+        }
         s3.client().put_object(Bucket=bucket, Key=key_prefix + LOCK_KEY, Body=json.dumps(intruder).encode())
         # It had written (its manifest, the array metadata): a failed run, exit 1. Exit 3 promises
         # that nothing was changed (README, exit statuses); the reason still names OutputBusy.
@@ -133,7 +159,9 @@ def test_a_held_prefix_refuses_a_second_writer_and_an_overwrite_and_a_taken_leas
     finally:
         _stop(first)
     root = json.loads(s3.client().get_object(Bucket=bucket, Key=key_prefix + "zarr.json")["Body"].read())
-    assert "ome" not in root["attributes"] and "h5ngff" not in root["attributes"], "a run without its lease marked the output"
+    assert "ome" not in root["attributes"] and "h5ngff" not in root["attributes"], (
+        "a run without its lease marked the output"
+    )
     assert _lease(s3, bucket, key_prefix + LOCK_KEY)[0]["host"] == "another-workstation"
 
 
@@ -146,8 +174,15 @@ def test_negative_control_with_the_lease_off_the_second_writer_is_not_refused(so
     lease = acquire(open_store(url, s3.options()), LeaseSettings(ttl=TTL))
     try:
         refused = _run(s3, source, url)
-        assert refused.returncode == ExitCode.OUTPUT_REFUSED and f"pid {os.getpid()}" in refused.stderr, refused.stderr[-2000:]
-        unlocked = spec_for(source, url, output={"chunks": [8, 32, 32], "storageOptions": {**s3.options(), "lock": "false"}}, pyramid={"levels": 2})
+        assert refused.returncode == ExitCode.OUTPUT_REFUSED and f"pid {os.getpid()}" in refused.stderr, refused.stderr[
+            -2000:
+        ]
+        unlocked = spec_for(
+            source,
+            url,
+            output={"chunks": [8, 32, 32], "storageOptions": {**s3.options(), "lock": "false"}},
+            pyramid={"levels": 2},
+        )
         assert convert(unlocked).status == "Succeeded"
         lease.check()  # our lease was never touched: the unlocked run simply ignored it
     finally:
@@ -159,7 +194,9 @@ def test_negative_control_with_the_lease_off_the_second_writer_is_not_refused(so
 def test_a_sigkilled_holder_is_waited_out_for_one_ttl_then_resumed_byte_identical(source, s3, convert, elsewhere):
     bucket = s3.new_bucket()
     clean = f"s3://{bucket}/clean.ome.zarr"
-    convert(spec_for(source, clean, output={"chunks": [8, 32, 32], "storageOptions": s3.options()}, pyramid={"levels": 2}))
+    convert(
+        spec_for(source, clean, output={"chunks": [8, 32, 32], "storageOptions": s3.options()}, pyramid={"levels": 2})
+    )
     url, key_prefix = f"s3://{bucket}/killed.ome.zarr", "killed.ome.zarr/"
     first = _start_slow(s3, source, url, bucket, key_prefix, sleep=1.0)
     _stop(first)  # SIGKILL: no release; the lease names a dead pid

@@ -46,11 +46,23 @@ def _spec(h5, url, options, **output):
 def _zarr_group(url, s3):
     from zarr.storage import FsspecStore
 
-    return zarr.open_group(FsspecStore.from_url(url, storage_options={"endpoint_url": s3.url, "key": "h5ngff-test", "secret": "h5ngff-test-secret"}, read_only=True), mode="r")
+    return zarr.open_group(
+        FsspecStore.from_url(
+            url,
+            storage_options={"endpoint_url": s3.url, "key": "h5ngff-test", "secret": "h5ngff-test-secret"},
+            read_only=True,
+        ),
+        mode="r",
+    )
 
 
 def _env(s3, **extra):
-    return {**os.environ, **s3.env(), "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
+    return {
+        **os.environ,
+        **s3.env(),
+        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **extra,
+    }
 
 
 def _flags(options):
@@ -89,7 +101,13 @@ def test_verify_an_s3_output_with_and_without_source(source, s3, convert):
     assert plain.ok and plain.complete and plain.levels == 3 and plain.units_checked == 27 + 8 + 1, plain.problems
     # The CLI, with --source: every level compared with the pyramid computed from the HDF5 file.
     flags = _flags(s3.options())
-    proc = subprocess.run(CLI + ["verify", url, "--json", "--source", f"{h5}:/volume/data", *flags], capture_output=True, text=True, env=_env(s3), timeout=120)
+    proc = subprocess.run(
+        CLI + ["verify", url, "--json", "--source", f"{h5}:/volume/data", *flags],
+        capture_output=True,
+        text=True,
+        env=_env(s3),
+        timeout=120,
+    )
     report = json.loads(proc.stdout)
     assert proc.returncode == 0 and report["ok"] and report["levels_compared"] == 3, proc.stderr[-2000:]
     # Negative controls: a changed chunk object is found by the comparison, a deleted one by both.
@@ -102,12 +120,22 @@ def test_verify_an_s3_output_with_and_without_source(source, s3, convert):
     assert {(1, "c/0/0/0"), (0, "c/2/2/2")} <= set(compared.bad_units), compared.problems
     decoded = verify_output(url, storage_options=s3.options())
     assert (0, "c/2/2/2") in decoded.bad_units and "missing" in " ".join(decoded.problems)
-    missing = subprocess.run(CLI + ["verify", f"s3://{bucket}/nothing-here", *flags], capture_output=True, text=True, env=_env(s3), timeout=60)
+    missing = subprocess.run(
+        CLI + ["verify", f"s3://{bucket}/nothing-here", *flags],
+        capture_output=True,
+        text=True,
+        env=_env(s3),
+        timeout=60,
+    )
     assert missing.returncode == ExitCode.BAD_INPUT and "holds no objects" in missing.stderr
 
 
 def _chunk_objects(keys: dict[str, bytes], prefix: str) -> dict[str, bytes]:
-    return {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix) and "/.h5ngff/" not in k and not k.endswith(("zarr.json", ".zattrs"))}
+    return {
+        k[len(prefix) :]: v
+        for k, v in keys.items()
+        if k.startswith(prefix) and "/.h5ngff/" not in k and not k.endswith(("zarr.json", ".zattrs"))
+    }
 
 
 @pytest.mark.slow
@@ -121,13 +149,39 @@ def test_killed_run_resumes_byte_identical_and_a_poller_never_sees_it_finished_e
     clean = f"s3://{bucket}/clean.ome.zarr"
     convert(_spec(h5, clean, s3.options()))
     url = f"s3://{bucket}/killed.ome.zarr"
-    args = CLI + ["convert", f"{h5}:/volume/data", url, "--chunks", "8,32,32", "--levels", "3", "--slab", "32,96,80", "--workers", "1", "--threads", "1",
-                  "--no-progress", *_flags(s3.options())]
-    proc = subprocess.Popen(args, env=_env(s3, H5NGFF_FAULTS="slab_sleep=0.5"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    args = CLI + [
+        "convert",
+        f"{h5}:/volume/data",
+        url,
+        "--chunks",
+        "8,32,32",
+        "--levels",
+        "3",
+        "--slab",
+        "32,96,80",
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        *_flags(s3.options()),
+    ]
+    proc = subprocess.Popen(
+        args,
+        env=_env(s3, H5NGFF_FAULTS="slab_sleep=0.5"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     client = s3.client()
     deadline = time.time() + 90
     while time.time() < deadline and proc.poll() is None:
-        recorded = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="killed.ome.zarr/.h5ngff/manifest/").get("Contents", [])]
+        recorded = [
+            o["Key"]
+            for o in client.list_objects_v2(Bucket=bucket, Prefix="killed.ome.zarr/.h5ngff/manifest/").get(
+                "Contents", []
+            )
+        ]
         if len(recorded) >= 2:  # the header and one slab: mid-run
             break
         time.sleep(0.05)
@@ -137,7 +191,12 @@ def test_killed_run_resumes_byte_identical_and_a_poller_never_sees_it_finished_e
     root = json.loads(client.get_object(Bucket=bucket, Key="killed.ome.zarr/zarr.json")["Body"].read())
     assert "ome" not in root["attributes"], "a killed run must not look finished"
 
-    seen = _poll_while(lambda: subprocess.run(args, env=_env(s3), capture_output=True, text=True, timeout=120), s3, bucket, "killed.ome.zarr/")
+    seen = _poll_while(
+        lambda: subprocess.run(args, env=_env(s3), capture_output=True, text=True, timeout=120),
+        s3,
+        bucket,
+        "killed.ome.zarr/",
+    )
     assert seen["result"].returncode == 0, seen["result"].stderr[-2000:]
     assert seen["early"] == [], f"the metadata appeared before these chunks: {seen['early'][:5]}"
     assert seen["polls_unfinished"] > 0, "the poller must have seen the run in progress (else it proves nothing)"
@@ -157,7 +216,11 @@ def _poll_while(run, s3, bucket, prefix):
 
     def poll():
         while not done.is_set():
-            keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix) for o in page.get("Contents", [])]
+            keys = [
+                o["Key"]
+                for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+                for o in page.get("Contents", [])
+            ]
             try:
                 root = json.loads(client.get_object(Bucket=bucket, Key=prefix + "zarr.json")["Body"].read())
             except client.exceptions.NoSuchKey:
@@ -193,7 +256,9 @@ def test_injected_503s_and_resets_are_retried_and_counted(source, s3, convert):
         assert proxy.faults.injected("503") == 4 and proxy.faults.injected("reset") == 2
     assert summary.status == "Succeeded" and summary.totals.store_retries == 6
     families = {f.name: f for f in build_families("faulty", "local", ExportState(progress=progress[-1]))}
-    assert families["h5ngff_store_retries"].samples[0].value == 6  # prometheus_client drops "_total" from a counter family's name
+    assert (
+        families["h5ngff_store_retries"].samples[0].value == 6
+    )  # prometheus_client drops "_total" from a counter family's name
     np.testing.assert_array_equal(_zarr_group(url, s3)["0"][...], data)
 
 
@@ -204,12 +269,26 @@ def test_a_403_fails_fast_before_the_cluster_with_what_to_change(source, s3):
     with FaultProxy(s3.url) as proxy:
         proxy.faults.add("403", 1000)
         t = time.monotonic()
-        proc = subprocess.run(CLI + ["convert", f"{h5}:/volume/data", f"s3://{bucket}/x.ome.zarr", "--no-progress", *_flags(s3.options(proxy.url))],
-                              capture_output=True, text=True, env=_env(s3), timeout=120)
+        proc = subprocess.run(
+            CLI
+            + [
+                "convert",
+                f"{h5}:/volume/data",
+                f"s3://{bucket}/x.ome.zarr",
+                "--no-progress",
+                *_flags(s3.options(proxy.url)),
+            ],
+            capture_output=True,
+            text=True,
+            env=_env(s3),
+            timeout=120,
+        )
         elapsed = time.monotonic() - t
     assert proc.returncode == ExitCode.OUTPUT_REFUSED, proc.stderr
     assert "OutputUnwritable" in proc.stderr and "AccessDenied" in proc.stderr and "s3:PutObject" in proc.stderr
-    assert "predicted peak RSS" not in proc.stdout and proxy.faults.injected("403") == 1  # refused before the plan; not retried
+    assert (
+        "predicted peak RSS" not in proc.stdout and proxy.faults.injected("403") == 1
+    )  # refused before the plan; not retried
     assert elapsed < 30
 
 
@@ -273,8 +352,9 @@ def test_a_sparse_bucket_output_skips_empty_chunks_and_keeps_the_quantile_window
     assert group.attrs["ome"]["omero"] == local_root.attrs["ome"]["omero"]
     window = group.attrs["ome"]["omero"]["channels"][0]["window"]
     assert window["max"] == 65535 and window["end"] < 65535, window
-    assert sorted(k[len("sparse.ome.zarr/"):] for k in keys if "/c/" in k and k.startswith("sparse.ome.zarr/0/")) == sorted(
-        str(p.relative_to(local)) for p in Path(local, "0").rglob("*") if p.is_file() and "/c/" in str(p))
+    assert sorted(
+        k[len("sparse.ome.zarr/") :] for k in keys if "/c/" in k and k.startswith("sparse.ome.zarr/0/")
+    ) == sorted(str(p.relative_to(local)) for p in Path(local, "0").rglob("*") if p.is_file() and "/c/" in str(p))
     report = verify_output(url, storage_options=s3.options())
     assert report.ok and report.checksums == "crc32c codec", report.problems
 

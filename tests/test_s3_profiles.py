@@ -34,12 +34,16 @@ def aws_files(s3, tmp_path_factory):
     """A config file whose profile 'moto' gets its endpoint from a services section and its keys
     from the credentials file; profile 'elsewhere' has a region and an endpoint of its own."""
     d = tmp_path_factory.mktemp("aws")
-    (d / "config").write_text(f"[profile moto]\nregion = eu-central-1\nservices = local-s3\n\n"
-                              f"[services local-s3]\ns3 =\n  endpoint_url = {s3.url}\n\n"
-                              "[profile elsewhere]\nregion = ap-south-1\nendpoint_url = http://127.0.0.1:9\n")
-    (d / "credentials").write_text(f"[moto]\naws_access_key_id = {CREDENTIALS['access_key_id']}\n"
-                                   f"aws_secret_access_key = {CREDENTIALS['secret_access_key']}\n\n"
-                                   "[elsewhere]\naws_access_key_id = other-key\naws_secret_access_key = other-secret\n")
+    (d / "config").write_text(
+        f"[profile moto]\nregion = eu-central-1\nservices = local-s3\n\n"
+        f"[services local-s3]\ns3 =\n  endpoint_url = {s3.url}\n\n"
+        "[profile elsewhere]\nregion = ap-south-1\nendpoint_url = http://127.0.0.1:9\n"
+    )
+    (d / "credentials").write_text(
+        f"[moto]\naws_access_key_id = {CREDENTIALS['access_key_id']}\n"
+        f"aws_secret_access_key = {CREDENTIALS['secret_access_key']}\n\n"
+        "[elsewhere]\naws_access_key_id = other-key\naws_secret_access_key = other-secret\n"
+    )
     return d
 
 
@@ -47,8 +51,14 @@ def scrubbed_env(aws_files: Path, **extra: str) -> dict[str, str]:
     """The process environment without any AWS_* variable and with a HOME of no ~/.aws: only the
     files (and ``extra``) configure AWS. Instance metadata off, so 'no credentials' is quick."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(HOME=str(aws_files), AWS_CONFIG_FILE=str(aws_files / "config"), AWS_SHARED_CREDENTIALS_FILE=str(aws_files / "credentials"),
-               AWS_EC2_METADATA_DISABLED="true", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    env.update(
+        HOME=str(aws_files),
+        AWS_CONFIG_FILE=str(aws_files / "config"),
+        AWS_SHARED_CREDENTIALS_FILE=str(aws_files / "credentials"),
+        AWS_EC2_METADATA_DISABLED="true",
+        PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **extra,
+    )
     return env
 
 
@@ -70,15 +80,27 @@ def source(tmp_path_factory):
 
 
 def convert(h5: str, url: str, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + ["convert", f"{h5}:/volume/data", url, "--no-progress", "--workers", "1", *flags],
-                          capture_output=True, text=True, env=env, timeout=180)
+    return subprocess.run(
+        CLI + ["convert", f"{h5}:/volume/data", url, "--no-progress", "--workers", "1", *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
 
 
 def read_back(s3, url: str) -> np.ndarray:
     from zarr.storage import FsspecStore
 
-    store = FsspecStore.from_url(url, storage_options={"endpoint_url": s3.url, "key": CREDENTIALS["access_key_id"],
-                                                       "secret": CREDENTIALS["secret_access_key"]}, read_only=True)
+    store = FsspecStore.from_url(
+        url,
+        storage_options={
+            "endpoint_url": s3.url,
+            "key": CREDENTIALS["access_key_id"],
+            "secret": CREDENTIALS["secret_access_key"],
+        },
+        read_only=True,
+    )
     return zarr.open_group(store, mode="r")["0"][...]
 
 
@@ -91,11 +113,20 @@ def test_a_profile_in_the_aws_files_writes_through_its_endpoint(source, s3, aws_
     if how == "AWS_PROFILE":
         env, flags = scrubbed_env(aws_files, AWS_PROFILE="moto", AWS_ALLOW_HTTP="true"), []
     else:
-        env, flags = scrubbed_env(aws_files), ["--storage-option", "profile=moto", "--storage-option", "allow_http=true"]
+        env, flags = (
+            scrubbed_env(aws_files),
+            ["--storage-option", "profile=moto", "--storage-option", "allow_http=true"],
+        )
     proc = convert(h5, url, env, *flags)
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_array_equal(read_back(s3, url), data)
-    verify = subprocess.run(CLI + ["verify", url, "--source", f"{h5}:/volume/data", *flags], capture_output=True, text=True, env=env, timeout=120)
+    verify = subprocess.run(
+        CLI + ["verify", url, "--source", f"{h5}:/volume/data", *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "h5ngff-test-secret" not in proc.stdout + proc.stderr + verify.stdout + verify.stderr
 
@@ -105,9 +136,19 @@ def test_without_the_profile_the_same_run_has_no_credentials_and_writes_nothing(
     """Negative control of the test above: the files alone name no credentials for 'default'."""
     h5, _ = source
     bucket = s3.new_bucket()
-    proc = convert(h5, f"s3://{bucket}/x.ome.zarr", scrubbed_env(aws_files, AWS_ALLOW_HTTP="true"), "--storage-option", f"endpoint={s3.url}")
+    proc = convert(
+        h5,
+        f"s3://{bucket}/x.ome.zarr",
+        scrubbed_env(aws_files, AWS_ALLOW_HTTP="true"),
+        "--storage-option",
+        f"endpoint={s3.url}",
+    )
     assert proc.returncode == ExitCode.OUTPUT_REFUSED, proc.stderr
-    assert "no AWS credentials" in proc.stderr and "'default'" in proc.stderr and str(aws_files / "credentials") in proc.stderr
+    assert (
+        "no AWS credentials" in proc.stderr
+        and "'default'" in proc.stderr
+        and str(aws_files / "credentials") in proc.stderr
+    )
     assert "predicted peak RSS" not in proc.stdout and s3.keys(bucket) == {}
 
 
@@ -123,7 +164,11 @@ def test_a_missing_profile_is_refused_before_anything_is_written(source, s3, aws
         proc = convert(h5, url, scrubbed_env(aws_files), "--storage-option", "profile=nope")
     assert proc.returncode == ExitCode.OUTPUT_REFUSED, proc.stderr
     message = " ".join(proc.stderr.split())
-    assert "AWS profile 'nope'" in message and str(aws_files / "config") in message and str(aws_files / "credentials") in message
+    assert (
+        "AWS profile 'nope'" in message
+        and str(aws_files / "config") in message
+        and str(aws_files / "credentials") in message
+    )
     assert "profiles there: elsewhere, moto" in message and "OutputUnwritable" in message
     assert "add [profile nope] to the config file" in message  # printed as text, not eaten as rich markup
     assert "predicted peak RSS" not in proc.stdout and s3.keys(bucket) == {}
@@ -137,9 +182,16 @@ def test_precedence_is_options_then_environment_then_profile(s3, aws_env):
     aws_env.setenv("AWS_PROFILE", "moto")
     chain = resolve_chain("s3://b/x", {}, None)
     assert (chain.region, chain.endpoint) == ("eu-central-1", s3.url)  # the services section
-    assert chain.credentials()["access_key_id"] == CREDENTIALS["access_key_id"] and chain.credentials()["expires_at"] is None
+    assert (
+        chain.credentials()["access_key_id"] == CREDENTIALS["access_key_id"]
+        and chain.credentials()["expires_at"] is None
+    )
     explicit = resolve_chain("s3://b/x", {}, "elsewhere")
-    assert (explicit.region, explicit.endpoint, explicit.credentials()["access_key_id"]) == ("ap-south-1", "http://127.0.0.1:9", "other-key")
+    assert (explicit.region, explicit.endpoint, explicit.credentials()["access_key_id"]) == (
+        "ap-south-1",
+        "http://127.0.0.1:9",
+        "other-key",
+    )
     aws_env.setenv("AWS_ACCESS_KEY_ID", "env-key")
     aws_env.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
     aws_env.setenv("AWS_REGION", "us-west-2")
@@ -148,7 +200,9 @@ def test_precedence_is_options_then_environment_then_profile(s3, aws_env):
     assert (chain.region, chain.credentials()["access_key_id"]) == ("us-west-2", "env-key")
     assert chain.endpoint == "http://127.0.0.1:8"
     assert resolve_chain("s3://b/x", {}, "elsewhere").credentials()["access_key_id"] == "other-key"
-    assert resolve_chain("s3://b/x", {"access_key_id": "opt-key"}, "elsewhere").credentials is None  # explicit keys: nothing to resolve
+    assert (
+        resolve_chain("s3://b/x", {"access_key_id": "opt-key"}, "elsewhere").credentials is None
+    )  # explicit keys: nothing to resolve
     assert "other-secret" not in repr(resolve_chain("s3://b/x", {}, "elsewhere"))
 
 

@@ -40,8 +40,15 @@ def _layout(path, shape, chunks, shards, dtype="<f4") -> ArrayLayout:
 def _zarr_level(tmp_path, shape, chunks, shards, dtype="<f4") -> str:
     """An empty zarr v3 array with the layout's metadata, so zarr can read what the engine writes."""
     path = str(tmp_path / "level")
-    zarr.create_array(path, shape=shape, chunks=chunks, shards=shards, dtype=dtype, fill_value=0,
-                      compressors=[zarr.codecs.BloscCodec(cname="zstd", clevel=5, shuffle="bitshuffle")])
+    zarr.create_array(
+        path,
+        shape=shape,
+        chunks=chunks,
+        shards=shards,
+        dtype=dtype,
+        fill_value=0,
+        compressors=[zarr.codecs.BloscCodec(cname="zstd", clevel=5, shuffle="bitshuffle")],
+    )
     return path
 
 
@@ -60,7 +67,11 @@ def test_streamed_shards_round_trip_through_zarr_and_partial_reads(tmp_path):
     stored = zarr.open_array(path, mode="r")[...]
     np.testing.assert_array_equal(stored[:, :64], data[:, :64])
     assert not stored[:, 64:].any()
-    for region in [(slice(0, 40), slice(0, 70), slice(0, 90)), (slice(5, 37), slice(10, 66), slice(30, 71)), (slice(39, 40), slice(63, 65), slice(0, 1))]:
+    for region in [
+        (slice(0, 40), slice(0, 70), slice(0, 90)),
+        (slice(5, 37), slice(10, 66), slice(30, 71)),
+        (slice(39, 40), slice(63, 65), slice(0, 1)),
+    ]:
         expected = stored[region]
         np.testing.assert_array_equal(read_region(layout, region), expected)
     [(_, low, high)] = minmax.stats()
@@ -103,7 +114,9 @@ print(status("VmHWM:") - start)
 def _rise(mode: str, folder) -> int:
     """How far a fresh process's resident memory rises above its start while it writes one shard."""
     folder.mkdir()
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, mode, str(folder)], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, mode, str(folder)], capture_output=True, text=True, check=True
+    )
     return int(proc.stdout.split()[-1])
 
 
@@ -117,7 +130,9 @@ def test_regression_a_shard_is_never_held_whole_while_written(tmp_path):
     shard_bytes = 64 * 256 * 256 * 4
     plan_per_thread = chunk_bytes + chunk_bytes + BLOSC_MAX_OVERHEAD + 2 * shard_index_bytes(shard_bytes, chunk_bytes)
     streamed = _rise("streamed", tmp_path / "streamed")
-    assert streamed <= plan_per_thread + 2 * MiB, f"writing a shard held {streamed / MiB:.1f} MiB; the plan reserves {plan_per_thread / MiB:.1f} MiB per thread"
+    assert streamed <= plan_per_thread + 2 * MiB, (
+        f"writing a shard held {streamed / MiB:.1f} MiB; the plan reserves {plan_per_thread / MiB:.1f} MiB per thread"
+    )
     held = _rise("whole", tmp_path / "whole")
     encoded = (tmp_path / "whole" / "whole").stat().st_size
     assert encoded > 0.8 * shard_bytes, "the data must be incompressible for this control to mean anything"
@@ -127,10 +142,17 @@ def test_regression_a_shard_is_never_held_whole_while_written(tmp_path):
 def test_plan_reserves_the_shard_index_per_thread_not_the_shard():
     """The plan names the shard term and sizes it by the index: doubling the shard (same chunks)
     adds index bytes per thread, never shard bytes."""
+
     def plan(shards, threads):
         ds = DatasetInfo((256, 1024, 1024), "<f4", 4)
-        spec = parse_spec({"source": {"path": "a.h5", "dataset": "/d"}, "output": {"path": "o", "chunks": [64, 64, 64], "shards": shards},
-                           "pyramid": {"levels": 1}, "resources": {"workers": 1, "threadsPerWorker": threads, "slab": [256, 1024, 1024]}})
+        spec = parse_spec(
+            {
+                "source": {"path": "a.h5", "dataset": "/d"},
+                "output": {"path": "o", "chunks": [64, 64, 64], "shards": shards},
+                "pyramid": {"levels": 1},
+                "resources": {"workers": 1, "threadsPerWorker": threads, "slab": [256, 1024, 1024]},
+            }
+        )
         return make_plan(ds, spec, Capacity(cores=4, memory_bytes=64 << 30))
 
     small, large = plan([128, 128, 128], 2), plan([256, 512, 512], 2)
@@ -150,7 +172,13 @@ def test_regression_sharded_plan_exceeded_prediction(tmp_path):
     data = np.random.default_rng(3).random((64, 512, 512), dtype=np.float32)
     h5 = write_h5(tmp_path / "in.h5", data)
     out = str(tmp_path / "out.ome.zarr")
-    spec = spec_for(h5, out, output={"chunks": [32, 32, 32], "shards": [64, 128, 256]}, pyramid={"levels": 3}, resources={"workers": 1})
+    spec = spec_for(
+        h5,
+        out,
+        output={"chunks": [32, 32, 32], "shards": [64, 128, 256]},
+        pyramid={"levels": 3},
+        resources={"workers": 1},
+    )
     backend = LocalPodsBackend()
     job = plan_job(spec, backend)
     assert [p.source_level for p in job.plan.passes] == [-1, 1], "the case must read shards in a later pass"
@@ -160,6 +188,8 @@ def test_regression_sharded_plan_exceeded_prediction(tmp_path):
     (worker,) = summary.workers
     assert worker.oom_kills == 0 and worker.nanny_restarts == 0 and worker.memory_terminations == 0, worker
     predicted = job.plan.memory.predicted_peak
-    assert 0 < worker.peak_rss <= predicted, f"measured {worker.peak_rss / MiB:.1f} MiB > predicted {predicted / MiB:.1f} MiB"
+    assert 0 < worker.peak_rss <= predicted, (
+        f"measured {worker.peak_rss / MiB:.1f} MiB > predicted {predicted / MiB:.1f} MiB"
+    )
     np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data)
     assert zarr.open_array(out + "/2", mode="r").shape == (16, 128, 128)

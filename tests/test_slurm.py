@@ -74,7 +74,15 @@ def small(tmp_path_factory):
 
 def test_job_script_is_the_plan(small):
     h5, base = small
-    backend = SlurmBackend(SlurmSpec(partition="short", account="lab", qos="normal", directives=["--constraint=avx2"], prologue=["module load hdf5"]))
+    backend = SlurmBackend(
+        SlurmSpec(
+            partition="short",
+            account="lab",
+            qos="normal",
+            directives=["--constraint=avx2"],
+            prologue=["module load hdf5"],
+        )
+    )
     job = plan_job(spec_for(h5, str(base / "p.ome.zarr"), resources={"workers": 3, "threadsPerWorker": 2}), backend)
     plan, script = job.plan, backend.job_script(job.plan)
     text = script.text()
@@ -83,13 +91,19 @@ def test_job_script_is_the_plan(small):
     assert [t.name for t in script.mem_terms] == ["dask terminate threshold", "nanny", "page cache and overshoot room"]
     assert f"#SBATCH --mem={plan.memory.pod_limit // MiB}M" in script.header
     assert "#SBATCH --cpus-per-task=2" in script.header and "#SBATCH -n 1" in script.header
-    for line in ("#SBATCH -p short", "#SBATCH -A lab", "#SBATCH --qos=normal", "#SBATCH --constraint=avx2", "#SBATCH -t 01:00:00"):
+    for line in (
+        "#SBATCH -p short",
+        "#SBATCH -A lab",
+        "#SBATCH --qos=normal",
+        "#SBATCH --constraint=avx2",
+        "#SBATCH -t 01:00:00",
+    ):
         assert line in script.header
     assert f"--memory-limit {plan.memory.memory_limit} " in script.command and "--nthreads 2 " in script.command
     assert "export DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE=0.95" in text
     assert "export DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE=False" in text
     assert text.index("module load hdf5") < text.index("exec ")
-    assert ("LD_PRELOAD=\"$H5NGFF_JEMALLOC\"" in text) == (plan.allocator == "jemalloc")
+    assert ('LD_PRELOAD="$H5NGFF_JEMALLOC"' in text) == (plan.allocator == "jemalloc")
     assert plan.workers == 3
 
 
@@ -108,37 +122,74 @@ def test_negative_control_an_override_changes_mem_and_says_so(small):
 @pytest.mark.parametrize("directive", ["--mem=1G", "--cpus-per-task=8", "-c 4", "#SBATCH --ntasks=2"])
 def test_directives_cannot_override_what_the_plan_sets(directive):
     with pytest.raises(SpecError, match="slurm.directives.*the plan sets"):
-        parse_job_spec({"source": {"path": "a.h5", "dataset": "/d"}, "output": {"path": "o"}, "slurm": {"directives": [directive]}})
-    parse_job_spec({"source": {"path": "a.h5", "dataset": "/d"}, "output": {"path": "o"}, "slurm": {"directives": ["--constraint=x"]}})
+        parse_job_spec(
+            {"source": {"path": "a.h5", "dataset": "/d"}, "output": {"path": "o"}, "slurm": {"directives": [directive]}}
+        )
+    parse_job_spec(
+        {
+            "source": {"path": "a.h5", "dataset": "/d"},
+            "output": {"path": "o"},
+            "slurm": {"directives": ["--constraint=x"]},
+        }
+    )
 
 
 def test_plan_cli_shows_the_job_script(small, capsys):
     h5, base = small
-    assert main(["plan", f"{h5}:/volume/data", "--backend", "slurm", "--workers", "2", "--slurm-partition", "gpu", "--json"]) == 0
+    assert (
+        main(
+            ["plan", f"{h5}:/volume/data", "--backend", "slurm", "--workers", "2", "--slurm-partition", "gpu", "--json"]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     pod_limit = doc["plan"]["memory"]["pod_limit"]
     assert doc["slurm"]["mem_bytes"] == job_mem_mib(pod_limit) * MiB
-    assert f"#SBATCH --mem={job_mem_mib(pod_limit)}M" in doc["slurm"]["script"] and "#SBATCH -p gpu" in doc["slurm"]["script"]
+    assert (
+        f"#SBATCH --mem={job_mem_mib(pod_limit)}M" in doc["slurm"]["script"]
+        and "#SBATCH -p gpu" in doc["slurm"]["script"]
+    )
     assert main(["plan", f"{h5}:/volume/data", "--backend", "slurm", "--workers", "2"]) == 0
     table = capsys.readouterr().out
     assert "#SBATCH --mem" in table and "+ nanny" in table and "exec " in table
     # a manifest's slurm: block reaches the job script, and flags override it
     manifest = base / "job.yaml"
-    manifest.write_text(json.dumps({"apiVersion": "h5ngff.dev/v1alpha1", "kind": "ConversionJob", "metadata": {"name": "j"},
-                                    "spec": {"source": {"path": h5, "dataset": "/volume/data"}, "output": {"path": str(base / "j.ome.zarr")},
-                                             "slurm": {"partition": "long", "qos": "big", "walltime": "2-00:00:00"}}}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "apiVersion": "h5ngff.dev/v1alpha1",
+                "kind": "ConversionJob",
+                "metadata": {"name": "j"},
+                "spec": {
+                    "source": {"path": h5, "dataset": "/volume/data"},
+                    "output": {"path": str(base / "j.ome.zarr")},
+                    "slurm": {"partition": "long", "qos": "big", "walltime": "2-00:00:00"},
+                },
+            }
+        )
+    )
     assert main(["plan", str(manifest), "--backend", "slurm", "--slurm-qos", "small", "--json"]) == 0
     header = json.loads(capsys.readouterr().out)["slurm"]["header"]
     assert {"#SBATCH -p long", "#SBATCH --qos=small", "#SBATCH -t 2-00:00:00"} <= set(header)
 
 
 def test_scontrol_and_err_readings():
-    line = ("JobId=42 JobName=h5ngff-x UserId=root(0) JobState=PENDING Reason=QOSMaxMemoryPerJob Dependency=(null) "
-            "ExitCode=0:0 MinMemoryNode=244M")
+    line = (
+        "JobId=42 JobName=h5ngff-x UserId=root(0) JobState=PENDING Reason=QOSMaxMemoryPerJob Dependency=(null) "
+        "ExitCode=0:0 MinMemoryNode=244M"
+    )
     state = parse_scontrol_job(line)
-    assert (state.job_id, state.state, state.reason, state.mem, state.finished) == ("42", "PENDING", "QOSMaxMemoryPerJob", "244M", False)
+    assert (state.job_id, state.state, state.reason, state.mem, state.finished) == (
+        "42",
+        "PENDING",
+        "QOSMaxMemoryPerJob",
+        "244M",
+        False,
+    )
     assert parse_scontrol_job("slurm_load_jobs error: Invalid job id specified") is None
-    assert oom_events("slurmstepd-vm: error: Detected 3 oom-kill event(s) in StepId=8.batch. Some of your processes") == 3
+    assert (
+        oom_events("slurmstepd-vm: error: Detected 3 oom-kill event(s) in StepId=8.batch. Some of your processes") == 3
+    )
     assert oom_events("2026 distributed.nanny - INFO - Worker process 5884 was killed by signal 9") == 0
 
 
@@ -155,20 +206,28 @@ def test_negative_control_job_mem_below_the_plan_is_oom_killed(tmp_path):
     # cgroup is the only thing that can stop the worker, and it must.
     data = np.broadcast_to(np.arange(1024, dtype=np.uint16)[None, None, :], (96, 1024, 1024))
     h5 = write_h5(tmp_path / "big.h5", np.ascontiguousarray(data))
-    spec = spec_for(h5, str(tmp_path / "neg.ome.zarr"), resources={"workers": 1, "slab": [96, 1024, 1024]}, pyramid={"levels": 1})
+    spec = spec_for(
+        h5, str(tmp_path / "neg.ome.zarr"), resources={"workers": 1, "slab": [96, 1024, 1024]}, pyramid={"levels": 1}
+    )
     logs = tmp_path / "logs"
     backend = SlurmBackend(SlurmSpec(logDirectory=str(logs), pendingTimeout=120), job_mem=256 * MiB)
     job = plan_job(spec, backend)
     assert job.plan.memory.pod_limit > 256 * MiB + 150 * MiB  # the override really is far below the plan
     memory = job.plan.memory
     no_terminate = dataclasses.replace(memory.thresholds, terminate=False)
-    job = dataclasses.replace(job, plan=dataclasses.replace(job.plan, memory=dataclasses.replace(memory, thresholds=no_terminate)))
+    job = dataclasses.replace(
+        job, plan=dataclasses.replace(job.plan, memory=dataclasses.replace(memory, thresholds=no_terminate))
+    )
     with pytest.raises(OOMKilledError) as info:
         run_job(job, backend)
     err = info.value
     assert err.reason == "OOMKilled" and "job --mem 256 MiB" in str(err) and "below the plan" in str(err)
     (worker,) = err.summary.workers
-    assert worker.oom_kills >= 1 and worker.pod_limit == 256 * MiB and worker.predicted_peak == job.plan.memory.predicted_peak
+    assert (
+        worker.oom_kills >= 1
+        and worker.pod_limit == 256 * MiB
+        and worker.predicted_peak == job.plan.memory.predicted_peak
+    )
     assert "slurm-0:" in str(err) and "peak RSS" in str(err)
     err_text = "".join(p.read_text() for p in logs.glob("*.err"))
     assert oom_events(err_text) >= 1, "slurmstepd did not report the kill"
@@ -185,9 +244,20 @@ def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_by
     out = tmp_path / "slurm.ome.zarr"
     resources = {"workers": 2, "threadsPerWorker": 1, "slab": [8, 192, 160]}
     flags = ["--chunks", "8,64,64", "--slab", "8,192,160", "--levels", "2", "--workers", "2"]
-    args = [f"{h5}:/volume/data", str(out), *flags, "--backend", "slurm", "--slurm-log-dir", str(tmp_path / "logs"), "--no-progress"]
+    args = [
+        f"{h5}:/volume/data",
+        str(out),
+        *flags,
+        "--backend",
+        "slurm",
+        "--slurm-log-dir",
+        str(tmp_path / "logs"),
+        "--no-progress",
+    ]
     env = {**os.environ, "H5NGFF_FAULTS": "slab_sleep=1.0"}
-    proc = subprocess.Popen(CLI + ["convert", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        CLI + ["convert", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     manifest = out / ".h5ngff" / "manifest.jsonl"
     deadline = time.monotonic() + 60
     while not (manifest.exists() and '"slab"' in manifest.read_text()):
@@ -210,7 +280,9 @@ def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_by
     plan = job.plan
     assert [w.name for w in summary.workers] == ["slurm-0", "slurm-1"]
     for w in summary.workers:
-        assert 0 < w.peak_rss <= plan.memory.predicted_peak, f"{w.name}: {w.peak_rss >> 20} MiB > predicted {plan.memory.predicted_peak >> 20} MiB"
+        assert 0 < w.peak_rss <= plan.memory.predicted_peak, (
+            f"{w.name}: {w.peak_rss >> 20} MiB > predicted {plan.memory.predicted_peak >> 20} MiB"
+        )
         # the limit SLURM put on the job's cgroup, read from inside the job, is the plan's
         assert w.pod_limit == plan.memory.pod_limit
         assert w.cgroup_peak is not None and 0 < w.cgroup_peak <= plan.memory.pod_limit
@@ -230,7 +302,9 @@ def test_killed_client_leaves_no_job_and_the_resumed_output_is_local_byte_for_by
 def test_jobs_pending_past_the_timeout_fail_with_slurms_reason(small, tmp_path):
     h5, _ = small
     # --begin keeps the job pending (Reason=BeginTime) whatever else the node runs.
-    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=3, directives=["--begin=now+1hour"]))
+    backend = SlurmBackend(
+        SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=3, directives=["--begin=now+1hour"])
+    )
     job = plan_job(spec_for(h5, str(tmp_path / "p.ome.zarr"), resources={"workers": 1}), backend)
     with pytest.raises(WorkersPendingError) as info:
         run_job(job, backend)
@@ -254,7 +328,9 @@ def test_a_job_script_slurm_refuses_fails_before_anything_is_submitted(small, tm
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_cancelled_under_the_run_is_workers_lost(small, tmp_path):
     h5, _ = small
-    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=60, directives=["--begin=now+1hour"]))
+    backend = SlurmBackend(
+        SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=60, directives=["--begin=now+1hour"])
+    )
     job = plan_job(spec_for(h5, str(tmp_path / "c.ome.zarr"), resources={"workers": 1}), backend)
 
     def cancel_when_queued():  # as an admin (or a preemption) would
@@ -274,9 +350,21 @@ def test_a_job_cancelled_under_the_run_is_workers_lost(small, tmp_path):
 @pytest.mark.usefixtures("slurm_cluster")
 def test_ctrl_c_exits_130_and_cancels_the_jobs(small, tmp_path):
     h5, _ = small
-    args = [f"{h5}:/volume/data", str(tmp_path / "i.ome.zarr"), "--workers", "1", "--backend", "slurm", "--slurm-directive=--begin=now+1hour",
-            "--slurm-log-dir", str(tmp_path / "logs"), "--no-progress"]
-    proc = subprocess.Popen(CLI + ["convert", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args = [
+        f"{h5}:/volume/data",
+        str(tmp_path / "i.ome.zarr"),
+        "--workers",
+        "1",
+        "--backend",
+        "slurm",
+        "--slurm-directive=--begin=now+1hour",
+        "--slurm-log-dir",
+        str(tmp_path / "logs"),
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        CLI + ["convert", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 60
     while not squeue():
         assert proc.poll() is None and time.monotonic() < deadline, "no job was submitted"
@@ -291,8 +379,12 @@ def test_ctrl_c_exits_130_and_cancels_the_jobs(small, tmp_path):
 def test_negative_control_dask_jobqueue_alone_takes_over_ctrl_c():
     """Importing dask_jobqueue replaces SIGINT's handler with sys.exit(): a Ctrl-C exited 0 with
     the jobs left running. The backend imports it through _import_jobqueue, which restores it."""
-    probe = "import signal, sys; {}; sys.exit(0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 1)"
+    probe = (
+        "import signal, sys; {}; sys.exit(0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 1)"
+    )
     plain = subprocess.run([sys.executable, "-c", probe.format("import dask_jobqueue")], check=False)
-    ours = subprocess.run([sys.executable, "-c", probe.format("from h5ngff.backends.slurm import _import_jobqueue; _import_jobqueue()")], check=False)
+    ours = subprocess.run(
+        [sys.executable, "-c", probe.format("from h5ngff.backends.slurm import _import_jobqueue; _import_jobqueue()")],
+        check=False,
+    )
     assert (plain.returncode, ours.returncode) == (1, 0)
-

@@ -49,10 +49,29 @@ def test_a_bad_walltime_lists_the_formats_sbatch_accepts():
 
 
 #: Directives sbatch reads as an option the plan sets (checked against sbatch itself below).
-BYPASSES = ["-c2", "-n2", "-N2", "-vc2", "-Qn 2", "--cpus-per-t=2", "--mem-per-c=100", "--mem 300", "--ntasks 2",
-            "--comment=x -c2", "#SBATCH -sN2"]
+BYPASSES = [
+    "-c2",
+    "-n2",
+    "-N2",
+    "-vc2",
+    "-Qn 2",
+    "--cpus-per-t=2",
+    "--mem-per-c=100",
+    "--mem 300",
+    "--ntasks 2",
+    "--comment=x -c2",
+    "#SBATCH -sN2",
+]
 #: Directives that leave the job's CPUs, tasks, nodes and memory alone.
-HARMLESS = ["-Jc2", "--nodelist=vm", "--mem-bind=local", "--cpu-freq=high", "--ntasks-per-node=1", "--comment=-c2", "-C x"]
+HARMLESS = [
+    "-Jc2",
+    "--nodelist=vm",
+    "--mem-bind=local",
+    "--cpu-freq=high",
+    "--ntasks-per-node=1",
+    "--comment=-c2",
+    "-C x",
+]
 
 
 @pytest.mark.parametrize("directive", BYPASSES)
@@ -66,10 +85,17 @@ def test_directives_that_set_nothing_planned_pass(directive):
     parse_job_spec(slurm_spec(directives=[directive]))
 
 
-@pytest.mark.parametrize("reason, advice", [
-    ("InvalidAccount", "slurm.account"), ("InvalidQOS", "slurm.qos"), ("AssocGrpMemLimit", "limit of the account"),
-    ("QOSMaxMemoryPerJob", "per-job limit"), ("PartitionTimeLimit", "slurm.walltime"), ("JobHeldAdmin", "held"),
-])
+@pytest.mark.parametrize(
+    "reason, advice",
+    [
+        ("InvalidAccount", "slurm.account"),
+        ("InvalidQOS", "slurm.qos"),
+        ("AssocGrpMemLimit", "limit of the account"),
+        ("QOSMaxMemoryPerJob", "per-job limit"),
+        ("PartitionTimeLimit", "slurm.walltime"),
+        ("JobHeldAdmin", "held"),
+    ],
+)
 def test_pending_on_what_waiting_cannot_cure_is_not_told_to_wait(small, reason, advice):
     h5, base = small
     plan = plan_job(spec_for(h5, str(base / "p.ome.zarr"), resources={"workers": 1}), SlurmBackend()).plan
@@ -93,7 +119,11 @@ def _held_job(directive: str) -> str:
     job_id = proc.stdout.strip().split(";")[0]
     line = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False).stdout
     subprocess.run(["scancel", job_id], check=False)
-    return " ".join(w for w in line.split() if w.split("=")[0] in ("NumCPUs", "NumTasks", "NumNodes", "CPUs/Task", "MinMemoryNode", "MinMemoryCPU"))
+    return " ".join(
+        w
+        for w in line.split()
+        if w.split("=")[0] in ("NumCPUs", "NumTasks", "NumNodes", "CPUs/Task", "MinMemoryNode", "MinMemoryCPU")
+    )
 
 
 @pytest.mark.slow
@@ -106,7 +136,9 @@ def test_sbatch_itself_reads_the_refused_directives_as_planned_options():
     assert baseline.startswith("NumNodes"), baseline
     changed = {d: _held_job(d) for d in BYPASSES}
     assert all(got != baseline for got in changed.values()), changed
-    same = {d: _held_job(d) for d in HARMLESS if d not in ("--nodelist=vm", "-C x")}  # host name, features: site-specific
+    same = {
+        d: _held_job(d) for d in HARMLESS if d not in ("--nodelist=vm", "-C x")
+    }  # host name, features: site-specific
     assert all(got == baseline for got in same.values()), (baseline, same)
 
 
@@ -117,7 +149,9 @@ def test_an_unreachable_controller_is_quoted_not_blamed_on_the_partition(small, 
     h5, _ = small
     conf = tmp_path / "slurm.conf"
     text = open(os.environ["SLURM_CONF"]).read()
-    conf.write_text("\n".join("SlurmctldPort=1" if line.startswith("SlurmctldPort=") else line for line in text.splitlines()) + "\n")
+    conf.write_text(
+        "\n".join("SlurmctldPort=1" if line.startswith("SlurmctldPort=") else line for line in text.splitlines()) + "\n"
+    )
     monkeypatch.setenv("SLURM_CONF", str(conf))
     backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs")))
     job = plan_job(spec_for(h5, str(tmp_path / "u.ome.zarr"), resources={"workers": 1}), backend)
@@ -177,7 +211,13 @@ def _slow_run(tmp_path, monkeypatch, h5, name, **slurm):
     monkeypatch.setattr(driver, "NO_WORKERS_TIMEOUT", 5.0)
     monkeypatch.setenv("H5NGFF_FAULTS", "slab_sleep=10")
     backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=120, **slurm))
-    spec = spec_for(h5, str(tmp_path / name), output={"chunks": [2, 96, 160]}, resources={"workers": 1, "threadsPerWorker": 1, "slab": [2, 192, 160]}, pyramid={"levels": 1})
+    spec = spec_for(
+        h5,
+        str(tmp_path / name),
+        output={"chunks": [2, 96, 160]},
+        resources={"workers": 1, "threadsPerWorker": 1, "slab": [2, 192, 160]},
+        pyramid={"levels": 1},
+    )
     return plan_job(spec, backend), backend
 
 
@@ -193,7 +233,9 @@ def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monk
     def cancel_when_running():  # as an admin (or a preemption) would, once the worker works
         if not writing.wait(120):
             return  # the run failed before writing: pytest.raises below reports what it raised
-        running = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, check=False).stdout.split()
+        running = subprocess.run(
+            ["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, check=False
+        ).stdout.split()
         subprocess.run(["scancel", *running], check=False)
 
     def on_progress(progress) -> None:
@@ -220,7 +262,13 @@ def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_pat
     with pytest.raises(WorkersLostError) as info:
         run_job(job, backend)
     text = str(info.value)
-    assert "during the run" in text and "JobState=TIMEOUT" in text and "Reason=TimeLimit" in text and "--slurm-walltime" in text and "-t 1 " in text, text
+    assert (
+        "during the run" in text
+        and "JobState=TIMEOUT" in text
+        and "Reason=TimeLimit" in text
+        and "--slurm-walltime" in text
+        and "-t 1 " in text
+    ), text
     assert time.monotonic() - start < 150
     assert not squeue()
 
@@ -238,10 +286,40 @@ def test_a_budget_larger_than_any_node_is_said_with_the_mem_each_job_asks_for(tm
     h5 = write_h5(tmp_path / "in.h5", smooth((16, 64, 64), "uint16", seed=5))
     largest = slurmctl.largest_node_memory(None)
     assert largest is not None and largest > 0
-    assert main(["plan", f"{h5}:/volume/data", "--backend", "slurm", "--workers", "1", "--memory-per-worker", "40TiB", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                f"{h5}:/volume/data",
+                "--backend",
+                "slurm",
+                "--workers",
+                "1",
+                "--memory-per-worker",
+                "40TiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     (notice,) = [n for n in doc["notices"] if "more than any node" in n]
     assert f"--mem={doc['slurm']['mem_bytes'] >> 20}M here, which fits a node" in notice
     # control: a budget a node has gets no such notice
-    assert main(["plan", f"{h5}:/volume/data", "--backend", "slurm", "--workers", "1", "--memory-per-worker", "1GiB", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                f"{h5}:/volume/data",
+                "--backend",
+                "slurm",
+                "--workers",
+                "1",
+                "--memory-per-worker",
+                "1GiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert not [n for n in json.loads(capsys.readouterr().out)["notices"] if "more than any node" in n]

@@ -117,7 +117,12 @@ def test_cli_verify_with_the_source_convert_read(kind, sources, converted, capsy
     np.testing.assert_array_equal(zarr.open_array(f"{out}/0", mode="r")[...], data)  # the conversion is right
     code, report = verify_cli(out, text, capsys)
     assert code == 0, report
-    assert isinstance(report, dict) and report["ok"] and report["compared_with_source"] and report["levels_compared"] == LEVELS, report
+    assert (
+        isinstance(report, dict)
+        and report["ok"]
+        and report["compared_with_source"]
+        and report["levels_compared"] == LEVELS
+    ), report
     # The negative control: the same kind of source with other data is found out.
     code, report = verify_cli(out, other, capsys)
     assert code == 1, report
@@ -185,6 +190,7 @@ def _list(ids):
             ET.SubElement(t, "id").text = str(i)
             ET.SubElement(t, "name").text = str(i)
         return tp
+
     return build
 
 
@@ -193,6 +199,7 @@ def _pattern(text):
         tp = ET.Element("Timepoints", type="pattern")
         ET.SubElement(tp, "integerpattern").text = text
         return tp
+
     return build
 
 
@@ -202,6 +209,7 @@ def _range(first, last):
         ET.SubElement(tp, "first").text = str(first)
         ET.SubElement(tp, "last").text = str(last)
         return tp
+
     return build
 
 
@@ -274,13 +282,17 @@ def _plan(path, **image):
     from h5ngff.backends.local import LocalBackend
     from h5ngff.runner import plan_job
 
-    return plan_job(spec_for(path, "unused.ome.zarr", dataset="/", **({"image": image} if image else {})), LocalBackend()).plan
+    return plan_job(
+        spec_for(path, "unused.ome.zarr", dataset="/", **({"image": image} if image else {})), LocalBackend()
+    ).plan
 
 
 @pytest.mark.parametrize("kind,unit", [("imaris", "furlong"), ("bdv", "inch")])
 def test_an_unknown_unit_is_decided_by_the_flags_the_message_names(kind, unit, tmp_path):
     path = _ims_with_unit(tmp_path / "cells.ims", unit) if kind == "imaris" else _bdv_with_unit(tmp_path / "bdv", unit)
-    with pytest.raises(UnsupportedDatasetError, match=f"{unit}.*--units") as refused:  # the control: no flags, a refusal
+    with pytest.raises(
+        UnsupportedDatasetError, match=f"{unit}.*--units"
+    ) as refused:  # the control: no flags, a refusal
         _plan(path)
     assert "--scale" in str(refused.value)
     plan = _plan(path, units=["micrometer"], scale=[2.0, 0.5, 0.5])  # the flags the message recommends
@@ -338,7 +350,9 @@ def _plan_plain(path, **image):
     from h5ngff.backends.local import LocalBackend
     from h5ngff.runner import plan_job
 
-    return plan_job(spec_for(path, "unused.ome.zarr", dataset="/data", **({"image": image} if image else {})), LocalBackend())
+    return plan_job(
+        spec_for(path, "unused.ome.zarr", dataset="/data", **({"image": image} if image else {})), LocalBackend()
+    )
 
 
 @pytest.mark.parametrize("how", ["DIMENSION_LABELS", "--axes"])

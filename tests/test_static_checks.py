@@ -31,6 +31,17 @@ def test_ruff_fails_on_an_unused_import_and_a_bugbear_finding(tmp_path):
     assert good.returncode == 0, good.stdout + good.stderr
 
 
+def test_the_tree_is_formatted(tmp_path):
+    done = _run("ruff", "format", "--check", "--no-cache", "src", "tests", "bench", "scripts", cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Negative control: an unformatted file is found.
+    (tmp_path / "ugly.py").write_text("x = {  'a':1 }\n")
+    ugly = _run(
+        "ruff", "format", "--check", "--no-cache", "--config", str(CONFIG), str(tmp_path / "ugly.py"), cwd=tmp_path
+    )
+    assert ugly.returncode == 1, ugly.stdout + ugly.stderr
+
+
 def test_the_tree_passes_ruff():
     done = _run("ruff", "check", "--no-cache", "src", "tests", "bench", "scripts", cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -63,13 +74,29 @@ def test_mypy_is_strict_below_the_cli_default_above_and_fails_on_a_finding(tmp_p
         _package(tmp_path, "operator.untyped", UNTYPED),
         _package(tmp_path, "runner", UNTYPED + "def f() -> int:\n    return 'one'\n"),
     ]
-    done = _run("mypy", "--config-file", str(CONFIG), "--no-incremental", "--cache-dir", str(tmp_path / "cache"),
-                *(str(f.relative_to(tmp_path)) for f in files), cwd=tmp_path)
+    done = _run(
+        "mypy",
+        "--config-file",
+        str(CONFIG),
+        "--no-incremental",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        *(str(f.relative_to(tmp_path)) for f in files),
+        cwd=tmp_path,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
-    found = {(line.split(":")[0], line.rsplit("[", 1)[-1].rstrip("]")) for line in done.stdout.splitlines() if ": error:" in line}
-    assert found == {("h5ngff/planner/untyped.py", "no-untyped-def"), ("h5ngff/engine/write/untyped.py", "no-untyped-def"),
-                     ("h5ngff/backends/untyped.py", "no-untyped-def"), ("h5ngff/operator/untyped.py", "no-untyped-def"),
-                     ("h5ngff/runner.py", "return-value")}, done.stdout
+    found = {
+        (line.split(":")[0], line.rsplit("[", 1)[-1].rstrip("]"))
+        for line in done.stdout.splitlines()
+        if ": error:" in line
+    }
+    assert found == {
+        ("h5ngff/planner/untyped.py", "no-untyped-def"),
+        ("h5ngff/engine/write/untyped.py", "no-untyped-def"),
+        ("h5ngff/backends/untyped.py", "no-untyped-def"),
+        ("h5ngff/operator/untyped.py", "no-untyped-def"),
+        ("h5ngff/runner.py", "return-value"),
+    }, done.stdout
 
 
 def test_no_module_is_exempt_from_mypy():

@@ -133,7 +133,11 @@ def test_transient_errors_are_retried_counted_and_bounded(s3):
         proxy.faults.add("reset", 1, "PUT")
         before = store_retries.count
         store.put("a", b"data")
-        assert store_retries.count - before == 3 and proxy.faults.injected("503") == 2 and proxy.faults.injected("reset") == 1
+        assert (
+            store_retries.count - before == 3
+            and proxy.faults.injected("503") == 2
+            and proxy.faults.injected("reset") == 1
+        )
         assert s3.keys(bucket)["out/a"] == b"data"
         # Bounded: more failures than attempts fail the request with what to do, not forever.
         proxy.faults.add("503", 10, "PUT")
@@ -152,7 +156,11 @@ def test_a_403_fails_at_once_with_what_to_change(s3):
         before = store_retries.count
         with pytest.raises(OutputError) as err:
             store.put("a", b"data")
-        assert err.value.reason == "OutputUnwritable" and "AccessDenied" in str(err.value) and "s3:PutObject" in str(err.value)
+        assert (
+            err.value.reason == "OutputUnwritable"
+            and "AccessDenied" in str(err.value)
+            and "s3:PutObject" in str(err.value)
+        )
         assert store_retries.count == before and proxy.faults.injected("403") == 1  # not retried
     # Control: the same store behind no faults writes.
     S3Store(store.bucket, "out", s3.options()).put("a", b"data")
@@ -292,15 +300,30 @@ def test_the_engine_writes_and_reads_a_sharded_level_through_either_store(store)
 
     options = getattr(store, "_test_options", None)
     shape, chunks, shards = (24, 40, 48), (8, 8, 16), (16, 16, 32)
-    layout = ArrayLayout(f"{store.root}/0", shape, chunks, shards, "<u2", 3, CompressorSpec(codec="zstd", clevel=3), 0, 0,
-                         storage_options=options, checksums=True)
+    layout = ArrayLayout(
+        f"{store.root}/0",
+        shape,
+        chunks,
+        shards,
+        "<u2",
+        3,
+        CompressorSpec(codec="zstd", clevel=3),
+        0,
+        0,
+        storage_options=options,
+        checksums=True,
+    )
     data = (np.arange(np.prod(shape)) % 5000).reshape(shape).astype("<u2")
     data[16:, :16, :32] = 0  # one shard all fill: not stored
     written = dict(write_block(layout, data[:, :32], (0, 0, 0)))
     assert written["c/1/0/0"] == 0 and store.size("0/c/1/0/0") is None and store.size("0/c/0/0/0") == written["c/0/0/0"]
     expected = data.copy()
     expected[:, 32:] = 0  # never written: reads as the fill value
-    for region in [(slice(0, 24), slice(0, 40), slice(0, 48)), (slice(5, 19), slice(3, 37), slice(17, 47)), (slice(23, 24), slice(31, 33), slice(0, 1))]:
+    for region in [
+        (slice(0, 24), slice(0, 40), slice(0, 48)),
+        (slice(5, 19), slice(3, 37), slice(17, 47)),
+        (slice(23, 24), slice(31, 33), slice(0, 1)),
+    ]:
         np.testing.assert_array_equal(read_region(layout, region), expected[region])
     body = bytearray(store.get("0/c/0/0/0"))
     body[-6] ^= 0xFF  # inside the index
@@ -415,6 +438,11 @@ def test_no_caller_tests_the_type_of_its_store():
     pattern = re.compile(r"isinstance\([^)]*\b(LocalStore|S3Store|ObjectStore)\b|\bis_url\(")
     assert pattern.search("    assert isinstance(store, S3Store)") and pattern.search("if is_url(path):")
     src = Path(__file__).resolve().parents[1] / "src" / "h5ngff"
-    found = [f"{p.relative_to(src)}:{n}" for p in src.rglob("*.py") if "stores" not in p.parts
-             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    found = [
+        f"{p.relative_to(src)}:{n}"
+        for p in src.rglob("*.py")
+        if "stores" not in p.parts
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert found == []

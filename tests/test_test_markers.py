@@ -18,8 +18,12 @@ INTEGRATION_FIXTURES = frozenset({"shared_cluster", "convert", "s3", "slurm_clus
 
 def unmarked(items) -> list[str]:
     """The node ids of items that use an integration fixture without the ``integration`` marker."""
-    return [item.nodeid for item in items
-            if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("integration") is None]
+    return [
+        item.nodeid
+        for item in items
+        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("integration") is None
+    ]
 
 
 def test_every_test_using_an_integration_fixture_is_marked_integration(request):
@@ -38,7 +42,9 @@ class FakeItem:
 
 
 def test_negative_control_an_unmarked_cluster_test_is_named():
-    items = [FakeItem("t.py::uses_cluster", ["tmp_path", "convert"]),
-             FakeItem("t.py::marked", ["s3"], {"integration"}),
-             FakeItem("t.py::pure", ["tmp_path"])]
+    items = [
+        FakeItem("t.py::uses_cluster", ["tmp_path", "convert"]),
+        FakeItem("t.py::marked", ["s3"], {"integration"}),
+        FakeItem("t.py::pure", ["tmp_path"]),
+    ]
     assert unmarked(items) == ["t.py::uses_cluster"]

@@ -59,8 +59,11 @@ def _layout(out: str, level: int) -> ArrayLayout:
 
 def _two_units_of_one_shape(layout: ArrayLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Two interior units (same region shape) of a level, far apart so their data differ."""
-    full = [idx for idx in product(*(range(g) for g in layout.unit_grid))
-            if all(r.stop - r.start == u for r, u in zip(layout.unit_region(idx), layout.unit))]
+    full = [
+        idx
+        for idx in product(*(range(g) for g in layout.unit_grid))
+        if all(r.stop - r.start == u for r, u in zip(layout.unit_region(idx), layout.unit))
+    ]
     return full[0], full[-1]
 
 
@@ -103,7 +106,9 @@ def test_a_level1_chunk_replaced_by_another_valid_level1_chunk_is_reported(conve
         assert all(r.start <= lo < hi <= r.stop for (lo, hi), r in zip(m.region, region))
     covered = sum(int(np.prod([hi - lo for lo, hi in m.region])) for m in report.mismatches)
     assert covered == int(np.prod([r.stop - r.start for r in region]))  # every chunk of the unit is named
-    cli = subprocess.run(CLI + ["verify", out, "--source", f"{h5}:/volume/data", "--json"], capture_output=True, text=True)
+    cli = subprocess.run(
+        CLI + ["verify", out, "--source", f"{h5}:/volume/data", "--json"], capture_output=True, text=True
+    )
     assert cli.returncode == 1
     assert f'"key": "{key}"' in cli.stdout and '"level": 1' in cli.stdout
 
@@ -170,17 +175,23 @@ class _Collect(LevelComparison):
 
 @pytest.mark.parametrize("method", ["mean", "max", "nearest"])
 @pytest.mark.parametrize("dtype", ["uint8", "int16", "uint64", "float32", "bool"])
-@pytest.mark.parametrize("shape,downsampled,chunks", [
-    ((13, 37, 29), (True, True, True), (4, 8, 8)),
-    ((3, 17, 31, 11), (False, False, True, True), (1, 5, 8, 3)),
-    ((1, 9, 2), (True, True, True), (1, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "shape,downsampled,chunks",
+    [
+        ((13, 37, 29), (True, True, True), (4, 8, 8)),
+        ((3, 17, 31, 11), (False, False, True, True), (1, 5, 8, 3)),
+        ((1, 9, 2), (True, True, True), (1, 2, 2)),
+    ],
+)
 def test_verify_pyramid_equals_the_independent_reference(tmp_path, method, dtype, shape, downsampled, chunks):
     """Every voxel of every level, computed exactly once, equals the plain-NumPy reference."""
     data = smooth(shape, dtype, seed=3)
     levels = 4
     ref = reference_pyramid(data, downsampled, method, levels)
-    layouts = [ArrayLayout(str(tmp_path / str(k)), r.shape, chunks, None, data.dtype.str, 3, CompressorSpec(), k) for k, r in enumerate(ref)]
+    layouts = [
+        ArrayLayout(str(tmp_path / str(k)), r.shape, chunks, None, data.dtype.str, 3, CompressorSpec(), k)
+        for k, r in enumerate(ref)
+    ]
     walk = _Collect(data, layouts, PyramidRule(method, downsampled))
     walk.run()
     for k, r in enumerate(ref):
@@ -202,7 +213,9 @@ print(int(report.ok), report.levels_compared, tracemalloc.get_traced_memory()[1]
 def _traced_peak(out: str, h5: str) -> tuple[bool, int, int]:
     """verify's peak in a fresh interpreter: in this one, the Dask client's threads allocate too
     and tracemalloc would count them."""
-    ok, levels, peak = subprocess.run([sys.executable, "-c", _PEAK, out, h5], capture_output=True, text=True, check=True).stdout.split()
+    ok, levels, peak = subprocess.run(
+        [sys.executable, "-c", _PEAK, out, h5], capture_output=True, text=True, check=True
+    ).stdout.split()
     return ok == "1", int(levels), int(peak)
 
 
@@ -226,7 +239,9 @@ def test_verify_memory_stays_within_its_bound_and_does_not_grow_with_the_image(c
         data = smooth(shape, "uint16", seed=9)
         h5 = write_h5(tmp_path / f"{name}.h5", data)
         out = str(tmp_path / f"{name}.ome.zarr")
-        convert(spec_for(h5, out, output={"chunks": [8, 32, 32], "compressor": {"codec": "zstd"}}, pyramid={"levels": 4}))
+        convert(
+            spec_for(h5, out, output={"chunks": [8, 32, 32], "compressor": {"codec": "zstd"}}, pyramid={"levels": 4})
+        )
         ok, levels, peaks[name] = _traced_peak(out, h5)
         assert ok and levels == 4
         layouts = [_layout(out, k) for k in range(4)]

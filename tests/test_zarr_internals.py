@@ -29,7 +29,8 @@ def test_the_installed_zarr_is_one_the_internals_are_proven_on():
     first, last = (_version(v) for v in zi.PROVEN_ZARR)
     assert first <= _version(zarr.__version__) <= last, (
         f"zarr {zarr.__version__} is outside the releases engine/zarr_internals.py is proven on ({zi.PROVEN_ZARR}): run this file "
-        f"and the verify tests on it, then widen PROVEN_ZARR and the pin in pyproject.toml together.")
+        f"and the verify tests on it, then widen PROVEN_ZARR and the pin in pyproject.toml together."
+    )
 
 
 def test_pyproject_pins_zarr_to_the_proven_releases():
@@ -61,8 +62,14 @@ def test_the_adapter_decodes_what_zarr_wrote(tmp_path, sharded):
     or not; v2). Control: a flipped byte fails the crc32c check."""
     data = (np.arange(16 * 16) % 251).reshape(16, 16).astype("<u2")
     kwargs = {"shards": (16, 16)} if sharded else {}
-    a = zarr.create_array(str(tmp_path / "a"), shape=data.shape, chunks=(8, 8), dtype="<u2",
-                          compressors=[zarr.codecs.ZstdCodec(level=3), zarr.codecs.Crc32cCodec()], **kwargs)
+    a = zarr.create_array(
+        str(tmp_path / "a"),
+        shape=data.shape,
+        chunks=(8, 8),
+        dtype="<u2",
+        compressors=[zarr.codecs.ZstdCodec(level=3), zarr.codecs.Crc32cCodec()],
+        **kwargs,
+    )
     a[...] = data
     codecs, spec = zi.chunk_codecs(a)
     if sharded:
@@ -82,8 +89,15 @@ def test_the_adapter_decodes_what_zarr_wrote(tmp_path, sharded):
 
 def test_the_v2_chain_is_the_one_in_zarray(tmp_path):
     data = np.arange(64, dtype="<i4").reshape(8, 8)
-    a = zarr.create_array(str(tmp_path / "v2"), shape=data.shape, chunks=(4, 8), dtype="<i4", zarr_format=2,
-                          compressors=numcodecs.Blosc(cname="zstd", clevel=3), chunk_key_encoding={"name": "v2", "separator": "."})
+    a = zarr.create_array(
+        str(tmp_path / "v2"),
+        shape=data.shape,
+        chunks=(4, 8),
+        dtype="<i4",
+        zarr_format=2,
+        compressors=numcodecs.Blosc(cname="zstd", clevel=3),
+        chunk_key_encoding={"name": "v2", "separator": "."},
+    )
     a[...] = data
     chain = zi.v2_chain(a)
     raw = (tmp_path / "v2" / "1.0").read_bytes()

@@ -21,10 +21,34 @@ sys.path.insert(0, os.getcwd())  # the folder that holds bench/
 
 #: Imported whatever runs are selected: the suite, the limit, the verifier, the report and h5ngff's
 #: local conversion path.
-MODULES = ("numpy", "h5py", "hdf5plugin", "numcodecs.blosc", "zarr", "google_crc32c", "deflate", "pydantic", "dask.array",
-           "distributed", "psutil", "yaml", "rich", "prometheus_client", "matplotlib.pyplot", "h5ngff.cli", "h5ngff.runner",
-           "h5ngff.backends.local", "h5ngff.engine.write.tasks", "h5ngff.engine.sources.inflate", "bench.cli", "bench.suite", "bench.limit",
-           "bench.verify", "bench.report", "bench.data")
+MODULES = (
+    "numpy",
+    "h5py",
+    "hdf5plugin",
+    "numcodecs.blosc",
+    "zarr",
+    "google_crc32c",
+    "deflate",
+    "pydantic",
+    "dask.array",
+    "distributed",
+    "psutil",
+    "yaml",
+    "rich",
+    "prometheus_client",
+    "matplotlib.pyplot",
+    "h5ngff.cli",
+    "h5ngff.runner",
+    "h5ngff.backends.local",
+    "h5ngff.engine.write.tasks",
+    "h5ngff.engine.sources.inflate",
+    "bench.cli",
+    "bench.suite",
+    "bench.limit",
+    "bench.verify",
+    "bench.report",
+    "bench.data",
+)
 
 
 def _csv(text: str) -> list[str]:
@@ -76,7 +100,9 @@ def _requirements(site: str | None) -> tuple[list[str], int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", type=_csv, default=["h5ngff", "h5ngff-pyramid", "tensorstore"], help="The run ids the suite will run.")
+    p.add_argument(
+        "--only", type=_csv, default=["h5ngff", "h5ngff-pyramid", "tensorstore"], help="The run ids the suite will run."
+    )
     p.add_argument("--site", help="The folder the carried wheels were installed into.")
     args = p.parse_args(argv)
     print(f"python {platform.python_version()} at {sys.executable}; {platform.platform()}")
@@ -98,7 +124,19 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(module)
             print(f"IMPORT FAILED: {module}\n{traceback.format_exc()}")
     versions = []
-    for name in ("h5ngff", "numpy", "h5py", "hdf5plugin", "tensorstore", "dask", "distributed", "zarr", "numcodecs", "pydantic", "matplotlib"):
+    for name in (
+        "h5ngff",
+        "numpy",
+        "h5py",
+        "hdf5plugin",
+        "tensorstore",
+        "dask",
+        "distributed",
+        "zarr",
+        "numcodecs",
+        "pydantic",
+        "matplotlib",
+    ):
         try:
             versions.append(f"{name} {md.version(name)}")
         except md.PackageNotFoundError:
@@ -106,10 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     print("versions: " + ", ".join(versions))
     for module in ("numpy", "h5py", "hdf5plugin", "tensorstore", "dask", "zarr", "h5ngff", "bench"):
         mod = sys.modules.get(module)
-        print(f"  {module:12s} from {os.path.dirname(getattr(mod, '__file__', None) or '?') if mod else '(not imported)'}")
+        print(
+            f"  {module:12s} from {os.path.dirname(getattr(mod, '__file__', None) or '?') if mod else '(not imported)'}"
+        )
     try:
         lines, problems = _requirements(args.site)
-        print(f"requirements of the installed packages and of h5ngff: {'all met' if not problems else f'{problems} unmet'}")
+        print(
+            f"requirements of the installed packages and of h5ngff: {'all met' if not problems else f'{problems} unmet'}"
+        )
         if lines:
             print("\n".join(lines))
     except Exception:
@@ -119,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         from h5ngff.backends.base import machine_capacity
 
         cap = machine_capacity()
-        print(f"h5ngff allocator for workers: {resolve_allocator('auto')} ({jemalloc_path() or 'no libjemalloc found'})")
-        print(f"h5ngff capacity: {cap.cores} cores usable (sched_getaffinity) -> the planner's default is {cap.cores} workers; "
-              f"memory {cap.memory_bytes / 2**30:.1f} GiB (cgroup-capped)")
+        print(
+            f"h5ngff allocator for workers: {resolve_allocator('auto')} ({jemalloc_path() or 'no libjemalloc found'})"
+        )
+        print(
+            f"h5ngff capacity: {cap.cores} cores usable (sched_getaffinity) -> the planner's default is {cap.cores} workers; "
+            f"memory {cap.memory_bytes / 2**30:.1f} GiB (cgroup-capped)"
+        )
         want = int(os.environ.get("BENCH_CORES", "0") or 0)
         if want and cap.cores != want:
             print(f"WARNING: h5ngff will plan {cap.cores} workers but the limit is divided by --cores {want}")

@@ -92,23 +92,37 @@ def generate(case, scale: float, data_dir: str, workers: int, check: bool = Fals
         done = sum(1 for _ in pool.imap_unordered(_write, _states(nz, (ny, nx)), chunksize=1))
     os.replace(tmp, path)
     took = time.perf_counter() - start
-    meta = {"identity": identity, "seconds": round(took, 1), "file_bytes": sum(os.path.getsize(q) for q in data_files(path)),
-            "blosc_ratio": round(blosc_ratio(path, case), 2), "generated_by": f"bench/device/pregen.py on {workers} processes"}
+    meta = {
+        "identity": identity,
+        "seconds": round(took, 1),
+        "file_bytes": sum(os.path.getsize(q) for q in data_files(path)),
+        "blosc_ratio": round(blosc_ratio(path, case), 2),
+        "generated_by": f"bench/device/pregen.py on {workers} processes",
+    }
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=1)
     low, high = REALISTIC_RATIO
-    print(f"pregen: {path} {case.shape} {case.dtype}, {done} planes on {workers} processes in {took:.1f} s, "
-          f"blosc ratio {meta['blosc_ratio']}{'' if low <= meta['blosc_ratio'] <= high else ' (outside the realistic range)'}")
+    print(
+        f"pregen: {path} {case.shape} {case.dtype}, {done} planes on {workers} processes in {took:.1f} s, "
+        f"blosc ratio {meta['blosc_ratio']}{'' if low <= meta['blosc_ratio'] <= high else ' (outside the realistic range)'}"
+    )
     if not check:
         return True
     ref = path + ".ref"
-    write_sample(ref, case.dataset, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=0)
+    write_sample(
+        ref, case.dataset, case.shape, case.dtype, chunks=case.hdf5_chunks, compression=case.compression, seed=0
+    )
     try:
         with h5py.File(path, "r") as a, h5py.File(ref, "r") as b:
             da, db = a[case.dataset], b[case.dataset]
             same = all(np.array_equal(da[z].view(np.uint32), db[z].view(np.uint32)) for z in range(nz))
-            layout = ((da.id.get_create_plist().get_layout(), da.chunks, da.compression, da.shape, da.dtype)
-                      == (db.id.get_create_plist().get_layout(), db.chunks, db.compression, db.shape, db.dtype))
+            layout = (da.id.get_create_plist().get_layout(), da.chunks, da.compression, da.shape, da.dtype) == (
+                db.id.get_create_plist().get_layout(),
+                db.chunks,
+                db.compression,
+                db.shape,
+                db.dtype,
+            )
     finally:
         os.remove(ref)
     print(f"pregen check: every plane bit-identical to write_sample: {same}; same layout: {layout}")
@@ -121,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", required=True)
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--cases", default="f32")
-    p.add_argument("--check", action="store_true", help="also write the file with write_sample and compare (slow: one core)")
+    p.add_argument(
+        "--check", action="store_true", help="also write the file with write_sample and compare (slow: one core)"
+    )
     args = p.parse_args(argv)
     from bench.config import build_cases
 

@@ -12,7 +12,10 @@ from .common import peer_main, workers, zarr_blosc
 
 def convert(args) -> dict:
     n = workers(args)
-    with LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster):
+    with (
+        LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster),
+    ):
         with h5py.File(args.source, "r") as f:
             data = da.from_array(f[args.dataset])
             blocks = data.chunksize

@@ -24,7 +24,10 @@ def convert(args) -> dict:
     shape, dtype = dtype_of(args.source, args.dataset)
     zarr.create_array(args.out, shape=shape, chunks=args.chunks, dtype=dtype, compressors=zarr_blosc(), fill_value=0)
     n = workers(args)
-    with LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster):
+    with (
+        LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster),
+    ):
         tasks = [dask.delayed(copy_slab)(args.source, args.dataset, args.out, sel) for sel in slabs(shape, args.slab)]
         dask.compute(*tasks)
     return {"workers": n, "slab": args.slab, "tasks": len(tasks)}

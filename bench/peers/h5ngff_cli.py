@@ -15,14 +15,35 @@ from h5ngff import runner  # noqa: F401
 
 from .common import peer_main
 
-KEEP = ("seconds", "gb_per_s", "bytes_written", "stage_seconds", "predicted_peak_per_worker", "memory_limit_per_worker", "pod_limit_per_worker")
+KEEP = (
+    "seconds",
+    "gb_per_s",
+    "bytes_written",
+    "stage_seconds",
+    "predicted_peak_per_worker",
+    "memory_limit_per_worker",
+    "pod_limit_per_worker",
+)
 
 
 def build_argv(args) -> list[str]:
     # A container (Imaris, BDV XML) is named alone: h5ngff finds its datasets (docs/formats.md).
     source = args.source if args.source.endswith((".ims", ".xml")) else f"{args.source}:{args.dataset}"
-    argv = ["convert", source, args.out, "--json", "--no-progress",
-            "--chunks", ",".join(map(str, args.chunks)), "--compressor", "zstd:5:bitshuffle", "--axes", args.axes, "--levels", str(args.levels)]
+    argv = [
+        "convert",
+        source,
+        args.out,
+        "--json",
+        "--no-progress",
+        "--chunks",
+        ",".join(map(str, args.chunks)),
+        "--compressor",
+        "zstd:5:bitshuffle",
+        "--axes",
+        args.axes,
+        "--levels",
+        str(args.levels),
+    ]
     if args.levels > 1:
         argv += ["--downsample", args.method or "mean"]
     if args.workers:
@@ -44,8 +65,12 @@ def convert(args) -> dict:
     plan = summary.get("plan", {})
     extra = {k: summary.get(k) for k in KEEP}
     extra["workers"] = [{"name": w["name"], "peak_rss": w["peak_rss"]} for w in summary.get("workers", [])]
-    extra["plan"] = {"workers": plan.get("workers"), "threads_per_worker": plan.get("threads_per_worker"),
-                     "slabs": [p.get("slab") for p in plan.get("passes", [])], "inflight_per_worker": plan.get("inflight_per_worker")}
+    extra["plan"] = {
+        "workers": plan.get("workers"),
+        "threads_per_worker": plan.get("threads_per_worker"),
+        "slabs": [p.get("slab") for p in plan.get("passes", [])],
+        "inflight_per_worker": plan.get("inflight_per_worker"),
+    }
     return extra
 
 

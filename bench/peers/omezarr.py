@@ -22,8 +22,14 @@ def convert(args) -> dict:
     with h5py.File(args.source, "r") as f:
         data = da.from_array(f[args.dataset], chunks=args.chunks)
         root = zarr.open_group(args.out, mode="w")
-        write_image(data, root, scale_factors=factors, method=method, axes=list(args.axes),
-                    storage_options={"chunks": args.chunks, "compressors": [zarr_blosc()]})
+        write_image(
+            data,
+            root,
+            scale_factors=factors,
+            method=method,
+            axes=list(args.axes),
+            storage_options={"chunks": args.chunks, "compressors": [zarr_blosc()]},
+        )
     return {"scheduler": "threads", "method": method.name, "scale_factors": factors}
 
 

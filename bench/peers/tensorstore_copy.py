@@ -12,11 +12,18 @@ from .common import peer_main, slabs
 
 
 def spec(out: str, shape, chunks, dtype: np.dtype) -> dict:
-    codecs = [{"name": "bytes", "configuration": {"endian": "little"}},
-              {"name": "blosc", "configuration": {**CODEC, "typesize": dtype.itemsize, "blocksize": 0}}]
-    metadata = {"shape": list(shape), "data_type": dtype.name, "fill_value": 0, "codecs": codecs,
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-                "chunk_key_encoding": {"name": "default"}}
+    codecs = [
+        {"name": "bytes", "configuration": {"endian": "little"}},
+        {"name": "blosc", "configuration": {**CODEC, "typesize": dtype.itemsize, "blocksize": 0}},
+    ]
+    metadata = {
+        "shape": list(shape),
+        "data_type": dtype.name,
+        "fill_value": 0,
+        "codecs": codecs,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+        "chunk_key_encoding": {"name": "default"},
+    }
     return {"driver": "zarr3", "kvstore": {"driver": "file", "path": out}, "metadata": metadata, "create": True}
 
 

@@ -23,7 +23,8 @@ _BY_CLI_NAME = {c.cli_name: c for c in CODECS.values() if c.cli_name is not None
 COMPRESSOR_HELP = (
     f"CODEC[:LEVEL[:SHUFFLE]]. Blosc with an inner codec: {', '.join(BLOSC_CNAMES)} "
     "(e.g. zstd:5:bitshuffle, the default; lz4:3:shuffle; optionally prefixed blosc:); "
-    + "; ".join(name if c.levels is None else f"{name}:LEVEL" for name, c in _BY_CLI_NAME.items()) + "."
+    + "; ".join(name if c.levels is None else f"{name}:LEVEL" for name, c in _BY_CLI_NAME.items())
+    + "."
 )
 
 
@@ -157,7 +158,9 @@ def parse_compressor(text: str) -> dict[str, Any]:
     try:
         level = int(rest[0]) if rest and rest[0] else None
     except ValueError:
-        raise SpecError("output.compressor", f"Expected {COMPRESSOR_HELP} Got {text!r} instead (the level must be an integer).") from None
+        raise SpecError(
+            "output.compressor", f"Expected {COMPRESSOR_HELP} Got {text!r} instead (the level must be an integer)."
+        ) from None
     own = None if explicit_blosc else _BY_CLI_NAME.get(name)
     if own is not None:
         if own.levels is None and not rest:
@@ -183,34 +186,86 @@ def _units(text: str, axes: str | None) -> list[str]:
 def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``plan`` and ``convert``; each maps to one ConversionSpec field."""
     out = parser.add_argument_group("output")
-    out.add_argument("--chunks", metavar="Z,Y,X", help="Chunk shape, one entry per axis (default 64 per spatial axis in 3-D, 256 in 2-D, 1 for t/c).")
-    out.add_argument("--shards", metavar="Z,Y,X", help="Shard shape, a multiple of --chunks (NGFF 0.5 only): fewer, larger files.")
+    out.add_argument(
+        "--chunks",
+        metavar="Z,Y,X",
+        help="Chunk shape, one entry per axis (default 64 per spatial axis in 3-D, 256 in 2-D, 1 for t/c).",
+    )
+    out.add_argument(
+        "--shards", metavar="Z,Y,X", help="Shard shape, a multiple of --chunks (NGFF 0.5 only): fewer, larger files."
+    )
     out.add_argument("--compressor", metavar="SPEC", help=COMPRESSOR_HELP)
-    out.add_argument("--ngff-version", choices=["0.4", "0.5"], help="0.5 = Zarr v3 (default); 0.4 = Zarr v2 for older viewers.")
+    out.add_argument(
+        "--ngff-version", choices=["0.4", "0.5"], help="0.5 = Zarr v3 (default); 0.4 = Zarr v2 for older viewers."
+    )
     add_storage_option_flag(out)
-    out.add_argument("--no-checksums", dest="checksums", action="store_const", const=False,
-                     help="Write no CRC32C per chunk (default: the Zarr v3 crc32c codec for 0.5, a sidecar for 0.4; verify checks them).")
+    out.add_argument(
+        "--no-checksums",
+        dest="checksums",
+        action="store_const",
+        const=False,
+        help="Write no CRC32C per chunk (default: the Zarr v3 crc32c codec for 0.5, a sidecar for 0.4; verify checks them).",
+    )
     img = parser.add_argument_group("image metadata")
-    img.add_argument("--axes", help="Axis names, e.g. tczyx. Default: from HDF5 dimension labels, else by number of dimensions.")
-    img.add_argument("--scale", metavar="S,S,S", help="Voxel size per axis. Default: element_size_um attribute, else 1.")
-    img.add_argument("--units", metavar="UNIT[,UNIT…]", help="Unit per axis, or one unit for all spatial axes (e.g. micrometer).")
+    img.add_argument(
+        "--axes", help="Axis names, e.g. tczyx. Default: from HDF5 dimension labels, else by number of dimensions."
+    )
+    img.add_argument(
+        "--scale", metavar="S,S,S", help="Voxel size per axis. Default: element_size_um attribute, else 1."
+    )
+    img.add_argument(
+        "--units", metavar="UNIT[,UNIT…]", help="Unit per axis, or one unit for all spatial axes (e.g. micrometer)."
+    )
     img.add_argument("--name", help="Image name in the multiscales metadata.")
     pyr = parser.add_argument_group("pyramid")
-    pyr.add_argument("--levels", metavar="N|auto", help="Resolution levels including full resolution (default auto: halve until one chunk holds the smallest).")
-    pyr.add_argument("--downsample", choices=["mean", "nearest", "max"], help="Downsampling method (default mean, exact).")
-    pyr.add_argument("--downsample-axes", metavar="AXES", help="Axes to downsample at every level, e.g. yx (default: the spatial axes, each level halving those finer than the coarsest voxel size, all of them once equal).")
+    pyr.add_argument(
+        "--levels",
+        metavar="N|auto",
+        help="Resolution levels including full resolution (default auto: halve until one chunk holds the smallest).",
+    )
+    pyr.add_argument(
+        "--downsample", choices=["mean", "nearest", "max"], help="Downsampling method (default mean, exact)."
+    )
+    pyr.add_argument(
+        "--downsample-axes",
+        metavar="AXES",
+        help="Axes to downsample at every level, e.g. yx (default: the spatial axes, each level halving those finer than the coarsest voxel size, all of them once equal).",
+    )
     fmt = parser.add_argument_group("source formats (docs/formats.md)")
-    fmt.add_argument("--stack-axis", metavar="c|t|tc", help="New axes for several stacked datasets (FILE:/ch{0..2}, a list or a glob); default c.")
-    fmt.add_argument("--tile", type=int, metavar="N", help="BigDataViewer: convert this tile (when the file holds several).")
-    fmt.add_argument("--angle", type=int, metavar="N", help="BigDataViewer: convert this angle (when the file holds several).")
-    fmt.add_argument("--illumination", type=int, metavar="N", help="BigDataViewer: convert this illumination (when the file holds several).")
+    fmt.add_argument(
+        "--stack-axis",
+        metavar="c|t|tc",
+        help="New axes for several stacked datasets (FILE:/ch{0..2}, a list or a glob); default c.",
+    )
+    fmt.add_argument(
+        "--tile", type=int, metavar="N", help="BigDataViewer: convert this tile (when the file holds several)."
+    )
+    fmt.add_argument(
+        "--angle", type=int, metavar="N", help="BigDataViewer: convert this angle (when the file holds several)."
+    )
+    fmt.add_argument(
+        "--illumination",
+        type=int,
+        metavar="N",
+        help="BigDataViewer: convert this illumination (when the file holds several).",
+    )
     res = parser.add_argument_group("resources")
     res.add_argument("--workers", metavar="N|auto", help="Dask worker processes (default auto: one per core).")
     res.add_argument("--threads", type=int, metavar="N", help="Threads per worker (default 1); each runs one slab.")
-    res.add_argument("--memory-per-worker", metavar="SIZE", help="Pod memory limit per worker, e.g. 1GiB; the plan must fit.")
-    res.add_argument("--memory-total", metavar="SIZE", help="Memory for all workers together; the planner picks the worker count.")
-    res.add_argument("--slab", metavar="Z,Y,X", help="Read slab shape (re-aligned to the chunk grid with a notice if needed).")
-    res.add_argument("--allocator", choices=["auto", "jemalloc", "glibc"], help="Worker malloc (default auto: jemalloc where installed).")
+    res.add_argument(
+        "--memory-per-worker", metavar="SIZE", help="Pod memory limit per worker, e.g. 1GiB; the plan must fit."
+    )
+    res.add_argument(
+        "--memory-total", metavar="SIZE", help="Memory for all workers together; the planner picks the worker count."
+    )
+    res.add_argument(
+        "--slab", metavar="Z,Y,X", help="Read slab shape (re-aligned to the chunk grid with a notice if needed)."
+    )
+    res.add_argument(
+        "--allocator",
+        choices=["auto", "jemalloc", "glibc"],
+        help="Worker malloc (default auto: jemalloc where installed).",
+    )
 
 
 def _same(text: str, field: str) -> str:
@@ -249,9 +304,14 @@ FLAG_FIELDS: tuple[tuple[str, str, Any], ...] = (
 
 
 def add_storage_option_flag(group) -> None:
-    group.add_argument("--storage-option", action="append", metavar="KEY=VALUE", dest="storage_option",
-                       help="Object store option for an s3:// output, repeatable: endpoint=http://host:9000, region=eu-west-1, allow_http=true. "
-                            "Credentials come from the AWS environment (AWS_ACCESS_KEY_ID, ...).")
+    group.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        dest="storage_option",
+        help="Object store option for an s3:// output, repeatable: endpoint=http://host:9000, region=eu-west-1, allow_http=true. "
+        "Credentials come from the AWS environment (AWS_ACCESS_KEY_ID, ...).",
+    )
 
 
 def parse_storage_options(items: list[str] | None) -> dict[str, str]:
@@ -260,7 +320,10 @@ def parse_storage_options(items: list[str] | None) -> dict[str, str]:
     for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise SpecError("output.storageOptions", f"Expected --storage-option KEY=VALUE, e.g. endpoint=http://127.0.0.1:9000. Got {item!r} instead.")
+            raise SpecError(
+                "output.storageOptions",
+                f"Expected --storage-option KEY=VALUE, e.g. endpoint=http://127.0.0.1:9000. Got {item!r} instead.",
+            )
         out[key.strip()] = value.strip()
     return out
 
@@ -271,7 +334,10 @@ def spec_for_source(source: str, output: str | None, args: argparse.Namespace) -
     from .spec import parse_spec
 
     path, dataset = split_source(source)
-    base: dict[str, Any] = {"source": {"path": path, "dataset": dataset}, "output": {"path": output or os.path.splitext(path)[0] + ".ome.zarr"}}
+    base: dict[str, Any] = {
+        "source": {"path": path, "dataset": dataset},
+        "output": {"path": output or os.path.splitext(path)[0] + ".ome.zarr"},
+    }
     if getattr(args, "overwrite", False):
         base["output"]["overwrite"] = True
     return parse_spec(merge(base, spec_overrides(args)))
@@ -321,7 +387,9 @@ def _slurm_options(args: argparse.Namespace, slurm: SlurmSpec | None) -> Backend
     from .units import parse_bytes
 
     settings = parse_model(SlurmSpec, merge(slurm.to_wire() if slurm is not None else {}, slurm_overrides(args)))
-    return BackendOptions(slurm=settings, job_mem=parse_bytes(args.slurm_job_mem) if getattr(args, "slurm_job_mem", None) else None)
+    return BackendOptions(
+        slurm=settings, job_mem=parse_bytes(args.slurm_job_mem) if getattr(args, "slurm_job_mem", None) else None
+    )
 
 
 def _pod_options(args: argparse.Namespace, slurm: SlurmSpec | None) -> BackendOptions:
@@ -345,9 +413,16 @@ def _no_options(args: argparse.Namespace, slurm: SlurmSpec | None) -> BackendOpt
 
 #: Which flags pick which backend (a kind of backends/factory.py), and the options each takes from
 #: them; the first row whose flags are given wins.
-BACKEND_FLAGS: tuple[tuple[str, Callable[[argparse.Namespace], bool], Callable[[argparse.Namespace, SlurmSpec | None], BackendOptions]], ...] = (
+BACKEND_FLAGS: tuple[
+    tuple[str, Callable[[argparse.Namespace], bool], Callable[[argparse.Namespace, SlurmSpec | None], BackendOptions]],
+    ...,
+] = (
     ("slurm", lambda a: getattr(a, "backend", None) == "slurm", _slurm_options),
-    ("kubernetes", lambda a: bool(getattr(a, "kubernetes", False)), _no_options),  # planning as the operator would; no cluster starts
+    (
+        "kubernetes",
+        lambda a: bool(getattr(a, "kubernetes", False)),
+        _no_options,
+    ),  # planning as the operator would; no cluster starts
     ("external", lambda a: bool(getattr(a, "scheduler", None)), _scheduler_options),
     ("local-pods", lambda a: bool(getattr(a, "enforce_pod_limits", False)), _pod_options),
     ("local", lambda a: True, _no_options),
@@ -373,19 +448,46 @@ SLURM_FLAGS: tuple[tuple[str, str], ...] = (
 
 def add_backend_flags(parser: argparse.ArgumentParser) -> None:
     """``--backend`` and the ``slurm:`` block's flags (plan, convert and run share them)."""
-    parser.add_argument("--backend", choices=["local", "slurm"], help="Where the workers run: local (default) or slurm (one SLURM job per worker, sized by the plan; docs/slurm.md).")
+    parser.add_argument(
+        "--backend",
+        choices=["local", "slurm"],
+        help="Where the workers run: local (default) or slurm (one SLURM job per worker, sized by the plan; docs/slurm.md).",
+    )
     g = parser.add_argument_group("SLURM (with --backend slurm; the slurm: block of a manifest)")
     g.add_argument("--slurm-partition", metavar="NAME", help="Partition of the worker jobs (#SBATCH -p).")
     g.add_argument("--slurm-account", metavar="NAME", help="Account charged (#SBATCH -A).")
     g.add_argument("--slurm-qos", metavar="NAME", help="Quality of service (#SBATCH --qos).")
     g.add_argument("--slurm-walltime", metavar="TIME", help="Time limit of each worker job (default 01:00:00).")
-    g.add_argument("--slurm-directive", action="append", metavar="OPTION", help="Extra #SBATCH option, e.g. --constraint=skylake (repeatable); not --mem or --cpus-per-task.")
-    g.add_argument("--slurm-scratch", metavar="DIR", help="Job-local scratch directory for the worker (default ${TMPDIR:-/tmp}).")
-    g.add_argument("--slurm-python", metavar="PATH", help="Python interpreter on the nodes (default: the one running h5ngff).")
-    g.add_argument("--slurm-prologue", action="append", metavar="LINE", help="Shell line run before the worker, e.g. 'module load hdf5' (repeatable).")
+    g.add_argument(
+        "--slurm-directive",
+        action="append",
+        metavar="OPTION",
+        help="Extra #SBATCH option, e.g. --constraint=skylake (repeatable); not --mem or --cpus-per-task.",
+    )
+    g.add_argument(
+        "--slurm-scratch", metavar="DIR", help="Job-local scratch directory for the worker (default ${TMPDIR:-/tmp})."
+    )
+    g.add_argument(
+        "--slurm-python", metavar="PATH", help="Python interpreter on the nodes (default: the one running h5ngff)."
+    )
+    g.add_argument(
+        "--slurm-prologue",
+        action="append",
+        metavar="LINE",
+        help="Shell line run before the worker, e.g. 'module load hdf5' (repeatable).",
+    )
     g.add_argument("--slurm-log-dir", metavar="DIR", help="Where the jobs' .out/.err go (default ./h5ngff-slurm-logs).")
-    g.add_argument("--slurm-pending-timeout", type=int, metavar="SECONDS", help="Fail with WorkersPending after this long (default 600).")
-    g.add_argument("--slurm-job-mem", metavar="SIZE", help="Override the planned job --mem (experiments and negative controls: below the plan the job's cgroup kills the worker).")
+    g.add_argument(
+        "--slurm-pending-timeout",
+        type=int,
+        metavar="SECONDS",
+        help="Fail with WorkersPending after this long (default 600).",
+    )
+    g.add_argument(
+        "--slurm-job-mem",
+        metavar="SIZE",
+        help="Override the planned job --mem (experiments and negative controls: below the plan the job's cgroup kills the worker).",
+    )
 
 
 def slurm_overrides(args: argparse.Namespace) -> dict[str, Any]:

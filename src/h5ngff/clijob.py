@@ -33,28 +33,71 @@ current directory. Exit status: 0 Succeeded, 1 failed, 2 bad manifest or input, 
 
 
 def add_job_commands(sub: Any, common_run_flags) -> None:
-    r = sub.add_parser("run", help="Run a ConversionJob manifest locally and print the status the operator would write.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_RUN,
-                       description="Run a ConversionJob manifest (the file you would kubectl apply) on a local Dask cluster.")
+    r = sub.add_parser(
+        "run",
+        help="Run a ConversionJob manifest locally and print the status the operator would write.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG_RUN,
+        description="Run a ConversionJob manifest (the file you would kubectl apply) on a local Dask cluster.",
+    )
     r.add_argument("manifest", metavar="JOB.yaml", help="A ConversionJob manifest (apiVersion h5ngff.dev/v1alpha1).")
     common_run_flags(r, convert=True)
     r.set_defaults(func=cmd_run)
 
-    o = sub.add_parser("operator", help="Run the Kubernetes operator (kopf) that reconciles ConversionJobs.",
-                       description="Watch ConversionJobs and run each as a runner Job with a Dask cluster sized by its plan.")
-    o.add_argument("--image", default=os.environ.get("H5NGFF_IMAGE"), help="Image for runner and Dask pods when a job names none (default $H5NGFF_IMAGE).")
-    o.add_argument("--runner-service-account", default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"), metavar="NAME",
-                   help="Service account of runner pods when a job names none (needs the runner RBAC; the Helm chart creates h5ngff-runner).")
+    o = sub.add_parser(
+        "operator",
+        help="Run the Kubernetes operator (kopf) that reconciles ConversionJobs.",
+        description="Watch ConversionJobs and run each as a runner Job with a Dask cluster sized by its plan.",
+    )
+    o.add_argument(
+        "--image",
+        default=os.environ.get("H5NGFF_IMAGE"),
+        help="Image for runner and Dask pods when a job names none (default $H5NGFF_IMAGE).",
+    )
+    o.add_argument(
+        "--runner-service-account",
+        default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"),
+        metavar="NAME",
+        help="Service account of runner pods when a job names none (needs the runner RBAC; the Helm chart creates h5ngff-runner).",
+    )
     _policy_flags(o)
-    o.add_argument("--namespace", action="append", default=[], metavar="NS", help="Serve only this namespace (repeatable; default: the whole cluster).")
-    o.add_argument("--interval", type=float, default=5.0, metavar="SECONDS", help="Seconds between reconcile passes of each ConversionJob (default 5; finished jobs too, without API calls).")
-    o.add_argument("--peering", default="h5ngff", metavar="NAME", help="kopf peering object name, so replicas take turns (default h5ngff).")
+    o.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="Serve only this namespace (repeatable; default: the whole cluster).",
+    )
+    o.add_argument(
+        "--interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="Seconds between reconcile passes of each ConversionJob (default 5; finished jobs too, without API calls).",
+    )
+    o.add_argument(
+        "--peering",
+        default="h5ngff",
+        metavar="NAME",
+        help="kopf peering object name, so replicas take turns (default h5ngff).",
+    )
     o.add_argument("--standalone", action="store_true", help="No peering: run as the only operator replica.")
-    o.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "default", metavar="NS",
-                   help="Namespace of the output Leases (one writer per output, cluster-wide; default $POD_NAMESPACE, the "
-                        "operator's own in the Helm chart, else default).")
-    o.add_argument("--priority", type=int, metavar="N", help="Peering priority (default: random per process, so replicas never tie; the highest live one acts).")
-    o.add_argument("--metrics-port", type=int, metavar="PORT", help="Serve the operator's Prometheus metrics on this port.")
+    o.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE") or "default",
+        metavar="NS",
+        help="Namespace of the output Leases (one writer per output, cluster-wide; default $POD_NAMESPACE, the "
+        "operator's own in the Helm chart, else default).",
+    )
+    o.add_argument(
+        "--priority",
+        type=int,
+        metavar="N",
+        help="Peering priority (default: random per process, so replicas never tie; the highest live one acts).",
+    )
+    o.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="Serve the operator's Prometheus metrics on this port."
+    )
     o.add_argument("--liveness", metavar="URL", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz.")
     o.set_defaults(func=cmd_operator)
     _add_render(o)
@@ -89,15 +132,36 @@ Exit status: 0 printed, 2 invalid manifest or refused by the policy (PolicyDenie
 
 def _add_render(o: argparse.ArgumentParser) -> None:
     sub = o.add_subparsers(dest="operator_command", metavar="render")
-    r = sub.add_parser("render", help="Print the objects the operator would create for a ConversionJob manifest.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG_RENDER,
-                       description="Print the runner Job (and with --plan the DaskCluster) the operator would create, for review and GitOps diffs.")
+    r = sub.add_parser(
+        "render",
+        help="Print the objects the operator would create for a ConversionJob manifest.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG_RENDER,
+        description="Print the runner Job (and with --plan the DaskCluster) the operator would create, for review and GitOps diffs.",
+    )
     r.add_argument("manifest", metavar="JOB.yaml", help="A ConversionJob manifest (apiVersion h5ngff.dev/v1alpha1).")
-    r.add_argument("--plan", action="store_true", help="Plan the conversion (opens the HDF5 file) and add the DaskCluster with its planned pod limits.")
-    r.add_argument("--image", default=os.environ.get("H5NGFF_IMAGE"), help="The operator's --image (default $H5NGFF_IMAGE, else the built-in default).")
-    r.add_argument("--runner-service-account", default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"), metavar="NAME",
-                   help="The operator's --runner-service-account (default $H5NGFF_RUNNER_SERVICE_ACCOUNT, else the chart's h5ngff-runner).")
-    r.add_argument("--namespace", default="default", metavar="NS", help="Namespace of a manifest that names none (default: default).")
+    r.add_argument(
+        "--plan",
+        action="store_true",
+        help="Plan the conversion (opens the HDF5 file) and add the DaskCluster with its planned pod limits.",
+    )
+    r.add_argument(
+        "--image",
+        default=os.environ.get("H5NGFF_IMAGE"),
+        help="The operator's --image (default $H5NGFF_IMAGE, else the built-in default).",
+    )
+    r.add_argument(
+        "--runner-service-account",
+        default=os.environ.get("H5NGFF_RUNNER_SERVICE_ACCOUNT"),
+        metavar="NAME",
+        help="The operator's --runner-service-account (default $H5NGFF_RUNNER_SERVICE_ACCOUNT, else the chart's h5ngff-runner).",
+    )
+    r.add_argument(
+        "--namespace",
+        default="default",
+        metavar="NS",
+        help="Namespace of a manifest that names none (default: default).",
+    )
     _policy_flags(r)
     r.set_defaults(func=cmd_render)
 
@@ -107,10 +171,17 @@ def cmd_render(args: argparse.Namespace, console: Console) -> int:
     from .operator.manifests import CHART_RUNNER_ACCOUNT, DEFAULT_IMAGE
     from .operator.render import RenderOptions, render_objects
 
-    opts = RenderOptions(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account or CHART_RUNNER_ACCOUNT,
-                         policy=policy_from_args(args), namespace=args.namespace, plan=args.plan)
+    opts = RenderOptions(
+        image=args.image or DEFAULT_IMAGE,
+        runner_service_account=args.runner_service_account or CHART_RUNNER_ACCOUNT,
+        policy=policy_from_args(args),
+        namespace=args.namespace,
+        plan=args.plan,
+    )
     objects = render_objects(load_job(args.manifest), opts)
-    sys.stdout.write(f"# h5ngff operator render {args.manifest}{' --plan' if args.plan else ''}: what the operator would create\n")
+    sys.stdout.write(
+        f"# h5ngff operator render {args.manifest}{' --plan' if args.plan else ''}: what the operator would create\n"
+    )
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120, explicit_start=True))
     return 0
 
@@ -119,20 +190,40 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
     """The tenant policy (operator/policy.py); the Helm chart sets these from its policy.* values."""
     from .operator.policy import DEFAULT_VOLUME_TYPES
 
-    g = p.add_argument_group("tenant policy", "What a ConversionJob's spec.pod may ask for; a job asking for more fails with reason PolicyDenied.")
-    g.add_argument("--allowed-image", action="append", default=[], metavar="PATTERN",
-                   help="An image pattern (shell glob, e.g. 'registry.example.org/lab/*') spec.pod.image may name; repeatable. --image is always allowed.")
-    g.add_argument("--allowed-service-account", action="append", default=[], metavar="NAME",
-                   help="A service account spec.pod.serviceAccountName may name; repeatable. --runner-service-account is always allowed.")
-    g.add_argument("--allowed-volume-type", action="append", metavar="TYPE",
-                   help=f"A volume type (PodSpec field, e.g. csi) spec.pod.volumes may use; repeatable; replaces the default {', '.join(DEFAULT_VOLUME_TYPES)}.")
+    g = p.add_argument_group(
+        "tenant policy",
+        "What a ConversionJob's spec.pod may ask for; a job asking for more fails with reason PolicyDenied.",
+    )
+    g.add_argument(
+        "--allowed-image",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="An image pattern (shell glob, e.g. 'registry.example.org/lab/*') spec.pod.image may name; repeatable. --image is always allowed.",
+    )
+    g.add_argument(
+        "--allowed-service-account",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="A service account spec.pod.serviceAccountName may name; repeatable. --runner-service-account is always allowed.",
+    )
+    g.add_argument(
+        "--allowed-volume-type",
+        action="append",
+        metavar="TYPE",
+        help=f"A volume type (PodSpec field, e.g. csi) spec.pod.volumes may use; repeatable; replaces the default {', '.join(DEFAULT_VOLUME_TYPES)}.",
+    )
 
 
 def policy_from_args(args: argparse.Namespace):
     from .operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
 
-    return TenantPolicy(tuple(args.allowed_image), tuple(args.allowed_service_account),
-                        tuple(args.allowed_volume_type) if args.allowed_volume_type else DEFAULT_VOLUME_TYPES)
+    return TenantPolicy(
+        tuple(args.allowed_image),
+        tuple(args.allowed_service_account),
+        tuple(args.allowed_volume_type) if args.allowed_volume_type else DEFAULT_VOLUME_TYPES,
+    )
 
 
 def _hide(sub: Any, name: str) -> None:
@@ -167,13 +258,20 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             print_notices(planned.notices)  # stderr, as for convert
 
     bar: list[Listener] = [] if args.json or args.no_progress else [ProgressBar(console)]
-    options = AttemptOptions(constants_from_args(args), bar, show_plan, metrics=metrics, linger=Linger(args.metrics_linger))
+    options = AttemptOptions(
+        constants_from_args(args), bar, show_plan, metrics=metrics, linger=Linger(args.metrics_linger)
+    )
     status, result = run_locally(job.name, spec, backend_from_args(args, spec.slurm), options)
     if args.memory_report and result.summary is not None:
         from .metrics.timeline import write_memory_report
 
         write_memory_report(result.summary, args.memory_report)
-    document = {"apiVersion": job.raw["apiVersion"], "kind": job.raw["kind"], "metadata": {"name": job.name}, "status": status}
+    document = {
+        "apiVersion": job.raw["apiVersion"],
+        "kind": job.raw["kind"],
+        "metadata": {"name": job.name},
+        "status": status,
+    }
     if args.json:
         print(json.dumps(document, indent=1, default=str))
     else:
@@ -193,9 +291,16 @@ def cmd_operator(args: argparse.Namespace, console: Console) -> int:
 
         metrics = OperatorMetrics()
         metrics.serve(args.metrics_port)
-    cfg = OperatorConfig(image=args.image or DEFAULT_IMAGE, runner_service_account=args.runner_service_account,
-                         interval=args.interval, namespaces=tuple(args.namespace), policy=policy_from_args(args),
-                         peering=None if args.standalone else args.peering, metrics=metrics, lease_namespace=args.lease_namespace)
+    cfg = OperatorConfig(
+        image=args.image or DEFAULT_IMAGE,
+        runner_service_account=args.runner_service_account,
+        interval=args.interval,
+        namespaces=tuple(args.namespace),
+        policy=policy_from_args(args),
+        peering=None if args.standalone else args.peering,
+        metrics=metrics,
+        lease_namespace=args.lease_namespace,
+    )
     if args.priority is not None:
         cfg.priority = args.priority
     asyncio.run(run_operator(cfg, liveness=args.liveness))

@@ -26,11 +26,19 @@ the source cannot be read as convert would read it.
 
 
 def add_verify_command(sub) -> None:
-    v = sub.add_parser("verify", help="Check an output's metadata, completion marker and every chunk.", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    v = sub.add_parser(
+        "verify",
+        help="Check an output's metadata, completion marker and every chunk.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     v.add_argument("output", metavar="OUTPUT", help="An OME-Zarr written by h5ngff.")
-    v.add_argument("--source", metavar="SOURCE", help="Also compare every level with the pyramid computed from this source, named as for convert: "
-                   "FILE.h5:/dataset, FILE.h5:/ch{0..2} (stacked), cells.ims (Imaris) or dataset.xml (BigDataViewer).")
+    v.add_argument(
+        "--source",
+        metavar="SOURCE",
+        help="Also compare every level with the pyramid computed from this source, named as for convert: "
+        "FILE.h5:/dataset, FILE.h5:/ch{0..2} (stacked), cells.ims (Imaris) or dataset.xml (BigDataViewer).",
+    )
     v.add_argument("--json", action="store_true", help="Print the report as one JSON object.")
     add_storage_option_flag(v)
     v.set_defaults(func=cmd_verify)
@@ -45,13 +53,24 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         report = verify_output(args.output, source, storage_options=options)
         print(json.dumps(report.to_dict(), indent=1))
         return 0 if report.ok else 1
-    with Progress(TextColumn("verify"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=console) as bar:
+    with Progress(
+        TextColumn("verify"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=console
+    ) as bar:
         task = bar.add_task("verify", total=None)
-        report = verify_output(args.output, source, on_unit=lambda: bar.advance(task),
-                               on_total=lambda n: bar.update(task, total=n), storage_options=options)
+        report = verify_output(
+            args.output,
+            source,
+            on_unit=lambda: bar.advance(task),
+            on_total=lambda n: bar.update(task, total=n),
+            storage_options=options,
+        )
     checked = f"{report.units_checked} chunk/shard files in {report.levels} level(s), checksums: {report.checksums}"
     if report.ok:
-        equal = f", all {report.levels_compared} level(s) equal to the pyramid computed from the source" if report.compared_with_source else ""
+        equal = (
+            f", all {report.levels_compared} level(s) equal to the pyramid computed from the source"
+            if report.compared_with_source
+            else ""
+        )
         console.print(f"[green]ok[/green]: {args.output}: {checked}, complete{equal}.")
         return 0
     console.print(f"[red]problems[/red] in {args.output} ({checked}):")
@@ -62,7 +81,9 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     return 1
 
 
-def _checked_inputs(output: str, source_text: str | None, options: dict[str, str] | None = None) -> tuple[str, str] | None:
+def _checked_inputs(
+    output: str, source_text: str | None, options: dict[str, str] | None = None
+) -> tuple[str, str] | None:
     """Refuse a missing output or an unreadable source up front, with convert's own source
     errors (not a traceback from deep inside the comparison)."""
     if url_scheme(output) is not None:

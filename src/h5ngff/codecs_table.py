@@ -58,7 +58,13 @@ DEFAULT_CODEC: CodecName = "blosc"
 #: The level a codec that takes one gets when ``clevel`` is not given.
 DEFAULT_LEVEL = 5
 #: Blosc's inner compressors and the context each keeps.
-BLOSC_CNAMES: dict[BloscCname, Context] = {"zstd": "zstd", "lz4": "other", "lz4hc": "other", "zlib": "other", "blosclz": "other"}
+BLOSC_CNAMES: dict[BloscCname, Context] = {
+    "zstd": "zstd",
+    "lz4": "other",
+    "lz4hc": "other",
+    "zlib": "other",
+    "blosclz": "other",
+}
 DEFAULT_CNAME: BloscCname = "zstd"
 BLOSC_SHUFFLES: tuple[BloscShuffle, ...] = get_args(BloscShuffle)
 DEFAULT_SHUFFLE: BloscShuffle = "bitshuffle"
@@ -77,7 +83,9 @@ def same_names(literal: object, names: Iterable[str], what: str) -> None:
     order is the CRD enum's)."""
     said, listed = get_args(literal), tuple(names)
     if said != listed:
-        raise AssertionError(f"{what}: the Literal says {said}, the table {listed}; change both (h5ngff/codecs_table.py).")
+        raise AssertionError(
+            f"{what}: the Literal says {said}, the table {listed}; change both (h5ngff/codecs_table.py)."
+        )
 
 
 same_names(CodecName, CODECS, "codec names")

@@ -42,6 +42,7 @@ class Owner:
     #: ConversionJob, or ConversionBatch (operator/batchspec.py): the kind ownerReferences name.
     kind: str = KIND
 
+
 #: Kubernetes Job defaults, chosen for memory-planned batch work: a run that failed twice for the
 #: same reason (usually memory) will fail a third time, so retry twice, not Kubernetes' six.
 DEFAULT_BACKOFF_LIMIT = 2
@@ -63,19 +64,37 @@ SCRATCH_VOLUME = "h5ngff-scratch"
 class PodSettings(_Model):
     """How the runner and worker pods run: image, storage, placement. PodSpec names and meanings."""
 
-    image: str | None = Field(None, description="Container image of the runner, scheduler and worker pods (default: the operator's --image).")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(None, description="imagePullPolicy of every container.")
-    working_dir: str | None = Field(None, description="Working directory of the runner and worker containers; relative source and output paths resolve against it.")
-    volumes: list[FreeForm] | None = Field(None, description="Pod volumes (e.g. PVCs holding the input and output), added to the runner and every worker pod.")
-    volume_mounts: list[FreeForm] | None = Field(None, description="Container volumeMounts for those volumes, in the runner and every worker container.")
-    service_account_name: str | None = Field(None, description="Service account of the runner pod (workers get no API access); it must be allowed to manage DaskClusters and patch conversionjobs/status.")
+    image: str | None = Field(
+        None, description="Container image of the runner, scheduler and worker pods (default: the operator's --image)."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        None, description="imagePullPolicy of every container."
+    )
+    working_dir: str | None = Field(
+        None,
+        description="Working directory of the runner and worker containers; relative source and output paths resolve against it.",
+    )
+    volumes: list[FreeForm] | None = Field(
+        None,
+        description="Pod volumes (e.g. PVCs holding the input and output), added to the runner and every worker pod.",
+    )
+    volume_mounts: list[FreeForm] | None = Field(
+        None, description="Container volumeMounts for those volumes, in the runner and every worker container."
+    )
+    service_account_name: str | None = Field(
+        None,
+        description="Service account of the runner pod (workers get no API access); it must be allowed to manage DaskClusters and patch conversionjobs/status.",
+    )
     node_selector: dict[str, str] | None = Field(None, description="nodeSelector of the runner and worker pods.")
     tolerations: list[FreeForm] | None = Field(None, description="Tolerations of the runner and worker pods.")
     credentials_secret: str | None = Field(
-        None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         description="Name of a Secret in the job's own namespace whose AWS credential keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                    "AWS_SESSION_TOKEN, AWS_REGION, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3, AWS_ALLOW_HTTP; no others) "
-                    "become environment variables of the runner and every worker: credentials for an s3:// output.")
+        "AWS_SESSION_TOKEN, AWS_REGION, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3, AWS_ALLOW_HTTP; no others) "
+        "become environment variables of the runner and every worker: credentials for an s3:// output.",
+    )
 
     @field_validator("volumes", "volume_mounts")
     @classmethod
@@ -86,7 +105,9 @@ class PodSettings(_Model):
             if not isinstance(item.get("name"), str) or not item["name"]:
                 raise ValueError(f"Expected every entry to have a name. Got {item!r} instead.")
             if len(item["name"]) > MAX_VOLUME_NAME:
-                raise ValueError(f"Expected names of at most {MAX_VOLUME_NAME} characters, as Kubernetes requires. Got {item['name']!r} instead.")
+                raise ValueError(
+                    f"Expected names of at most {MAX_VOLUME_NAME} characters, as Kubernetes requires. Got {item['name']!r} instead."
+                )
         return v
 
     @model_validator(mode="after")
@@ -94,7 +115,9 @@ class PodSettings(_Model):
         volumes = {v["name"] for v in self.volumes or ()}
         for mount in self.volume_mounts or ():
             if mount["name"] not in volumes:
-                raise ValueError(f"Expected every volumeMount to name one of the volumes {sorted(volumes)}. Got a mount of {mount['name']!r} instead.")
+                raise ValueError(
+                    f"Expected every volumeMount to name one of the volumes {sorted(volumes)}. Got a mount of {mount['name']!r} instead."
+                )
         return self
 
     @model_validator(mode="after")
@@ -104,37 +127,54 @@ class PodSettings(_Model):
         names = [v["name"] for v in self.volumes or ()]
         _no_repeats("spec.pod.volumes names", names)
         if SCRATCH_VOLUME in names:
-            raise ValueError(f"Expected no volume named {SCRATCH_VOLUME!r}: the operator adds its scratch volume under that name. Rename it.")
+            raise ValueError(
+                f"Expected no volume named {SCRATCH_VOLUME!r}: the operator adds its scratch volume under that name. Rename it."
+            )
         paths: list[str] = []
         for mount in self.volume_mounts or ():
             path = mount.get("mountPath")
             if not isinstance(path, str) or not path.startswith("/"):
-                raise ValueError(f"Expected every volumeMount's mountPath to be an absolute path. Got {path!r} instead.")
+                raise ValueError(
+                    f"Expected every volumeMount's mountPath to be an absolute path. Got {path!r} instead."
+                )
             paths.append(posixpath.normpath(path))
         _no_repeats("spec.pod.volumeMounts mountPaths", paths)
         if self.image is not None and not self.image.strip():
-            raise ValueError("Expected spec.pod.image to name an image, or to be left out for the operator's. Got an empty string instead.")
+            raise ValueError(
+                "Expected spec.pod.image to name an image, or to be left out for the operator's. Got an empty string instead."
+            )
         return self
 
 
 def _no_repeats(what: str, values: list[Any]) -> None:
     repeated = sorted({v for v in values if values.count(v) > 1})
     if repeated:
-        raise ValueError(f"Expected {what} to be unique, as Kubernetes requires. Got {repeated} more than once instead.")
+        raise ValueError(
+            f"Expected {what} to be unique, as Kubernetes requires. Got {repeated} more than once instead."
+        )
 
 
 class RetryPolicy(_Model):
     """How long the operator waits before each retry: ``intervalSeconds`` before the first,
     doubling per failed attempt of the run, at most ``maxIntervalSeconds``."""
 
-    interval_seconds: int = Field(DEFAULT_RETRY_INTERVAL, ge=0, le=86400, description="Seconds before the first retry (default 10); doubled for each further one.")
-    max_interval_seconds: int = Field(DEFAULT_MAX_RETRY_INTERVAL, ge=0, le=86400, description="Longest wait between attempts (default 300).")
+    interval_seconds: int = Field(
+        DEFAULT_RETRY_INTERVAL,
+        ge=0,
+        le=86400,
+        description="Seconds before the first retry (default 10); doubled for each further one.",
+    )
+    max_interval_seconds: int = Field(
+        DEFAULT_MAX_RETRY_INTERVAL, ge=0, le=86400, description="Longest wait between attempts (default 300)."
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> "RetryPolicy":
         if self.max_interval_seconds < self.interval_seconds:
-            raise ValueError(f"Expected maxIntervalSeconds (default {DEFAULT_MAX_RETRY_INTERVAL}) >= intervalSeconds ({self.interval_seconds}). "
-                             f"Got {self.max_interval_seconds} instead: raise retry.maxIntervalSeconds or lower retry.intervalSeconds.")
+            raise ValueError(
+                f"Expected maxIntervalSeconds (default {DEFAULT_MAX_RETRY_INTERVAL}) >= intervalSeconds ({self.interval_seconds}). "
+                f"Got {self.max_interval_seconds} instead: raise retry.maxIntervalSeconds or lower retry.intervalSeconds."
+            )
         return self
 
     def delay(self, failures: int) -> int:
@@ -148,11 +188,30 @@ class ConversionJobSpec(ConversionSpec):
     """A conversion, the pods that run it, and how often to retry."""
 
     pod: PodSettings = Field(default_factory=PodSettings)
-    backoff_limit: int = Field(DEFAULT_BACKOFF_LIMIT, ge=0, le=20, description="Retries after a failed attempt (each resumes from the manifest); 0 = no retry. Default 2.")
-    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete finished runner Jobs (not the ConversionJob) this many seconds after they finish.")
-    retry: RetryPolicy = Field(default_factory=RetryPolicy, description="Backoff between attempts: exponential from intervalSeconds, capped at maxIntervalSeconds.")
-    active_deadline_seconds: int | None = Field(None, ge=1, description="End a run (all its attempts and waits) that takes longer than this many seconds, with reason DeadlineExceeded.")
-    slurm: SlurmSpec | None = Field(None, description="Worker jobs on a SLURM cluster, for `h5ngff run JOB.yaml --backend slurm` (docs/slurm.md); the operator ignores it.")
+    backoff_limit: int = Field(
+        DEFAULT_BACKOFF_LIMIT,
+        ge=0,
+        le=20,
+        description="Retries after a failed attempt (each resumes from the manifest); 0 = no retry. Default 2.",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None,
+        ge=0,
+        description="Delete finished runner Jobs (not the ConversionJob) this many seconds after they finish.",
+    )
+    retry: RetryPolicy = Field(
+        default_factory=RetryPolicy,
+        description="Backoff between attempts: exponential from intervalSeconds, capped at maxIntervalSeconds.",
+    )
+    active_deadline_seconds: int | None = Field(
+        None,
+        ge=1,
+        description="End a run (all its attempts and waits) that takes longer than this many seconds, with reason DeadlineExceeded.",
+    )
+    slurm: SlurmSpec | None = Field(
+        None,
+        description="Worker jobs on a SLURM cluster, for `h5ngff run JOB.yaml --backend slurm` (docs/slurm.md); the operator ignores it.",
+    )
 
     def conversion(self) -> ConversionSpec:
         """Only the conversion fields: what the runner plans and converts."""
@@ -185,4 +244,3 @@ def _hash(conversion: dict[str, Any], pod: dict[str, Any]) -> str:
 def parse_job_spec(data: Any) -> ConversionJobSpec:
     """Validate a ConversionJob ``.spec`` (a dict) into a ConversionJobSpec, or raise SpecError."""
     return parse_model(ConversionJobSpec, data)
-

@@ -48,7 +48,7 @@ def label_value(name: str) -> str:
     """Label values are limited to 63 characters too (object names to 253): hash the rest."""
     if len(name) <= MAX_NAME:
         return name
-    return f"{name[:MAX_NAME - 9].rstrip('-.')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return f"{name[: MAX_NAME - 9].rstrip('-.')}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def dask_cluster_name(job_name: str) -> str:
@@ -70,7 +70,14 @@ def labels(job_name: str, component: str, attempt: int | None = None) -> dict[st
 
 def owner_reference(api_version: str, kind: str, name: str, uid: str, block: bool = True) -> dict[str, Any]:
     """Makes the child garbage-collected with its ConversionJob."""
-    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": True, "blockOwnerDeletion": block}
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": block,
+    }
 
 
 def pod_placement(pod: PodSettings) -> dict[str, Any]:
@@ -102,8 +109,16 @@ def container_storage(pod: PodSettings) -> dict[str, Any]:
 #: (``envFrom``): a Secret the tenant writes could otherwise set LD_PRELOAD or PYTHONPATH in the
 #: runner, which holds a service-account token. AWS_CONFIG_FILE and AWS_SHARED_CREDENTIALS_FILE
 #: are left out on purpose: they name files, and a profile's ``credential_process`` runs a command.
-CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
-                  "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ALLOW_HTTP")
+CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ALLOW_HTTP",
+)
 
 
 def credential_env(pod: PodSettings) -> list[dict[str, Any]]:
@@ -116,8 +131,10 @@ def credential_env(pod: PodSettings) -> list[dict[str, Any]]:
     missing, and the runner's S3 check fails the attempt with "no AWS credentials"."""
     if not pod.credentials_secret:
         return []
-    return [{"name": key, "valueFrom": {"secretKeyRef": {"name": pod.credentials_secret, "key": key, "optional": True}}}
-            for key in CREDENTIAL_ENV]
+    return [
+        {"name": key, "valueFrom": {"secretKeyRef": {"name": pod.credentials_secret, "key": key, "optional": True}}}
+        for key in CREDENTIAL_ENV
+    ]
 
 
 def pod_security_context() -> dict[str, Any]:
@@ -125,16 +142,25 @@ def pod_security_context() -> dict[str, Any]:
     and the runtime's default seccomp profile. No fsGroup: a recursive chown of a large data
     volume at every pod start would cost minutes, and the image's user 10001 is what wrote the
     output before this context existed."""
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_GROUP,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_GROUP,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def container_security_context() -> dict[str, Any]:
     """The container-level half: no privilege escalation, no capabilities (h5ngff binds no port
     below 1024 and changes no file ownership), and a read-only root filesystem (writes go to the
     scratch volume and the user's volumes)."""
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def with_scratch(pod_spec: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,14 @@ class Phase(StrEnum):
 
 
 #: A run's phases, in order (progress events; the ``h5ngff_job_phase`` metric's label values).
-RUN_PHASES: tuple[Phase, ...] = (Phase.PENDING, Phase.PLANNED, Phase.WRITING, Phase.FINALIZING, Phase.SUCCEEDED, Phase.FAILED)
+RUN_PHASES: tuple[Phase, ...] = (
+    Phase.PENDING,
+    Phase.PLANNED,
+    Phase.WRITING,
+    Phase.FINALIZING,
+    Phase.SUCCEEDED,
+    Phase.FAILED,
+)
 #: A ConversionJob's ``.status.phase`` values (the CRD's enum; ``h5ngff_operator_conversionjobs``).
 JOB_PHASES: tuple[Phase, ...] = (Phase.PENDING, Phase.PLANNED, Phase.RUNNING, Phase.SUCCEEDED, Phase.FAILED)
 #: Phases after which nothing changes until the spec does.

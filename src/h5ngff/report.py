@@ -6,7 +6,15 @@ import math
 
 import numpy as np
 from rich.console import Console, Group, RenderableType
-from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -45,18 +53,34 @@ def plan_renderable(job: PlannedJob, notices: bool = True) -> Group:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("source", f"{spec.source.path}:{spec.source.dataset}  {ds.shape} {np.dtype(ds.dtype).name}, {_storage(plan)}, {format_bytes(ds.nbytes)}")
+    head.add_row(
+        "source",
+        f"{spec.source.path}:{spec.source.dataset}  {ds.shape} {np.dtype(ds.dtype).name}, {_storage(plan)}, {format_bytes(ds.nbytes)}",
+    )
     unit = f", shards {plan.shards}" if plan.shards else ""
-    head.add_row("output", f"{spec.output.path}  NGFF {spec.output.ngff_version} (Zarr v{3 if spec.output.ngff_version == '0.5' else 2}), axes {plan.axes}, chunks {plan.chunks}{unit}, {spec.output.compressor.describe()}")
-    head.add_row("pyramid", f"{len(plan.levels)} level(s), {spec.pyramid.method}: " + ", ".join(str(lv.shape) for lv in plan.levels[:4]) + (" …" if len(plan.levels) > 4 else ""))
-    head.add_row("workers", f"{plan.workers} x {plan.threads_per_worker} thread(s), allocator {plan.allocator}, {plan.inflight_per_worker} task(s) in flight per worker, {plan.n_tasks} tasks")
+    head.add_row(
+        "output",
+        f"{spec.output.path}  NGFF {spec.output.ngff_version} (Zarr v{3 if spec.output.ngff_version == '0.5' else 2}), axes {plan.axes}, chunks {plan.chunks}{unit}, {spec.output.compressor.describe()}",
+    )
+    head.add_row(
+        "pyramid",
+        f"{len(plan.levels)} level(s), {spec.pyramid.method}: "
+        + ", ".join(str(lv.shape) for lv in plan.levels[:4])
+        + (" …" if len(plan.levels) > 4 else ""),
+    )
+    head.add_row(
+        "workers",
+        f"{plan.workers} x {plan.threads_per_worker} thread(s), allocator {plan.allocator}, {plan.inflight_per_worker} task(s) in flight per worker, {plan.n_tasks} tasks",
+    )
 
     passes = Table(title="Passes", title_justify="left", show_edge=False)
     for col in ("pass", "reads", "writes levels", "slab", "slabs", "predicted peak MiB"):
         passes.add_column(col, justify="right" if col in ("slabs", "predicted peak MiB") else "left")
     for p in plan.passes:
         reads = "HDF5" if p.source_level < 0 else f"level {p.source_level}"
-        passes.add_row(str(p.index), reads, ",".join(map(str, p.levels)), str(p.slab), f"{p.n_slabs:,}", _mib(p.predicted_peak))
+        passes.add_row(
+            str(p.index), reads, ",".join(map(str, p.levels)), str(p.slab), f"{p.n_slabs:,}", _mib(p.predicted_peak)
+        )
 
     mem = Table(title="Memory per worker (the pass that needs most)", title_justify="left", show_edge=False)
     mem.add_column("term")
@@ -64,13 +88,29 @@ def plan_renderable(job: PlannedJob, notices: bool = True) -> Group:
     mem.add_column("why", style="dim")
     for t in plan.memory.terms:
         mem.add_row(t.name, _mib(t.bytes), t.why)
-    mem.add_row(Text("predicted peak RSS", style="bold"), Text(_mib(plan.memory.predicted_peak), style="bold"), "sum of the terms above")
-    mem.add_row("dask memory_limit", _mib(plan.memory.memory_limit), plan.memory.memory_limit_why or "the worker's --memory-limit")
+    mem.add_row(
+        Text("predicted peak RSS", style="bold"),
+        Text(_mib(plan.memory.predicted_peak), style="bold"),
+        "sum of the terms above",
+    )
+    mem.add_row(
+        "dask memory_limit",
+        _mib(plan.memory.memory_limit),
+        plan.memory.memory_limit_why or "the worker's --memory-limit",
+    )
     for i, t in enumerate(plan.memory.pod_terms):
         mem.add_row(("+ " if i else "") + t.name, _mib(t.bytes), t.why)
     th = plan.memory.thresholds
-    mem.add_row(Text("pod limit", style="bold"), Text(_mib(plan.memory.pod_limit), style="bold"), f"pod resources: requests = limits = {k8s_quantity(plan.memory.pod_limit)} (Guaranteed QoS)")
-    mem.add_row("dask thresholds", "", f"target {th.target}, spill {th.spill}, pause {th.pause}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)")
+    mem.add_row(
+        Text("pod limit", style="bold"),
+        Text(_mib(plan.memory.pod_limit), style="bold"),
+        f"pod resources: requests = limits = {k8s_quantity(plan.memory.pod_limit)} (Guaranteed QoS)",
+    )
+    mem.add_row(
+        "dask thresholds",
+        "",
+        f"target {th.target}, spill {th.spill}, pause {th.pause}, terminate {th.terminate:.0%} of memory_limit ({_mib(th.terminate * plan.memory.memory_limit)} MiB)",
+    )
     parts: list[RenderableType] = [head, Text(""), passes, Text(""), mem]
     if notices and job.notices:
         parts.append(notices_renderable(job.notices))
@@ -87,12 +127,18 @@ def summary_renderable(summary: RunSummary) -> Group:
     head.add_column(style="bold")
     head.add_column()
     t = summary.totals
-    head.add_row("status", f"[green]{summary.status}[/green]" if summary.status == Phase.SUCCEEDED else f"[red]{summary.status}[/red]")
+    head.add_row(
+        "status",
+        f"[green]{summary.status}[/green]" if summary.status == Phase.SUCCEEDED else f"[red]{summary.status}[/red]",
+    )
     head.add_row("output", summary.job.spec.output.path + ("  (resumed)" if summary.resumed else ""))
     if t:
         head.add_row("time", f"{summary.seconds:.2f} s  ({_rate(summary.gb_per_s * 1e9)} of source data)")
         head.add_row("slabs", f"{t.slabs_written} written, {t.slabs_skipped} already done")
-        head.add_row("bytes", f"{format_bytes(t.bytes_read)} read, {format_bytes(t.bytes_written)} written (ratio {t.bytes_read / max(1, t.bytes_written):.2f})")
+        head.add_row(
+            "bytes",
+            f"{format_bytes(t.bytes_read)} read, {format_bytes(t.bytes_written)} written (ratio {t.bytes_read / max(1, t.bytes_written):.2f})",
+        )
     workers = Table(title="Memory per worker: measured against the plan", title_justify="left", show_edge=False)
     cols = ["worker", "peak RSS MiB", "predicted MiB", "peak/plan", "memory_limit MiB", "pod limit MiB"]
     has_cgroup = any(w.cgroup_peak is not None for w in summary.workers)
@@ -106,11 +152,24 @@ def summary_renderable(summary: RunSummary) -> Group:
     for w in summary.workers:
         ratio = w.peak_rss / plan.memory.predicted_peak if plan.memory.predicted_peak else math.nan
         style = "green" if ratio <= 1.0 else "red"
-        row: list[RenderableType] = [w.name, _mib(w.peak_rss), _mib(plan.memory.predicted_peak), Text(f"{ratio:.2f}", style=style), _mib(plan.memory.memory_limit), _mib(w.pod_limit or plan.memory.pod_limit)]
+        row: list[RenderableType] = [
+            w.name,
+            _mib(w.peak_rss),
+            _mib(plan.memory.predicted_peak),
+            Text(f"{ratio:.2f}", style=style),
+            _mib(plan.memory.memory_limit),
+            _mib(w.pod_limit or plan.memory.pod_limit),
+        ]
         if has_cgroup:
             need = w.pod_nonreclaimable_peak
             pod = w.pod_limit or plan.memory.pod_limit
-            row += ["" if need is None else _mib(need), "" if not need else f"{pod / need:.2f}", _mib(w.cgroup_peak or 0), str(w.oom_kills), str(w.nanny_restarts)]
+            row += [
+                "" if need is None else _mib(need),
+                "" if not need else f"{pod / need:.2f}",
+                _mib(w.cgroup_peak or 0),
+                str(w.oom_kills),
+                str(w.nanny_restarts),
+            ]
         workers.add_row(*row)
     return Group(head, Text(""), workers)
 
@@ -160,12 +219,34 @@ def slurm_job_renderable(plan: Plan, script) -> Group:
     if script.mem_override:
         why = f"{script.mem_override}; " + why
     mem.add_row(Text("#SBATCH --mem", style="bold"), Text(_mib(script.mem_bytes), style="bold"), why)
-    mem.add_row("#SBATCH --cpus-per-task", str(plan.threads_per_worker), "the worker's threads (-n 1: one nanny + worker per job)")
-    mem.add_row("worker --memory-limit", _mib(plan.memory.memory_limit), "Dask's limit, given explicitly (auto would read the node's RAM)")
-    mem.add_row("allocator", "", f"{plan.allocator}: " + ("LD_PRELOAD libjemalloc.so.2 where the node has it, else tuned glibc (said in the job's .err)" if plan.allocator == "jemalloc" else "glibc tuned to return freed slabs"))
+    mem.add_row(
+        "#SBATCH --cpus-per-task",
+        str(plan.threads_per_worker),
+        "the worker's threads (-n 1: one nanny + worker per job)",
+    )
+    mem.add_row(
+        "worker --memory-limit",
+        _mib(plan.memory.memory_limit),
+        "Dask's limit, given explicitly (auto would read the node's RAM)",
+    )
+    mem.add_row(
+        "allocator",
+        "",
+        f"{plan.allocator}: "
+        + (
+            "LD_PRELOAD libjemalloc.so.2 where the node has it, else tuned glibc (said in the job's .err)"
+            if plan.allocator == "jemalloc"
+            else "glibc tuned to return freed slabs"
+        ),
+    )
     mem.add_row("jobs", str(plan.workers), f"--memory-total is their sum: {_mib(plan.workers * script.mem_bytes)} MiB")
-    return Group(Text(""), mem, Text(""), Text("job script (one per worker; SCHEDULER and WORKER are filled in at submission):", style="bold"),
-                 Text(script.text(), style="dim", no_wrap=True, overflow="ignore"))
+    return Group(
+        Text(""),
+        mem,
+        Text(""),
+        Text("job script (one per worker; SCHEDULER and WORKER are filled in at submission):", style="bold"),
+        Text(script.text(), style="dim", no_wrap=True, overflow="ignore"),
+    )
 
 
 def slurm_job_dict(script) -> dict:

@@ -54,7 +54,9 @@ def plan_job(spec: ConversionSpec, backend: Backend, constants: MemoryConstants 
     allocator = resolve_allocator(spec.resources.allocator)
     notices: list[str] = []
     if spec.resources.allocator == "jemalloc" and allocator != "jemalloc":
-        notices.append("resources.allocator is jemalloc but libjemalloc.so.2 is not installed here; workers use glibc (apt-get install libjemalloc2).")
+        notices.append(
+            "resources.allocator is jemalloc but libjemalloc.so.2 is not installed here; workers use glibc (apt-get install libjemalloc2)."
+        )
     spec = backend.fit(spec)
     plan = make_plan(dataset, spec, backend.capacity(), constants, allocator)
     return PlannedJob(spec, dataset, identity, plan, notices + list(plan.notices))
@@ -105,8 +107,11 @@ class RunSummary:
             "memory_limit_per_worker": plan.memory.memory_limit,
             "pod_limit_per_worker": self.limit_override[1] if self.limit_override else plan.memory.pod_limit,
             "planned_pod_limit_per_worker": plan.memory.pod_limit,
-            "pod_limit_override": ({"limit": self.limit_override[0], "enforced": self.limit_override[1], "planned": plan.memory.pod_limit}
-                                   if self.limit_override else None),
+            "pod_limit_override": (
+                {"limit": self.limit_override[0], "enforced": self.limit_override[1], "planned": plan.memory.pod_limit}
+                if self.limit_override
+                else None
+            ),
             "workers": [w.to_dict() for w in self.workers],
             "notices": self.job.notices,
         }
@@ -135,9 +140,17 @@ class Outcome:
     error: BaseException | None = None
 
 
-def execute(spec: ConversionSpec, backend: Backend, listeners: Sequence[Listener] = (), metrics: MetricsExporter | None = None, *,
-            constants: MemoryConstants = DEFAULT_CONSTANTS, on_plan: Callable[[PlannedJob], None] | None = None,
-            on_end: Callable[[Outcome], None] | None = None, linger: Linger = Linger()) -> RunSummary:
+def execute(
+    spec: ConversionSpec,
+    backend: Backend,
+    listeners: Sequence[Listener] = (),
+    metrics: MetricsExporter | None = None,
+    *,
+    constants: MemoryConstants = DEFAULT_CONSTANTS,
+    on_plan: Callable[[PlannedJob], None] | None = None,
+    on_end: Callable[[Outcome], None] | None = None,
+    linger: Linger = Linger(),
+) -> RunSummary:
     """The run sequence of ``h5ngff convert``, ``h5ngff run`` and the runner Job; the callers
     keep only their input (flags, a manifest, the job's environment) and output (tables, status
     patches):
@@ -194,8 +207,13 @@ def prepare_job(spec: ConversionSpec, backend: Backend, constants: MemoryConstan
     return job
 
 
-def run_job(job: PlannedJob, backend: Backend, listeners: Sequence[Listener] | None = None, metrics: MetricsExporter | None = None,
-            cluster: Callable[[], AbstractContextManager[Session]] | None = None) -> RunSummary:
+def run_job(
+    job: PlannedJob,
+    backend: Backend,
+    listeners: Sequence[Listener] | None = None,
+    metrics: MetricsExporter | None = None,
+    cluster: Callable[[], AbstractContextManager[Session]] | None = None,
+) -> RunSummary:
     """Convert. Returns a summary; raises H5ngffError on failure (after emitting ``Failed``).
 
     ``metrics`` hears every progress event and polls the cluster while it is up. ``cluster``
@@ -221,14 +239,28 @@ def run_job(job: PlannedJob, backend: Backend, listeners: Sequence[Listener] | N
         raise
 
 
-def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunSummary, metrics: MetricsExporter | None,
-             start: float, started: float, guard: Any, cluster: Callable[[], AbstractContextManager[Session]] | None) -> None:
+def _convert(
+    job: PlannedJob,
+    backend: Backend,
+    events: Broadcast,
+    summary: RunSummary,
+    metrics: MetricsExporter | None,
+    start: float,
+    started: float,
+    guard: Any,
+    cluster: Callable[[], AbstractContextManager[Session]] | None,
+) -> None:
     output = prepare_output(job.plan, job.spec, job.source)
     summary.totals = RunTotals()  # the output is written from here on: a failed run reports what it wrote
     summary.resumed = output.resumed
     if output.complete:
         summary.totals = RunTotals(slabs_skipped=job.plan.n_tasks)
-        events.emit(phase=Phase.SUCCEEDED, slabs_done=job.plan.n_tasks, slabs_skipped=job.plan.n_tasks, message="already complete")
+        events.emit(
+            phase=Phase.SUCCEEDED,
+            slabs_done=job.plan.n_tasks,
+            slabs_skipped=job.plan.n_tasks,
+            message="already complete",
+        )
         summary.status = "Succeeded"
         return
     failure = None
@@ -236,7 +268,7 @@ def _convert(job: PlannedJob, backend: Backend, events: Broadcast, summary: RunS
         # The one sampler of the workers: the report's peaks and timeline, and the metrics.
         poller = ClusterPoller(session, job.plan)
         try:
-            with (metrics.attached(poller, job.plan) if metrics is not None else nullcontext()), poller.running():
+            with metrics.attached(poller, job.plan) if metrics is not None else nullcontext(), poller.running():
                 try:
                     summary.totals = run_conversion(session.client, job.plan, job.spec, output, events, guard)
                 except (KilledWorker, WorkersLostError) as exc:
@@ -292,4 +324,3 @@ def _collect_workers(summary: RunSummary, plan: Plan, sampler: ClusterPoller, se
             summary.limit_override = (session.limit_name, session.pod_limit)
     except Exception:  # a broken cluster must not hide the error that broke it
         log.warning("Could not collect the workers' memory figures.", exc_info=True)
-

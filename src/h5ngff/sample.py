@@ -30,7 +30,9 @@ def parse_shape(text: str, field: str = "--shape", dims: tuple[int, int] = (MIN_
     except ValueError:
         raise SpecError(field, f"{expected}. Got {text!r} instead.") from None
     if not low <= len(shape) <= high:
-        raise SpecError(field, f"{expected}. Got {text!r} instead ({len(shape)} dimension{'s' if len(shape) != 1 else ''}).")
+        raise SpecError(
+            field, f"{expected}. Got {text!r} instead ({len(shape)} dimension{'s' if len(shape) != 1 else ''})."
+        )
     if any(n < 1 for n in shape):
         raise SpecError(field, f"{expected}. Got {text!r} instead (every dimension needs at least one element).")
     return shape
@@ -52,8 +54,11 @@ def check_chunks(chunks: tuple[int, ...] | None, shape: tuple[int, ...], field: 
     if chunks is None:
         return
     if len(chunks) != len(shape) or any(c < 1 for c in chunks):
-        raise SpecError(field, f"Expected {len(shape)} comma-separated positive integers, one per axis of the shape {shape}. "
-                               f"Got {','.join(map(str, chunks))!r} instead.")
+        raise SpecError(
+            field,
+            f"Expected {len(shape)} comma-separated positive integers, one per axis of the shape {shape}. "
+            f"Got {','.join(map(str, chunks))!r} instead.",
+        )
 
 
 def _plane(z: int, shape: tuple[int, int], rng: np.random.Generator, dtype: np.dtype) -> np.ndarray:
@@ -73,9 +78,17 @@ def _plane(z: int, shape: tuple[int, int], rng: np.random.Generator, dtype: np.d
     return (np.round(data * 1024) / 1024).astype(dtype)
 
 
-def write_sample(path: str, dataset: str = "/volume/data", shape: tuple[int, ...] = DEFAULT_SHAPE, dtype: str = "float32",
-                 chunks: tuple[int, ...] | None = None, compression: str | None = None, seed: int = 0,
-                 element_size_um: tuple[float, ...] | None = None, progress=None) -> str:
+def write_sample(
+    path: str,
+    dataset: str = "/volume/data",
+    shape: tuple[int, ...] = DEFAULT_SHAPE,
+    dtype: str = "float32",
+    chunks: tuple[int, ...] | None = None,
+    compression: str | None = None,
+    seed: int = 0,
+    element_size_um: tuple[float, ...] | None = None,
+    progress=None,
+) -> str:
     """Write a sample volume; extra leading axes (t, c) repeat the 3-D volume with an offset.
 
     The inputs are checked first (SpecError, nothing written); the file is written under a
@@ -98,8 +111,17 @@ def write_sample(path: str, dataset: str = "/volume/data", shape: tuple[int, ...
     return path
 
 
-def _write(path: str, dataset: str, shape: tuple[int, ...], dt: np.dtype, chunks: tuple[int, ...] | None, compression: str | None, seed: int,
-           element_size_um: tuple[float, ...] | None, progress) -> None:
+def _write(
+    path: str,
+    dataset: str,
+    shape: tuple[int, ...],
+    dt: np.dtype,
+    chunks: tuple[int, ...] | None,
+    compression: str | None,
+    seed: int,
+    element_size_um: tuple[float, ...] | None,
+    progress,
+) -> None:
     rng = np.random.default_rng(seed)
     with h5py.File(path, "w") as f:
         ds = f.create_dataset(dataset, shape=shape, dtype=dt, chunks=chunks, compression=compression)
@@ -116,6 +138,8 @@ def _write(path: str, dataset: str, shape: tuple[int, ...], dt: np.dtype, chunks
         for n, (index, z0) in enumerate(steps):
             z1 = min(z0 + depth, shape[-3])
             offset = sum(index) * 5
-            ds[index + (slice(z0, z1),)] = np.stack([_plane(offset + z, (shape[-2], shape[-1]), rng, dt) for z in range(z0, z1)])
+            ds[index + (slice(z0, z1),)] = np.stack(
+                [_plane(offset + z, (shape[-2], shape[-1]), rng, dt) for z in range(z0, z1)]
+            )
             if progress:
                 progress(n + 1, len(steps))

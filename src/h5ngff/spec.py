@@ -46,16 +46,57 @@ M = TypeVar("M", bound=BaseModel)
 AXIS_TYPES = {"t": "time", "c": "channel", "z": "space", "y": "space", "x": "space"}
 #: Units the NGFF specification allows (UDUNITS-2 names).
 SPACE_UNITS = (
-    "angstrom", "attometer", "centimeter", "decimeter", "exameter", "femtometer", "foot", "gigameter",
-    "hectometer", "inch", "kilometer", "megameter", "meter", "micrometer", "mile", "millimeter",
-    "nanometer", "parsec", "petameter", "picometer", "terameter", "yard", "yoctometer", "yottameter",
-    "zeptometer", "zettameter",
+    "angstrom",
+    "attometer",
+    "centimeter",
+    "decimeter",
+    "exameter",
+    "femtometer",
+    "foot",
+    "gigameter",
+    "hectometer",
+    "inch",
+    "kilometer",
+    "megameter",
+    "meter",
+    "micrometer",
+    "mile",
+    "millimeter",
+    "nanometer",
+    "parsec",
+    "petameter",
+    "picometer",
+    "terameter",
+    "yard",
+    "yoctometer",
+    "yottameter",
+    "zeptometer",
+    "zettameter",
 )
 TIME_UNITS = (
-    "attosecond", "centisecond", "day", "decisecond", "exasecond", "femtosecond", "gigasecond",
-    "hectosecond", "hour", "kilosecond", "megasecond", "microsecond", "millisecond", "minute",
-    "nanosecond", "petasecond", "picosecond", "second", "terasecond", "yoctosecond", "yottasecond",
-    "zeptosecond", "zettasecond",
+    "attosecond",
+    "centisecond",
+    "day",
+    "decisecond",
+    "exasecond",
+    "femtosecond",
+    "gigasecond",
+    "hectosecond",
+    "hour",
+    "kilosecond",
+    "megasecond",
+    "microsecond",
+    "millisecond",
+    "minute",
+    "nanosecond",
+    "petasecond",
+    "picosecond",
+    "second",
+    "terasecond",
+    "yoctosecond",
+    "yottasecond",
+    "zeptosecond",
+    "zettasecond",
 )
 #: NGFF images have at most 5 axes (tczyx): a per-axis list with more entries can never fit.
 MAX_AXES = 5
@@ -118,11 +159,15 @@ def parse_output_path(path: str) -> str:
     known = " or ".join(f"'{s}://'" for s in OUTPUT_SCHEMES)
     expected = f"a local directory or a {known} URL" if known else "a local directory (no URL scheme is supported)"
     if scheme is not None:
-        raise ValueError(f"Expected {expected}. Got {path!r} instead ({scheme}:// is not supported; nothing was written).")
+        raise ValueError(
+            f"Expected {expected}. Got {path!r} instead ({scheme}:// is not supported; nothing was written)."
+        )
     prefix = _scheme_like(path)
     if prefix is not None:
-        raise ValueError(f"Expected {expected}. Got {path!r} instead: it starts like a URL ({prefix!r}) without a supported "
-                         f"'scheme://'. Write s3://bucket/prefix for a bucket, or ./{path} for a local directory; nothing was written.")
+        raise ValueError(
+            f"Expected {expected}. Got {path!r} instead: it starts like a URL ({prefix!r}) without a supported "
+            f"'scheme://'. Write s3://bucket/prefix for a bucket, or ./{path} for a local directory; nothing was written."
+        )
     return path
 
 
@@ -133,12 +178,16 @@ def parse_source_path(path: str) -> str:
     _not_padded(path)
     scheme = url_scheme(path)
     if scheme is not None:
-        raise ValueError(f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead "
-                         f"({scheme}:// is not read: copy the file to a volume, or mount the bucket, and give its path).")
+        raise ValueError(
+            f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead "
+            f"({scheme}:// is not read: copy the file to a volume, or mount the bucket, and give its path)."
+        )
     prefix = _scheme_like(path)
     if prefix is not None:
-        raise ValueError(f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead: "
-                         f"it starts like a URL ({prefix!r}); write ./{path} for a local file whose name has a colon.")
+        raise ValueError(
+            f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead: "
+            f"it starts like a URL ({prefix!r}); write ./{path} for a local file whose name has a colon."
+        )
     return path
 
 
@@ -193,7 +242,9 @@ def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
     if not value:
         raise ValueError(f"Expected at least one positive integer. Got {value!r} instead.")
     if len(value) > MAX_AXES:
-        raise ValueError(f"Expected at most {MAX_AXES} entries, one per axis (tczyx). Got {len(value)}: {value!r} instead.")
+        raise ValueError(
+            f"Expected at most {MAX_AXES} entries, one per axis (tczyx). Got {len(value)}: {value!r} instead."
+        )
     bad = [v for v in value if v < 1]
     if bad:
         raise ValueError(f"Expected positive integers for every axis. Got {value!r} instead ({bad[0]} is not allowed).")
@@ -203,16 +254,27 @@ def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
 class SourceSpec(_Model):
     """The HDF5 input: one dataset, several stacked, or a container (Imaris, BigDataViewer). See docs/formats.md."""
 
-    path: str = Field(min_length=1, max_length=MAX_PATH_LENGTH, description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it; not a URL.")
+    path: str = Field(
+        min_length=1,
+        max_length=MAX_PATH_LENGTH,
+        description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it; not a URL.",
+    )
     dataset: str = Field(
         min_length=1,
         description="Path of the dataset inside the file, e.g. /volume/data; several to stack: /ch{0..2}, /a,/b or a glob /ch*; / for a whole Imaris or BigDataViewer file.",
     )
     # --- formats (docs/formats.md) ---
-    stack: str | None = Field(None, description="New axes for stacked datasets, one per {a..b} range or for a list or glob: c (default), t, or tc for two ranges.")
+    stack: str | None = Field(
+        None,
+        description="New axes for stacked datasets, one per {a..b} range or for a list or glob: c (default), t, or tc for two ranges.",
+    )
     tile: Int | None = Field(None, ge=0, description="BigDataViewer: the tile to convert when the file holds several.")
-    angle: Int | None = Field(None, ge=0, description="BigDataViewer: the angle to convert when the file holds several.")
-    illumination: Int | None = Field(None, ge=0, description="BigDataViewer: the illumination to convert when the file holds several.")
+    angle: Int | None = Field(
+        None, ge=0, description="BigDataViewer: the angle to convert when the file holds several."
+    )
+    illumination: Int | None = Field(
+        None, ge=0, description="BigDataViewer: the illumination to convert when the file holds several."
+    )
 
     @field_validator("path")
     @classmethod
@@ -225,6 +287,7 @@ class SourceSpec(_Model):
         if v is not None and (not v or any(a not in "tc" for a in v) or len(set(v)) != len(v)):
             raise ValueError(f"Expected new axes from 't' and 'c', e.g. 'c', 't' or 'tc'. Got {v!r} instead.")
         return v
+
     # --- end formats ---
 
     @field_validator("dataset")
@@ -248,15 +311,21 @@ class CompressorSpec(_Model):
             for name in ("cname", "shuffle"):
                 if getattr(self, name) is not None:
                     raise _FieldError(
-                        name, f"Expected {name} only with codec 'blosc'. Got {name}={getattr(self, name)!r} with codec {self.codec!r} instead."
+                        name,
+                        f"Expected {name} only with codec 'blosc'. Got {name}={getattr(self, name)!r} with codec {self.codec!r} instead.",
                     )
         levels = LEVEL_RANGES.get(self.codec)
         if levels is None and self.clevel is not None:
-            raise _FieldError("clevel", f"Expected no clevel with codec {self.codec!r}. Got clevel={self.clevel} instead.")
+            raise _FieldError(
+                "clevel", f"Expected no clevel with codec {self.codec!r}. Got clevel={self.clevel} instead."
+            )
         if levels is not None and self.clevel is not None:
             low, high = levels
             if not low <= self.clevel <= high:
-                raise _FieldError("clevel", f"Expected clevel between {low} and {high} for codec {self.codec!r}. Got {self.clevel} instead.")
+                raise _FieldError(
+                    "clevel",
+                    f"Expected clevel between {low} and {high} for codec {self.codec!r}. Got {self.clevel} instead.",
+                )
         return self
 
     @property
@@ -282,15 +351,31 @@ class CompressorSpec(_Model):
 class OutputSpec(_Model):
     """The OME-Zarr output."""
 
-    path: str = Field(min_length=1, max_length=MAX_PATH_LENGTH, description="Output directory, conventionally ending in .ome.zarr, or an s3://bucket/prefix URL (docs/engine.md, Stores).")
+    path: str = Field(
+        min_length=1,
+        max_length=MAX_PATH_LENGTH,
+        description="Output directory, conventionally ending in .ome.zarr, or an s3://bucket/prefix URL (docs/engine.md, Stores).",
+    )
     ngff_version: Literal["0.4", "0.5"] = Field("0.5", description="0.5 writes Zarr v3 (default); 0.4 writes Zarr v2.")
-    chunks: list[Int] | None = Field(None, description="Chunk shape, one entry per axis. Default: 64 per spatial axis in 3-D, 256 in 2-D, 1 for t and c.")
-    shards: list[Int] | None = Field(None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis.")
+    chunks: list[Int] | None = Field(
+        None,
+        description="Chunk shape, one entry per axis. Default: 64 per spatial axis in 3-D, 256 in 2-D, 1 for t and c.",
+    )
+    shards: list[Int] | None = Field(
+        None, description="Shard shape (NGFF 0.5 only), a multiple of chunks on every axis."
+    )
     compressor: CompressorSpec = Field(default_factory=CompressorSpec)
-    overwrite: bool = Field(False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories.")
-    checksums: bool = Field(True, description="A CRC32C per chunk file: NGFF 0.5 writes the Zarr v3 crc32c codec, 0.4 a sidecar (0/.h5ngff-checksums/, local outputs only); h5ngff verify checks them.")
+    overwrite: bool = Field(
+        False, description="Replace an existing output that h5ngff or Zarr wrote. Never replaces other directories."
+    )
+    checksums: bool = Field(
+        True,
+        description="A CRC32C per chunk file: NGFF 0.5 writes the Zarr v3 crc32c codec, 0.4 a sidecar (0/.h5ngff-checksums/, local outputs only); h5ngff verify checks them.",
+    )
     storage_options: dict[str, str] | None = Field(
-        None, description="Object store options for an s3:// path, e.g. profile, endpoint, region, allow_http. Credentials belong in the environment (a Secret), not here.")
+        None,
+        description="Object store options for an s3:// path, e.g. profile, endpoint, region, allow_http. Credentials belong in the environment (a Secret), not here.",
+    )
 
     @field_validator("path")
     @classmethod
@@ -304,8 +389,10 @@ class OutputSpec(_Model):
         # refuses the number, so accepting it here would pass a manifest locally that the cluster
         # refuses: say how to quote it instead.
         if isinstance(v, float):
-            raise ValueError(f"Expected the string '0.4' or '0.5'. Got the number {v!r} instead (YAML reads an unquoted {v!r} as a number, "
-                             f"which the ConversionJob CRD refuses too): quote it, e.g. ngffVersion: \"{v}\".")
+            raise ValueError(
+                f"Expected the string '0.4' or '0.5'. Got the number {v!r} instead (YAML reads an unquoted {v!r} as a number, "
+                f'which the ConversionJob CRD refuses too): quote it, e.g. ngffVersion: "{v}".'
+            )
         return v
 
     @field_validator("chunks", "shards")
@@ -316,7 +403,10 @@ class OutputSpec(_Model):
     @model_validator(mode="after")
     def _options_need_a_url(self) -> "OutputSpec":
         if self.storage_options and url_scheme(self.path) is None:
-            raise _FieldError("storageOptions", f"Expected storage options only with an s3:// output.path. Got {sorted(self.storage_options)} with the local path {self.path!r} instead.")
+            raise _FieldError(
+                "storageOptions",
+                f"Expected storage options only with an s3:// output.path. Got {sorted(self.storage_options)} with the local path {self.path!r} instead.",
+            )
         return self
 
     @field_validator("storage_options")
@@ -326,9 +416,13 @@ class OutputSpec(_Model):
         # itself (planner/plan.py upload_depth_for): it must be a small count before any plan.
         # Keys are case-insensitive, as the store reads them.
         for key, value in (v or {}).items():
-            if key.lower() == UPLOADS_IN_FLIGHT and not (re.fullmatch(r"[0-9]{1,2}", str(value)) and int(value) <= MAX_UPLOADS_IN_FLIGHT):
-                raise ValueError(f"Expected storageOptions.{key} to be a whole number from 0 (one PUT at a time) to {MAX_UPLOADS_IN_FLIGHT}. "
-                                 f"Got {value!r} instead.")
+            if key.lower() == UPLOADS_IN_FLIGHT and not (
+                re.fullmatch(r"[0-9]{1,2}", str(value)) and int(value) <= MAX_UPLOADS_IN_FLIGHT
+            ):
+                raise ValueError(
+                    f"Expected storageOptions.{key} to be a whole number from 0 (one PUT at a time) to {MAX_UPLOADS_IN_FLIGHT}. "
+                    f"Got {value!r} instead."
+                )
         return v
 
     @property
@@ -343,7 +437,12 @@ class OutputSpec(_Model):
         # NGFF 0.4's checksums live in a sidecar written beside the chunk files, and the object
         # store writer writes none: a 0.4 bucket output defaults to no checksums (0.5's crc32c
         # codec travels inside every chunk and works on every store).
-        if isinstance(data, dict) and "checksums" not in data and isinstance(data.get("path"), str) and url_scheme(data["path"]):
+        if (
+            isinstance(data, dict)
+            and "checksums" not in data
+            and isinstance(data.get("path"), str)
+            and url_scheme(data["path"])
+        ):
             if str(data.get("ngffVersion", data.get("ngff_version", "0.5"))) == "0.4":
                 data = {**data, "checksums": False}
         return data
@@ -351,21 +450,33 @@ class OutputSpec(_Model):
     @model_validator(mode="after")
     def _sidecar_needs_a_directory(self) -> "OutputSpec":
         if self.checksums and self.ngff_version == "0.4" and url_scheme(self.path):
-            raise _FieldError("checksums", "Expected checksums with ngffVersion '0.4' only for a local output (their sidecar is a directory beside the chunks). "
-                                           "Got an object-store path instead: use ngffVersion '0.5' (checksums inside every chunk) or checksums: false.")
+            raise _FieldError(
+                "checksums",
+                "Expected checksums with ngffVersion '0.4' only for a local output (their sidecar is a directory beside the chunks). "
+                "Got an object-store path instead: use ngffVersion '0.5' (checksums inside every chunk) or checksums: false.",
+            )
         return self
 
     @model_validator(mode="after")
     def _shards_need_v3(self) -> "OutputSpec":
         if self.shards is not None:
             if self.ngff_version != "0.5":
-                raise _FieldError("shards", f"Expected shards only with ngffVersion '0.5' (Zarr v3). Got shards with ngffVersion {self.ngff_version!r} instead.")
+                raise _FieldError(
+                    "shards",
+                    f"Expected shards only with ngffVersion '0.5' (Zarr v3). Got shards with ngffVersion {self.ngff_version!r} instead.",
+                )
             if self.chunks is not None:
                 if len(self.shards) != len(self.chunks):
-                    raise _FieldError("shards", f"Expected shards with as many entries as chunks ({len(self.chunks)}). Got {self.shards} instead.")
+                    raise _FieldError(
+                        "shards",
+                        f"Expected shards with as many entries as chunks ({len(self.chunks)}). Got {self.shards} instead.",
+                    )
                 bad = [i for i, (s, c) in enumerate(zip(self.shards, self.chunks)) if s % c]
                 if bad:
-                    raise _FieldError("shards", f"Expected every shard entry to be a multiple of the chunk entry. Got shards {self.shards} for chunks {self.chunks} instead (axis {bad[0]}).")
+                    raise _FieldError(
+                        "shards",
+                        f"Expected every shard entry to be a multiple of the chunk entry. Got shards {self.shards} for chunks {self.chunks} instead (axis {bad[0]}).",
+                    )
         return self
 
 
@@ -374,7 +485,10 @@ class ImageSpec(_Model):
 
     axes: str | None = Field(None, description="Axis names in order, from t, c, z, y, x, e.g. 'tczyx' or 'zyx'.")
     scale: list[Float] | None = Field(None, description="Voxel size per axis, in `units`.")
-    units: list[str] | None = Field(None, description="Unit per axis, e.g. micrometer or second; empty string for none. One space unit alone applies to every spatial axis.")
+    units: list[str] | None = Field(
+        None,
+        description="Unit per axis, e.g. micrometer or second; empty string for none. One space unit alone applies to every spatial axis.",
+    )
     name: str | None = Field(None, description="Image name written to the multiscales metadata.")
 
     @field_validator("axes")
@@ -410,15 +524,22 @@ class PyramidSpec(_Model):
     """The multiscale pyramid built in the same pass as level 0."""
 
     levels: Annotated[int | Literal["auto"], Field(json_schema_extra={"x-kubernetes-int-or-string": True})] = Field(
-        "auto", description="Number of levels including full resolution, or 'auto' (halve until one chunk holds the smallest level)."
+        "auto",
+        description="Number of levels including full resolution, or 'auto' (halve until one chunk holds the smallest level).",
     )
 
     @field_validator("levels", mode="before")
     @classmethod
     def _levels_not_bool(cls, v: Any) -> Any:
         return _int_or_auto(v, "'auto' or an integer from 1 to 16")
-    method: Literal["mean", "nearest", "max"] = Field("mean", description="mean (exact, rounded half to even for integers), nearest or max.")
-    axes: str | None = Field(None, description="Axes to downsample at every level, e.g. 'yx'. Default: the spatial axes, each level halving those whose voxel size is finer than the coarsest (all of them once equal).")
+
+    method: Literal["mean", "nearest", "max"] = Field(
+        "mean", description="mean (exact, rounded half to even for integers), nearest or max."
+    )
+    axes: str | None = Field(
+        None,
+        description="Axes to downsample at every level, e.g. 'yx'. Default: the spatial axes, each level halving those whose voxel size is finer than the coarsest (all of them once equal).",
+    )
 
     @field_validator("levels")
     @classmethod
@@ -445,10 +566,18 @@ class ResourcesSpec(_Model):
         "auto", description="Dask worker processes. 'auto': one per core locally, 4 on Kubernetes."
     )
     threads_per_worker: Int = Field(1, ge=1, le=64, description="Threads per worker; each runs one slab at a time.")
-    memory_per_worker: ByteQuantity | None = Field(None, description="Pod memory limit per worker, e.g. 1Gi. The plan must fit in it.")
-    memory_total: ByteQuantity | None = Field(None, description="Memory for all workers together; the planner picks the worker count.")
-    slab: list[Int] | None = Field(None, description="Read slab shape; re-aligned to the chunk grid with a notice if needed.")
-    allocator: Literal["auto", "jemalloc", "glibc"] = Field("auto", description="Worker malloc: jemalloc where installed, else glibc tuned to return memory.")
+    memory_per_worker: ByteQuantity | None = Field(
+        None, description="Pod memory limit per worker, e.g. 1Gi. The plan must fit in it."
+    )
+    memory_total: ByteQuantity | None = Field(
+        None, description="Memory for all workers together; the planner picks the worker count."
+    )
+    slab: list[Int] | None = Field(
+        None, description="Read slab shape; re-aligned to the chunk grid with a notice if needed."
+    )
+    allocator: Literal["auto", "jemalloc", "glibc"] = Field(
+        "auto", description="Worker malloc: jemalloc where installed, else glibc tuned to return memory."
+    )
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -473,11 +602,15 @@ class ResourcesSpec(_Model):
         if v is None:
             return None
         if isinstance(v, str) and len(v) > MAX_QUANTITY_LENGTH:
-            raise ValueError(f"Expected a byte quantity such as 1Gi (at most {MAX_QUANTITY_LENGTH} characters). Got {len(v)} characters instead.")
+            raise ValueError(
+                f"Expected a byte quantity such as 1Gi (at most {MAX_QUANTITY_LENGTH} characters). Got {len(v)} characters instead."
+            )
         if parse_bytes(v) < MIN_WORKER_MEMORY:
-            raise ValueError(f"Expected at least {MIN_WORKER_MEMORY // MiB}Mi, the smallest worker any plan fits in (Python and the "
-                             f"libraries alone take about 100Mi, and the nanny and the pod's headroom more). Got {v!r} instead: "
-                             f"raise it to at least {MIN_WORKER_MEMORY // MiB}Mi.")
+            raise ValueError(
+                f"Expected at least {MIN_WORKER_MEMORY // MiB}Mi, the smallest worker any plan fits in (Python and the "
+                f"libraries alone take about 100Mi, and the nanny and the pod's headroom more). Got {v!r} instead: "
+                f"raise it to at least {MIN_WORKER_MEMORY // MiB}Mi."
+            )
         return v
 
     @field_validator("slab")
@@ -504,7 +637,17 @@ class ResourcesSpec(_Model):
 
 
 #: ``#SBATCH`` options the plan sets itself: a directive overriding them would break the plan.
-SLURM_PLANNED_OPTIONS = ("--mem", "--mem-per-cpu", "--mem-per-gpu", "--cpus-per-task", "-c", "--ntasks", "-n", "--nodes", "-N")
+SLURM_PLANNED_OPTIONS = (
+    "--mem",
+    "--mem-per-cpu",
+    "--mem-per-gpu",
+    "--cpus-per-task",
+    "-c",
+    "--ntasks",
+    "-n",
+    "--nodes",
+    "-N",
+)
 #: A walltime as sbatch reads it: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
 SLURM_WALLTIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$"
 #: What SLURM_WALLTIME allows, in words (for the error message).
@@ -546,16 +689,45 @@ class SlurmSpec(_Model):
     """Where the worker jobs run on a SLURM cluster (``--backend slurm``; docs/slurm.md). The job
     memory, CPUs and Dask limits come from the plan, never from here."""
 
-    partition: str | None = Field(None, description="Partition for the worker jobs (#SBATCH -p); default: the cluster's default partition.")
+    partition: str | None = Field(
+        None, description="Partition for the worker jobs (#SBATCH -p); default: the cluster's default partition."
+    )
     account: str | None = Field(None, description="Account charged for the worker jobs (#SBATCH -A).")
     qos: str | None = Field(None, description="Quality of service of the worker jobs (#SBATCH --qos).")
-    walltime: str = Field("01:00:00", pattern=SLURM_WALLTIME, description="Time limit of each worker job (#SBATCH -t), e.g. 02:00:00 or 1-00:00:00.")
-    directives: list[str] | None = Field(None, max_length=MAX_SLURM_DIRECTIVES, description="Extra #SBATCH options, one per entry, e.g. --constraint=skylake; not --mem or --cpus-per-task, which the plan sets.")
-    scratch: str = Field("${TMPDIR:-/tmp}", min_length=1, description="Job-local scratch directory: the worker's Dask local directory (shell variables expand in the job, e.g. /scratch/$SLURM_JOB_ID).")
-    python: str | None = Field(None, description="Python interpreter the workers start with on the nodes (default: the one running h5ngff); it needs h5ngff installed.")
-    prologue: list[str] | None = Field(None, description="Shell lines run in the job before the worker starts, e.g. 'module load hdf5' or 'source /path/venv/bin/activate'.")
-    log_directory: str = Field("h5ngff-slurm-logs", min_length=1, description="Where the jobs' .out and .err files go; it must be readable from where h5ngff runs (failures are read from them).")
-    pending_timeout: Int = Field(600, ge=1, le=7 * 86400, description="Seconds the worker jobs may pend before the run fails with reason WorkersPending and SLURM's pending reason.")
+    walltime: str = Field(
+        "01:00:00",
+        pattern=SLURM_WALLTIME,
+        description="Time limit of each worker job (#SBATCH -t), e.g. 02:00:00 or 1-00:00:00.",
+    )
+    directives: list[str] | None = Field(
+        None,
+        max_length=MAX_SLURM_DIRECTIVES,
+        description="Extra #SBATCH options, one per entry, e.g. --constraint=skylake; not --mem or --cpus-per-task, which the plan sets.",
+    )
+    scratch: str = Field(
+        "${TMPDIR:-/tmp}",
+        min_length=1,
+        description="Job-local scratch directory: the worker's Dask local directory (shell variables expand in the job, e.g. /scratch/$SLURM_JOB_ID).",
+    )
+    python: str | None = Field(
+        None,
+        description="Python interpreter the workers start with on the nodes (default: the one running h5ngff); it needs h5ngff installed.",
+    )
+    prologue: list[str] | None = Field(
+        None,
+        description="Shell lines run in the job before the worker starts, e.g. 'module load hdf5' or 'source /path/venv/bin/activate'.",
+    )
+    log_directory: str = Field(
+        "h5ngff-slurm-logs",
+        min_length=1,
+        description="Where the jobs' .out and .err files go; it must be readable from where h5ngff runs (failures are read from them).",
+    )
+    pending_timeout: Int = Field(
+        600,
+        ge=1,
+        le=7 * 86400,
+        description="Seconds the worker jobs may pend before the run fails with reason WorkersPending and SLURM's pending reason.",
+    )
 
     @field_validator("partition", "account", "qos", "scratch", "python", "log_directory")
     @classmethod
@@ -573,15 +745,19 @@ class SlurmSpec(_Model):
         for d in v or ():
             _one_line(d)
             if len(d) > MAX_SLURM_DIRECTIVE_LENGTH:
-                raise ValueError(f"Expected directives of at most {MAX_SLURM_DIRECTIVE_LENGTH} characters. Got {len(d)} characters instead.")
+                raise ValueError(
+                    f"Expected directives of at most {MAX_SLURM_DIRECTIVE_LENGTH} characters. Got {len(d)} characters instead."
+                )
             match = re.match(SLURM_OPTION, d)
             if match is None:
                 raise ValueError(f"Expected an sbatch option such as --constraint=skylake. Got {d!r} instead.")
             planned = re.search(SLURM_PLANNED_DIRECTIVE, d)
             if planned is not None:
-                raise ValueError(f"Expected no {_planned_word(planned.group(0))}: the plan sets the job's memory and CPUs "
-                                 f"(h5ngff plan --backend slurm shows them); change resources.memoryPerWorker or "
-                                 f"resources.threadsPerWorker instead. Got {d!r} instead.")
+                raise ValueError(
+                    f"Expected no {_planned_word(planned.group(0))}: the plan sets the job's memory and CPUs "
+                    f"(h5ngff plan --backend slurm shows them); change resources.memoryPerWorker or "
+                    f"resources.threadsPerWorker instead. Got {d!r} instead."
+                )
         return v
 
 
@@ -615,14 +791,21 @@ class ConversionSpec(_Model):
         if axes is None:
             return self
         n = len(axes)
-        for name, value in (("output.chunks", self.output.chunks), ("output.shards", self.output.shards),
-                            ("image.scale", self.image.scale), ("resources.slab", self.resources.slab)):
+        for name, value in (
+            ("output.chunks", self.output.chunks),
+            ("output.shards", self.output.shards),
+            ("image.scale", self.image.scale),
+            ("resources.slab", self.resources.slab),
+        ):
             if value is not None and len(value) != n:
                 raise _FieldError(name, f"Expected {n} entries, one per axis {axes!r}. Got {list(value)} instead.")
         _check_units(self.image.units, axes)
         missing = [a for a in self.pyramid.axes or "" if a not in axes]
         if missing:
-            raise _FieldError("pyramid.axes", f"Expected axes present in the image axes {axes!r}. Got {self.pyramid.axes!r} instead ({missing[0]!r} is not an image axis).")
+            raise _FieldError(
+                "pyramid.axes",
+                f"Expected axes present in the image axes {axes!r}. Got {self.pyramid.axes!r} instead ({missing[0]!r} is not an image axis).",
+            )
         return self
 
 
@@ -635,7 +818,10 @@ def _check_units(units: list[str] | None, axes: str) -> None:
     for axis, unit in zip(axes, units):
         allowed = SPACE_UNITS if AXIS_TYPES[axis] == "space" else TIME_UNITS if axis == "t" else ()
         if unit and unit not in allowed:
-            raise _FieldError("image.units", f"Expected a {AXIS_TYPES[axis]} unit for axis {axis!r} (or '' for none). Got {unit!r} instead.")
+            raise _FieldError(
+                "image.units",
+                f"Expected a {AXIS_TYPES[axis]} unit for axis {axis!r} (or '' for none). Got {unit!r} instead.",
+            )
 
 
 def parse_axes(value: str) -> str:
@@ -643,7 +829,9 @@ def parse_axes(value: str) -> str:
     v = value.strip().lower()
     unknown = sorted({a for a in v if a not in AXIS_TYPES})
     if unknown or len(set(v)) != len(v):
-        raise ValueError(f"Expected distinct axis names from 't', 'c', 'z', 'y', 'x', e.g. 'tczyx'. Got {value!r} instead.")
+        raise ValueError(
+            f"Expected distinct axis names from 't', 'c', 'z', 'y', 'x', e.g. 'tczyx'. Got {value!r} instead."
+        )
     kinds = [AXIS_TYPES[a] for a in v]
     spatial = kinds.count("space")
     order = {"time": 0, "channel": 1, "space": 2}
@@ -709,7 +897,10 @@ def _describe_pydantic_error(err: ErrorDetails, alternatives: Sequence[ErrorDeta
     if kind == "missing":
         return field, "Expected a value; this field is required. Got nothing instead."
     if kind == "extra_forbidden":
-        return field, f"Expected no such field (check its spelling and case; fields are camelCase). Got {got!r} instead."
+        return (
+            field,
+            f"Expected no such field (check its spelling and case; fields are camelCase). Got {got!r} instead.",
+        )
     if kind == "value_error":
         return field, str((err.get("ctx") or {}).get("error", err["msg"])).removeprefix("Value error, ")
     allowed = " or ".join(dict.fromkeys(_expected(e) for e in [err, *alternatives]))

@@ -14,10 +14,22 @@ GiB = 1 << 30
 _SUFFIXES = {
     "": 1,
     "b": 1,
-    "k": 10**3, "kb": 10**3, "ki": 1 << 10, "kib": 1 << 10,
-    "m": 10**6, "mb": 10**6, "mi": 1 << 20, "mib": 1 << 20,
-    "g": 10**9, "gb": 10**9, "gi": 1 << 30, "gib": 1 << 30,
-    "t": 10**12, "tb": 10**12, "ti": 1 << 40, "tib": 1 << 40,
+    "k": 10**3,
+    "kb": 10**3,
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
 }
 #: Spaces are named, not ``\s``: Python's ``\s`` also matches Unicode spaces and the vertical tab,
 #: RE2's (the API server's, for the CRD's copy of this grammar) does not.
@@ -48,7 +60,9 @@ def parse_bytes(value: int | float | str) -> int:
 
 def _bounded(n: int | float, given: object) -> int:
     if not n < MAX_BYTES:  # also refuses inf and nan, which int() cannot convert
-        raise ValueError(f"Expected a byte quantity below 2**63 bytes (8Ei), e.g. '1Gi' or '512MiB'. Got {given!r} instead.")
+        raise ValueError(
+            f"Expected a byte quantity below 2**63 bytes (8Ei), e.g. '1Gi' or '512MiB'. Got {given!r} instead."
+        )
     return int(n)
 
 

@@ -105,7 +105,9 @@ class Session:
             names = set(pods) | {n for n in names if n in pods}
         reports = []
         for name in sorted(names, key=_natural):
-            report = pods.get(name) or WorkerReport(name=name, oom_kills=kills[name], memory_terminations=terminations[name])
+            report = pods.get(name) or WorkerReport(
+                name=name, oom_kills=kills[name], memory_terminations=terminations[name]
+            )
             report.nanny_restarts = max(report.nanny_restarts, restarts[name])
             report.peak_rss = max(report.peak_rss, peaks.get(name, 0), last_peaks.get(name, 0))
             report.predicted_peak = plan.memory.predicted_peak
@@ -114,11 +116,21 @@ class Session:
             reports.append(report)
         return reports
 
-    def diagnose(self, failure: BaseException, events: ClusterEvents, plan: Plan, workers: list[WorkerReport]) -> WorkerFailedError:
+    def diagnose(
+        self, failure: BaseException, events: ClusterEvents, plan: Plan, workers: list[WorkerReport]
+    ) -> WorkerFailedError:
         """The error a run whose workers died fails with: who killed them, with the numbers."""
         kills = sum(w.oom_kills for w in workers)
-        return classify_failure(failure, events, self.enforced_pod_limit(plan), plan.memory.memory_limit, kills,
-                                limit_name=self.limit_name, workers=workers, planned_limit=plan.memory.pod_limit)
+        return classify_failure(
+            failure,
+            events,
+            self.enforced_pod_limit(plan),
+            plan.memory.memory_limit,
+            kills,
+            limit_name=self.limit_name,
+            workers=workers,
+            planned_limit=plan.memory.pod_limit,
+        )
 
 
 def _by_name(events: Iterable[dict[str, Any]]) -> Counter[str]:
@@ -218,8 +230,14 @@ def connected_workers(client: Client) -> int:
     return len(info["workers"])
 
 
-def wait_for_workers(client: Client, n: int, timeout: float, on_timeout: Callable[[int], BaseException],
-                     check: Callable[[], None] = lambda: None, interval: float = 0.25) -> None:
+def wait_for_workers(
+    client: Client,
+    n: int,
+    timeout: float,
+    on_timeout: Callable[[int], BaseException],
+    check: Callable[[], None] = lambda: None,
+    interval: float = 0.25,
+) -> None:
     """Until ``n`` workers are connected: the one wait of every backend that starts workers.
 
     ``check`` runs between looks and raises where the backend already knows the workers will not
@@ -248,4 +266,3 @@ def machine_capacity(default_workers: int | None = None) -> Capacity:
     if limit:
         memory = min(memory, limit)
     return Capacity(cores=cores, memory_bytes=memory, default_workers=default_workers)
-

@@ -27,7 +27,13 @@ V1_ROOT = "/sys/fs/cgroup/memory"
 #: out of ``dirty`` (shmem does no dirty accounting), so nothing is counted twice. ``unevictable``
 #: (mlocked and ramfs pages) may overlap anon for mlocked anonymous pages; h5ngff locks none.
 NONRECLAIMABLE_KEYS = {
-    1: (("total_rss", "rss"), ("total_shmem", "shmem"), ("total_dirty", "dirty"), ("total_writeback", "writeback"), ("total_unevictable", "unevictable")),
+    1: (
+        ("total_rss", "rss"),
+        ("total_shmem", "shmem"),
+        ("total_dirty", "dirty"),
+        ("total_writeback", "writeback"),
+        ("total_unevictable", "unevictable"),
+    ),
     2: (("anon",), ("shmem",), ("file_dirty",), ("file_writeback",), ("unevictable",)),
 }
 #: The names of the terms above, in the same order, whatever the version.
@@ -40,6 +46,8 @@ def nonreclaimable_terms(stat: dict[str, int], version: int) -> dict[str, int]:
     for term, keys in zip(NONRECLAIMABLE_TERMS, NONRECLAIMABLE_KEYS[version]):
         out[term] = next((stat[k] for k in keys if k in stat), 0)
     return out
+
+
 V2_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
 
 
@@ -70,7 +78,10 @@ def _own_paths(proc_cgroup: str = "/proc/self/cgroup") -> tuple[str | None, str 
 
 def _v2_root() -> str | None:
     for root in V2_ROOTS:
-        if os.path.exists(os.path.join(root, "cgroup.controllers")) and "memory" in _read(os.path.join(root, "cgroup.controllers")).split():
+        if (
+            os.path.exists(os.path.join(root, "cgroup.controllers"))
+            and "memory" in _read(os.path.join(root, "cgroup.controllers")).split()
+        ):
             return root
     return None
 

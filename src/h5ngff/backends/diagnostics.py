@@ -50,14 +50,17 @@ class WorkerExitReporter(NannyPlugin):
                 # retrieved" (backends/shutdown.py); the run's events were read before the close.
                 return await _original(exitcode)
             try:
-                _nanny.log_event(EXIT_TOPIC, {
-                    "worker": _nanny.worker_address,
-                    "nanny": _nanny.address,
-                    "name": str(_nanny.name),
-                    "exitcode": exitcode,
-                    "oom_kills": own_oom_kill_count(),
-                    "time": time.time(),
-                })
+                _nanny.log_event(
+                    EXIT_TOPIC,
+                    {
+                        "worker": _nanny.worker_address,
+                        "nanny": _nanny.address,
+                        "name": str(_nanny.name),
+                        "exitcode": exitcode,
+                        "oom_kills": own_oom_kill_count(),
+                        "time": time.time(),
+                    },
+                )
             except Exception:  # reporting must never stop the nanny from restarting its worker
                 log.debug("could not log worker exit", exc_info=True)
             return await _original(exitcode)
@@ -197,7 +200,11 @@ class ClusterEvents:
         earlier runs."""
         try:
             exits = [msg for stamp, msg in client.get_events(EXIT_TOPIC) if stamp >= since and isinstance(msg, dict)]
-            restarts = [msg for stamp, msg in client.get_events(MEMORY_RESTART_TOPIC) if stamp >= since and isinstance(msg, dict)]
+            restarts = [
+                msg
+                for stamp, msg in client.get_events(MEMORY_RESTART_TOPIC)
+                if stamp >= since and isinstance(msg, dict)
+            ]
         except Exception:
             return cls()
         return cls(exits, restarts)
@@ -226,8 +233,16 @@ class ClusterEvents:
         return killed
 
 
-def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, memory_limit: int, oom_kills: int = 0,
-                     limit_name: str = "pod limit", workers: Sequence[WorkerReport] = (), planned_limit: int | None = None) -> WorkerFailedError:
+def classify_failure(
+    exc: BaseException,
+    events: ClusterEvents,
+    pod_limit: int,
+    memory_limit: int,
+    oom_kills: int = 0,
+    limit_name: str = "pod limit",
+    workers: Sequence[WorkerReport] = (),
+    planned_limit: int | None = None,
+) -> WorkerFailedError:
     """Turn a KilledWorker into the reason a user can act on. The kernel's OOM kills are checked
     first: a nanny termination that follows an OOM kill does not hide it. ``oom_kills`` is the
     run's one count (the sum of the per-worker counts the summary reports), so the message never
@@ -237,10 +252,12 @@ def classify_failure(exc: BaseException, events: ClusterEvents, pod_limit: int, 
     if kills:
         err: WorkerFailedError = OOMKilledError(
             f"OOMKilled by the kernel ({limit_name} {pod_limit >> 20} MiB): a worker used more than its {_whose(limit_name)} memory "
-            f"limit and the kernel killed it, {kills} time(s).{_killed_figures(workers)} " + (
+            f"limit and the kernel killed it, {kills} time(s).{_killed_figures(workers)} "
+            + (
                 f"The limit was set below the plan's {planned_limit >> 20} MiB (an override): drop the override."
-                if planned_limit and pod_limit < planned_limit else
-                "The plan's prediction was exceeded; raise resources.memoryPerWorker or report the case (h5ngff plan --json output helps)."),
+                if planned_limit and pod_limit < planned_limit
+                else "The plan's prediction was exceeded; raise resources.memoryPerWorker or report the case (h5ngff plan --json output helps)."
+            ),
         )
     elif terminations:
         worst = max(e.get("rss", 0) for e in events.memory_restarts)
@@ -268,6 +285,8 @@ def _killed_figures(workers: Sequence[WorkerReport]) -> str:
     for w in workers:
         if w.oom_kills:
             cgroup = f", cgroup peak {format_bytes(w.cgroup_peak)}" if w.cgroup_peak else ""
-            parts.append(f"{w.name}: {w.oom_kills} kill(s), peak RSS {format_bytes(w.peak_rss)} (predicted {format_bytes(w.predicted_peak)}{cgroup}, "
-                         f"limit {format_bytes(w.pod_limit)})")
+            parts.append(
+                f"{w.name}: {w.oom_kills} kill(s), peak RSS {format_bytes(w.peak_rss)} (predicted {format_bytes(w.predicted_peak)}{cgroup}, "
+                f"limit {format_bytes(w.pod_limit)})"
+            )
     return (" " + "; ".join(parts) + ".") if parts else ""

@@ -29,7 +29,9 @@ class ExternalBackend:
         try:
             return connect(self.address, timeout=self.timeout)
         except OSError as exc:
-            raise ClusterError(f"--scheduler: cannot reach the Dask scheduler at {self.address!r} ({exc}). Is it running, and is the address right?") from None
+            raise ClusterError(
+                f"--scheduler: cannot reach the Dask scheduler at {self.address!r} ({exc}). Is it running, and is the address right?"
+            ) from None
 
     def workers(self) -> dict[str, dict[str, Any]]:
         # A client of its own, closed at once: planning (``h5ngff plan --scheduler``) may never
@@ -41,7 +43,9 @@ class ExternalBackend:
     def capacity(self) -> Capacity:
         workers = self.workers()
         if not workers:
-            raise ClusterError(f"--scheduler: the cluster at {self.address!r} has no workers. Start some workers first.")
+            raise ClusterError(
+                f"--scheduler: the cluster at {self.address!r} has no workers. Start some workers first."
+            )
         threads = sum(w.get("nthreads", 1) for w in workers.values())
         memory = sum(w.get("memory_limit") or 0 for w in workers.values())
         return Capacity(cores=threads, memory_bytes=memory, default_workers=len(workers))
@@ -55,7 +59,9 @@ class ExternalBackend:
         and (unless the spec sets a memory budget) their smallest memory limit."""
         capacity = self.capacity()
         workers = capacity.default_workers or 1
-        resources = spec.resources.model_copy(update={"workers": workers, "threads_per_worker": max(1, capacity.cores // workers)})
+        resources = spec.resources.model_copy(
+            update={"workers": workers, "threads_per_worker": max(1, capacity.cores // workers)}
+        )
         limit = self.memory_limit()
         if limit and spec.resources.memory_per_worker is None and spec.resources.memory_total is None:
             resources = resources.model_copy(update={"memory_per_worker": limit})

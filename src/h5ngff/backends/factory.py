@@ -74,7 +74,9 @@ def _external(options: BackendOptions) -> Backend:
     from .external import ExternalBackend
 
     if not options.scheduler:
-        raise SpecError("--scheduler", "Expected the address of a running Dask scheduler (tcp://host:8786). Got nothing instead.")
+        raise SpecError(
+            "--scheduler", "Expected the address of a running Dask scheduler (tcp://host:8786). Got nothing instead."
+        )
     return ExternalBackend(options.scheduler)
 
 

@@ -29,7 +29,16 @@ from distributed import Client
 
 from ..errors import ClusterError
 from ..jobspec import API_VERSION, Owner, PodSettings
-from ..k8s import container_storage, credential_env, dask_cluster_name, env_list, labels, owner_reference, pod_placement, with_scratch
+from ..k8s import (
+    container_storage,
+    credential_env,
+    dask_cluster_name,
+    env_list,
+    labels,
+    owner_reference,
+    pod_placement,
+    with_scratch,
+)
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
 from ..units import GiB, k8s_quantity
@@ -55,20 +64,29 @@ def worker_env(plan: Plan, allocator_library: str | None = None) -> dict[str, st
     return {**dask_env(dask_memory_config(plan)), **allocator_env(plan.allocator, allocator_library)}
 
 
-def build_worker_container(plan: Plan, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
+def build_worker_container(
+    plan: Plan, image: str, pod: PodSettings, allocator_library: str | None = None
+) -> dict[str, Any]:
     """The worker container: planned limits, ``--memory-limit``, threads, thresholds, allocator."""
     memory = k8s_quantity(plan.memory.pod_limit)
     cpu = str(plan.threads_per_worker)
     args = [
-        "dask", "worker",
+        "dask",
+        "worker",
         # The Dask Operator sets DASK_WORKER_NAME and DASK_SCHEDULER_ADDRESS in every worker pod.
-        "--name", "$(DASK_WORKER_NAME)",
-        "--nthreads", cpu,
-        "--nworkers", "1",
-        "--memory-limit", str(plan.memory.memory_limit),
+        "--name",
+        "$(DASK_WORKER_NAME)",
+        "--nthreads",
+        cpu,
+        "--nworkers",
+        "1",
+        "--memory-limit",
+        str(plan.memory.memory_limit),
         "--nanny",
-        "--death-timeout", "60",
-        "--dashboard-address", str(WORKER_DASHBOARD_PORT),
+        "--death-timeout",
+        "60",
+        "--dashboard-address",
+        str(WORKER_DASHBOARD_PORT),
     ]
     return {
         "name": "worker",
@@ -81,13 +99,17 @@ def build_worker_container(plan: Plan, image: str, pod: PodSettings, allocator_l
     }
 
 
-def build_worker_pod_spec(plan: Plan, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
-    return with_scratch({
-        "containers": [build_worker_container(plan, image, pod, allocator_library)],
-        # Workers read and write files only; they need no Kubernetes API access.
-        "automountServiceAccountToken": False,
-        **pod_placement(pod),
-    })
+def build_worker_pod_spec(
+    plan: Plan, image: str, pod: PodSettings, allocator_library: str | None = None
+) -> dict[str, Any]:
+    return with_scratch(
+        {
+            "containers": [build_worker_container(plan, image, pod, allocator_library)],
+            # Workers read and write files only; they need no Kubernetes API access.
+            "automountServiceAccountToken": False,
+            **pod_placement(pod),
+        }
+    )
 
 
 def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[str, Any]:
@@ -98,13 +120,25 @@ def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[s
         "args": ["dask", "scheduler", "--host", "0.0.0.0"],
         # The scheduler enforces allowed-failures (a slab that kills its workers fails the run).
         "env": env_list(dask_env(dask_memory_config(plan))),
-        "resources": {"requests": {"memory": memory, "cpu": SCHEDULER_CPU}, "limits": {"memory": memory, "cpu": SCHEDULER_CPU}},
+        "resources": {
+            "requests": {"memory": memory, "cpu": SCHEDULER_CPU},
+            "limits": {"memory": memory, "cpu": SCHEDULER_CPU},
+        },
         "ports": [
             {"name": "tcp-comm", "containerPort": 8786, "protocol": "TCP"},
             {"name": "http-dashboard", "containerPort": 8787, "protocol": "TCP"},
         ],
-        "readinessProbe": {"httpGet": {"port": "http-dashboard", "path": "/health"}, "initialDelaySeconds": 0, "periodSeconds": 1, "timeoutSeconds": 300},
-        "livenessProbe": {"httpGet": {"port": "http-dashboard", "path": "/health"}, "initialDelaySeconds": 15, "periodSeconds": 20},
+        "readinessProbe": {
+            "httpGet": {"port": "http-dashboard", "path": "/health"},
+            "initialDelaySeconds": 0,
+            "periodSeconds": 1,
+            "timeoutSeconds": 300,
+        },
+        "livenessProbe": {
+            "httpGet": {"port": "http-dashboard", "path": "/health"},
+            "initialDelaySeconds": 15,
+            "periodSeconds": 20,
+        },
     }
     if pod.image_pull_policy:
         container["imagePullPolicy"] = pod.image_pull_policy
@@ -112,8 +146,9 @@ def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[s
     return with_scratch({"containers": [container], "automountServiceAccountToken": False, **placement})
 
 
-
-def build_dask_cluster(plan: Plan, owner: Owner, image: str, pod: PodSettings, allocator_library: str | None = None) -> dict[str, Any]:
+def build_dask_cluster(
+    plan: Plan, owner: Owner, image: str, pod: PodSettings, allocator_library: str | None = None
+) -> dict[str, Any]:
     """The ``DaskCluster`` resource (kubernetes.dask.org/v1) for one run of ``plan``."""
     name = dask_cluster_name(owner.name)
     return {
@@ -150,7 +185,9 @@ class KubernetesBackend:
 
     name = "kubernetes"
 
-    def __init__(self, owner: Owner, image: str, pod: PodSettings | None = None, default_workers: int = REMOTE_DEFAULT_WORKERS):
+    def __init__(
+        self, owner: Owner, image: str, pod: PodSettings | None = None, default_workers: int = REMOTE_DEFAULT_WORKERS
+    ):
         self.owner = owner
         self.image = image
         self.pod = pod or PodSettings()
@@ -174,14 +211,26 @@ class KubernetesBackend:
         spec = build_dask_cluster(plan, self.owner, self.image, self.pod)
         name = spec["metadata"]["name"]
         delete_stale_cluster(name, self.owner.namespace)
-        log.info("creating DaskCluster %s/%s: %d worker(s) of %s", self.owner.namespace, name, plan.workers, k8s_quantity(plan.memory.pod_limit))
+        log.info(
+            "creating DaskCluster %s/%s: %d worker(s) of %s",
+            self.owner.namespace,
+            name,
+            plan.workers,
+            k8s_quantity(plan.memory.pod_limit),
+        )
         try:
             cluster = KubeCluster(
-                custom_cluster_spec=spec, namespace=self.owner.namespace, create_mode=CreateMode.CREATE_ONLY,
-                shutdown_on_close=True, resource_timeout=RESOURCE_TIMEOUT, quiet=True,
+                custom_cluster_spec=spec,
+                namespace=self.owner.namespace,
+                create_mode=CreateMode.CREATE_ONLY,
+                shutdown_on_close=True,
+                resource_timeout=RESOURCE_TIMEOUT,
+                quiet=True,
             )
         except Exception as exc:  # dask-kubernetes raises RuntimeError, TimeoutError, httpx errors
-            raise ClusterError(f"Could not start DaskCluster {self.owner.namespace}/{name}: {exc}. Is the Dask Operator installed and may the runner's service account create daskclusters?") from exc
+            raise ClusterError(
+                f"Could not start DaskCluster {self.owner.namespace}/{name}: {exc}. Is the Dask Operator installed and may the runner's service account create daskclusters?"
+            ) from exc
         try:
             with connect(cluster) as client:
                 register_plugins(client)
@@ -213,12 +262,16 @@ def delete_stale_cluster(name: str, namespace: str, timeout: float = RESOURCE_TI
     except kr8s.NotFoundError:
         return False
     except Exception as exc:  # kr8s raises httpx errors for 403s and unreachable servers
-        raise ClusterError(f"Cannot look up DaskCluster {namespace}/{name}: {exc}. May the runner's service account get daskclusters?") from exc
+        raise ClusterError(
+            f"Cannot look up DaskCluster {namespace}/{name}: {exc}. May the runner's service account get daskclusters?"
+        ) from exc
     log.warning("deleting DaskCluster %s/%s left by an earlier attempt", namespace, name)
     stale.delete()
     deadline = time.monotonic() + timeout
     while stale.exists():
         if time.monotonic() > deadline:
-            raise ClusterError(f"DaskCluster {namespace}/{name} from an earlier attempt was not deleted within {timeout:.0f} s; delete it by hand and retry.")
+            raise ClusterError(
+                f"DaskCluster {namespace}/{name} from an earlier attempt was not deleted within {timeout:.0f} s; delete it by hand and retry."
+            )
         time.sleep(1)
     return True

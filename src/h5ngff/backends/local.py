@@ -36,7 +36,16 @@ from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
 from ..units import format_bytes
 from .allocator import allocator_env
-from .base import Description, Session, connect, dask_env, dask_memory_config, local_cluster, machine_capacity, wait_for_workers
+from .base import (
+    Description,
+    Session,
+    connect,
+    dask_env,
+    dask_memory_config,
+    local_cluster,
+    machine_capacity,
+    wait_for_workers,
+)
 from .cgroups import MemoryCgroup, create_pod_cgroup
 from .diagnostics import WorkerReport, register_plugins
 from .podwatch import PodWatcher
@@ -70,11 +79,16 @@ class MachineBackend:
         if asked is None or asked <= machine:
             return None
         field = "resources.memoryPerWorker" if r.memory_per_worker_bytes is not None else "resources.memoryTotal"
-        given = (f"{format_bytes(r.memory_per_worker_bytes)} per worker x {plan.workers} worker(s) = {format_bytes(asked)}"
-                 if r.memory_per_worker_bytes is not None else format_bytes(asked))
-        return (f"{field}: {given} is more than this machine's {format_bytes(machine)} of memory. The plan takes the budget as given; "
-                f"a local run that reaches it is killed by the kernel, not stopped by Dask. Give at most "
-                f"{format_bytes(machine // max(1, plan.workers))} per worker here (or leave the budget out: the default is a share of this machine's memory).")
+        given = (
+            f"{format_bytes(r.memory_per_worker_bytes)} per worker x {plan.workers} worker(s) = {format_bytes(asked)}"
+            if r.memory_per_worker_bytes is not None
+            else format_bytes(asked)
+        )
+        return (
+            f"{field}: {given} is more than this machine's {format_bytes(machine)} of memory. The plan takes the budget as given; "
+            f"a local run that reaches it is killed by the kernel, not stopped by Dask. Give at most "
+            f"{format_bytes(machine // max(1, plan.workers))} per worker here (or leave the budget out: the default is a share of this machine's memory)."
+        )
 
 
 class LocalBackend(MachineBackend):
@@ -118,11 +132,20 @@ class LocalPodsBackend(MachineBackend):
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
         with ExitStack() as stack:
-            pods = stack.enter_context(PodCluster(plan, dask_memory_config(plan), allocator_env(plan.allocator), self.pod_limit or plan.memory.pod_limit))
+            pods = stack.enter_context(
+                PodCluster(
+                    plan,
+                    dask_memory_config(plan),
+                    allocator_env(plan.allocator),
+                    self.pod_limit or plan.memory.pod_limit,
+                )
+            )
             client = stack.enter_context(connect(pods.scheduler_address))
             register_plugins(client)
             pods.wait_for_workers(client)
-            yield Session(client, self.name, pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline))
+            yield Session(
+                client, self.name, pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline)
+            )
 
 
 @contextmanager
@@ -209,7 +232,9 @@ class PodCluster:
 
     def __enter__(self) -> "PodCluster":
         with dask.config.set(self.config):
-            self._scheduler = local_cluster(n_workers=0, processes=True, dashboard_address=":0", silence_logs=logging.ERROR)
+            self._scheduler = local_cluster(
+                n_workers=0, processes=True, dashboard_address=":0", silence_logs=logging.ERROR
+            )
         try:
             for i in range(self.plan.workers):
                 self.pods.append(self._start_pod(i))
@@ -242,15 +267,24 @@ class PodCluster:
         log_path = os.path.join(self._dir, f"{name}.log")
         env = {**os.environ, **self.env, **dask_env(self.config)}
         cmd = [
-            sys.executable, "-m", "distributed.cli.dask_worker", self.scheduler_address,
-            "--name", name,
-            "--nthreads", str(self.plan.threads_per_worker),
-            "--nworkers", "1",
-            "--memory-limit", str(self.plan.memory.memory_limit),
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            self.scheduler_address,
+            "--name",
+            name,
+            "--nthreads",
+            str(self.plan.threads_per_worker),
+            "--nworkers",
+            "1",
+            "--memory-limit",
+            str(self.plan.memory.memory_limit),
             "--nanny",
             "--no-dashboard",
-            "--local-directory", os.path.join(self._dir, name),
-            "--death-timeout", "60",
+            "--local-directory",
+            os.path.join(self._dir, name),
+            "--death-timeout",
+            "60",
         ]
         cgroup_procs = os.path.join(group.path, "cgroup.procs")
 
@@ -259,15 +293,27 @@ class PodCluster:
                 f.write(str(os.getpid()))
 
         with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=enter_cgroup, start_new_session=True)
-        self.reports.setdefault(name, WorkerReport(name=name, pod_limit=self.pod_limit, memory_limit=self.plan.memory.memory_limit, predicted_peak=self.plan.memory.predicted_peak))
+            process = subprocess.Popen(
+                cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=enter_cgroup, start_new_session=True
+            )
+        self.reports.setdefault(
+            name,
+            WorkerReport(
+                name=name,
+                pod_limit=self.pod_limit,
+                memory_limit=self.plan.memory.memory_limit,
+                predicted_peak=self.plan.memory.predicted_peak,
+            ),
+        )
         self.watcher.watch(name, group, process.pid)
         return Pod(index, name, process, group, log_path)
 
     def wait_for_workers(self, client: Client) -> None:
         def refuse(dead: Pod | None = None) -> ClusterError:
             tail = self._log_tail(dead or self.pods[0])
-            return ClusterError(f"Pod-emulated workers did not start (pod limit {self.pod_limit >> 20} MiB). Last log lines:\n{tail}")
+            return ClusterError(
+                f"Pod-emulated workers did not start (pod limit {self.pod_limit >> 20} MiB). Last log lines:\n{tail}"
+            )
 
         def check() -> None:
             dead = next((p for p in self.pods if p.process.poll() is not None), None)

@@ -42,7 +42,9 @@ TIMELINE_INTERVAL = 0.25
 #: The nanny's and resource tracker's memory changes slowly: read it every this many samples.
 NANNY_EVERY = 4
 
-KILLED = re.compile(r"Killed process (\d+) \(([^)]*)\) total-vm:(\d+)kB, anon-rss:(\d+)kB, file-rss:(\d+)kB, shmem-rss:(\d+)kB")
+KILLED = re.compile(
+    r"Killed process (\d+) \(([^)]*)\) total-vm:(\d+)kB, anon-rss:(\d+)kB, file-rss:(\d+)kB, shmem-rss:(\d+)kB"
+)
 
 
 STATUS_FIELD = re.compile(rb"^(VmRSS|VmHWM|RssAnon):\s+(\d+) kB", re.M)

@@ -91,7 +91,11 @@ def is_sync_cancel_race(record: logging.LogRecord) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     code = tb.tb_frame.f_code
-    return code.co_name == "cancel" and code.co_filename.endswith(os.path.join("distributed", "utils.py")) and "'future'" in str(record.exc_info[1])
+    return (
+        code.co_name == "cancel"
+        and code.co_filename.endswith(os.path.join("distributed", "utils.py"))
+        and "'future'" in str(record.exc_info[1])
+    )
 
 
 def _drop_sync_cancel_race(record: logging.LogRecord) -> bool:

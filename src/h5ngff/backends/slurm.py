@@ -38,7 +38,15 @@ from typing import Any
 import dask
 from distributed import Client
 
-from ..errors import ClusterError, H5ngffError, NannyTerminatedError, OOMKilledError, WorkerFailedError, WorkersLostError, WorkersPendingError
+from ..errors import (
+    ClusterError,
+    H5ngffError,
+    NannyTerminatedError,
+    OOMKilledError,
+    WorkerFailedError,
+    WorkersLostError,
+    WorkersPendingError,
+)
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec, SlurmSpec
 from ..units import MiB, format_bytes
@@ -71,7 +79,12 @@ class SlurmBackend:
 
     name = "slurm"
 
-    def __init__(self, settings: SlurmSpec | None = None, job_mem: int | None = None, default_workers: int = REMOTE_DEFAULT_WORKERS):
+    def __init__(
+        self,
+        settings: SlurmSpec | None = None,
+        job_mem: int | None = None,
+        default_workers: int = REMOTE_DEFAULT_WORKERS,
+    ):
         self.settings = settings or SlurmSpec()
         #: Replaces the planned --mem (experiments and negative controls only).
         self.job_mem = job_mem
@@ -98,7 +111,9 @@ class SlurmBackend:
 
     def describe(self, spec: ConversionSpec, plan: Plan) -> Description:
         """The worker job's script, and a word where the budget is more than any node has."""
-        return Description(notices=tuple(filter(None, [self._budget_beyond_nodes(spec, plan)])), job_script=self.job_script(plan))
+        return Description(
+            notices=tuple(filter(None, [self._budget_beyond_nodes(spec, plan)])), job_script=self.job_script(plan)
+        )
 
     def _budget_beyond_nodes(self, spec: ConversionSpec, plan: Plan) -> str | None:
         """On SLURM, --memory-per-worker is the most one job's --mem may be; each job asks for what
@@ -113,9 +128,11 @@ class SlurmBackend:
         where = f"partition {self.settings.partition}" if self.settings.partition else "this SLURM cluster"
         mem = self.job_mem_bytes(plan)
         fits = "fits a node" if mem <= largest else "fits no node either: the jobs would pend until pendingTimeout"
-        return (f"resources.memoryPerWorker: {format_bytes(per_job)} is more than any node of {where} offers "
-                f"({format_bytes(largest)}, sinfo RealMemory). Each worker job asks for what its plan needs, at most the budget: "
-                f"--mem={mem >> 20}M here, which {fits}. Give at most {format_bytes(largest)} per worker.")
+        return (
+            f"resources.memoryPerWorker: {format_bytes(per_job)} is more than any node of {where} offers "
+            f"({format_bytes(largest)}, sinfo RealMemory). Each worker job asks for what its plan needs, at most the budget: "
+            f"--mem={mem >> 20}M here, which {fits}. Give at most {format_bytes(largest)} per worker."
+        )
 
     @contextmanager
     def session(self, plan: Plan) -> Iterator[Session]:
@@ -124,8 +141,12 @@ class SlurmBackend:
         os.makedirs(log_dir, exist_ok=True)
         settings = self.settings.model_copy(update={"log_directory": log_dir})
         # The limit SLURM enforces: --mem in whole MiB, rounded up.
-        jobs = SlurmJobs(plan, job_name, log_dir, job_mem_mib(self.job_mem or plan.memory.pod_limit) * MiB, settings.walltime)
-        refusal = sbatch_refusal(build_job_script(plan, settings, self.python, job_name=job_name, job_mem=self.job_mem).text())
+        jobs = SlurmJobs(
+            plan, job_name, log_dir, job_mem_mib(self.job_mem or plan.memory.pod_limit) * MiB, settings.walltime
+        )
+        refusal = sbatch_refusal(
+            build_job_script(plan, settings, self.python, job_name=job_name, job_mem=self.job_mem).text()
+        )
         if refusal:
             raise refusal_error(refusal, jobs.job_mem)
         with ExitStack() as stack:
@@ -147,7 +168,15 @@ class SlurmBackend:
             cluster.scale(plan.workers)
             jobs.wait_for_workers(client, plan.workers, settings.pending_timeout)
             stack.enter_context(jobs.watching())
-            yield SlurmSession(client, "slurm", jobs.reports, lambda: jobs.refresh(client), jobs.job_mem, limit_name="job --mem", jobs=jobs)
+            yield SlurmSession(
+                client,
+                "slurm",
+                jobs.reports,
+                lambda: jobs.refresh(client),
+                jobs.job_mem,
+                limit_name="job --mem",
+                jobs=jobs,
+            )
 
 
 def refusal_error(refusal: str, job_mem: int) -> ClusterError:
@@ -155,14 +184,20 @@ def refusal_error(refusal: str, job_mem: int) -> ClusterError:
     conf = os.environ.get("SLURM_CONF")
     where = f"SLURM_CONF={conf}" if conf else "SLURM_CONF is not set, so /etc/slurm/slurm.conf or DNS SRV records"
     if UNREACHABLE in refusal:
-        return ClusterError(f"SLURM's controller cannot be reached; sbatch --test-only says: {refusal}. Check that slurmctld is up "
-                            f"(scontrol ping) and that this machine reads the cluster's configuration ({where}).")
+        return ClusterError(
+            f"SLURM's controller cannot be reached; sbatch --test-only says: {refusal}. Check that slurmctld is up "
+            f"(scontrol ping) and that this machine reads the cluster's configuration ({where})."
+        )
     if any(words in refusal for words in NO_CONFIGURATION):
-        return ClusterError(f"SLURM's commands cannot read their configuration here; sbatch --test-only says: {refusal}. "
-                            f"Point SLURM_CONF at the cluster's slurm.conf, or run h5ngff on a login node ({where}).")
-    return ClusterError(f"SLURM refuses the worker job script (sbatch --test-only): {refusal}. "
-                        f"h5ngff plan --backend slurm shows the script; check slurm.partition, slurm.account, slurm.qos and slurm.directives, "
-                        f"and that --mem={job_mem // MiB}M fits a node of the partition (resources.memoryPerWorker).")
+        return ClusterError(
+            f"SLURM's commands cannot read their configuration here; sbatch --test-only says: {refusal}. "
+            f"Point SLURM_CONF at the cluster's slurm.conf, or run h5ngff on a login node ({where})."
+        )
+    return ClusterError(
+        f"SLURM refuses the worker job script (sbatch --test-only): {refusal}. "
+        f"h5ngff plan --backend slurm shows the script; check slurm.partition, slurm.account, slurm.qos and slurm.directives, "
+        f"and that --mem={job_mem // MiB}M fits a node of the partition (resources.memoryPerWorker)."
+    )
 
 
 @dataclass
@@ -171,14 +206,19 @@ class SlurmSession(Session):
 
     jobs: "SlurmJobs | None" = None
 
-    def diagnose(self, failure: BaseException, events: ClusterEvents, plan: Plan, workers: list[WorkerReport]) -> WorkerFailedError:
+    def diagnose(
+        self, failure: BaseException, events: ClusterEvents, plan: Plan, workers: list[WorkerReport]
+    ) -> WorkerFailedError:
         err = super().diagnose(failure, events, plan, workers)
         if isinstance(err, (OOMKilledError, NannyTerminatedError)) or self.jobs is None:
             return err
         lost = self.jobs.lost_error()
         if lost is None:
             return err
-        lost.oom_kills, lost.memory_terminations = err.oom_kills, err.memory_terminations  # classify_failure's counts, 0 here
+        lost.oom_kills, lost.memory_terminations = (
+            err.oom_kills,
+            err.memory_terminations,
+        )  # classify_failure's counts, 0 here
         return lost
 
 
@@ -199,18 +239,32 @@ def _cluster(plan: Plan, settings: SlurmSpec, backend: SlurmBackend, job_name: s
     SLURMCluster = _import_jobqueue()
 
     def script(worker_name: str, scheduler: str) -> JobScript:
-        return build_job_script(plan, settings, backend.python, job_name=job_name, scheduler=scheduler,
-                                worker_name=worker_name, job_mem=backend.job_mem)
+        return build_job_script(
+            plan,
+            settings,
+            backend.python,
+            job_name=job_name,
+            scheduler=scheduler,
+            worker_name=worker_name,
+            job_mem=backend.job_mem,
+        )
 
     # The scheduler enforces allowed-failures, so it needs the plan's Dask config too.
     with dask.config.set(dask_memory_config(plan)):
         try:
             cluster = SLURMCluster(
-                job_cls=_planned_job_class(), h5ngff_script=script, name="slurm",
-                cores=plan.threads_per_worker, processes=1, memory=f"{plan.memory.memory_limit}B",
-                job_name=job_name, log_directory=settings.log_directory, walltime=settings.walltime,
+                job_cls=_planned_job_class(),
+                h5ngff_script=script,
+                name="slurm",
+                cores=plan.threads_per_worker,
+                processes=1,
+                memory=f"{plan.memory.memory_limit}B",
+                job_name=job_name,
+                log_directory=settings.log_directory,
+                walltime=settings.walltime,
                 # ":0": a free port (8787 may be taken); the scheduler's HTTP server serves /metrics.
-                scheduler_options={"dashboard_address": ":0"}, silence_logs=logging.ERROR,
+                scheduler_options={"dashboard_address": ":0"},
+                silence_logs=logging.ERROR,
             )
         except (OSError, RuntimeError, ValueError) as exc:
             raise ClusterError(f"Could not start the SLURM cluster's scheduler: {exc}") from exc
@@ -228,7 +282,14 @@ def _planned_job_class() -> Any:
     from dask_jobqueue.slurm import SLURMJob
 
     class PlannedSLURMJob(SLURMJob):
-        def __init__(self, scheduler: str | None = None, name: str | None = None, *, h5ngff_script: Callable[..., JobScript], **kwargs: Any) -> None:
+        def __init__(
+            self,
+            scheduler: str | None = None,
+            name: str | None = None,
+            *,
+            h5ngff_script: Callable[..., JobScript],
+            **kwargs: Any,
+        ) -> None:
             untyped_init: Any = super().__init__  # dask-jobqueue is untyped
             untyped_init(scheduler=scheduler, name=name, **kwargs)
             script = h5ngff_script(worker_name=str(name), scheduler=str(scheduler))
@@ -243,8 +304,11 @@ def _planned_job_class() -> Any:
 @contextmanager
 def _reaper(job_name: str) -> Iterator[None]:
     """Start the watcher that cancels the run's jobs if this process dies without doing so."""
-    proc = subprocess.Popen([sys.executable, "-m", "h5ngff.backends.slurmreaper", str(os.getpid()), job_name],
-                            start_new_session=True, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "h5ngff.backends.slurmreaper", str(os.getpid()), job_name],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         yield
     finally:
@@ -278,9 +342,15 @@ class SlurmJobs:
         for name, job in list(getattr(self.cluster, "workers", {}).items()):
             if getattr(job, "job_id", None):
                 self.job_ids[str(name)] = str(job.job_id)
-                self.reports.setdefault(str(name), WorkerReport(
-                    name=str(name), pod_limit=self.job_mem, memory_limit=self.plan.memory.memory_limit,
-                    predicted_peak=self.plan.memory.predicted_peak))
+                self.reports.setdefault(
+                    str(name),
+                    WorkerReport(
+                        name=str(name),
+                        pod_limit=self.job_mem,
+                        memory_limit=self.plan.memory.memory_limit,
+                        predicted_peak=self.plan.memory.predicted_peak,
+                    ),
+                )
         return dict(self.job_ids)
 
     def wait_for_workers(self, client: Client, n: int, timeout: float) -> None:
@@ -295,40 +365,62 @@ class SlurmJobs:
                 name, s = next(iter(ended.items()))
                 raise self._ended_error(name, s)
 
-        wait_for_workers(client, n, timeout, lambda have: self._pending_error(n, have, states, timeout), check, interval=0.5)
+        wait_for_workers(
+            client, n, timeout, lambda have: self._pending_error(n, have, states, timeout), check, interval=0.5
+        )
         self._known_jobs()
 
-    def _pending_error(self, n: int, have: int, states: dict[str, JobState | None], timeout: float) -> WorkersPendingError:
+    def _pending_error(
+        self, n: int, have: int, states: dict[str, JobState | None], timeout: float
+    ) -> WorkersPendingError:
         pending = {name: s for name, s in states.items() if s is not None and s.state == "PENDING"}
         reasons = ", ".join(sorted({s.reason for s in pending.values()})) or "not submitted"
         ids = ", ".join(s.job_id for s in pending.values()) or "none"
-        advice = "; ".join(dict.fromkeys(a for a in map(pending_advice, sorted({s.reason for s in pending.values()})) if a))
-        advice = advice or ("wait for room (raise slurm.pendingTimeout), choose another slurm.partition or slurm.qos, or plan smaller jobs "
-                            "(resources.memoryPerWorker, resources.workers)")
+        advice = "; ".join(
+            dict.fromkeys(a for a in map(pending_advice, sorted({s.reason for s in pending.values()})) if a)
+        )
+        advice = advice or (
+            "wait for room (raise slurm.pendingTimeout), choose another slurm.partition or slurm.qos, or plan smaller jobs "
+            "(resources.memoryPerWorker, resources.workers)"
+        )
         return WorkersPendingError(
             f"WorkersPending: only {have} of {n} worker job(s) started within {timeout:.0f} s; job(s) {ids} still pending, "
             f"SLURM's reason: {reasons}. Each job asks for --mem={self.job_mem // MiB}M and --cpus-per-task={self.plan.threads_per_worker}: "
-            f"{advice}.", reasons=reasons)
+            f"{advice}.",
+            reasons=reasons,
+        )
 
     def _ended_error(self, name: str, s: JobState) -> H5ngffError:
         err = self._err_text(s.job_id).strip().splitlines()[-8:]
         tail = "\n".join(err) or f"(no .err file in {self.log_dir})"
         if s.state == "OUT_OF_MEMORY" or oom_events(self._err_text(s.job_id)):
-            return OOMKilledError(f"OOMKilled by the kernel (job --mem {self.job_mem // MiB} MiB): worker job {s.job_id} ({name}) was killed by its "
-                                  f"memory cgroup before its worker connected; the nanny and an idle worker alone did not fit (the plan's "
-                                  f"interpreter and nanny terms are {(self.plan.memory.terms[0].bytes + self.plan.memory.pod_terms[1].bytes) // MiB} MiB). "
-                                  f"Raise resources.memoryPerWorker, or drop --slurm-job-mem.", worker=name)
+            return OOMKilledError(
+                f"OOMKilled by the kernel (job --mem {self.job_mem // MiB} MiB): worker job {s.job_id} ({name}) was killed by its "
+                f"memory cgroup before its worker connected; the nanny and an idle worker alone did not fit (the plan's "
+                f"interpreter and nanny terms are {(self.plan.memory.terms[0].bytes + self.plan.memory.pod_terms[1].bytes) // MiB} MiB). "
+                f"Raise resources.memoryPerWorker, or drop --slurm-job-mem.",
+                worker=name,
+            )
         if s.state in ("CANCELLED", "TIMEOUT"):
-            return WorkersLostError(f"WorkersLost: before its worker connected, worker job {s.job_id} ({name}) {self._ended_words(s)}.", worker=name)
-        return ClusterError(f"Worker job {s.job_id} ({name}) ended {s.state} (exit {s.exit_code}, reason {s.reason}) before its worker "
-                            f"connected. Last lines of {self._err_path(s.job_id)}:\n{tail}")
+            return WorkersLostError(
+                f"WorkersLost: before its worker connected, worker job {s.job_id} ({name}) {self._ended_words(s)}.",
+                worker=name,
+            )
+        return ClusterError(
+            f"Worker job {s.job_id} ({name}) ended {s.state} (exit {s.exit_code}, reason {s.reason}) before its worker "
+            f"connected. Last lines of {self._err_path(s.job_id)}:\n{tail}"
+        )
 
     def _ended_words(self, s: JobState) -> str:
         if s.state == "TIMEOUT":
-            return (f"reached its time limit -t {self.walltime or '?'} (SLURM: JobState=TIMEOUT Reason={s.reason}): raise slurm.walltime "
-                    f"(--slurm-walltime) so the jobs outlast the conversion; a re-run resumes where this one stopped")
-        return (f"was cancelled (SLURM: JobState=CANCELLED Reason={s.reason}) by someone other than h5ngff: scancel, an administrator "
-                f"or a preemption")
+            return (
+                f"reached its time limit -t {self.walltime or '?'} (SLURM: JobState=TIMEOUT Reason={s.reason}): raise slurm.walltime "
+                f"(--slurm-walltime) so the jobs outlast the conversion; a re-run resumes where this one stopped"
+            )
+        return (
+            f"was cancelled (SLURM: JobState=CANCELLED Reason={s.reason}) by someone other than h5ngff: scancel, an administrator "
+            f"or a preemption"
+        )
 
     def lost_error(self) -> WorkersLostError | None:
         """Why the run lost its workers, where SLURM ended their jobs under it (TIMEOUT first)."""
@@ -339,8 +431,10 @@ class SlurmJobs:
             hit = {name: s for name, s in self.ended.items() if s.state == wanted}
             if hit:
                 ids = ", ".join(f"{s.job_id} ({name})" for name, s in sorted(hit.items()))
-                return WorkersLostError(f"WorkersLost: during the run, worker job(s) {ids} {self._ended_words(next(iter(hit.values())))}.",
-                                        worker=next(iter(hit)))
+                return WorkersLostError(
+                    f"WorkersLost: during the run, worker job(s) {ids} {self._ended_words(next(iter(hit.values())))}.",
+                    worker=next(iter(hit)),
+                )
         return None
 
     def _err_path(self, job_id: str) -> str:
@@ -356,9 +450,11 @@ class SlurmJobs:
     @contextmanager
     def watching(self) -> Iterator[None]:
         """Record job states during the run (a cancelled or timed-out job explains WorkersLost)."""
+
         def loop() -> None:
             while not self._stop.wait(2.0):
                 self._record()
+
         thread = threading.Thread(target=loop, name="h5ngff-slurm-jobs", daemon=True)
         thread.start()
         try:
@@ -382,7 +478,11 @@ class SlurmJobs:
         figures: dict[str, dict[str, Any]] = {}
         if client is not None:
             try:
-                figures = {str(v.get("name")): v for v in client.run(job_cgroup_figures, on_error="ignore").values() if isinstance(v, dict)}
+                figures = {
+                    str(v.get("name")): v
+                    for v in client.run(job_cgroup_figures, on_error="ignore").values()
+                    if isinstance(v, dict)
+                }
             except Exception:  # a closing cluster: the .err files still tell
                 figures = {}
         for name, report in self.reports.items():
@@ -407,8 +507,12 @@ class SlurmJobs:
             time.sleep(0.25)
         left = queued_ids(self.job_name)
         if left:
-            log.warning("SLURM jobs %s of this run are still queued %d s after scancel; cancel them by hand (scancel --name %s).",
-                        ", ".join(left), CANCEL_WAIT, self.job_name)
+            log.warning(
+                "SLURM jobs %s of this run are still queued %d s after scancel; cancel them by hand (scancel --name %s).",
+                ", ".join(left),
+                CANCEL_WAIT,
+                self.job_name,
+            )
         for name, jid in self.job_ids.items():
             state = job_state(jid)
             if state is not None:
@@ -431,6 +535,7 @@ def job_cgroup_figures(dask_worker: Any = None) -> dict[str, Any]:
         path = os.path.dirname(path)
     if not os.path.basename(path).startswith("job_"):
         return out
+
     def read(directory: str, name: str) -> str:
         with open(os.path.join(directory, name)) as f:
             return f.read()
@@ -439,8 +544,12 @@ def job_cgroup_figures(dask_worker: Any = None) -> dict[str, Any]:
         out["limit"] = int(read(path, "memory.limit_in_bytes"))
         out["max_usage"] = int(read(path, "memory.max_usage_in_bytes"))
         # cgroup v1 counts a kill where the killed task lives (the step's task cgroup)
-        out["oom_kills"] = max(int(line.split()[1]) for d in {own, path} for line in read(d, "memory.oom_control").splitlines()
-                               if line.startswith("oom_kill "))
+        out["oom_kills"] = max(
+            int(line.split()[1])
+            for d in {own, path}
+            for line in read(d, "memory.oom_control").splitlines()
+            if line.startswith("oom_kill ")
+        )
     except (OSError, ValueError):
         pass
     return out

@@ -21,7 +21,17 @@ OOM_EVENTS = re.compile(r"Detected (\d+) oom-kill event\(s\)")
 #: The same enforcement by slurmd's sampling (JobAcctGatherParams=OverMemoryKill).
 OVER_MEMORY = re.compile(r"exceeded (?:job )?memory limit")
 #: Job states after which a job holds no resources.
-FINISHED = {"COMPLETED", "CANCELLED", "FAILED", "OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+FINISHED = {
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "OUT_OF_MEMORY",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 COMMAND_TIMEOUT = 30
 
 
@@ -44,23 +54,34 @@ def parse_scontrol_job(text: str) -> JobState | None:
     fields: dict[str, str] = {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", text)}
     if "JobId" not in fields:
         return None
-    return JobState(fields["JobId"], fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None"),
-                    fields.get("ExitCode", ""), fields.get("MinMemoryNode", "") or fields.get("MinMemoryCPU", ""))
+    return JobState(
+        fields["JobId"],
+        fields.get("JobState", "UNKNOWN"),
+        fields.get("Reason", "None"),
+        fields.get("ExitCode", ""),
+        fields.get("MinMemoryNode", "") or fields.get("MinMemoryCPU", ""),
+    )
 
 
 def pending_advice(reason: str) -> str | None:
     """What to do about jobs pending for ``reason`` when waiting will not start them, or None
     where it may (Resources, Priority, ...). SLURM's reasons: squeue(1), "JOB REASON CODES"."""
     if reason.startswith("Invalid") or reason.endswith("NotAllowed"):
-        return ("SLURM will not run these jobs as submitted: the account, QOS or partition is not one you may use "
-                "(sacctmgr show assoc user=$USER lists yours); fix slurm.account, slurm.qos or slurm.partition")
+        return (
+            "SLURM will not run these jobs as submitted: the account, QOS or partition is not one you may use "
+            "(sacctmgr show assoc user=$USER lists yours); fix slurm.account, slurm.qos or slurm.partition"
+        )
     if reason.startswith(("Assoc", "QOS")):
-        return ("the jobs are held by a limit of the account or QOS: a per-job limit (…PerJob, …MaxWall…) never lifts, a group "
-                "limit (…Grp…) only as the account's other jobs end; plan smaller jobs (resources.memoryPerWorker, resources.workers, "
-                "slurm.walltime) or use another slurm.account or slurm.qos (sacctmgr show qos lists the limits)")
+        return (
+            "the jobs are held by a limit of the account or QOS: a per-job limit (…PerJob, …MaxWall…) never lifts, a group "
+            "limit (…Grp…) only as the account's other jobs end; plan smaller jobs (resources.memoryPerWorker, resources.workers, "
+            "slurm.walltime) or use another slurm.account or slurm.qos (sacctmgr show qos lists the limits)"
+        )
     if reason.startswith("Partition"):
-        return ("the partition refuses jobs like these (scontrol show partition lists its MaxTime, MaxNodes and state): "
-                "lower slurm.walltime or choose another slurm.partition")
+        return (
+            "the partition refuses jobs like these (scontrol show partition lists its MaxTime, MaxNodes and state): "
+            "lower slurm.walltime or choose another slurm.partition"
+        )
     if reason.startswith("JobHeld"):
         return "the jobs are held: scontrol release them, or drop --hold from slurm.directives"
     if reason in ("BeginTime", "Dependency", "DependencyNeverSatisfied"):
@@ -132,14 +153,25 @@ def cancel_by_name(job_name: str, kill: bool = False) -> None:
 
 #: sbatch's words when it cannot reach slurmctld, or cannot read the configuration at all.
 UNREACHABLE = "Unable to contact slurm controller"
-NO_CONFIGURATION = ("Unable to process configuration file", "Could not establish a configuration source", "s_p_parse_file")
+NO_CONFIGURATION = (
+    "Unable to process configuration file",
+    "Could not establish a configuration source",
+    "s_p_parse_file",
+)
 
 
 def sbatch_refusal(script_text: str) -> str | None:
     """``sbatch --test-only``: SLURM's own verdict on the job script, without submitting it. None
     when SLURM would accept it, else its message (an unknown partition, --mem above every node's)."""
     try:
-        proc = subprocess.run(["sbatch", "--test-only"], input=script_text, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
+        proc = subprocess.run(
+            ["sbatch", "--test-only"],
+            input=script_text,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
     except FileNotFoundError:
         return "sbatch is not installed here (run h5ngff where SLURM's client commands are, e.g. a login node)"
     except subprocess.TimeoutExpired as exc:  # e.g. a missing SLURM_CONF: sbatch retries for 60 s; keep what it said

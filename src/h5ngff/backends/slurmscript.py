@@ -80,16 +80,25 @@ def allocator_lines(allocator: str, library: str | None = None) -> tuple[str, ..
 
 def build_command(plan: Plan, slurm: SlurmSpec, python: str, scheduler: str, name: str) -> str:
     args = [
-        shlex.quote(python), "-m", "distributed.cli.dask_worker", shlex.quote(scheduler),
-        "--name", shlex.quote(name),
-        "--nthreads", str(plan.threads_per_worker),
-        "--nworkers", "1",
-        "--memory-limit", str(plan.memory.memory_limit),
+        shlex.quote(python),
+        "-m",
+        "distributed.cli.dask_worker",
+        shlex.quote(scheduler),
+        "--name",
+        shlex.quote(name),
+        "--nthreads",
+        str(plan.threads_per_worker),
+        "--nworkers",
+        "1",
+        "--memory-limit",
+        str(plan.memory.memory_limit),
         "--nanny",
         "--no-dashboard",
-        "--death-timeout", str(DEATH_TIMEOUT),
+        "--death-timeout",
+        str(DEATH_TIMEOUT),
         # Not quoted as a word: the scratch path may name job variables ($TMPDIR, $SLURM_JOB_ID).
-        "--local-directory", f'"{slurm.scratch}"',
+        "--local-directory",
+        f'"{slurm.scratch}"',
     ]
     # exec: the batch shell leaves no process of its own in the job's cgroup beside the nanny.
     return "exec " + " ".join(args)

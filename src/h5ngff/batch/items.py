@@ -49,7 +49,10 @@ def _fields(template: str) -> list[str]:
     try:
         return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:  # an unmatched brace
-        raise SpecError("output", f"Expected an output template such as out/{{stem}}.ome.zarr. Got {template!r}, which is not one ({exc}), instead.") from None
+        raise SpecError(
+            "output",
+            f"Expected an output template such as out/{{stem}}.ome.zarr. Got {template!r}, which is not one ({exc}), instead.",
+        ) from None
 
 
 def split_pattern(pattern: str) -> tuple[str, str | None]:
@@ -69,12 +72,17 @@ def expand_sources(patterns: Sequence[str]) -> list[tuple[str, str]]:
     for pattern in patterns:
         files, dataset = split_pattern(pattern)
         if url_scheme(files):
-            raise SpecError("source", f"Expected local HDF5 files (the workers read them as files). Got the URL {files!r} instead.")
+            raise SpecError(
+                "source", f"Expected local HDF5 files (the workers read them as files). Got the URL {files!r} instead."
+            )
         matches = sorted(glob.glob(files, recursive=True), key=_natural) if GLOB_CHARS.search(files) else [files]
         matches = [m for m in matches if os.path.isfile(m) or not GLOB_CHARS.search(files)]
         if not matches:
-            raise SpecError("source", f"Expected the pattern {files!r} to match HDF5 files. It matches none (from {os.getcwd()!r}): check the "
-                                      f"directory and the quoting (quote the pattern so the shell does not expand it).")
+            raise SpecError(
+                "source",
+                f"Expected the pattern {files!r} to match HDF5 files. It matches none (from {os.getcwd()!r}): check the "
+                f"directory and the quoting (quote the pattern so the shell does not expand it).",
+            )
         for path in matches:
             found.setdefault(path, f"{path}:{dataset}" if dataset else path)
     return [(source, path) for path, source in found.items()]
@@ -89,7 +97,9 @@ def render_output(template: str, path: str) -> str:
     unknown = [f for f in _fields(template) if f not in TEMPLATE_FIELDS]
     if unknown:
         known = ", ".join("{" + f + "}" for f in TEMPLATE_FIELDS)
-        raise SpecError("output", f"Expected template fields from {known}. Got {{{unknown[0]}}} in {template!r} instead.")
+        raise SpecError(
+            "output", f"Expected template fields from {known}. Got {{{unknown[0]}}} in {template!r} instead."
+        )
     name = os.path.basename(path)
     parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
     return template.format(stem=os.path.splitext(name)[0], name=name, parent=parent)
@@ -117,17 +127,26 @@ def refuse_collisions(items: Iterable[BatchItem]) -> None:
         key = output_key(item.output)
         if key in seen:
             other = seen[key]
-            raise SpecError("output", f"Expected one output per source. Got {other.source!r} and {item.source!r} both written to "
-                                      f"{item.output!r} instead: add a field that tells them apart to the template ({_field_hint()}).")
+            raise SpecError(
+                "output",
+                f"Expected one output per source. Got {other.source!r} and {item.source!r} both written to "
+                f"{item.output!r} instead: add a field that tells them apart to the template ({_field_hint()}).",
+            )
         seen[key] = item
     for key, item in seen.items():
         outer = next((seen[a] for a in _ancestors(key) if a in seen), None)
         if outer is not None:
-            raise SpecError("output", f"Expected outputs apart from one another. Got {item.output!r} inside {outer.output!r} "
-                                      f"instead: one conversion would write into the other's image.")
+            raise SpecError(
+                "output",
+                f"Expected outputs apart from one another. Got {item.output!r} inside {outer.output!r} "
+                f"instead: one conversion would write into the other's image.",
+            )
     for item in seen.values():
         if not url_scheme(item.output) and output_key(item.path) == output_key(item.output):
-            raise SpecError("output", f"Expected an output apart from its source. Got {item.output!r} for the source file itself instead.")
+            raise SpecError(
+                "output",
+                f"Expected an output apart from its source. Got {item.output!r} for the source file itself instead.",
+            )
 
 
 def _ancestors(key: str) -> Iterator[str]:

@@ -30,7 +30,13 @@ if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
     from ..metrics.exporter import MetricsExporter
 
 #: An item's outcome (``phases.ItemState``; docs/batch.md, "Outcomes").
-DONE, COMPLETE, REFUSED, FAILED, NOT_RUN = ItemState.DONE, ItemState.COMPLETE, ItemState.REFUSED, ItemState.FAILED, ItemState.NOT_RUN
+DONE, COMPLETE, REFUSED, FAILED, NOT_RUN = (
+    ItemState.DONE,
+    ItemState.COMPLETE,
+    ItemState.REFUSED,
+    ItemState.FAILED,
+    ItemState.NOT_RUN,
+)
 
 
 @dataclass
@@ -96,9 +102,15 @@ class BatchSummary:
             **{status.lower(): self.count(status) for status in (DONE, COMPLETE, REFUSED, FAILED, NOT_RUN)},
             "seconds": round(self.seconds, 3),
             "cluster_starts": self.cluster_starts,
-            "cluster": None if plan is None else {"sized_by": self.sizing.item.source if self.sizing else None, "workers": plan.workers,
-                                                  "threads_per_worker": plan.threads_per_worker, "pod_limit": plan.memory.pod_limit,
-                                                  "memory_limit": plan.memory.memory_limit},
+            "cluster": None
+            if plan is None
+            else {
+                "sized_by": self.sizing.item.source if self.sizing else None,
+                "workers": plan.workers,
+                "threads_per_worker": plan.threads_per_worker,
+                "pod_limit": plan.memory.pod_limit,
+                "memory_limit": plan.memory.memory_limit,
+            },
             "results": [r.to_dict() for r in self.results],
             "notices": self.notices,
         }
@@ -114,9 +126,16 @@ class BatchHooks:
     on_item: Callable[[ItemResult], None] = lambda result: None
 
 
-def run_batch(items: Sequence[BatchItem], spec_for: Callable[[BatchItem], ConversionSpec], backend: Backend, *,
-              constants: MemoryConstants = DEFAULT_CONSTANTS, fail_fast: bool = False, hooks: BatchHooks | None = None,
-              metrics: MetricsExporter | None = None) -> BatchSummary:
+def run_batch(
+    items: Sequence[BatchItem],
+    spec_for: Callable[[BatchItem], ConversionSpec],
+    backend: Backend,
+    *,
+    constants: MemoryConstants = DEFAULT_CONSTANTS,
+    fail_fast: bool = False,
+    hooks: BatchHooks | None = None,
+    metrics: MetricsExporter | None = None,
+) -> BatchSummary:
     """Plan every item, start one cluster for the largest plan, and convert the items on it in order.
     ``metrics`` serves each item's job and worker series while it runs (docs/metrics.md, "Batches")."""
     hooks = hooks or BatchHooks()
@@ -137,8 +156,13 @@ def run_batch(items: Sequence[BatchItem], spec_for: Callable[[BatchItem], Conver
     return summary
 
 
-def _plan_all(summary: BatchSummary, spec_for: Callable[[BatchItem], ConversionSpec], backend: Backend, constants: MemoryConstants,
-              fail_fast: bool) -> None:
+def _plan_all(
+    summary: BatchSummary,
+    spec_for: Callable[[BatchItem], ConversionSpec],
+    backend: Backend,
+    constants: MemoryConstants,
+    fail_fast: bool,
+) -> None:
     """Plan each item as one conversion would (same refusals), then make every plan fit the one
     cluster: the same workers and threads as the largest plan, whose pod limit covers them all."""
     for result in summary.results:
@@ -158,7 +182,9 @@ def _plan_all(summary: BatchSummary, spec_for: Callable[[BatchItem], ConversionS
         assert job is not None
         if (job.plan.workers, job.plan.threads_per_worker) != (cluster.workers, cluster.threads_per_worker):
             # Planned for the batch's workers: its slabs are sized for the memory each one has.
-            resources = job.spec.resources.model_copy(update={"workers": cluster.workers, "threads_per_worker": cluster.threads_per_worker})
+            resources = job.spec.resources.model_copy(
+                update={"workers": cluster.workers, "threads_per_worker": cluster.threads_per_worker}
+            )
             try:
                 result.job = prepare_job(job.spec.model_copy(update={"resources": resources}), backend, constants)
             except H5ngffError as exc:
@@ -166,8 +192,10 @@ def _plan_all(summary: BatchSummary, spec_for: Callable[[BatchItem], ConversionS
     for result in planned:
         if result.job is not None and result.job.plan.memory.pod_limit > cluster.memory.pod_limit:
             result.status = REFUSED
-            result.error = PlanError(f"Its plan needs a pod limit of {format_bytes(result.job.plan.memory.pod_limit)}, above the "
-                                     f"{format_bytes(cluster.memory.pod_limit)} of the batch's workers: convert it on its own.")
+            result.error = PlanError(
+                f"Its plan needs a pod limit of {format_bytes(result.job.plan.memory.pod_limit)}, above the "
+                f"{format_bytes(cluster.memory.pod_limit)} of the batch's workers: convert it on its own."
+            )
     summary.notices = sorted({n for r in planned if r.job for n in r.job.notices})
 
 
@@ -190,12 +218,18 @@ class _OneCluster:
         return nullcontext(self.session)
 
 
-def _run_item(result: ItemResult, backend: Backend, cluster: _OneCluster, hooks: BatchHooks, metrics: MetricsExporter | None) -> None:
+def _run_item(
+    result: ItemResult, backend: Backend, cluster: _OneCluster, hooks: BatchHooks, metrics: MetricsExporter | None
+) -> None:
     assert result.job is not None
     try:
         result.summary = run_job(result.job, backend, list(hooks.listeners(result)), metrics, cluster=cluster)
         totals = result.summary.totals
-        result.status = COMPLETE if totals is not None and not totals.slabs_written and totals.slabs_skipped == result.job.plan.n_tasks else DONE
+        result.status = (
+            COMPLETE
+            if totals is not None and not totals.slabs_written and totals.slabs_skipped == result.job.plan.n_tasks
+            else DONE
+        )
     except H5ngffError as exc:
         result.status, result.error, result.summary = FAILED, exc, exc.summary
     hooks.on_item(result)

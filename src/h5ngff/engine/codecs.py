@@ -31,7 +31,9 @@ class DeterministicGZip(GZip):  # type: ignore[misc]  # numcodecs ships no type 
     decode it like any gzip stream."""
 
     def encode(self, buf: Any) -> bytes:
-        return gzip.compress(memoryview(numcodecs.compat.ensure_contiguous_ndarray(buf)), compresslevel=self.level, mtime=0)
+        return gzip.compress(
+            memoryview(numcodecs.compat.ensure_contiguous_ndarray(buf)), compresslevel=self.level, mtime=0
+        )
 
 
 class CodecEntry:
@@ -61,11 +63,15 @@ class CodecEntry:
 class BloscEntry(CodecEntry):
     facts = FACTS["blosc"]
     #: numcodecs' shuffle constants (what a v2 ``.zarray`` records) by the spec's names.
-    SHUFFLE: ClassVar[dict[str, int]] = dict(zip(BLOSC_SHUFFLES, (Blosc.NOSHUFFLE, Blosc.SHUFFLE, Blosc.BITSHUFFLE), strict=True))
+    SHUFFLE: ClassVar[dict[str, int]] = dict(
+        zip(BLOSC_SHUFFLES, (Blosc.NOSHUFFLE, Blosc.SHUFFLE, Blosc.BITSHUFFLE), strict=True)
+    )
 
     def encoder(self, spec: CompressorSpec) -> Numcodec:
         # blocksize 0 lets blosc choose, as zarr's BloscCodec does; typesize comes from the array.
-        codec: Numcodec = Blosc(cname=spec.blosc_cname, clevel=spec.level, shuffle=self.SHUFFLE[spec.blosc_shuffle], blocksize=0)
+        codec: Numcodec = Blosc(
+            cname=spec.blosc_cname, clevel=spec.level, shuffle=self.SHUFFLE[spec.blosc_shuffle], blocksize=0
+        )
         return codec
 
     def v3_codec(self, spec: CompressorSpec) -> BytesBytesCodec:

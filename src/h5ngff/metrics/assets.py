@@ -59,12 +59,20 @@ def dashboard_queries(dashboard: dict[str, Any]) -> list[Query]:
             continue
         query = var["query"]["query"] if isinstance(var.get("query"), dict) else var.get("query", "")
         match = _LABEL_VALUES.match(query)
-        out.append(Query(f"variable {var['name']}", match["expr"], match["label"]) if match else Query(f"variable {var['name']}", query))
+        out.append(
+            Query(f"variable {var['name']}", match["expr"], match["label"])
+            if match
+            else Query(f"variable {var['name']}", query)
+        )
     return out
 
 
 def rule_queries(rules: dict[str, Any]) -> list[Query]:
-    return [Query(f"rule {r.get('alert') or r.get('record')}", r["expr"].strip()) for g in rules["groups"] for r in g["rules"]]
+    return [
+        Query(f"rule {r.get('alert') or r.get('record')}", r["expr"].strip())
+        for g in rules["groups"]
+        for r in g["rules"]
+    ]
 
 
 def referenced_metrics(expr: str) -> set[str]:

@@ -90,6 +90,7 @@ class BatchMetrics:
     def planning(self, spec_for: Callable[[Item], Spec]) -> Callable[[Item], Spec]:
         """``spec_for`` (run_batch's), marking progress each time an item's planning starts: a
         batch of hundreds of files plans for a while before its first item runs."""
+
         def spec(item: Item) -> Spec:
             self._update(lambda: True)
             return spec_for(item)
@@ -146,6 +147,7 @@ class BatchMetrics:
     def finished(self, summary: BatchView) -> None:
         """The batch has returned: every item has its final state (NotRun where a --fail-fast
         batch stopped before it), so no item is left to do."""
+
         def change() -> bool:
             for i, result in enumerate(summary.results):
                 self._states[i] = result.status
@@ -179,7 +181,9 @@ class BatchMetrics:
             with self._lock:
                 moved = change()
                 last = time.time() if moved or self._figures is None else self._figures.last_progress
-                self._figures = BatchFigures(tuple(self._states), tuple(self._planned), tuple(self._done), last, self._was_planned)
+                self._figures = BatchFigures(
+                    tuple(self._states), tuple(self._planned), tuple(self._done), last, self._was_planned
+                )
                 self._publish(self._figures)  # under the lock: figures reach the exporter in order
         except Exception:
             log.exception("batch metrics: an update failed")

@@ -80,7 +80,10 @@ class MetricsExporter:
         try:
             self._server, _ = start_http_server(port, addr, registry=self.registry)
         except OSError as exc:
-            raise SpecError("--metrics-port", f"Expected a free TCP port on {addr}. Got {port} instead ({exc.strerror}). Pick another port, or 0 for any free one.") from None
+            raise SpecError(
+                "--metrics-port",
+                f"Expected a free TCP port on {addr}. Got {port} instead ({exc.strerror}). Pick another port, or 0 for any free one.",
+            ) from None
         log.info("Serving Prometheus metrics on http://%s:%d/metrics", addr, self.port)
 
     @classmethod
@@ -94,7 +97,12 @@ class MetricsExporter:
         """The exporter of a batch of ``len(outputs)`` items, its ``batch`` started. Labels from
         the environment (set by the Kubernetes runner), else the directory the outputs share
         (``out/{stem}.ome.zarr`` gives ``out``)."""
-        exporter = cls(port, os.environ.get(JOB_NAME_ENV) or _shared_directory(outputs), os.environ.get(JOB_NAMESPACE_ENV) or "local", **kwargs)
+        exporter = cls(
+            port,
+            os.environ.get(JOB_NAME_ENV) or _shared_directory(outputs),
+            os.environ.get(JOB_NAMESPACE_ENV) or "local",
+            **kwargs,
+        )
         exporter.start_batch(len(outputs))
         return exporter
 
@@ -127,8 +135,12 @@ class MetricsExporter:
             self._state.progress = snapshot
         if snapshot.phase in TERMINAL_PHASES:
             with self._scrape:
-                self._final_mark = self.scrapes            # Computed now, not at scrape time: after the run they must stay the final figures.
-            self._state.throughput = snapshot.read_throughput if snapshot.phase not in (Phase.PENDING, Phase.PLANNED) else None
+                self._final_mark = (
+                    self.scrapes
+                )  # Computed now, not at scrape time: after the run they must stay the final figures.
+            self._state.throughput = (
+                snapshot.read_throughput if snapshot.phase not in (Phase.PENDING, Phase.PLANNED) else None
+            )
             self._state.eta = snapshot.eta_seconds
 
     # -- cluster polling ---------------------------------------------------------------------
@@ -162,14 +174,23 @@ class MetricsExporter:
             snapshot = self._state.snapshot
             if snapshot is None:
                 return
-            snapshot = dataclasses.replace(snapshot, oom_kills=dict(snapshot.oom_kills), nanny_restarts=dict(snapshot.nanny_restarts),
-                                           memory_terminations=dict(snapshot.memory_terminations), pod_nonreclaimable_peaks=dict(snapshot.pod_nonreclaimable_peaks))
+            snapshot = dataclasses.replace(
+                snapshot,
+                oom_kills=dict(snapshot.oom_kills),
+                nanny_restarts=dict(snapshot.nanny_restarts),
+                memory_terminations=dict(snapshot.memory_terminations),
+                pod_nonreclaimable_peaks=dict(snapshot.pod_nonreclaimable_peaks),
+            )
             for w in workers:
                 snapshot.oom_kills[w.name] = w.oom_kills
                 snapshot.nanny_restarts[w.name] = max(w.nanny_restarts, snapshot.nanny_restarts.get(w.name, 0))
-                snapshot.memory_terminations[w.name] = max(w.memory_terminations, snapshot.memory_terminations.get(w.name, 0))
+                snapshot.memory_terminations[w.name] = max(
+                    w.memory_terminations, snapshot.memory_terminations.get(w.name, 0)
+                )
                 if w.pod_nonreclaimable_peak:
-                    snapshot.pod_nonreclaimable_peaks[w.name] = max(w.pod_nonreclaimable_peak, snapshot.pod_nonreclaimable_peaks.get(w.name, 0))
+                    snapshot.pod_nonreclaimable_peaks[w.name] = max(
+                        w.pod_nonreclaimable_peak, snapshot.pod_nonreclaimable_peaks.get(w.name, 0)
+                    )
             self._state.snapshot = snapshot
 
     @contextmanager

@@ -19,7 +19,12 @@ from ..phases import JOB_PHASES as PHASES
 
 #: The operator's metrics (the dashboard's Operator row; docs/metrics.md), beside the catalogue of
 #: the runner's exporter (families.CATALOGUE). Counters are exposed with ``_total``.
-OPERATOR_METRICS = ("h5ngff_build_info", "h5ngff_operator_conversionjobs", "h5ngff_operator_reconcile_errors_total", "h5ngff_operator_reconcile_passes_total")
+OPERATOR_METRICS = (
+    "h5ngff_build_info",
+    "h5ngff_operator_conversionjobs",
+    "h5ngff_operator_reconcile_errors_total",
+    "h5ngff_operator_reconcile_passes_total",
+)
 
 
 class _PhaseCollector:
@@ -27,7 +32,9 @@ class _PhaseCollector:
         self.metrics = metrics
 
     def collect(self):
-        family = GaugeMetricFamily("h5ngff_operator_conversionjobs", "ConversionJobs the operator sees, by phase.", labels=["phase"])
+        family = GaugeMetricFamily(
+            "h5ngff_operator_conversionjobs", "ConversionJobs the operator sees, by phase.", labels=["phase"]
+        )
         counts = self.metrics.phase_counts()
         for phase in PHASES:
             family.add_metric([phase], counts.get(phase, 0))
@@ -44,13 +51,24 @@ class OperatorMetrics:
         self.registry = registry or CollectorRegistry()
         self._phases: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
-        self.errors = Counter("h5ngff_operator_reconcile_errors", "Failed reconcile passes, by error kind.", ["kind"], registry=self.registry)
-        self.passes = Counter("h5ngff_operator_reconcile_passes", "Completed reconcile passes over all ConversionJobs.", registry=self.registry)
+        self.errors = Counter(
+            "h5ngff_operator_reconcile_errors",
+            "Failed reconcile passes, by error kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.passes = Counter(
+            "h5ngff_operator_reconcile_passes",
+            "Completed reconcile passes over all ConversionJobs.",
+            registry=self.registry,
+        )
         #: Completed passes per ConversionJob (not exported: one series per job would grow without
         #: bound); tests count them instead of sleeping ("N passes later, nothing happened").
         self._passes: Tally = Tally()
         self.registry.register(_PhaseCollector(self))
-        Info("h5ngff_build", "Always 1; the version label is the running operator's h5ngff.", registry=self.registry).info({"version": __version__})
+        Info(
+            "h5ngff_build", "Always 1; the version label is the running operator's h5ngff.", registry=self.registry
+        ).info({"version": __version__})
 
     def observe(self, namespace: str, name: str, phase: str | None) -> None:
         with self._lock:

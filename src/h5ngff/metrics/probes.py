@@ -97,9 +97,15 @@ def scheduler_view_function() -> Callable[..., dict[str, dict[str, Any]]]:
         for address, ws in dask_scheduler.workers.items():
             memory = ws.memory
             out[address] = {
-                "name": str(ws.name), "nanny": ws.nanny, "status": getattr(ws.status, "name", str(ws.status)),
-                "memory_limit": ws.memory_limit, "process": memory.process, "managed": memory.managed,
-                "unmanaged_old": memory.unmanaged_old, "unmanaged_recent": memory.unmanaged_recent, "spilled": memory.spilled,
+                "name": str(ws.name),
+                "nanny": ws.nanny,
+                "status": getattr(ws.status, "name", str(ws.status)),
+                "memory_limit": ws.memory_limit,
+                "process": memory.process,
+                "managed": memory.managed,
+                "unmanaged_old": memory.unmanaged_old,
+                "unmanaged_recent": memory.unmanaged_recent,
+                "spilled": memory.spilled,
             }
         return out
 
@@ -117,7 +123,14 @@ def read_own_cgroup() -> CgroupFigures | None:
     if group is None:
         return None
     try:
-        return CgroupFigures(cgroup_identity(group.path), group.usage(), group.working_set(), group.limit(), group.oom_kills(), sum(group.nonreclaimable().values()))
+        return CgroupFigures(
+            cgroup_identity(group.path),
+            group.usage(),
+            group.working_set(),
+            group.limit(),
+            group.oom_kills(),
+            sum(group.nonreclaimable().values()),
+        )
     except OSError:
         return None
 
@@ -177,7 +190,10 @@ class ClusterPoller:
             self._stop.set()
             thread.join(timeout=FINAL_POLL_TIMEOUT + interval)
             if thread.is_alive():
-                log.warning("The final cluster poll did not finish in %.0f s; the figures end at the previous one.", FINAL_POLL_TIMEOUT)
+                log.warning(
+                    "The final cluster poll did not finish in %.0f s; the figures end at the previous one.",
+                    FINAL_POLL_TIMEOUT,
+                )
 
     def _loop(self, interval: float) -> None:
         self._sample()
@@ -210,13 +226,20 @@ class ClusterPoller:
             worker = WorkerFigures(address=address, **info)
             probe = probes.get(address)
             if isinstance(probe, dict):
-                worker.rss, worker.peak_rss, worker.spill, worker.cgroup = probe["rss"], probe["peak_rss"], probe["spill"], probe["cgroup"]
+                worker.rss, worker.peak_rss, worker.spill, worker.cgroup = (
+                    probe["rss"],
+                    probe["peak_rss"],
+                    probe["spill"],
+                    probe["cgroup"],
+                )
             snapshot.workers[name] = worker
         self._record_memory(snapshot.time, probes)
         self._drop_shared_cgroups(snapshot)
         for name, worker in snapshot.workers.items():
             if worker.cgroup is not None and worker.cgroup.nonreclaimable is not None:
-                self.nonreclaimable_peaks[name] = max(self.nonreclaimable_peaks.get(name, 0), worker.cgroup.nonreclaimable)
+                self.nonreclaimable_peaks[name] = max(
+                    self.nonreclaimable_peaks.get(name, 0), worker.cgroup.nonreclaimable
+                )
         self._count_events(snapshot)
         return snapshot
 

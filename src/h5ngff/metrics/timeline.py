@@ -35,10 +35,23 @@ def _figure(summary: Any) -> Any:
     palette = WORKER_COLOURS
     colors = {name: palette[i % len(palette)] for i, name in enumerate(sorted(set(series) | set(pods), key=_natural))}
     for name, points in sorted(series.items()):
-        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"worker {name} RSS", linewidth=1.2, color=colors[name])
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] / MiB for p in points],
+            label=f"worker {name} RSS",
+            linewidth=1.2,
+            color=colors[name],
+        )
     # The pod's non-reclaimable memory (anon + dirty + writeback + ...), in the worker's colour.
     for name, points in sorted(pods.items()):
-        ax.plot([p[0] for p in points], [p[1] / MiB for p in points], label=f"pod {name} non-reclaimable", linewidth=1.0, linestyle="--", color=colors[name])
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] / MiB for p in points],
+            label=f"pod {name} non-reclaimable",
+            linewidth=1.0,
+            linestyle="--",
+            color=colors[name],
+        )
     enforced = [w.pod_limit for w in summary.workers if w.pod_limit]  # --pod-limit overrides the plan
     pod_limit = max(enforced) if enforced else plan.memory.pod_limit
     enforced_cgroup = any(w.cgroup_peak is not None for w in summary.workers)
@@ -46,7 +59,12 @@ def _figure(summary: Any) -> Any:
         (plan.memory.predicted_peak, "predicted peak", "tab:green", ":"),
         (plan.memory.memory_limit * plan.memory.thresholds.terminate, "Dask terminate", "tab:orange", "-."),
         (plan.memory.memory_limit, "Dask memory_limit", "tab:red", "--"),
-        (pod_limit, "pod limit (cgroup)" if enforced_cgroup else "pod limit (planned, not enforced here)", "black", "-"),
+        (
+            pod_limit,
+            "pod limit (cgroup)" if enforced_cgroup else "pod limit (planned, not enforced here)",
+            "black",
+            "-",
+        ),
     ]
     for value, label, color, style in lines:
         ax.axhline(value / MiB, color=color, linestyle=style, linewidth=1.4, label=f"{label} {value / MiB:,.0f} MiB")
@@ -57,7 +75,9 @@ def _figure(summary: Any) -> Any:
     ax.set_ylabel("MiB")
     ax.set_ylim(0, pod_limit / MiB * 1.08)
     source = summary.job.spec.source
-    ax.set_title(f"h5ngff memory per worker: {os.path.basename(source.path)}:{source.dataset} ({summary.seconds:.1f} s)")
+    ax.set_title(
+        f"h5ngff memory per worker: {os.path.basename(source.path)}:{source.dataset} ({summary.seconds:.1f} s)"
+    )
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

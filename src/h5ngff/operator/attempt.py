@@ -86,7 +86,9 @@ class AttemptOptions:
     linger: Linger = field(default_factory=Linger)
 
 
-def run_attempt(spec: ConversionJobSpec, backend: Backend, sink: Sink, attempt: int = 1, options: AttemptOptions | None = None) -> AttemptResult:
+def run_attempt(
+    spec: ConversionJobSpec, backend: Backend, sink: Sink, attempt: int = 1, options: AttemptOptions | None = None
+) -> AttemptResult:
     """Plan and convert ``spec`` on ``backend``; every step goes to ``sink``. Never raises: an
     error becomes the attempt's Failed report (with its reason) and the exit code."""
     opts = options or AttemptOptions()
@@ -105,8 +107,16 @@ def run_attempt(spec: ConversionJobSpec, backend: Backend, sink: Sink, attempt: 
         _report(sink, attempt, outcome)
 
     try:
-        summary = execute(spec.conversion(), backend, [ProgressForwarder(sink, opts.progress_interval), *opts.listeners], opts.metrics,
-                          constants=opts.constants, on_plan=planned, on_end=end, linger=opts.linger)
+        summary = execute(
+            spec.conversion(),
+            backend,
+            [ProgressForwarder(sink, opts.progress_interval), *opts.listeners],
+            opts.metrics,
+            constants=opts.constants,
+            on_plan=planned,
+            on_end=end,
+            linger=opts.linger,
+        )
     except Exception as exc:
         if ended.error is not exc:  # it failed before the run sequence began: report it here
             _report(sink, attempt, Outcome(error=exc))
@@ -133,12 +143,16 @@ def _succeeded(job: PlannedJob, summary: RunSummary, attempt: int) -> dict[str, 
     t = summary.totals
     return {
         "result": result_summary(summary.to_dict(brief=True)),
-        "progress": progress_status(total, total, t.slabs_skipped if t else 0, t.bytes_read if t else 0, t.bytes_written if t else 0, now()),
+        "progress": progress_status(
+            total, total, t.slabs_skipped if t else 0, t.bytes_read if t else 0, t.bytes_written if t else 0, now()
+        ),
         **runner_report(attempt, "Succeeded", now()),
     }
 
 
-def run_locally(name: str, spec: ConversionJobSpec, backend: Backend, options: AttemptOptions | None = None) -> tuple[dict[str, Any], AttemptResult]:
+def run_locally(
+    name: str, spec: ConversionJobSpec, backend: Backend, options: AttemptOptions | None = None
+) -> tuple[dict[str, Any], AttemptResult]:
     """``h5ngff run``: one attempt on ``backend``; returns the status the operator would show.
 
     One attempt only: locally there is no pod to lose, and a deterministic failure (the usual
@@ -156,5 +170,7 @@ def run_locally(name: str, spec: ConversionJobSpec, backend: Backend, options: A
     if result.succeeded:
         status = merge(status, succeeded_patch(status, now()))
     else:
-        status = merge(status, failed_patch(status, getattr(result.error, "reason", "RunnerError"), str(result.error), now()))
+        status = merge(
+            status, failed_patch(status, getattr(result.error, "reason", "RunnerError"), str(result.error), now())
+        )
     return status, result

@@ -26,7 +26,16 @@ import kopf
 from ..errors import SpecError
 from ..k8s import label_value
 from .batchreconcile import BatchDecision, BatchObserved, DesiredItem, LeaseAnswer, reconcile_batch
-from .batchspec import BATCH_KIND, BATCH_PLURAL, ITEMS_ENV, KIND_ENV, RESUME_ENV, ConversionBatchSpec, PlannedItem, parse_batch_spec
+from .batchspec import (
+    BATCH_KIND,
+    BATCH_PLURAL,
+    ITEMS_ENV,
+    KIND_ENV,
+    RESUME_ENV,
+    ConversionBatchSpec,
+    PlannedItem,
+    parse_batch_spec,
+)
 from .diagnose import JobSummary, job_summary, live_pods
 from .kube import Conflict, Kube, KubeError, Transient, namespaced
 from .lease import LeaseScope, acquire, holder_identity, lease_body, lease_name, output_key, release
@@ -88,7 +97,16 @@ class BatchMemo(Protocol):
 
 
 def register_batch_handlers(registry: kopf.OperatorRegistry, cfg: BatchConfig) -> None:
-    @kopf.timer(GROUP, VERSION, BATCH_PLURAL, interval=cfg.interval, when=_not_deleted, backoff=cfg.retry_delay, id="reconcile_batch", registry=registry)
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        BATCH_PLURAL,
+        interval=cfg.interval,
+        when=_not_deleted,
+        backoff=cfg.retry_delay,
+        id="reconcile_batch",
+        registry=registry,
+    )
     async def reconcile_batch_timer(body: kopf.Body, memo: BatchMemo, **kwargs: Any) -> None:
         index: kopf.Index[tuple[str, str], JobSummary] = kwargs["runner_jobs"]
         try:
@@ -100,9 +118,19 @@ def register_batch_handlers(registry: kopf.OperatorRegistry, cfg: BatchConfig) -
             _count_error(cfg, f"http{exc.status or ''}")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay * 6) from None
 
-    @kopf.on.delete(GROUP, VERSION, BATCH_PLURAL, backoff=cfg.retry_delay, id="delete_batch_children", registry=registry)
-    async def delete_batch_children(name: str, namespace: str | None, uid: str, status: kopf.Status, memo: BatchMemo, logger: kopf.Logger,
-                                    runtime: timedelta, **_: Any) -> None:
+    @kopf.on.delete(
+        GROUP, VERSION, BATCH_PLURAL, backoff=cfg.retry_delay, id="delete_batch_children", registry=registry
+    )
+    async def delete_batch_children(
+        name: str,
+        namespace: str | None,
+        uid: str,
+        status: kopf.Status,
+        memo: BatchMemo,
+        logger: kopf.Logger,
+        runtime: timedelta,
+        **_: Any,
+    ) -> None:
         if namespace is None:
             raise kopf.PermanentError("Expected a namespaced ConversionBatch.")
         owner = Owner(namespace, name, uid, kind=BATCH_KIND)
@@ -112,7 +140,9 @@ def register_batch_handlers(registry: kopf.OperatorRegistry, cfg: BatchConfig) -
         except Transient as exc:
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay) from None
         if left and runtime.total_seconds() < cfg.delete_wait:
-            raise kopf.TemporaryError(f"waiting for {len(left)} pod(s) to exit: {', '.join(left[:5])}", delay=cfg.retry_delay)
+            raise kopf.TemporaryError(
+                f"waiting for {len(left)} pod(s) to exit: {', '.join(left[:5])}", delay=cfg.retry_delay
+            )
         memo.batch_parsed.pop(uid, None)
         logger.info("removed the children of ConversionBatch %s/%s (outputs are left alone)", namespace, name)
 
@@ -151,7 +181,9 @@ def _stale(memo: BatchMemo, uid: str, status: dict[str, Any]) -> bool:
     return True
 
 
-async def reconcile_one(cfg: BatchConfig, body: kopf.Body, memo: BatchMemo, index: kopf.Index[tuple[str, str], JobSummary]) -> None:
+async def reconcile_one(
+    cfg: BatchConfig, body: kopf.Body, memo: BatchMemo, index: kopf.Index[tuple[str, str], JobSummary]
+) -> None:
     meta, status = body["metadata"], dict(body.get("status") or {})
     owner = Owner(meta["namespace"], meta["name"], meta["uid"], kind=BATCH_KIND)
     if _stale(memo, owner.uid, status):
@@ -160,12 +192,33 @@ async def reconcile_one(cfg: BatchConfig, body: kopf.Body, memo: BatchMemo, inde
     if error is not None:
         _count_error(cfg, "invalid_spec")
     planned = {p.id: p for p in spec.planned_items()} if spec is not None else {}
-    desired = tuple(DesiredItem(p.id, p.item.source, p.output, p.conversion_hash(), lease_name(output_key(p.spec, owner.namespace)))
-                    for p in planned.values()) if spec is not None else None
-    denial = "; ".join(policy_violations(spec, cfg.policy, cfg.image, cfg.runner_service_account)) or None if spec is not None else None
+    desired = (
+        tuple(
+            DesiredItem(
+                p.id, p.item.source, p.output, p.conversion_hash(), lease_name(output_key(p.spec, owner.namespace))
+            )
+            for p in planned.values()
+        )
+        if spec is not None
+        else None
+    )
+    denial = (
+        "; ".join(policy_violations(spec, cfg.policy, cfg.image, cfg.runner_service_account)) or None
+        if spec is not None
+        else None
+    )
     jobs = tuple(j for j in index.get((owner.namespace, label_value(owner.name)), ()) if j.owner_uid in ("", owner.uid))
-    observed = BatchObserved(owner.name, status, desired, spec.backoff_limit if spec is not None else 0, jobs, now(),
-                             int(meta.get("generation") or 1), error, denial)
+    observed = BatchObserved(
+        owner.name,
+        status,
+        desired,
+        spec.backoff_limit if spec is not None else 0,
+        jobs,
+        now(),
+        int(meta.get("generation") or 1),
+        error,
+        denial,
+    )
     decision = reconcile_batch(observed)
     for _ in range(4):  # each lookup at most once: the runner Job, the Leases, the pods
         if not decision.needs:
@@ -177,8 +230,9 @@ async def reconcile_one(cfg: BatchConfig, body: kopf.Body, memo: BatchMemo, inde
         cfg.metrics.reconciled(owner.namespace, f"{BATCH_KIND}/{owner.name}")
 
 
-async def _look_up(cfg: BatchConfig, memo: BatchMemo, owner: Owner, planned: dict[str, PlannedItem], o: BatchObserved,
-                   d: BatchDecision) -> BatchObserved:
+async def _look_up(
+    cfg: BatchConfig, memo: BatchMemo, owner: Owner, planned: dict[str, PlannedItem], o: BatchObserved, d: BatchDecision
+) -> BatchObserved:
     kube = memo.kube
     update: dict[str, Any] = {}
     if "job" in d.needs and not o.job_checked:
@@ -193,8 +247,15 @@ async def _look_up(cfg: BatchConfig, memo: BatchMemo, owner: Owner, planned: dic
                 item = planned.get(item_id)
                 if item is None:
                     continue
-                body = lease_body(output_key(item.spec, owner.namespace), owner.namespace, owner.name, owner.uid, API_VERSION, BATCH_KIND,
-                                  memo.leases.namespace)
+                body = lease_body(
+                    output_key(item.spec, owner.namespace),
+                    owner.namespace,
+                    owner.name,
+                    owner.uid,
+                    API_VERSION,
+                    BATCH_KIND,
+                    memo.leases.namespace,
+                )
                 state = await acquire(kube, body, owner.namespace)
                 answers[item_id] = LeaseAnswer(state.name, state.held, state.holder)
         update["leases"] = answers
@@ -211,41 +272,66 @@ async def batch_pods(kube: Kube, namespace: str, name: str) -> list[dict[str, An
     return pods + [p for p in dask if p["metadata"]["name"] not in seen]
 
 
-async def _act(cfg: BatchConfig, memo: BatchMemo, owner: Owner, spec: ConversionBatchSpec | None, body: kopf.Body, d: BatchDecision) -> None:
+async def _act(
+    cfg: BatchConfig, memo: BatchMemo, owner: Owner, spec: ConversionBatchSpec | None, body: kopf.Body, d: BatchDecision
+) -> None:
     kube = memo.kube
     if d.delete_job:
         await kube.delete(namespaced("batch/v1", owner.namespace, "jobs", d.delete_job))
     if d.delete_cluster:
-        await kube.delete(namespaced("kubernetes.dask.org/v1", owner.namespace, "daskclusters", dask_cluster_name(owner.name)))
+        await kube.delete(
+            namespaced("kubernetes.dask.org/v1", owner.namespace, "daskclusters", dask_cluster_name(owner.name))
+        )
     me = holder_identity(owner.namespace, owner.name, owner.uid)
-    for name in d.release_leases:  # before the status write that forgets them: a failed write leaves a retry, never a leak
+    for (
+        name
+    ) in d.release_leases:  # before the status write that forgets them: a failed write leaves a retry, never a leak
         await release(kube, memo.leases.namespace, name, me, owner.namespace)
     status = dict(body.get("status") or {})
     if d.patch:
-        await kube.patch_merge(namespaced(API_VERSION, owner.namespace, BATCH_PLURAL, owner.name, "status"), {"status": d.patch})
+        await kube.patch_merge(
+            namespaced(API_VERSION, owner.namespace, BATCH_PLURAL, owner.name, "status"), {"status": d.patch}
+        )
         if d.ensure_attempt:
             memo.batch_expected[owner.uid] = (d.ensure_attempt, time.monotonic() + CONSISTENCY_WINDOW)
     if d.ensure_attempt is not None and spec is not None:
         items = d.patch.get("runningItems") or status.get("runningItems") or []
-        uid = await _create_runner(cfg, kube, Owner(owner.namespace, owner.name, owner.uid, d.ensure_attempt, BATCH_KIND), spec, items, d.resume)
+        uid = await _create_runner(
+            cfg,
+            kube,
+            Owner(owner.namespace, owner.name, owner.uid, d.ensure_attempt, BATCH_KIND),
+            spec,
+            items,
+            d.resume,
+        )
         if uid:
-            await kube.patch_merge(namespaced(API_VERSION, owner.namespace, BATCH_PLURAL, owner.name, "status"), {"status": {"runnerJobUid": uid}})
+            await kube.patch_merge(
+                namespaced(API_VERSION, owner.namespace, BATCH_PLURAL, owner.name, "status"),
+                {"status": {"runnerJobUid": uid}},
+            )
     if d.event:
         kind, reason, message = d.event
         kopf.event(body, type=kind, reason=reason, message=message)
 
 
-async def _create_runner(cfg: BatchConfig, kube: Kube, owner: Owner, spec: ConversionBatchSpec, items: list[str], resume: tuple[str, ...]) -> str | None:
+async def _create_runner(
+    cfg: BatchConfig, kube: Kube, owner: Owner, spec: ConversionBatchSpec, items: list[str], resume: tuple[str, ...]
+) -> str | None:
     """Create the attempt's runner Job (its RBAC first); an existing one is kept (HTTP 409)."""
     rbac = "rbac.authorization.k8s.io/v1"
     account = runner_account(spec, cfg.runner_service_account)
-    for plural, obj in (("roles", build_runner_role(owner)), ("rolebindings", build_runner_role_binding(owner, account))):
+    for plural, obj in (
+        ("roles", build_runner_role(owner)),
+        ("rolebindings", build_runner_role_binding(owner, account)),
+    ):
         try:
             await kube.create(namespaced(rbac, owner.namespace, plural), obj)
         except Conflict:
             pass
     env = {KIND_ENV: BATCH_KIND, ITEMS_ENV: ",".join(items), RESUME_ENV: ",".join(resume)}
-    job = build_runner_job(owner, spec, owner.attempt, cfg.image, default_service_account=cfg.runner_service_account, extra_env=env)
+    job = build_runner_job(
+        owner, spec, owner.attempt, cfg.image, default_service_account=cfg.runner_service_account, extra_env=env
+    )
     try:
         created = await kube.create(namespaced("batch/v1", owner.namespace, "jobs"), job)
     except Conflict:

@@ -29,7 +29,12 @@ from .diagnose import JobSummary, live_pods
 from .manifests import runner_job_name
 from .status import PERMANENT_REASONS
 
-RUNNING, PENDING, SUCCEEDED, FAILED = Phase.RUNNING.value, Phase.PENDING.value, Phase.SUCCEEDED.value, Phase.FAILED.value
+RUNNING, PENDING, SUCCEEDED, FAILED = (
+    Phase.RUNNING.value,
+    Phase.PENDING.value,
+    Phase.SUCCEEDED.value,
+    Phase.FAILED.value,
+)
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,9 @@ def reconcile_batch(o: BatchObserved) -> BatchDecision:
         job = next((j for j in o.jobs if j.name == status.get("runnerJob")), None)
         if job is None and not o.job_checked:
             return BatchDecision(needs=frozenset({"job"}))
-        ended = job is not None and job.state in ("succeeded", "failed") or job is None and bool(status.get("runnerJobUid"))
+        ended = (
+            job is not None and job.state in ("succeeded", "failed") or job is None and bool(status.get("runnerJobUid"))
+        )
         if job is None and not ended:  # asked for by a pass that did not live to see it: ask again (409 keeps one)
             return BatchDecision(ensure_attempt=attempt, resume=tuple(running))
         if job is not None and status.get("runnerJobUid") != job.uid and job.uid:
@@ -127,7 +134,11 @@ def reconcile_batch(o: BatchObserved) -> BatchDecision:
             if outcome in (SUCCEEDED, FAILED):
                 _finish(entry, report or {}, o, releases)
             elif ended:
-                cause = job.message if job is not None and job.message else "the runner Job ended (or was deleted) before it reported on this item"
+                cause = (
+                    job.message
+                    if job is not None and job.message
+                    else "the runner Job ended (or was deleted) before it reported on this item"
+                )
                 _finish(entry, {"outcome": FAILED, "reason": "RunnerFailed", "message": cause}, o, releases)
             else:
                 still.append(item_id)
@@ -179,18 +190,34 @@ def reconcile_batch(o: BatchObserved) -> BatchDecision:
                 entry.update(reason="OutputBusy", message=f"Waiting for the output, which {holder} is writing.")
                 entry.pop("outputLease", None)
         if held and lingering:  # a previous attempt's pods still run: never two writers of one output
-            patch["message"] = f"Attempt {attempt + 1} waits for {len(lingering)} pod(s) of the previous attempt to exit: {', '.join(lingering[:5])}."
+            patch["message"] = (
+                f"Attempt {attempt + 1} waits for {len(lingering)} pod(s) of the previous attempt to exit: {', '.join(lingering[:5])}."
+            )
             delete_cluster = True
         elif held:
             decision_start = attempt + 1
             for item_id in held:
-                items[item_id].update(phase=RUNNING, attempt=decision_start, attempts=int(items[item_id].get("attempts") or 0) + 1)
+                items[item_id].update(
+                    phase=RUNNING, attempt=decision_start, attempts=int(items[item_id].get("attempts") or 0) + 1
+                )
             running = held
-            patch.update(attempts=decision_start, runnerJob=runner_job_name(o.name, decision_start), runnerJobUid=None, runningItems=held,
-                         itemReports={i: None for i in held if i in (status.get("itemReports") or {})} or None, message=None)
+            patch.update(
+                attempts=decision_start,
+                runnerJob=runner_job_name(o.name, decision_start),
+                runnerJobUid=None,
+                runningItems=held,
+                itemReports={i: None for i in held if i in (status.get("itemReports") or {})} or None,
+                message=None,
+            )
             if not status.get("startTime"):
                 patch["startTime"] = o.now
-            events.append(("Normal", "RunnerCreated", f"Created runner Job {runner_job_name(o.name, decision_start)} for {len(held)} item(s)."))
+            events.append(
+                (
+                    "Normal",
+                    "RunnerCreated",
+                    f"Created runner Job {runner_job_name(o.name, decision_start)} for {len(held)} item(s).",
+                )
+            )
             if patch["itemReports"] is None:
                 del patch["itemReports"]
 
@@ -201,8 +228,15 @@ def reconcile_batch(o: BatchObserved) -> BatchDecision:
         return NOTHING
     resume = tuple(i for i in running if int(items[i].get("attempts") or 0) > 1) if decision_start else ()
     event = events[-1] if events else None
-    return BatchDecision(patch, ensure_attempt=decision_start, resume=resume, release_leases=tuple(releases), delete_job=delete_job,
-                         delete_cluster=delete_cluster, event=event)
+    return BatchDecision(
+        patch,
+        ensure_attempt=decision_start,
+        resume=resume,
+        release_leases=tuple(releases),
+        delete_job=delete_job,
+        delete_cluster=delete_cluster,
+        event=event,
+    )
 
 
 def _finish(entry: dict[str, Any], report: dict[str, Any], o: BatchObserved, releases: list[str]) -> None:
@@ -225,11 +259,19 @@ def _finish(entry: dict[str, Any], report: dict[str, Any], o: BatchObserved, rel
 
 def _summary(o: BatchObserved, items: list[dict[str, Any]], running: list[str], attempt: int) -> dict[str, Any]:
     counts = {phase: sum(e["phase"] == phase for e in items) for phase in (PENDING, RUNNING, SUCCEEDED, FAILED)}
-    out: dict[str, Any] = {"items": [{k: v for k, v in e.items() if v is not None} for e in items], "total": len(items),
-                           "succeeded": counts[SUCCEEDED], "failed": counts[FAILED], "running": counts[RUNNING], "pending": counts[PENDING],
-                           "observedGeneration": o.generation}
+    out: dict[str, Any] = {
+        "items": [{k: v for k, v in e.items() if v is not None} for e in items],
+        "total": len(items),
+        "succeeded": counts[SUCCEEDED],
+        "failed": counts[FAILED],
+        "running": counts[RUNNING],
+        "pending": counts[PENDING],
+        "observedGeneration": o.generation,
+    }
     if o.spec_error is not None:
-        out.update(reason="InvalidSpec", message=f"Generation {o.generation} is invalid; nothing new starts: {o.spec_error}")
+        out.update(
+            reason="InvalidSpec", message=f"Generation {o.generation} is invalid; nothing new starts: {o.spec_error}"
+        )
         if not attempt:
             out.update(phase=FAILED, completionTime=o.status.get("completionTime") or o.now)
             return out
@@ -242,8 +284,12 @@ def _summary(o: BatchObserved, items: list[dict[str, Any]], running: list[str], 
         if o.status.get("phase") != out["phase"]:
             out["completionTime"] = o.now
     if o.spec_error is None:
-        out.update(reason="ItemsFailed" if counts[FAILED] and out["phase"] == FAILED else None,
-                   message=f"{counts[FAILED]} of {len(items)} item(s) failed." if counts[FAILED] and out["phase"] == FAILED else None)
+        out.update(
+            reason="ItemsFailed" if counts[FAILED] and out["phase"] == FAILED else None,
+            message=f"{counts[FAILED]} of {len(items)} item(s) failed."
+            if counts[FAILED] and out["phase"] == FAILED
+            else None,
+        )
     return out
 
 
@@ -251,17 +297,36 @@ def _denied(o: BatchObserved, items: dict[str, dict[str, Any]], running: list[st
     """PolicyDenied: nothing starts, an attempt in flight is stopped, every Lease goes back."""
     status = o.status
     denial = o.policy_denial or ""
-    if status.get("phase") == FAILED and status.get("reason") == "PolicyDenied" and status.get("message") == denial and not running:
+    if (
+        status.get("phase") == FAILED
+        and status.get("reason") == "PolicyDenied"
+        and status.get("message") == denial
+        and not running
+    ):
         return NOTHING
     releases = []
     for entry in items.values():
         if entry.get("outputLease"):
             releases.append(entry.pop("outputLease"))
         if entry["id"] in running:
-            entry.update(phase=PENDING, reason="PolicyDenied", message="Stopped: the batch's spec is denied by the tenant policy.")
-    patch = {"phase": FAILED, "reason": "PolicyDenied", "message": denial, "completionTime": o.now, "runningItems": None,
-             "items": list(items.values()) or None}
+            entry.update(
+                phase=PENDING,
+                reason="PolicyDenied",
+                message="Stopped: the batch's spec is denied by the tenant policy.",
+            )
+    patch = {
+        "phase": FAILED,
+        "reason": "PolicyDenied",
+        "message": denial,
+        "completionTime": o.now,
+        "runningItems": None,
+        "items": list(items.values()) or None,
+    }
     job = status.get("runnerJob") if running else None
-    return BatchDecision(patch, release_leases=tuple(releases), delete_job=job, delete_cluster=bool(running),
-                         event=("Warning", "PolicyDenied", denial))
-
+    return BatchDecision(
+        patch,
+        release_leases=tuple(releases),
+        delete_job=job,
+        delete_cluster=bool(running),
+        event=("Warning", "PolicyDenied", denial),
+    )

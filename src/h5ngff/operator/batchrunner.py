@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 def batch_spec_from_env() -> ConversionBatchSpec:
     text = os.environ.get(SPEC_ENV)
     if not text:
-        raise SpecError("", f"Expected the batch's spec as JSON in ${SPEC_ENV} (the operator sets it). Got nothing instead.")
+        raise SpecError(
+            "", f"Expected the batch's spec as JSON in ${SPEC_ENV} (the operator sets it). Got nothing instead."
+        )
     try:
         return parse_batch_spec(json.loads(text))
     except json.JSONDecodeError as exc:
@@ -44,7 +46,10 @@ def _ids(name: str) -> list[str]:
 
 def item_report(attempt: int, result: ItemResult) -> dict[str, Any]:
     """One item's report: Succeeded (converted now, or complete already) or Failed, and its figures."""
-    report: dict[str, Any] = {"attempt": attempt, "outcome": "Succeeded" if result.status in (DONE, COMPLETE) else "Failed"}
+    report: dict[str, Any] = {
+        "attempt": attempt,
+        "outcome": "Succeeded" if result.status in (DONE, COMPLETE) else "Failed",
+    }
     if result.error is not None:
         report.update(reason=result.error.reason, message=str(result.error)[:2000])
     elif not result.ok:
@@ -86,20 +91,35 @@ def main(args: A, backend_for: Callable[[A, ConversionBatchSpec], Any]) -> int:
             spec = batch_spec_from_env()
             backend = backend_for(args, spec)
         except H5ngffError as exc:
-            failed = {"attempt": args.attempt, "outcome": "Failed", "reason": exc.reason, "message": str(exc)[:2000], "time": now()}
+            failed = {
+                "attempt": args.attempt,
+                "outcome": "Failed",
+                "reason": exc.reason,
+                "message": str(exc)[:2000],
+                "time": now(),
+            }
             report({i: failed for i in run_ids}, True)
             return exc.exit_code
         planned = {p.id: p for p in spec.planned_items()}
         chosen = [planned[i] for i in run_ids if i in planned]
         resume = set(_ids(RESUME_ENV))
         by_output = {p.item.output: p for p in chosen}
-        log.info("attempt %d of ConversionBatch %s/%s: %d item(s) on the %s backend", args.attempt, args.namespace, args.name, len(chosen), backend.name)
+        log.info(
+            "attempt %d of ConversionBatch %s/%s: %d item(s) on the %s backend",
+            args.attempt,
+            args.namespace,
+            args.name,
+            len(chosen),
+            backend.name,
+        )
 
         def spec_for(item: BatchItem) -> ConversionSpec:
             p = by_output[item.output]
             conversion = p.spec.conversion()
             if p.id in resume and conversion.output.overwrite:  # a retry resumes what it wrote, never wipes it
-                conversion = conversion.model_copy(update={"output": conversion.output.model_copy(update={"overwrite": False})})
+                conversion = conversion.model_copy(
+                    update={"output": conversion.output.model_copy(update={"overwrite": False})}
+                )
             return conversion
 
         def item_id(result: ItemResult) -> str:
@@ -114,7 +134,11 @@ def main(args: A, backend_for: Callable[[A, ConversionBatchSpec], Any]) -> int:
             report({item_id(result): {"attempt": args.attempt, "outcome": "Running", "time": now()}})
             return ()
 
-        hooks = BatchHooks(on_planned=on_planned, listeners=listeners, on_item=lambda r: report({item_id(r): item_report(args.attempt, r)}))
+        hooks = BatchHooks(
+            on_planned=on_planned,
+            listeners=listeners,
+            on_item=lambda r: report({item_id(r): item_report(args.attempt, r)}),
+        )
         summary = run_batch([p.item for p in chosen], spec_for, backend, hooks=hooks)
         # Every item's last word (refused and not-run ones included), delivered before the exit.
         report({item_id(r): item_report(args.attempt, r) for r in summary.results}, True)

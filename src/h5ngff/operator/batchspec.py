@@ -42,8 +42,12 @@ class BatchItemSpec(_Model):
     """One conversion of the batch: its source, and where it goes unless the template says."""
 
     source: SourceSpec
-    output: str | None = Field(None, min_length=1, max_length=4096,
-                               description="This item's output path (or s3:// URL); default: spec.output.path with this source's {stem}, {name} and {parent}.")
+    output: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="This item's output path (or s3:// URL); default: spec.output.path with this source's {stem}, {name} and {parent}.",
+    )
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,11 @@ class ConversionBatchSpec(ConversionJobSpec):
 
     # A batch's sources are its items'; pydantic lets a subclass narrow a field to "absent".
     source: None = Field(None, description="Not used by a ConversionBatch: each of spec.items names its source.")  # type: ignore[assignment]
-    items: list[BatchItemSpec] = Field(max_length=MAX_ITEMS, description="The conversions: each a source, and optionally its own output path. "
-                                       "An item added is converted; one removed is not deleted; a finished one never runs again unless its conversion changes.")
+    items: list[BatchItemSpec] = Field(
+        max_length=MAX_ITEMS,
+        description="The conversions: each a source, and optionally its own output path. "
+        "An item added is converted; one removed is not deleted; a finished one never runs again unless its conversion changes.",
+    )
 
     @model_validator(mode="after")
     def _no_collisions(self) -> "ConversionBatchSpec":
@@ -90,19 +97,26 @@ class ConversionBatchSpec(ConversionJobSpec):
         """Every item with its own ConversionJobSpec (what the user wrote for the batch, the
         item's source and its rendered output), checked for two items on one output, one output
         inside another, or an output over its source, before anything starts."""
-        written = self.model_dump(by_alias=True, exclude_unset=True, exclude_none=True, mode="json", exclude={"items", "source"})
+        written = self.model_dump(
+            by_alias=True, exclude_unset=True, exclude_none=True, mode="json", exclude={"items", "source"}
+        )
         out = []
         for n, item in enumerate(self.items):
             path = self.item_source_path(item)
             try:
                 output = render_output(item.output or self.output.path, path)
-                data: dict[str, Any] = {**written, "source": item.source.model_dump(by_alias=True, exclude_unset=True, exclude_none=True, mode="json"),
-                                        "output": {**written.get("output", {}), "path": output}}
+                data: dict[str, Any] = {
+                    **written,
+                    "source": item.source.model_dump(by_alias=True, exclude_unset=True, exclude_none=True, mode="json"),
+                    "output": {**written.get("output", {}), "path": output},
+                }
                 spec = parse_job_spec(data)
             except SpecError as exc:
                 where = "output" if item.output else "output.path"
                 field = exc.field if exc.field.startswith(("source", "output.path")) else where
-                raise SpecError(f"items[{n}].{field}" if field != "output.path" or item.output else field, _message(exc)) from None
+                raise SpecError(
+                    f"items[{n}].{field}" if field != "output.path" or item.output else field, _message(exc)
+                ) from None
             where = self.output_where(output)
             out.append(PlannedItem(item_id(where), spec, BatchItem(_source_text(item.source, path), path, where)))
         refuse_collisions(p.item for p in out)

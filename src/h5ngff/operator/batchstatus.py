@@ -37,10 +37,15 @@ class BatchItemStatus(_Status):
     source: str = Field(description="FILE:/dataset")
     output: str
     phase: Literal["Pending", "Running", "Succeeded", "Failed"]
-    reason: str | None = Field(None, description="Why the item waits or failed: OutputBusy (another ConversionJob or ConversionBatch holds its output), "
-                               "SourceUnreadable, BudgetTooSmall, OOMKilled, ...")
+    reason: str | None = Field(
+        None,
+        description="Why the item waits or failed: OutputBusy (another ConversionJob or ConversionBatch holds its output), "
+        "SourceUnreadable, BudgetTooSmall, OOMKilled, ...",
+    )
     message: str | None = None
-    conversion_hash: str = Field(description="Hash of what the user wrote for this item's conversion; an edit that changes it re-runs the item.")
+    conversion_hash: str = Field(
+        description="Hash of what the user wrote for this item's conversion; an edit that changes it re-runs the item."
+    )
     attempts: int = Field(0, description="Runner attempts that ran this item (for this conversionHash).")
     attempt: int | None = Field(None, description="The batch attempt that last ran the item.")
     output_lease: str | None = Field(None, description="The output Lease this batch holds for the item while it runs.")
@@ -54,20 +59,26 @@ class ConversionBatchStatus(_Status):
     """The observed state of a ConversionBatch."""
 
     phase: Literal["Pending", "Running", "Succeeded", "Failed"] | None = None
-    reason: str | None = Field(None, description="Why the batch failed as a whole: InvalidSpec, PolicyDenied; or ItemsFailed.")
+    reason: str | None = Field(
+        None, description="Why the batch failed as a whole: InvalidSpec, PolicyDenied; or ItemsFailed."
+    )
     message: str | None = None
     total: int | None = Field(None, description="Items in the spec.")
     succeeded: int | None = None
     failed: int | None = None
     running: int | None = None
     pending: int | None = Field(None, description="Items waiting to run (OutputBusy ones included).")
-    attempts: int | None = Field(None, description="Runner attempts started so far; each runs the items pending when it starts.")
+    attempts: int | None = Field(
+        None, description="Runner attempts started so far; each runs the items pending when it starts."
+    )
     runner_job: str | None = Field(None, description="Name of the current (or last) attempt's runner Job.")
     runner_job_uid: str | None = None
     running_items: list[str] | None = Field(None, description="Ids of the items the current attempt runs.")
     start_time: str | None = None
     completion_time: str | None = None
     items: list[BatchItemStatus] | None = None
-    item_reports: dict[str, ItemReport] | None = Field(None, description="Written by the runner: item id -> its report of the current attempt.")
+    item_reports: dict[str, ItemReport] | None = Field(
+        None, description="Written by the runner: item id -> its report of the current attempt."
+    )
     conditions: list[Condition] | None = None
     observed_generation: int | None = None

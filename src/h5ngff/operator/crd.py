@@ -35,15 +35,37 @@ from .manifests import GROUP, KIND, PLURAL, VERSION
 from .status import ConversionJobStatus
 
 #: JSON-schema keys the structural schema keeps (the rest, e.g. title and default, go).
-KEEP = {"type", "description", "properties", "items", "required", "enum", "minimum", "maximum", "minLength", "maxLength",
-        "minItems", "maxItems", "pattern", "format", "additionalProperties",
-        "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "exclusiveMinimum"}
+KEEP = {
+    "type",
+    "description",
+    "properties",
+    "items",
+    "required",
+    "enum",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "pattern",
+    "format",
+    "additionalProperties",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+    "exclusiveMinimum",
+}
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"},
     {"name": "Workers", "type": "integer", "jsonPath": ".status.plan.workers"},
-    {"name": "Memory/worker", "type": "string", "jsonPath": ".status.plan.podLimit", "description": "Memory request and limit of each Dask worker pod."},
+    {
+        "name": "Memory/worker",
+        "type": "string",
+        "jsonPath": ".status.plan.podLimit",
+        "description": "Memory request and limit of each Dask worker pod.",
+    },
     {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
     {"name": "Attempts", "type": "integer", "jsonPath": ".status.attempts", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -125,8 +147,15 @@ def _without_required(node: Any) -> Any:
     return node
 
 
-def _crd(kind: str, plural: str, short: str, description: str, spec: dict[str, Any], status: dict[str, Any],
-         columns: list[dict[str, Any]]) -> dict[str, Any]:
+def _crd(
+    kind: str,
+    plural: str,
+    short: str,
+    description: str,
+    spec: dict[str, Any],
+    status: dict[str, Any],
+    columns: list[dict[str, Any]],
+) -> dict[str, Any]:
     root = {
         "type": "object",
         "description": description,
@@ -146,15 +175,24 @@ def _crd(kind: str, plural: str, short: str, description: str, spec: dict[str, A
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List", "shortNames": [short], "categories": ["h5ngff"]},
-            "versions": [{
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": columns,
-                "schema": {"openAPIV3Schema": root},
-            }],
+            "names": {
+                "kind": kind,
+                "plural": plural,
+                "singular": kind.lower(),
+                "listKind": f"{kind}List",
+                "shortNames": [short],
+                "categories": ["h5ngff"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
         },
     }
 
@@ -165,7 +203,15 @@ def build_crd() -> dict[str, Any]:
     # Only our own code writes the status, by merge patches; a "required" there could only make
     # the API server reject a partial write of ours.
     status = _without_required(schema_of(ConversionJobStatus))
-    return _crd(KIND, PLURAL, "cj", "Converts one HDF5 dataset to OME-Zarr on a Dask cluster sized by a memory plan.", spec, status, PRINTER_COLUMNS)
+    return _crd(
+        KIND,
+        PLURAL,
+        "cj",
+        "Converts one HDF5 dataset to OME-Zarr on a Dask cluster sized by a memory plan.",
+        spec,
+        status,
+        PRINTER_COLUMNS,
+    )
 
 
 def batch_spec_schema() -> dict[str, Any]:
@@ -182,8 +228,15 @@ def batch_spec_schema() -> dict[str, Any]:
 
 def build_batch_crd() -> dict[str, Any]:
     status = _without_required(schema_of(ConversionBatchStatus))
-    return _crd(BATCH_KIND, BATCH_PLURAL, "cb", "Converts many HDF5 datasets to OME-Zarr through one runner and one Dask cluster sized for the largest.",
-                batch_spec_schema(), status, BATCH_PRINTER_COLUMNS)
+    return _crd(
+        BATCH_KIND,
+        BATCH_PLURAL,
+        "cb",
+        "Converts many HDF5 datasets to OME-Zarr through one runner and one Dask cluster sized for the largest.",
+        batch_spec_schema(),
+        status,
+        BATCH_PRINTER_COLUMNS,
+    )
 
 
 HEADER = "# Generated by `python -m h5ngff.operator.crd` from h5ngff's pydantic models. Do not edit.\n"

@@ -20,7 +20,9 @@ OOM_REASONS = frozenset({"OOMKilled"})
 #: Kubernetes' own Pod phases after which a pod runs no more (not h5ngff.phases, though spelled alike).
 POD_ENDED = frozenset({"Succeeded", "Failed"})
 #: Container waiting reasons that mean the container will not start by itself soon.
-STUCK_WAITING = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
+STUCK_WAITING = frozenset(
+    {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"}
+)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,9 @@ def runner_report(status: dict[str, Any], attempt: int) -> dict[str, Any] | None
     return None
 
 
-def failure_cause(status: dict[str, Any], attempt: int, job: JobSummary | None, pods: tuple[dict[str, Any], ...]) -> tuple[str, str]:
+def failure_cause(
+    status: dict[str, Any], attempt: int, job: JobSummary | None, pods: tuple[dict[str, Any], ...]
+) -> tuple[str, str]:
     """Why an attempt failed: the kubelet's word on an OOM-killed runner pod first (a killed
     runner cannot report), then the runner's own report, then the Job's condition."""
     pods = tuple(p for p in pods if is_runner_pod(p, attempt))
@@ -78,8 +82,10 @@ def failure_cause(status: dict[str, Any], attempt: int, job: JobSummary | None, 
     if exited is not None:
         return "RunnerFailed", exited
     if job is None:
-        return "RunnerDeleted", (f"The runner Job of attempt {attempt} was deleted while it ran (by hand, or its pod was "
-                                 f"evicted with it) before the runner reported an outcome.")
+        return "RunnerDeleted", (
+            f"The runner Job of attempt {attempt} was deleted while it ran (by hand, or its pod was "
+            f"evicted with it) before the runner reported an outcome."
+        )
     detail = ": ".join(x for x in (job.reason, job.message) if x) or "no reason given"
     if not pods:
         detail += "; its pod is gone (deleted or evicted)"
@@ -95,27 +101,46 @@ def is_runner_pod(pod: dict[str, Any], attempt: int | None = None) -> bool:
 
 def live_pods(pods: tuple[dict[str, Any], ...]) -> list[str]:
     """Names of pods that may still run (and write): not yet Succeeded or Failed."""
-    return sorted((p.get("metadata") or {}).get("name", "?") for p in pods
-                  if (p.get("status") or {}).get("phase") not in POD_ENDED)
+    return sorted(
+        (p.get("metadata") or {}).get("name", "?")
+        for p in pods
+        if (p.get("status") or {}).get("phase") not in POD_ENDED
+    )
 
 
-def start_problem(pods: tuple[dict[str, Any], ...], events: tuple[dict[str, Any], ...], job_name: str) -> tuple[str, str] | None:
+def start_problem(
+    pods: tuple[dict[str, Any], ...], events: tuple[dict[str, Any], ...], job_name: str
+) -> tuple[str, str] | None:
     """(reason, message) when the runner's pod cannot start, in the words of who stops it."""
     for pod in pods:
         name = (pod.get("metadata") or {}).get("name", "?")
         status = pod.get("status") or {}
         for cond in status.get("conditions") or ():
-            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
-                return "Unschedulable", f"Runner pod {name} cannot be scheduled: {cond.get('message') or 'no reason given'}"
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") == "Unschedulable"
+            ):
+                return (
+                    "Unschedulable",
+                    f"Runner pod {name} cannot be scheduled: {cond.get('message') or 'no reason given'}",
+                )
         for cs in status.get("containerStatuses") or ():
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in STUCK_WAITING:
-                return waiting["reason"], f"Runner pod {name} cannot start its container: {waiting.get('message') or waiting['reason']}"
+                return waiting[
+                    "reason"
+                ], f"Runner pod {name} cannot start its container: {waiting.get('message') or waiting['reason']}"
     if not pods:
         for event in reversed(events):
             involved = event.get("involvedObject") or {}
             if event.get("reason") == "FailedCreate" and involved.get("name") == job_name:
-                return "FailedCreate", f"The Job controller cannot create the pod of runner Job {job_name}: {event.get('message') or ''}".rstrip(": ")
+                return (
+                    "FailedCreate",
+                    f"The Job controller cannot create the pod of runner Job {job_name}: {event.get('message') or ''}".rstrip(
+                        ": "
+                    ),
+                )
     return None
 
 
@@ -141,9 +166,11 @@ def _oom_killed_pod(pods: tuple[dict[str, Any], ...]) -> str | None:
         for container, term in _terminated(pod):
             if term.get("reason") in OOM_REASONS:
                 name = (pod.get("metadata") or {}).get("name", "?")
-                return (f"OOMKilled by the kernel: runner pod {name} (container {container}) exceeded its memory limit "
-                        f"{_memory_limit(pod)} (exit code {term.get('exitCode', 137)}). The runner holds no slab data; "
-                        f"report this with `h5ngff plan --json` output.")
+                return (
+                    f"OOMKilled by the kernel: runner pod {name} (container {container}) exceeded its memory limit "
+                    f"{_memory_limit(pod)} (exit code {term.get('exitCode', 137)}). The runner holds no slab data; "
+                    f"report this with `h5ngff plan --json` output."
+                )
     return None
 
 

@@ -66,11 +66,15 @@ def register_cluster_guard(registry: kopf.OperatorRegistry, cfg: GuardConfig) ->
     (``cfg`` is the operator's OperatorConfig: its policy, image and runner account)."""
 
     @kopf.index(GROUP, VERSION, PLURAL, id="cluster_owners", registry=registry)
-    def cluster_owners(namespace: str | None, name: str, uid: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str | None, str], Owner]:
+    def cluster_owners(
+        namespace: str | None, name: str, uid: str, spec: kopf.Spec, **_: Any
+    ) -> dict[tuple[str | None, str], Owner]:
         return {(namespace, dask_cluster_name(name)): (name, uid, dict(spec))}
 
     @kopf.on.event("kubernetes.dask.org", "v1", "daskclusters", id="cluster_guard", registry=registry)
-    async def cluster_guard(type: str, body: kopf.Body, namespace: str | None, name: str, meta: kopf.Meta, memo: GuardMemo, **kwargs: Any) -> None:
+    async def cluster_guard(
+        type: str, body: kopf.Body, namespace: str | None, name: str, meta: kopf.Meta, memo: GuardMemo, **kwargs: Any
+    ) -> None:
         if type == "DELETED" or meta.get("deletionTimestamp") or namespace is None:
             return
         # kopf passes every index under its id; a parameter of that name would not fit kopf's types.
@@ -96,7 +100,9 @@ async def _batch_owner(kube: Kube, body: dict[str, Any], namespace: str, name: s
     return None
 
 
-async def _judge(cfg: GuardConfig, kube: Kube, body: dict[str, Any], namespace: str, name: str, owner: Owner | None, kind: str = KIND) -> None:
+async def _judge(
+    cfg: GuardConfig, kube: Kube, body: dict[str, Any], namespace: str, name: str, owner: Owner | None, kind: str = KIND
+) -> None:
     """Delete the DaskCluster ``body`` if it asks for more than its job (or batch) and the policy allow."""
     violations = dask_cluster_violations(body, _spec_of(owner, kind), cfg.policy, cfg.image, cfg.runner_service_account)
     if violations:
@@ -104,7 +110,15 @@ async def _judge(cfg: GuardConfig, kube: Kube, body: dict[str, Any], namespace: 
         log.warning("%s", message)
         await _delete(kube, namespace, name, cfg.retry_delay)
         # On the ConversionJob when there is one: that is where its author looks.
-        job = {"apiVersion": API_VERSION, "kind": kind, "metadata": {"name": owner[0], "namespace": namespace, "uid": owner[1]}} if owner else None
+        job = (
+            {
+                "apiVersion": API_VERSION,
+                "kind": kind,
+                "metadata": {"name": owner[0], "namespace": namespace, "uid": owner[1]},
+            }
+            if owner
+            else None
+        )
         target: Any = job or body
         kopf.event(target, type="Warning", reason=DENIED, message=message[:1024])
     checked[namespace, name] += 1

@@ -144,7 +144,9 @@ def build_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # Keep kopf's bookkeeping in annotations: .status is ours and schema-checked.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
     # kopf would post every INFO log (e.g. each timer pass) as an Event; we post our own.
     settings.posting.level = logging.WARNING
     settings.networking.error_backoffs = cfg.error_backoffs
@@ -155,7 +157,9 @@ def build_settings(cfg: OperatorConfig) -> kopf.OperatorSettings:
 def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     register_cluster_guard(registry, cfg)  # DaskClusters the runners create (operator/guard.py)
-    register_batch_handlers(registry, cfg)  # ConversionBatches (operator/batchhandlers.py); they share the runner_jobs index
+    register_batch_handlers(
+        registry, cfg
+    )  # ConversionBatches (operator/batchhandlers.py); they share the runner_jobs index
 
     # Explicit ids: the default is the qualified name ("build_registry.<locals>.…"), and the
     # index's id is also the keyword under which handlers receive it.
@@ -179,8 +183,17 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
     async def cleanup(memo: OperatorMemo, **_: Any) -> None:
         await memo.kube.close()
 
-    @kopf.index("batch", "v1", "jobs", labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: "runner"}, id="runner_jobs", registry=registry)
-    def runner_jobs(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[tuple[str, str], JobSummary]:
+    @kopf.index(
+        "batch",
+        "v1",
+        "jobs",
+        labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: "runner"},
+        id="runner_jobs",
+        registry=registry,
+    )
+    def runner_jobs(
+        body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any
+    ) -> dict[tuple[str, str], JobSummary]:
         return {(_namespace(namespace), labels[LABEL_JOB]): job_summary(dict(body))}
 
     @kopf.on.event(**CJ, id="observe", registry=registry)
@@ -189,7 +202,9 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             ns = _namespace(namespace)
             cfg.metrics.forget(ns, name) if type == "DELETED" else cfg.metrics.observe(ns, name, status.get("phase"))
 
-    @kopf.timer(**CJ, interval=cfg.interval, when=_not_deleted, backoff=cfg.retry_delay, id="reconcile", registry=registry)
+    @kopf.timer(
+        **CJ, interval=cfg.interval, when=_not_deleted, backoff=cfg.retry_delay, id="reconcile", registry=registry
+    )
     async def reconcile_job(body: kopf.Body, memo: OperatorMemo, **kwargs: Any) -> None:
         # kopf passes every index under its id; a parameter of that name would not fit kopf's types.
         index: RunnerJobs = kwargs["runner_jobs"]
@@ -203,20 +218,36 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay * 6) from None
 
     @kopf.on.delete(**CJ, backoff=cfg.retry_delay, id="delete_children", registry=registry)
-    async def delete_children(name: str, namespace: str | None, uid: str, status: kopf.Status, memo: OperatorMemo, logger: kopf.Logger,
-                              runtime: timedelta, **_: Any) -> None:
+    async def delete_children(
+        name: str,
+        namespace: str | None,
+        uid: str,
+        status: kopf.Status,
+        memo: OperatorMemo,
+        logger: kopf.Logger,
+        runtime: timedelta,
+        **_: Any,
+    ) -> None:
         namespace = _namespace(namespace)
         try:
-            left = await remove_children(memo.kube, Owner(namespace, name, uid), status.get("outputLease"), cfg.lease_namespace)
+            left = await remove_children(
+                memo.kube, Owner(namespace, name, uid), status.get("outputLease"), cfg.lease_namespace
+            )
         except Transient as exc:
             _count_error(cfg, "transient")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay) from None
         if left and runtime.total_seconds() < cfg.delete_wait:
             # The finalizer holds the ConversionJob until its pods have exited, so a job that is
             # gone never has a runner or worker still writing its output.
-            raise kopf.TemporaryError(f"waiting for {len(left)} pod(s) to exit: {', '.join(left[:5])}", delay=cfg.retry_delay)
+            raise kopf.TemporaryError(
+                f"waiting for {len(left)} pod(s) to exit: {', '.join(left[:5])}", delay=cfg.retry_delay
+            )
         if left:
-            logger.warning("giving up waiting for pod(s) %s after %.0f s; the garbage collector removes them", left, cfg.delete_wait)
+            logger.warning(
+                "giving up waiting for pod(s) %s after %.0f s; the garbage collector removes them",
+                left,
+                cfg.delete_wait,
+            )
         memo.parsed.pop(uid, None)
         logger.info("removed the children of ConversionJob %s/%s", namespace, name)
 
@@ -256,18 +287,33 @@ def _parse(memo: OperatorMemo, body: kopf.Body) -> Parsed:
     return result
 
 
-def observe_job(owner: Owner, body: kopf.Body, spec: ConversionJobSpec | None, error: str | None, index: RunnerJobs) -> Observed:
+def observe_job(
+    owner: Owner, body: kopf.Body, spec: ConversionJobSpec | None, error: str | None, index: RunnerJobs
+) -> Observed:
     """What a pass knows without an API call: the object, its spec, and the runner Jobs index."""
     meta, status = body["metadata"], dict(body.get("status") or {})
     jobs = tuple(j for j in index.get((owner.namespace, label_value(owner.name)), ()) if j.owner_uid in ("", owner.uid))
     t, generation = now(), int(meta.get("generation") or 1)
     if spec is None:
-        return Observed(owner.name, status, 0, status.get("output") or "", jobs=jobs, now=t, generation=generation, spec_error=error)
+        return Observed(
+            owner.name, status, 0, status.get("output") or "", jobs=jobs, now=t, generation=generation, spec_error=error
+        )
     delays = tuple(spec.retry.delay(n) for n in range(1, spec.backoff_limit + 2))
-    return Observed(owner.name, status, spec.backoff_limit, spec.output.path, conversion=spec.conversion_hash(),
-                    legacy_conversion=spec.legacy_conversion_hash(), retry_delays=delays,
-                    deadline_seconds=spec.active_deadline_seconds, lease_name=lease_name(output_key(spec, owner.namespace)),
-                    jobs=jobs, now=t, generation=generation, spec_error=error)
+    return Observed(
+        owner.name,
+        status,
+        spec.backoff_limit,
+        spec.output.path,
+        conversion=spec.conversion_hash(),
+        legacy_conversion=spec.legacy_conversion_hash(),
+        retry_delays=delays,
+        deadline_seconds=spec.active_deadline_seconds,
+        lease_name=lease_name(output_key(spec, owner.namespace)),
+        jobs=jobs,
+        now=t,
+        generation=generation,
+        spec_error=error,
+    )
 
 
 async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: OperatorMemo, index: RunnerJobs) -> None:
@@ -293,7 +339,9 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: OperatorMemo, i
         cfg.metrics.reconciled(owner.namespace, owner.name)
 
 
-async def _decide(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, observed: Observed, leases: LeaseScope) -> Decision:
+async def _decide(
+    kube: Kube, owner: Owner, spec: ConversionJobSpec | None, observed: Observed, leases: LeaseScope
+) -> Decision:
     decision = reconcile(observed)
     for _ in range(4):  # each lookup at most once: the runner Job, pods (and Events), the Lease
         if not decision.needs:
@@ -303,8 +351,14 @@ async def _decide(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, obse
     return decision
 
 
-async def _act(cfg: OperatorConfig, memo: OperatorMemo, owner: Owner, spec: ConversionJobSpec | None, body: kopf.Body,
-               decision: Decision) -> str | None:
+async def _act(
+    cfg: OperatorConfig,
+    memo: OperatorMemo,
+    owner: Owner,
+    spec: ConversionJobSpec | None,
+    body: kopf.Body,
+    decision: Decision,
+) -> str | None:
     """Carry a decision out in the order that survives a crash between any two calls: children
     deleted and the Lease given back before the status write that forgets them; the status
     write that announces an attempt before its runner Job is created; the Job's uid recorded
@@ -313,7 +367,9 @@ async def _act(cfg: OperatorConfig, memo: OperatorMemo, owner: Owner, spec: Conv
     if decision.patch:
         await _write_status(memo, owner, decision.patch)
         merged = _merged(dict(body.get("status") or {}), decision.patch)
-        memo.expectations[owner.uid] = Expectation(int(merged.get("attempts") or 0), merged.get("phase") or "", time.monotonic() + CONSISTENCY_WINDOW)
+        memo.expectations[owner.uid] = Expectation(
+            int(merged.get("attempts") or 0), merged.get("phase") or "", time.monotonic() + CONSISTENCY_WINDOW
+        )
     refusal = None
     if decision.ensure_attempt is not None and spec is not None:
         uid, refusal = await _create_runner(cfg, memo, owner, spec, decision)
@@ -329,7 +385,9 @@ def _merged(status: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in {**status, **patch}.items() if v is not None}
 
 
-async def _look_up(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, o: Observed, d: Decision, leases: LeaseScope) -> Observed:
+async def _look_up(
+    kube: Kube, owner: Owner, spec: ConversionJobSpec | None, o: Observed, d: Decision, leases: LeaseScope
+) -> Observed:
     update: dict[str, Any] = {}
     if "job" in d.needs and not o.job_checked:
         found = await kube.get(namespaced("batch/v1", owner.namespace, "jobs", o.status.get("runnerJob") or "-"))
@@ -339,11 +397,22 @@ async def _look_up(kube: Kube, owner: Owner, spec: ConversionJobSpec | None, o: 
     if "pods" in d.needs and not o.pods_checked:
         update.update(pods=tuple(await pods_of(kube, owner.namespace, owner.name)), pods_checked=True)
     if "events" in d.needs and not o.events_checked:
-        events = await kube.list(namespaced("v1", owner.namespace, "events"), field_selector={"involvedObject.kind": "Job", "involvedObject.name": o.status.get("runnerJob") or ""})
+        events = await kube.list(
+            namespaced("v1", owner.namespace, "events"),
+            field_selector={"involvedObject.kind": "Job", "involvedObject.name": o.status.get("runnerJob") or ""},
+        )
         update.update(events=tuple(events), events_checked=True)
     if "lease" in d.needs and o.lease is None and spec is not None:
         me = holder_identity(owner.namespace, owner.name, owner.uid)
-        body = lease_body(output_key(spec, owner.namespace), owner.namespace, owner.name, owner.uid, API_VERSION, KIND, leases.namespace)
+        body = lease_body(
+            output_key(spec, owner.namespace),
+            owner.namespace,
+            owner.name,
+            owner.uid,
+            API_VERSION,
+            KIND,
+            leases.namespace,
+        )
         async with leases.lock:
             if d.release_lease:
                 await release(kube, leases.namespace, d.release_lease, me, owner.namespace)
@@ -362,7 +431,9 @@ async def pods_of(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]
 async def _write_status(memo: OperatorMemo, owner: Owner, patch: dict[str, Any]) -> None:
     # Our own client, not kopf's ``patch``: kopf applies a timer's patch outside the handler, where
     # an API error (a 409, say) ends the timer for good; here it is a TemporaryError and a retry.
-    await memo.kube.patch_merge(namespaced(API_VERSION, owner.namespace, PLURAL, owner.name, "status"), {"status": patch})
+    await memo.kube.patch_merge(
+        namespaced(API_VERSION, owner.namespace, PLURAL, owner.name, "status"), {"status": patch}
+    )
 
 
 def _stale(memo: OperatorMemo, uid: str, status: dict[str, Any]) -> bool:
@@ -370,7 +441,9 @@ def _stale(memo: OperatorMemo, uid: str, status: dict[str, Any]) -> bool:
     expected: Expectation | None = memo.expectations.get(uid)
     if expected is None:
         return False
-    caught_up = int(status.get("attempts") or 0) >= expected.attempts and (status.get("phase") == expected.phase or expected.phase not in TERMINAL_PHASES)
+    caught_up = int(status.get("attempts") or 0) >= expected.attempts and (
+        status.get("phase") == expected.phase or expected.phase not in TERMINAL_PHASES
+    )
     if caught_up or time.monotonic() > expected.deadline:
         memo.expectations.pop(uid, None)
         return False
@@ -382,7 +455,9 @@ async def _clean_up(kube: Kube, owner: Owner, decision: Decision, leases: LeaseS
         if await kube.delete(namespaced("batch/v1", owner.namespace, "jobs", decision.delete_job)):
             log.info("deleted runner Job %s/%s", owner.namespace, decision.delete_job)
     if decision.delete_cluster:
-        await kube.delete(namespaced("kubernetes.dask.org/v1", owner.namespace, "daskclusters", dask_cluster_name(owner.name)))
+        await kube.delete(
+            namespaced("kubernetes.dask.org/v1", owner.namespace, "daskclusters", dask_cluster_name(owner.name))
+        )
     if decision.release_lease and "lease" not in decision.needs:
         # Before the status write that forgets it: a failed write leaves a retry, never a leak.
         me = holder_identity(owner.namespace, owner.name, owner.uid)
@@ -393,14 +468,17 @@ async def _clean_up(kube: Kube, owner: Owner, decision: Decision, leases: LeaseS
 PERMANENT_REFUSALS = (400, 422)
 
 
-async def _create_runner(cfg: OperatorConfig, memo: OperatorMemo, owner: Owner, spec: ConversionJobSpec,
-                         decision: Decision) -> tuple[str | None, str | None]:
+async def _create_runner(
+    cfg: OperatorConfig, memo: OperatorMemo, owner: Owner, spec: ConversionJobSpec, decision: Decision
+) -> tuple[str | None, str | None]:
     """Create the attempt's runner Job: (its uid, None), (None, None) when it exists already, or
     (None, Kubernetes' message) when Kubernetes refuses it for good."""
     kube = memo.kube
     attempt = decision.ensure_attempt or 0
     await _ensure_runner_rbac(kube, owner, runner_account(spec, cfg.runner_service_account))
-    job = build_runner_job(owner, spec, attempt, cfg.image, resume=decision.resume, default_service_account=cfg.runner_service_account)
+    job = build_runner_job(
+        owner, spec, attempt, cfg.image, resume=decision.resume, default_service_account=cfg.runner_service_account
+    )
     try:
         created = await kube.create(namespaced("batch/v1", owner.namespace, "jobs"), job)
     except Conflict:
@@ -423,7 +501,10 @@ async def _ensure_runner_rbac(kube: Kube, owner: Owner, account: str) -> None:
     """The runner's permission to patch its own job's status (rbac.py's RUNNER_JOB_RULES),
     before the runner exists; an existing Role or RoleBinding (an earlier attempt's) is kept."""
     rbac = "rbac.authorization.k8s.io/v1"
-    for plural, obj in (("roles", build_runner_role(owner)), ("rolebindings", build_runner_role_binding(owner, account))):
+    for plural, obj in (
+        ("roles", build_runner_role(owner)),
+        ("rolebindings", build_runner_role_binding(owner, account)),
+    ):
         try:
             await kube.create(namespaced(rbac, owner.namespace, plural), obj)
         except Conflict:
@@ -448,7 +529,9 @@ async def remove_children(kube: Kube, owner: Owner, lease: str | None, lease_nam
 Flag = asyncio.Future[Any] | asyncio.Event | concurrent.futures.Future[Any] | threading.Event
 
 
-async def run_operator(cfg: OperatorConfig, stop_flag: Flag | None = None, ready_flag: Flag | None = None, liveness: str | None = None) -> None:
+async def run_operator(
+    cfg: OperatorConfig, stop_flag: Flag | None = None, ready_flag: Flag | None = None, liveness: str | None = None
+) -> None:
     """Run the operator until ``stop_flag`` is set (or forever). Peering (unless ``cfg.peering``
     is None) lets several replicas run: only the one with the highest priority acts."""
     await kopf.operator(

@@ -110,16 +110,28 @@ class Kube:
     async def close(self) -> None:
         await self.api.close()
 
-    async def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
-                    content_type: str | None = None) -> Any:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str | None = None,
+    ) -> Any:
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type or "application/json"
         try:
             return await self.api.call_api(
-                path, method, query_params=query or [], header_params=headers, body=body,
-                response_types_map={200: "object", 201: "object", 202: "object"}, auth_settings=["BearerToken"],
-                _return_http_data_only=True, _request_timeout=REQUEST_TIMEOUT,
+                path,
+                method,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                response_types_map={200: "object", 201: "object", 202: "object"},
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                _request_timeout=REQUEST_TIMEOUT,
             )
         except (ApiException, OSError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ApiException) and exc.status == 404:
@@ -129,7 +141,9 @@ class Kube:
     async def get(self, path: str) -> dict[str, Any] | None:
         return _object(await self._call("GET", path), f"GET {path}")
 
-    async def list(self, path: str, label_selector: dict[str, str] | None = None, field_selector: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    async def list(
+        self, path: str, label_selector: dict[str, str] | None = None, field_selector: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in label_selector.items()))] if label_selector else []
         if field_selector:
             query.append(("fieldSelector", ",".join(f"{k}={v}" for k, v in field_selector.items())))

@@ -156,19 +156,28 @@ def holder_identity(namespace: str, name: str, uid: str) -> str:
     return f"{namespace}/{name}/{uid}"
 
 
-def lease_body(key: str, namespace: str, name: str, uid: str, api_version: str, kind: str,
-               lease_namespace: str | None = None) -> dict[str, Any]:
+def lease_body(
+    key: str, namespace: str, name: str, uid: str, api_version: str, kind: str, lease_namespace: str | None = None
+) -> dict[str, Any]:
     """The Lease of ``key`` held by ConversionJob ``namespace/name``, in ``lease_namespace``
     (default: the job's own)."""
     where = lease_namespace or namespace
     when = datetime.datetime.now(tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    meta: dict[str, Any] = {"name": lease_name(key), "namespace": where, "labels": labels(name, COMPONENT),
-                            "annotations": {KEY_ANNOTATION: key, HOLDER_KIND_ANNOTATION: kind}}
+    meta: dict[str, Any] = {
+        "name": lease_name(key),
+        "namespace": where,
+        "labels": labels(name, COMPONENT),
+        "annotations": {KEY_ANNOTATION: key, HOLDER_KIND_ANNOTATION: kind},
+    }
     if where == namespace:
         # The garbage collector frees the output if the holder is deleted without its finalizer.
         meta["ownerReferences"] = [owner_reference(api_version, kind, name, uid, block=False)]
-    return {"apiVersion": LEASE_API, "kind": "Lease", "metadata": meta,
-            "spec": {"holderIdentity": holder_identity(namespace, name, uid), "acquireTime": when, "renewTime": when}}
+    return {
+        "apiVersion": LEASE_API,
+        "kind": "Lease",
+        "metadata": meta,
+        "spec": {"holderIdentity": holder_identity(namespace, name, uid), "acquireTime": when, "renewTime": when},
+    }
 
 
 async def acquire(kube: Kube, body: dict[str, Any], job_namespace: str | None = None) -> LeaseState:
@@ -178,7 +187,12 @@ async def acquire(kube: Kube, body: dict[str, Any], job_namespace: str | None = 
 
     Not atomic (list, then create): the caller runs one acquire at a time (handlers.py)."""
     meta = body["metadata"]
-    name, namespace, me, key = meta["name"], meta["namespace"], body["spec"]["holderIdentity"], meta["annotations"][KEY_ANNOTATION]
+    name, namespace, me, key = (
+        meta["name"],
+        meta["namespace"],
+        body["spec"]["holderIdentity"],
+        meta["annotations"][KEY_ANNOTATION],
+    )
     for lease_ns, lease in await _output_leases(kube, namespace, job_namespace):
         lmeta, spec = lease.get("metadata") or {}, lease.get("spec") or {}
         theirs = (lmeta.get("annotations") or {}).get(KEY_ANNOTATION) or ""
@@ -215,7 +229,9 @@ async def _output_leases(kube: Kube, namespace: str, job_namespace: str | None) 
     """Every output Lease of the lease namespace, and an earlier build's in the job's namespace."""
     out = []
     for ns in dict.fromkeys(filter(None, (namespace, job_namespace))):
-        out += [(ns, lease) for lease in await kube.list(namespaced(LEASE_API, ns, "leases"), {LABEL_COMPONENT: COMPONENT})]
+        out += [
+            (ns, lease) for lease in await kube.list(namespaced(LEASE_API, ns, "leases"), {LABEL_COMPONENT: COMPONENT})
+        ]
     return out
 
 

@@ -31,9 +31,22 @@ from ..units import GiB, k8s_quantity
 from .rbac import RUNNER_BATCH_RULES, RUNNER_JOB_RULES, role_rules
 
 __all__ = [
-    "GROUP", "VERSION", "PLURAL", "KIND", "API_VERSION", "LABEL_JOB", "LABEL_ATTEMPT", "Owner",
-    "runner_job_name", "dask_cluster_name", "build_runner_job", "labels", "owner_reference",
-    "runner_account", "build_runner_role", "build_runner_role_binding",
+    "GROUP",
+    "VERSION",
+    "PLURAL",
+    "KIND",
+    "API_VERSION",
+    "LABEL_JOB",
+    "LABEL_ATTEMPT",
+    "Owner",
+    "runner_job_name",
+    "dask_cluster_name",
+    "build_runner_job",
+    "labels",
+    "owner_reference",
+    "runner_account",
+    "build_runner_role",
+    "build_runner_role_binding",
 ]
 
 #: Where the h5ngff image is published (helm/h5ngff/values.yaml's image.repository).
@@ -79,8 +92,15 @@ def runner_spec(spec: ConversionJobSpec, image: str, resume: bool) -> dict[str, 
     return spec.model_copy(update=update).to_wire()
 
 
-def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, default_image: str, resume: bool = False,
-                     default_service_account: str | None = None, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+def build_runner_job(
+    owner: Owner,
+    spec: ConversionJobSpec,
+    attempt: int,
+    default_image: str,
+    resume: bool = False,
+    default_service_account: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The ``batch/v1`` Job of one attempt. It never retries by itself (``backoffLimit: 0``): the
     operator decides about retries, because only it can tell an OOM (retry) from a bad input
     (do not), and it records why each attempt failed."""
@@ -93,14 +113,17 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
         "image": image,
         "command": list(RUNNER_COMMAND),
         "args": ["--namespace", owner.namespace, "--name", owner.name, "--uid", owner.uid, "--attempt", str(attempt)],
-        "env": env_list({
-            SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True),
-            BACKEND_ENV: "kubernetes",
-            METRICS_PORT_ENV: str(RUNNER_METRICS_PORT),
-            JOB_NAME_ENV: owner.name,
-            JOB_NAMESPACE_ENV: owner.namespace,
-            **(extra_env or {}),
-        }) + credential_env(spec.pod),
+        "env": env_list(
+            {
+                SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True),
+                BACKEND_ENV: "kubernetes",
+                METRICS_PORT_ENV: str(RUNNER_METRICS_PORT),
+                JOB_NAME_ENV: owner.name,
+                JOB_NAMESPACE_ENV: owner.namespace,
+                **(extra_env or {}),
+            }
+        )
+        + credential_env(spec.pod),
         "ports": [{"name": "metrics", "containerPort": RUNNER_METRICS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
         **container_storage(spec.pod),
@@ -120,7 +143,12 @@ def build_runner_job(owner: Owner, spec: ConversionJobSpec, attempt: int, defaul
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": owner.namespace, "labels": meta_labels, "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)]},
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": meta_labels,
+            "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)],
+        },
         "spec": job_spec,
     }
 
@@ -140,9 +168,15 @@ def build_runner_role(owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": {"name": runner_role_name(owner.name), "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
-                     "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)]},
-        "rules": role_rules(RUNNER_JOB_RULES if owner.kind == KIND else RUNNER_BATCH_RULES, resource_names=[owner.name]),
+        "metadata": {
+            "name": runner_role_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": labels(owner.name, "runner"),
+            "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)],
+        },
+        "rules": role_rules(
+            RUNNER_JOB_RULES if owner.kind == KIND else RUNNER_BATCH_RULES, resource_names=[owner.name]
+        ),
     }
 
 
@@ -152,8 +186,12 @@ def build_runner_role_binding(owner: Owner, account: str) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": {"name": name, "namespace": owner.namespace, "labels": labels(owner.name, "runner"),
-                     "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)]},
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": labels(owner.name, "runner"),
+            "ownerReferences": [owner_reference(API_VERSION, owner.kind, owner.name, owner.uid)],
+        },
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": owner.namespace}],
     }

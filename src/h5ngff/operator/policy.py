@@ -39,8 +39,24 @@ DEFAULT_VOLUME_TYPES = ("persistentVolumeClaim", "configMap", "secret", "emptyDi
 #: ConfigMap as ``sitecustomize.py`` with subPath, say), or over one of them (``/``, ``/var``),
 #: replaces code the runner runs with its service-account token. Not a Helm value: no conversion
 #: needs its data there.
-SYSTEM_PATHS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/etc", "/opt", "/boot", "/root",
-                "/proc", "/sys", "/dev", "/run", "/var/run")
+SYSTEM_PATHS = (
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/usr",
+    "/etc",
+    "/opt",
+    "/boot",
+    "/root",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/run",
+    "/var/run",
+)
 
 
 def normal_mount_path(path: str) -> str | None:
@@ -69,9 +85,11 @@ def mount_violation(where: str, mount: dict[str, Any]) -> str | None:
     path = str(mount.get("mountPath") or "")
     if not system_mount(path):
         return None
-    return (f"{where} {mount.get('name')!r} at mountPath {path!r} is not allowed: no volume may be mounted at, under or over "
-            f"the image's system paths {list(SYSTEM_PATHS)} (nor at a path with '..'), because it would replace code the pods "
-            f"run. Mount data elsewhere (/data, say).")
+    return (
+        f"{where} {mount.get('name')!r} at mountPath {path!r} is not allowed: no volume may be mounted at, under or over "
+        f"the image's system paths {list(SYSTEM_PATHS)} (nor at a path with '..'), because it would replace code the pods "
+        f"run. Mount data elsewhere (/data, say)."
+    )
 
 
 def home_violation(mount: dict[str, Any], volumes: list[dict[str, Any]]) -> str | None:
@@ -86,9 +104,11 @@ def home_violation(mount: dict[str, Any], volumes: list[dict[str, Any]]) -> str 
     volume = next((v for v in volumes if v.get("name") == mount.get("name")), {})
     if volume_type(volume) == "emptyDir":
         return None
-    return (f"spec.pod.volumeMounts {mount.get('name')!r} at mountPath {mount.get('mountPath')!r} is not allowed: {SCRATCH_PATH} is "
-            f"the pods' HOME, where Python, Dask and the AWS SDK read start-up code and config (~/.local, ~/.config, ~/.aws); only "
-            f"an emptyDir may be mounted there or on its dot-directories. Mount the {volume_type(volume)} volume elsewhere.")
+    return (
+        f"spec.pod.volumeMounts {mount.get('name')!r} at mountPath {mount.get('mountPath')!r} is not allowed: {SCRATCH_PATH} is "
+        f"the pods' HOME, where Python, Dask and the AWS SDK read start-up code and config (~/.local, ~/.config, ~/.aws); only "
+        f"an emptyDir may be mounted there or on its dot-directories. Mount the {volume_type(volume)} volume elsewhere."
+    )
 
 
 @dataclass(frozen=True)
@@ -119,24 +139,32 @@ def image_allowed(image: str, policy: TenantPolicy, default_image: str) -> bool:
     return image == default_image or any(fnmatchcase(image, pattern) for pattern in policy.allowed_images)
 
 
-def policy_violations(spec: ConversionJobSpec, policy: TenantPolicy, default_image: str, default_sa: str | None) -> list[str]:
+def policy_violations(
+    spec: ConversionJobSpec, policy: TenantPolicy, default_image: str, default_sa: str | None
+) -> list[str]:
     """Every way ``spec`` asks for more than ``policy`` allows; [] when it may run."""
     out = []
     pod = spec.pod
     if pod.image is not None and not image_allowed(pod.image, policy, default_image):
         patterns = f" and images matching {list(policy.allowed_images)}" if policy.allowed_images else ""
-        out.append(f"spec.pod.image {pod.image!r} is not allowed: allowed are the operator's image {default_image!r}{patterns}. "
-                   f"Leave spec.pod.image out, or ask the cluster admin to add a pattern to the Helm value policy.allowedImages.")
+        out.append(
+            f"spec.pod.image {pod.image!r} is not allowed: allowed are the operator's image {default_image!r}{patterns}. "
+            f"Leave spec.pod.image out, or ask the cluster admin to add a pattern to the Helm value policy.allowedImages."
+        )
     account = pod.service_account_name
     allowed_accounts = [a for a in (default_sa, *policy.allowed_service_accounts) if a]
     if account is not None and account not in allowed_accounts:
-        out.append(f"spec.pod.serviceAccountName {account!r} is not allowed: allowed are {allowed_accounts or 'none'}. "
-                   f"Leave it out to run as the runner account, or ask the cluster admin to add it to the Helm value policy.allowedServiceAccounts.")
+        out.append(
+            f"spec.pod.serviceAccountName {account!r} is not allowed: allowed are {allowed_accounts or 'none'}. "
+            f"Leave it out to run as the runner account, or ask the cluster admin to add it to the Helm value policy.allowedServiceAccounts."
+        )
     for volume in pod.volumes or ():
         kind = volume_type(volume)
         if kind not in policy.allowed_volume_types:
-            out.append(f"spec.pod.volumes {volume.get('name')!r} is a {kind} volume, which is not allowed: allowed are "
-                       f"{list(policy.allowed_volume_types)}. Ask the cluster admin to add it to the Helm value policy.allowedVolumeTypes.")
+            out.append(
+                f"spec.pod.volumes {volume.get('name')!r} is a {kind} volume, which is not allowed: allowed are "
+                f"{list(policy.allowed_volume_types)}. Ask the cluster admin to add it to the Helm value policy.allowedVolumeTypes."
+            )
     for mount in pod.volume_mounts or ():
         message = mount_violation("spec.pod.volumeMounts", mount) or home_violation(mount, pod.volumes or [])
         if message:
@@ -152,43 +180,73 @@ def policy_violations(spec: ConversionJobSpec, policy: TenantPolicy, default_ima
 #: a deny-list misses too much: LD_*, PYTHON* and Dask config variables such as
 #: DASK_DISTRIBUTED__WORKER__PRELOAD all load code. tests/test_operator_tenant_escape.py keeps it
 #: in step with the builders (a cluster as the runner builds it passes).
-DASK_POD_ENV = frozenset({
-    "MALLOC_CONF", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
-    "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET", "DASK_DISTRIBUTED__WORKER__MEMORY__SPILL",
-    "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE", "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE",
-    "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL", "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES",
-    "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED",
-})
+DASK_POD_ENV = frozenset(
+    {
+        "MALLOC_CONF",
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_ARENA_MAX",
+        "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET",
+        "DASK_DISTRIBUTED__WORKER__MEMORY__SPILL",
+        "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE",
+        "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE",
+        "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL",
+        "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES",
+        "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED",
+    }
+)
 CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
 
 
-def dask_cluster_violations(cluster: dict[str, Any], spec: ConversionJobSpec | None, policy: TenantPolicy, default_image: str,
-                            default_sa: str | None) -> list[str]:
+def dask_cluster_violations(
+    cluster: dict[str, Any],
+    spec: ConversionJobSpec | None,
+    policy: TenantPolicy,
+    default_image: str,
+    default_sa: str | None,
+) -> list[str]:
     """Every way a DaskCluster's pods differ from what the runner of the ConversionJob with
     ``spec`` builds (backends/kubernetes.py) and the policy allows; [] when it may stay.
     ``spec`` is None when no ConversionJob (with a valid spec) of the namespace owns the name."""
     name = (cluster.get("metadata") or {}).get("name")
     if spec is None:
-        return [f"DaskCluster {name!r} is not the cluster of any ConversionJob of its namespace (a job's cluster is named after "
-                f"the job, <job>-dask); only the operator's runners create DaskClusters here."]
+        return [
+            f"DaskCluster {name!r} is not the cluster of any ConversionJob of its namespace (a job's cluster is named after "
+            f"the job, <job>-dask); only the operator's runners create DaskClusters here."
+        ]
     image = spec.pod.image or default_image
     body = cluster.get("spec") or {}
     out = []
     service = ((body.get("scheduler") or {}).get("service") or {}).get("type", "ClusterIP")
     if service != "ClusterIP":
-        out.append(f"spec.scheduler.service.type {service!r} is not allowed: the scheduler runs any code a client sends, so it "
-                   f"stays inside the cluster (ClusterIP).")
+        out.append(
+            f"spec.scheduler.service.type {service!r} is not allowed: the scheduler runs any code a client sends, so it "
+            f"stays inside the cluster (ClusterIP)."
+        )
     for role in ("scheduler", "worker"):
         pod_spec = (body.get(role) or {}).get("spec")
         if pod_spec is not None:
-            out += pod_spec_violations(f"spec.{role}.spec", pod_spec, spec.pod, image, policy, default_image, default_sa)
+            out += pod_spec_violations(
+                f"spec.{role}.spec", pod_spec, spec.pod, image, policy, default_image, default_sa
+            )
     return out
 
 
-def pod_spec_violations(where: str, pod_spec: dict[str, Any], pod: PodSettings, image: str, policy: TenantPolicy, default_image: str,
-                        default_sa: str | None) -> list[str]:
+def pod_spec_violations(
+    where: str,
+    pod_spec: dict[str, Any],
+    pod: PodSettings,
+    image: str,
+    policy: TenantPolicy,
+    default_image: str,
+    default_sa: str | None,
+) -> list[str]:
     """A Dask pod spec against what ``with_scratch`` and the job's ``spec.pod`` make of it."""
-    out = [f"{where}.{key} is not allowed: Dask pods share no host namespace." for key in ("hostNetwork", "hostPID", "hostIPC") if pod_spec.get(key)]
+    out = [
+        f"{where}.{key} is not allowed: Dask pods share no host namespace."
+        for key in ("hostNetwork", "hostPID", "hostIPC")
+        if pod_spec.get(key)
+    ]
     if pod_spec.get("automountServiceAccountToken") is not False:
         out.append(f"{where}.automountServiceAccountToken must be false: Dask pods need no Kubernetes API access.")
     account = pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount")
@@ -196,11 +254,15 @@ def pod_spec_violations(where: str, pod_spec: dict[str, Any], pod: PodSettings, 
     if account and account not in allowed_accounts:
         out.append(f"{where}.serviceAccountName {account!r} is not allowed: allowed are {allowed_accounts or 'none'}.")
     if pod_spec.get("securityContext") != pod_security_context():
-        out.append(f"{where}.securityContext {pod_spec.get('securityContext')!r} is not the one h5ngff sets: {pod_security_context()!r}.")
+        out.append(
+            f"{where}.securityContext {pod_spec.get('securityContext')!r} is not the one h5ngff sets: {pod_security_context()!r}."
+        )
     out += _volume_violations(where, pod_spec.get("volumes") or (), pod, policy)
     for key in CONTAINER_LISTS:
         for i, container in enumerate(pod_spec.get(key) or ()):
-            out += container_violations(f"{where}.{key}[{i}] ({container.get('name')!r})", container, pod, image, policy, default_image)
+            out += container_violations(
+                f"{where}.{key}[{i}] ({container.get('name')!r})", container, pod, image, policy, default_image
+            )
     return out
 
 
@@ -210,24 +272,42 @@ def _volume_violations(where: str, volumes: Any, pod: PodSettings, policy: Tenan
     for volume in volumes:
         kind = volume_type(volume)
         if kind not in policy.allowed_volume_types:
-            out.append(f"{where}.volumes {volume.get('name')!r} is a {kind} volume, which is not allowed: allowed are {list(policy.allowed_volume_types)}.")
+            out.append(
+                f"{where}.volumes {volume.get('name')!r} is a {kind} volume, which is not allowed: allowed are {list(policy.allowed_volume_types)}."
+            )
         elif volume not in known:
-            out.append(f"{where}.volumes {volume.get('name')!r} is not one of the job's spec.pod.volumes nor the scratch volume.")
+            out.append(
+                f"{where}.volumes {volume.get('name')!r} is not one of the job's spec.pod.volumes nor the scratch volume."
+            )
     return out
 
 
-def container_violations(where: str, container: dict[str, Any], pod: PodSettings, image: str, policy: TenantPolicy, default_image: str) -> list[str]:
+def container_violations(
+    where: str, container: dict[str, Any], pod: PodSettings, image: str, policy: TenantPolicy, default_image: str
+) -> list[str]:
     out = []
     asked = container.get("image")
     if asked != image or not image_allowed(image, policy, default_image):
         out.append(f"{where} image {asked!r} is not allowed: the job's Dask pods run its image {image!r}.")
     if container.get("securityContext") != container_security_context():
-        out.append(f"{where}.securityContext {container.get('securityContext')!r} is not the one h5ngff sets: {container_security_context()!r}.")
-    out += [m for m in (mount_violation(f"{where}.volumeMounts", mount) for mount in container.get("volumeMounts") or ()) if m]
+        out.append(
+            f"{where}.securityContext {container.get('securityContext')!r} is not the one h5ngff sets: {container_security_context()!r}."
+        )
+    out += [
+        m
+        for m in (mount_violation(f"{where}.volumeMounts", mount) for mount in container.get("volumeMounts") or ())
+        if m
+    ]
     if container.get("envFrom"):
-        out.append(f"{where}.envFrom is not allowed: a Secret's or ConfigMap's every key would become an environment variable "
-                   f"(LD_PRELOAD, PYTHONPATH, ...); credentials come as named keys {list(CREDENTIAL_ENV)}.")
-    out += [f"{where}.env {e.get('name')!r} is not allowed: {why}" for e in container.get("env") or () if (why := env_refusal(e, pod))]
+        out.append(
+            f"{where}.envFrom is not allowed: a Secret's or ConfigMap's every key would become an environment variable "
+            f"(LD_PRELOAD, PYTHONPATH, ...); credentials come as named keys {list(CREDENTIAL_ENV)}."
+        )
+    out += [
+        f"{where}.env {e.get('name')!r} is not allowed: {why}"
+        for e in container.get("env") or ()
+        if (why := env_refusal(e, pod))
+    ]
     return out
 
 
@@ -236,7 +316,12 @@ def env_refusal(entry: dict[str, Any], pod: PodSettings) -> str | None:
     name, value = entry.get("name"), entry.get("value")
     if "valueFrom" in entry:
         ref = entry["valueFrom"].get("secretKeyRef") or {}
-        if name in CREDENTIAL_ENV and list(entry["valueFrom"]) == ["secretKeyRef"] and ref.get("key") == name and ref.get("name") == pod.credentials_secret:
+        if (
+            name in CREDENTIAL_ENV
+            and list(entry["valueFrom"]) == ["secretKeyRef"]
+            and ref.get("key") == name
+            and ref.get("name") == pod.credentials_secret
+        ):
             return None
         return f"only {list(CREDENTIAL_ENV)} may come from a Secret, each from the key of its name in the job's credentialsSecret."
     if name == "HOME":

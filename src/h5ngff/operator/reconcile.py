@@ -42,7 +42,18 @@ from .status import (
 )
 
 #: Status fields that describe one run; a new run starts without them.
-RUN_FIELDS = ("plan", "progress", "result", "runner", "failures", "reason", "message", "completionTime", "nextRetryTime", "runnerJobUid")
+RUN_FIELDS = (
+    "plan",
+    "progress",
+    "result",
+    "runner",
+    "failures",
+    "reason",
+    "message",
+    "completionTime",
+    "nextRetryTime",
+    "runnerJobUid",
+)
 
 
 @dataclass(frozen=True)
@@ -136,7 +147,9 @@ def _stamp(o: Observed, d: Decision) -> Decision:
         return d
     patch = dict(d.patch)
     patch["observedGeneration"] = o.generation
-    patch["conditions"] = at_generation(patch["conditions"] if "conditions" in patch else o.status.get("conditions"), o.generation)
+    patch["conditions"] = at_generation(
+        patch["conditions"] if "conditions" in patch else o.status.get("conditions"), o.generation
+    )
     for key, value in adopt.items():
         patch.setdefault(key, value)
     return dataclasses.replace(d, patch=patch)
@@ -197,15 +210,22 @@ def _new_run(o: Observed) -> Decision:
     job = _current_job(o)
     if job is not None and _in_flight_now(status):
         message = f"The conversion changed in generation {o.generation}: stopping attempt {status.get('attempts')} (runner Job {job.name}) to start a new run."
-        patch = {"phase": Phase.PENDING.value, "reason": "SpecChanged", "message": message,
-                 "conditions": set_condition(status.get("conditions"), "Running", "False", "SpecChanged", message, o.now)}
+        patch = {
+            "phase": Phase.PENDING.value,
+            "reason": "SpecChanged",
+            "message": message,
+            "conditions": set_condition(status.get("conditions"), "Running", "False", "SpecChanged", message, o.now),
+        }
         return Decision(patch, delete_job=job.name, delete_cluster=True, event=("Normal", "SpecChanged", message))
     if int(status.get("attempts") or 0) and not o.pods_checked:
         return Decision(needs=frozenset({"pods"}))
     running = live_pods(o.pods)
     if running:
         message = f"Waiting for {len(running)} pod(s) of the stopped run to exit before the new run starts: {', '.join(running[:5])}."
-        return Decision({"reason": "SpecChanged", "message": message} if status.get("message") != message else {}, delete_cluster=True)
+        return Decision(
+            {"reason": "SpecChanged", "message": message} if status.get("message") != message else {},
+            delete_cluster=True,
+        )
     old_lease = status.get("outputLease")
     release = old_lease if old_lease and old_lease != o.lease_name else None
     if o.lease is None:
@@ -218,12 +238,19 @@ def _new_run(o: Observed) -> Decision:
 def _output_busy(o: Observed, release: str | None) -> Decision:
     status = o.status
     since = f" since {o.lease.since}" if o.lease.since else ""
-    message = (f"Waiting for the output {o.output}: ConversionJob {o.lease.holder or '?'} writes it (Lease {o.lease.name}{since}). "
-               f"This job starts when that one ends or is deleted.")
+    message = (
+        f"Waiting for the output {o.output}: ConversionJob {o.lease.holder or '?'} writes it (Lease {o.lease.name}{since}). "
+        f"This job starts when that one ends or is deleted."
+    )
     patch: dict[str, Any] = {}
     if status.get("reason") != "OutputBusy" or status.get("message") != message:
-        patch = {"phase": Phase.PENDING.value, "reason": "OutputBusy", "message": message, "output": o.output,
-                 "conditions": set_condition(status.get("conditions"), "OutputLease", "False", "OutputBusy", message, o.now)}
+        patch = {
+            "phase": Phase.PENDING.value,
+            "reason": "OutputBusy",
+            "message": message,
+            "output": o.output,
+            "conditions": set_condition(status.get("conditions"), "OutputLease", "False", "OutputBusy", message, o.now),
+        }
         if release:
             patch["outputLease"] = None
     event = ("Normal", "OutputBusy", message) if status.get("reason") != "OutputBusy" else None
@@ -237,8 +264,20 @@ def _start_run(o: Observed, release: str | None) -> Decision:
     conditions = set_condition(None, "Validated", "True", "SpecValid", None, o.now)
     conditions = set_condition(conditions, "OutputLease", "True", "Held", o.lease.name, o.now)
     patch: dict[str, Any] = {name: None for name in RUN_FIELDS if status.get(name) is not None}
-    patch.update({"phase": Phase.PENDING.value, "attempts": attempt, "firstAttempt": attempt, "runnerJob": job, "output": o.output,
-                  "conversionHash": o.conversion, "conversionGeneration": o.generation, "outputLease": o.lease.name, "startTime": o.now, "conditions": conditions})
+    patch.update(
+        {
+            "phase": Phase.PENDING.value,
+            "attempts": attempt,
+            "firstAttempt": attempt,
+            "runnerJob": job,
+            "output": o.output,
+            "conversionHash": o.conversion,
+            "conversionGeneration": o.generation,
+            "outputLease": o.lease.name,
+            "startTime": o.now,
+            "conditions": conditions,
+        }
+    )
     run = "" if attempt == 1 else f" for the changed spec (generation {o.generation})"
     message = f"Created runner Job {job} (attempt 1 of {o.backoff_limit + 1}){run}."
     return Decision(patch, ensure_attempt=attempt, release_lease=release, event=("Normal", "RunnerCreated", message))
@@ -254,7 +293,9 @@ def _in_flight(o: Observed, can_start: bool) -> Decision:
     job = _current_job(o)
     overdue = _deadline_passed(o)
     if overdue is not None:
-        return _final(o, "DeadlineExceeded", overdue, delete_job=job.name if job and job.state in ("pending", "active") else None)
+        return _final(
+            o, "DeadlineExceeded", overdue, delete_job=job.name if job and job.state in ("pending", "active") else None
+        )
     if job is None:
         return _without_job(o, attempt, can_start)
     seen = {"runnerJobUid": job.uid} if status.get("runnerJobUid") != job.uid else {}
@@ -278,7 +319,9 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
     runner, hence deleted; or asked for by a pass that did not live to record it."""
     status = o.status
     report = runner_report(status, attempt)
-    if status.get("runnerJobUid") or report is not None or _runner_spoke(status, attempt):  # it existed: deleted (or its TTL ran out)
+    if (
+        status.get("runnerJobUid") or report is not None or _runner_spoke(status, attempt)
+    ):  # it existed: deleted (or its TTL ran out)
         if not o.job_checked:  # or the watch has not caught up (a replica that just took over): ask
             return Decision(needs=frozenset({"job"}))
         if report is not None and report.get("outcome") == "Succeeded":
@@ -286,7 +329,9 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
         if report is None and not o.pods_checked:
             return Decision(needs=frozenset({"pods"}))
         reason, message = failure_cause(status, attempt, None, o.pods)
-        return _after_failure(o, attempt, reason, message, can_start, event_reason="RunnerDeleted" if reason == "RunnerDeleted" else None)
+        return _after_failure(
+            o, attempt, reason, message, can_start, event_reason="RunnerDeleted" if reason == "RunnerDeleted" else None
+        )
     if o.create_rejected is not None:
         return _rejected(o, attempt, o.create_rejected)
     if not can_start:
@@ -309,10 +354,19 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
     patch = {"nextRetryTime": None} if retry_at else {}
     event = None
     if unsure:  # overwrite never follows from not knowing: the output may hold this run's own slabs
-        event = ("Warning", "RunnerRecreated", f"Runner Job {runner_job_name(o.name, attempt)} of attempt {attempt} is missing and the operator "
-                 f"cannot tell whether it ran (it stopped between creating the Job and recording it); created again with overwrite off, "
-                 f"resuming from the output's manifest.")
-    return Decision({**patch, **_conditions_patch(status, o.now)}, ensure_attempt=attempt, resume=attempt > first or unsure, event=event)
+        event = (
+            "Warning",
+            "RunnerRecreated",
+            f"Runner Job {runner_job_name(o.name, attempt)} of attempt {attempt} is missing and the operator "
+            f"cannot tell whether it ran (it stopped between creating the Job and recording it); created again with overwrite off, "
+            f"resuming from the output's manifest.",
+        )
+    return Decision(
+        {**patch, **_conditions_patch(status, o.now)},
+        ensure_attempt=attempt,
+        resume=attempt > first or unsure,
+        event=event,
+    )
 
 
 def _runner_spoke(status: dict[str, Any], attempt: int) -> bool:
@@ -325,9 +379,13 @@ def _runner_spoke(status: dict[str, Any], attempt: int) -> bool:
 
 def _rejected(o: Observed, attempt: int, message: str) -> Decision:
     """Kubernetes refused the runner Job (HTTP 4xx): no retry can change that, the spec must."""
-    text = (f"Kubernetes refused runner Job {runner_job_name(o.name, attempt)} of attempt {attempt}: {message}. "
-            f"Fix spec.pod (volumes, volumeMounts, image) and apply it again.")
-    return _final(o, "Rejected", text, failures=failure_record(attempt, "Rejected", text, o.now, o.status.get("failures")))
+    text = (
+        f"Kubernetes refused runner Job {runner_job_name(o.name, attempt)} of attempt {attempt}: {message}. "
+        f"Fix spec.pod (volumes, volumeMounts, image) and apply it again."
+    )
+    return _final(
+        o, "Rejected", text, failures=failure_record(attempt, "Rejected", text, o.now, o.status.get("failures"))
+    )
 
 
 def _waiting_to_start(o: Observed, job: JobSummary) -> Decision:
@@ -336,17 +394,28 @@ def _waiting_to_start(o: Observed, job: JobSummary) -> Decision:
         return Decision(needs=frozenset({"pods", "events"}))
     status = o.status
     attempt = int(status.get("attempts") or 0)
-    pods = tuple(p for p in o.pods if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT) == str(attempt))
+    pods = tuple(
+        p for p in o.pods if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT) == str(attempt)
+    )
     problem = start_problem(pods, o.events, job.name)
     if problem is None:
         if status.get("reason") in START_REASONS:  # it got going after all
-            return Decision({"reason": None, "message": None,
-                             "conditions": set_condition(status.get("conditions"), "Running", "False", "Starting", None, o.now)})
+            return Decision(
+                {
+                    "reason": None,
+                    "message": None,
+                    "conditions": set_condition(status.get("conditions"), "Running", "False", "Starting", None, o.now),
+                }
+            )
         return Decision(_conditions_patch(status, o.now))
     reason, message = problem
     if status.get("reason") == reason and status.get("message") == message:
         return NOTHING
-    patch = {"reason": reason, "message": message, "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now)}
+    patch = {
+        "reason": reason,
+        "message": message,
+        "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now),
+    }
     return Decision(patch, event=("Warning", reason, message) if status.get("reason") != reason else None)
 
 
@@ -357,9 +426,15 @@ def _deadline_passed(o: Observed) -> str | None:
     took = seconds_between(start, o.now)
     if took < o.deadline_seconds:
         return None
-    waiting = f" (it was waiting: {o.status.get('reason')}: {o.status.get('message')})" if o.status.get("reason") in START_REASONS else ""
-    return (f"The run took longer than spec.activeDeadlineSeconds ({o.deadline_seconds} s; started {start}, {took:.0f} s ago){waiting}. "
-            f"Its runner and Dask cluster were stopped; raise the deadline or fix the cause to run it again.")
+    waiting = (
+        f" (it was waiting: {o.status.get('reason')}: {o.status.get('message')})"
+        if o.status.get("reason") in START_REASONS
+        else ""
+    )
+    return (
+        f"The run took longer than spec.activeDeadlineSeconds ({o.deadline_seconds} s; started {start}, {took:.0f} s ago){waiting}. "
+        f"Its runner and Dask cluster were stopped; raise the deadline or fix the cause to run it again."
+    )
 
 
 def _released(o: Observed, patch: dict[str, Any]) -> dict[str, Any]:
@@ -372,16 +447,24 @@ def _released(o: Observed, patch: dict[str, Any]) -> dict[str, Any]:
 
 def _succeeded(o: Observed) -> Decision:
     patch = _released(o, succeeded_patch(o.status, o.now))
-    return Decision(patch, release_lease=o.status.get("outputLease"),
-                    event=("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}."))
+    return Decision(
+        patch,
+        release_lease=o.status.get("outputLease"),
+        event=("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}."),
+    )
 
 
 def _final(o: Observed, reason: str, message: str, delete_job: str | None = None, failures: Any = None) -> Decision:
     patch = _released(o, failed_patch(o.status, reason, message, o.now))
     if failures is not None:
         patch["failures"] = failures
-    return Decision(patch, delete_job=delete_job, delete_cluster=True, release_lease=o.status.get("outputLease"),
-                    event=("Warning", reason, message))
+    return Decision(
+        patch,
+        delete_job=delete_job,
+        delete_cluster=True,
+        release_lease=o.status.get("outputLease"),
+        event=("Warning", reason, message),
+    )
 
 
 def _policy_denied(o: Observed) -> Decision:
@@ -389,13 +472,19 @@ def _policy_denied(o: Observed) -> Decision:
     children of a run in flight (its spec was edited, or the policy tightened) are deleted."""
     status = o.status
     denial = o.policy_denial or ""
-    if status.get("phase") == Phase.FAILED and status.get("reason") == "PolicyDenied" and status.get("message") == denial:
+    if (
+        status.get("phase") == Phase.FAILED
+        and status.get("reason") == "PolicyDenied"
+        and status.get("message") == denial
+    ):
         return NOTHING
     job = _current_job(o) if _in_flight_now(status) else None
     return _final(o, "PolicyDenied", denial, delete_job=job.name if job else None)
 
 
-def _after_failure(o: Observed, attempt: int, reason: str, message: str, can_retry: bool, event_reason: str | None = None) -> Decision:
+def _after_failure(
+    o: Observed, attempt: int, reason: str, message: str, can_retry: bool, event_reason: str | None = None
+) -> Decision:
     status = o.status
     failures = failure_record(attempt, reason, message, o.now, status.get("failures"))
     if reason in PERMANENT_REASONS:
@@ -403,18 +492,34 @@ def _after_failure(o: Observed, attempt: int, reason: str, message: str, can_ret
     first = int(status.get("firstAttempt") or 1)
     run_attempts = attempt - first + 1
     if not can_retry:
-        return _final(o, reason, f"Attempt {attempt} failed ({reason}: {message}); not retried, because the spec of "
-                                 f"generation {o.generation} is invalid: {o.spec_error}", failures=failures)
+        return _final(
+            o,
+            reason,
+            f"Attempt {attempt} failed ({reason}: {message}); not retried, because the spec of "
+            f"generation {o.generation} is invalid: {o.spec_error}",
+            failures=failures,
+        )
     if run_attempts > o.backoff_limit:
         total = f"{run_attempts} attempt(s) failed (backoffLimit {o.backoff_limit}); the last one: {reason}: {message}"
         return _final(o, "BackoffLimitExceeded", total, failures=failures)
     nxt = attempt + 1
     delay = o.retry_delays[min(run_attempts, len(o.retry_delays)) - 1] if o.retry_delays else 0
-    note = (f"Attempt {attempt} failed ({reason}: {message}); retrying as attempt {nxt} ({run_attempts + 1} of {o.backoff_limit + 1}) "
-            f"in {delay} s, resuming from the manifest.")
-    patch = {"phase": Phase.PENDING.value, "attempts": nxt, "runnerJob": runner_job_name(o.name, nxt), "runnerJobUid": None,
-             "nextRetryTime": add_seconds(o.now, delay), "failures": failures, "runner": None, "reason": reason, "message": note,
-             "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now)}
+    note = (
+        f"Attempt {attempt} failed ({reason}: {message}); retrying as attempt {nxt} ({run_attempts + 1} of {o.backoff_limit + 1}) "
+        f"in {delay} s, resuming from the manifest."
+    )
+    patch = {
+        "phase": Phase.PENDING.value,
+        "attempts": nxt,
+        "runnerJob": runner_job_name(o.name, nxt),
+        "runnerJobUid": None,
+        "nextRetryTime": add_seconds(o.now, delay),
+        "failures": failures,
+        "runner": None,
+        "reason": reason,
+        "message": note,
+        "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now),
+    }
     return Decision(patch, delete_cluster=True, event=("Warning", event_reason or "Retrying", note))
 
 
@@ -448,9 +553,15 @@ def _invalid(o: Observed, error: str) -> Decision:
         return d
     base = d.patch["conditions"] if "conditions" in d.patch else status.get("conditions")
     conditions = set_condition(base, "Validated", "False", "InvalidSpec", error, o.now)
-    kept = "the running attempt continues with the previous spec" if _in_flight_now(status) else f"the {status.get('phase')} outcome stands"
+    kept = (
+        "the running attempt continues with the previous spec"
+        if _in_flight_now(status)
+        else f"the {status.get('phase')} outcome stands"
+    )
     message = f"Generation {o.generation} is invalid; {kept}: {error}"
-    return dataclasses.replace(d, patch={**d.patch, "conditions": conditions}, event=d.event or ("Warning", "InvalidSpec", message))
+    return dataclasses.replace(
+        d, patch={**d.patch, "conditions": conditions}, event=d.event or ("Warning", "InvalidSpec", message)
+    )
 
 
 def _validated(o: Observed, d: Decision) -> Decision:
@@ -459,7 +570,9 @@ def _validated(o: Observed, d: Decision) -> Decision:
     if d.needs or cond is None or cond.get("status") == "True" or "attempts" in d.patch and d.patch.get("firstAttempt"):
         return d
     base = d.patch["conditions"] if "conditions" in d.patch else o.status.get("conditions")
-    return dataclasses.replace(d, patch={**d.patch, "conditions": set_condition(base, "Validated", "True", "SpecValid", None, o.now)})
+    return dataclasses.replace(
+        d, patch={**d.patch, "conditions": set_condition(base, "Validated", "True", "SpecValid", None, o.now)}
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,5 +595,7 @@ def _conditions_patch(status: dict[str, Any], now: str) -> dict[str, Any]:
 
 
 def _plan_message(plan: dict[str, Any]) -> str:
-    return (f"{plan.get('workers')} worker(s) x {plan.get('threadsPerWorker')} thread(s), pod limit {plan.get('podLimit')}, "
-            f"Dask memory_limit {plan.get('memoryLimit')}, slab {plan.get('slab')}, {plan.get('tasks')} task(s)")
+    return (
+        f"{plan.get('workers')} worker(s) x {plan.get('threadsPerWorker')} thread(s), pod limit {plan.get('podLimit')}, "
+        f"Dask memory_limit {plan.get('memoryLimit')}, slab {plan.get('slab')}, {plan.get('tasks')} task(s)"
+    )

@@ -18,7 +18,14 @@ from ..backends.factory import BackendOptions, make_backend
 from ..backends.kubernetes import build_dask_cluster
 from ..errors import PolicyDeniedError
 from ..job import JobManifest
-from .manifests import DEFAULT_IMAGE, Owner, build_runner_job, build_runner_role, build_runner_role_binding, runner_account
+from .manifests import (
+    DEFAULT_IMAGE,
+    Owner,
+    build_runner_job,
+    build_runner_role,
+    build_runner_role_binding,
+    runner_account,
+)
 from .policy import TenantPolicy, policy_violations
 
 #: ownerReferences need the ConversionJob's uid, which only the API server assigns.

@@ -54,7 +54,9 @@ class RunnerArgs:
 def spec_from_env() -> ConversionJobSpec:
     text = os.environ.get(SPEC_ENV)
     if not text:
-        raise SpecError("", f"Expected the job's spec as JSON in ${SPEC_ENV} (the operator sets it). Got nothing instead.")
+        raise SpecError(
+            "", f"Expected the job's spec as JSON in ${SPEC_ENV} (the operator sets it). Got nothing instead."
+        )
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -72,12 +74,19 @@ def runner_backend(args: RunnerArgs, spec: ConversionJobSpec) -> Backend:
     entry = BACKENDS.get(kind)
     if entry is None or not entry.owns_workers:
         kinds = owning_kinds()
-        raise SpecError("", f"Expected ${BACKEND_ENV} to be {', '.join(kinds[:-1])} or {kinds[-1]} (a backend that starts its own workers). "
-                            f"Got {kind!r} instead.")
+        raise SpecError(
+            "",
+            f"Expected ${BACKEND_ENV} to be {', '.join(kinds[:-1])} or {kinds[-1]} (a backend that starts its own workers). "
+            f"Got {kind!r} instead.",
+        )
     limit = os.environ.get(POD_LIMIT_ENV)
     owner_kind = BATCH_KIND if os.environ.get(KIND_ENV) == BATCH_KIND else KIND
-    options = BackendOptions(pod_limit=parse_bytes(limit) if limit else None, image=spec.pod.image or "", pod=spec.pod,
-                             owner=Owner(args.namespace, args.name, args.uid, args.attempt, owner_kind))
+    options = BackendOptions(
+        pod_limit=parse_bytes(limit) if limit else None,
+        image=spec.pod.image or "",
+        pod=spec.pod,
+        owner=Owner(args.namespace, args.name, args.uid, args.attempt, owner_kind),
+    )
     return make_backend(kind, options)
 
 
@@ -108,7 +117,9 @@ def main(args: RunnerArgs) -> int:
         except H5ngffError as exc:
             reporter(runner_report(args.attempt, "Failed", now(), exc.reason, str(exc)), True)
             return exc.exit_code
-        log.info("attempt %d of ConversionJob %s/%s on the %s backend", args.attempt, args.namespace, args.name, backend.name)
+        log.info(
+            "attempt %d of ConversionJob %s/%s on the %s backend", args.attempt, args.namespace, args.name, backend.name
+        )
         metrics = _exporter(spec)
         # The outcome's patch is final: the reporter delivers it before the metrics linger.
         linger = Linger(metrics_linger(), until_scraped=True) if metrics is not None else Linger()
@@ -124,5 +135,7 @@ def metrics_linger() -> float:
     try:
         return float(text) if text else DEFAULT_METRICS_LINGER
     except ValueError:
-        log.warning("$%s=%r is not a number of seconds; lingering %.0f s", METRICS_LINGER_ENV, text, DEFAULT_METRICS_LINGER)
+        log.warning(
+            "$%s=%r is not a number of seconds; lingering %.0f s", METRICS_LINGER_ENV, text, DEFAULT_METRICS_LINGER
+        )
         return DEFAULT_METRICS_LINGER

@@ -24,15 +24,27 @@ from ..engine.progress import Progress
 from ..planner.model import Plan
 from ..units import k8s_quantity
 from ..patches import apply_merge_patch, deep_merge
+
 # Status patches carry plain strings (``.value``): ``h5ngff run`` prints them with yaml.safe_dump.
 from ..phases import Phase
 
 #: Failures that the same spec will hit again on every attempt: retrying only wastes a pod.
-PERMANENT_REASONS = frozenset({"InvalidSpec", "BudgetTooSmall", "SourceUnreadable", "OutputConflict", "OutputUnwritable", "DiskFull"})
+PERMANENT_REASONS = frozenset(
+    {"InvalidSpec", "BudgetTooSmall", "SourceUnreadable", "OutputConflict", "OutputUnwritable", "DiskFull"}
+)
 #: Why a run's pods do not start, as the scheduler, kubelet or Job controller says (shown while
 #: Pending; ``activeDeadlineSeconds`` ends such a run).
-START_REASONS = frozenset({"Unschedulable", "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
-                           "CreateContainerError", "FailedCreate"})
+START_REASONS = frozenset(
+    {
+        "Unschedulable",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "FailedCreate",
+    }
+)
 #: How many failed attempts ``status.failures`` keeps (the newest); the count is in ``attempts``.
 MAX_FAILURE_RECORDS = 10
 #: The runner's ``progress`` patches are rate-limited to one per this many seconds (phase
@@ -139,7 +151,10 @@ class ConversionJobStatus(_Status):
 
     #: The CRD's enum: phases.JOB_PHASES (tests/test_phases.py keeps the two equal).
     phase: Literal["Pending", "Planned", "Running", "Succeeded", "Failed"] | None = None
-    reason: str | None = Field(None, description="Why the job failed: InvalidSpec, SourceUnreadable, OutputConflict, OOMKilled, NannyTerminated, BackoffLimitExceeded, ...")
+    reason: str | None = Field(
+        None,
+        description="Why the job failed: InvalidSpec, SourceUnreadable, OutputConflict, OOMKilled, NannyTerminated, BackoffLimitExceeded, ...",
+    )
     message: str | None = None
     attempts: int | None = Field(None, description="Runner attempts started so far (1 + retries).")
     runner_job: str | None = Field(None, description="Name of the current attempt's runner Job.")
@@ -152,30 +167,57 @@ class ConversionJobStatus(_Status):
     runner: RunnerReport | None = None
     failures: list[FailureRecord] | None = None
     conditions: list[Condition] | None = None
-    observed_generation: int | None = Field(None, description="The metadata.generation the status describes: the operator has acted on that spec.")
-    conversion_hash: str | None = Field(None, description="Hash of the conversion fields of the current run's spec; an edit that changes it starts a new run.")
-    conversion_generation: int | None = Field(None, description="The metadata.generation at which conversionHash was last compared with the spec; "
-                                              "only a later generation can start a new run (an operator upgrade never does).")
-    first_attempt: int | None = Field(None, description="The first attempt of the current run (attempt numbers keep counting across runs).")
-    runner_job_uid: str | None = Field(None, description="uid of the current attempt's runner Job once the operator saw it (a Job that vanishes after that was deleted).")
+    observed_generation: int | None = Field(
+        None, description="The metadata.generation the status describes: the operator has acted on that spec."
+    )
+    conversion_hash: str | None = Field(
+        None,
+        description="Hash of the conversion fields of the current run's spec; an edit that changes it starts a new run.",
+    )
+    conversion_generation: int | None = Field(
+        None,
+        description="The metadata.generation at which conversionHash was last compared with the spec; "
+        "only a later generation can start a new run (an operator upgrade never does).",
+    )
+    first_attempt: int | None = Field(
+        None, description="The first attempt of the current run (attempt numbers keep counting across runs)."
+    )
+    runner_job_uid: str | None = Field(
+        None,
+        description="uid of the current attempt's runner Job once the operator saw it (a Job that vanishes after that was deleted).",
+    )
     next_retry_time: str | None = Field(None, description="When the next attempt starts (retry backoff).")
-    output_lease: str | None = Field(None, description="The coordination.k8s.io Lease this job holds on its output path while it runs.")
+    output_lease: str | None = Field(
+        None, description="The coordination.k8s.io Lease this job holds on its output path while it runs."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Conditions
 
 
-def set_condition(conditions: list[dict[str, Any]] | None, type_: str, status: str, reason: str | None, message: str | None, when: str,
-                  generation: int | None = None) -> list[dict[str, Any]]:
+def set_condition(
+    conditions: list[dict[str, Any]] | None,
+    type_: str,
+    status: str,
+    reason: str | None,
+    message: str | None,
+    when: str,
+    generation: int | None = None,
+) -> list[dict[str, Any]]:
     """A new list with ``type_`` set; ``lastTransitionTime`` changes only when ``status`` does.
     ``generation`` (else the one the condition had) becomes its ``observedGeneration``."""
     out = [dict(c) for c in conditions or () if c.get("type") != type_]
     old = next((c for c in conditions or () if c.get("type") == type_), None)
     changed = old is None or old.get("status") != status
-    entry = {"type": type_, "status": status, "reason": reason, "message": message,
-             "lastTransitionTime": when if changed else (old or {}).get("lastTransitionTime", when),
-             "observedGeneration": generation if generation is not None else (old or {}).get("observedGeneration")}
+    entry = {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": when if changed else (old or {}).get("lastTransitionTime", when),
+        "observedGeneration": generation if generation is not None else (old or {}).get("observedGeneration"),
+    }
     out.append({k: v for k, v in entry.items() if v is not None})
     return out
 
@@ -196,7 +238,13 @@ def at_generation(conditions: list[dict[str, Any]] | None, generation: int) -> l
 def pending_patch(status: dict[str, Any], attempt: int, job_name: str, output: str, when: str) -> dict[str, Any]:
     """A runner attempt was (or is about to be) started."""
     conditions = set_condition(status.get("conditions"), "Validated", "True", "SpecValid", None, when)
-    patch: dict[str, Any] = {"phase": Phase.PENDING.value, "attempts": attempt, "runnerJob": job_name, "output": output, "conditions": conditions}
+    patch: dict[str, Any] = {
+        "phase": Phase.PENDING.value,
+        "attempts": attempt,
+        "runnerJob": job_name,
+        "output": output,
+        "conditions": conditions,
+    }
     if not status.get("startTime"):
         patch["startTime"] = when
     return patch
@@ -205,13 +253,25 @@ def pending_patch(status: dict[str, Any], attempt: int, job_name: str, output: s
 def invalid_patch(field_message: str, when: str) -> dict[str, Any]:
     conditions = set_condition(None, "Validated", "False", "InvalidSpec", field_message, when)
     conditions = set_condition(conditions, "Failed", "True", "InvalidSpec", field_message, when)
-    return {"phase": Phase.FAILED.value, "reason": "InvalidSpec", "message": field_message, "completionTime": when, "conditions": conditions}
+    return {
+        "phase": Phase.FAILED.value,
+        "reason": "InvalidSpec",
+        "message": field_message,
+        "completionTime": when,
+        "conditions": conditions,
+    }
 
 
 def succeeded_patch(status: dict[str, Any], when: str) -> dict[str, Any]:
     conditions = set_condition(status.get("conditions"), "Running", "False", "Finished", None, when)
     conditions = set_condition(conditions, "Complete", "True", "Succeeded", status.get("output"), when)
-    patch: dict[str, Any] = {"phase": Phase.SUCCEEDED.value, "reason": None, "message": None, "completionTime": when, "conditions": conditions}
+    patch: dict[str, Any] = {
+        "phase": Phase.SUCCEEDED.value,
+        "reason": None,
+        "message": None,
+        "completionTime": when,
+        "conditions": conditions,
+    }
     progress = status.get("progress")
     if progress and progress.get("slabsTotal"):
         total = progress["slabsTotal"]
@@ -222,10 +282,18 @@ def succeeded_patch(status: dict[str, Any], when: str) -> dict[str, Any]:
 def failed_patch(status: dict[str, Any], reason: str, message: str, when: str) -> dict[str, Any]:
     conditions = set_condition(status.get("conditions"), "Running", "False", reason, None, when)
     conditions = set_condition(conditions, "Failed", "True", reason, message, when)
-    return {"phase": Phase.FAILED.value, "reason": reason, "message": message, "completionTime": when, "conditions": conditions}
+    return {
+        "phase": Phase.FAILED.value,
+        "reason": reason,
+        "message": message,
+        "completionTime": when,
+        "conditions": conditions,
+    }
 
 
-def failure_record(attempt: int, reason: str, message: str, when: str, previous: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def failure_record(
+    attempt: int, reason: str, message: str, when: str, previous: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     """The failure history with this attempt's record (replacing one already there: idempotent)."""
     records = [r for r in previous or () if r.get("attempt") != attempt]
     records.append({"attempt": attempt, "reason": reason, "message": message, "time": when})
@@ -258,7 +326,11 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
 
 
 def planned_patch(plan: Plan, when: str) -> dict[str, Any]:
-    return {"phase": Phase.PLANNED.value, "plan": plan_summary(plan), "progress": progress_status(0, plan.n_tasks, when=when)}
+    return {
+        "phase": Phase.PLANNED.value,
+        "plan": plan_summary(plan),
+        "progress": progress_status(0, plan.n_tasks, when=when),
+    }
 
 
 def progress_summary(done: int, total: int) -> str:
@@ -270,10 +342,17 @@ def percent(done: int, total: int) -> int:
     return 100 * done // total if total else 0
 
 
-def progress_status(done: int, total: int, skipped: int = 0, bytes_read: int = 0, bytes_written: int = 0, when: str | None = None) -> dict[str, Any]:
+def progress_status(
+    done: int, total: int, skipped: int = 0, bytes_read: int = 0, bytes_written: int = 0, when: str | None = None
+) -> dict[str, Any]:
     out = {
-        "slabsDone": done, "slabsTotal": total, "slabsSkipped": skipped, "percent": percent(done, total),
-        "summary": progress_summary(done, total), "bytesRead": bytes_read, "bytesWritten": bytes_written,
+        "slabsDone": done,
+        "slabsTotal": total,
+        "slabsSkipped": skipped,
+        "percent": percent(done, total),
+        "summary": progress_summary(done, total),
+        "bytesRead": bytes_read,
+        "bytesWritten": bytes_written,
     }
     if when:
         out["updateTime"] = when
@@ -282,11 +361,20 @@ def progress_status(done: int, total: int, skipped: int = 0, bytes_read: int = 0
 
 def progress_patch(progress: Progress, when: str) -> dict[str, Any]:
     """A runner progress event as a status patch (phase Running while slabs are written)."""
-    body = progress_status(progress.slabs_done, progress.slabs_total, progress.slabs_skipped, progress.bytes_read, progress.bytes_written, when)
+    body = progress_status(
+        progress.slabs_done,
+        progress.slabs_total,
+        progress.slabs_skipped,
+        progress.bytes_read,
+        progress.bytes_written,
+        when,
+    )
     return {"phase": Phase.RUNNING.value, "progress": body}
 
 
-def runner_report(attempt: int, outcome: str, when: str, reason: str | None = None, message: str | None = None) -> dict[str, Any]:
+def runner_report(
+    attempt: int, outcome: str, when: str, reason: str | None = None, message: str | None = None
+) -> dict[str, Any]:
     report = {"attempt": attempt, "outcome": outcome, "reason": reason, "message": message, "time": when}
     return {"runner": {k: v for k, v in report.items() if v is not None}}
 

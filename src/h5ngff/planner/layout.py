@@ -28,7 +28,10 @@ def resolve_axes(spec: ConversionSpec, ds: DatasetInfo) -> str:
     axes = spec.image.axes or ds.attr_axes or DEFAULT_AXES[ds.ndim]
     if len(axes) != ds.ndim:
         field = "image.axes" if spec.image.axes else "source.dataset"
-        raise SpecError(field, f"Expected {ds.ndim} axes for a dataset of shape {ds.shape}. Got {axes!r} ({len(axes)} axes) instead.")
+        raise SpecError(
+            field,
+            f"Expected {ds.ndim} axes for a dataset of shape {ds.shape}. Got {axes!r} ({len(axes)} axes) instead.",
+        )
     return axes
 
 
@@ -52,7 +55,10 @@ def resolve_scale_units(spec: ConversionSpec, ds: DatasetInfo, axes: str) -> tup
     for axis, unit in zip(axes, units):
         allowed = SPACE_UNITS if AXIS_TYPES[axis] == "space" else TIME_UNITS if axis == "t" else ()
         if unit and unit not in allowed:
-            raise SpecError("image.units", f"Expected a {AXIS_TYPES[axis]} unit for axis {axis!r} (or '' for none). Got {unit!r} instead.")
+            raise SpecError(
+                "image.units",
+                f"Expected a {AXIS_TYPES[axis]} unit for axis {axis!r} (or '' for none). Got {unit!r} instead.",
+            )
     return scale, units
 
 
@@ -61,7 +67,9 @@ def resolve_chunks(spec: ConversionSpec, ds: DatasetInfo, axes: str) -> tuple[Sh
     if spec.output.chunks is not None:
         chunks = tuple(spec.output.chunks)
         if len(chunks) != n:
-            raise SpecError("output.chunks", f"Expected {n} entries, one per axis {axes!r}. Got {list(chunks)} instead.")
+            raise SpecError(
+                "output.chunks", f"Expected {n} entries, one per axis {axes!r}. Got {list(chunks)} instead."
+            )
     else:
         spatial = sum(AXIS_TYPES[a] == "space" for a in axes)
         edge = DEFAULT_SPATIAL_CHUNK[spatial]
@@ -70,11 +78,16 @@ def resolve_chunks(spec: ConversionSpec, ds: DatasetInfo, axes: str) -> tuple[Sh
     if spec.output.shards is not None:
         shards = tuple(spec.output.shards)
         if len(shards) != n:
-            raise SpecError("output.shards", f"Expected {n} entries, one per axis {axes!r}. Got {list(shards)} instead.")
+            raise SpecError(
+                "output.shards", f"Expected {n} entries, one per axis {axes!r}. Got {list(shards)} instead."
+            )
         # Check against the chunks as asked for, before they are clipped to the array below.
         bad = [i for i, (s, c) in enumerate(zip(shards, chunks)) if s % c]
         if bad:
-            raise SpecError("output.shards", f"Expected multiples of the chunk shape {list(chunks)} on every axis. Got {list(shards)} instead (axis {axes[bad[0]]!r}).")
+            raise SpecError(
+                "output.shards",
+                f"Expected multiples of the chunk shape {list(chunks)} on every axis. Got {list(shards)} instead (axis {axes[bad[0]]!r}).",
+            )
         # A chunk clipped to the array holds the whole axis, so its shard holds exactly that chunk.
         shards = tuple(s if c <= size else size for s, c, size in zip(shards, chunks, ds.shape))
     # A chunk larger than the array only pads the stored chunk with fill value.
@@ -100,7 +113,10 @@ def resolve_downsampled(spec: ConversionSpec, axes: str) -> tuple[bool, ...]:
         return tuple(AXIS_TYPES[a] == "space" for a in axes)
     missing = [a for a in spec.pyramid.axes if a not in axes]
     if missing:
-        raise SpecError("pyramid.axes", f"Expected axes present in the image axes {axes!r}. Got {spec.pyramid.axes!r} instead ({missing[0]!r} is not an image axis).")
+        raise SpecError(
+            "pyramid.axes",
+            f"Expected axes present in the image axes {axes!r}. Got {spec.pyramid.axes!r} instead ({missing[0]!r} is not an image axis).",
+        )
     return tuple(a in spec.pyramid.axes for a in axes)
 
 
@@ -183,7 +199,10 @@ def resolve_levels(spec: ConversionSpec, shape: Shape, chunks: Shape, rule: Halv
     if levels == "auto":
         return auto_levels(shape, chunks, rule)
     if levels > 1 and not any(rule.candidates):
-        raise SpecError("pyramid.levels", f"Expected 1 when no axis is downsampled. Got {levels} instead; set pyramid.axes to spatial axes.")
+        raise SpecError(
+            "pyramid.levels",
+            f"Expected 1 when no axis is downsampled. Got {levels} instead; set pyramid.axes to spatial axes.",
+        )
     shapes = level_shapes(shape, rule.steps(levels - 1))
     useful = next((k + 1 for k, s in enumerate(shapes) if all(n == 1 for n, d in zip(s, rule.candidates) if d)), levels)
     if levels > useful:

@@ -121,7 +121,9 @@ class MemoryConstants:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
-            raise SpecError("calibration", f"Expected a readable JSON file of memory constants. Got {path!s}: {exc}") from None
+            raise SpecError(
+                "calibration", f"Expected a readable JSON file of memory constants. Got {path!s}: {exc}"
+            ) from None
         return cls().with_overrides(data)
 
     def with_overrides(self, data: dict[str, Any]) -> "MemoryConstants":
@@ -190,7 +192,9 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
     T = shape.threads
     slab_bytes = shape.slab_elements * shape.itemsize
     terms = [
-        MemoryTerm("interpreter", c.interpreter_baseline, "Python, Dask worker, numpy, h5py, zarr and codecs once imported"),
+        MemoryTerm(
+            "interpreter", c.interpreter_baseline, "Python, Dask worker, numpy, h5py, zarr and codecs once imported"
+        ),
         MemoryTerm("slab buffers", T * slab_bytes, f"{T} slab(s) in flight x {slab_bytes / MiB:.1f} MiB, read once"),
     ]
     encode = shape.chunk_bytes + encoded_bound(shape.chunk_bytes)
@@ -198,7 +202,11 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
     why = "per thread: one padded chunk copy + its encoded bytes"
     if shape.shard_bytes:
         why += ", streamed into its shard file"
-    terms.append(MemoryTerm("chunk and encode buffers", T * (encode + context), why + f" + codec context ({context / MiB:.0f} MiB)"))
+    terms.append(
+        MemoryTerm(
+            "chunk and encode buffers", T * (encode + context), why + f" + codec context ({context / MiB:.0f} MiB)"
+        )
+    )
     if shape.shard_bytes:
         terms.append(shard_term(shape))
     if shape.levels_built:
@@ -208,8 +216,14 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         # rule) leaves its level twice as large as one that also halves z.
         levels = sum(n * shape.itemsize for n in shape.level_elements())
         strip = shape.strip_elements * 8 * STRIP_TEMPORARIES
-        ratios = ", ".join(f"1/{math.prod(shape.reductions[:k + 1])}" for k in range(shape.levels_built))
-        terms.append(MemoryTerm("pyramid buffers", T * (levels + strip), f"per thread: {shape.levels_built} level buffer(s) ({levels / MiB:.1f} MiB, {ratios} of the slab) + one block of temporaries ({strip / MiB:.1f} MiB)"))
+        ratios = ", ".join(f"1/{math.prod(shape.reductions[: k + 1])}" for k in range(shape.levels_built))
+        terms.append(
+            MemoryTerm(
+                "pyramid buffers",
+                T * (levels + strip),
+                f"per thread: {shape.levels_built} level buffer(s) ({levels / MiB:.1f} MiB, {ratios} of the slab) + one block of temporaries ({strip / MiB:.1f} MiB)",
+            )
+        )
     if shape.from_hdf5:
         terms.append(window_term(shape))
         hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
@@ -235,12 +249,20 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
     else:
         # Chunk files of the previous level are read and decoded one at a time into the slab.
         # Shards too are read one inner chunk at a time, straight into the slab (engine.write.chunkio).
-        terms.append(MemoryTerm("level read buffers", T * (encoded_bound(shape.chunk_bytes) + shape.chunk_bytes), "per thread: one encoded chunk + one decoded chunk"))
+        terms.append(
+            MemoryTerm(
+                "level read buffers",
+                T * (encoded_bound(shape.chunk_bytes) + shape.chunk_bytes),
+                "per thread: one encoded chunk + one decoded chunk",
+            )
+        )
     if shape.object_store:
         terms.extend(object_store_terms(shape, c))
     dynamic = sum(t.bytes for t in terms[1:])
     slack = c.allocator_slack_jemalloc if allocator == "jemalloc" else c.allocator_slack_glibc
-    terms.append(MemoryTerm("allocator slack", math.ceil(slack * dynamic), f"{slack:.0%} of the buffers above ({allocator})"))
+    terms.append(
+        MemoryTerm("allocator slack", math.ceil(slack * dynamic), f"{slack:.0%} of the buffers above ({allocator})")
+    )
     return tuple(terms)
 
 
@@ -278,16 +300,28 @@ def object_store_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]
     if unit > MULTIPART_THRESHOLD:
         per_unit += PART_CONCURRENCY * PART_SIZE
     kind = "shard" if shape.shard_bytes else "chunk"
-    why = (f"per thread: the encoded {kind} being built + {depth} whose PUT(s) are in flight, {unit / MiB:.1f} MiB each "
-           f"x {c.object_store_buffer_factor} (its buffer and the request body)")
+    why = (
+        f"per thread: the encoded {kind} being built + {depth} whose PUT(s) are in flight, {unit / MiB:.1f} MiB each "
+        f"x {c.object_store_buffer_factor} (its buffer and the request body)"
+    )
     if unit > MULTIPART_THRESHOLD:
         why += f" + {PART_CONCURRENCY} multipart parts of {PART_SIZE / MiB:.0f} MiB in flight each"
     terms = [
-        MemoryTerm("object store client", c.object_store_client, "obstore, its runtime threads and connection pool, botocore for the AWS config chain; once per worker"),
+        MemoryTerm(
+            "object store client",
+            c.object_store_client,
+            "obstore, its runtime threads and connection pool, botocore for the AWS config chain; once per worker",
+        ),
         MemoryTerm("object store upload buffers", T * (depth + 1) * per_unit, why),
     ]
     if shape.shard_bytes and not shape.from_hdf5:
-        terms.append(MemoryTerm("object store shard reads", T * (unit + shape.shard_bytes), "per thread: one shard object fetched whole + decoded whole (a later pass)"))
+        terms.append(
+            MemoryTerm(
+                "object store shard reads",
+                T * (unit + shape.shard_bytes),
+                "per thread: one shard object fetched whole + decoded whole (a later pass)",
+            )
+        )
     return terms
 
 
@@ -295,9 +329,12 @@ def window_term(shape: PassShape) -> MemoryTerm:
     """The first pass samples level 0 for the omero window's quantiles (engine.write.window)."""
     samples = shape.slab_elements // WINDOW_SAMPLE_STRIDE + 1
     held = samples * WINDOW_BYTES_PER_SAMPLE + WINDOW_DENSE_BYTES + shape.chunk_bytes
-    return MemoryTerm("window histogram", shape.threads * held,
-                      f"per thread: 1 in {WINDOW_SAMPLE_STRIDE} elements sampled ({samples} x {WINDOW_BYTES_PER_SAMPLE} B as keys, counts and file), "
-                      f"one channel's dense counts ({WINDOW_DENSE_BYTES / MiB:.0f} MiB) and the contiguous copy of an edge chunk")
+    return MemoryTerm(
+        "window histogram",
+        shape.threads * held,
+        f"per thread: 1 in {WINDOW_SAMPLE_STRIDE} elements sampled ({samples} x {WINDOW_BYTES_PER_SAMPLE} B as keys, counts and file), "
+        f"one channel's dense counts ({WINDOW_DENSE_BYTES / MiB:.0f} MiB) and the contiguous copy of an edge chunk",
+    )
 
 
 def shard_index_bytes(shard_bytes: int, chunk_bytes: int) -> int:
@@ -318,9 +355,12 @@ def shard_term(shape: PassShape) -> MemoryTerm:
     index = shard_index_bytes(shape.shard_bytes or 0, shape.chunk_bytes)
     n = (shape.shard_bytes or 0) // shape.chunk_bytes
     held = SHARD_INDEX_COPIES * index
-    return MemoryTerm("shard assembly", shape.threads * held,
-                      f"per thread: the open shard's index, {held / 1024:.1f} KiB ({n} inner chunks x {SHARD_INDEX_ENTRY} B + 4 B CRC, "
-                      f"as an array and as bytes); its chunks are streamed into the file as they are encoded, never held as a shard")
+    return MemoryTerm(
+        "shard assembly",
+        shape.threads * held,
+        f"per thread: the open shard's index, {held / 1024:.1f} KiB ({n} inner chunks x {SHARD_INDEX_ENTRY} B + 4 B CRC, "
+        f"as an array and as bytes); its chunks are streamed into the file as they are encoded, never held as a shard",
+    )
 
 
 def slab_output_bytes(shape: PassShape) -> int:
@@ -328,7 +368,9 @@ def slab_output_bytes(shape: PassShape) -> int:
     return (shape.slab_elements + sum(shape.level_elements())) * shape.itemsize
 
 
-def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: MemoryConstants = DEFAULT_CONSTANTS) -> WorkerMemory:
+def worker_memory(
+    terms: tuple[MemoryTerm, ...], written_per_wave: int, c: MemoryConstants = DEFAULT_CONSTANTS
+) -> WorkerMemory:
     """Derive Dask's memory_limit and the pod limit from the predicted peak.
 
     The pod holds the worker up to Dask's terminate threshold (above it the nanny terminates the
@@ -338,19 +380,36 @@ def worker_memory(terms: tuple[MemoryTerm, ...], written_per_wave: int, c: Memor
     (measured in docs/memory-model.md#pod-level-truth), so a worker overshooting its threshold
     takes the room the page cache had."""
     peak = sum(t.bytes for t in terms)
-    memory_limit = _round_mib(max(peak / c.planned_fraction, (peak + c.terminate_headroom_floor) / (c.terminate_fraction or 1.0)))
+    memory_limit = _round_mib(
+        max(peak / c.planned_fraction, (peak + c.terminate_headroom_floor) / (c.terminate_fraction or 1.0))
+    )
     page_cache = max(c.page_cache_floor, math.ceil(c.page_cache_fraction * written_per_wave))
     overshoot = math.ceil(c.growth_rate * c.monitor_interval)
     threshold = math.ceil(memory_limit * c.terminate_fraction) if c.terminate_fraction else memory_limit
     room_why = f"max(dirty chunk pages {page_cache / MiB:.1f}, growth in one nanny check ({c.monitor_interval * 1000:.0f} ms) {overshoot / MiB:.1f}): dirty pages give way"
     pod_terms = (
-        MemoryTerm("dask terminate threshold", threshold, f"{c.terminate_fraction:.0%} of memory_limit: above it the nanny terminates the worker" if c.terminate_fraction else "no terminate threshold: memory_limit"),
+        MemoryTerm(
+            "dask terminate threshold",
+            threshold,
+            f"{c.terminate_fraction:.0%} of memory_limit: above it the nanny terminates the worker"
+            if c.terminate_fraction
+            else "no terminate threshold: memory_limit",
+        ),
         MemoryTerm("nanny", c.nanny, "the nanny process (and its resource tracker) shares the pod's cgroup"),
         MemoryTerm("page cache and overshoot room", max(page_cache, overshoot), room_why),
     )
     pod_limit = _round_mib(sum(t.bytes for t in pod_terms))
-    thresholds = Thresholds(target=False, spill=False, pause=False, terminate=c.terminate_fraction, planned=c.planned_fraction, monitor_interval=c.monitor_interval)
-    return WorkerMemory(terms, peak, memory_limit, pod_limit, pod_terms, thresholds, _memory_limit_why(peak, memory_limit, c))
+    thresholds = Thresholds(
+        target=False,
+        spill=False,
+        pause=False,
+        terminate=c.terminate_fraction,
+        planned=c.planned_fraction,
+        monitor_interval=c.monitor_interval,
+    )
+    return WorkerMemory(
+        terms, peak, memory_limit, pod_limit, pod_terms, thresholds, _memory_limit_why(peak, memory_limit, c)
+    )
 
 
 def minimum_pod_limit(c: MemoryConstants = DEFAULT_CONSTANTS) -> int:
@@ -358,8 +417,19 @@ def minimum_pod_limit(c: MemoryConstants = DEFAULT_CONSTANTS) -> int:
     cache, a codec without zstd's context, jemalloc's smaller slack). Every term of a real pass
     is at least this one's, so no budget below it can ever plan; spec.MIN_WORKER_MEMORY (the
     spec's and the CRD's floor) is this figure for the default constants."""
-    one_byte = PassShape(slab_elements=1, itemsize=1, threads=1, chunk_bytes=1, shard_bytes=None, reductions=(),
-                         strip_elements=0, from_hdf5=True, hdf5_chunk_bytes=None, hdf5_filtered=False, hdf5_cache_bytes=0)
+    one_byte = PassShape(
+        slab_elements=1,
+        itemsize=1,
+        threads=1,
+        chunk_bytes=1,
+        shard_bytes=None,
+        reductions=(),
+        strip_elements=0,
+        from_hdf5=True,
+        hdf5_chunk_bytes=None,
+        hdf5_filtered=False,
+        hdf5_cache_bytes=0,
+    )
     return worker_memory(pass_terms(one_byte, "jemalloc", c), slab_output_bytes(one_byte), c).pod_limit
 
 

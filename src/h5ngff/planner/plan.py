@@ -28,7 +28,16 @@ from .layout import (
     resolve_scale_units,
     step_reduction,
 )
-from .memory import DEFAULT_CONSTANTS, STRIP_ELEMENTS, MemoryConstants, PassShape, pass_terms, slab_output_bytes, upload_depth, worker_memory
+from .memory import (
+    DEFAULT_CONSTANTS,
+    STRIP_ELEMENTS,
+    MemoryConstants,
+    PassShape,
+    pass_terms,
+    slab_output_bytes,
+    upload_depth,
+    worker_memory,
+)
 from .model import Capacity, DatasetInfo, MemoryTerm, Pass, Plan, Shape, WorkerMemory
 
 #: Above this a bigger slab reads no faster but holds more memory and leaves fewer tasks to
@@ -102,8 +111,21 @@ def make_plan(
     depth = upload_depth_for(spec, math.prod(shards or chunks) * ds.itemsize)
 
     def plan_with(workers: int, budget: int | None) -> _Attempt:
-        ctx = _Context(ds, shards or chunks, chunks, shards, steps, threads, workers * threads, budget, allocator, constants, _uses_zstd(spec),
-                       url_scheme(spec.output.path) is not None, depth)
+        ctx = _Context(
+            ds,
+            shards or chunks,
+            chunks,
+            shards,
+            steps,
+            threads,
+            workers * threads,
+            budget,
+            allocator,
+            constants,
+            _uses_zstd(spec),
+            url_scheme(spec.output.path) is not None,
+            depth,
+        )
         return _plan_worker(ctx, [lv.shape for lv in levels], spec.resources.slab)
 
     workers, budget = _workers_and_budget(spec, capacity, threads)
@@ -125,11 +147,15 @@ def make_plan(
                 raise
             wanted, depth = depth, 0
             (passes, memory, cache, notices), workers = fit()
-            notices.append(f"uploads: one PUT at a time per thread: the memory budget cannot also hold {wanted} uploads in flight, "
-                           f"which hide the store's round trips; raise the budget to overlap them.")
+            notices.append(
+                f"uploads: one PUT at a time per thread: the memory budget cannot also hold {wanted} uploads in flight, "
+                f"which hide the store's round trips; raise the budget to overlap them."
+            )
     except _NoSlabFits as exc:
         tried = 1 if auto_total is not None else workers
-        raise _budget_refusal(exc, plan_with, spec, capacity, tried, auto_total if auto_total is not None else budget) from None
+        raise _budget_refusal(
+            exc, plan_with, spec, capacity, tried, auto_total if auto_total is not None else budget
+        ) from None
     return Plan(
         dataset=ds,
         axes=axes,
@@ -167,7 +193,9 @@ def _uses_zstd(spec: ConversionSpec) -> bool:
 
 def _check_dataset(ds: DatasetInfo) -> None:
     if any(n == 0 for n in ds.shape):
-        raise UnsupportedDatasetError(f"source.dataset: Expected every dimension to hold at least one element. Got shape {ds.shape} instead.")
+        raise UnsupportedDatasetError(
+            f"source.dataset: Expected every dimension to hold at least one element. Got shape {ds.shape} instead."
+        )
 
 
 def _workers_and_budget(spec: ConversionSpec, capacity: Capacity, threads: int) -> tuple[int, int | None]:
@@ -228,7 +256,9 @@ def _smallest_budget(works: Callable[[int], bool], failed: int, hint: int) -> in
     return hi * MiB
 
 
-def _budget_refusal(exc: _NoSlabFits, plan_with: _PlanWith, spec: ConversionSpec, capacity: Capacity, workers: int, budget: int | None) -> BudgetTooSmallError:
+def _budget_refusal(
+    exc: _NoSlabFits, plan_with: _PlanWith, spec: ConversionSpec, capacity: Capacity, workers: int, budget: int | None
+) -> BudgetTooSmallError:
     """The refusal a user sees: the smallest budget that really plans, in the field they set."""
 
     def works(per_worker: int) -> bool:
@@ -244,13 +274,17 @@ def _budget_refusal(exc: _NoSlabFits, plan_with: _PlanWith, spec: ConversionSpec
     r = spec.resources
     knobs = list(exc.knobs)
     if spec.output.uploads_in_flight:
-        knobs.append(f"a smaller output.storageOptions.{UPLOADS_IN_FLIGHT} (each upload in flight holds a chunk or shard)")
+        knobs.append(
+            f"a smaller output.storageOptions.{UPLOADS_IN_FLIGHT} (each upload in flight holds a chunk or shard)"
+        )
     if r.memory_total_bytes is not None:
         field, minimum = "resources.memoryTotal", workers * per_worker
         if r.workers == "auto":
             given = f"{format_bytes(r.memory_total_bytes)} cannot hold even one worker"
         else:
-            given = f"{format_bytes(r.memory_total_bytes)} for {workers} workers ({format_bytes(budget)} each) is too small"
+            given = (
+                f"{format_bytes(r.memory_total_bytes)} for {workers} workers ({format_bytes(budget)} each) is too small"
+            )
             knobs.insert(0, "fewer resources.workers (or 'auto', to let the planner choose)")
     elif r.memory_per_worker_bytes is not None:
         field, minimum = "resources.memoryPerWorker", per_worker
@@ -264,7 +298,9 @@ def _budget_refusal(exc: _NoSlabFits, plan_with: _PlanWith, spec: ConversionSpec
         knobs.insert(0, "fewer resources.workers")
     advice = "".join(f", or use {k}" for k in knobs)
     each = f" ({per_worker // MiB}Mi per worker)" if r.memory_total_bytes is not None and workers > 1 else ""
-    return BudgetTooSmallError(f"{field}: {given}: {exc.what}. Raise {field} to at least {minimum // MiB}Mi{each}{advice}.", minimum)
+    return BudgetTooSmallError(
+        f"{field}: {given}: {exc.what}. Raise {field} to at least {minimum // MiB}Mi{each}{advice}.", minimum
+    )
 
 
 def _plan_worker(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] | None) -> _Attempt:
@@ -287,7 +323,9 @@ def _plan_worker(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] 
     raise _NoSlabFits(f"the passes together need a pod limit of {format_bytes(memory.pod_limit)}", memory.pod_limit, [])
 
 
-def _plan_passes(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] | None, notices: list[str]) -> tuple[tuple[Pass, ...], WorkerMemory, int]:
+def _plan_passes(
+    ctx: _Context, level_shapes: list[Shape], user_slab: list[int] | None, notices: list[str]
+) -> tuple[tuple[Pass, ...], WorkerMemory, int]:
     passes: list[Pass] = []
     peaks: list[tuple[tuple[MemoryTerm, ...], int]] = []  # (terms, bytes written per wave) of each pass
     cache = 0
@@ -296,7 +334,9 @@ def _plan_passes(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] 
     while source < top:
         src_shape = level_shapes[max(source, 0)]
         remaining = top - max(source, 0)
-        p, written, pass_cache = _plan_one_pass(ctx, len(passes), source, src_shape, remaining, user_slab if source == -1 else None, notices)
+        p, written, pass_cache = _plan_one_pass(
+            ctx, len(passes), source, src_shape, remaining, user_slab if source == -1 else None, notices
+        )
         passes.append(p)
         peaks.append((p.terms, written))
         cache = max(cache, pass_cache)
@@ -308,7 +348,15 @@ def _plan_passes(ctx: _Context, level_shapes: list[Shape], user_slab: list[int] 
     return tuple(passes), memory, cache
 
 
-def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, remaining: int, user_slab: list[int] | None, notices: list[str]) -> tuple[Pass, int, int]:
+def _plan_one_pass(
+    ctx: _Context,
+    index: int,
+    source: int,
+    src_shape: Shape,
+    remaining: int,
+    user_slab: list[int] | None,
+    notices: list[str],
+) -> tuple[Pass, int, int]:
     from_hdf5 = source == -1
     built_min = 0 if from_hdf5 else 1
     storage = ctx.ds.hdf5_chunks if from_hdf5 else None
@@ -317,20 +365,24 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
     refusal: _NoSlabFits | None = None
     unaligned_because = "budget"
     for built in range(remaining, built_min - 1, -1):
-        for align_storage in ((True, False) if storage else (False,)):
-            step = slab_step(ctx.unit, ctx.steps[base:base + built], storage if align_storage else None)
+        for align_storage in (True, False) if storage else (False,):
+            step = slab_step(ctx.unit, ctx.steps[base : base + built], storage if align_storage else None)
             min_slab = clip(step, src_shape)
             last_chance = built == built_min and not (align_storage and storage)
             # Past the size cap, whole HDF5 chunks still beat a slab that cuts them, which must
             # cache every chunk it touches; the cap only stops extra levels from growing slabs.
             size_cap = not (built == built_min and align_storage and storage)
-            if user_slab is None and not _acceptable(ctx, src_shape, min_slab, last_chance, size_cap, _slabs_wanted(ctx, built, from_hdf5)):
+            if user_slab is None and not _acceptable(
+                ctx, src_shape, min_slab, last_chance, size_cap, _slabs_wanted(ctx, built, from_hdf5)
+            ):
                 unaligned_because = "shape" if align_storage else unaligned_because
                 continue
             fits = _fits(ctx, from_hdf5, base, built, not align_storage)
             if user_slab is not None:
                 slab, realigned = _user_slab(user_slab, step, src_shape)
-                if not last_chance and math.prod(grid_shape(src_shape, slab)) < min(ctx.total_threads, _most_slabs(user_slab, src_shape)):
+                if not last_chance and math.prod(grid_shape(src_shape, slab)) < min(
+                    ctx.total_threads, _most_slabs(user_slab, src_shape)
+                ):
                     unaligned_because = "shape" if align_storage else unaligned_because
                     continue
             elif not fits(min_slab):
@@ -339,27 +391,39 @@ def _plan_one_pass(ctx: _Context, index: int, source: int, src_shape: Shape, rem
             else:
                 target = min_slab
                 if from_hdf5 and storage is None:
-                    rows = _whole_rows(ctx, src_shape, min_slab, fits, last_chance, _slabs_wanted(ctx, built, from_hdf5))
+                    rows = _whole_rows(
+                        ctx, src_shape, min_slab, fits, last_chance, _slabs_wanted(ctx, built, from_hdf5)
+                    )
                     if rows is None and not last_chance:
                         continue  # fewer levels in this pass keep the reads in whole rows
                     target = rows or min_slab
                 limit = max(_max_elements(ctx, src_shape, min_slab), math.prod(target))
                 slab, realigned = greedy_slab(src_shape, step, fits, limit), None
             if not fits(slab):
-                refusal = _smaller(refusal, _refusal(ctx, slab, from_hdf5, base, built, not align_storage, user=user_slab is not None))
+                refusal = _smaller(
+                    refusal, _refusal(ctx, slab, from_hdf5, base, built, not align_storage, user=user_slab is not None)
+                )
                 continue
             if realigned:
                 notices.append(realigned)
             # A slab chosen without HDF5 alignment may still be whole HDF5 chunks (e.g. the whole
             # array): then it cuts none, needs no chunk cache and deserves no notice.
-            straddles = storage is not None and not align_storage and any(s % h and s != n for s, h, n in zip(slab, storage, src_shape))
+            straddles = (
+                storage is not None
+                and not align_storage
+                and any(s % h and s != n for s, h, n in zip(slab, storage, src_shape))
+            )
             if straddles:
                 notices.append(_unaligned_notice(ctx, unaligned_because))
             shape = _pass_shape(ctx, slab, from_hdf5, base, built, straddles)
             terms = pass_terms(shape, ctx.allocator, ctx.constants)
             levels = tuple(range(first_level, first_level + built + (1 if from_hdf5 else 0)))
             written = ctx.threads * slab_output_bytes(shape)
-            return Pass(index, source, levels, slab, grid_shape(src_shape, slab), terms), written, shape.hdf5_cache_bytes
+            return (
+                Pass(index, source, levels, slab, grid_shape(src_shape, slab), terms),
+                written,
+                shape.hdf5_cache_bytes,
+            )
     assert refusal is not None
     raise refusal
 
@@ -376,7 +440,9 @@ def _slabs_wanted(ctx: _Context, built: int, from_hdf5: bool) -> int:
     return SLABS_PER_THREAD * ctx.total_threads
 
 
-def _acceptable(ctx: _Context, src_shape: Shape, min_slab: Shape, last_chance: bool, size_cap: bool = True, wanted: int = 1) -> bool:
+def _acceptable(
+    ctx: _Context, src_shape: Shape, min_slab: Shape, last_chance: bool, size_cap: bool = True, wanted: int = 1
+) -> bool:
     """Whether building ``built`` levels in this pass is worth trying before fewer levels."""
     if last_chance:
         return True
@@ -386,7 +452,9 @@ def _acceptable(ctx: _Context, src_shape: Shape, min_slab: Shape, last_chance: b
     return math.prod(grid_shape(src_shape, min_slab)) >= wanted
 
 
-def _whole_rows(ctx: _Context, src_shape: Shape, min_slab: Shape, fits: _Fits, last_chance: bool, wanted: int) -> Shape | None:
+def _whole_rows(
+    ctx: _Context, src_shape: Shape, min_slab: Shape, fits: _Fits, last_chance: bool, wanted: int
+) -> Shape | None:
     """The smallest slab that spans whole rows of a contiguous dataset, if it is worth it.
 
     Contiguous HDF5 is stored row after row: a slab cut inside the last axis reads thousands of
@@ -429,7 +497,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: i
     """The pass that reads level ``base`` (0 for the HDF5 source) and builds ``built`` levels
     above it, each step with its own reduction (4 for a step that halves only y and x)."""
     elements = math.prod(slab)
-    reductions = tuple(step_reduction(s) for s in ctx.steps[base:base + built])
+    reductions = tuple(step_reduction(s) for s in ctx.steps[base : base + built])
     hdf5_chunks = ctx.ds.hdf5_chunks if from_hdf5 else None
     hdf5_chunk_bytes = math.prod(hdf5_chunks) * ctx.itemsize if hdf5_chunks else None
     cache = 0
@@ -485,7 +553,9 @@ def _smaller(a: _NoSlabFits | None, b: _NoSlabFits) -> _NoSlabFits:
     return b if a is None or b.minimum_bytes < a.minimum_bytes else a
 
 
-def _refusal(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: int, straddles: bool, user: bool = False) -> _NoSlabFits:
+def _refusal(
+    ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: int, straddles: bool, user: bool = False
+) -> _NoSlabFits:
     # Price the slab exactly as it was tried: a slab that cuts HDF5 chunks also holds their cache.
     need = _memory_for(ctx, slab, from_hdf5, base, built, straddles)
     slab_bytes = math.prod(slab) * ctx.itemsize

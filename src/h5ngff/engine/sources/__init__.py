@@ -75,10 +75,16 @@ def _open(spec: ConversionSpec) -> Opened:
 def _check_options(source: SourceSpec, kind: str) -> None:
     """Options of one container given for another are mistakes, not no-ops."""
     if source.stack is not None and kind != "stacked":
-        raise SpecError("source.stack", f"Expected source.stack only with several datasets (e.g. /ch{{0..2}}). Got stack {source.stack!r} for a {kind} source instead.")
+        raise SpecError(
+            "source.stack",
+            f"Expected source.stack only with several datasets (e.g. /ch{{0..2}}). Got stack {source.stack!r} for a {kind} source instead.",
+        )
     for name in ("tile", "angle", "illumination"):
         if getattr(source, name) is not None and kind != "bdv":
-            raise SpecError(f"source.{name}", f"Expected source.{name} only with a BigDataViewer source. Got {name} {getattr(source, name)} for a {kind} source instead.")
+            raise SpecError(
+                f"source.{name}",
+                f"Expected source.{name} only with a BigDataViewer source. Got {name} {getattr(source, name)} for a {kind} source instead.",
+            )
 
 
 def slab_source(spec: ConversionSpec, cache_bytes: int) -> SlabSource:
@@ -90,7 +96,11 @@ def verify_source(path: str, dataset: str, recorded: dict[str, Any] | None = Non
     """The source ``verify --source`` compares with. Where the output's provenance names the same
     file and selection, its other choices (stack axes, BDV tile/angle) apply too."""
     source: dict[str, Any] = {"path": path, "dataset": dataset}
-    if recorded and os.path.abspath(str(recorded.get("path", ""))) == os.path.abspath(path) and recorded.get("dataset") == SourceSpec(path=path, dataset=dataset).dataset:
+    if (
+        recorded
+        and os.path.abspath(str(recorded.get("path", ""))) == os.path.abspath(path)
+        and recorded.get("dataset") == SourceSpec(path=path, dataset=dataset).dataset
+    ):
         source = {**recorded, **source}
     spec = parse_spec({"source": source, "output": {"path": "unused"}})
     # The output's units and sizes may have come from flags: only the data is compared.

@@ -111,7 +111,9 @@ def read_plain(path: str, dataset: str, cache_bytes: int, region: tuple[slice, .
         out = slab_buffer(tuple(r.stop - r.start for r in region), output_dtype(ds.dtype))
         _read_into(ds, region, out)
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
-        raise SourceError(f"Reading {dataset!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt.") from None
+        raise SourceError(
+            f"Reading {dataset!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt."
+        ) from None
     return out
 
 
@@ -122,14 +124,18 @@ def _read_into(ds: h5py.Dataset, region: tuple[slice, ...], dest: np.ndarray) ->
         ds.read_direct(dest, source_sel=region)
 
 
-def _read_piece(f: h5py.File, name: str, cache_bytes: int, region: tuple[slice, ...], dest: np.ndarray, path: str) -> None:
+def _read_piece(
+    f: h5py.File, name: str, cache_bytes: int, region: tuple[slice, ...], dest: np.ndarray, path: str
+) -> None:
     """Read one piece's part of a slab. The dataset is opened for this read only, with its share
     of the planned chunk cache, and closed after it: pieces a worker has left hold no cache."""
     try:
         ds = _open_dataset(f, name, cache_bytes)
         _read_into(ds, region, dest)
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
-        raise SourceError(f"Reading {name!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt.") from None
+        raise SourceError(
+            f"Reading {name!r}{_fmt(region)} from {path!r} failed: {exc}. The file may be truncated or corrupt."
+        ) from None
     finally:
         ds = None  # noqa: F841  closes the dataset and frees its chunk cache
 
@@ -171,11 +177,15 @@ def identity(path: str, selection: str) -> SourceIdentity:
 
 def open_hdf5(path: str, field: str = "source.path") -> h5py.File:
     if not os.path.exists(path):
-        raise SourceNotFoundError(f"{field}: file {path!r} does not exist. Check the path (workers must see the same path).")
+        raise SourceNotFoundError(
+            f"{field}: file {path!r} does not exist. Check the path (workers must see the same path)."
+        )
     try:
         return h5py.File(path, "r")
     except OSError as exc:
-        raise SourceError(f"{field}: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?") from None
+        raise SourceError(
+            f"{field}: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?"
+        ) from None
 
 
 def check_dtype(dtype: np.dtype, what: str) -> None:
@@ -197,8 +207,14 @@ def piece_storage(datasets: list[h5py.Dataset]) -> tuple[tuple[int, ...] | None,
     return chunks, filters
 
 
-def composite_info(lead_shape: tuple[int, ...], inner_shape: tuple[int, ...], dtype: np.dtype, datasets: list[h5py.Dataset],
-                   read_dtype: np.dtype | None = None, **attrs: Any) -> DatasetInfo:
+def composite_info(
+    lead_shape: tuple[int, ...],
+    inner_shape: tuple[int, ...],
+    dtype: np.dtype,
+    datasets: list[h5py.Dataset],
+    read_dtype: np.dtype | None = None,
+    **attrs: Any,
+) -> DatasetInfo:
     """The planner's view of pieces stacked over ``lead_shape``: each piece is one HDF5 chunk deep
     along the leading axes, so a slab's chunk cache covers exactly the pieces it spans.
     ``read_dtype`` is the dtype of the buffer the pieces are read into (SlabSource: the storage

@@ -52,7 +52,9 @@ def xml_pair(path: str) -> tuple[str, str]:
     else:
         xml = os.path.splitext(path)[0] + ".xml"
         if not os.path.exists(xml):
-            raise SourceNotFoundError(f"source.path: {path!r} looks like BigDataViewer HDF5 (t00000/s00) but {xml!r} is missing; the XML holds the setups and voxel sizes. Give the .xml.")
+            raise SourceNotFoundError(
+                f"source.path: {path!r} looks like BigDataViewer HDF5 (t00000/s00) but {xml!r} is missing; the XML holds the setups and voxel sizes. Give the .xml."
+            )
     if not os.path.exists(xml):
         raise SourceNotFoundError(f"source.path: BigDataViewer XML {xml!r} does not exist.")
     try:
@@ -63,7 +65,9 @@ def xml_pair(path: str) -> tuple[str, str]:
     fmt = loader.get("format") if loader is not None else None
     h5 = loader.find("hdf5") if loader is not None else None
     if fmt != "bdv.hdf5" or h5 is None:
-        raise UnsupportedDatasetError(f"source.path: {xml!r} uses the image loader {fmt!r}; h5ngff reads 'bdv.hdf5' (BigDataViewer HDF5). Re-save it as HDF5 in Fiji (BigDataViewer > Export Current Image as XML/HDF5).")
+        raise UnsupportedDatasetError(
+            f"source.path: {xml!r} uses the image loader {fmt!r}; h5ngff reads 'bdv.hdf5' (BigDataViewer HDF5). Re-save it as HDF5 in Fiji (BigDataViewer > Export Current Image as XML/HDF5)."
+        )
     name = (h5.text or "").strip()
     if h5.get("type", "relative") == "relative":
         base = root.find("BasePath")
@@ -82,7 +86,9 @@ def _text(element: ET.Element, tag: str | None = None) -> str:
     """The text of ``element`` (or of its child ``tag``) where the BDV format requires one."""
     text = element.text if tag is None else element.findtext(tag)
     if text is None:
-        raise SourceError(f"source.path: the BigDataViewer XML has a <{element.tag}> without {'text' if tag is None else f'<{tag}>'}.")
+        raise SourceError(
+            f"source.path: the BigDataViewer XML has a <{element.tag}> without {'text' if tag is None else f'<{tag}>'}."
+        )
     return text
 
 
@@ -126,7 +132,9 @@ def _timepoints(root: ET.Element, xml: str = "") -> list[int]:
         elif kind == "pattern":
             ids = _integer_pattern(_required(tp, "integerpattern"))
         else:
-            raise UnsupportedDatasetError(f"source.path: {xml!r}: BigDataViewer time points of type {kind!r} are not read; expected 'range', 'list' or 'pattern'.")
+            raise UnsupportedDatasetError(
+                f"source.path: {xml!r}: BigDataViewer time points of type {kind!r} are not read; expected 'range', 'list' or 'pattern'."
+            )
     except ValueError as exc:
         raise SourceError(f"source.path: {xml!r}: the Timepoints (type {kind!r}) cannot be read: {exc}.") from None
     if not ids:
@@ -163,7 +171,11 @@ def _integer_pattern(pattern: str) -> list[int]:
 
 def _select(setups: list[Setup], spec: ConversionSpec, xml: str) -> list[Setup]:
     """The setups of one tile, angle and illumination, one per channel, in channel order."""
-    chosen = [s for s in setups if all(getattr(spec.source, k) is None or s.attributes.get(k, 0) == getattr(spec.source, k) for k in _SELECTORS)]
+    chosen = [
+        s
+        for s in setups
+        if all(getattr(spec.source, k) is None or s.attributes.get(k, 0) == getattr(spec.source, k) for k in _SELECTORS)
+    ]
     if not chosen:
         asked = ", ".join(f"{k} {getattr(spec.source, k)}" for k in _SELECTORS if getattr(spec.source, k) is not None)
         raise SpecError("source", f"{xml!r} holds no setup with {asked}. {_holds(setups)}")
@@ -179,7 +191,9 @@ def _select(setups: list[Setup], spec: ConversionSpec, xml: str) -> list[Setup]:
     chosen.sort(key=lambda s: s.attributes.get("channel", 0))
     ids = [s.attributes.get("channel", 0) for s in chosen]
     if len(set(ids)) != len(ids):
-        raise UnsupportedDatasetError(f"source.path: {xml!r} has several setups for one channel ({ids}) after selection; select one with --tile/--angle/--illumination.")
+        raise UnsupportedDatasetError(
+            f"source.path: {xml!r} has several setups for one channel ({ids}) after selection; select one with --tile/--angle/--illumination."
+        )
     return chosen
 
 
@@ -196,10 +210,15 @@ def open_bdv(spec: ConversionSpec) -> Opened:
     root = ET.parse(xml).getroot()
     setups = _select(_setups(root), spec, xml)
     times = _timepoints(root, xml)
-    missing = {(int(_attribute(m, "timepoint")), int(_attribute(m, "setup"))) for m in root.findall("SequenceDescription/MissingViews/MissingView")}
+    missing = {
+        (int(_attribute(m, "timepoint")), int(_attribute(m, "setup")))
+        for m in root.findall("SequenceDescription/MissingViews/MissingView")
+    }
     gaps = [(t, s.id) for t in times for s in setups if (t, s.id) in missing]
     if gaps:
-        raise UnsupportedDatasetError(f"source.path: {xml!r} marks views as missing (time point, setup): {gaps[:5]}; an OME-Zarr image needs every channel at every time point.")
+        raise UnsupportedDatasetError(
+            f"source.path: {xml!r} marks views as missing (time point, setup): {gaps[:5]}; an OME-Zarr image needs every channel at every time point."
+        )
     _agree(setups, xml)
     size, first = setups[0].size, setups[0]
     pieces = tuple(f"/t{t:05d}/s{s.id:02d}/0/cells" for t in times for s in setups)
@@ -211,9 +230,17 @@ def open_bdv(spec: ConversionSpec) -> Opened:
         lead_shape = tuple(n for n in (len(times), len(setups)) if n > 1)
         lead_axes = ("t" if len(times) > 1 else "") + ("c" if len(setups) > 1 else "")
         unit = first.unit.lower()
-        conflicts = () if unit in UNITS or unit in _NO_UNIT else (("image.units", unknown_unit("BigDataViewer voxel", first.unit)),)
+        conflicts = (
+            ()
+            if unit in UNITS or unit in _NO_UNIT
+            else (("image.units", unknown_unit("BigDataViewer voxel", first.unit)),)
+        )
         info = composite_info(
-            lead_shape, size, dtype, datasets, read_dtype=storage,
+            lead_shape,
+            size,
+            dtype,
+            datasets,
+            read_dtype=storage,
             attr_axes=lead_axes + "zyx",
             attr_scale=(1.0,) * len(lead_axes) + first.voxel,
             attr_units=("",) * len(lead_axes) + ((UNITS[unit],) * 3 if unit in UNITS else ("",) * 3),
@@ -229,9 +256,13 @@ def _agree(setups: list[Setup], xml: str) -> None:
     first = setups[0]
     for s in setups[1:]:
         if s.size != first.size:
-            raise UnsupportedDatasetError(f"source.path: {xml!r}: setup {s.id} is {s.size} (z, y, x), setup {first.id} is {first.size}; channels of one image need one size.")
+            raise UnsupportedDatasetError(
+                f"source.path: {xml!r}: setup {s.id} is {s.size} (z, y, x), setup {first.id} is {first.size}; channels of one image need one size."
+            )
         if s.voxel != first.voxel or s.unit != first.unit:
-            raise UnsupportedDatasetError(f"source.path: {xml!r}: setup {s.id} has voxel size {s.voxel} {s.unit}, setup {first.id} has {first.voxel} {first.unit}; channels of one image need one voxel size.")
+            raise UnsupportedDatasetError(
+                f"source.path: {xml!r}: setup {s.id} has voxel size {s.voxel} {s.unit}, setup {first.id} has {first.voxel} {first.unit}; channels of one image need one voxel size."
+            )
 
 
 def _cells(f: h5py.File, name: str, size: tuple[int, ...], h5: str) -> h5py.Dataset:
@@ -239,7 +270,9 @@ def _cells(f: h5py.File, name: str, size: tuple[int, ...], h5: str) -> h5py.Data
     if not isinstance(ds, h5py.Dataset):
         raise SourceError(f"source.path: {h5!r} lacks {name}, which the XML lists. Is the XML for this HDF5 file?")
     if tuple(ds.shape) != size:
-        raise SourceError(f"source.path: {h5!r}:{name} has shape {ds.shape}, the XML says {size} (z, y, x). Is the XML for this HDF5 file?")
+        raise SourceError(
+            f"source.path: {h5!r}:{name} has shape {ds.shape}, the XML says {size} (z, y, x). Is the XML for this HDF5 file?"
+        )
     return ds
 
 
@@ -259,7 +292,10 @@ def _dtype(f: h5py.File, setup: int, ds: h5py.Dataset) -> tuple[np.dtype, np.dty
 
 
 def _channel_names(root: ET.Element, setups: list[Setup]) -> tuple[str, ...] | None:
-    names = {int(_text(c, "id")): (c.findtext("name") or "").strip() for c in root.findall("SequenceDescription/ViewSetups/Attributes[@name='channel']/Channel")}
+    names = {
+        int(_text(c, "id")): (c.findtext("name") or "").strip()
+        for c in root.findall("SequenceDescription/ViewSetups/Attributes[@name='channel']/Channel")
+    }
     if not names:
         return None
     return tuple(names.get(s.attributes.get("channel", 0), "") for s in setups)

@@ -25,8 +25,15 @@ import numpy as np
 from ...spec import parse_axes
 
 AXIS_NAMES = {
-    "t": "t", "time": "t", "c": "c", "ch": "c", "channel": "c", "channels": "c",
-    "z": "z", "y": "y", "x": "x",
+    "t": "t",
+    "time": "t",
+    "c": "c",
+    "ch": "c",
+    "channel": "c",
+    "channels": "c",
+    "z": "z",
+    "y": "y",
+    "x": "x",
 }
 _DEFAULT_AXES = {2: "yx", 3: "zyx", 4: "czyx", 5: "tczyx"}
 
@@ -57,7 +64,9 @@ def physical_attrs(ds: h5py.Dataset, name: str, axes: str | None = None) -> Phys
     """What ``ds``'s attributes say. ``axes``: the user's own (``--axes``), which decide which
     axes the voxel sizes belong to."""
     out = Physical()
-    readings = [(what, axes) for what, axes in (("DIMENSION_LABELS", _labels(ds)), ("ilastik axistags", _axistags(ds))) if axes]
+    readings = [
+        (what, axes) for what, axes in (("DIMENSION_LABELS", _labels(ds)), ("ilastik axistags", _axistags(ds))) if axes
+    ]
     if len({axes for _, axes in readings}) > 1:
         said = " but ".join(f"{what} say {axes!r}" for what, axes in readings)
         out.conflicts["image.axes"] = f"{name!r}: {said}. Set the axes with --axes (image.axes)."
@@ -113,13 +122,15 @@ def _element_size(ds: h5py.Dataset, name: str, out: Physical, user_axes: str | N
     axes = user_axes if user_axes and len(user_axes) == ds.ndim else out.axes or _DEFAULT_AXES.get(ds.ndim, "")
     spatial = [i for i, a in enumerate(axes) if a in "zyx"]
     if not all(v > 0 and np.isfinite(v) for v in values):
-        out.conflicts["image.scale"] = f"{name!r}: element_size_um {list(values)} holds a size that is not positive. Set --scale (image.scale)."
+        out.conflicts["image.scale"] = (
+            f"{name!r}: element_size_um {list(values)} holds a size that is not positive. Set --scale (image.scale)."
+        )
         return
     scale = [1.0] * ds.ndim
     if len(values) == 3 and len(spatial) in (2, 3) and (len(spatial) < ds.ndim or ds.ndim < 3):
         # Fiji's three z, y, x sizes (it writes three whatever the rank): the last ones belong to
         # the spatial axes present, and the time and channel axes get none of them.
-        for i, v in zip(spatial, values[-len(spatial):]):
+        for i, v in zip(spatial, values[-len(spatial) :]):
             scale[i] = v
         if "z" not in axes and len(spatial) < ds.ndim:
             out.notices.append(

@@ -39,23 +39,37 @@ def output_dtype(dtype: np.dtype) -> np.dtype:
 def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity]:
     """Read the dataset's metadata (never its data) and check it is convertible."""
     if not os.path.exists(path):
-        raise SourceNotFoundError(f"source.path: HDF5 file {path!r} does not exist. Check the path (workers must see the same path).")
+        raise SourceNotFoundError(
+            f"source.path: HDF5 file {path!r} does not exist. Check the path (workers must see the same path)."
+        )
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        raise SourceError(f"source.path: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?") from None
+        raise SourceError(
+            f"source.path: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?"
+        ) from None
     with f:
         try:
             obj = f[dataset]
         except KeyError:
             found = list_datasets(f)
-            hint = f" Datasets in the file: {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}." if found else " The file holds no datasets."
+            hint = (
+                f" Datasets in the file: {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}."
+                if found
+                else " The file holds no datasets."
+            )
             raise DatasetNotFoundError(f"source.dataset: {dataset!r} is not in {path!r}.{hint}") from None
         except Exception as exc:  # corrupt object headers surface as assorted h5py errors
-            raise SourceError(f"source.dataset: cannot read {dataset!r} in {path!r} ({exc}). The file may be truncated or corrupt.") from None
+            raise SourceError(
+                f"source.dataset: cannot read {dataset!r} in {path!r} ({exc}). The file may be truncated or corrupt."
+            ) from None
         if not isinstance(obj, h5py.Dataset):
             inside = list_datasets(obj)
-            hint = f"Datasets in it: {', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}." if inside else "The group holds no datasets."
+            hint = (
+                f"Datasets in it: {', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}."
+                if inside
+                else "The group holds no datasets."
+            )
             raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is a group, not a dataset. {hint}")
         info = _describe(obj, path, dataset)
     stat = os.stat(path)
@@ -87,7 +101,13 @@ def _describe(ds: h5py.Dataset, path: str, name: str) -> DatasetInfo:
 def dtype_kind(dtype: np.dtype) -> str:
     if dtype.fields is not None:
         return "compound"
-    return {"S": "bytes string", "U": "unicode string", "O": "variable-length string or object", "c": "complex", "V": "opaque"}.get(dtype.kind, dtype.kind)
+    return {
+        "S": "bytes string",
+        "U": "unicode string",
+        "O": "variable-length string or object",
+        "c": "complex",
+        "V": "opaque",
+    }.get(dtype.kind, dtype.kind)
 
 
 def filter_names(ds: h5py.Dataset) -> list[str]:

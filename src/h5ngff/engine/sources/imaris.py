@@ -29,7 +29,18 @@ from .conventions import shortest_float32
 
 #: Units as Imaris and BigDataViewer write them (lower case) -> NGFF. Micro is written with the
 #: micro sign (U+00B5) or the Greek mu (U+03BC): both are accepted.
-UNITS = {"um": "micrometer", "\u00b5m": "micrometer", "\u03bcm": "micrometer", "micron": "micrometer", "micrometer": "micrometer", "nm": "nanometer", "nanometer": "nanometer", "mm": "millimeter", "millimeter": "millimeter", "m": "meter"}
+UNITS = {
+    "um": "micrometer",
+    "\u00b5m": "micrometer",
+    "\u03bcm": "micrometer",
+    "micron": "micrometer",
+    "micrometer": "micrometer",
+    "nm": "nanometer",
+    "nanometer": "nanometer",
+    "mm": "millimeter",
+    "millimeter": "millimeter",
+    "m": "meter",
+}
 
 
 def text(attrs: h5py.AttributeManager, name: str) -> str | None:
@@ -56,7 +67,9 @@ def number(attrs: h5py.AttributeManager, name: str, where: str) -> float:
     try:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise SourceError(f"source.path: the Imaris attribute {where} {name} is {value!r}, not a number. The file is not a complete Imaris 5.5 file.") from None
+        raise SourceError(
+            f"source.path: the Imaris attribute {where} {name} is {value!r}, not a number. The file is not a complete Imaris 5.5 file."
+        ) from None
 
 
 def _indices(group: h5py.Group, prefix: str) -> list[int]:
@@ -73,25 +86,34 @@ def open_imaris(spec: ConversionSpec) -> Opened:
     with open_hdf5(path) as f:
         image = f["DataSetInfo/Image"].attrs if "DataSetInfo/Image" in f else None
         if image is None or "ResolutionLevel 0" not in f["DataSet"]:
-            raise SourceError(f"source.path: {path!r} has /DataSet but no /DataSetInfo/Image or ResolutionLevel 0: not a complete Imaris file.")
+            raise SourceError(
+                f"source.path: {path!r} has /DataSet but no /DataSetInfo/Image or ResolutionLevel 0: not a complete Imaris file."
+            )
         size = tuple(int(number(image, a, "DataSetInfo/Image")) for a in ("Z", "Y", "X"))
         level0 = f["DataSet/ResolutionLevel 0"]
         times = _indices(level0, "TimePoint")
         channels = _indices(level0[f"TimePoint {times[0]}"], "Channel") if times else []
         if not channels or times != list(range(len(times))) or channels != list(range(len(channels))):
-            raise SourceError(f"source.path: {path!r} holds time points {times} and channels {channels} at ResolutionLevel 0; expected 0..T-1 and 0..C-1.")
+            raise SourceError(
+                f"source.path: {path!r} holds time points {times} and channels {channels} at ResolutionLevel 0; expected 0..T-1 and 0..C-1."
+            )
         datasets = [_channel_data(f, t, c, size, path) for t in times for c in channels]
         dtype = datasets[0].dtype
         check_dtype(dtype, "the Imaris data")
         for (t, c), ds in zip(((t, c) for t in times for c in channels), datasets):
             if ds.dtype != dtype:
-                raise UnsupportedDatasetError(f"source.path: Imaris time point {t} channel {c} is {ds.dtype}, time point 0 channel 0 is {dtype}; one image needs one dtype.")
+                raise UnsupportedDatasetError(
+                    f"source.path: Imaris time point {t} channel {c} is {ds.dtype}, time point 0 channel 0 is {dtype}; one image needs one dtype."
+                )
         scale, units, conflicts = _voxel(image, size)
         names, colors = _channels(f, channels)
         lead_shape = tuple(n for n in (len(times), len(channels)) if n > 1)
         lead_axes = ("t" if len(times) > 1 else "") + ("c" if len(channels) > 1 else "")
         info = composite_info(
-            lead_shape, size, dtype, datasets,
+            lead_shape,
+            size,
+            dtype,
+            datasets,
             attr_axes=lead_axes + "zyx",
             attr_scale=(1.0,) * len(lead_axes) + scale,
             attr_units=("",) * len(lead_axes) + units,
@@ -100,7 +122,13 @@ def open_imaris(spec: ConversionSpec) -> Opened:
         )
     pieces = tuple(data_path(t, c) for t in times for c in channels)
     reader = SlabSource(path, pieces, lead_shape, size, info.dtype, None, 0)
-    return Opened(info, identity(path, f"imaris ResolutionLevel 0: {len(times)} time point(s), {len(channels)} channel(s)"), reader, "imaris", conflicts)
+    return Opened(
+        info,
+        identity(path, f"imaris ResolutionLevel 0: {len(times)} time point(s), {len(channels)} channel(s)"),
+        reader,
+        "imaris",
+        conflicts,
+    )
 
 
 def _channel_data(f: h5py.File, t: int, c: int, size: tuple[int, ...], path: str) -> h5py.Dataset:
@@ -117,11 +145,15 @@ def _channel_data(f: h5py.File, t: int, c: int, size: tuple[int, ...], path: str
                 f"equal sizes. Convert that channel alone: {path}:'{name}' (its blocks include padding), or resample it in Imaris."
             )
     if ds.ndim != 3 or any(d < s for d, s in zip(ds.shape, size)):
-        raise SourceError(f"source.path: {name} has shape {ds.shape}, smaller than the image size {size} (z, y, x): the file is damaged.")
+        raise SourceError(
+            f"source.path: {name} has shape {ds.shape}, smaller than the image size {size} (z, y, x): the file is damaged."
+        )
     return ds
 
 
-def _voxel(image: h5py.AttributeManager, size: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+def _voxel(
+    image: h5py.AttributeManager, size: tuple[int, ...]
+) -> tuple[tuple[float, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
     """Voxel sizes (z, y, x), their units, and an unknown unit as a conflict the flags decide."""
     scale = []
     for axis, n in zip((2, 1, 0), size):  # ExtMin0 is x, ExtMin2 is z

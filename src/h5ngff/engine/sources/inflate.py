@@ -39,7 +39,13 @@ DISABLE_ENV = "H5NGFF_NO_LIBDEFLATE"
 def direct_deflate(ds: h5py.Dataset) -> bool:
     """Whether ``ds`` can be read by :func:`read_deflate`: chunked, deflate its only filter, a
     plain numeric dtype, and libdeflate installed."""
-    if _libdeflate is None or DISABLE_ENV in os.environ or ds.chunks is None or ds.dtype.kind not in "biuf" or ds.dtype.fields:
+    if (
+        _libdeflate is None
+        or DISABLE_ENV in os.environ
+        or ds.chunks is None
+        or ds.dtype.kind not in "biuf"
+        or ds.dtype.fields
+    ):
         return False
     plist = ds.id.get_create_plist()
     return bool(plist.get_nfilters() == 1 and plist.get_filter(0)[0] == _DEFLATE)
@@ -80,5 +86,7 @@ def _chunk(ds: h5py.Dataset, start: tuple[int, ...], chunk_bytes: int) -> np.nda
     try:
         raw = data if mask & 1 else _libdeflate.zlib_decompress(data, chunk_bytes)  # bit 0: deflate skipped
     except _libdeflate.DeflateError as exc:
-        raise OSError(f"the deflate stream of the chunk at {start} ({len(data)} bytes) does not decode ({exc})") from None
+        raise OSError(
+            f"the deflate stream of the chunk at {start} ({len(data)} bytes) does not decode ({exc})"
+        ) from None
     return np.frombuffer(raw, dtype=ds.dtype)

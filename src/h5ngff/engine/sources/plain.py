@@ -49,7 +49,13 @@ def open_plain(spec: ConversionSpec) -> Opened:
     with h5py.File(path, "r") as f:
         physical = physical_attrs(f[dataset], dataset, spec.image.axes)
     raise_conflicts(physical, overridden(spec))
-    info = replace(info, attr_axes=physical.axes, attr_scale=physical.scale, attr_units=physical.units, notices=_notices(physical, spec))
+    info = replace(
+        info,
+        attr_axes=physical.axes,
+        attr_scale=physical.scale,
+        attr_units=physical.units,
+        notices=_notices(physical, spec),
+    )
     reader = SlabSource(path, (dataset,), (), info.shape, info.dtype, None, 0)
     return Opened(info, ident, reader, "plain")
 
@@ -61,7 +67,10 @@ def expand(f: h5py.File, selection: str) -> tuple[list[str], tuple[int, ...]]:
         bounds = [(int(a), int(b)) for a, b in ranges]
         bad = [f"{{{a}..{b}}}" for a, b in bounds if b < a]
         if bad:
-            raise SpecError("source.dataset", f"Expected ranges {{first..last}} with first <= last. Got {bad[0]} in {selection!r} instead.")
+            raise SpecError(
+                "source.dataset",
+                f"Expected ranges {{first..last}} with first <= last. Got {bad[0]} in {selection!r} instead.",
+            )
         parts = _RANGE.split(selection)[::3]
         names = []
         for values in product(*(range(a, b + 1) for a, b in bounds)):
@@ -75,7 +84,9 @@ def expand(f: h5py.File, selection: str) -> tuple[list[str], tuple[int, ...]]:
     names = sorted((n for n in list_datasets(f) if fnmatch.fnmatchcase(n, pattern)), key=_natural)
     if not names:
         listed = ", ".join(list_datasets(f)[:8])
-        raise DatasetNotFoundError(f"source.dataset: the glob {selection!r} matches no dataset in {f.filename!r}. Datasets in it: {listed}.")
+        raise DatasetNotFoundError(
+            f"source.dataset: the glob {selection!r} matches no dataset in {f.filename!r}. Datasets in it: {listed}."
+        )
     return names, (len(names),)
 
 
@@ -93,13 +104,28 @@ def open_stacked(spec: ConversionSpec) -> Opened:
         check_dtype(first.dtype, repr(names[0]))
         stack = spec.source.stack or ("c" if len(lead_shape) == 1 else "tc"[: len(lead_shape)])
         if len(stack) != len(lead_shape):
-            raise SpecError("source.stack", f"Expected one axis per range in {selection!r} ({len(lead_shape)}). Got {stack!r} instead.")
-        inner_axes = spec.image.axes[len(stack):] if spec.image.axes and len(spec.image.axes) == len(stack) + first.ndim else None
+            raise SpecError(
+                "source.stack",
+                f"Expected one axis per range in {selection!r} ({len(lead_shape)}). Got {stack!r} instead.",
+            )
+        inner_axes = (
+            spec.image.axes[len(stack) :]
+            if spec.image.axes and len(spec.image.axes) == len(stack) + first.ndim
+            else None
+        )
         physical = physical_attrs(first, names[0], inner_axes)
         raise_conflicts(physical, overridden(spec))
         axes, scale, units = _stacked_axes(stack, first.ndim, physical, spec)
-        info = composite_info(lead_shape, tuple(first.shape), first.dtype, datasets, attr_axes=axes, attr_scale=scale, attr_units=units,
-                              notices=_notices(physical, spec))
+        info = composite_info(
+            lead_shape,
+            tuple(first.shape),
+            first.dtype,
+            datasets,
+            attr_axes=axes,
+            attr_scale=scale,
+            attr_units=units,
+            notices=_notices(physical, spec),
+        )
     described = f"{','.join(names)} stacked along {stack}"
     reader = SlabSource(path, tuple(names), lead_shape, tuple(first.shape), info.dtype, None, 0)
     return Opened(info, identity(path, described), reader, "stacked")
@@ -110,7 +136,9 @@ def _dataset(f: h5py.File, name: str, selection: str) -> h5py.Dataset:
     if not isinstance(obj, h5py.Dataset):
         what = "is a group" if obj is not None else "does not exist"
         listed = ", ".join(list_datasets(f)[:8])
-        raise DatasetNotFoundError(f"source.dataset: {name!r} (from {selection!r}) {what} in {f.filename!r}. Datasets in it: {listed}.")
+        raise DatasetNotFoundError(
+            f"source.dataset: {name!r} (from {selection!r}) {what} in {f.filename!r}. Datasets in it: {listed}."
+        )
     return obj
 
 
@@ -129,10 +157,14 @@ def _check_agree(names: list[str], datasets: list[h5py.Dataset]) -> None:
             )
 
 
-def _stacked_axes(stack: str, inner_ndim: int, physical: Physical, spec: ConversionSpec) -> tuple[str | None, tuple[float, ...] | None, tuple[str, ...] | None]:
+def _stacked_axes(
+    stack: str, inner_ndim: int, physical: Physical, spec: ConversionSpec
+) -> tuple[str | None, tuple[float, ...] | None, tuple[str, ...] | None]:
     inner = physical.axes or _DEFAULT_INNER.get(inner_ndim)
     if inner is None or inner_ndim + len(stack) > 5:
-        raise UnsupportedDatasetError(f"source.dataset: stacking {inner_ndim}-dimensional datasets along {stack!r} gives {inner_ndim + len(stack)} dimensions; NGFF images have 2 to 5.")
+        raise UnsupportedDatasetError(
+            f"source.dataset: stacking {inner_ndim}-dimensional datasets along {stack!r} gives {inner_ndim + len(stack)} dimensions; NGFF images have 2 to 5."
+        )
     try:
         axes = parse_axes(stack + inner)
     except ValueError:

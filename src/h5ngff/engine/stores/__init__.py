@@ -64,6 +64,9 @@ def _s3_store_class() -> Any:
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in ("obstore", "botocore"):
             raise
-        raise SpecError("output.path", f"Expected the s3 extra installed for an s3:// path (pip install 'h5ngff[s3]'). Got no {exc.name} module "
-                                       f"instead: install the extra, or write to a local directory.") from None
+        raise SpecError(
+            "output.path",
+            f"Expected the s3 extra installed for an s3:// path (pip install 'h5ngff[s3]'). Got no {exc.name} module "
+            f"instead: install the extra, or write to a local directory.",
+        ) from None
     return S3Store

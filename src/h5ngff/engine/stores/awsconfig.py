@@ -85,25 +85,42 @@ def resolve_chain(root: str, explicit: Mapping[str, Any], profile: str | None) -
         scoped = session.get_scoped_config()  # raises ProfileNotFound for a named profile that is absent
         region = os.environ.get("AWS_REGION") or session.get_config_variable("region")
         endpoint = _endpoint(session, scoped)
-        need_credentials = not explicit.get("access_key_id") and str(explicit.get("skip_signature", "")).lower() not in ("1", "true", "yes")
+        need_credentials = not explicit.get("access_key_id") and str(
+            explicit.get("skip_signature", "")
+        ).lower() not in ("1", "true", "yes")
         credentials = session.get_credentials() if need_credentials else None
     except botocore.exceptions.ProfileNotFound:
-        raise CredentialsError(f"{root}: AWS profile {name!r} ({named_by}) is not defined in {_files_and_profiles(session)}. To fix: "
-                               f"name a profile defined there, add [profile {name}] to the config file, or point AWS_CONFIG_FILE / "
-                               f"AWS_SHARED_CREDENTIALS_FILE at the files that define it.") from None
-    except botocore.exceptions.BotoCoreError as exc:  # a broken profile: a missing services section, a bad SSO token, ...
-        raise CredentialsError(f"{root}: the AWS configuration of profile {name or 'default'!r} ({named_by}) is unusable: {exc}. "
-                               f"Files read: {_files_and_profiles(session)}. To fix: correct that profile or name another.") from None
+        raise CredentialsError(
+            f"{root}: AWS profile {name!r} ({named_by}) is not defined in {_files_and_profiles(session)}. To fix: "
+            f"name a profile defined there, add [profile {name}] to the config file, or point AWS_CONFIG_FILE / "
+            f"AWS_SHARED_CREDENTIALS_FILE at the files that define it."
+        ) from None
+    except (
+        botocore.exceptions.BotoCoreError
+    ) as exc:  # a broken profile: a missing services section, a bad SSO token, ...
+        raise CredentialsError(
+            f"{root}: the AWS configuration of profile {name or 'default'!r} ({named_by}) is unusable: {exc}. "
+            f"Files read: {_files_and_profiles(session)}. To fix: correct that profile or name another."
+        ) from None
     if need_credentials and credentials is None:
         raise CredentialsError(
             f"{root}: no AWS credentials: none in the storage options, none in the environment (AWS_ACCESS_KEY_ID, "
             f"AWS_SECRET_ACCESS_KEY), none for profile {name or 'default'!r} ({named_by}) in {_files_and_profiles(session)}, and no "
             f"SSO, web identity, container or instance role. To fix: export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (on "
-            f"Kubernetes: the Secret the job names), or name a profile that has credentials (AWS_PROFILE or --storage-option profile=NAME).")
-    origin = f"{credentials.method} (profile {name or 'default'!r}, {named_by})" if credentials is not None else "the explicit storage options"
+            f"Kubernetes: the Secret the job names), or name a profile that has credentials (AWS_PROFILE or --storage-option profile=NAME)."
+        )
+    origin = (
+        f"{credentials.method} (profile {name or 'default'!r}, {named_by})"
+        if credentials is not None
+        else "the explicit storage options"
+    )
     log.info("%s: AWS configuration from botocore; credentials from %s", root, origin)
-    return AwsChain(region=region or None, endpoint=endpoint or None,
-                    credentials=BotocoreCredentials(credentials) if credentials is not None else None, origin=origin)
+    return AwsChain(
+        region=region or None,
+        endpoint=endpoint or None,
+        credentials=BotocoreCredentials(credentials) if credentials is not None else None,
+        origin=origin,
+    )
 
 
 def _endpoint(session: Any, scoped: dict[str, Any]) -> str | None:
@@ -115,7 +132,9 @@ def _endpoint(session: Any, scoped: dict[str, Any]) -> str | None:
     # tests/test_s3_profiles.py reads an endpoint from a services section through it).
     from botocore.configprovider import ConfiguredEndpointProvider
 
-    endpoint: str | None = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=scoped, client_name="s3").provide()
+    endpoint: str | None = ConfiguredEndpointProvider(
+        full_config=session.full_config, scoped_config=scoped, client_name="s3"
+    ).provide()
     return endpoint
 
 
@@ -141,8 +160,17 @@ class BotocoreCredentials:
         from botocore.credentials import RefreshableCredentials
 
         frozen = self._credentials.get_frozen_credentials()  # botocore refreshes here when due
-        expires = datetime.now(timezone.utc) + REFRESHABLE_TTL if isinstance(self._credentials, RefreshableCredentials) else None
-        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token, "expires_at": expires}
+        expires = (
+            datetime.now(timezone.utc) + REFRESHABLE_TTL
+            if isinstance(self._credentials, RefreshableCredentials)
+            else None
+        )
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": expires,
+        }
 
     def __repr__(self) -> str:  # never the keys
         return f"BotocoreCredentials({getattr(self._credentials, 'method', '?')})"

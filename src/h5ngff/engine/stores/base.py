@@ -55,6 +55,7 @@ Capabilities (what differs, asked of the store; the callers in parentheses):
   write (a directory: yes, as it always did; a bucket prefix: no, only an output of ours, since
   other writers share the bucket and nothing there can be restored; docs/engine.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -159,7 +160,12 @@ class StoreRetries:
 store_retries = StoreRetries()
 
 
-def retrying(call: Callable[[], T], what: str, policy: RetryPolicy = RetryPolicy(), classify: Callable[[BaseException], Exception] | None = None) -> T:
+def retrying(
+    call: Callable[[], T],
+    what: str,
+    policy: RetryPolicy = RetryPolicy(),
+    classify: Callable[[BaseException], Exception] | None = None,
+) -> T:
     """Run ``call``; retry a transient failure (as ``classify`` maps it) with backoff, up to the
     policy's attempts and deadline; raise a permanent one at once. ``classify`` returns a
     TransientStoreError to retry, or the exception to raise."""
@@ -196,4 +202,14 @@ def _notice(what: str, why: Exception, attempt: int, policy: RetryPolicy, pause:
     """A retry after a slow failure (a timeout: the store did not answer) is a warning on stderr,
     so a hung endpoint is never silent; one answered at once (503 SlowDown) is logged at info."""
     level = logging.WARNING if took >= 1.0 else logging.INFO
-    log.log(level, "%s: %s after %.1f s; retry %d of %d in %.2f s (no retry after %.0f s).", what, why, took, attempt, policy.attempts - 1, pause, policy.deadline)
+    log.log(
+        level,
+        "%s: %s after %.1f s; retry %d of %d in %.2f s (no retry after %.0f s).",
+        what,
+        why,
+        took,
+        attempt,
+        policy.attempts - 1,
+        pause,
+        policy.deadline,
+    )

@@ -188,9 +188,13 @@ class LocalStore:
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
         if not os.path.isdir(parent):
-            raise OutputError(f"output.path: cannot create {self.root!r}: {parent!r} is a file, not a directory. Choose a writable location.")
+            raise OutputError(
+                f"output.path: cannot create {self.root!r}: {parent!r} is a file, not a directory. Choose a writable location."
+            )
         if not os.access(parent, os.W_OK | os.X_OK):
-            raise OutputError(f"output.path: cannot create {self.root!r}: permission denied ({parent}). Choose a writable location.")
+            raise OutputError(
+                f"output.path: cannot create {self.root!r}: permission denied ({parent}). Choose a writable location."
+            )
 
     def sweep(self) -> int:
         """Delete the temporary files killed writers left (only ours: they carry TMP_MARK)."""
@@ -202,8 +206,12 @@ class LocalStore:
 
     def leftovers(self) -> tuple[str, ...]:
         """The temporary files killed writers left (they carry TMP_MARK), as keys."""
-        return tuple(os.path.relpath(os.path.join(directory, name), self.root).replace(os.sep, "/")
-                     for directory, _, files in os.walk(self.root) for name in files if TMP_MARK in name)
+        return tuple(
+            os.path.relpath(os.path.join(directory, name), self.root).replace(os.sep, "/")
+            for directory, _, files in os.walk(self.root)
+            for name in files
+            if TMP_MARK in name
+        )
 
     def overlapped(self, depth: int) -> ContextManager[None]:
         """Nothing to overlap: a write returns once the kernel holds the bytes, without a round
@@ -229,7 +237,9 @@ class LocalStore:
 
 def _write_error(path: str, exc: OSError) -> OutputError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFullError(f"No space left on the output device while writing {path}. Free space and re-run the same command; finished slabs are kept.")
+        return DiskFullError(
+            f"No space left on the output device while writing {path}. Free space and re-run the same command; finished slabs are kept."
+        )
     return OutputError(f"Cannot write {path}: {exc.strerror or exc}. Check that the output location is writable.")
 
 

@@ -18,21 +18,64 @@ from ...errors import SpecError
 from ...spec import UPLOADS_IN_FLIGHT
 
 #: Options of the HTTP client rather than of S3 (obstore's ClientConfig).
-CLIENT_KEYS = {"allow_http", "allow_invalid_certificates", "connect_timeout", "timeout", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "user_agent"}
+CLIENT_KEYS = {
+    "allow_http",
+    "allow_invalid_certificates",
+    "connect_timeout",
+    "timeout",
+    "pool_idle_timeout",
+    "pool_max_idle_per_host",
+    "proxy_url",
+    "user_agent",
+}
 #: Our own options: when to switch to a multipart upload, its part size, retries, and the PUTs a
 #: thread keeps in flight (read by the planner, which counts them: planner/plan.py upload_depth_for).
 OWN_KEYS = {"multipart_threshold", "part_size", "retries", UPLOADS_IN_FLIGHT}
 #: The one-writer lease's options: read by engine.stores.s3lease, not by the client.
 LEASE_KEYS = {"lock", "lock_ttl"}
 #: Friendly aliases (the names s3fs and the AWS CLI use) -> obstore's keys.
-ALIASES = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint", "region_name": "region", "key": "access_key_id", "secret": "secret_access_key", "token": "session_token",
-           "aws_profile": "profile"}
+ALIASES = {
+    "endpoint_url": "endpoint",
+    "aws_endpoint_url": "endpoint",
+    "region_name": "region",
+    "key": "access_key_id",
+    "secret": "secret_access_key",
+    "token": "session_token",
+    "aws_profile": "profile",
+}
 #: obstore 0.12's S3 configuration keys (its S3Config; the pinned version of the ``s3`` extra).
-S3_KEYS = {"access_key_id", "bucket", "checksum_algorithm", "conditional_put", "container_credentials_relative_uri", "container_credentials_full_uri",
-           "container_authorization_token_file", "copy_if_not_exists", "default_region", "disable_tagging", "disable_bulk_delete", "endpoint",
-           "imdsv1_fallback", "metadata_endpoint", "region", "request_payer", "role_arn", "role_session_name", "secret_access_key",
-           "server_side_encryption", "session_token", "skip_signature", "sse_bucket_key_enabled", "sse_kms_key_id", "sts_endpoint", "unsigned_payload",
-           "virtual_hosted_style_request", "web_identity_token_file", "s3_express", "profile"}
+S3_KEYS = {
+    "access_key_id",
+    "bucket",
+    "checksum_algorithm",
+    "conditional_put",
+    "container_credentials_relative_uri",
+    "container_credentials_full_uri",
+    "container_authorization_token_file",
+    "copy_if_not_exists",
+    "default_region",
+    "disable_tagging",
+    "disable_bulk_delete",
+    "endpoint",
+    "imdsv1_fallback",
+    "metadata_endpoint",
+    "region",
+    "request_payer",
+    "role_arn",
+    "role_session_name",
+    "secret_access_key",
+    "server_side_encryption",
+    "session_token",
+    "skip_signature",
+    "sse_bucket_key_enabled",
+    "sse_kms_key_id",
+    "sts_endpoint",
+    "unsigned_payload",
+    "virtual_hosted_style_request",
+    "web_identity_token_file",
+    "s3_express",
+    "profile",
+}
 VALID = S3_KEYS | CLIENT_KEYS | OWN_KEYS | LEASE_KEYS | set(ALIASES)
 #: Seconds one request may take (connecting included) before it is given up and retried.
 TIMEOUT_S = 30.0
@@ -93,12 +136,23 @@ def lock_ttl(value: Any) -> float:
 def _unknown(raw: str) -> SpecError:
     close = difflib.get_close_matches(canonical(raw), sorted(VALID), n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]}?" if close else ""
-    return SpecError("output.storageOptions", f"Expected one of the storage options {', '.join(sorted(VALID))}. Got {raw!r} instead.{hint}")
+    return SpecError(
+        "output.storageOptions",
+        f"Expected one of the storage options {', '.join(sorted(VALID))}. Got {raw!r} instead.{hint}",
+    )
 
 
-_CHECKS: dict[str, Callable[[str, Any], object]] = {"retries": lambda k, v: whole(k, v, 1), "multipart_threshold": lambda k, v: whole(k, v, 1), "part_size": lambda k, v: whole(k, v, 1),
-           "lock": boolean, "allow_http": boolean, "allow_invalid_certificates": boolean, "timeout": seconds, "connect_timeout": seconds,
-           "lock_ttl": lambda k, v: lock_ttl(v)}
+_CHECKS: dict[str, Callable[[str, Any], object]] = {
+    "retries": lambda k, v: whole(k, v, 1),
+    "multipart_threshold": lambda k, v: whole(k, v, 1),
+    "part_size": lambda k, v: whole(k, v, 1),
+    "lock": boolean,
+    "allow_http": boolean,
+    "allow_invalid_certificates": boolean,
+    "timeout": seconds,
+    "connect_timeout": seconds,
+    "lock_ttl": lambda k, v: lock_ttl(v),
+}
 
 
 def validate(options: Mapping[str, Any] | None) -> None:

@@ -47,7 +47,14 @@ PART_CONCURRENCY = 2
 _STATUS = re.compile(r"\b(?:status(?: code)?:?\s*|HTTP/1\.1 )(\d{3})\b", re.I)
 #: obstore asked the instance metadata service (the last link of the AWS chain) for credentials.
 _METADATA_SERVICE = re.compile(r"169\.254\.169\.254|fd00:ec2::254|/latest/api/token|/latest/meta-data/iam")
-_PERMANENT_CODES = ("AccessDenied", "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "InvalidBucketName")
+_PERMANENT_CODES = (
+    "AccessDenied",
+    "NoSuchBucket",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "InvalidBucketName",
+)
 _WHAT_TO_CHANGE = {
     "AccessDenied": "grant the credentials s3:PutObject, s3:GetObject, s3:ListBucket and s3:DeleteObject on the bucket, or use other credentials",
     "NoSuchBucket": "create the bucket or correct its name in output.path",
@@ -110,8 +117,11 @@ def _refuse_plain_http(endpoint: str | None, client: dict[str, Any]) -> None:
     # obstore refuses an http:// endpoint only when it sends a request, as a "builder error" that
     # reads like a network fault (and would be retried): say what to change before any work.
     if endpoint and str(endpoint).lower().startswith("http://") and not client.get("allow_http"):
-        raise SpecError("output.storageOptions", f"Expected allow_http with the plain-http endpoint {endpoint!r}. Got no allow_http instead: "
-                                                 "export AWS_ALLOW_HTTP=true or pass --storage-option allow_http=true (storageOptions.allow_http: \"true\").")
+        raise SpecError(
+            "output.storageOptions",
+            f"Expected allow_http with the plain-http endpoint {endpoint!r}. Got no allow_http instead: "
+            'export AWS_ALLOW_HTTP=true or pass --storage-option allow_http=true (storageOptions.allow_http: "true").',
+        )
 
 
 class S3Store:
@@ -129,17 +139,30 @@ class S3Store:
         self.multipart_threshold = own.get("multipart_threshold", MULTIPART_THRESHOLD)
         self.part_size = max(5 * 2**20, own.get("part_size", PART_SIZE))
         self.policy = RetryPolicy(attempts=own.get("retries", RetryPolicy.attempts))
-        client = {**_env_client_options(), "connect_timeout": f"{opts.CONNECT_TIMEOUT_S:.0f}s", "timeout": f"{opts.TIMEOUT_S:.0f}s", **client}
+        client = {
+            **_env_client_options(),
+            "connect_timeout": f"{opts.CONNECT_TIMEOUT_S:.0f}s",
+            "timeout": f"{opts.TIMEOUT_S:.0f}s",
+            **client,
+        }
         config, provider = _with_aws_chain(self.root, config)
         _refuse_plain_http(config.get("endpoint"), client)
         try:
             # The options are the user's KEY=VALUE strings: obstore checks them (raising the error
             # below), so the TypedDicts of its stubs cannot be met statically: passed untyped.
             user_options: dict[str, Any] = {"config": config, "client_options": client}
-            self._store = _ObS3Store(bucket, prefix=self.prefix or None, retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)},
-                                     credential_provider=provider, **user_options)
+            self._store = _ObS3Store(
+                bucket,
+                prefix=self.prefix or None,
+                retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=1)},
+                credential_provider=provider,
+                **user_options,
+            )
         except obx.BaseError as exc:
-            raise SpecError("output.storageOptions", f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {str(exc).strip().splitlines()[0]}") from None
+            raise SpecError(
+                "output.storageOptions",
+                f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {str(exc).strip().splitlines()[0]}",
+            ) from None
         self._uploads = UploadWindow(bucket)
 
     def as_zarr_store(self) -> Any:
@@ -155,7 +178,10 @@ class S3Store:
         scheme, _, rest = url.partition("://")
         bucket, _, prefix = rest.partition("/")
         if not bucket:
-            raise SpecError("output.path", "Expected s3://BUCKET/PREFIX with a bucket name. Got an s3:// URL with no bucket name instead: write s3://my-bucket/out.ome.zarr; nothing was written.")
+            raise SpecError(
+                "output.path",
+                "Expected s3://BUCKET/PREFIX with a bucket name. Got an s3:// URL with no bucket name instead: write s3://my-bucket/out.ome.zarr; nothing was written.",
+            )
         return cls(bucket, prefix, options)
 
     def __reduce__(self) -> NoReturn:  # a Dask task may carry it: rebuild the client on the other side
@@ -173,12 +199,21 @@ class S3Store:
                 return CredentialsError(no_credentials_message(what, self.root, text))
             code = next((c for c in _PERMANENT_CODES if c in text), None)
             status = _STATUS.search(text)
-            if isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError)) or code or (status and status.group(1) in ("400", "401", "403", "404", "405")):
-                code = code or ("AccessDenied" if isinstance(exc, obx.PermissionDeniedError) or (status and status.group(1) == "403") else "request refused")
+            if (
+                isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError))
+                or code
+                or (status and status.group(1) in ("400", "401", "403", "404", "405"))
+            ):
+                code = code or (
+                    "AccessDenied"
+                    if isinstance(exc, obx.PermissionDeniedError) or (status and status.group(1) == "403")
+                    else "request refused"
+                )
                 hint = _WHAT_TO_CHANGE.get(code, "check the bucket, the endpoint and the credentials")
                 first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
                 return OutputError(f"{what}: {self.root} refused the request ({code}): {first}. To fix: {hint}.")
             return TransientStoreError(text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__)
+
         return classify
 
     def _call(self, what: str, call: Callable[[], T]) -> T:
@@ -209,8 +244,17 @@ class S3Store:
         else:
             # A failed multipart upload is retried whole from the held buffer; obstore aborts the
             # failed upload (tests/test_s3_store.py lists the bucket's uploads to check).
-            self._call(f"multipart PUT {key}", lambda: obstore.put(self._store, key, io.BytesIO(data), use_multipart=True,
-                                                                  chunk_size=self.part_size, max_concurrency=PART_CONCURRENCY))
+            self._call(
+                f"multipart PUT {key}",
+                lambda: obstore.put(
+                    self._store,
+                    key,
+                    io.BytesIO(data),
+                    use_multipart=True,
+                    chunk_size=self.part_size,
+                    max_concurrency=PART_CONCURRENCY,
+                ),
+            )
 
     @contextmanager
     def writer(self, key: str, sync: bool = False) -> Iterator[BinaryIO]:
@@ -230,7 +274,9 @@ class S3Store:
     def get_suffix(self, key: str, length: int) -> tuple[bytes, int]:
         """One ranged GET (``bytes=-length``): the tail and, from the response, the object's size."""
         try:
-            body, size = self._call(f"GET {key} (last {length} bytes)", lambda: _suffix_or_missing(self._store, key, length))
+            body, size = self._call(
+                f"GET {key} (last {length} bytes)", lambda: _suffix_or_missing(self._store, key, length)
+            )
         except _Missing:
             raise KeyError(key) from None
         return bytes(body), size
@@ -243,7 +289,9 @@ class S3Store:
             return iter(())
         starts, lengths = [r[0] for r in ranges], [r[1] for r in ranges]
         try:
-            parts = self._call(f"GET {key} ({len(ranges)} ranges)", lambda: _ranges_or_missing(self._store, key, starts, lengths))
+            parts = self._call(
+                f"GET {key} ({len(ranges)} ranges)", lambda: _ranges_or_missing(self._store, key, starts, lengths)
+            )
         except _Missing:
             raise KeyError(key) from None
         return (bytes(part) for part in parts)
@@ -266,7 +314,9 @@ class S3Store:
         return self._call(f"LIST {prefix or '/'}", run)
 
     def append(self, key: str, data: bytes, sync: bool = False) -> None:
-        raise OSError(f"{self.root}: an object store has no append (supports_append is False); write one object per batch instead")
+        raise OSError(
+            f"{self.root}: an object store has no append (supports_append is False); write one object per batch instead"
+        )
 
     def occupied(self, ignore: Collection[str] = ()) -> bool:
         return bool(set(self.list("")) - set(ignore))
@@ -288,9 +338,10 @@ class S3Store:
         keys = sorted(set(self.list(prefix)) - set(keep))
         for i in range(0, len(keys), 1000):  # S3's DeleteObjects takes at most 1000 keys
             batch = keys[i : i + 1000]
-            self._call(f"DELETE {len(batch)} objects under {prefix or '/'}", partial(obstore.delete, self._store, batch))
+            self._call(
+                f"DELETE {len(batch)} objects under {prefix or '/'}", partial(obstore.delete, self._store, batch)
+            )
         return len(keys)
-
 
     # -- conditional writes: the one-writer lease (engine.stores.s3lease) ------------------------------
     def create(self, key: str, data: bytes, policy: RetryPolicy | None = None) -> str | None:
@@ -307,12 +358,23 @@ class S3Store:
 
         def classify(exc: BaseException) -> Exception:
             text = str(exc)
-            if isinstance(exc, obx.NotSupportedError) or "NotImplemented" in text or re.search(r"status(?: code)?:?\s*501\b", text):
-                return ConditionalWritesUnsupported(text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__)
+            if (
+                isinstance(exc, obx.NotSupportedError)
+                or "NotImplemented" in text
+                or re.search(r"status(?: code)?:?\s*501\b", text)
+            ):
+                return ConditionalWritesUnsupported(
+                    text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+                )
             return plain(exc)
 
         try:
-            result = retrying(lambda: obstore.put(self._store, key, data, mode=mode, use_multipart=False), what, policy or self.policy, classify)
+            result = retrying(
+                lambda: obstore.put(self._store, key, data, mode=mode, use_multipart=False),
+                what,
+                policy or self.policy,
+                classify,
+            )
         except _Conflict:
             return None
         if not result.get("e_tag"):
@@ -321,6 +383,7 @@ class S3Store:
 
     def get_tagged(self, key: str, policy: RetryPolicy | None = None) -> tuple[bytes, str] | None:
         """The object's bytes and ETag, or None if it is absent."""
+
         def run() -> tuple[bytes, str]:
             try:
                 result = obstore.get(self._store, key)
@@ -337,11 +400,13 @@ class S3Store:
 
 def no_credentials_message(what: str, root: str, text: str) -> str:
     first = text.strip().splitlines()[0][:200] if text.strip() else ""
-    return (f"{what}: no AWS credentials were found for {root}. They are looked for in the storage options (access_key_id and "
-            f"secret_access_key, or profile), the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
-            f"AWS_PROFILE, AWS_WEB_IDENTITY_TOKEN_FILE), the shared files (~/.aws/credentials and ~/.aws/config, or "
-            f"AWS_SHARED_CREDENTIALS_FILE and AWS_CONFIG_FILE), and last the instance metadata service, which did not give any "
-            f"({first}). To fix: export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set AWS_PROFILE to a profile that has them.")
+    return (
+        f"{what}: no AWS credentials were found for {root}. They are looked for in the storage options (access_key_id and "
+        f"secret_access_key, or profile), the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
+        f"AWS_PROFILE, AWS_WEB_IDENTITY_TOKEN_FILE), the shared files (~/.aws/credentials and ~/.aws/config, or "
+        f"AWS_SHARED_CREDENTIALS_FILE and AWS_CONFIG_FILE), and last the instance metadata service, which did not give any "
+        f"({first}). To fix: export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set AWS_PROFILE to a profile that has them."
+    )
 
 
 class _Missing(Exception):

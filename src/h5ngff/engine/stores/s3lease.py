@@ -99,9 +99,19 @@ def pid_space() -> str:
 
 def my_identity(ttl: float) -> dict[str, Any]:
     me = psutil.Process()
-    return {"h5ngff": __version__, "host": socket.gethostname(), "pid": os.getpid(), "pid_space": pid_space(),
-            "pid_started": me.create_time(), "started": time.time(), "token": uuid.uuid4().hex, "ttl": ttl,
-            "renewals": 0, "state": "held", "command": " ".join(sys.argv)[:500]}
+    return {
+        "h5ngff": __version__,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_space": pid_space(),
+        "pid_started": me.create_time(),
+        "started": time.time(),
+        "token": uuid.uuid4().hex,
+        "ttl": ttl,
+        "renewals": 0,
+        "state": "held",
+        "command": " ".join(sys.argv)[:500],
+    }
 
 
 def local_holder_alive(holder: Mapping[str, Any]) -> bool | None:
@@ -117,7 +127,7 @@ def local_holder_alive(holder: Mapping[str, Any]) -> bool | None:
 
 
 def judge(holder: Mapping[str, Any], unchanged_for: float, default_ttl: float, alive: bool | None) -> str:
-    """"live", "stale" or "wait": the decision on a lease someone else holds (pure).
+    """ "live", "stale" or "wait": the decision on a lease someone else holds (pure).
 
     ``unchanged_for`` is how long we have seen its ETag unchanged, on our monotonic clock; the
     holder's wall-clock times are never used."""
@@ -196,7 +206,9 @@ def acquire(store: Store, settings: LeaseSettings, sleep: Callable[[float], None
             return Lease(store, settings, me, etag)
         if seen is not None and seen[0] != etag:
             if holder.get("state") != "released":
-                raise OutputBusyError(busy_message(store.root, holder, "its lease was renewed while this run watched it"))
+                raise OutputBusyError(
+                    busy_message(store.root, holder, "its lease was renewed while this run watched it")
+                )
             seen = None  # its run just finished: wait for the DELETE that follows
         # Unchanged from the first answer we had (its read happened before we got it) to this
         # one's sending: a lower bound on how long the holder has not renewed, however slow the GETs.
@@ -207,16 +219,29 @@ def acquire(store: Store, settings: LeaseSettings, sleep: Callable[[float], None
         if verdict == "stale":
             taken = store.replace(LOCK_KEY, body, etag, policy)
             if taken is not None:
-                log.warning("%s: took over the stale lease of %s (not renewed for %.1f s).", store.root, describe(holder), asked - seen[1])
+                log.warning(
+                    "%s: took over the stale lease of %s (not renewed for %.1f s).",
+                    store.root,
+                    describe(holder),
+                    asked - seen[1],
+                )
                 return Lease(store, settings, me, taken)
             continue  # another run took it first: the next turn sees its new ETag -> busy
         wait = holder_ttl(holder, settings.ttl)
         if not announced:
-            log.warning("%s is leased by %s. Waiting up to %.0f s to see whether it is still renewed (a crashed run's lease "
-                        "expires %.0f s after its last renewal; no clocks compared).", store.root, describe(holder), wait, wait)
+            log.warning(
+                "%s is leased by %s. Waiting up to %.0f s to see whether it is still renewed (a crashed run's lease "
+                "expires %.0f s after its last renewal; no clocks compared).",
+                store.root,
+                describe(holder),
+                wait,
+                wait,
+            )
             announced = True
         sleep(min(settings.ttl / 10, max(0.05, wait - (asked - seen[1]))))
-    raise OutputBusyError(f"output.path: {store.root!r}: its lease kept changing hands; other runs keep starting there. Retry.")
+    raise OutputBusyError(
+        f"output.path: {store.root!r}: its lease kept changing hands; other runs keep starting there. Retry."
+    )
 
 
 def _check_exclusive(store: Store, body: bytes, policy: RetryPolicy) -> None:
@@ -224,7 +249,9 @@ def _check_exclusive(store: Store, body: bytes, policy: RetryPolicy) -> None:
     create of the object we just wrote must be refused."""
     if store.create(LOCK_KEY, body, policy) is not None:
         store.delete(LOCK_KEY)
-        raise OutputError(unsupported_message(store.root, "it accepted a second If-None-Match: * PUT of an existing object"))
+        raise OutputError(
+            unsupported_message(store.root, "it accepted a second If-None-Match: * PUT of an existing object")
+        )
 
 
 # -- hold, renew, release ----------------------------------------------------------------------
@@ -247,7 +274,9 @@ class Lease:
         """Raise once the lease is lost; also when the renewal thread is stuck in a request past
         the deadline (it would notice only when the request returns)."""
         if self.error is None and time.monotonic() - self._last_ok_sent > self.settings.lost_after:
-            self._lose(f"no lease renewal succeeded for {time.monotonic() - self._last_ok_sent:.1f} s (ttl {self.settings.ttl:g} s)")
+            self._lose(
+                f"no lease renewal succeeded for {time.monotonic() - self._last_ok_sent:.1f} s (ttl {self.settings.ttl:g} s)"
+            )
         if self.error is not None:
             raise self.error
 
@@ -267,14 +296,20 @@ class Lease:
             try:
                 self._renew()
             except Exception as exc:  # noqa: BLE001 - any failure: try again soon, until the deadline
-                log.warning("%s: lease renewal failed (%s); retrying.", self.store.root, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+                log.warning(
+                    "%s: lease renewal failed (%s); retrying.",
+                    self.store.root,
+                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                )
                 interval = self.settings.ttl / 10
             else:
                 interval = self.settings.renew_every
                 if self.error is None:
                     self._last_ok_sent = sent
             if self.error is None and time.monotonic() - self._last_ok_sent > self.settings.lost_after:
-                self._lose(f"no lease renewal succeeded for {time.monotonic() - self._last_ok_sent:.1f} s (ttl {self.settings.ttl:g} s)")
+                self._lose(
+                    f"no lease renewal succeeded for {time.monotonic() - self._last_ok_sent:.1f} s (ttl {self.settings.ttl:g} s)"
+                )
             if self.error is not None:
                 return
 
@@ -308,7 +343,8 @@ class Lease:
         return OutputBusyError(
             f"output.path: {self.store.root!r}: this run lost its one-writer lease ({why}), so it stopped writing: no more "
             f"slabs are recorded and the output is not marked complete. Make sure no other run writes this prefix, then "
-            f"re-run this command to resume.")
+            f"re-run this command to resume."
+        )
 
     def release(self) -> None:
         """Stop renewing; if we still hold it, mark it released (If-Match) and delete it."""
@@ -318,7 +354,15 @@ class Lease:
             return
         self.me["state"] = "released"
         try:
-            if self.store.replace(LOCK_KEY, json.dumps(self.me).encode(), self.etag, self.settings.policy()) is not None:
+            if (
+                self.store.replace(LOCK_KEY, json.dumps(self.me).encode(), self.etag, self.settings.policy())
+                is not None
+            ):
                 self.store.delete(LOCK_KEY)
         except Exception:  # noqa: BLE001 - an undeleted lease expires by itself after ttl
-            log.warning("%s: could not delete the lease object; it expires %.0f s after its last renewal.", self.store.root, self.settings.ttl, exc_info=True)
+            log.warning(
+                "%s: could not delete the lease object; it expires %.0f s after its last renewal.",
+                self.store.root,
+                self.settings.ttl,
+                exc_info=True,
+            )

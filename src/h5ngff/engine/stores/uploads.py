@@ -104,7 +104,9 @@ class UploadWindow:
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix=f"h5ngff-upload-{self._name}")
+                self._pool = ThreadPoolExecutor(
+                    max_workers=POOL_THREADS, thread_name_prefix=f"h5ngff-upload-{self._name}"
+                )
             return self._pool
 
 

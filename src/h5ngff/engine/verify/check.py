@@ -57,12 +57,20 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "path": self.path, "ok": self.ok, "complete": self.complete, "levels": self.levels,
-            "units_checked": self.units_checked, "compared_with_source": self.compared_with_source,
-            "levels_compared": self.levels_compared, "chunks_compared": self.chunks_compared,
-            "checksums": self.checksums, "metadata_validator": self.metadata_validator,
-            "problems": self.problems, "bad_units": [{"level": lv, "key": k} for lv, k in self.bad_units],
-            "mismatches": [m.to_dict() for m in self.mismatches], "checksum_mismatches": self.checksum_mismatches,
+            "path": self.path,
+            "ok": self.ok,
+            "complete": self.complete,
+            "levels": self.levels,
+            "units_checked": self.units_checked,
+            "compared_with_source": self.compared_with_source,
+            "levels_compared": self.levels_compared,
+            "chunks_compared": self.chunks_compared,
+            "checksums": self.checksums,
+            "metadata_validator": self.metadata_validator,
+            "problems": self.problems,
+            "bad_units": [{"level": lv, "key": k} for lv, k in self.bad_units],
+            "mismatches": [m.to_dict() for m in self.mismatches],
+            "checksum_mismatches": self.checksum_mismatches,
         }
 
     def bad(self, level: int, key: str, message: str) -> None:
@@ -72,8 +80,15 @@ class VerifyReport:
         self.problems.append(message)
 
     def checksum(self, level: int, key: str, chunk: tuple[int, ...] | None, mismatch: ChecksumMismatch) -> None:
-        self.checksum_mismatches.append({"level": level, "key": key, "chunk": None if chunk is None else list(chunk),
-                                         "expected": mismatch.expected, "actual": mismatch.actual})
+        self.checksum_mismatches.append(
+            {
+                "level": level,
+                "key": key,
+                "chunk": None if chunk is None else list(chunk),
+                "expected": mismatch.expected,
+                "actual": mismatch.actual,
+            }
+        )
 
     def __post_init__(self) -> None:
         # A set beside the list: a wholly wrong level can name many thousand chunks.
@@ -109,7 +124,9 @@ def _validate_metadata(root: Any, fmt: int, report: VerifyReport) -> None:
     try:
         (v05 if fmt == 3 else v04).Image.from_zarr(zarr.open_group(root, mode="r"))
     except Exception as exc:
-        report.problems.append(f"the OME-NGFF metadata does not validate with {report.metadata_validator}: {str(exc)[:500]}")
+        report.problems.append(
+            f"the OME-NGFF metadata does not validate with {report.metadata_validator}: {str(exc)[:500]}"
+        )
 
 
 def _content(store: Store, marker: dict[str, Any] | None) -> dict[str, Any]:
@@ -121,7 +138,9 @@ def _content(store: Store, marker: dict[str, Any] | None) -> dict[str, Any]:
     return manifest.content if manifest is not None else {}
 
 
-def _sidecars(store: Store, fmt: int, content: dict[str, Any], n_levels: int, report: VerifyReport) -> dict[int, dict[str, str] | None] | None:
+def _sidecars(
+    store: Store, fmt: int, content: dict[str, Any], n_levels: int, report: VerifyReport
+) -> dict[int, dict[str, str] | None] | None:
     """Zarr v2: every level's recorded CRC32Cs, where the conversion kept them. They are written
     at completion, so an unfinished output (already reported) is not checked against them."""
     if fmt != 2 or content.get("checksums") != "crc32c" or not report.complete:
@@ -137,8 +156,10 @@ def _sidecars(store: Store, fmt: int, content: dict[str, Any], n_levels: int, re
             report.problems.append(f"{exc}: level {level}'s chunk files cannot be checked against their checksums.")
             continue
         if sidecars[level] is None:
-            report.problems.append(f"no checksum sidecar {name}: the conversion recorded one, so level {level}'s chunk files cannot be checked. "
-                                   f"Restore {SIDECAR_DIR}/ from the original output, or re-convert.")
+            report.problems.append(
+                f"no checksum sidecar {name}: the conversion recorded one, so level {level}'s chunk files cannot be checked. "
+                f"Restore {SIDECAR_DIR}/ from the original output, or re-convert."
+            )
     return sidecars
 
 
@@ -149,8 +170,13 @@ def zarr_root(path: str, storage_options: dict[str, str] | None = None) -> Any:
     return open_store(path, storage_options or {}).as_zarr_store()
 
 
-def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Callable[[], None] | None = None,
-                  on_total: Callable[[int], None] | None = None, storage_options: dict[str, str] | None = None) -> VerifyReport:
+def verify_output(
+    path: str,
+    source: tuple[str, str] | None = None,
+    on_unit: Callable[[], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+    storage_options: dict[str, str] | None = None,
+) -> VerifyReport:
     """Check everything; problems are collected, not raised, so the report names them all.
 
     With ``source``, every level is compared with the pyramid computed from it
@@ -168,7 +194,9 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
     marker = attrs.get("h5ngff") if isinstance(attrs.get("h5ngff"), dict) else None
     report.complete = bool(marker and marker.get("complete"))
     if not report.complete:
-        report.problems.append("no completion marker (h5ngff.complete): the conversion did not finish; re-run it to resume.")
+        report.problems.append(
+            "no completion marker (h5ngff.complete): the conversion did not finish; re-run it to resume."
+        )
     _validate_metadata(root, fmt, report)
     content = _content(store, marker)
     datasets = ms.get("datasets", [])
@@ -197,14 +225,23 @@ def verify_output(path: str, source: tuple[str, str] | None = None, on_unit: Cal
     return report
 
 
-def _comparable(ms: dict[str, Any], levels: list[StoredLevel], n_levels: int, source: tuple[str, str], report: VerifyReport,
-                content: dict[str, Any], recorded: dict[str, Any] | None = None) -> tuple[Any, list[StoredLevel], PyramidRule | None]:
+def _comparable(
+    ms: dict[str, Any],
+    levels: list[StoredLevel],
+    n_levels: int,
+    source: tuple[str, str],
+    report: VerifyReport,
+    content: dict[str, Any],
+    recorded: dict[str, Any] | None = None,
+) -> tuple[Any, list[StoredLevel], PyramidRule | None]:
     """The source (a plain dataset or a composite: stacked, Imaris, BDV), the levels that can be
     compared with it, and the pyramid rule."""
     source_ds = dataclasses.replace(verify_source(source[0], source[1], recorded), cache_bytes=SOURCE_CACHE_BYTES)
     report.compared_with_source = True
     if levels[0].level != 0 or tuple(source_ds.shape) != levels[0].shape:
-        report.problems.append(f"level 0 has shape {levels[0].shape}, the source {source[0]}:{source[1]} has {tuple(source_ds.shape)}.")
+        report.problems.append(
+            f"level 0 has shape {levels[0].shape}, the source {source[0]}:{source[1]} has {tuple(source_ds.shape)}."
+        )
         return None, [], None
     if len(levels) < n_levels:  # some level's metadata is unreadable: only level 0 is safe to compare
         return source_ds, levels[:1], PyramidRule("mean", (False,) * len(levels[0].shape))
@@ -216,7 +253,13 @@ def _comparable(ms: dict[str, Any], levels: list[StoredLevel], n_levels: int, so
     return source_ds, levels, rule
 
 
-def _compare_levels(source_ds: Any, levels: list[StoredLevel], rule: PyramidRule, report: VerifyReport, on_unit: Callable[[], None] | None) -> None:
+def _compare_levels(
+    source_ds: Any,
+    levels: list[StoredLevel],
+    rule: PyramidRule,
+    report: VerifyReport,
+    on_unit: Callable[[], None] | None,
+) -> None:
     walk = LevelComparison(source_ds, levels, rule, report.bad, on_unit, on_checksum=report.checksum)
     walk.run()
     report.levels_compared = max(report.levels_compared, len(levels))
@@ -225,7 +268,9 @@ def _compare_levels(source_ds: Any, levels: list[StoredLevel], rule: PyramidRule
     report.mismatches.extend(walk.mismatches)
 
 
-def _check_units(level: StoredLevel, report: VerifyReport, on_unit: Callable[[], None] | None, recorded_empty: int | None = None) -> None:
+def _check_units(
+    level: StoredLevel, report: VerifyReport, on_unit: Callable[[], None] | None, recorded_empty: int | None = None
+) -> None:
     """Decode every chunk of every unit once (levels not compared with a source), one chunk at a
     time: every bad inner chunk of a shard is named, not just the first.
 
@@ -253,7 +298,11 @@ def _check_units(level: StoredLevel, report: VerifyReport, on_unit: Callable[[],
     if recorded_empty is None or len(absent) == recorded_empty:
         return
     for key in absent:  # which of them are the empty ones is unknown without the source
-        report.bad(level.level, key, f"level {level.level} {key}: missing ({len(absent)} absent, {recorded_empty} recorded as the fill value everywhere; verify --source tells which).")
+        report.bad(
+            level.level,
+            key,
+            f"level {level.level} {key}: missing ({len(absent)} absent, {recorded_empty} recorded as the fill value everywhere; verify --source tells which).",
+        )
 
 
 def _chunk_failed(level: StoredLevel, key: str, chunk: tuple[int, ...], exc: Exception, report: VerifyReport) -> None:

@@ -77,11 +77,19 @@ class Mismatch:
     voxels: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"level": self.level, "key": self.key, "chunk": list(self.chunk), "region": [list(r) for r in self.region],
-                "differing_voxels": self.differing, "voxels": self.voxels}
+        return {
+            "level": self.level,
+            "key": self.key,
+            "chunk": list(self.chunk),
+            "region": [list(r) for r in self.region],
+            "differing_voxels": self.differing,
+            "voxels": self.voxels,
+        }
 
 
-def pyramid_rule(content: dict[str, Any], multiscale: dict[str, Any], layouts: Sequence[StoredLevel]) -> PyramidRule | str:
+def pyramid_rule(
+    content: dict[str, Any], multiscale: dict[str, Any], layouts: Sequence[StoredLevel]
+) -> PyramidRule | str:
     """How the levels were built (from the output's own record, ``content``: the completion
     marker's or the manifest's), or why that cannot be told."""
     method = content.get("method") or multiscale.get("type")
@@ -119,9 +127,15 @@ class LevelComparison:
     compared (the progress bar); ``on_checksum(level, key, chunk, mismatch)`` about each chunk
     whose bytes fail their CRC32C."""
 
-    def __init__(self, source: Any, layouts: Sequence[StoredLevel], rule: PyramidRule,
-                 bad: Callable[[int, str, str], None], on_chunk: Callable[[], None] | None = None,
-                 on_checksum: Callable[[int, str, tuple[int, ...], ChecksumMismatch], None] | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        layouts: Sequence[StoredLevel],
+        rule: PyramidRule,
+        bad: Callable[[int, str, str], None],
+        on_chunk: Callable[[], None] | None = None,
+        on_checksum: Callable[[int, str, tuple[int, ...], ChecksumMismatch], None] | None = None,
+    ) -> None:
         self.source = source
         self.on_checksum = on_checksum
         self.layouts = layouts
@@ -161,7 +175,9 @@ class LevelComparison:
             block[local] = self.expected(level - 1, child)
         return block
 
-    def _compare(self, layout: StoredLevel, chunk: tuple[int, ...], region: tuple[slice, ...], expected: np.ndarray) -> None:
+    def _compare(
+        self, layout: StoredLevel, chunk: tuple[int, ...], region: tuple[slice, ...], expected: np.ndarray
+    ) -> None:
         self.compared += 1
         unit = _unit_of(layout, chunk)
         key = layout.key(unit)
@@ -182,15 +198,20 @@ class LevelComparison:
                 stored = layout.read_chunk(chunk, check=False)
             # Only a chunk that reads as the fill value everywhere can be absent, so the store is
             # asked (a stat, or a HEAD on a bucket) for those alone, not for every chunk compared.
-            if (not _all_fill(expected, layout.fill_value) and _reads_as_fill(stored, layout.fill_value)
-                    and not layout.exists(unit)):
+            if (
+                not _all_fill(expected, layout.fill_value)
+                and _reads_as_fill(stored, layout.fill_value)
+                and not layout.exists(unit)
+            ):
                 return self._bad(layout.level, key, "missing.", broken=True)
             self._differences(layout, key, chunk, region, stored, expected)
         finally:
             if self.on_chunk:
                 self.on_chunk()
 
-    def _unreadable(self, layout: StoredLevel, unit: tuple[int, ...], key: str, chunk: tuple[int, ...], exc: Exception) -> None:
+    def _unreadable(
+        self, layout: StoredLevel, unit: tuple[int, ...], key: str, chunk: tuple[int, ...], exc: Exception
+    ) -> None:
         index = layout.index_problem(unit)
         if index is not None:
             return self._bad(layout.level, key, index, broken=True)
@@ -204,7 +225,15 @@ class LevelComparison:
         if layout.shards is None:
             self.broken.add((layout.level, key))
 
-    def _differences(self, layout: StoredLevel, key: str, chunk: tuple[int, ...], region: tuple[slice, ...], stored: np.ndarray, expected: np.ndarray) -> None:
+    def _differences(
+        self,
+        layout: StoredLevel,
+        key: str,
+        chunk: tuple[int, ...],
+        region: tuple[slice, ...],
+        stored: np.ndarray,
+        expected: np.ndarray,
+    ) -> None:
         view = tuple(slice(0, r.stop - r.start) for r in region)
         # Compared bitwise, so NaN equals the same NaN and -0.0 differs from 0.0.
         bits = np.dtype(f"u{expected.dtype.itemsize}")
@@ -217,10 +246,13 @@ class LevelComparison:
         where = f"{key}" if layout.shards is None else f"{key}, inner chunk {_inner(layout, chunk)}"
         self.mismatches.append(Mismatch(layout.level, key, chunk, ranges, count, int(differ.size)))
         voxel = tuple(r.start + i for r, i in zip(region, first))
-        self._bad(layout.level, key,
-                  f"differs from the source in chunk {chunk} ({where}), voxels {[list(r) for r in ranges]} of level "
-                  f"{layout.level} (compared with the pyramid computed from the source): {count} of {differ.size} voxels "
-                  f"differ; first at {voxel}: stored {stored[view][first].item()!r}, expected {expected[first].item()!r}.")
+        self._bad(
+            layout.level,
+            key,
+            f"differs from the source in chunk {chunk} ({where}), voxels {[list(r) for r in ranges]} of level "
+            f"{layout.level} (compared with the pyramid computed from the source): {count} of {differ.size} voxels "
+            f"differ; first at {voxel}: stored {stored[view][first].item()!r}, expected {expected[first].item()!r}.",
+        )
 
     def _bad(self, level: int, key: str, message: str, broken: bool = False) -> None:
         if broken:

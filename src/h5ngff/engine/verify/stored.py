@@ -39,7 +39,9 @@ class ChecksumMismatch(ValueError):
     """A chunk's bytes no longer match the CRC32C written with them."""
 
     def __init__(self, expected: str, actual: str, where: str):
-        super().__init__(f"checksum mismatch ({where}: CRC32C expected {expected}, actual {actual}): the file changed after it was written.")
+        super().__init__(
+            f"checksum mismatch ({where}: CRC32C expected {expected}, actual {actual}): the file changed after it was written."
+        )
         self.expected = expected
         self.actual = actual
 
@@ -235,7 +237,13 @@ class StoredLevel:
         return raw
 
 
-def open_levels(root: Any, store: Store, multiscale: dict[str, Any], complete: bool, sidecars: dict[int, dict[str, str] | None] | None = None) -> tuple[list[StoredLevel], list[str]]:
+def open_levels(
+    root: Any,
+    store: Store,
+    multiscale: dict[str, Any],
+    complete: bool,
+    sidecars: dict[int, dict[str, str] | None] | None = None,
+) -> tuple[list[StoredLevel], list[str]]:
     """Every level of ``multiscale`` opened with zarr-python (``root``: what zarr opens, the
     store's ``as_zarr_store()``), read from ``store``, and the problems of those that do not open."""
     levels, problems = [], []

@@ -79,8 +79,13 @@ def write_sidecars(store: Store, checksums: dict[int, dict[str, str]], level_pat
     """One sidecar per level (levels with no file written get an empty one), each stored whole
     and durable (fsynced before its rename in a directory) before the completion marker."""
     for level, array in sorted(level_paths.items()):
-        doc = {"format": SIDECAR_FORMAT, "algorithm": "crc32c", "level": level, "array": array,
-               "chunks": dict(sorted(checksums.get(level, {}).items()))}
+        doc = {
+            "format": SIDECAR_FORMAT,
+            "algorithm": "crc32c",
+            "level": level,
+            "array": array,
+            "chunks": dict(sorted(checksums.get(level, {}).items())),
+        }
         store.put(sidecar_key(level), json.dumps(doc, indent=0).encode(), sync=True)
 
 

@@ -27,6 +27,7 @@ from . import faults
 from ..buffers import slab_buffer
 from ..codecs import chunk_codec
 from ..stores import Store, open_store
+
 # EMPTY_UNIT_BYTES: the recorded size of a unit not stored because it is the fill value
 # everywhere. No stored unit has 0 bytes (an encoded chunk has a header; a shard has its index).
 from .manifest import EMPTY_UNIT_BYTES
@@ -113,14 +114,21 @@ def _padded(block: np.ndarray, shape: Shape, fill: Fill) -> np.ndarray:
     return out
 
 
-def encode_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk: OnChunk | None = None, unit: tuple[slice, ...] = ()) -> bytes:
+def encode_chunk(
+    layout: ArrayLayout, block: np.ndarray, on_chunk: OnChunk | None = None, unit: tuple[slice, ...] = ()
+) -> bytes:
     data = encode_stored_chunk(layout, block, on_chunk, unit, skip_empty=False)
     assert data is not None
     return data
 
 
-def encode_stored_chunk(layout: ArrayLayout, block: np.ndarray, on_chunk: OnChunk | None = None, unit: tuple[slice, ...] = (),
-                        skip_empty: bool = True) -> bytes | None:
+def encode_stored_chunk(
+    layout: ArrayLayout,
+    block: np.ndarray,
+    on_chunk: OnChunk | None = None,
+    unit: tuple[slice, ...] = (),
+    skip_empty: bool = True,
+) -> bytes | None:
     """The chunk's encoded bytes, or None for a chunk that is the fill value everywhere: it is
     not stored, as zarr does with ``write_empty_chunks=False``, and reads back as the fill value."""
     chunk = _padded(block, layout.chunks, layout.fill_value)
@@ -161,7 +169,9 @@ def is_fill_chunk(chunk: np.ndarray, fill: Fill) -> bool:
     return not int(flat.view(np.uint8).max(initial=0))
 
 
-def write_shard(f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start: Shape, on_chunk: OnChunk | None = None) -> int:
+def write_shard(
+    f: BinaryIO, layout: ArrayLayout, block: np.ndarray, shard_start: Shape, on_chunk: OnChunk | None = None
+) -> int:
     """Stream one shard into ``f``: inner chunks in C order, each written as soon as it is encoded,
     then the index (offset, nbytes per chunk, little-endian uint64) and its CRC32C: zarr's
     ``sharding_indexed`` codec with the index at the end.
@@ -212,8 +222,13 @@ def shard_index_bytes(layout: ArrayLayout) -> int:
     return 16 * math.prod(shard_grid(layout)) + 4
 
 
-def write_block(layout: ArrayLayout, block: np.ndarray, origin: Shape, on_chunk: OnChunk | None = None,
-                on_file: OnFile | None = None) -> list[tuple[str, int]]:
+def write_block(
+    layout: ArrayLayout,
+    block: np.ndarray,
+    origin: Shape,
+    on_chunk: OnChunk | None = None,
+    on_file: OnFile | None = None,
+) -> list[tuple[str, int]]:
     """Write every unit of ``block`` (placed at ``origin`` in the level). The block must cover whole
     units (or reach the array's edge): that is what makes each unit's writer unique.
 
@@ -260,7 +275,9 @@ class _NothingStored(Exception):
     """Every inner chunk of a shard is the fill value: the unit is dropped, nothing stored."""
 
 
-def _write_shard_unit(store: Store, key: str, layout: ArrayLayout, sub: np.ndarray, unit: tuple[slice, ...], on_chunk: OnChunk | None) -> int:
+def _write_shard_unit(
+    store: Store, key: str, layout: ArrayLayout, sub: np.ndarray, unit: tuple[slice, ...], on_chunk: OnChunk | None
+) -> int:
     try:
         with store.writer(key) as f:
             if not write_shard(f, layout, sub, tuple(u.start for u in unit), on_chunk):
@@ -381,7 +398,9 @@ def read_region(layout: ArrayLayout, region: tuple[slice, ...]) -> np.ndarray:
     return out
 
 
-def _read_shard_into(store: Store, layout: ArrayLayout, index: tuple[int, ...], out: np.ndarray, region: tuple[slice, ...]) -> None:
+def _read_shard_into(
+    store: Store, layout: ArrayLayout, index: tuple[int, ...], out: np.ndarray, region: tuple[slice, ...]
+) -> None:
     """Decode the inner chunks of one shard that ``region`` (level coordinates) touches straight
     into ``out``: its index from the shard's tail, then each chunk's byte range. A directory holds
     one encoded and one decoded chunk at a time, never the whole shard nor its decoded array

@@ -48,7 +48,9 @@ def _output_blocks(shape: tuple[int, ...], limit: int) -> Iterator[tuple[slice, 
         yield tuple(slice(i, min(i + b, n)) for i, b, n in zip(index, block, shape))
 
 
-def downsample(block: np.ndarray, downsampled: tuple[bool, ...], method: str, out: np.ndarray | None = None) -> np.ndarray:
+def downsample(
+    block: np.ndarray, downsampled: tuple[bool, ...], method: str, out: np.ndarray | None = None
+) -> np.ndarray:
     """The next level of ``block``, written into ``out`` when given (it must have the output shape)."""
     if not any(downsampled):
         return block
@@ -60,7 +62,9 @@ def downsample(block: np.ndarray, downsampled: tuple[bool, ...], method: str, ou
     if method not in ("mean", "max"):
         raise ValueError(f"unknown downsampling method {method!r}")
     for dst in _output_blocks(out.shape, STRIP_ELEMENTS):
-        src = tuple(slice(2 * r.start, min(2 * r.stop, n)) if d else r for r, d, n in zip(dst, downsampled, block.shape))
+        src = tuple(
+            slice(2 * r.start, min(2 * r.stop, n)) if d else r for r, d, n in zip(dst, downsampled, block.shape)
+        )
         out[dst] = _reduce(block[src], downsampled, method)  # the one cast back to the dtype
     return out
 
@@ -135,7 +139,9 @@ def _reduce(block: np.ndarray, downsampled: tuple[bool, ...], method: str) -> np
     return _integer_mean(block, downsampled, output_shape(block.shape, downsampled), log2)
 
 
-def _integer_mean(block: np.ndarray, downsampled: tuple[bool, ...], shape: tuple[int, ...], log2: np.ndarray) -> np.ndarray:
+def _integer_mean(
+    block: np.ndarray, downsampled: tuple[bool, ...], shape: tuple[int, ...], log2: np.ndarray
+) -> np.ndarray:
     dtype = block.dtype
     data = block.view(np.uint8) if dtype.kind == "b" else block
     if data.dtype.itemsize < 8:
@@ -150,7 +156,9 @@ def _integer_mean(block: np.ndarray, downsampled: tuple[bool, ...], shape: tuple
     return result.astype(np.uint8).view(np.bool_) if dtype.kind == "b" else result.astype(dtype)
 
 
-def _wide_integer_sum(data: np.ndarray, downsampled: tuple[bool, ...], shape: tuple[int, ...], log2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _wide_integer_sum(
+    data: np.ndarray, downsampled: tuple[bool, ...], shape: tuple[int, ...], log2: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Floor and remainder of the sum divided by 2**log2 for 64-bit integers, without overflow:
     each value is split as hi * 2**32 + lo and the halves are summed separately."""
     signed = data.dtype.kind == "i"

@@ -58,7 +58,7 @@ class RunTotals:
 def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: int) -> Iterator[SlabTask]:
     p = plan.passes[pass_index]
     # The steps this pass builds: from the level it reads (0 for the HDF5 source) to its last.
-    steps = level_steps(plan.levels)[max(p.source_level, 0):p.levels[-1]]
+    steps = level_steps(plan.levels)[max(p.source_level, 0) : p.levels[-1]]
     # The first pass reads the HDF5 source; later ones read a level an earlier pass wrote.
     source: SlabSource | ArrayLayout
     if p.source_level == -1:
@@ -71,8 +71,18 @@ def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: in
     channel_axis = plan.axes.index("c") if "c" in plan.axes else None
     stats_dir = histogram_dir(output) if p.source_level == -1 else None
     for index in grid_indices(p.grid):
-        yield SlabTask(pass_index, index, region(src_shape, p.slab, index), source, levels, steps, spec.pyramid.method, channel_axis, stats_dir,
-                       plan.upload_depth)
+        yield SlabTask(
+            pass_index,
+            index,
+            region(src_shape, p.slab, index),
+            source,
+            levels,
+            steps,
+            spec.pyramid.method,
+            channel_axis,
+            stats_dir,
+            plan.upload_depth,
+        )
 
 
 def histogram_dir(output: Output) -> str:
@@ -92,7 +102,9 @@ def pending_tasks(tasks: Iterable[SlabTask], verified: dict[int, set[str]]) -> t
     return todo, skipped
 
 
-def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast, guard: Guard | None = None) -> RunTotals:
+def run_conversion(
+    client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast, guard: Guard | None = None
+) -> RunTotals:
     """Run every pass, then finish the output. Raises the first task error (after cancelling the rest).
 
     ``guard`` (engine.write.lock's): once the output's lock is lost the slabs are cancelled and its
@@ -105,7 +117,14 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
     total = plan.n_tasks
     skipped = sum(s for _, s in passes)
     totals.slabs_skipped = skipped
-    events.emit(phase=Phase.WRITING, slabs_total=total, slabs_done=skipped, slabs_skipped=skipped, passes=len(plan.passes), started=time.time())
+    events.emit(
+        phase=Phase.WRITING,
+        slabs_total=total,
+        slabs_done=skipped,
+        slabs_skipped=skipped,
+        passes=len(plan.passes),
+        started=time.time(),
+    )
     if skipped:
         log.info("Resume: %d of %d slab(s) are recorded and intact; %d to write.", skipped, total, total - skipped)
     driver_retries = store_retries.mine()  # the manifest's PUTs are this thread's
@@ -122,8 +141,15 @@ def run_conversion(client: Client, plan: Plan, spec: ConversionSpec, output: Out
     return totals
 
 
-def _run_passes(client: Client, plan: Plan, output: Output, events: Broadcast, passes: list[tuple[list[SlabTask], int]], totals: RunTotals,
-                 guard: Guard | None) -> None:
+def _run_passes(
+    client: Client,
+    plan: Plan,
+    output: Output,
+    events: Broadcast,
+    passes: list[tuple[list[SlabTask], int]],
+    totals: RunTotals,
+    guard: Guard | None,
+) -> None:
     token = uuid.uuid4().hex[:8]
     for pass_index, (todo, _) in enumerate(passes):
         events.emit(pass_index=pass_index)
@@ -133,8 +159,12 @@ def _run_passes(client: Client, plan: Plan, output: Output, events: Broadcast, p
             output.manifest.append([result.record])
             _accumulate(totals, result)
             p = events.progress
-            events.emit(slabs_done=p.slabs_done + 1, bytes_read=p.bytes_read + result.bytes_read, bytes_written=p.bytes_written + result.bytes_written,
-                        store_retries=p.store_retries + result.store_retries)
+            events.emit(
+                slabs_done=p.slabs_done + 1,
+                bytes_read=p.bytes_read + result.bytes_read,
+                bytes_written=p.bytes_written + result.bytes_written,
+                store_retries=p.store_retries + result.store_retries,
+            )
 
 
 def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict[str, Any] | None = None) -> None:
@@ -160,7 +190,12 @@ def _histograms(output: Output) -> Iterator[io.BytesIO]:
             try:
                 yield io.BytesIO(store.get(key))
             except KeyError:  # a manifest written before histograms existed: the window covers the rest
-                log.warning("No histogram for slab %s (%s/%s); the window is taken from the other slabs.", record.slab, store.root, key)
+                log.warning(
+                    "No histogram for slab %s (%s/%s); the window is taken from the other slabs.",
+                    record.slab,
+                    store.root,
+                    key,
+                )
 
 
 def _accumulate(totals: RunTotals, result: SlabResult) -> None:
@@ -216,7 +251,9 @@ class _NoWorkersWatchdog:
         return WorkersLostError(f"No Dask worker for {self.timeout:.0f} s: every worker died and none came back.")
 
 
-def _stream(client: Client, tasks: list[SlabTask], inflight: int, token: str, guard: Guard | None = None) -> Iterator[SlabResult]:
+def _stream(
+    client: Client, tasks: list[SlabTask], inflight: int, token: str, guard: Guard | None = None
+) -> Iterator[SlabResult]:
     """Yield results as tasks finish, keeping at most ``inflight`` submitted at any time.
 
     Submitting everything at once would let the scheduler hold thousands of tasks and decide the

@@ -88,7 +88,9 @@ def output_lock(path: str, storage_options: Mapping[str, Any] | None = None) -> 
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"output.path: cannot create {path!r}: {exc.strerror or exc}. Choose a writable location.") from None
+        raise OutputError(
+            f"output.path: cannot create {path!r}: {exc.strerror or exc}. Choose a writable location."
+        ) from None
     fd = _acquire(os.path.join(path, LOCK_NAME), path)
     try:
         yield Held()
@@ -113,7 +115,10 @@ def inspection_lock(path: str, storage_options: Mapping[str, Any] | None = None)
 def _object_lease(store: Store, path: str, options: Mapping[str, Any] | None) -> Iterator[Any]:
     settings = lease_settings(options)
     if not settings.enabled:
-        log.warning("%s: storage option lock=false: no one-writer lease is taken; nothing stops a second run from writing this prefix.", path)
+        log.warning(
+            "%s: storage option lock=false: no one-writer lease is taken; nothing stops a second run from writing this prefix.",
+            path,
+        )
         yield Held()
         return
     if not store.supports_conditional_writes:
@@ -137,12 +142,16 @@ def _acquire(lock_file: str, output: str) -> int:
             raise OutputBusyError(_busy_message(output, holder)) from None
         except OSError as exc:
             os.close(fd)
-            raise OutputError(f"output.path: cannot lock {lock_file!r}: {exc.strerror or exc}. The filesystem must support flock.") from None
+            raise OutputError(
+                f"output.path: cannot lock {lock_file!r}: {exc.strerror or exc}. The filesystem must support flock."
+            ) from None
         if _same_file(fd, lock_file):
             _describe_self(fd)
             return fd
         os.close(fd)  # the previous holder unlinked it as we locked it: lock the new file instead
-    raise OutputBusyError(f"output.path: {output!r}: its lock file kept changing over {_ATTEMPTS} attempts; other runs keep starting and finishing there. Retry.")
+    raise OutputBusyError(
+        f"output.path: {output!r}: its lock file kept changing over {_ATTEMPTS} attempts; other runs keep starting and finishing there. Retry."
+    )
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -155,7 +164,12 @@ def _same_file(fd: int, path: str) -> bool:
 
 
 def _describe_self(fd: int) -> None:
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": " ".join(sys.argv)[:500]}
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "command": " ".join(sys.argv)[:500],
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
 
@@ -171,7 +185,9 @@ def _holder(fd: int) -> dict[str, Any]:
 def _busy_message(output: str, holder: dict[str, Any]) -> str:
     if holder.get("pid"):
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("started", 0)))
-        who = f"pid {holder['pid']} on host {holder.get('host', '?')}, started {started}: {holder.get('command', '?')!r}"
+        who = (
+            f"pid {holder['pid']} on host {holder.get('host', '?')}, started {started}: {holder.get('command', '?')!r}"
+        )
         stop = f"stop it (kill {holder['pid']} on {holder.get('host', '?')})"
     else:
         who, stop = "a run that is just starting", "stop it"

@@ -106,20 +106,38 @@ class Manifest:
                 entry = json.loads(raw)
             except ValueError:
                 if number >= len(lines) - 2:
-                    log.warning("Ignoring a torn last line in %s/%s (the previous run was interrupted while recording).", self.root, MANIFEST_KEY)
+                    log.warning(
+                        "Ignoring a torn last line in %s/%s (the previous run was interrupted while recording).",
+                        self.root,
+                        MANIFEST_KEY,
+                    )
                     break
                 raise
             self._entry(entry)
+
     def _entry(self, entry: dict[str, Any]) -> None:
         if entry.get("kind") == "header":
             self.header = entry
         elif entry.get("kind") == "slab":
-            self._add(SlabRecord(entry["pass"], tuple(entry["slab"]), [tuple(u) for u in entry["units"]], [tuple(s) for s in entry.get("stats", [])],
-                                 [tuple(c) for c in entry.get("crc", [])]))
+            self._add(
+                SlabRecord(
+                    entry["pass"],
+                    tuple(entry["slab"]),
+                    [tuple(u) for u in entry["units"]],
+                    [tuple(s) for s in entry.get("stats", [])],
+                    [tuple(c) for c in entry.get("crc", [])],
+                )
+            )
 
     @staticmethod
     def _line(r: SlabRecord) -> str:
-        line: dict[str, Any] = {"kind": "slab", "pass": r.pass_index, "slab": list(r.slab), "units": [list(u) for u in r.units], "stats": [list(s) for s in r.stats]}
+        line: dict[str, Any] = {
+            "kind": "slab",
+            "pass": r.pass_index,
+            "slab": list(r.slab),
+            "units": [list(u) for u in r.units],
+            "stats": [list(s) for s in r.stats],
+        }
         if r.checksums:
             line["crc"] = [list(c) for c in r.checksums]
         return json.dumps(line)
@@ -148,8 +166,11 @@ class Manifest:
             if level not in level_paths:
                 continue
             sizes = self.store.list(f"{level}/")
-            good[level] = {key for key, nbytes in entries.items()
-                           if sizes.get(f"{level}/{key}", EMPTY_UNIT_BYTES if nbytes == EMPTY_UNIT_BYTES else None) == nbytes}
+            good[level] = {
+                key
+                for key, nbytes in entries.items()
+                if sizes.get(f"{level}/{key}", EMPTY_UNIT_BYTES if nbytes == EMPTY_UNIT_BYTES else None) == nbytes
+            }
         return good
 
     def empty_units(self) -> dict[int, int]:
@@ -171,7 +192,13 @@ class Manifest:
     # -- writing ---------------------------------------------------------------------------
     def start(self, content: dict[str, Any]) -> None:
         """Begin a fresh manifest: the header, stored whole and durable (the output's claim)."""
-        self.header = {"kind": "header", "format": FORMAT_VERSION, "fingerprint": fingerprint(content), "content": content, "created": time.time()}
+        self.header = {
+            "kind": "header",
+            "format": FORMAT_VERSION,
+            "fingerprint": fingerprint(content),
+            "content": content,
+            "created": time.time(),
+        }
         self.records, self.units, self.checksums, self._seq = [], {}, {}, 0
         line = json.dumps(self.header) + "\n"
         if self.store.supports_append:

@@ -37,7 +37,7 @@ def datasets_metadata(plan: Plan) -> list[dict[str, Any]]:
 def description(plan: Plan, spec: ConversionSpec) -> str:
     """'2x mean downsampling along zyx', or per level where the steps differ (anisotropy rule):
     '2x mean downsampling along yx, yx, zyx' (level 1, 2, 3)."""
-    steps = [''.join(a for a, d in zip(plan.axes, step) if d) or 'no axis' for step in level_steps(plan.levels)]
+    steps = ["".join(a for a, d in zip(plan.axes, step) if d) or "no axis" for step in level_steps(plan.levels)]
     if len(set(steps)) > 1:
         return f"2x {spec.pyramid.method} downsampling along {', '.join(steps)} (levels 1 to {len(steps)})"
     return f"2x {spec.pyramid.method} downsampling along {steps[0] if steps else 'no axis'}"
@@ -70,15 +70,17 @@ def omero(plan: Plan, windows: list[tuple[float, ...]]) -> dict[str, Any]:
         low, high, start, end = window if len(window) == 4 else (*window, *window)
         low, high = _json_number(low, kind), _json_number(high, kind)
         start, end = _json_number(start, kind, math.floor), _json_number(end, kind, math.ceil)
-        channels.append({
-            "label": names[i] if names and names[i] else f"Channel {i}",
-            "color": colors[i] if colors else _COLORS[i % len(_COLORS)] if len(windows) > 1 else "FFFFFF",
-            "active": True,
-            "coefficient": 1.0,
-            "family": "linear",
-            "inverted": False,
-            "window": {"min": low, "max": high, "start": start, "end": end},
-        })
+        channels.append(
+            {
+                "label": names[i] if names and names[i] else f"Channel {i}",
+                "color": colors[i] if colors else _COLORS[i % len(_COLORS)] if len(windows) > 1 else "FFFFFF",
+                "active": True,
+                "coefficient": 1.0,
+                "family": "linear",
+                "inverted": False,
+                "window": {"min": low, "max": high, "start": start, "end": end},
+            }
+        )
     z = plan.axes.find("z")
     rdefs: dict[str, Any] = {"model": "color" if len(windows) > 1 else "greyscale", "defaultT": 0}
     if z >= 0:
@@ -93,7 +95,9 @@ def _json_number(value: float, kind: str, to_int: Callable[[float], float] = int
     return int(to_int(value)) if kind in "iub" else float(value)
 
 
-def root_attributes(plan: Plan, spec: ConversionSpec, windows: list[tuple[float, ...]], zarr_format: int) -> dict[str, Any]:
+def root_attributes(
+    plan: Plan, spec: ConversionSpec, windows: list[tuple[float, ...]], zarr_format: int
+) -> dict[str, Any]:
     ms = multiscale(plan, spec)
     om = omero(plan, windows)
     # The whole source spec (stack axes, BDV tile...): verify --source rebuilds the same composite.

@@ -189,10 +189,19 @@ def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> No
         if not store.occupied(ignore=(LOCK_NAME,)):  # a 403 or a missing bucket fails here, before the cluster
             store.check_creatable()
             return
-        _refuse_existing(store, spec.output.path, spec, content_of(plan, spec, source), Manifest.load(store), object_marker(store))
+        _refuse_existing(
+            store, spec.output.path, spec, content_of(plan, spec, source), Manifest.load(store), object_marker(store)
+        )
 
 
-def _refuse_existing(store: Store, path: str, spec: ConversionSpec, content: dict[str, Any], existing: Manifest | None, finished: dict[str, Any] | None) -> None:
+def _refuse_existing(
+    store: Store,
+    path: str,
+    spec: ConversionSpec,
+    content: dict[str, Any],
+    existing: Manifest | None,
+    finished: dict[str, Any] | None,
+) -> None:
     """Raise OutputConflictError unless the occupied output may be resumed or (--overwrite) replaced."""
     ours = existing is not None or finished is not None
     if not ours and not store.overwrites_foreign_zarr:
@@ -225,7 +234,10 @@ def remove_ours(store: Store) -> int:
     """Delete the output but the lock, its claims last (the root documents, then the manifest's
     header): a run killed while deleting leaves an output that is still recognisably ours."""
     log.info("Removing the existing output %s (--overwrite).", store.root)
-    header = (MANIFEST_KEY, *sorted(store.list(MANIFEST_PREFIX))[:1])  # the appended form's object, or the batch form's first
+    header = (
+        MANIFEST_KEY,
+        *sorted(store.list(MANIFEST_PREFIX))[:1],
+    )  # the appended form's object, or the batch form's first
     claims = (*_ROOT_DOCUMENTS, *header)
     removed = store.delete_prefix("", keep=(LOCK_NAME, *claims))
     for key in claims:
@@ -236,7 +248,11 @@ def remove_ours(store: Store) -> int:
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return [f"{key}: was {old.get(key)!r}, now {new.get(key)!r}" for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+    return [
+        f"{key}: was {old.get(key)!r}, now {new.get(key)!r}"
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key)
+    ]
 
 
 def _store_metadata(store: Store, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:
@@ -292,7 +308,9 @@ def finish_output(output: Output, plan: Plan, spec: ConversionSpec, windows: lis
     # only the driver runs here, after every task, under the output's lock, so nothing is writing.
     sweep_temporary_files(store)
     if output.zarr_format == 2 and spec.output.checksums:  # before the marker: a finished output has them
-        write_sidecars(store, output.manifest.checksums, {lay.level: os.path.basename(lay.path) for lay in output.layouts})
+        write_sidecars(
+            store, output.manifest.checksums, {lay.level: os.path.basename(lay.path) for lay in output.layouts}
+        )
     attrs = root_attributes(plan, spec, windows, output.zarr_format)
     attrs["h5ngff"].update({"complete": True, "fingerprint": output.fingerprint, "content": output.manifest.content})
     # Units left out as the fill value everywhere, per level: verify tells them from missing ones.

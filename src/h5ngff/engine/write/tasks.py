@@ -165,7 +165,12 @@ def _run_slab(task: SlabTask, retries_before: int) -> SlabResult:
             seconds["write"] += time.perf_counter() - t
         del block, injected
         if histogram is not None and task.stats_dir is not None:
-            write_histogram(task.levels[0].store(), histogram_key(task.stats_dir, task.pass_index, task.slab), histogram.mode, histogram.sparse())
+            write_histogram(
+                task.levels[0].store(),
+                histogram_key(task.stats_dir, task.pass_index, task.slab),
+                histogram.mode,
+                histogram.sparse(),
+            )
         t = time.perf_counter()
     seconds["write"] += time.perf_counter() - t  # the wait for the last PUTs
     keep_levels(len(task.levels) if first_factor == 2 else len(task.levels) - 1)

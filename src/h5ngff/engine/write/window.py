@@ -154,11 +154,15 @@ def merged_counts(paths: Iterable[Any], channels: int) -> tuple[str | None, list
             mode = str(f["mode"])
             for channel in range(channels):
                 if f"keys{channel}" in f:
-                    dense[channel][f[f"keys{channel}"].astype(np.intp)] += f[f"counts{channel}"]  # keys are unique per file
+                    dense[channel][f[f"keys{channel}"].astype(np.intp)] += f[
+                        f"counts{channel}"
+                    ]  # keys are unique per file
     return mode, dense
 
 
-def windows(ranges: list[tuple[float, float]], paths: Iterable[Any], q: float = QUANTILE) -> list[tuple[float, float, float, float]]:
+def windows(
+    ranges: list[tuple[float, float]], paths: Iterable[Any], q: float = QUANTILE
+) -> list[tuple[float, float, float, float]]:
     """(min, max, start, end) per channel: the exact range and the quantile window inside it."""
     mode, dense = merged_counts(paths, len(ranges))
     out = []
