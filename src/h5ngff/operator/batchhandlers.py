@@ -15,7 +15,6 @@ environment names the kind and the items of the attempt (``H5NGFF_KIND``, ``H5NG
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from datetime import timedelta
@@ -23,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import kopf
 
-from ..errors import SpecError
 from ..k8s import label_value
 from .batchreconcile import BatchDecision, BatchObserved, DesiredItem, LeaseAnswer, reconcile_batch
 from .batchspec import (
@@ -37,6 +35,7 @@ from .batchspec import (
     parse_batch_spec,
 )
 from .diagnose import JobSummary, job_summary, live_pods
+from .handling import count_error, not_deleted, parse_once
 from .kube import Conflict, Kube, KubeError, Transient, namespaced
 from .lease import LeaseScope, acquire, holder_identity, lease_body, lease_name, output_key, release
 from .manifests import (
@@ -102,7 +101,7 @@ def register_batch_handlers(registry: kopf.OperatorRegistry, cfg: BatchConfig) -
         VERSION,
         BATCH_PLURAL,
         interval=cfg.interval,
-        when=_not_deleted,
+        when=not_deleted,
         backoff=cfg.retry_delay,
         id="reconcile_batch",
         registry=registry,
@@ -112,10 +111,10 @@ def register_batch_handlers(registry: kopf.OperatorRegistry, cfg: BatchConfig) -
         try:
             await reconcile_one(cfg, body, memo, index)
         except (Transient, Conflict) as exc:
-            _count_error(cfg, "conflict" if isinstance(exc, Conflict) else "transient")
+            count_error(cfg.metrics, "conflict" if isinstance(exc, Conflict) else "transient")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay) from None
         except KubeError as exc:
-            _count_error(cfg, f"http{exc.status or ''}")
+            count_error(cfg.metrics, f"http{exc.status or ''}")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay * 6) from None
 
     @kopf.on.delete(
@@ -147,29 +146,6 @@ def register_batch_handlers(registry: kopf.OperatorRegistry, cfg: BatchConfig) -
         logger.info("removed the children of ConversionBatch %s/%s (outputs are left alone)", namespace, name)
 
 
-def _not_deleted(meta: kopf.Meta, **_: Any) -> bool:
-    return not meta.get("deletionTimestamp")
-
-
-def _count_error(cfg: BatchConfig, kind: str) -> None:
-    if cfg.metrics is not None:
-        cfg.metrics.reconcile_error(kind)
-
-
-def _parse(memo: BatchMemo, body: kopf.Body) -> Parsed:
-    meta, data = body["metadata"], dict(body.get("spec") or {})
-    key = json.dumps(data, sort_keys=True, default=str)
-    cached = memo.batch_parsed.get(meta["uid"])
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    try:
-        result: Parsed = (parse_batch_spec(data), None)
-    except SpecError as exc:
-        result = (None, str(exc))
-    memo.batch_parsed[meta["uid"]] = (key, result)
-    return result
-
-
 def _stale(memo: BatchMemo, uid: str, status: dict[str, Any]) -> bool:
     """True while the object does not yet show the attempt our last pass announced."""
     expected = memo.batch_expected.get(uid)
@@ -188,9 +164,9 @@ async def reconcile_one(
     owner = Owner(meta["namespace"], meta["name"], meta["uid"], kind=BATCH_KIND)
     if _stale(memo, owner.uid, status):
         return
-    spec, error = _parse(memo, body)
+    spec, error = parse_once(memo.batch_parsed, body, parse_batch_spec)
     if error is not None:
-        _count_error(cfg, "invalid_spec")
+        count_error(cfg.metrics, "invalid_spec")
     planned = {p.id: p for p in spec.planned_items()} if spec is not None else {}
     desired = (
         tuple(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -28,8 +27,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import kopf
 
 from ..k8s import LABEL_COMPONENT, label_value
-from ..errors import SpecError
 from ..jobspec import ConversionJobSpec, parse_job_spec
+from .handling import count_error, not_deleted, parse_once
 from .kube import Conflict, Kube, KubeConfig, KubeError, Transient, namespaced
 from .lease import LeaseScope, acquire, holder_identity, lease_body, lease_name, output_key, release
 from .manifests import (
@@ -203,7 +202,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
             cfg.metrics.forget(ns, name) if type == "DELETED" else cfg.metrics.observe(ns, name, status.get("phase"))
 
     @kopf.timer(
-        **CJ, interval=cfg.interval, when=_not_deleted, backoff=cfg.retry_delay, id="reconcile", registry=registry
+        **CJ, interval=cfg.interval, when=not_deleted, backoff=cfg.retry_delay, id="reconcile", registry=registry
     )
     async def reconcile_job(body: kopf.Body, memo: OperatorMemo, **kwargs: Any) -> None:
         # kopf passes every index under its id; a parameter of that name would not fit kopf's types.
@@ -211,10 +210,10 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         try:
             await _reconcile(cfg, body, memo, index)
         except (Transient, Conflict) as exc:  # a write race or a hiccup: the next pass sees fresh state
-            _count_error(cfg, "conflict" if isinstance(exc, Conflict) else "transient")
+            count_error(cfg.metrics, "conflict" if isinstance(exc, Conflict) else "transient")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay) from None
         except KubeError as exc:
-            _count_error(cfg, f"http{exc.status or ''}")
+            count_error(cfg.metrics, f"http{exc.status or ''}")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay * 6) from None
 
     @kopf.on.delete(**CJ, backoff=cfg.retry_delay, id="delete_children", registry=registry)
@@ -234,7 +233,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
                 memo.kube, Owner(namespace, name, uid), status.get("outputLease"), cfg.lease_namespace
             )
         except Transient as exc:
-            _count_error(cfg, "transient")
+            count_error(cfg.metrics, "transient")
             raise kopf.TemporaryError(str(exc), delay=cfg.retry_delay) from None
         if left and runtime.total_seconds() < cfg.delete_wait:
             # The finalizer holds the ConversionJob until its pods have exited, so a job that is
@@ -259,32 +258,6 @@ def _namespace(namespace: str | None) -> str:
     if namespace is None:
         raise kopf.PermanentError("Expected a namespaced object. Got one without a namespace instead.")
     return namespace
-
-
-def _not_deleted(meta: kopf.Meta, **_: Any) -> bool:
-    # Every ConversionJob gets passes, finished ones too: a pass on a finished, unchanged job
-    # costs no API call, and it is where a spec edit is noticed (docs/operator.md, Lifecycle).
-    return not meta.get("deletionTimestamp")
-
-
-def _count_error(cfg: OperatorConfig, kind: str) -> None:
-    if cfg.metrics is not None:
-        cfg.metrics.reconcile_error(kind)
-
-
-def _parse(memo: OperatorMemo, body: kopf.Body) -> Parsed:
-    """The spec, validated once per generation: passes over finished jobs repeat every interval."""
-    meta, data = body["metadata"], dict(body.get("spec") or {})
-    key = json.dumps(data, sort_keys=True, default=str)
-    cached = memo.parsed.get(meta["uid"])
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    try:
-        result: Parsed = (parse_job_spec(data), None)
-    except SpecError as exc:
-        result = (None, str(exc))
-    memo.parsed[meta["uid"]] = (key, result)
-    return result
 
 
 def observe_job(
@@ -321,9 +294,9 @@ async def _reconcile(cfg: OperatorConfig, body: kopf.Body, memo: OperatorMemo, i
     owner = Owner(meta["namespace"], meta["name"], meta["uid"])
     if _stale(memo, owner.uid, status):
         return
-    spec, error = _parse(memo, body)
+    spec, error = parse_once(memo.parsed, body, parse_job_spec)
     if error is not None:
-        _count_error(cfg, "invalid_spec")
+        count_error(cfg.metrics, "invalid_spec")
     observed = observe_job(owner, body, spec, error, index)
     if spec is not None:
         denial = "; ".join(policy_violations(spec, cfg.policy, cfg.image, cfg.runner_service_account)) or None
