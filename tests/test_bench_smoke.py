@@ -399,7 +399,11 @@ def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path
         "main_returned",
         "exited",
     ]
-    assert [s[k] for k in order] == sorted(s[k] for k in order)
+    # In order, to 50 ms: the task stamps are the workers' compute times, which Dask corrects by
+    # its estimate of each worker's delay to the scheduler (off by a few ms on a loaded machine;
+    # a CI run once saw the last task end 5 ms after the client's next stamp).
+    stamps = [s[k] for k in order]
+    assert all(b >= a - 0.05 for a, b in zip(stamps, stamps[1:])), list(zip(order, stamps))
     assert run["head"]["wall"] > 0 and run["tail"]["wall"] > 0 and 0 < run["head"]["cpu"] < exact["tree"]
     assert len(run["task_seconds"]) == run["plan"]["n_tasks"] == run["summary"]["slabs_written"]
     assert [r["workers"] for r in run["tail_rows"]] == [1, 2, 64]
