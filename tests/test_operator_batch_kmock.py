@@ -139,7 +139,10 @@ def _item(path: str, output: str | None = None) -> dict:
 
 
 async def _report(reporter: StatusReporter, patch: dict) -> None:
-    await asyncio.to_thread(reporter, patch, True)
+    try:
+        await asyncio.to_thread(reporter, patch, True)
+    finally:
+        await asyncio.to_thread(reporter.close)
 
 
 @pytest.mark.slow

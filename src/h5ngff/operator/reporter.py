@@ -26,6 +26,10 @@ RETRY_DELAYS = (0.5, 1, 2, 4, 8)
 RUNNER_AGENT = "h5ngff-runner"
 
 
+#: Seconds an idle reporter's wait lasts before it looks again (see ``_take``).
+TAKE_WAIT = 1.0
+
+
 class StatusReporter:
     """``reporter(patch, final)`` queues a status patch for one ConversionJob (or, with ``plural``
     conversionbatches, one ConversionBatch)."""
@@ -62,9 +66,13 @@ class StatusReporter:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _take(self) -> tuple[dict[str, Any] | None, bool]:
+    def _take(self) -> tuple[dict[str, Any] | None, bool] | None:
+        """The next patch, (None, _) once closed, or None after a second of nothing: the wait
+        runs in an executor thread, which the interpreter joins at exit, so it must end even for
+        a reporter nobody closed."""
         with self._cond:
-            self._cond.wait_for(lambda: self._pending is not None or self._closed)
+            if not self._cond.wait_for(lambda: self._pending is not None or self._closed, TAKE_WAIT):
+                return None
             return self._pending, self._final
 
     def _main(self) -> None:
@@ -74,7 +82,10 @@ class StatusReporter:
         kube = await Kube.connect(self.cfg, agent=RUNNER_AGENT)
         try:
             while True:
-                patch, final = await asyncio.to_thread(self._take)
+                taken = await asyncio.to_thread(self._take)
+                if taken is None:
+                    continue
+                patch, final = taken
                 if patch is None:
                     return
                 await self._deliver(kube, patch, final)
