@@ -18,6 +18,7 @@ import pytest
 import zarr
 
 from conftest import smooth, write_h5
+from h5ngff.backends.diagnostics import reset_peak_rss
 from h5ngff.backends.local import LocalBackend
 from h5ngff.batch import run as batch_run
 from h5ngff.batch.items import batch_items
@@ -137,10 +138,11 @@ def test_a_kill_mid_batch_then_a_rerun_resumes_byte_identical(runs, tmp_path):
         argv, cwd=runs, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
     try:
-        # Killed once the second item has begun writing: the first is complete, the second partial.
+        # Killed once the third item has begun writing: it starts only when one of the first two
+        # (two items in flight) has ended, so one is complete, the third partial.
         deadline = time.monotonic() + 120
         while (
-            not list((runs / "out" / "cell_1.ome.zarr").rglob("c/*"))
+            not list((runs / "out" / "cell_2.ome.zarr").rglob("c/*"))
             and time.monotonic() < deadline
             and proc.poll() is None
         ):
@@ -163,8 +165,9 @@ def test_a_kill_mid_batch_then_a_rerun_resumes_byte_identical(runs, tmp_path):
     )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     results = json.loads(rerun.stdout)["results"]
-    assert [r["status"] for r in results] == [COMPLETE, DONE, DONE, DONE]
-    assert [r["resumed"] for r in results] == [True, True, False, False]  # the second item went on from its manifest
+    assert {r["status"] for r in results} <= {COMPLETE, DONE} and COMPLETE in {r["status"] for r in results[:2]}
+    assert (results[2]["status"], results[2]["resumed"]) == (DONE, True)  # it went on from its manifest
+    assert results[3]["status"] == DONE  # not finished at the kill (perhaps begun: two in flight)
     # The same batch, never interrupted, elsewhere: every file of every output has the same bytes.
     fresh = h5ngff(
         "convert",
@@ -220,18 +223,19 @@ def _specs(runs: Path, sizes: dict[str, tuple[int, ...]]):
 
 
 def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monkeypatch):
-    """Items 16x apart in size: the cluster is planned for the largest, started once, and each
-    item's busiest worker stays under its own (smaller) plan: the workers drop the last item's
-    buffers between items."""
+    """Items 16x apart in size, one at a time: the cluster is planned for the largest, started
+    once, and each item's busiest worker stays under its own (smaller) plan: the workers drop an
+    item's buffers when it ends."""
     items, spec_for = _specs(runs, {"a_big": (64, 512, 512), "b_small": (16, 128, 128), "c_small": (16, 128, 128)})
     backend = CountingBackend()
-    summary = run_batch(items, spec_for, backend)
+    summary = run_batch(items, spec_for, backend, items_in_flight=1)
     assert [r.status for r in summary.results] == [DONE, DONE, DONE]
     assert backend.starts == summary.cluster_starts == 1
     assert summary.sizing is summary.results[0]
     big, small = summary.results[0].job.plan, summary.results[1].job.plan
     assert small.memory.predicted_peak < big.memory.predicted_peak and small.workers == big.workers
     for r in summary.results:
+        assert r.beside == [] and r.peak_bound == r.predicted_peak
         assert 0 < r.peak_rss <= r.predicted_peak, (r.item.source, r.peak_rss, r.predicted_peak)
     # Negative control 1: the same items as separate conversions start one cluster each.
     separate = CountingBackend()
@@ -242,20 +246,44 @@ def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monk
         _remove(item.output)
         run_batch([item], spec_for, separate)
     assert separate.starts == 3
-    # Negative control 2: without the release between items, a small item run after the big one
-    # holds the big one's slab buffers and goes over its own plan.
+    # Negative control 2: without the release when an item ends, a small item run after the big
+    # one holds the big one's slab buffers and goes over its own plan.
     for item in items[1:]:
         _remove(item.output)
-    monkeypatch.setattr(batch_run, "release_between_conversions", lambda: None)
+    monkeypatch.setattr(batch_run, "_item_ended", lambda conversion: reset_peak_rss())
     leaky = run_batch(
         [BatchItem(items[0].source, items[0].path, str(runs / "again.ome.zarr")), *items[1:]],
         spec_for,
         CountingBackend(),
+        items_in_flight=1,
     )
     assert [r.status for r in leaky.results] == [DONE, DONE, DONE]
     assert any(r.peak_rss > r.predicted_peak for r in leaky.results[1:]), [
         (r.peak_rss, r.predicted_peak) for r in leaky.results
     ]
+
+
+def test_two_items_in_flight_share_the_workers_under_the_larger_plan(runs):
+    """Two items at once (the default): the small ones run beside the big one, each item's
+    busiest worker stays under the larger plan of what ran with it, and the big item's peak is
+    its own plan's. The outputs are the same bytes as one at a time."""
+    items, spec_for = _specs(runs, {"a_big": (64, 512, 512), "b_small": (16, 128, 128), "c_small": (16, 128, 128)})
+    backend = CountingBackend()
+    summary = run_batch(items, spec_for, backend)
+    assert summary.items_in_flight == 2 and backend.starts == summary.cluster_starts == 1
+    assert [r.status for r in summary.results] == [DONE, DONE, DONE]
+    big, b_small, _ = summary.results
+    assert b_small in big.beside and big in b_small.beside  # they did run at once
+    assert b_small.peak_bound == big.predicted_peak > b_small.predicted_peak
+    for r in summary.results:
+        assert 0 < r.peak_rss <= r.peak_bound, (r.item.source, r.peak_rss, r.peak_bound)
+    assert big.peak_rss <= big.predicted_peak
+    one_by_one = [BatchItem(i.source, i.path, str(runs / "serial" / Path(i.output).name)) for i in items]
+    run_batch(one_by_one, spec_for, CountingBackend(), items_in_flight=1)
+    for two, one in zip(items, one_by_one):
+        files = sorted(p.relative_to(one.output) for p in Path(one.output).rglob("*") if p.is_file())
+        assert files and files == sorted(p.relative_to(two.output) for p in Path(two.output).rglob("*") if p.is_file())
+        assert all((Path(one.output) / f).read_bytes() == (Path(two.output) / f).read_bytes() for f in files)
 
 
 def test_a_conversionbatch_manifest_runs_locally_with_the_operator_s_items(runs):

@@ -193,10 +193,14 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(shared_cluster, tmp_path, monkeypatch):
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(
+    shared_cluster, tmp_path, monkeypatch, in_flight
+):
     """Three good files and one that is not HDF5, on the shared cluster: after each item a scrape
     of the exporter's HTTP endpoint shows the items done so far, the refused one, and the batch's
-    workers' memory series from that item's run."""
+    workers' memory series from that item's run. Two items in flight: the item still running is
+    Running, and the worker series stay those of the cluster."""
     monkeypatch.setenv(JOB_NAME_ENV, "lab-run")
     monkeypatch.setenv(JOB_NAMESPACE_ENV, "imaging")
     day = tmp_path / "runs"
@@ -227,15 +231,22 @@ def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(share
             backend,
             hooks=hooks,
             metrics=exporter,
+            items_in_flight=in_flight,
         )
         exporter.batch.finished(summary)
         final = scrape(exporter.port)
     finally:
         exporter.close()
     assert [r.status for r in summary.results] == ["Done", "Done", "Done", "Refused"]
-    assert [item_states(s) for s in scrapes] == [
-        {"Done": k, "Pending": 3 - k, "Refused": 1} if k < 3 else {"Done": 3, "Refused": 1} for k in (1, 2, 3)
-    ]
+    if in_flight == 1:
+        assert [item_states(s) for s in scrapes] == [
+            {"Done": k, "Pending": 3 - k, "Refused": 1} if k < 3 else {"Done": 3, "Refused": 1} for k in (1, 2, 3)
+        ]
+    else:  # after the k-th item ends, the others are Running (at most one) or Pending
+        for k, states in enumerate(map(item_states, scrapes), 1):
+            assert states.get("Done") == k and states.get("Refused") == 1, states
+            assert states.get("Running", 0) <= 1 and sum(states.values()) == 4, states
+        assert any(item_states(s).get("Running") for s in scrapes)  # they did overlap
     workers = {str(name) for name in shared_cluster.workers}
     for values in scrapes:  # each item's run polled the batch's cluster
         rss = {
@@ -244,7 +255,8 @@ def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(share
             if k[0] == "h5ngff_worker_rss_bytes" and k[1][:2] == labels
         }
         assert set(rss) == workers and all(v > 0 for v in rss.values()), rss
-        assert values[("h5ngff_job_phase", labels + (("phase", "Succeeded"),))] == 1  # the item just ended
+        if in_flight == 1:
+            assert values[("h5ngff_job_phase", labels + (("phase", "Succeeded"),))] == 1  # the item just ended
     planned = sum(r.job.plan.n_tasks for r in summary.results if r.job)
     assert final[("h5ngff_batch_planned_slabs", labels)] == planned == final[("h5ngff_batch_slabs_done_total", labels)]
     assert item_states(final) == {"Done": 3, "Refused": 1}

@@ -23,7 +23,7 @@ from .cliargs import (
     spec_for_source,
     spec_overrides,
 )
-from .clibatch import add_batch_command, convert_batch, is_batch
+from .clibatch import add_batch_command, add_batch_flags, convert_batch, is_batch
 from .clijob import add_job_commands
 from .console import make_console, print_notices
 from .cliverify import add_verify_command
@@ -119,11 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Output directory, e.g. out.ome.zarr; for a batch a template: out/{stem}.ome.zarr ({stem}, {name}, {parent}).",
     )
     _common_run_flags(c, convert=True)
-    c.add_argument(
-        "--fail-fast",
-        action="store_true",
-        help="Batch: stop at the first item that fails or is refused (default: convert the others).",
-    )
+    add_batch_flags(c, "Batch: ")
     add_spec_flags(c)
     c.set_defaults(func=cmd_convert)
 

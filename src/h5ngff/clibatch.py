@@ -26,7 +26,18 @@ from rich.table import Table
 from rich.text import Text
 
 from .batch.items import GLOB_CHARS, BatchItem, batch_items, expand_sources, is_template, split_pattern
-from .batch.run import COMPLETE, DONE, FAILED, NOT_RUN, REFUSED, BatchHooks, BatchSummary, ItemResult, run_batch
+from .batch.run import (
+    COMPLETE,
+    DEFAULT_ITEMS_IN_FLIGHT,
+    DONE,
+    FAILED,
+    NOT_RUN,
+    REFUSED,
+    BatchHooks,
+    BatchSummary,
+    ItemResult,
+    run_batch,
+)
 from .cliargs import add_spec_flags, backend_from_args, constants_from_args, merge, spec_for_source, spec_overrides
 from .console import print_notices
 from .engine.progress import Listener, Progress as ProgressEvent
@@ -64,8 +75,36 @@ def add_batch_command(sub: Any, common_run_flags: Callable[[argparse.ArgumentPar
     )
     common_run_flags(b, True)
     add_spec_flags(b)  # over every item's spec, as over a manifest's in h5ngff plan and convert
-    b.add_argument("--fail-fast", action="store_true", help="Stop at the first item that fails or is refused.")
+    add_batch_flags(b)
     b.set_defaults(func=cmd_batch)
+
+
+def add_batch_flags(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The flags only a batch reads, on ``convert`` (where they say so) and ``batch``."""
+    parser.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help=f"{prefix}stop at the first item that fails or is refused (default: convert the others).",
+    )
+    parser.add_argument(
+        "--items-in-flight",
+        type=_positive_int,
+        default=DEFAULT_ITEMS_IN_FLIGHT,
+        metavar="N",
+        help=f"{prefix}items converted at once on the one cluster (default {DEFAULT_ITEMS_IN_FLIGHT}: the next item's "
+        "slabs fill the workers an item's last passes leave idle; 1 runs them one by one, each worker's peak "
+        "then its own item's; docs/batch.md).",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    return value
 
 
 def cmd_batch(args: argparse.Namespace, console: Console) -> int:
@@ -153,6 +192,7 @@ def _run(
                 backend,
                 constants=constants_from_args(args),
                 fail_fast=args.fail_fast,
+                items_in_flight=getattr(args, "items_in_flight", DEFAULT_ITEMS_IN_FLIGHT),
                 hooks=hooks,
                 metrics=metrics,
             )
@@ -208,12 +248,27 @@ def batch_renderable(summary: BatchSummary) -> Group:
         + f" of {len(summary.results)}",
     )
     head.add_row("time", f"{summary.seconds:.2f} s, {summary.cluster_starts} cluster start(s)")
-    table = Table(title="Items: each worker's peak against its own item's plan", title_justify="left", show_edge=False)
-    for column in ("item", "output", "outcome", "GB read", "seconds", "peak MiB", "plan MiB", "peak/plan"):
+    head.add_row("in flight", f"{summary.items_in_flight} item(s) at once")
+    table = Table(
+        title="Items: the busiest worker's peak against the item's plan, or the larger plan of an item that ran beside it",
+        title_justify="left",
+        show_edge=False,
+    )
+    for column in (
+        "item",
+        "output",
+        "outcome",
+        "GB read",
+        "seconds",
+        "peak MiB",
+        "plan MiB",
+        "beside MiB",
+        "peak/plan",
+    ):
         table.add_column(column, justify="left" if column in ("item", "output", "outcome") else "right")
     for r in summary.results:
         d = r.to_dict()
-        ratio = f"{r.peak_rss / r.predicted_peak:.2f}" if r.peak_rss and r.predicted_peak else ""
+        ratio = f"{r.peak_rss / r.peak_bound:.2f}" if r.peak_rss and r.peak_bound else ""
         table.add_row(
             r.item.source,
             r.item.output,
@@ -222,6 +277,7 @@ def batch_renderable(summary: BatchSummary) -> Group:
             f"{d['seconds']:.2f}",
             f"{r.peak_rss / MiB:.0f}" if r.peak_rss else "",
             f"{r.predicted_peak / MiB:.0f}" if r.job else "",
+            f"{r.peak_bound / MiB:.0f}" if r.peak_bound > r.predicted_peak else "",
             ratio,
         )
     problems = [
@@ -233,7 +289,7 @@ def batch_renderable(summary: BatchSummary) -> Group:
 
 
 class BatchProgress:
-    """An overall bar over the items, and one bar for the item running."""
+    """An overall bar over the items, and one bar for each item running."""
 
     def __init__(self, console: Console, items: int):
         self.bar = Progress(
@@ -247,7 +303,7 @@ class BatchProgress:
             console=console,
         )
         self.overall = self.bar.add_task("items", total=items, note="")
-        self.current: TaskID | None = None
+        self.running: dict[int, TaskID] = {}  # id(ItemResult) -> its bar
 
     def __enter__(self) -> "BatchProgress":
         self.bar.__enter__()
@@ -257,10 +313,9 @@ class BatchProgress:
         self.bar.__exit__(None, None, None)
 
     def item_listener(self, result: ItemResult) -> Listener:
-        self.current = self.bar.add_task(
+        task = self.running[id(result)] = self.bar.add_task(
             result.item.output, total=max(result.job.plan.n_tasks if result.job else 1, 1), note="slabs"
         )
-        task = self.current
 
         def listen(p: ProgressEvent) -> None:
             self.bar.update(task, completed=p.slabs_done, total=max(p.slabs_total, 1), note=f"slabs, {p.phase}")
@@ -274,9 +329,9 @@ class BatchProgress:
                 self.item_done(result)
 
     def item_done(self, result: ItemResult) -> None:
-        if self.current is not None:
-            self.bar.remove_task(self.current)
-            self.current = None
+        task = self.running.pop(id(result), None)
+        if task is not None:
+            self.bar.remove_task(task)
         self.bar.console.print(
             Text(f"{result.status:8} {result.item.source} -> {result.item.output}", style=OUTCOME_STYLE[result.status])
         )

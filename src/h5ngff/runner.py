@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from distributed.scheduler import KilledWorker
 
@@ -23,7 +23,7 @@ from .backends.shutdown import quiet_sync_cancel_race
 from .engine.write.driver import RunTotals, finish, run_conversion
 from .engine.write.lock import output_lock, refuse_if_held
 from .engine.write.output import check_output, prepare_output
-from .engine.progress import Broadcast, Listener
+from .engine.progress import Broadcast, Listener, Progress
 from .engine.sources.hdf5 import SourceIdentity
 from .engine.sources import open_source
 from .errors import H5ngffError, WorkersLostError
@@ -36,6 +36,17 @@ if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
     from .metrics.exporter import MetricsExporter
 
 log = logging.getLogger(__name__)
+
+
+class RunMetrics(Protocol):
+    """What one run asks of its metrics: ``metrics.exporter.MetricsExporter``, or a batch's view
+    of it for one of the items it runs at once (batch.run)."""
+
+    def __call__(self, progress: Progress) -> None: ...
+
+    def attached(self, poller: ClusterPoller, plan: Plan) -> AbstractContextManager[Any]: ...
+
+    def settle(self, workers: list[WorkerReport]) -> None: ...
 
 
 @dataclass
@@ -211,7 +222,7 @@ def run_job(
     job: PlannedJob,
     backend: Backend,
     listeners: Sequence[Listener] | None = None,
-    metrics: MetricsExporter | None = None,
+    metrics: RunMetrics | None = None,
     cluster: Callable[[], AbstractContextManager[Session]] | None = None,
 ) -> RunSummary:
     """Convert. Returns a summary; raises H5ngffError on failure (after emitting ``Failed``).
@@ -244,7 +255,7 @@ def _convert(
     backend: Backend,
     events: Broadcast,
     summary: RunSummary,
-    metrics: MetricsExporter | None,
+    metrics: RunMetrics | None,
     start: float,
     started: float,
     guard: Any,

@@ -156,6 +156,16 @@ def reset_peak_rss(dask_worker: Any = None) -> bool:
         return False
 
 
+def take_peak_rss(dask_worker: Any = None) -> dict[str, Any]:
+    """This worker's RSS high-water mark since the last reset, then a reset (``reset_peak_rss``):
+    a batch with several items in flight cuts the workers' time into segments at each item's
+    start and end, and each item's peak is the highest of the segments it ran in. A peak that
+    rose and fell between the read and the reset (a few microseconds) would be missed."""
+    figures = process_memory(dask_worker)
+    figures["reset"] = reset_peak_rss()
+    return figures
+
+
 @dataclass
 class WorkerReport:
     """Per-worker figures for the summary; cgroup fields are filled where pods are emulated."""

@@ -1,24 +1,34 @@
 """Run a batch: one plan per item, one cluster sized for the largest item's plan, started once,
-and the items streamed through it (docs/batch.md).
+and the items streamed through it, two at a time by default (docs/batch.md).
 
 Each item goes through the same steps as one conversion (``runner.prepare_job`` then
 ``runner.run_job``: its own output lock, resume and completion marker), on the batch's cluster
 instead of one of its own. An item that fails or is refused does not stop the others unless
 ``fail_fast`` is set.
+
+Why two items at once: an item's passes run one after the other, and its lower levels are often
+one slab each, so one item alone leaves most workers idle for much of its time; the next item's
+slabs fill them. Every item is planned for the same workers and threads, and a worker runs one
+slab per thread whatever item it belongs to, so a worker never holds more than the largest plan
+among the items in flight counts (``ItemResult.peak_bound``).
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..backends.base import Backend, Session
-from ..backends.diagnostics import reset_peak_rss
-from ..engine.progress import Listener
-from ..engine.write.tasks import release_between_conversions
+from ..backends.diagnostics import WorkerReport, reset_peak_rss, take_peak_rss
+from ..engine.progress import Listener, Progress
+from ..engine.write.tasks import end_of_conversion
 from ..errors import H5ngffError, PlanError
+from ..metrics.probes import ClusterPoller
 from ..phases import ITEMS_CONVERTED, ItemState
 from ..planner import DEFAULT_CONSTANTS, MemoryConstants, Plan
 from ..runner import PlannedJob, RunSummary, prepare_job, run_job
@@ -28,6 +38,12 @@ from .items import BatchItem
 
 if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
     from ..metrics.exporter import MetricsExporter
+
+log = logging.getLogger(__name__)
+
+#: Items converted at once on the batch's cluster unless the caller says otherwise: two keep the
+#: workers busy through one item's single-slab passes (docs/batch.md, "Two items in flight").
+DEFAULT_ITEMS_IN_FLIGHT = 2
 
 #: An item's outcome (``phases.ItemState``; docs/batch.md, "Outcomes").
 DONE, COMPLETE, REFUSED, FAILED, NOT_RUN = (
@@ -39,13 +55,15 @@ DONE, COMPLETE, REFUSED, FAILED, NOT_RUN = (
 )
 
 
-@dataclass
+@dataclass(eq=False)  # one object per item: compared and hashed by identity
 class ItemResult:
     item: BatchItem
     status: ItemState = NOT_RUN
     job: PlannedJob | None = None
     summary: RunSummary | None = None
     error: H5ngffError | None = None
+    #: The items whose slabs ran on the cluster while this one ran (several items in flight).
+    beside: list["ItemResult"] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -59,6 +77,13 @@ class ItemResult:
     @property
     def predicted_peak(self) -> int:
         return self.job.plan.memory.predicted_peak if self.job else 0
+
+    @property
+    def peak_bound(self) -> int:
+        """What this item's busiest worker is held to: its own plan's peak, or the largest plan's
+        among the items that ran beside it (a worker then runs slabs of both, one per thread, and
+        every plan is for the same threads: the largest plan counts the most any mix can hold)."""
+        return max([self.predicted_peak, *(other.predicted_peak for other in self.beside)])
 
     def to_dict(self) -> dict[str, Any]:
         totals = self.summary.totals if self.summary else None
@@ -74,6 +99,8 @@ class ItemResult:
             "bytes_written": totals.bytes_written if totals else 0,
             "peak_rss": self.peak_rss,
             "predicted_peak": self.predicted_peak,
+            "peak_bound": self.peak_bound,
+            "ran_beside": [other.item.output for other in self.beside],
             "pod_limit": self.job.plan.memory.pod_limit if self.job else 0,
         }
 
@@ -86,6 +113,7 @@ class BatchSummary:
     cluster_starts: int = 0
     seconds: float = 0.0
     notices: list[str] = field(default_factory=list)
+    items_in_flight: int = DEFAULT_ITEMS_IN_FLIGHT
 
     @property
     def ok(self) -> bool:
@@ -102,6 +130,7 @@ class BatchSummary:
             **{status.lower(): self.count(status) for status in (DONE, COMPLETE, REFUSED, FAILED, NOT_RUN)},
             "seconds": round(self.seconds, 3),
             "cluster_starts": self.cluster_starts,
+            "items_in_flight": self.items_in_flight,
             "cluster": None
             if plan is None
             else {
@@ -135,23 +164,25 @@ def run_batch(
     fail_fast: bool = False,
     hooks: BatchHooks | None = None,
     metrics: MetricsExporter | None = None,
+    items_in_flight: int = DEFAULT_ITEMS_IN_FLIGHT,
 ) -> BatchSummary:
-    """Plan every item, start one cluster for the largest plan, and convert the items on it in order.
-    ``metrics`` serves each item's job and worker series while it runs (docs/metrics.md, "Batches")."""
+    """Plan every item, start one cluster for the largest plan, and convert the items on it in
+    order, ``items_in_flight`` at a time. ``metrics`` serves the job and worker series of the
+    item that started last among those running (docs/metrics.md, "Batches")."""
+    if items_in_flight < 1:
+        raise ValueError(f"items_in_flight must be 1 or more, not {items_in_flight}")
     hooks = hooks or BatchHooks()
     start = time.perf_counter()
-    summary = BatchSummary([ItemResult(item) for item in items])
+    summary = BatchSummary([ItemResult(item) for item in items], items_in_flight=items_in_flight)
     _plan_all(summary, spec_for, backend, constants, fail_fast)
     hooks.on_planned(summary)
     runnable = [r for r in summary.results if r.job is not None and r.status == NOT_RUN]
     if runnable and not (fail_fast and summary.count(REFUSED)):
         assert summary.sizing is not None and summary.sizing.job is not None
         with ExitStack() as stack:
-            cluster = _OneCluster(backend, summary.sizing.job.plan, stack, summary)
-            for result in runnable:
-                _run_item(result, backend, cluster, hooks, metrics)
-                if fail_fast and not result.ok:
-                    break
+            _Flight(backend, summary.sizing.job.plan, stack, summary, hooks, metrics).run(
+                runnable, items_in_flight, fail_fast
+            )
     summary.seconds = time.perf_counter() - start
     return summary
 
@@ -199,27 +230,220 @@ def _plan_all(
     summary.notices = sorted({n for r in planned if r.job for n in r.job.notices})
 
 
-class _OneCluster:
-    """The batch's one cluster, started when the first item needs it (a re-run whose items are
-    all complete starts none), and ready for each next item: the last item's buffers and files
-    go, then each worker's RSS high-water mark starts again from what it holds now, so an item's
-    peak is its own."""
+class _Flight:
+    """The items in flight on the batch's one cluster. Each item runs ``runner.run_job`` in a
+    thread of its own; this (the caller's) thread starts the items, starts the cluster when an
+    item first needs it (a re-run whose items are all complete starts none; a backend may need
+    the main thread to start: SLURM's installs a signal handler) and hears each item end.
 
-    def __init__(self, backend: Backend, plan: Plan, stack: ExitStack, summary: BatchSummary):
-        self.backend, self.plan, self.stack, self.summary = backend, plan, stack, summary
+    At each item's start and end every worker's RSS high-water mark is read and started again
+    (``take_peak_rss``), and the mark read goes to every item running then: each item's peak is
+    the highest its workers reached while it ran, whatever ran beside it. When an item ends, its
+    buffers and files go (``end_of_conversion``), so the items after it do not carry them."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        plan: Plan,
+        stack: ExitStack,
+        summary: BatchSummary,
+        hooks: BatchHooks,
+        metrics: MetricsExporter | None,
+    ):
+        self.backend, self.plan, self.stack, self.summary, self.hooks = backend, plan, stack, summary, hooks
+        self.metrics = metrics
         self.session: Session | None = None
+        #: From the items' threads to this one: ("start", _Reply), ("ended", result), ("crashed", exc).
+        self._messages: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._start_lock = threading.Lock()
+        self.lock = threading.Lock()  # the fields below
+        #: The items running, in the order they started (the last is the one the metrics show).
+        self.running: list[ItemResult] = []
+        self.pollers: dict[ItemResult, tuple[ClusterPoller, Plan]] = {}
+        self._overlapped: dict[ItemResult, list[ItemResult]] = {}
+        self._on_cluster: set[ItemResult] = set()
+        self._peaks: dict[ItemResult, dict[str, int]] = {}
 
-    def __call__(self) -> AbstractContextManager[Session]:
-        if self.session is None:
-            self.session = self.stack.enter_context(self.backend.session(self.plan))
-            self.summary.cluster_starts += 1
-        self.session.client.run(release_between_conversions)
-        self.session.client.run(reset_peak_rss)
-        return nullcontext(self.session)
+    def run(self, runnable: Sequence[ItemResult], items_in_flight: int, fail_fast: bool) -> None:
+        waiting = iter(runnable)
+
+        def launch() -> bool:
+            result = next(waiting, None)
+            if result is None:
+                return False
+            name = f"h5ngff-item-{self.summary.results.index(result)}"
+            threading.Thread(target=self._convert, args=(result,), name=name, daemon=True).start()
+            return True
+
+        active = 0
+        while active < items_in_flight and launch():
+            active += 1
+        stopping = False
+        while active:
+            kind, payload = self._messages.get()
+            if kind == "start":
+                payload.answer(self._start)
+            elif kind == "ended":
+                active -= 1
+                stopping = stopping or (fail_fast and not payload.ok)
+                if not stopping and launch():
+                    active += 1
+            else:  # an item's thread raised what no item should: the batch stops with it
+                raise payload
+
+    # -- in the caller's thread --------------------------------------------------------------
+
+    def _start(self) -> Session:
+        session = self.stack.enter_context(self.backend.session(self.plan))
+        self.summary.cluster_starts += 1
+        session.client.run(reset_peak_rss)  # the items' peaks, not the workers' start
+        return session
+
+    # -- in each item's thread ---------------------------------------------------------------
+
+    def _convert(self, result: ItemResult) -> None:
+        try:
+            self._begin(result)
+            try:
+                _run_item(result, self.backend, self._cluster_for(result), self.hooks, self._metrics_for(result))
+            finally:
+                self._end(result)
+            self.hooks.on_item(result)
+            self._messages.put(("ended", result))
+        except BaseException as exc:
+            self._messages.put(("crashed", exc))
+
+    def _cluster_for(self, result: ItemResult) -> Callable[[], AbstractContextManager[Session]]:
+        def cluster() -> AbstractContextManager[Session]:
+            with self._start_lock:
+                if self.session is None:
+                    reply = _Reply()
+                    self._messages.put(("start", reply))
+                    self.session = reply.wait()
+            with self.lock:
+                self._on_cluster.add(result)
+            return nullcontext(self.session)
+
+        return cluster
+
+    def _begin(self, result: ItemResult) -> None:
+        with self.lock:
+            self._take_peaks()
+            self._overlapped[result] = list(self.running)
+            for other in self.running:
+                self._overlapped[other].append(result)
+            self.running.append(result)
+
+    def _end(self, result: ItemResult) -> None:
+        with self.lock:
+            self._take_peaks()
+            self.running.remove(result)
+            result.beside = [other for other in self._overlapped.pop(result) if other in self._on_cluster]
+            peaks = self._peaks.pop(result, {})
+            if result in self._on_cluster and self.session is not None and result.job is not None:
+                try:
+                    self.session.client.run(_item_ended, result.job.spec.output.path)
+                except Exception:  # a dying cluster: the next item's run says so
+                    log.warning("Could not release %s's buffers on the workers.", result.item.output, exc_info=True)
+        if result.summary is not None:
+            for worker in result.summary.workers:
+                worker.peak_rss = max(worker.peak_rss, peaks.get(worker.name, 0))
+
+    def _take_peaks(self) -> None:
+        """Under ``lock``: end the workers' current segment; its peaks go to every item running."""
+        if self.session is None or not self.running:
+            return
+        try:
+            marks = self.session.client.run(take_peak_rss, on_error="ignore")
+        except Exception:
+            log.debug("could not read the workers' peaks", exc_info=True)
+            return
+        for mark in marks.values():
+            if isinstance(mark, dict) and mark.get("name"):
+                for item in self.running:
+                    peaks = self._peaks.setdefault(item, {})
+                    peaks[mark["name"]] = max(peaks.get(mark["name"], 0), int(mark["peak_rss"]))
+
+    def _metrics_for(self, result: ItemResult) -> _ItemMetrics | None:
+        return None if self.metrics is None else _ItemMetrics(self, result, self.metrics)
+
+    def newest(self) -> ItemResult | None:
+        """The item that started last among those running: the one the metrics show."""
+        return self.running[-1] if self.running else None
+
+
+def _item_ended(conversion: str) -> None:
+    """On each worker, as an item ends (its peak already taken): its buffers and files go, then
+    the high-water mark starts again from what is left, so the items after it are not charged
+    with memory it held."""
+    end_of_conversion(conversion)
+    reset_peak_rss()
+
+
+class _Reply:
+    """A cluster start asked of the caller's thread by an item's thread, and its answer."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._session: Session | None = None
+        self._error: BaseException | None = None
+
+    def answer(self, start: Callable[[], Session]) -> None:
+        try:
+            self._session = start()
+        except BaseException as exc:  # the item that asked fails with it, as one conversion would
+            self._error = exc
+        self._done.set()
+
+    def wait(self) -> Session:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._session is not None
+        return self._session
+
+
+class _ItemMetrics:
+    """The exporter as one item's run sees it (``runner.RunMetrics``): with several items in
+    flight, the job and worker series are those of the item that started last among those
+    running; the others' events are not exported until it ends (the batch's own series count
+    every item)."""
+
+    def __init__(self, flight: _Flight, result: ItemResult, exporter: MetricsExporter):
+        self.flight, self.result, self.exporter = flight, result, exporter
+
+    def __call__(self, progress: Progress) -> None:
+        if self.flight.newest() is self.result:
+            self.exporter(progress)
+
+    @contextmanager
+    def attached(self, poller: ClusterPoller, plan: Plan) -> Iterator[_ItemMetrics]:
+        flight = self.flight
+        with flight.lock:
+            flight.pollers[self.result] = (poller, plan)
+            if flight.newest() is self.result:
+                self.exporter.attach(poller, plan)
+        try:
+            yield self
+        finally:
+            with flight.lock:
+                del flight.pollers[self.result]
+                if self.exporter.detach(poller):  # it was shown: show the newest item still polled
+                    follow = next((r for r in reversed(flight.running) if r in flight.pollers), None)
+                    if follow is not None:
+                        self.exporter.attach(*flight.pollers[follow])
+
+    def settle(self, workers: list[WorkerReport]) -> None:
+        if self.flight.newest() is self.result:
+            self.exporter.settle(workers)
 
 
 def _run_item(
-    result: ItemResult, backend: Backend, cluster: _OneCluster, hooks: BatchHooks, metrics: MetricsExporter | None
+    result: ItemResult,
+    backend: Backend,
+    cluster: Callable[[], AbstractContextManager[Session]],
+    hooks: BatchHooks,
+    metrics: _ItemMetrics | None,
 ) -> None:
     assert result.job is not None
     try:
@@ -232,4 +456,3 @@ def _run_item(
         )
     except H5ngffError as exc:
         result.status, result.error, result.summary = FAILED, exc, exc.summary
-    hooks.on_item(result)

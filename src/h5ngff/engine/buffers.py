@@ -14,13 +14,42 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
-#: Each thread's buffers, by thread: a thread uses only its own; ``release_all`` (between two
-#: conversions, when no slab runs) drops every thread's at once.
+#: Each thread's buffers, by thread: a thread uses only its own. Another thread drops them only
+#: while their thread runs no slab of theirs (``release_conversion``), under ``_lock``.
 _by_thread: dict[int, dict[int, np.ndarray]] = {}
+#: The conversion each thread's buffers were sized for (``working_for``): a batch runs two items
+#: at once on one worker, and a thread moves between them.
+_conversion_of: dict[int, str] = {}
+_lock = threading.Lock()
 
 
 def _mine() -> dict[int, np.ndarray]:
     return _by_thread.setdefault(threading.get_ident(), {})
+
+
+def working_for(conversion: str) -> None:
+    """Called as a slab starts: this thread's buffers serve ``conversion`` from now on. A thread
+    whose last slab was another conversion's drops that one's buffers first, so it never holds
+    a larger item's buffers beside its own (it runs no slab now: dropping them is safe)."""
+    ident = threading.get_ident()
+    with _lock:
+        if _conversion_of.get(ident) != conversion:
+            _by_thread.pop(ident, None)
+            _conversion_of[ident] = conversion
+
+
+def current_conversion() -> str:
+    """The conversion this thread's slab serves ("" outside a slab task)."""
+    return _conversion_of.get(threading.get_ident(), "")
+
+
+def release_conversion(conversion: str) -> None:
+    """Free the buffers of every thread whose last slab was ``conversion``'s, once none of its
+    slabs runs (a batch's item has ended): the items still running keep theirs."""
+    with _lock:
+        for ident in [i for i, c in _conversion_of.items() if c == conversion]:
+            _by_thread.pop(ident, None)
+            del _conversion_of[ident]
 
 
 def _buffer(slot: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
@@ -58,7 +87,8 @@ def release() -> None:
 
 
 def release_all() -> None:
-    """Free every thread's buffers, while no slab runs: the next conversion on this worker (a
-    batch's next item) sizes its own instead of keeping a larger item's on top of its plan. An
+    """Free every thread's buffers, while no slab runs (tests that measure a fresh worker). An
     array a caller still holds keeps its memory until dropped (it references the buffer)."""
-    _by_thread.clear()
+    with _lock:
+        _by_thread.clear()
+        _conversion_of.clear()

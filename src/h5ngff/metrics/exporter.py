@@ -154,11 +154,15 @@ class MetricsExporter:
             self._state.passes = len(plan.passes)
         poller.listeners.append(self._snapshot)
 
-    def detach(self) -> None:
-        """Stop listening; the last figures stay exported."""
-        if self._poller is not None:
+    def detach(self, poller: ClusterPoller | None = None) -> bool:
+        """Stop listening (to ``poller`` only, where given: a batch item's run that ends must not
+        detach the poller of an item attached after it); the last figures stay exported. True
+        where it stopped listening to one."""
+        if self._poller is not None and (poller is None or poller is self._poller):
             self._poller.listeners.remove(self._snapshot)
             self._poller = None
+            return True
+        return False
 
     def _snapshot(self, snapshot: ClusterSnapshot | None) -> None:
         with self._lock:
@@ -199,7 +203,7 @@ class MetricsExporter:
         try:
             yield self
         finally:
-            self.detach()
+            self.detach(poller)
 
     # -- serving -----------------------------------------------------------------------------
 

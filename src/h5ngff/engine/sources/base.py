@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -25,7 +26,7 @@ import numpy as np
 
 from ...errors import SourceError, SourceNotFoundError, UnsupportedDatasetError
 from ...planner.model import DatasetInfo
-from ..buffers import slab_buffer
+from ..buffers import current_conversion, slab_buffer
 from .inflate import direct_read, read_deflate
 from .hdf5 import SUPPORTED_KINDS, SourceIdentity, dtype_kind, filter_names, output_dtype
 
@@ -37,6 +38,10 @@ _files: dict[str, h5py.File] = {}
 #: A plain source's dataset stays open with the planned chunk cache between slabs: a chunk that
 #: straddles two slabs is inflated once.
 _datasets: dict[tuple[str, str, int], h5py.Dataset] = {}
+#: The conversions (engine.buffers.current_conversion) that read each open file: a batch closes
+#: a file once no conversion that reads it is left (``close_files_of``).
+_readers: dict[str, set[str]] = {}
+_readers_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class SlabSource:
         out = slab_buffer(tuple(r.stop - r.start for r in region), np.dtype(self.dtype))
         target = out.view(np.dtype(self.storage_dtype)) if self.storage_dtype else out
         spanned = math.prod(r.stop - r.start for r in lead)
+        _note_reader(self.path)
         f = _open_file(self.path)
         for index in product(*(range(r.start, r.stop) for r in lead)):
             name = self.pieces[int(np.ravel_multi_index(index, self.lead_shape))]
@@ -93,6 +99,12 @@ def _open_file(path: str) -> h5py.File:
     return f
 
 
+def _note_reader(path: str) -> None:
+    """Before every read: the conversion of this slab reads ``path`` (``close_files_of``)."""
+    with _readers_lock:
+        _readers.setdefault(path, set()).add(current_conversion())
+
+
 def _open_dataset(f: h5py.File, name: str, cache_bytes: int) -> h5py.Dataset:
     """``name`` opened with its own chunk cache of ``cache_bytes`` (the file's stays small)."""
     dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
@@ -104,6 +116,7 @@ def read_plain(path: str, dataset: str, cache_bytes: int, region: tuple[slice, .
     """One slab of a single dataset, read straight into this thread's slab buffer (no copy); valid
     until the thread's next slab. The dataset stays open with the planned cache between slabs."""
     key = (path, dataset, cache_bytes)
+    _note_reader(path)
     ds = _datasets.get(key)
     try:
         if ds is None or not ds.id.valid:
@@ -144,9 +157,32 @@ def _fmt(region: tuple[slice, ...]) -> str:
     return "[" + ", ".join(f"{r.start}:{r.stop}" for r in region) + "]"
 
 
+def close_files_of(conversion: str) -> None:
+    """Close the cached HDF5 files (and their open datasets) that ``conversion`` read and no
+    other conversion still reads, once none of its slabs runs (a batch's item has ended): a
+    batch of hundreds of files must not keep them all open, each with its chunk cache."""
+    # Under the lock: a slab notes itself a reader before it looks a file up, so a file is
+    # either kept for it or closed before its lookup (which then opens it again).
+    with _readers_lock:
+        done = [p for p, readers in _readers.items() if readers <= {conversion}]
+        for readers in _readers.values():
+            readers.discard(conversion)
+        for path in done:
+            del _readers[path]
+            for key in [k for k in _datasets if k[0] == path]:
+                del _datasets[key]
+            f = _files.pop(path, None)
+            if f is not None:
+                try:
+                    f.close()
+                except Exception:
+                    pass
+
+
 def close_files() -> None:
     """Close every cached HDF5 file of this process (tests that rewrite a file they have read)."""
     _datasets.clear()
+    _readers.clear()
     for f in _files.values():
         try:
             f.close()

@@ -82,6 +82,7 @@ def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: in
             channel_axis,
             stats_dir,
             plan.upload_depth,
+            spec.output.path,
         )
 
 

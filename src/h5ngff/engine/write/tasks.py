@@ -17,11 +17,11 @@ import numpy as np
 from ...errors import H5ngffError
 from .chunkio import ArrayLayout, read_region, write_block
 from . import faults
-from ..buffers import keep_levels, level_buffer, release_all
+from ..buffers import keep_levels, level_buffer, release_conversion, working_for
 from .downsample import downsample, output_shape
 from .checksums import FileChecksums
 from .manifest import SlabRecord
-from ..sources.base import SlabSource, close_files
+from ..sources.base import SlabSource, close_files_of
 from ..stores import store_retries
 from .window import SampledHistogram, histogram_key, write_histogram
 
@@ -49,6 +49,9 @@ class SlabTask:
     #: PUTs kept in flight while the next unit is encoded, for an object-store output (the plan's
     #: ``upload_depth``; 0 writes synchronously).
     upload_depth: int = 0
+    #: The conversion this slab belongs to (its output): a worker thread's buffers serve one
+    #: conversion at a time (engine.buffers.working_for), and a batch ends them by this name.
+    conversion: str = ""
 
     @property
     def key(self) -> str:
@@ -104,12 +107,13 @@ class _MinMax:
         return [(c, self.low[c], self.high[c]) for c in sorted(self.low)]
 
 
-def release_between_conversions() -> None:
-    """On each worker, between two conversions on one cluster (a batch's items): the slab and
-    level buffers and the HDF5 files (with their chunk caches) of the last one go, so the next
-    one holds what its own plan counts, not a larger item's buffers on top."""
-    release_all()
-    close_files()
+def end_of_conversion(conversion: str) -> None:
+    """On each worker, once one of a batch's items has ended (none of its slabs runs any more),
+    while the next items may already run: its slab and level buffers go, and the HDF5 files
+    (with their chunk caches) that no item still running reads. The items after it then hold
+    what their own plans count, not a larger item's buffers on top."""
+    release_conversion(conversion)
+    close_files_of(conversion)
     gc.collect()
 
 
@@ -117,6 +121,7 @@ def run_slab(task: SlabTask) -> SlabResult:
     """Read, write and downsample one slab. Runs in a Dask worker. A failed slab's error carries
     the store retries it made (``store_retries``): a failed run reports them too."""
     retries_before = store_retries.mine()
+    working_for(task.conversion)
     try:
         return _run_slab(task, retries_before)
     except H5ngffError as exc:
