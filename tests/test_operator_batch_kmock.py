@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -32,7 +34,7 @@ from operator_harness import (
     passes,
     wait_for,
 )
-from test_operator_e2e import run_container
+from test_operator_e2e import free_port, run_container
 from test_operator_kmock import env_of
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240), pytest.mark.integration]
@@ -86,8 +88,21 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
         assert job["metadata"]["ownerReferences"][0]["kind"] == "ConversionBatch"
         assert len(c.live(LEASE_RES)) == 2  # one writer per item's output
         await c.patch_job_status("run-runner-1", {"active": 1})
-        code, log = await run_container(job, c.url, str(tmp_path))
+        port = free_port()
+        runner = asyncio.create_task(
+            run_container(job, c.url, str(tmp_path), H5NGFF_METRICS_PORT=str(port), H5NGFF_METRICS_LINGER="60")
+        )
+        # Prometheus' part: the runner pod serves the batch's series, and lingers for one final scrape.
+        final = await asyncio.to_thread(_scrape_until_done, port, 2, runner)
+        code, log = await runner
         assert code == 0, (log, c.batch_status("run").get("itemReports"))
+        labels = {"conversion_job": "run", "conversion_job_namespace": "default"}
+        assert {s.labels["state"]: s.value for s in final["h5ngff_batch_items"] if s.value} == {"Done": 2}
+        assert all({k: s.labels[k] for k in labels} == labels for s in final["h5ngff_batch_items"])
+        (done_slabs,) = final["h5ngff_batch_slabs_done_total"]
+        (planned_slabs,) = final["h5ngff_batch_planned_slabs"]
+        assert done_slabs.value == planned_slabs.value > 0
+        assert final["h5ngff_worker_rss_bytes"] and all(s.value > 0 for s in final["h5ngff_worker_rss_bytes"])
         await finish(c, "run-runner-1", code)
         await wait_for(lambda: c.batch_status("run").get("phase") == "Succeeded", what="Succeeded")
         status = c.batch_status("run")
@@ -132,6 +147,27 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
     assert calls_made["runner"] and calls_made["runner"] <= calls(RUNNER_RULES + RUNNER_BATCH_RULES)
     assert calls_made["operator"] <= calls(OPERATOR_RULES, exercised_only=False)
     assert ("patch", "h5ngff.dev", "conversionbatches", "status") in calls_made["operator"]
+
+
+def _scrape_until_done(port: int, items: int, runner: asyncio.Task, timeout: float = 150) -> dict:
+    """Scrape a batch runner's metrics every 0.2 s until ``items`` items are Done: the samples by name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not runner.done():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            time.sleep(0.2)
+            continue
+        samples: dict[str, list] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append(sample)
+        if any(s.labels.get("state") == "Done" and s.value == items for s in samples.get("h5ngff_batch_items", [])):
+            return samples
+        time.sleep(0.2)
+    raise AssertionError("the batch runner's metrics never showed every item done (did it serve and linger?)")
 
 
 def _item(path: str, output: str | None = None) -> dict:

@@ -108,7 +108,7 @@ def main(args: RunnerArgs) -> int:
     if os.environ.get(KIND_ENV) == BATCH_KIND:  # a ConversionBatch's attempt (operator/batchrunner.py)
         from .batchrunner import main as batch_main
 
-        return batch_main(args, runner_backend)
+        return batch_main(args, runner_backend, metrics_linger)
     reporter = StatusReporter(args.namespace, args.name)
     try:
         try:
