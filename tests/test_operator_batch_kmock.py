@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -34,7 +32,7 @@ from operator_harness import (
     passes,
     wait_for,
 )
-from test_operator_e2e import free_port, run_container
+from test_operator_e2e import free_port, run_container, scrape_until
 from test_operator_kmock import env_of
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240), pytest.mark.integration]
@@ -93,7 +91,7 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
             run_container(job, c.url, str(tmp_path), H5NGFF_METRICS_PORT=str(port), H5NGFF_METRICS_LINGER="60")
         )
         # Prometheus' part: the runner pod serves the batch's series, and lingers for one final scrape.
-        final = await asyncio.to_thread(_scrape_until_done, port, 2, runner)
+        final = await asyncio.to_thread(scrape_until, port, _all_done(2), runner, parse=_by_name)
         code, log = await runner
         assert code == 0, (log, c.batch_status("run").get("itemReports"))
         labels = {"conversion_job": "run", "conversion_job_namespace": "default"}
@@ -149,25 +147,22 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
     assert ("patch", "h5ngff.dev", "conversionbatches", "status") in calls_made["operator"]
 
 
-def _scrape_until_done(port: int, items: int, runner: asyncio.Task, timeout: float = 150) -> dict:
-    """Scrape a batch runner's metrics every 0.2 s until ``items`` items are Done: the samples by name."""
+def _by_name(text: str) -> dict[str, list]:
+    """A scrape's samples (with their labels) by name."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not runner.done():
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        except OSError:
-            time.sleep(0.2)
-            continue
-        samples: dict[str, list] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                samples.setdefault(sample.name, []).append(sample)
-        if any(s.labels.get("state") == "Done" and s.value == items for s in samples.get("h5ngff_batch_items", [])):
-            return samples
-        time.sleep(0.2)
-    raise AssertionError("the batch runner's metrics never showed every item done (did it serve and linger?)")
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def _all_done(items: int):
+    def done(samples: dict[str, list]) -> bool:
+        return any(s.labels.get("state") == "Done" and s.value == items for s in samples.get("h5ngff_batch_items", []))
+
+    return done
 
 
 def _item(path: str, output: str | None = None) -> dict:

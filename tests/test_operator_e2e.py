@@ -73,8 +73,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape_until(port: int, done, task: asyncio.Task, timeout: float = 150) -> dict:
-    """Scrape a runner's metrics every 0.2 s until ``done(samples)``; samples keyed by (name, phase label)."""
+def by_name_and_phase(text: str) -> dict:
+    """A scrape's samples keyed by (name, phase label)."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name_labels, value = line.rsplit(" ", 1)
+            name = name_labels.split("{")[0]
+            phase = name_labels.split('phase="')[1].split('"')[0] if 'phase="' in name_labels else ""
+            samples[(name, phase)] = float(value)
+    return samples
+
+
+def scrape_until(port: int, done, task: asyncio.Task, timeout: float = 150, parse=by_name_and_phase) -> dict:
+    """Scrape a runner's metrics every 0.2 s until ``done(parse(text))``; by default the samples
+    keyed by (name, phase label)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not task.done():
         try:
@@ -82,13 +95,7 @@ def scrape_until(port: int, done, task: asyncio.Task, timeout: float = 150) -> d
         except OSError:
             time.sleep(0.2)
             continue
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name_labels, value = line.rsplit(" ", 1)
-                name = name_labels.split("{")[0]
-                phase = name_labels.split('phase="')[1].split('"')[0] if 'phase="' in name_labels else ""
-                samples[(name, phase)] = float(value)
+        samples = parse(text)
         if done(samples):
             return samples
         time.sleep(0.2)

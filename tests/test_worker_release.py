@@ -31,34 +31,48 @@ def test_an_ended_conversions_buffers_go_and_a_running_ones_stay():
 
         return work
 
-    _in_thread(slab_of("big", 1 << 20))
-    _in_thread(slab_of("small", 1 << 10))
-    assert {buffers._conversion_of[t] for t in held.values()} == {"big", "small"}
+    # Two threads alive at once (a finished thread's id may be given to the next one).
+    both = threading.Barrier(2)
+    threads = [
+        threading.Thread(target=lambda w=slab_of(c, n): (w(), both.wait()))
+        for c, n in (("big", 1 << 20), ("small", 1 << 10))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {buffers._allocated_for[t, 0] for t in held.values()} == {"big", "small"}
     buffers.release_conversion("big")
-    assert held["big"] not in buffers._by_thread and held["big"] not in buffers._conversion_of
+    assert 0 not in buffers._by_thread[held["big"]] and (held["big"], 0) not in buffers._allocated_for
     assert buffers._by_thread[held["small"]][0].nbytes == 1 << 10  # the running item keeps its buffer
-    # Negative control: releasing a conversion no thread served drops nothing.
+    # Negative control: releasing a conversion that allocated nothing drops nothing.
     buffers.release_conversion("neither")
-    assert held["small"] in buffers._by_thread
+    assert 0 in buffers._by_thread[held["small"]]
     buffers.release_all()
 
 
-def test_a_thread_moving_to_another_conversion_drops_the_first_ones_buffers():
+def test_a_thread_moving_between_two_items_reuses_its_buffer_until_the_one_that_allocated_it_ends():
+    """Two items in flight: a thread alternating between them keeps one slab buffer (no free and
+    allocate at every move), and it goes when the item it was allocated for ends."""
     buffers.release_all()
-    sizes: list[int] = []
+    seen: list[tuple[int, str]] = []
+    ident: list[int] = []
+
+    def slab(conversion: str, nbytes: int) -> None:
+        buffers.working_for(conversion)
+        buf = buffers.slab_buffer((nbytes,), np.uint8)
+        seen.append((buf.base.nbytes if buf.base is not None else buf.nbytes, buffers._allocated_for[ident[0], 0]))
 
     def work() -> None:
-        buffers.working_for("big")
-        buffers.slab_buffer((1 << 20,), np.uint8)
-        buffers.working_for("big")  # the same conversion's next slab: the buffer is reused
-        sizes.append(buffers._mine()[0].nbytes)
-        buffers.working_for("small")
-        sizes.append(len(buffers._mine()))
-        buffers.slab_buffer((1 << 10,), np.uint8)
-        sizes.append(buffers._mine()[0].nbytes)
+        ident.append(threading.get_ident())
+        slab("big", 1 << 20)
+        slab("small", 1 << 10)  # reuses big's buffer: no new allocation
+        slab("big", 1 << 20)
+        buffers.release_conversion("big")  # big ended: its buffer goes from this thread too
+        slab("small", 1 << 10)  # small allocates its own, small one
 
     _in_thread(work)
-    assert sizes == [1 << 20, 0, 1 << 10]
+    assert seen == [(1 << 20, "big"), (1 << 20, "big"), (1 << 20, "big"), (1 << 10, "small")]
     buffers.release_all()
 
 

@@ -14,12 +14,16 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
-#: Each thread's buffers, by thread: a thread uses only its own. Another thread drops them only
-#: while their thread runs no slab of theirs (``release_conversion``), under ``_lock``.
+#: Each thread's buffers, by thread and slot (0 the slab, k the k-th level): a thread uses only
+#: its own; another drops them only under ``_lock`` (``release_conversion``).
 _by_thread: dict[int, dict[int, np.ndarray]] = {}
-#: The conversion each thread's buffers were sized for (``working_for``): a batch runs two items
-#: at once on one worker, and a thread moves between them.
-_conversion_of: dict[int, str] = {}
+#: The conversion each buffer was allocated for, by (thread, slot). A batch runs two items at once
+#: on one worker and a thread moves between them: it reuses a buffer whichever item allocated it
+#: (alternating items would otherwise free and allocate a slab's worth at every move), and the
+#: buffers an item allocated go when it ends, wherever they are.
+_allocated_for: dict[tuple[int, int], str] = {}
+#: The conversion each thread's current slab serves (``working_for``).
+_serving: dict[int, str] = {}
 _lock = threading.Lock()
 
 
@@ -28,28 +32,26 @@ def _mine() -> dict[int, np.ndarray]:
 
 
 def working_for(conversion: str) -> None:
-    """Called as a slab starts: this thread's buffers serve ``conversion`` from now on. A thread
-    whose last slab was another conversion's drops that one's buffers first, so it never holds
-    a larger item's buffers beside its own (it runs no slab now: dropping them is safe)."""
-    ident = threading.get_ident()
-    with _lock:
-        if _conversion_of.get(ident) != conversion:
-            _by_thread.pop(ident, None)
-            _conversion_of[ident] = conversion
+    """Called as a slab starts: the buffers this thread allocates from now on are ``conversion``'s."""
+    _serving[threading.get_ident()] = conversion
 
 
 def current_conversion() -> str:
     """The conversion this thread's slab serves ("" outside a slab task)."""
-    return _conversion_of.get(threading.get_ident(), "")
+    return _serving.get(threading.get_ident(), "")
 
 
 def release_conversion(conversion: str) -> None:
-    """Free the buffers of every thread whose last slab was ``conversion``'s, once none of its
-    slabs runs (a batch's item has ended): the items still running keep theirs."""
+    """Free every buffer allocated for ``conversion``, on every thread, once none of its slabs
+    runs (a batch's item has ended). A slab of another item that reuses one of them keeps it
+    until that slab ends (it holds a reference); that item ran beside this one, so its plan's
+    bound counts it (batch.run). The items still running keep the buffers they allocated."""
     with _lock:
-        for ident in [i for i, c in _conversion_of.items() if c == conversion]:
-            _by_thread.pop(ident, None)
-            del _conversion_of[ident]
+        for ident, slot in [key for key, owner in _allocated_for.items() if owner == conversion]:
+            del _allocated_for[ident, slot]
+            _by_thread.get(ident, {}).pop(slot, None)
+        for ident in [i for i, serving in _serving.items() if serving == conversion]:
+            del _serving[ident]
 
 
 def _buffer(slot: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
@@ -58,8 +60,11 @@ def _buffer(slot: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarr
     buffers = _mine()
     buf = buffers.get(slot)
     if buf is None or buf.nbytes < need:
-        buffers.pop(slot, None)  # drop the old one before allocating a larger one
-        buf = buffers[slot] = np.empty(need, dtype=np.uint8)
+        ident = threading.get_ident()
+        with _lock:
+            buffers.pop(slot, None)  # drop the old one before allocating a larger one
+            buf = buffers[slot] = np.empty(need, dtype=np.uint8)
+            _allocated_for[ident, slot] = current_conversion()
     return buf[:need].view(dt).reshape(shape)
 
 
@@ -76,14 +81,21 @@ def level_buffer(depth: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np
 def keep_levels(depth: int) -> None:
     """Drop level buffers deeper than ``depth``: a later pass that builds fewer levels than the
     first must not keep the first pass's deeper buffers on top of its own."""
+    ident = threading.get_ident()
     buffers = _mine()
-    for slot in [s for s in buffers if s > depth]:
-        del buffers[slot]
+    with _lock:
+        for slot in [s for s in buffers if s > depth]:
+            del buffers[slot]
+            _allocated_for.pop((ident, slot), None)
 
 
 def release() -> None:
     """Free this thread's buffers."""
-    _by_thread.pop(threading.get_ident(), None)
+    ident = threading.get_ident()
+    with _lock:
+        _by_thread.pop(ident, None)
+        for key in [k for k in _allocated_for if k[0] == ident]:
+            del _allocated_for[key]
 
 
 def release_all() -> None:
@@ -91,4 +103,5 @@ def release_all() -> None:
     array a caller still holds keeps its memory until dropped (it references the buffer)."""
     with _lock:
         _by_thread.clear()
-        _conversion_of.clear()
+        _allocated_for.clear()
+        _serving.clear()
