@@ -177,3 +177,66 @@ def test_help_has_an_example_and_the_image_path_matches_the_dockerfile():
     )
     assert out.returncode == 0 and "h5ngff operator render job.yaml --plan" in out.stdout and "examples:" in out.stdout
     assert f"H5NGFF_JEMALLOC={IMAGE_JEMALLOC}" in (ROOT / "docker/Dockerfile").read_text()
+
+
+BATCH_SPEC = {
+    "items": [
+        {"source": {"path": "a.h5", "dataset": "/volume/data"}},
+        {"source": {"path": "b.h5", "dataset": "/volume/data"}, "output": "retake.ome.zarr"},
+    ],
+    "output": {"path": "{stem}.ome.zarr", "chunks": [16, 32, 32]},
+    "resources": {"workers": 2},
+    "pod": SPEC["pod"],
+}
+
+
+@pytest.fixture
+def batch_file(tmp_path, monkeypatch):
+    from operator_harness import batch_manifest
+
+    path = tmp_path / "batch.yaml"
+    path.write_text(yaml.safe_dump(batch_manifest("lab-run", BATCH_SPEC, namespace="imaging")))
+    monkeypatch.chdir(tmp_path)
+    return path
+
+
+def test_a_batch_renders_its_runner_job_for_every_item(capsys, batch_file):
+    from h5ngff.operator.batchspec import parse_batch_spec
+
+    code, objs, out = render(capsys, batch_file, *FLAGS)
+    assert code == 0 and [o["kind"] for o in objs] == ["Role", "RoleBinding", "Job"], out
+    job = by_kind(objs)["Job"]
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert job["metadata"]["name"] == "lab-run-runner-1"
+    assert job["metadata"]["ownerReferences"][0]["kind"] == "ConversionBatch"
+    ids = [p.id for p in parse_batch_spec(BATCH_SPEC).planned_items()]
+    assert env["H5NGFF_KIND"] == "ConversionBatch" and env["H5NGFF_ITEMS"] == ",".join(ids) and len(ids) == 2
+    assert by_kind(objs)["Role"]["rules"][0]["resources"] == ["conversionbatches/status"]
+    # Negative controls: --plan is a job's, and the policy refuses a batch as it refuses a job.
+    code, _, out = render(capsys, batch_file, *FLAGS, "--plan")
+    assert code == 2 and "--plan" in out and "ConversionBatch" in out
+    code, _, out = render(capsys, batch_file, "--image", "h5ngff:test")
+    assert code == 2 and "PolicyDenied" in out
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_rendered_batch_is_what_the_operator_creates(capsys, batch_file):
+    code, objs, _ = render(capsys, batch_file, *FLAGS)
+    assert code == 0
+    rendered = by_kind(objs)
+    async with emulator() as c, operator_running(fast_config(c.url, runner_service_account=CHART_RUNNER_ACCOUNT)):
+        await c.apply_batch(yaml.safe_load(batch_file.read_text()))
+        await wait_for(lambda: c.live(JOB_RES, "imaging"), what="runner Job")
+        created = {
+            "Job": c.live(JOB_RES, "imaging")["lab-run-runner-1"],
+            "Role": c.live(ROLE_RES, "imaging")["lab-run-runner-status"],
+            "RoleBinding": c.live(ROLEBINDING_RES, "imaging")["lab-run-runner-status"],
+        }
+    for kind, obj in created.items():
+        for key in ("spec", "rules", "subjects", "roleRef"):
+            assert obj.get(key) == rendered[kind].get(key), (kind, key)
+        for key in ("name", "namespace", "labels", "ownerReferences"):
+            assert obj["metadata"].get(key) == rendered[kind]["metadata"].get(key), (kind, key)

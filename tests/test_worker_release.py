@@ -23,20 +23,16 @@ def test_an_ended_conversions_buffers_go_and_a_running_ones_stay():
     buffers.release_all()
     held: dict[str, int] = {}
 
-    def slab_of(conversion: str, nbytes: int):
-        def work() -> None:
-            buffers.working_for(conversion)
-            buffers.slab_buffer((nbytes,), np.uint8)
-            held[conversion] = threading.get_ident()
-
-        return work
-
     # Two threads alive at once (a finished thread's id may be given to the next one).
     both = threading.Barrier(2)
-    threads = [
-        threading.Thread(target=lambda w=slab_of(c, n): (w(), both.wait()))
-        for c, n in (("big", 1 << 20), ("small", 1 << 10))
-    ]
+
+    def slab_of(conversion: str, nbytes: int) -> None:
+        buffers.working_for(conversion)
+        buffers.slab_buffer((nbytes,), np.uint8)
+        held[conversion] = threading.get_ident()
+        both.wait()
+
+    threads = [threading.Thread(target=slab_of, args=job) for job in (("big", 1 << 20), ("small", 1 << 10))]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -40,7 +40,11 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
         epilog=EPILOG_RUN,
         description="Run a ConversionJob manifest (the file you would kubectl apply) on a local Dask cluster.",
     )
-    r.add_argument("manifest", metavar="JOB.yaml", help="A ConversionJob manifest (apiVersion h5ngff.dev/v1alpha1).")
+    r.add_argument(
+        "manifest",
+        metavar="JOB.yaml",
+        help="A ConversionJob or ConversionBatch manifest (apiVersion h5ngff.dev/v1alpha1).",
+    )
     common_run_flags(r, convert=True)
     r.set_defaults(func=cmd_run)
 
@@ -119,13 +123,16 @@ examples:
       --runner-service-account h5ngff-runner --allowed-volume-type csi
   h5ngff operator render job.yaml --plan      # opens the HDF5 file: adds the DaskCluster
   h5ngff operator render job.yaml --plan | kubectl apply --dry-run=server -f -
+  h5ngff operator render manifests/examples/conversionbatch.yaml   # a batch: every item in attempt 1
 
 Prints, as YAML, what the operator would create for the manifest with these settings (pass the
 same flags as the operator Deployment: the Helm chart's jobDefaults.image, runner.serviceAccount
 and policy.* values): the runner Job of attempt 1, and the Role and RoleBinding that let that
 runner patch its own job's status. With --plan, the DaskCluster the runner would create, its
 worker pods sized by the plan (source.path is read from this machine, relative to the current
-directory). ownerReferences carry metadata.uid if the manifest has one, else a placeholder.
+directory). A ConversionBatch gives the same three objects, its runner Job running every item
+(no --plan: its runner sizes the DaskCluster by its largest item at run time). ownerReferences
+carry metadata.uid if the manifest has one, else a placeholder.
 Exit status: 0 printed, 2 invalid manifest or refused by the policy (PolicyDenied).
 """
 
@@ -134,12 +141,16 @@ def _add_render(o: argparse.ArgumentParser) -> None:
     sub = o.add_subparsers(dest="operator_command", metavar="render")
     r = sub.add_parser(
         "render",
-        help="Print the objects the operator would create for a ConversionJob manifest.",
+        help="Print the objects the operator would create for a ConversionJob or ConversionBatch manifest.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG_RENDER,
         description="Print the runner Job (and with --plan the DaskCluster) the operator would create, for review and GitOps diffs.",
     )
-    r.add_argument("manifest", metavar="JOB.yaml", help="A ConversionJob manifest (apiVersion h5ngff.dev/v1alpha1).")
+    r.add_argument(
+        "manifest",
+        metavar="JOB.yaml",
+        help="A ConversionJob or ConversionBatch manifest (apiVersion h5ngff.dev/v1alpha1).",
+    )
     r.add_argument(
         "--plan",
         action="store_true",
@@ -167,9 +178,11 @@ def _add_render(o: argparse.ArgumentParser) -> None:
 
 
 def cmd_render(args: argparse.Namespace, console: Console) -> int:
-    from .job import load_job
+    from .errors import SpecError
+    from .job import KIND, load_document, manifest_head, parse_manifest, parse_spec_of
+    from .operator.batchspec import BATCH_KIND, parse_batch_spec
     from .operator.manifests import CHART_RUNNER_ACCOUNT, DEFAULT_IMAGE
-    from .operator.render import RenderOptions, render_objects
+    from .operator.render import RenderOptions, render_batch_objects, render_objects
 
     opts = RenderOptions(
         image=args.image or DEFAULT_IMAGE,
@@ -178,7 +191,19 @@ def cmd_render(args: argparse.Namespace, console: Console) -> int:
         namespace=args.namespace,
         plan=args.plan,
     )
-    objects = render_objects(load_job(args.manifest), opts)
+    doc = load_document(args.manifest, (KIND, BATCH_KIND))
+    if doc.get("kind") == BATCH_KIND:
+        if args.plan:
+            raise SpecError(
+                "--plan",
+                "Expected --plan with a ConversionJob. Got a ConversionBatch instead: its runner sizes the "
+                "DaskCluster by its largest item at run time (h5ngff batch BATCH.yaml shows that plan locally).",
+            )
+        name, namespace = manifest_head(doc)
+        uid = (doc.get("metadata") or {}).get("uid")
+        objects = render_batch_objects(parse_spec_of(doc, parse_batch_spec), name, namespace, uid, opts)
+    else:
+        objects = render_objects(parse_manifest(doc, args.manifest), opts)
     sys.stdout.write(
         f"# h5ngff operator render {args.manifest}{' --plan' if args.plan else ''}: what the operator would create\n"
     )

@@ -38,8 +38,11 @@ def load_job(path: str) -> JobManifest:
     return parse_manifest(load_document(path, KIND), path)
 
 
-def load_document(path: str, kind: str) -> dict[str, Any]:
-    """The first document of ``kind`` in a YAML file, or a SpecError that says what is wrong."""
+def load_document(path: str, kind: str | tuple[str, ...]) -> dict[str, Any]:
+    """The first document of ``kind`` (or of any of several kinds) in a YAML file, or a SpecError
+    that says what is wrong."""
+    kinds = (kind,) if isinstance(kind, str) else kind
+    kind = " or ".join(kinds)
     try:
         with open(path) as f:
             documents = [d for d in yaml.safe_load_all(f) if d is not None]
@@ -61,11 +64,11 @@ def load_document(path: str, kind: str) -> dict[str, Any]:
         ) from None
     except yaml.YAMLError as exc:
         raise SpecError("", f"Expected valid YAML in {path}. Got a syntax error instead: {exc}") from None
-    found = [d for d in documents if isinstance(d, dict) and d.get("kind") == kind]
+    found = [d for d in documents if isinstance(d, dict) and d.get("kind") in kinds]
     if not found:
-        kinds = [d.get("kind") if isinstance(d, dict) else type(d).__name__ for d in documents]
+        seen = [d.get("kind") if isinstance(d, dict) else type(d).__name__ for d in documents]
         raise SpecError(
-            "kind", f"Expected a document with kind: {kind} in {path}. Got {kinds or 'no documents'} instead."
+            "kind", f"Expected a document with kind: {kind} in {path}. Got {seen or 'no documents'} instead."
         )
     return found[0]
 

@@ -27,12 +27,10 @@ from .batchreconcile import BatchDecision, BatchObserved, DesiredItem, LeaseAnsw
 from .batchspec import (
     BATCH_KIND,
     BATCH_PLURAL,
-    ITEMS_ENV,
-    KIND_ENV,
-    RESUME_ENV,
     ConversionBatchSpec,
     PlannedItem,
     parse_batch_spec,
+    runner_env,
 )
 from .diagnose import JobSummary, job_summary, live_pods
 from .handling import count_error, not_deleted, parse_once
@@ -304,7 +302,7 @@ async def _create_runner(
             await kube.create(namespaced(rbac, owner.namespace, plural), obj)
         except Conflict:
             pass
-    env = {KIND_ENV: BATCH_KIND, ITEMS_ENV: ",".join(items), RESUME_ENV: ",".join(resume)}
+    env = runner_env(items, resume)
     job = build_runner_job(
         owner, spec, owner.attempt, cfg.image, default_service_account=cfg.runner_service_account, extra_env=env
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import Field, model_validator
 
@@ -143,6 +143,12 @@ def _source_text(source: SourceSpec, path: str) -> str:
 
 def _message(exc: SpecError) -> str:
     return str(exc).removeprefix(f"{exc.field}: ")
+
+
+def runner_env(items: Sequence[str], resume: Sequence[str] = ()) -> dict[str, str]:
+    """What a batch's runner Job adds to a job's runner Job (manifests.build_runner_job): its kind,
+    the ids of the items its attempt runs, and of those it resumes (overwrite off)."""
+    return {KIND_ENV: BATCH_KIND, ITEMS_ENV: ",".join(items), RESUME_ENV: ",".join(resume)}
 
 
 def parse_batch_spec(data: Any) -> ConversionBatchSpec:

@@ -2,7 +2,9 @@
 
 For review and diffs in GitOps: the runner Job of attempt 1, the Role and RoleBinding that let
 that runner patch its own job's status, and (with ``plan=True``, which opens the HDF5 file)
-the DaskCluster the runner would create, sized by the plan. Everything comes from the same pure
+the DaskCluster the runner would create, sized by the plan. A ConversionBatch gives the same
+three objects (its runner Job running every item), without the DaskCluster: the batch's runner
+sizes it by its largest item at run time. Everything comes from the same pure
 builders the operator and the runner use; nothing here builds a manifest of its own.
 
 The ConversionJob's uid is not known before the API server creates it: ownerReferences carry
@@ -26,6 +28,7 @@ from .manifests import (
     build_runner_role_binding,
     runner_account,
 )
+from .batchspec import BATCH_KIND, ConversionBatchSpec, runner_env
 from .policy import TenantPolicy, policy_violations
 
 #: ownerReferences need the ConversionJob's uid, which only the API server assigns.
@@ -67,6 +70,26 @@ def render_objects(manifest: JobManifest, opts: RenderOptions) -> list[dict[str,
     if opts.plan:
         objects.append(_dask_cluster(manifest, owner, opts))
     return objects
+
+
+def render_batch_objects(
+    spec: ConversionBatchSpec, name: str, namespace: str | None, uid: str | None, opts: RenderOptions
+) -> list[dict[str, Any]]:
+    """The Role, RoleBinding and runner Job of attempt 1 the operator would create for a
+    ConversionBatch, its every item in the attempt (as when no other job holds their outputs);
+    raises PolicyDeniedError as the operator would refuse it."""
+    denial = policy_violations(spec, opts.policy, opts.image, opts.runner_service_account)
+    if denial:
+        raise PolicyDeniedError("spec.pod", "; ".join(denial))
+    owner = Owner(namespace or opts.namespace, name, uid or PLACEHOLDER_UID, 1, BATCH_KIND)
+    items = [p.id for p in spec.planned_items()]
+    return [
+        build_runner_role(owner),
+        build_runner_role_binding(owner, runner_account(spec, opts.runner_service_account)),
+        build_runner_job(
+            owner, spec, 1, opts.image, default_service_account=opts.runner_service_account, extra_env=runner_env(items)
+        ),
+    ]
 
 
 def _dask_cluster(manifest: JobManifest, owner: Owner, opts: RenderOptions) -> dict[str, Any]:
