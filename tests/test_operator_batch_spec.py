@@ -144,8 +144,19 @@ def test_relative_paths_resolve_against_the_working_directory():
         (lambda d: d.update(source={"path": "/data/a.h5", "dataset": "/d"}), "source"),
         (lambda d: d["items"][0]["source"].update(path="s3://bucket/a.h5"), "items[0].source.path"),
         (lambda d: d["items"][0].update(output=""), "items[0].output"),
+        (lambda d: d.update(activeDeadlineSeconds=3600), "activeDeadlineSeconds"),
+        (lambda d: d.update(retry={"intervalSeconds": 5}), "retry"),
     ],
-    ids=["two-to-one", "nested", "unknown-field", "top-level-source", "url-source", "empty-output"],
+    ids=[
+        "two-to-one",
+        "nested",
+        "unknown-field",
+        "top-level-source",
+        "url-source",
+        "empty-output",
+        "job-deadline",
+        "job-retry",
+    ],
 )
 def test_bad_batches_are_refused_naming_the_field(change, field):
     data = copy.deepcopy(BASE)
@@ -169,6 +180,11 @@ def test_admission_refuses_what_the_model_refuses_for_item_sources():
         "resources": {"memoryPerWorker": "1Gi", "memoryTotal": "4Gi"},
     }  # a job-level rule, as for a job
     assert admission_errors(schema, both) and pytest.raises(SpecError, parse_batch_spec, both)
+    # A job's deadline and retry backoff: refused at admission as by the operator, never pruned
+    # (a field the schema dropped would be ignored silently).
+    for extra in ({"activeDeadlineSeconds": 60}, {"retry": {"intervalSeconds": 5}}):
+        errors = admission_errors(schema, {**copy.deepcopy(BASE), **extra})
+        assert any("does not support them yet" in e for e in errors), errors
 
 
 def test_the_example_is_valid_for_the_crd_and_the_model():

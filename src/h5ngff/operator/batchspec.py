@@ -79,6 +79,19 @@ class ConversionBatchSpec(ConversionJobSpec):
     )
 
     @model_validator(mode="after")
+    def _no_job_only_fields(self) -> "ConversionBatchSpec":
+        # A ConversionJob's deadline and retry backoff are the job reconciler's; the batch's
+        # reconciler has neither yet, and a field accepted and then ignored would be a lie.
+        for name, field in (("active_deadline_seconds", "activeDeadlineSeconds"), ("retry", "retry")):
+            if name in self.model_fields_set:
+                raise _FieldError(
+                    field,
+                    f"Expected no {field} on a ConversionBatch: a batch does not support it yet (each item is retried "
+                    "at once, up to backoffLimit times). Remove it, or convert the items as ConversionJobs.",
+                )
+        return self
+
+    @model_validator(mode="after")
     def _no_collisions(self) -> "ConversionBatchSpec":
         try:
             self.planned_items()

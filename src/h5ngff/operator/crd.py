@@ -223,6 +223,16 @@ def batch_spec_schema() -> dict[str, Any]:
     apply_rules(spec)
     source = spec["properties"].pop("source")
     spec["properties"]["items"]["items"]["properties"]["source"] = source
+    # Kept in the schema (a pruned field would be dropped silently) and refused, as the operator
+    # refuses them (batchspec: a batch has no deadline or retry backoff yet).
+    for name in ("activeDeadlineSeconds", "retry"):
+        spec["properties"][name]["description"] = "A ConversionJob's; not supported on a ConversionBatch yet (refused)."
+    spec.setdefault("x-kubernetes-validations", []).append(
+        {
+            "rule": "!has(self.activeDeadlineSeconds) && !has(self.retry)",
+            "message": "activeDeadlineSeconds and retry are a ConversionJob's: a ConversionBatch does not support them yet",
+        }
+    )
     return spec
 
 
