@@ -8,6 +8,7 @@ the whole run, so keeping it costs no memory beyond the plan.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 
@@ -52,6 +53,19 @@ def release_conversion(conversion: str) -> None:
             _by_thread.get(ident, {}).pop(slot, None)
         for ident in [i for i, serving in _serving.items() if serving == conversion]:
             del _serving[ident]
+
+
+def give_back_freed_memory() -> None:
+    """Return the pages freed so far to the kernel now, not after the allocator's decay time
+    (jemalloc keeps dirty pages 1 s, docs/memory-model.md): when a batch's item ends, its freed
+    buffers must not stay resident beside the next item's. jemalloc (preloaded on the workers):
+    purge every arena; glibc: ``malloc_trim``. A few milliseconds."""
+    libc = ctypes.CDLL(None)
+    mallctl = getattr(libc, "mallctl", None)
+    if mallctl is not None:  # MALLCTL_ARENAS_ALL is 4096
+        mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))
+    elif (trim := getattr(libc, "malloc_trim", None)) is not None:
+        trim(0)
 
 
 def _buffer(slot: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 from ...errors import H5ngffError
 from .chunkio import ArrayLayout, read_region, write_block
 from . import faults
-from ..buffers import keep_levels, level_buffer, release_conversion, working_for
+from ..buffers import give_back_freed_memory, keep_levels, level_buffer, release_conversion, working_for
 from .downsample import downsample, output_shape
 from .checksums import FileChecksums
 from .manifest import SlabRecord
@@ -113,6 +113,7 @@ def end_of_conversion(conversion: str) -> None:
     what their own plans count, not a larger item's buffers on top."""
     release_conversion(conversion)  # no gc.collect: buffers and files are freed by refcount, and
     close_files_of(conversion)  # a full collection costs a worker 20-30 ms per item
+    give_back_freed_memory()
 
 
 def run_slab(task: SlabTask) -> SlabResult:
