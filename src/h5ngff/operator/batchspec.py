@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 
 from ..batch.items import BatchItem, output_key, refuse_collisions, render_output
 from ..errors import SpecError
-from ..jobspec import ConversionJobSpec, parse_job_spec
+from ..jobspec import ConversionJobSpec, RetryPolicy, parse_job_spec
 from ..spec import SourceSpec, _FieldError, _Model, parse_model, url_scheme
 
 BATCH_KIND = "ConversionBatch"
@@ -81,9 +81,13 @@ class ConversionBatchSpec(ConversionJobSpec):
     @model_validator(mode="after")
     def _no_job_only_fields(self) -> "ConversionBatchSpec":
         # A ConversionJob's deadline and retry backoff are the job reconciler's; the batch's
-        # reconciler has neither yet, and a field accepted and then ignored would be a lie.
-        for name, field in (("active_deadline_seconds", "activeDeadlineSeconds"), ("retry", "retry")):
-            if name in self.model_fields_set:
+        # reconciler has neither yet, and a field accepted and then ignored would be a lie. Their
+        # defaults pass: the runner gets the spec in its wire form, defaults written out.
+        for given, field in (
+            (self.active_deadline_seconds is not None, "activeDeadlineSeconds"),
+            (self.retry != RetryPolicy(), "retry"),
+        ):
+            if given:
                 raise _FieldError(
                     field,
                     f"Expected no {field} on a ConversionBatch: a batch does not support it yet (each item is retried "
