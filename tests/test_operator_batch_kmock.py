@@ -108,6 +108,8 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
         items = by_output(status)
         assert {k: v["phase"] for k, v in items.items()} == {"a.ome.zarr": "Succeeded", "b.ome.zarr": "Succeeded"}
         assert all(v["result"]["bytesWritten"] > 0 and v["peakRssBytes"] > 0 for v in items.values())
+        # Each item's slabs as its runner last reported them: all of them, once it succeeded.
+        assert all(v["progress"]["slabsDone"] == v["progress"]["slabsTotal"] > 0 for v in items.values()), items
         await wait_for(lambda: not c.live(LEASE_RES), what="Leases given back")
         for n in "ab":
             np.testing.assert_array_equal(zarr.open_group(str(out / f"{n}.ome.zarr"), mode="r")["0"][...], data[n])

@@ -117,6 +117,23 @@ def test_a_batch_runs_its_items_in_one_attempt_and_succeeds():
     assert dr.leases == set()  # every item's Lease went back with its end
 
 
+def test_a_running_items_progress_reaches_its_status_and_stays_with_its_outcome():
+    dr = Driver({**BASE, "items": [src("a"), src("b")]})
+    dr.step()
+    ids = {i["output"]: i["id"] for i in dr.status["items"]}
+    half = {"slabsDone": 2, "slabsTotal": 4, "percent": 50, "summary": "2/4 (50%)"}
+    running = {"attempt": 1, "outcome": "Running", "progress": half}
+    dr.status = merge(dr.status, {"itemReports": {ids[A]: running, ids[B]: {"attempt": 1, "outcome": "Running"}}})
+    dr.step()
+    items = {i["output"]: i for i in dr.status["items"]}
+    assert items[A]["phase"] == "Running" and items[A]["progress"] == half
+    assert "progress" not in items[B]  # negative control: no progress reported, none shown
+    done = {**half, "slabsDone": 4, "percent": 100, "summary": "4/4 (100%)"}
+    dr.status = merge(dr.status, {"itemReports": {ids[A]: {"attempt": 1, "outcome": "Succeeded", "progress": done}}})
+    dr.step()
+    assert {i["output"]: i for i in dr.status["items"]}[A]["progress"] == done
+
+
 def test_finished_items_never_run_again_across_restarts():
     dr = Driver({**BASE, "items": [src("a"), src("b")]})
     run_to_end(dr)

@@ -141,6 +141,8 @@ def reconcile_batch(o: BatchObserved) -> BatchDecision:
                 )
                 _finish(entry, {"outcome": FAILED, "reason": "RunnerFailed", "message": cause}, o, releases)
             else:
+                if report and report.get("progress"):  # a running item's slabs, as last reported
+                    entry["progress"] = report["progress"]
                 still.append(item_id)
         if ended:
             still = []
@@ -244,7 +246,7 @@ def _finish(entry: dict[str, Any], report: dict[str, Any], o: BatchObserved, rel
     if entry.get("outputLease"):
         releases.append(entry.pop("outputLease"))
     reason = report.get("reason")
-    for key in ("result", "peakRssBytes", "predictedPeakBytes"):
+    for key in ("result", "progress", "peakRssBytes", "predictedPeakBytes"):
         if report.get(key) is not None:
             entry[key] = report[key]
     if report.get("outcome") == SUCCEEDED:

@@ -20,6 +20,8 @@ from ..batch.items import BatchItem
 from ..batch.run import COMPLETE, DONE, BatchHooks, BatchSummary, ItemResult, run_batch
 from ..errors import H5ngffError, SpecError
 from ..spec import ConversionSpec
+from ..engine.progress import Listener
+from .attempt import ProgressForwarder
 from .batchspec import BATCH_PLURAL, ITEMS_ENV, RESUME_ENV, ConversionBatchSpec, PlannedItem, parse_batch_spec
 from .manifests import METRICS_PORT_ENV, SPEC_ENV
 from .reporter import StatusReporter
@@ -136,9 +138,15 @@ def main(
             if refused:
                 report(refused)
 
-        def listeners(result: ItemResult) -> tuple[()]:
-            report({item_id(result): {"attempt": args.attempt, "outcome": "Running", "time": now()}})
-            return ()
+        def listeners(result: ItemResult) -> list[Listener]:
+            """Running when it starts, then its slabs (at most one report every few seconds)."""
+            running = {"attempt": args.attempt, "outcome": "Running", "time": now()}
+            report({item_id(result): running})
+
+            def progress(patch: dict[str, Any], final: bool) -> None:
+                report({item_id(result): {**running, "time": now(), "progress": patch["progress"]}})
+
+            return [ProgressForwarder(progress)]
 
         hooks = BatchHooks(
             on_planned=on_planned,

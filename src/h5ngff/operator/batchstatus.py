@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .status import Condition, ResultSummary, _Status
+from .status import Condition, ProgressStatus, ResultSummary, _Status
 
 
 class ItemReport(_Status):
@@ -26,6 +26,9 @@ class ItemReport(_Status):
     reason: str | None = None
     message: str | None = None
     result: ResultSummary | None = None
+    progress: ProgressStatus | None = Field(
+        None, description="Its slabs while it runs, at most one report per item every few seconds."
+    )
     peak_rss_bytes: int | None = Field(None, description="The busiest worker's RSS peak while this item ran.")
     predicted_peak_bytes: int | None = Field(None, description="The item's own plan's predicted worker peak.")
 
@@ -50,6 +53,7 @@ class BatchItemStatus(_Status):
     attempt: int | None = Field(None, description="The batch attempt that last ran the item.")
     output_lease: str | None = Field(None, description="The output Lease this batch holds for the item while it runs.")
     completion_time: str | None = None
+    progress: ProgressStatus | None = Field(None, description="Its slabs done, as the runner last reported them.")
     result: ResultSummary | None = None
     peak_rss_bytes: int | None = None
     predicted_peak_bytes: int | None = None
