@@ -297,10 +297,12 @@ def test_a_conversionbatch_manifest_runs_locally_with_the_operator_s_items(runs)
         "    - source: {path: runs/day1/cell_1.h5, dataset: /volume/data}\n"
         "      output: out/retake.ome.zarr\n"
         "  output: {path: 'out/{stem}.ome.zarr'}\n"
+        "  itemsInFlight: 1\n"
     )
     proc = h5ngff("batch", manifest, *FLAGS, "--json", cwd=runs)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
+    assert summary["items_in_flight"] == 1  # the manifest's (the flag would win)
     assert [(r["output"], r["status"]) for r in summary["results"]] == [
         ("out/cell_0.ome.zarr", DONE),
         ("out/retake.ome.zarr", DONE),
@@ -308,8 +310,9 @@ def test_a_conversionbatch_manifest_runs_locally_with_the_operator_s_items(runs)
     np.testing.assert_array_equal(
         read_back(runs / "out" / "retake.ome.zarr"), source_of(runs / "runs" / "day1" / "cell_1.h5")
     )
-    again = h5ngff("batch", manifest, *FLAGS, "--json", cwd=runs)
+    again = h5ngff("batch", manifest, *FLAGS, "--json", "--items-in-flight", "3", cwd=runs)
     assert again.returncode == 0 and json.loads(again.stdout)["complete"] == 2, again.stderr[-3000:]
+    assert json.loads(again.stdout)["items_in_flight"] == 3
     # Negative control: a ConversionJob is not a batch, and the message says which kind it wants.
     job = runs / "job.yaml"
     job.write_text("apiVersion: h5ngff.dev/v1alpha1\nkind: ConversionJob\nmetadata: {name: j}\nspec: {}\n")

@@ -74,10 +74,11 @@ def test_every_batch_field_is_in_the_schema_and_nothing_else():
     job_fields = {f for f in _model_fields(ConversionJobSpec) if not f.startswith("source")}
     items = {
         "items",
+        "itemsInFlight",
         "items.output",
         *("items." + f for f in _model_fields(ConversionJobSpec) if f.startswith("source")),
     }
-    assert _schema_fields(schema["spec"]) == job_fields | items  # the job's fields, reused, and the items
+    assert _schema_fields(schema["spec"]) == job_fields | items  # the job's fields, reused, the items and their pace
     status = _model_fields(ConversionBatchStatus)
     reports = {f for f in status if f.startswith("itemReports.")}
     assert _schema_fields(schema["status"]) == status - reports  # itemReports is a map: its entries' fields are below
@@ -112,6 +113,18 @@ def test_items_get_their_own_conversion_spec_from_the_template():
     )
     assert items[0].conversion_hash() == job.conversion_hash()
     assert len({p.conversion_hash() for p in items}) == 3
+
+
+def test_items_in_flight_is_the_batchs_and_no_items_conversion():
+    """spec.itemsInFlight: 2 by default, 1-64; how the batch runs, so no item's spec carries it
+    and changing it re-runs nothing (each item's conversion hash is the same)."""
+    plain, four = parse_batch_spec(BASE), parse_batch_spec({**BASE, "itemsInFlight": 4})
+    assert (plain.items_in_flight, four.items_in_flight) == (2, 4)
+    assert [p.conversion_hash() for p in plain.planned_items()] == [p.conversion_hash() for p in four.planned_items()]
+    for bad in (0, 65):
+        with pytest.raises(SpecError) as err:
+            parse_batch_spec({**BASE, "itemsInFlight": bad})
+        assert err.value.field == "itemsInFlight"
 
 
 def test_relative_paths_resolve_against_the_working_directory():

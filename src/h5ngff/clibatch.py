@@ -89,9 +89,10 @@ def add_batch_flags(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     parser.add_argument(
         "--items-in-flight",
         type=_positive_int,
-        default=DEFAULT_ITEMS_IN_FLIGHT,
+        default=None,
         metavar="N",
-        help=f"{prefix}items converted at once on the one cluster (default {DEFAULT_ITEMS_IN_FLIGHT}: the next item's "
+        help=f"{prefix}items converted at once on the one cluster (default {DEFAULT_ITEMS_IN_FLIGHT}, or a manifest's "
+        "spec.itemsInFlight: the next item's "
         "slabs fill the workers an item's last passes leave idle; 1 runs them one by one, each worker's peak "
         "then its own item's; docs/batch.md).",
     )
@@ -116,13 +117,16 @@ def cmd_batch(args: argparse.Namespace, console: Console) -> int:
 
     doc = load_document(args.manifest, BATCH_KIND)
     manifest_head(doc)
-    planned = parse_spec_of(doc, parse_batch_spec).planned_items()
+    batch = parse_spec_of(doc, parse_batch_spec)
+    planned = batch.planned_items()
     specs = {p.item: p.spec for p in planned}
     overrides = spec_overrides(args)
 
     def spec_for(item: BatchItem) -> ConversionSpec:
         return parse_spec(merge(specs[item].conversion().to_wire(), overrides))
 
+    if args.items_in_flight is None:  # the flag over the manifest's, as for every field
+        args.items_in_flight = batch.items_in_flight
     return _run(
         [p.item for p in planned],
         spec_for,
@@ -192,7 +196,7 @@ def _run(
                 backend,
                 constants=constants_from_args(args),
                 fail_fast=args.fail_fast,
-                items_in_flight=getattr(args, "items_in_flight", DEFAULT_ITEMS_IN_FLIGHT),
+                items_in_flight=getattr(args, "items_in_flight", None) or DEFAULT_ITEMS_IN_FLIGHT,
                 hooks=hooks,
                 metrics=metrics,
             )

@@ -159,7 +159,9 @@ def main(
             specs: Callable[[BatchItem], ConversionSpec] = spec_for
             if metrics is not None and metrics.batch is not None:
                 hooks, specs = metrics.batch.around(hooks), metrics.batch.planning(spec_for)
-            summary = run_batch(items, specs, backend, hooks=hooks, metrics=metrics)
+            summary = run_batch(
+                items, specs, backend, hooks=hooks, metrics=metrics, items_in_flight=spec.items_in_flight
+            )
             if metrics is not None and metrics.batch is not None:
                 metrics.batch.finished(summary)
             # Every item's last word (refused and not-run ones included), delivered before the exit

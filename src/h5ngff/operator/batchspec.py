@@ -77,6 +77,13 @@ class ConversionBatchSpec(ConversionJobSpec):
         description="The conversions: each a source, and optionally its own output path. "
         "An item added is converted; one removed is not deleted; a finished one never runs again unless its conversion changes.",
     )
+    items_in_flight: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Items converted at once on the batch's one Dask cluster (default 2): the next items' slabs fill the "
+        "workers an item's last single-slab passes leave idle. More suits many workers and small items (docs/batch.md).",
+    )
 
     @model_validator(mode="after")
     def _no_job_only_fields(self) -> "ConversionBatchSpec":
@@ -115,7 +122,11 @@ class ConversionBatchSpec(ConversionJobSpec):
         item's source and its rendered output), checked for two items on one output, one output
         inside another, or an output over its source, before anything starts."""
         written = self.model_dump(
-            by_alias=True, exclude_unset=True, exclude_none=True, mode="json", exclude={"items", "source"}
+            by_alias=True,
+            exclude_unset=True,
+            exclude_none=True,
+            mode="json",
+            exclude={"items", "source", "items_in_flight"},
         )
         out = []
         for n, item in enumerate(self.items):
