@@ -80,6 +80,25 @@ def by_kind(objs: list[dict]) -> dict[str, dict]:
     return {o["kind"]: o for o in objs}
 
 
+async def created_for(c, name: str) -> dict[str, dict]:
+    """The runner Job of attempt 1, Role and RoleBinding the operator created for ``name``."""
+    await wait_for(lambda: c.live(JOB_RES, "imaging"), what="runner Job")
+    return {
+        "Job": c.live(JOB_RES, "imaging")[f"{name}-runner-1"],
+        "Role": c.live(ROLE_RES, "imaging")[f"{name}-runner-status"],
+        "RoleBinding": c.live(ROLEBINDING_RES, "imaging")[f"{name}-runner-status"],
+    }
+
+
+def assert_same_objects(created: dict[str, dict], rendered: dict[str, dict]) -> None:
+    """What the operator created equals what render printed: the bodies and the identifying metadata."""
+    for kind, obj in created.items():
+        for key in ("spec", "rules", "subjects", "roleRef"):
+            assert obj.get(key) == rendered[kind].get(key), (kind, key)
+        for key in ("name", "namespace", "labels", "ownerReferences"):
+            assert obj["metadata"].get(key) == rendered[kind]["metadata"].get(key), (kind, key)
+
+
 def test_render_prints_role_binding_and_runner_job(capsys, job_file):
     code, objs, out = render(capsys, job_file, *FLAGS)
     assert code == 0 and out.startswith("# h5ngff operator render")
@@ -94,24 +113,18 @@ def test_render_prints_role_binding_and_runner_job(capsys, job_file):
 @pytest.mark.integration
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
-async def test_rendered_objects_are_what_the_operator_creates(capsys, job_file):
-    code, objs, _ = render(capsys, job_file, *FLAGS, "--namespace", "ignored-when-the-manifest-names-one")
+@pytest.mark.parametrize("fixture, name", [("job_file", "scan"), ("batch_file", "lab-run")], ids=["job", "batch"])
+async def test_rendered_objects_are_what_the_operator_creates(capsys, request, fixture, name):
+    path = request.getfixturevalue(fixture)
+    code, objs, _ = render(capsys, path, *FLAGS, "--namespace", "ignored-when-the-manifest-names-one")
     assert code == 0
     rendered = by_kind(objs)
+    doc = yaml.safe_load(path.read_text())
     # render assumes the chart's operator, whose runner account is h5ngff-runner: so does this one
     async with emulator() as c, operator_running(fast_config(c.url, runner_service_account=CHART_RUNNER_ACCOUNT)):
-        await c.apply(yaml.safe_load(job_file.read_text()))
-        await wait_for(lambda: c.live(JOB_RES, "imaging"), what="runner Job")
-        created = {
-            "Job": c.live(JOB_RES, "imaging")["scan-runner-1"],
-            "Role": c.live(ROLE_RES, "imaging")["scan-runner-status"],
-            "RoleBinding": c.live(ROLEBINDING_RES, "imaging")["scan-runner-status"],
-        }
-    for kind, obj in created.items():
-        for key in ("spec", "rules", "subjects", "roleRef"):
-            assert obj.get(key) == rendered[kind].get(key), (kind, key)
-        for key in ("name", "namespace", "labels", "ownerReferences"):
-            assert obj["metadata"].get(key) == rendered[kind]["metadata"].get(key), (kind, key)
+        await (c.apply_batch(doc) if doc["kind"] == "ConversionBatch" else c.apply(doc))
+        created = await created_for(c, name)
+    assert_same_objects(created, rendered)
 
 
 def test_plan_adds_the_dask_cluster_sized_by_the_plan(capsys, job_file):
@@ -217,26 +230,3 @@ def test_a_batch_renders_its_runner_job_for_every_item(capsys, batch_file):
     assert code == 2 and "--plan" in out and "ConversionBatch" in out
     code, _, out = render(capsys, batch_file, "--image", "h5ngff:test")
     assert code == 2 and "PolicyDenied" in out
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-@pytest.mark.asyncio
-@pytest.mark.timeout(120)
-async def test_a_rendered_batch_is_what_the_operator_creates(capsys, batch_file):
-    code, objs, _ = render(capsys, batch_file, *FLAGS)
-    assert code == 0
-    rendered = by_kind(objs)
-    async with emulator() as c, operator_running(fast_config(c.url, runner_service_account=CHART_RUNNER_ACCOUNT)):
-        await c.apply_batch(yaml.safe_load(batch_file.read_text()))
-        await wait_for(lambda: c.live(JOB_RES, "imaging"), what="runner Job")
-        created = {
-            "Job": c.live(JOB_RES, "imaging")["lab-run-runner-1"],
-            "Role": c.live(ROLE_RES, "imaging")["lab-run-runner-status"],
-            "RoleBinding": c.live(ROLEBINDING_RES, "imaging")["lab-run-runner-status"],
-        }
-    for kind, obj in created.items():
-        for key in ("spec", "rules", "subjects", "roleRef"):
-            assert obj.get(key) == rendered[kind].get(key), (kind, key)
-        for key in ("name", "namespace", "labels", "ownerReferences"):
-            assert obj["metadata"].get(key) == rendered[kind]["metadata"].get(key), (kind, key)
