@@ -148,7 +148,8 @@ class BatchSummary:
 @dataclass
 class BatchHooks:
     """What the caller shows: the plan of the batch once every item is planned, a listener per
-    item (its progress bar), and each item's result as it ends."""
+    item (its progress bar), and each item's result as it ends. ``listeners`` and ``on_item``
+    are called from each item's own thread, several at once: they must be thread-safe."""
 
     on_planned: Callable[[BatchSummary], None] = lambda summary: None
     listeners: Callable[[ItemResult], Sequence[Listener]] = lambda result: ()
