@@ -456,6 +456,8 @@ def batch_scraped(tmp_path_factory, shared_cluster):
             "16,64,64",
             "--levels",
             "2",
+            "--items-in-flight",  # one at a time, so the 0.5 s scrapes see each item end apart
+            "1",  # (two in flight: tests/test_metrics_batch.py)
             "--json",
             "--metrics-port",
             str(port),

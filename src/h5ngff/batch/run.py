@@ -33,7 +33,7 @@ from ..phases import ITEMS_CONVERTED, ItemState
 from ..planner import DEFAULT_CONSTANTS, MemoryConstants, Plan
 from ..runner import PlannedJob, RunSummary, prepare_job, run_job
 from ..spec import ConversionSpec
-from ..units import format_bytes
+from ..units import MiB, format_bytes
 from .items import BatchItem
 
 if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 #: Items converted at once on the batch's cluster unless the caller says otherwise: two keep the
 #: workers busy through one item's single-slab passes (docs/batch.md, "Two items in flight").
 DEFAULT_ITEMS_IN_FLIGHT = 2
+#: What an item holds on a worker between its slabs, beside the item whose slab runs there: its
+#: open HDF5 file (metadata, the file's own 1 MiB cache), its arrays' metadata and the allocator's
+#: interleaving of the two. Measured 2-6 MiB on 50 MB items, 3.4 MiB above a plan on a fresh
+#: install (docs/benchmarks.md, "Two items in flight"); its dataset's chunk cache comes on top.
+ITEM_BESIDE_BASE = 8 << 20
 
 #: An item's outcome (``phases.ItemState``; docs/batch.md, "Outcomes").
 DONE, COMPLETE, REFUSED, FAILED, NOT_RUN = (
@@ -64,6 +69,8 @@ class ItemResult:
     error: H5ngffError | None = None
     #: The items whose slabs ran on the cluster while this one ran (several items in flight).
     beside: list["ItemResult"] = field(default_factory=list)
+    #: What the items beside it may hold on a worker on top of the larger plan (``beside_allowance``).
+    beside_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -80,10 +87,13 @@ class ItemResult:
 
     @property
     def peak_bound(self) -> int:
-        """What this item's busiest worker is held to: its own plan's peak, or the largest plan's
-        among the items that ran beside it (a worker then runs slabs of both, one per thread, and
-        every plan is for the same threads: the largest plan counts the most any mix can hold)."""
-        return max([self.predicted_peak, *(other.predicted_peak for other in self.beside)])
+        """What this item's busiest worker is held to: its own plan's peak or, where other items
+        ran beside it, the largest plan's among them (a worker runs slabs of any of them, one per
+        thread, and every plan is for the same threads) plus what the others hold between their
+        slabs (``beside_bytes``)."""
+        if not self.beside:
+            return self.predicted_peak
+        return max([self.predicted_peak, *(other.predicted_peak for other in self.beside)]) + self.beside_bytes
 
     def to_dict(self) -> dict[str, Any]:
         totals = self.summary.totals if self.summary else None
@@ -100,6 +110,7 @@ class ItemResult:
             "peak_rss": self.peak_rss,
             "predicted_peak": self.predicted_peak,
             "peak_bound": self.peak_bound,
+            "beside_bytes": self.beside_bytes,
             "ran_beside": [other.item.output for other in self.beside],
             "pod_limit": self.job.plan.memory.pod_limit if self.job else 0,
         }
@@ -176,16 +187,46 @@ def run_batch(
     start = time.perf_counter()
     summary = BatchSummary([ItemResult(item) for item in items], items_in_flight=items_in_flight)
     _plan_all(summary, spec_for, backend, constants, fail_fast)
-    hooks.on_planned(summary)
     runnable = [r for r in summary.results if r.job is not None and r.status == NOT_RUN]
+    plans = [r.job.plan for r in runnable if r.job is not None]
+    if plans and summary.sizing is not None and summary.sizing.job is not None:
+        summary.items_in_flight = fitting_in_flight(items_in_flight, summary.sizing.job.plan, plans, summary)
+    hooks.on_planned(summary)
     if runnable and not (fail_fast and summary.count(REFUSED)):
         assert summary.sizing is not None and summary.sizing.job is not None
+        in_flight = summary.items_in_flight
         with ExitStack() as stack:
             _Flight(backend, summary.sizing.job.plan, stack, summary, hooks, metrics).run(
-                runnable, items_in_flight, fail_fast
+                runnable, in_flight, fail_fast, (in_flight - 1) * beside_allowance(plans)
             )
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def beside_allowance(plans: Sequence[Plan]) -> int:
+    """What one item may hold on a worker between its slabs while another item's slab runs there:
+    ``ITEM_BESIDE_BASE``, and the largest chunk cache an item's open dataset keeps (at least the
+    1 MiB every dataset is opened with, times the planner's filtered-cache factor, glibc's: the
+    larger)."""
+    factor = DEFAULT_CONSTANTS.hdf5_filtered_cache_factor_glibc
+    return ITEM_BESIDE_BASE + int(factor * max((max(p.hdf5_cache_bytes, 1 << 20) for p in plans), default=0))
+
+
+def fitting_in_flight(asked: int, cluster: Plan, plans: Sequence[Plan], summary: BatchSummary) -> int:
+    """``asked``, or 1 where what the other items hold (``beside_allowance``) would not fit under
+    the workers' terminate threshold above the largest plan: Dask would then restart a worker
+    that is only doing what was asked (a notice says so)."""
+    if asked <= 1:
+        return asked
+    extra = (asked - 1) * beside_allowance(plans)
+    room = int(cluster.memory.thresholds.terminate * cluster.memory.memory_limit) - cluster.memory.predicted_peak
+    if extra <= room:
+        return asked
+    summary.notices.append(
+        f"Items run one at a time: {asked - 1} more item(s) in flight would hold {extra / MiB:.0f} MiB per worker "
+        f"(their open HDF5 chunk caches), above the {room / MiB:.0f} MiB the workers keep below Dask's terminate threshold."
+    )
+    return 1
 
 
 def _plan_all(
@@ -254,6 +295,7 @@ class _Flight:
         self.backend, self.plan, self.stack, self.summary, self.hooks = backend, plan, stack, summary, hooks
         self.metrics = metrics
         self.session: Session | None = None
+        self.beside_bytes = 0  # run() sets it
         #: From the items' threads to this one: ("start", _Reply), ("ended", result), ("crashed", exc).
         self._messages: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._start_lock = threading.Lock()
@@ -265,7 +307,9 @@ class _Flight:
         self._on_cluster: set[ItemResult] = set()
         self._peaks: dict[ItemResult, dict[str, int]] = {}
 
-    def run(self, runnable: Sequence[ItemResult], items_in_flight: int, fail_fast: bool) -> None:
+    def run(self, runnable: Sequence[ItemResult], items_in_flight: int, fail_fast: bool, beside_bytes: int) -> None:
+        """``beside_bytes``: what the other items in flight may hold on a worker (``beside_allowance``)."""
+        self.beside_bytes = beside_bytes
         waiting = iter(runnable)
 
         def launch() -> bool:
@@ -340,6 +384,7 @@ class _Flight:
             self._take_peaks()
             self.running.remove(result)
             result.beside = [other for other in self._overlapped.pop(result) if other in self._on_cluster]
+            result.beside_bytes = self.beside_bytes if result.beside else 0
             peaks = self._peaks.pop(result, {})
             if result in self._on_cluster and self.session is not None and result.job is not None:
                 try:
