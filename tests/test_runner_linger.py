@@ -12,7 +12,7 @@ import pytest
 
 from h5ngff.engine.progress import Progress
 from h5ngff.metrics.exporter import MetricsExporter
-from h5ngff.operator.runner_cmd import DEFAULT_METRICS_LINGER, metrics_linger
+from h5ngff.operator.runner_metrics import DEFAULT_METRICS_LINGER, metrics_linger
 
 
 @pytest.mark.slow

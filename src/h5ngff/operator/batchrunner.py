@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 from ..batch.items import BatchItem
 from ..batch.run import COMPLETE, DONE, BatchHooks, BatchSummary, ItemResult, run_batch
@@ -23,12 +23,10 @@ from ..spec import ConversionSpec
 from ..engine.progress import Listener
 from .attempt import ProgressForwarder
 from .batchspec import BATCH_PLURAL, ITEMS_ENV, RESUME_ENV, ConversionBatchSpec, PlannedItem, parse_batch_spec
-from .manifests import METRICS_PORT_ENV, SPEC_ENV
+from .manifests import SPEC_ENV
 from .reporter import StatusReporter
+from .runner_metrics import metrics_linger, runner_exporter
 from .status import now, result_summary
-
-if TYPE_CHECKING:  # prometheus-client loads only where metrics are served
-    from ..metrics.exporter import MetricsExporter
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +80,9 @@ class Args(Protocol):
 A = TypeVar("A", bound=Args)
 
 
-def main(
-    args: A, backend_for: Callable[[A, ConversionBatchSpec], Any], metrics_linger: Callable[[], float] = lambda: 0.0
-) -> int:
+def main(args: A, backend_for: Callable[[A, ConversionBatchSpec], Any]) -> int:
     """``backend_for``: runner_cmd.runner_backend, the one backend factory of a runner (it gives a
-    backends.base.Backend; this module stays off h5ngff.backends, as the operator's modules do).
-    ``metrics_linger``: runner_cmd's, how long the metrics stay up for a final scrape."""
+    backends.base.Backend; this module stays off h5ngff.backends, as the operator's modules do)."""
     reporter = StatusReporter(args.namespace, args.name, plural=BATCH_PLURAL)
     run_ids = _ids(ITEMS_ENV)
 
@@ -154,7 +149,8 @@ def main(
             on_item=lambda r: report({item_id(r): item_report(args.attempt, r)}),
         )
         items = [p.item for p in chosen]
-        metrics = _exporter(items)
+        outputs = [item.output for item in items]
+        metrics = runner_exporter(lambda exporter, port: exporter.for_batch(outputs, port))
         try:
             specs: Callable[[BatchItem], ConversionSpec] = spec_for
             if metrics is not None and metrics.batch is not None:
@@ -175,21 +171,6 @@ def main(
         return 0 if summary.ok else _first_failure(summary)
     finally:
         reporter.close()
-
-
-def _exporter(items: list[BatchItem]) -> MetricsExporter | None:
-    """The batch's Prometheus exporter when the runner Job asks for one (the operator sets the
-    port and the labels): its items by state and the job and worker series of its items."""
-    port = os.environ.get(METRICS_PORT_ENV)
-    if not port:
-        return None
-    from ..metrics.exporter import MetricsExporter
-
-    try:
-        return MetricsExporter.for_batch([item.output for item in items], int(port))
-    except H5ngffError as exc:  # metrics are worth a warning, never a failed batch
-        log.warning("No Prometheus metrics for this attempt: %s", exc)
-        return None
 
 
 def _first_failure(summary: BatchSummary) -> int:

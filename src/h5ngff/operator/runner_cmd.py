@@ -26,21 +26,17 @@ from ..runner import Linger
 from ..units import parse_bytes
 from .attempt import AttemptOptions, run_attempt
 from .batchspec import BATCH_KIND, KIND_ENV
-from .manifests import BACKEND_ENV, METRICS_PORT_ENV, SPEC_ENV
+from .manifests import BACKEND_ENV, SPEC_ENV
 from .reporter import StatusReporter
+from .runner_metrics import metrics_linger, runner_exporter
 from .status import now, runner_report
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
-    from ..metrics.exporter import MetricsExporter
 
 log = logging.getLogger(__name__)
 
 POD_LIMIT_ENV = "H5NGFF_POD_LIMIT"
-#: Seconds the runner keeps its metrics endpoint up after the attempt, until Prometheus has
-#: scraped the final values once: two of the Helm chart's 15 s PodMonitor intervals by default.
-METRICS_LINGER_ENV = "H5NGFF_METRICS_LINGER"
-DEFAULT_METRICS_LINGER = 30.0
 
 
 @dataclass(frozen=True)
@@ -90,25 +86,11 @@ def runner_backend(args: RunnerArgs, spec: ConversionJobSpec) -> Backend:
     return make_backend(kind, options)
 
 
-def _exporter(spec: ConversionJobSpec) -> MetricsExporter | None:
-    """The job's Prometheus exporter when the runner Job asks for one (the operator sets the port)."""
-    port = os.environ.get(METRICS_PORT_ENV)
-    if not port:
-        return None
-    from ..metrics.exporter import MetricsExporter
-
-    try:
-        return MetricsExporter.for_spec(spec.conversion(), int(port))
-    except H5ngffError as exc:  # metrics are worth a warning, never a failed conversion
-        log.warning("No Prometheus metrics for this attempt: %s", exc)
-        return None
-
-
 def main(args: RunnerArgs) -> int:
     if os.environ.get(KIND_ENV) == BATCH_KIND:  # a ConversionBatch's attempt (operator/batchrunner.py)
         from .batchrunner import main as batch_main
 
-        return batch_main(args, runner_backend, metrics_linger)
+        return batch_main(args, runner_backend)
     reporter = StatusReporter(args.namespace, args.name)
     try:
         try:
@@ -120,7 +102,7 @@ def main(args: RunnerArgs) -> int:
         log.info(
             "attempt %d of ConversionJob %s/%s on the %s backend", args.attempt, args.namespace, args.name, backend.name
         )
-        metrics = _exporter(spec)
+        metrics = runner_exporter(lambda exporter, port: exporter.for_spec(spec.conversion(), port))
         # The outcome's patch is final: the reporter delivers it before the metrics linger.
         linger = Linger(metrics_linger(), until_scraped=True) if metrics is not None else Linger()
         result = run_attempt(spec, backend, reporter, args.attempt, AttemptOptions(metrics=metrics, linger=linger))
@@ -128,14 +110,3 @@ def main(args: RunnerArgs) -> int:
         return result.exit_code
     finally:
         reporter.close()
-
-
-def metrics_linger() -> float:
-    text = os.environ.get(METRICS_LINGER_ENV)
-    try:
-        return float(text) if text else DEFAULT_METRICS_LINGER
-    except ValueError:
-        log.warning(
-            "$%s=%r is not a number of seconds; lingering %.0f s", METRICS_LINGER_ENV, text, DEFAULT_METRICS_LINGER
-        )
-        return DEFAULT_METRICS_LINGER
