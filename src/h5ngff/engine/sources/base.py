@@ -169,26 +169,28 @@ def close_files_of(conversion: str) -> None:
             readers.discard(conversion)
         for path in done:
             del _readers[path]
-            for key in [k for k in _datasets if k[0] == path]:
-                del _datasets[key]
-            f = _files.pop(path, None)
-            if f is not None:
-                try:
-                    f.close()
-                except Exception:
-                    pass
+            _close(path)
 
 
 def close_files() -> None:
     """Close every cached HDF5 file of this process (tests that rewrite a file they have read)."""
-    _datasets.clear()
-    _readers.clear()
-    for f in _files.values():
+    with _readers_lock:
+        _readers.clear()
+        for path in list(_files):
+            _close(path)
+        _datasets.clear()
+
+
+def _close(path: str) -> None:
+    """Close one cached file and drop its open datasets."""
+    for key in [k for k in _datasets if k[0] == path]:
+        del _datasets[key]
+    f = _files.pop(path, None)
+    if f is not None:
         try:
             f.close()
         except Exception:
             pass
-    _files.clear()
 
 
 @dataclass(frozen=True)
