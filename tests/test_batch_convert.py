@@ -19,7 +19,6 @@ import pytest
 import zarr
 
 from conftest import smooth, write_h5
-from h5ngff.backends.diagnostics import reset_peak_rss
 from h5ngff.backends.local import LocalBackend
 from h5ngff.batch import run as batch_run
 from h5ngff.batch.items import batch_items
@@ -253,7 +252,7 @@ def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monk
     # one holds the big one's slab buffers and goes over its own plan.
     for item in items[1:]:
         _remove(item.output)
-    monkeypatch.setattr(batch_run, "_item_ended", lambda conversion: reset_peak_rss())
+    monkeypatch.setattr(batch_run, "end_of_conversion", lambda conversion: None)
     leaky = run_batch(
         [BatchItem(items[0].source, items[0].path, str(runs / "again.ome.zarr")), *items[1:]],
         spec_for,
@@ -266,7 +265,7 @@ def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monk
     ]
 
 
-def test_two_items_in_flight_share_the_workers_under_the_larger_plan(runs):
+def test_two_items_in_flight_share_the_workers_under_the_larger_plan(runs, monkeypatch):
     """Two items at once (the default): the small ones run beside the big one, and each item's
     busiest worker stays under the larger plan of what ran with it plus what the other item holds
     between its slabs. The outputs are the same bytes as one at a time."""
@@ -277,6 +276,12 @@ def test_two_items_in_flight_share_the_workers_under_the_larger_plan(runs):
     assert [r.status for r in summary.results] == [DONE, DONE, DONE]
     big, b_small, _ = summary.results
     assert b_small in big.beside and big in b_small.beside  # they did run at once
+    # Each item was planned to share the threads: one pass (its file read once), where alone the
+    # big one would take more (the negative control).
+    for r in summary.results:
+        assert [p.levels for p in r.job.plan.passes] == [tuple(range(len(r.job.plan.levels)))], r.item.source
+    alone = run_batch([items[0]], spec_for, CountingBackend())  # complete already: planned, not run
+    assert alone.items_in_flight == 2 and len(alone.results[0].job.plan.passes) > 1
     plans = [r.job.plan for r in summary.results]
     assert b_small.beside_bytes == batch_run.beside_allowance(plans) >= batch_run.ITEM_BESIDE_BASE
     assert b_small.peak_bound == big.predicted_peak + b_small.beside_bytes > b_small.predicted_peak
@@ -289,6 +294,11 @@ def test_two_items_in_flight_share_the_workers_under_the_larger_plan(runs):
     huge = [dataclasses.replace(p, hdf5_cache_bytes=1 << 30) for p in plans]
     told = batch_run.BatchSummary([])
     assert batch_run.fitting_in_flight(2, cluster, huge, told) == 1 and "one at a time" in told.notices[0]
+    # Run one at a time for that reason, the items are planned again to fill the threads alone.
+    monkeypatch.setattr(batch_run, "ITEM_BESIDE_BASE", 1 << 30)
+    fallback = run_batch(items, spec_for, CountingBackend())
+    assert fallback.items_in_flight == 1 and any("one at a time" in n for n in fallback.notices)
+    assert len(fallback.results[0].job.plan.passes) > 1
     one_by_one = [BatchItem(i.source, i.path, str(runs / "serial" / Path(i.output).name)) for i in items]
     run_batch(one_by_one, spec_for, CountingBackend(), items_in_flight=1)
     for two, one in zip(items, one_by_one):

@@ -623,3 +623,44 @@ def test_a_budget_too_small_for_uploads_in_flight_puts_one_at_a_time_and_says_so
     # The user's own depth is kept: the refusal names it as a knob instead.
     with pytest.raises(BudgetTooSmallError, match="uploads_in_flight"):
         make_plan(HEADLINE, bucket(between, uploads_in_flight="6"), MACHINE)
+
+
+# --- conversions that share the cluster (a batch's items in flight) ------------------------------
+
+
+def test_an_item_beside_others_is_one_pass_of_one_slab_where_alone_it_is_several():
+    """A 50 MB image on 2 workers: alone, the plan cuts it into slabs for both threads and leaves
+    the lower levels to later passes (each re-reads the level above); beside another item, which
+    fills the other thread, it reads the file once and builds the whole pyramid in memory."""
+    ds = DatasetInfo((64, 442, 442), "<f4", 4)
+    s = spec(output={"chunks": [64, 64, 64], "compressor": HEADLINE_COMPRESSOR}, resources={"workers": 2})
+    alone = make_plan(ds, s, MACHINE)
+    beside = make_plan(ds, s, MACHINE, at_once=2)
+    for plan in (alone, beside):
+        check_plan(plan, ds, s, MACHINE)
+    assert [lv.shape for lv in beside.levels] == [lv.shape for lv in alone.levels] and len(alone.levels) == 4
+    assert len(alone.passes) > 1 and alone.n_tasks > 2  # the negative control
+    assert len(beside.passes) == 1 and beside.n_tasks == 1
+    assert beside.passes[0].slab == ds.shape and beside.passes[0].levels == (0, 1, 2, 3)
+    # Its memory is priced for the whole slab: more than alone, and still checked by the oracle.
+    assert beside.memory.predicted_peak > alone.memory.predicted_peak
+    # A share is of the threads: 8 threads beside one other item still want 4 slabs.
+    wide = make_plan(
+        DatasetInfo((256, 1024, 1024), "<f4", 4),
+        s.model_copy(update={"resources": s.resources.model_copy(update={"workers": 8})}),
+        BIG,
+        at_once=2,
+    )
+    assert wide.passes[0].grid[0] * wide.passes[0].grid[1] * wide.passes[0].grid[2] >= 4
+    with pytest.raises(ValueError, match="at_once"):
+        make_plan(ds, s, MACHINE, at_once=0)
+
+
+def test_a_user_slab_is_not_grown_for_more_levels_beside_other_items():
+    """``resources.slab`` re-aligned up to build more levels in one pass is only done to keep every
+    thread busy, in a batch as alone: the slab asked for is what the user's memory allows."""
+    ds = DatasetInfo((32, 96, 80), "<f4", 4)
+    s = spec(output={"chunks": [16, 64, 64]}, pyramid={"levels": 2}, resources={"workers": 2, "slab": [16, 96, 80]})
+    for at_once in (1, 2):
+        plan = make_plan(ds, s, MACHINE, at_once=at_once)
+        assert plan.passes[0].slab == (16, 96, 80) and plan.passes[0].levels == (0,), at_once

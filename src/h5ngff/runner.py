@@ -58,8 +58,11 @@ class PlannedJob:
     notices: list[str] = field(default_factory=list)
 
 
-def plan_job(spec: ConversionSpec, backend: Backend, constants: MemoryConstants = DEFAULT_CONSTANTS) -> PlannedJob:
-    """Inspect the source (metadata only) and plan the conversion for ``backend``."""
+def plan_job(
+    spec: ConversionSpec, backend: Backend, constants: MemoryConstants = DEFAULT_CONSTANTS, at_once: int = 1
+) -> PlannedJob:
+    """Inspect the source (metadata only) and plan the conversion for ``backend``, sharing its
+    threads with ``at_once - 1`` other conversions (a batch's items in flight)."""
     opened = open_source(spec)
     dataset, identity = opened.info, opened.identity
     allocator = resolve_allocator(spec.resources.allocator)
@@ -69,7 +72,7 @@ def plan_job(spec: ConversionSpec, backend: Backend, constants: MemoryConstants 
             "resources.allocator is jemalloc but libjemalloc.so.2 is not installed here; workers use glibc (apt-get install libjemalloc2)."
         )
     spec = backend.fit(spec)
-    plan = make_plan(dataset, spec, backend.capacity(), constants, allocator)
+    plan = make_plan(dataset, spec, backend.capacity(), constants, allocator, at_once)
     return PlannedJob(spec, dataset, identity, plan, notices + list(plan.notices))
 
 
@@ -208,10 +211,12 @@ def execute(
             metrics.linger(linger.seconds, until_scraped=linger.until_scraped)
 
 
-def prepare_job(spec: ConversionSpec, backend: Backend, constants: MemoryConstants = DEFAULT_CONSTANTS) -> PlannedJob:
+def prepare_job(
+    spec: ConversionSpec, backend: Backend, constants: MemoryConstants = DEFAULT_CONSTANTS, at_once: int = 1
+) -> PlannedJob:
     """Plan, and refuse what would fail later, before anything is shown or started (steps 1 to 3
-    of ``execute``; a batch takes them for each of its items)."""
-    job = plan_job(spec, backend, constants)
+    of ``execute``; a batch takes them for each of its items, ``at_once`` of them in flight)."""
+    job = plan_job(spec, backend, constants, at_once)
     refuse_if_held(job.spec.output.path)  # another run writing it: refused before the plan is shown
     check_output(job.plan, job.spec, job.source)  # a conflicting output: refused before the plan and the cluster
     job.notices.extend(backend.describe(job.spec, job.plan).notices)

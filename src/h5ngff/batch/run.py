@@ -10,7 +10,9 @@ Why two items at once: an item's passes run one after the other, and its lower l
 one slab each, so one item alone leaves most workers idle for much of its time; the next item's
 slabs fill them. Every item is planned for the same workers and threads, and a worker runs one
 slab per thread whatever item it belongs to, so a worker never holds more than the largest plan
-among the items in flight counts (``ItemResult.peak_bound``).
+among the items in flight counts (``ItemResult.peak_bound``). Each item is planned to fill only
+its share of the threads (``make_plan``'s ``at_once``), so a small item is one pass of one slab:
+its file read once and its whole pyramid built in memory, as the physical limit does.
 """
 
 from __future__ import annotations
@@ -186,11 +188,18 @@ def run_batch(
     hooks = hooks or BatchHooks()
     start = time.perf_counter()
     summary = BatchSummary([ItemResult(item) for item in items], items_in_flight=items_in_flight)
-    _plan_all(summary, spec_for, backend, constants, fail_fast)
-    runnable = [r for r in summary.results if r.job is not None and r.status == NOT_RUN]
-    plans = [r.job.plan for r in runnable if r.job is not None]
+    at_once = min(items_in_flight, len(items))
+    _plan_all(summary, spec_for, backend, constants, fail_fast, at_once)
+    runnable, plans = _runnable(summary)
     if plans and summary.sizing is not None and summary.sizing.job is not None:
-        summary.items_in_flight = fitting_in_flight(items_in_flight, summary.sizing.job.plan, plans, summary)
+        fitted = fitting_in_flight(at_once, summary.sizing.job.plan, plans, summary)
+        if fitted < at_once:  # planned to share the threads with items that will not run beside
+            told = summary.notices
+            summary.results, summary.sizing = [ItemResult(item) for item in items], None
+            _plan_all(summary, spec_for, backend, constants, fail_fast, fitted)
+            summary.notices = sorted({*summary.notices, *told})
+            runnable, plans = _runnable(summary)
+            summary.items_in_flight = fitted
     hooks.on_planned(summary)
     if runnable and not (fail_fast and summary.count(REFUSED)):
         assert summary.sizing is not None and summary.sizing.job is not None
@@ -229,18 +238,25 @@ def fitting_in_flight(asked: int, cluster: Plan, plans: Sequence[Plan], summary:
     return 1
 
 
+def _runnable(summary: BatchSummary) -> tuple[list[ItemResult], list[Plan]]:
+    runnable = [r for r in summary.results if r.job is not None and r.status == NOT_RUN]
+    return runnable, [r.job.plan for r in runnable if r.job is not None]
+
+
 def _plan_all(
     summary: BatchSummary,
     spec_for: Callable[[BatchItem], ConversionSpec],
     backend: Backend,
     constants: MemoryConstants,
     fail_fast: bool,
+    at_once: int,
 ) -> None:
-    """Plan each item as one conversion would (same refusals), then make every plan fit the one
-    cluster: the same workers and threads as the largest plan, whose pod limit covers them all."""
+    """Plan each item as one conversion would (same refusals), sharing the threads with the
+    ``at_once - 1`` others in flight, then make every plan fit the one cluster: the same workers
+    and threads as the largest plan, whose pod limit covers them all."""
     for result in summary.results:
         try:
-            result.job = prepare_job(spec_for(result.item), backend, constants)
+            result.job = prepare_job(spec_for(result.item), backend, constants, at_once)
         except H5ngffError as exc:
             result.status, result.error = REFUSED, exc
             if fail_fast:
@@ -259,7 +275,9 @@ def _plan_all(
                 update={"workers": cluster.workers, "threads_per_worker": cluster.threads_per_worker}
             )
             try:
-                result.job = prepare_job(job.spec.model_copy(update={"resources": resources}), backend, constants)
+                result.job = prepare_job(
+                    job.spec.model_copy(update={"resources": resources}), backend, constants, at_once
+                )
             except H5ngffError as exc:
                 result.job, result.status, result.error = None, REFUSED, exc
     for result in planned:
@@ -381,16 +399,20 @@ class _Flight:
 
     def _end(self, result: ItemResult) -> None:
         with self.lock:
+            if result in self._on_cluster and self.session is not None and result.job is not None:
+                # Its buffers and files go first: a high-water mark is not lowered by a free, so
+                # the peak taken next is still the item's, and the mark starts again from what is
+                # left, so the items after it are not charged with memory it held. (A function of
+                # the engine's: one defined here would make every worker import the runner.)
+                try:
+                    self.session.client.run(end_of_conversion, result.job.spec.output.path)
+                except Exception:  # a dying cluster: the next item's run says so
+                    log.warning("Could not release %s's buffers on the workers.", result.item.output, exc_info=True)
             self._take_peaks()
             self.running.remove(result)
             result.beside = [other for other in self._overlapped.pop(result) if other in self._on_cluster]
             result.beside_bytes = self.beside_bytes if result.beside else 0
             peaks = self._peaks.pop(result, {})
-            if result in self._on_cluster and self.session is not None and result.job is not None:
-                try:
-                    self.session.client.run(_item_ended, result.job.spec.output.path)
-                except Exception:  # a dying cluster: the next item's run says so
-                    log.warning("Could not release %s's buffers on the workers.", result.item.output, exc_info=True)
         if result.summary is not None:
             for worker in result.summary.workers:
                 worker.peak_rss = max(worker.peak_rss, peaks.get(worker.name, 0))
@@ -416,14 +438,6 @@ class _Flight:
     def newest(self) -> ItemResult | None:
         """The item that started last among those running: the one the metrics show."""
         return self.running[-1] if self.running else None
-
-
-def _item_ended(conversion: str) -> None:
-    """On each worker, as an item ends (its peak already taken): its buffers and files go, then
-    the high-water mark starts again from what is left, so the items after it are not charged
-    with memory it held."""
-    end_of_conversion(conversion)
-    reset_peak_rss()
 
 
 class _Reply:

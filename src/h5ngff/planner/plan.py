@@ -3,7 +3,9 @@
 The plan is a sequence of passes. Pass 0 streams the HDF5 dataset in slabs and writes level 0
 and as many pyramid levels as a slab can hold; each later pass streams the last written level and
 builds the next ones. Slabs are as large as the memory budget allows, capped so that every
-thread has work and no slab is absurdly large.
+thread has work and no slab is absurdly large. Where other conversions share the cluster's threads
+(a batch's items in flight), each plan fills only its share of them, and leaves its idle tail to
+the others: small items then take one pass and one slab each, as a whole file read once.
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ class _Context:
     object_store: bool = False
     #: PUTs each thread keeps in flight (object stores; upload_depth_for).
     upload_depth: int = 0
+    #: Conversions that share the cluster's threads at once (a batch's items in flight).
+    at_once: int = 1
+
+    @property
+    def fill_threads(self) -> int:
+        """The threads this conversion must keep busy: all of them alone, else its share."""
+        return -(-self.total_threads // self.at_once)
 
     @property
     def itemsize(self) -> int:
@@ -97,8 +106,12 @@ def make_plan(
     capacity: Capacity,
     constants: MemoryConstants = DEFAULT_CONSTANTS,
     allocator: str = "jemalloc",
+    at_once: int = 1,
 ) -> Plan:
-    """Plan a conversion. ``allocator`` is what the workers will run with (after ``auto``)."""
+    """Plan a conversion. ``allocator`` is what the workers will run with (after ``auto``).
+    ``at_once``: conversions that will share the cluster's threads (a batch's items in flight)."""
+    if at_once < 1:
+        raise ValueError(f"at_once must be 1 or more, not {at_once}")
     _check_dataset(ds)
     axes = resolve_axes(spec, ds)
     scale, units = resolve_scale_units(spec, ds, axes)
@@ -125,6 +138,7 @@ def make_plan(
             _uses_zstd(spec),
             url_scheme(spec.output.path) is not None,
             depth,
+            at_once,
         )
         return _plan_worker(ctx, [lv.shape for lv in levels], spec.resources.slab)
 
@@ -380,6 +394,8 @@ def _plan_one_pass(
             fits = _fits(ctx, from_hdf5, base, built, not align_storage)
             if user_slab is not None:
                 slab, realigned = _user_slab(user_slab, step, src_shape)
+                # All the threads, even beside other items: a slab re-aligned up for more levels
+                # is larger than the one asked for, so only parallelism may justify it.
                 if not last_chance and math.prod(grid_shape(src_shape, slab)) < min(
                     ctx.total_threads, _most_slabs(user_slab, src_shape)
                 ):
@@ -434,10 +450,14 @@ def _slabs_wanted(ctx: _Context, built: int, from_hdf5: bool) -> int:
     Leaving a level to a later pass costs re-reading the level below it. For the first level
     built from HDF5 that is the whole volume again, so any pass that keeps every thread busy is
     worth it. For deeper levels the re-read is 1/8 of that or less, cheaper than the idle tail of
-    a pass with few, large slabs, so those need the planner's full share of slabs per thread."""
-    if from_hdf5 and built <= 1:
-        return ctx.total_threads
-    return SLABS_PER_THREAD * ctx.total_threads
+    a pass with few, large slabs, so those need the planner's full share of slabs per thread.
+
+    Where other conversions run beside this one, a pass's idle tail is theirs to fill: filling its
+    share of the threads is enough for every level, and each level re-read (a pass, its tasks and
+    the decode of what was just encoded) is work saved (docs/batch.md, "One pass per item")."""
+    if ctx.at_once > 1 or (from_hdf5 and built <= 1):
+        return ctx.fill_threads
+    return SLABS_PER_THREAD * ctx.fill_threads
 
 
 def _acceptable(
@@ -471,7 +491,7 @@ def _whole_rows(
 
 
 def _max_elements(ctx: _Context, src_shape: Shape, min_slab: Shape) -> int:
-    balanced = min(math.prod(src_shape) // (SLABS_PER_THREAD * ctx.total_threads), TARGET_SLAB_BYTES // ctx.itemsize)
+    balanced = min(math.prod(src_shape) // (SLABS_PER_THREAD * ctx.fill_threads), TARGET_SLAB_BYTES // ctx.itemsize)
     balanced = max(balanced, MIN_BALANCED_SLAB_BYTES // ctx.itemsize)
     return max(math.prod(min_slab), min(MAX_SLAB_BYTES // ctx.itemsize, balanced))
 
@@ -581,6 +601,6 @@ def _unaligned_notice(ctx: _Context, because: str) -> str:
         why = "do not fit whole in slabs under this budget"
         fix = "A larger memory budget avoids it."
     else:
-        why = f"are cut by the slabs: whole HDF5 chunks would make slabs above {format_bytes(MAX_SLAB_BYTES)} or fewer than the {ctx.total_threads} threads"
+        why = f"are cut by the slabs: whole HDF5 chunks would make slabs above {format_bytes(MAX_SLAB_BYTES)} or fewer than the {ctx.fill_threads} threads"
         fix = "Fewer workers or threads, or HDF5 chunks closer to the output chunks, avoid it."
     return f"HDF5 chunks {ctx.ds.hdf5_chunks} {why}; some are decompressed more than once. {fix}"
