@@ -664,3 +664,17 @@ def test_a_user_slab_is_not_grown_for_more_levels_beside_other_items():
     for at_once in (1, 2):
         plan = make_plan(ds, s, MACHINE, at_once=at_once)
         assert plan.passes[0].slab == (16, 96, 80) and plan.passes[0].levels == (0,), at_once
+
+
+def test_glibc_workers_are_planned_without_jemalloc_s_share_of_the_baseline():
+    """The interpreter baseline is fitted to jemalloc workers (the image's allocator); glibc
+    workers lack jemalloc's arenas, so their plans are that much lower, and nothing else moves."""
+    s = spec(output={"chunks": [64, 64, 64]}, resources={"workers": 2})
+    ds = DatasetInfo((64, 512, 512), "<u2", 2)
+    je, gl = make_plan(ds, s, MACHINE, allocator="jemalloc"), make_plan(ds, s, MACHINE, allocator="glibc")
+    for plan in (je, gl):
+        check_plan(plan, ds, s, MACHINE)
+    je_terms, gl_terms = ({t.name: t.bytes for t in p.memory.terms} for p in (je, gl))
+    assert je_terms["interpreter"] == DEFAULT_CONSTANTS.interpreter_baseline
+    assert je_terms["interpreter"] - gl_terms["interpreter"] == DEFAULT_CONSTANTS.jemalloc_baseline_share > 0
+    assert [p.slab for p in je.passes] == [p.slab for p in gl.passes]

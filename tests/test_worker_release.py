@@ -95,3 +95,22 @@ def test_a_file_two_conversions_read_stays_open_until_both_have_ended(tmp_path):
     sources.close_files_of("b")
     assert sources._files == {} and sources._datasets == {} and sources._readers == {}
     buffers.release_all()
+
+
+def test_an_ended_conversions_stores_are_forgotten_and_the_others_kept(tmp_path):
+    """A worker caches one store per array it writes (engine.stores.open_store); an item that ends
+    drops its own, so hundreds of items do not leave hundreds of stores behind."""
+    from h5ngff.engine import stores
+    from h5ngff.engine.write.tasks import end_of_conversion
+
+    ended, running = str(tmp_path / "a.ome.zarr"), str(tmp_path / "ab.ome.zarr")
+    for root in (ended, running):
+        for level in ("0", "1"):
+            stores.open_store(f"{root}/{level}")
+    mine = {k for k in stores._open if k[0].startswith(str(tmp_path))}
+    assert len(mine) == 4  # the negative control: cached until told
+    end_of_conversion(ended)
+    left = {k[0] for k in stores._open if k[0].startswith(str(tmp_path))}
+    assert left == {f"{running}/0", f"{running}/1"}  # a path that merely starts alike stays
+    stores.forget_stores(running + "/")
+    assert not any(k[0].startswith(str(tmp_path)) for k in stores._open)

@@ -49,6 +49,10 @@ class MemoryConstants:
     #: docs/memory-model.md) for the locked library versions (requirements/lock.txt): it grows
     #: with them. Measured as the kernel's high-water mark (VmHWM) of the worker.
     interpreter_baseline: int = 102 * MiB
+    #: jemalloc's own share of ``interpreter_baseline`` (its arenas' metadata and retained pages),
+    #: which glibc workers do not have: the implied baselines of the glibc matrices measured 3-5
+    #: MiB below the jemalloc ones case by case (docs/memory-model.md, "Calibration, round four").
+    jemalloc_baseline_share: int = 4 * MiB
     #: Per thread: a zstd compression context (level 5, window ~1 MiB, hash tables), which blosc
     #: and numcodecs keep alive between chunks; other codecs need about 1 MiB.
     codec_context_zstd: int = 6 * MiB
@@ -193,7 +197,9 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
     slab_bytes = shape.slab_elements * shape.itemsize
     terms = [
         MemoryTerm(
-            "interpreter", c.interpreter_baseline, "Python, Dask worker, numpy, h5py, zarr and codecs once imported"
+            "interpreter",
+            c.interpreter_baseline - (0 if allocator == "jemalloc" else c.jemalloc_baseline_share),
+            "Python, Dask worker, numpy, h5py, zarr and codecs once imported",
         ),
         MemoryTerm("slab buffers", T * slab_bytes, f"{T} slab(s) in flight x {slab_bytes / MiB:.1f} MiB, read once"),
     ]

@@ -23,7 +23,16 @@ from .base import Store, StoreRetries, store_retries
 from .local import LocalStore
 from .options import validate
 
-__all__ = ["Store", "LocalStore", "StoreRetries", "store_retries", "open_store", "is_url", "split_url"]
+__all__ = [
+    "Store",
+    "LocalStore",
+    "StoreRetries",
+    "store_retries",
+    "open_store",
+    "forget_stores",
+    "is_url",
+    "split_url",
+]
 
 _lock = threading.Lock()
 _open: dict[tuple[str, tuple[tuple[str, str], ...]], Store] = {}
@@ -54,6 +63,16 @@ def open_store(path: str, options: Mapping[str, str] | None = None) -> Store:
                 store = LocalStore(path)
             _open[key] = store
         return store
+
+
+def forget_stores(path: str) -> None:
+    """Drop the stores at ``path`` and under it (its levels' arrays; any options) from the cache:
+    a batch's worker converts hundreds of outputs, and each one ended would otherwise keep its
+    stores (and a bucket's clients) for the worker's life. A later ``open_store`` opens afresh."""
+    root = path.rstrip("/")
+    with _lock:
+        for key in [k for k in _open if k[0] == root or k[0].startswith(root + "/")]:
+            del _open[key]
 
 
 def _s3_store_class() -> Any:

@@ -21,7 +21,7 @@ from .downsample import downsample, output_shape
 from .checksums import FileChecksums
 from .manifest import SlabRecord
 from ..sources.base import SlabSource, close_files_of
-from ..stores import store_retries
+from ..stores import forget_stores, store_retries
 from .window import SampledHistogram, histogram_key, write_histogram
 
 
@@ -108,11 +108,12 @@ class _MinMax:
 
 def end_of_conversion(conversion: str) -> None:
     """On each worker, once one of a batch's items has ended (none of its slabs runs any more),
-    while the next items may already run: its slab and level buffers go, and the HDF5 files
-    (with their chunk caches) that no item still running reads. The items after it then hold
-    what their own plans count, not a larger item's buffers on top."""
+    while the next items may already run: its slab and level buffers go, the HDF5 files (with
+    their chunk caches) that no item still running reads, and its output's stores. The items
+    after it then hold what their own plans count, not a larger item's buffers on top."""
     release_conversion(conversion)  # no gc.collect: buffers and files are freed by refcount, and
     close_files_of(conversion)  # a full collection costs a worker 20-30 ms per item
+    forget_stores(conversion)  # the conversion is named by its output's path
     give_back_freed_memory()
 
 
