@@ -60,9 +60,10 @@ def test_the_direct_chunk_path_is_priced_without_a_chunk_cache(allocator):
     assert _hdf5_term(direct).bytes == c.hdf5_internal + direct.threads_per_worker * 2 * chunk
     assert "libdeflate" in _hdf5_term(direct).why
     # The issue measured a busiest worker of 144.0 MiB on this plan (libdeflate): 247.9 MiB
-    # predicted was 1.72x; the prediction must now be within 1.15x and still above it.
+    # predicted was 1.72x; the prediction must now be within 1.15x and still above it. The
+    # filter path itself measured 245-250 MiB (round four): its plan must stay above that.
     if allocator == "jemalloc":
-        assert round(filtered.memory.predicted_peak / MiB, 1) == 247.9
+        assert 250.2 * MiB < filtered.memory.predicted_peak <= 1.15 * 245.3 * MiB
         assert 144.0 * MiB <= direct.memory.predicted_peak <= 1.15 * 144.0 * MiB
     assert direct.memory.pod_limit < filtered.memory.pod_limit
 
