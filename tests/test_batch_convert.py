@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zarr
+from distributed import Client
 
 from conftest import smooth, write_h5
 from h5ngff.backends.local import LocalBackend
@@ -230,9 +232,22 @@ def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monk
     item's buffers when it ends."""
     items, spec_for = _specs(runs, {"a_big": (64, 512, 512), "b_small": (16, 128, 128), "c_small": (16, 128, 128)})
     backend = CountingBackend()
+    broadcasts: Counter[str] = Counter()
+    run = Client.run
+
+    def counted(self, function, *args, **kwargs):
+        broadcasts[function.__name__] += 1
+        return run(self, function, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "run", counted)
     summary = run_batch(items, spec_for, backend, items_in_flight=1)
     assert [r.status for r in summary.results] == [DONE, DONE, DONE]
     assert backend.starts == summary.cluster_starts == 1
+    # The flight's own round trips to every worker: one at the cluster's start, then one per item
+    # (its release and the marks together), not one at each item's start and two at its end.
+    assert broadcasts["reset_peak_rss"] == 1 and broadcasts["take_peak_rss"] == 3, broadcasts
+    assert broadcasts["end_of_conversion"] == 0, broadcasts
+    monkeypatch.setattr(Client, "run", run)
     assert summary.sizing is summary.results[0]
     big, small = summary.results[0].job.plan, summary.results[1].job.plan
     assert small.memory.predicted_peak < big.memory.predicted_peak and small.workers == big.workers

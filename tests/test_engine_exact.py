@@ -183,3 +183,23 @@ def test_comparison_catches_a_wrong_level(tmp_path, convert):
     convert(spec_for(h5, out, output={"chunks": [4, 8, 8]}, pyramid={"levels": 2, "method": "max"}))
     with pytest.raises(AssertionError):
         assert_pyramid(out, data, (True, True, True), "mean", 2)
+
+
+def test_the_run_builds_its_tasks_on_the_planning_inspection_s_reader(tmp_path, convert, monkeypatch):
+    """The source is opened once on the client: the slab tasks are built on the reader the plan's
+    inspection made (a batch item spent a third of its client time opening its file again)."""
+    from h5ngff.engine.write import driver
+
+    def opened_again(*args, **kwargs):
+        raise AssertionError("the source was opened again to build the slab tasks")
+
+    monkeypatch.setattr(driver, "slab_source", opened_again)
+    data = smooth((40, 96, 80), "uint16")
+    h5 = write_h5(tmp_path / "in.h5", data, chunks=(8, 32, 32), compression="gzip")
+    out = str(tmp_path / "out.ome.zarr")
+    summary = convert(spec_for(h5, out, pyramid={"levels": 2}))
+    assert summary.status == "Succeeded" and summary.job.reader is not None
+    assert_pyramid(out, data, (True, True, True), "mean", 2)
+    # Negative control: without that reader, building the tasks opens the source again.
+    with pytest.raises(AssertionError, match="opened again"):
+        next(driver.build_tasks(summary.job.plan, summary.job.spec, None, 0))  # type: ignore[arg-type]

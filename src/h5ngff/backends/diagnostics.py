@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from distributed import Client
@@ -156,11 +156,16 @@ def reset_peak_rss(dask_worker: Any = None) -> bool:
         return False
 
 
-def take_peak_rss(dask_worker: Any = None) -> dict[str, Any]:
+def take_peak_rss(dask_worker: Any = None, release: Callable[[], object] | None = None) -> dict[str, Any]:
     """This worker's RSS high-water mark since the last reset, then a reset (``reset_peak_rss``):
     a batch with several items in flight cuts the workers' time into segments at each item's
-    start and end, and each item's peak is the highest of the segments it ran in. A peak that
-    rose and fell between the read and the reset (a few microseconds) would be missed."""
+    end, and each item's peak is the highest of the segments it ran in. A peak that rose and fell
+    between the read and the reset (a few microseconds) would be missed.
+
+    ``release`` runs first, in the same call (one round trip per item): what an ended item frees
+    does not lower the mark read, and the mark starts again from what is left."""
+    if release is not None:
+        release()
     figures = process_memory(dask_worker)
     figures["reset"] = reset_peak_rss()
     return figures

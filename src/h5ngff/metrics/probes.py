@@ -179,10 +179,14 @@ class ClusterPoller:
         self._stop = threading.Event()
 
     @contextmanager
-    def running(self, interval: float = SAMPLE_INTERVAL) -> Iterator["ClusterPoller"]:
-        """Poll at once, every ``interval`` s, and once more at the end while the cluster is up."""
+    def running(self, interval: float = SAMPLE_INTERVAL, at_start: bool = True) -> Iterator["ClusterPoller"]:
+        """Poll at once (unless ``at_start`` is False), every ``interval`` s, and once more at the
+        end while the cluster is up. A batch's item skips the first poll: the cluster was polled
+        as the item before it ended, and a 50 MB item's whole run is a few polls long."""
         self._stop.clear()
-        thread = threading.Thread(target=self._loop, args=(interval,), name="h5ngff-cluster-poller", daemon=True)
+        thread = threading.Thread(
+            target=self._loop, args=(interval, at_start), name="h5ngff-cluster-poller", daemon=True
+        )
         thread.start()
         try:
             yield self
@@ -195,8 +199,9 @@ class ClusterPoller:
                     FINAL_POLL_TIMEOUT,
                 )
 
-    def _loop(self, interval: float) -> None:
-        self._sample()
+    def _loop(self, interval: float, at_start: bool) -> None:
+        if at_start:
+            self._sample()
         while not self._stop.wait(interval):
             self._sample()
         self._sample()  # the final state, while the cluster is still up

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import CancelledError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
@@ -55,14 +55,22 @@ class RunTotals:
     stage_seconds: dict[str, float] = field(default_factory=lambda: {"read": 0.0, "write": 0.0, "downsample": 0.0})
 
 
-def build_tasks(plan: Plan, spec: ConversionSpec, output: Output, pass_index: int) -> Iterator[SlabTask]:
+def build_tasks(
+    plan: Plan, spec: ConversionSpec, output: Output, pass_index: int, reader: SlabSource | None = None
+) -> Iterator[SlabTask]:
+    """The pass's slab tasks. ``reader``: the source's reader from the planning inspection, where
+    the caller has it (else the source is opened again here)."""
     p = plan.passes[pass_index]
     # The steps this pass builds: from the level it reads (0 for the HDF5 source) to its last.
     steps = level_steps(plan.levels)[max(p.source_level, 0) : p.levels[-1]]
     # The first pass reads the HDF5 source; later ones read a level an earlier pass wrote.
     source: SlabSource | ArrayLayout
     if p.source_level == -1:
-        source = slab_source(spec, plan.hdf5_cache_bytes)
+        source = (
+            replace(reader, cache_bytes=plan.hdf5_cache_bytes)
+            if reader is not None
+            else slab_source(spec, plan.hdf5_cache_bytes)
+        )
         src_shape = plan.dataset.shape
     else:
         source = output.layouts[p.source_level]
@@ -104,7 +112,13 @@ def pending_tasks(tasks: Iterable[SlabTask], verified: dict[int, set[str]]) -> t
 
 
 def run_conversion(
-    client: Client, plan: Plan, spec: ConversionSpec, output: Output, events: Broadcast, guard: Guard | None = None
+    client: Client,
+    plan: Plan,
+    spec: ConversionSpec,
+    output: Output,
+    events: Broadcast,
+    guard: Guard | None = None,
+    reader: SlabSource | None = None,
 ) -> RunTotals:
     """Run every pass, then finish the output. Raises the first task error (after cancelling the rest).
 
@@ -114,7 +128,7 @@ def run_conversion(
     start = time.perf_counter()
     level_paths = {layout.level: layout.path for layout in output.layouts}
     verified = output.manifest.verified_units(level_paths) if output.resumed else {}
-    passes = [pending_tasks(build_tasks(plan, spec, output, i), verified) for i in range(len(plan.passes))]
+    passes = [pending_tasks(build_tasks(plan, spec, output, i, reader), verified) for i in range(len(plan.passes))]
     total = plan.n_tasks
     skipped = sum(s for _, s in passes)
     totals.slabs_skipped = skipped
