@@ -267,7 +267,7 @@ def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monk
     # one holds the big one's slab buffers and goes over its own plan.
     for item in items[1:]:
         _remove(item.output)
-    monkeypatch.setattr(batch_run, "end_of_conversion", lambda conversion: None)
+    monkeypatch.setattr(batch_run, "end_of_conversion", lambda conversion, keep=0: None)
     leaky = run_batch(
         [BatchItem(items[0].source, items[0].path, str(runs / "again.ome.zarr")), *items[1:]],
         spec_for,

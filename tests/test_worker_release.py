@@ -72,6 +72,52 @@ def test_a_thread_moving_between_two_items_reuses_its_buffer_until_the_one_that_
     buffers.release_all()
 
 
+def test_an_idle_threads_slab_buffer_stays_for_the_next_item_only_where_every_item_left_counts_it():
+    """A batch's item ends: an idle thread's slab buffer stays as a spare when it holds no more
+    than ``keep`` (the smallest slab any item still to run counts), and the next item's slab takes
+    it instead of new pages; two slabs a few KiB apart share one allocation (whole MiB)."""
+    buffers.release_all()
+    f32, u16 = 5_013_184, 5_000_000  # a float32 slab and a uint16 one of the same 5 MB item size
+    assert buffers.capacity(f32) == buffers.capacity(u16) == 5 << 20
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        ident = threading.get_ident()
+        buffers.working_for("a")
+        a = buffers.slab_buffer((f32,), np.uint8)
+        buffers.done_serving()
+        buffers.release_conversion("a", keep=buffers.capacity(u16))
+        seen["spare"] = buffers._allocated_for.get((ident, 0))
+        buffers.working_for("b")
+        b = buffers.slab_buffer((u16,), np.uint8)
+        seen["shared"] = np.shares_memory(a, b)
+        seen["owner"] = buffers._allocated_for.get((ident, 0))
+        buffers.done_serving()
+        del a, b
+        # Negative control 1: an item still to run counts a smaller slab: the buffer goes.
+        buffers.release_conversion("b", keep=buffers.capacity(1 << 20))
+        seen["after small keep"] = 0 in buffers._by_thread.get(ident, {})
+        # Negative control 2: a thread inside a slab when its item ends keeps nothing of it.
+        buffers.working_for("c")
+        buffers.slab_buffer((u16,), np.uint8)
+        buffers.release_conversion("c", keep=5 << 20)
+        seen["while serving"] = 0 in buffers._by_thread.get(ident, {})
+        # A spare goes too once a later item's end says a smaller slab is left to run.
+        buffers.working_for("d")
+        buffers.slab_buffer((u16,), np.uint8)
+        buffers.done_serving()
+        buffers.release_conversion("d", keep=5 << 20)
+        seen["spare kept"] = 0 in buffers._by_thread.get(ident, {})
+        buffers.release_conversion("e", keep=0)
+        seen["at the last item"] = 0 in buffers._by_thread.get(ident, {})
+
+    _in_thread(work)
+    assert seen["spare"] == buffers.SPARE and seen["shared"] and seen["owner"] == "b", seen
+    assert seen["after small keep"] is False and seen["while serving"] is False, seen
+    assert seen["spare kept"] is True and seen["at the last item"] is False, seen
+    buffers.release_all()
+
+
 def test_a_file_two_conversions_read_stays_open_until_both_have_ended(tmp_path):
     sources.close_files()
     shared = write_h5(tmp_path / "shared.h5", smooth((8, 16, 16), "uint16"))

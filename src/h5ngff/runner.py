@@ -290,7 +290,7 @@ def _convert(
         try:
             with (
                 metrics.attached(poller, job.plan) if metrics is not None else nullcontext(),
-                poller.running(at_start=cluster is None),
+                poller.running(at_start=cluster is None or metrics is not None),
             ):
                 try:
                     summary.totals = run_conversion(

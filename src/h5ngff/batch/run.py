@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..backends.base import Backend, Session
 from ..backends.diagnostics import WorkerReport, reset_peak_rss, take_peak_rss
+from ..engine.buffers import capacity
 from ..engine.progress import Listener, Progress
 from ..engine.write.tasks import end_of_conversion
 from ..errors import H5ngffError, PlanError
@@ -222,6 +223,17 @@ def beside_allowance(plans: Sequence[Plan]) -> int:
     return ITEM_BESIDE_BASE + int(factor * max((max(p.hdf5_cache_bytes, 1 << 20) for p in plans), default=0))
 
 
+def slab_share(plan: Plan) -> int:
+    """The smallest slab buffer one worker thread holds in any of ``plan``'s passes, as the
+    workers allocate it (``engine.buffers.capacity``): a spare buffer no larger is counted by the
+    plan whatever the thread does next."""
+    shares = [
+        sum(t.bytes for t in p.terms if t.name == "slab buffers") // max(plan.threads_per_worker, 1)
+        for p in plan.passes
+    ]
+    return capacity(min(shares, default=0))
+
+
 def fitting_in_flight(asked: int, cluster: Plan, plans: Sequence[Plan], summary: BatchSummary) -> int:
     """``asked``, or 1 where what the other items hold (``beside_allowance``) would not fit under
     the workers' terminate threshold above the largest plan: Dask would then restart a worker
@@ -323,6 +335,8 @@ class _Flight:
         self.lock = threading.Lock()  # the fields below
         #: The items running, in the order they started (the last is the one the metrics show).
         self.running: list[ItemResult] = []
+        #: The items still to start (none once a --fail-fast batch stops).
+        self.pending: list[ItemResult] = []
         self.pollers: dict[ItemResult, tuple[ClusterPoller, Plan]] = {}
         self._overlapped: dict[ItemResult, list[ItemResult]] = {}
         self._on_cluster: set[ItemResult] = set()
@@ -331,10 +345,12 @@ class _Flight:
     def run(self, runnable: Sequence[ItemResult], items_in_flight: int, fail_fast: bool, beside_bytes: int) -> None:
         """``beside_bytes``: what the other items in flight may hold on a worker (``beside_allowance``)."""
         self.beside_bytes = beside_bytes
-        waiting = iter(runnable)
+        with self.lock:
+            self.pending = list(runnable)
 
         def launch() -> bool:
-            result = next(waiting, None)
+            with self.lock:
+                result = self.pending.pop(0) if self.pending else None
             if result is None:
                 return False
             name = f"h5ngff-item-{self.summary.results.index(result)}"
@@ -352,6 +368,9 @@ class _Flight:
             elif kind == "ended":
                 active -= 1
                 stopping = stopping or (fail_fast and not payload.ok)
+                if stopping:
+                    with self.lock:
+                        self.pending.clear()
                 if not stopping and launch():
                     active += 1
             else:  # an item's thread raised what no item should: the batch stops with it
@@ -410,8 +429,13 @@ class _Flight:
                 # and the mark starts again from what is left, so the items after it are not
                 # charged with memory it held. (A function of the engine's: one defined here
                 # would make every worker import the runner.)
-                self._take_peaks(partial(end_of_conversion, result.job.spec.output.path), result)
-            self.running.remove(result)
+                self.running.remove(result)
+                # Its slab buffers may stay for the next items' slabs where every item still to
+                # run counts one at least as large (engine.buffers.release_conversion).
+                keep = min((slab_share(r.job.plan) for r in self.running + self.pending if r.job), default=0)
+                self._take_peaks(partial(end_of_conversion, result.job.spec.output.path, keep), result)
+            else:
+                self.running.remove(result)
             result.beside = [other for other in self._overlapped.pop(result) if other in self._on_cluster]
             result.beside_bytes = self.beside_bytes if result.beside else 0
             peaks = self._peaks.pop(result, {})

@@ -23,9 +23,18 @@ _by_thread: dict[int, dict[int, np.ndarray]] = {}
 #: (alternating items would otherwise free and allocate a slab's worth at every move), and the
 #: buffers an item allocated go when it ends, wherever they are.
 _allocated_for: dict[tuple[int, int], str] = {}
-#: The conversion each thread's current slab serves (``working_for``).
+#: The conversion each thread's current slab serves, from ``working_for`` to ``done_serving``: a
+#: thread not in it runs no slab.
 _serving: dict[int, str] = {}
 _lock = threading.Lock()
+#: The owner of a spare buffer: a batch's ended item left it to the next slab on its thread
+#: (``release_conversion``'s ``keep``), and that slab's conversion takes it.
+SPARE = ""
+#: Buffers this large are allocated in whole MiB, so that two items whose slabs differ by a few
+#: KiB (50,000,000 and 50,013,184 bytes) can reuse one buffer. The tail is never touched: a fresh
+#: buffer holds no more than before, and a transparent huge page is 2 MiB anyway.
+_ROUND_FROM = 4 << 20
+_ROUND_TO = 1 << 20
 
 
 def _mine() -> dict[int, np.ndarray]:
@@ -34,7 +43,22 @@ def _mine() -> dict[int, np.ndarray]:
 
 def working_for(conversion: str) -> None:
     """Called as a slab starts: the buffers this thread allocates from now on are ``conversion``'s."""
-    _serving[threading.get_ident()] = conversion
+    with _lock:
+        _serving[threading.get_ident()] = conversion
+
+
+def done_serving() -> None:
+    """Called as a slab ends: this thread runs no slab until the next ``working_for``."""
+    with _lock:
+        _serving.pop(threading.get_ident(), None)
+
+
+def capacity(nbytes: int) -> int:
+    """The bytes a buffer for ``nbytes`` is allocated with (``_ROUND_TO`` granules from
+    ``_ROUND_FROM``); a batch keeps a spare buffer only up to this of the slab an item counts."""
+    if nbytes < _ROUND_FROM:
+        return nbytes
+    return -(-nbytes // _ROUND_TO) * _ROUND_TO
 
 
 def current_conversion() -> str:
@@ -42,15 +66,32 @@ def current_conversion() -> str:
     return _serving.get(threading.get_ident(), "")
 
 
-def release_conversion(conversion: str) -> None:
+def release_conversion(conversion: str, keep: int = 0) -> None:
     """Free every buffer allocated for ``conversion``, on every thread, once none of its slabs
     runs (a batch's item has ended). A slab of another item that reuses one of them keeps it
     until that slab ends (it holds a reference); that item ran beside this one, so its plan's
-    bound counts it (batch.run). The items still running keep the buffers they allocated."""
+    bound counts it (batch.run). The items still running keep the buffers they allocated.
+
+    ``keep``: the slab buffer of a thread that runs no slab now stays as a spare for the thread's
+    next slab, if it holds at most ``keep`` bytes. The batch passes the smallest slab buffer that
+    any item still to run counts per thread (``capacity`` of it), so whichever item runs on that
+    worker next, its own plan already counts the spare; the next slab takes it instead of new
+    pages from the kernel (a 50 MB item's buffer was faulted in and zeroed afresh every time).
+    Spares left by earlier items that are now larger than ``keep`` go too (0 at the batch's last
+    item: none stays)."""
     with _lock:
         for ident, slot in [key for key, owner in _allocated_for.items() if owner == conversion]:
-            del _allocated_for[ident, slot]
-            _by_thread.get(ident, {}).pop(slot, None)
+            buf = _by_thread.get(ident, {}).get(slot)
+            if slot == 0 and ident not in _serving and buf is not None and buf.nbytes <= keep:
+                _allocated_for[ident, slot] = SPARE
+            else:
+                del _allocated_for[ident, slot]
+                _by_thread.get(ident, {}).pop(slot, None)
+        for ident, slot in [key for key, owner in _allocated_for.items() if owner == SPARE]:
+            buf = _by_thread.get(ident, {}).get(slot)
+            if buf is None or buf.nbytes > keep:
+                del _allocated_for[ident, slot]
+                _by_thread.get(ident, {}).pop(slot, None)
         for ident in [i for i, serving in _serving.items() if serving == conversion]:
             del _serving[ident]
 
@@ -71,14 +112,21 @@ def give_back_freed_memory() -> None:
 def _buffer(slot: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     dt = np.dtype(dtype)
     need = math.prod(shape) * dt.itemsize
+    ident = threading.get_ident()
     buffers = _mine()
     buf = buffers.get(slot)
-    if buf is None or buf.nbytes < need:
-        ident = threading.get_ident()
-        with _lock:
-            buffers.pop(slot, None)  # drop the old one before allocating a larger one
-            buf = buffers[slot] = np.empty(need, dtype=np.uint8)
-            _allocated_for[ident, slot] = current_conversion()
+    if buf is None or buf.nbytes < need or _allocated_for.get((ident, slot)) == SPARE:
+        with _lock:  # a batch's release may drop or hand over this thread's spare meanwhile
+            buf = buffers.get(slot)
+            spare = _allocated_for.get((ident, slot)) == SPARE
+            if buf is not None and buf.nbytes >= need:
+                _allocated_for[ident, slot] = current_conversion()  # a spare: this slab's now
+            else:
+                buffers.pop(slot, None)  # drop the old one before allocating a larger one
+                if spare:  # its pages must not stay resident beside the new buffer
+                    give_back_freed_memory()
+                buf = buffers[slot] = np.empty(capacity(need), dtype=np.uint8)
+                _allocated_for[ident, slot] = current_conversion()
     return buf[:need].view(dt).reshape(shape)
 
 

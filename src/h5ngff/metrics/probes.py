@@ -181,8 +181,9 @@ class ClusterPoller:
     @contextmanager
     def running(self, interval: float = SAMPLE_INTERVAL, at_start: bool = True) -> Iterator["ClusterPoller"]:
         """Poll at once (unless ``at_start`` is False), every ``interval`` s, and once more at the
-        end while the cluster is up. A batch's item skips the first poll: the cluster was polled
-        as the item before it ended, and a 50 MB item's whole run is a few polls long."""
+        end while the cluster is up. A batch's item skips the first poll where no metrics are
+        exported: the cluster was read as the item before it ended, and a 50 MB item's whole run
+        is a few polls long (an exporter shows the newest item's workers at once, so it polls)."""
         self._stop.clear()
         thread = threading.Thread(
             target=self._loop, args=(interval, at_start), name="h5ngff-cluster-poller", daemon=True

@@ -16,7 +16,14 @@ import numpy as np
 from ...errors import H5ngffError
 from .chunkio import ArrayLayout, read_region, write_block
 from . import faults
-from ..buffers import give_back_freed_memory, keep_levels, level_buffer, release_conversion, working_for
+from ..buffers import (
+    done_serving,
+    give_back_freed_memory,
+    keep_levels,
+    level_buffer,
+    release_conversion,
+    working_for,
+)
 from .downsample import downsample, output_shape
 from .checksums import FileChecksums
 from .manifest import SlabRecord
@@ -106,12 +113,14 @@ class _MinMax:
         return [(c, self.low[c], self.high[c]) for c in sorted(self.low)]
 
 
-def end_of_conversion(conversion: str) -> None:
+def end_of_conversion(conversion: str, keep: int = 0) -> None:
     """On each worker, once one of a batch's items has ended (none of its slabs runs any more),
     while the next items may already run: its slab and level buffers go, the HDF5 files (with
     their chunk caches) that no item still running reads, and its output's stores. The items
-    after it then hold what their own plans count, not a larger item's buffers on top."""
-    release_conversion(conversion)  # no gc.collect: buffers and files are freed by refcount, and
+    after it then hold what their own plans count, not a larger item's buffers on top. An idle
+    thread's slab buffer of at most ``keep`` bytes stays for the next item's slab
+    (``engine.buffers.release_conversion``)."""
+    release_conversion(conversion, keep)  # no gc.collect: buffers and files are freed by refcount, and
     close_files_of(conversion)  # a full collection costs a worker 20-30 ms per item
     forget_stores(conversion)  # the conversion is named by its output's path
     give_back_freed_memory()
@@ -127,6 +136,8 @@ def run_slab(task: SlabTask) -> SlabResult:
     except H5ngffError as exc:
         exc.store_retries = store_retries.mine() - retries_before
         raise
+    finally:
+        done_serving()
 
 
 def _run_slab(task: SlabTask, retries_before: int) -> SlabResult:
