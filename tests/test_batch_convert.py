@@ -302,6 +302,13 @@ def test_two_items_in_flight_share_the_workers_under_the_larger_plan(runs, monke
     assert b_small.peak_bound == big.predicted_peak + b_small.beside_bytes > b_small.predicted_peak
     for r in summary.results:
         assert 0 < r.peak_rss <= r.peak_bound, (r.item.source, r.peak_rss, r.peak_bound)
+    # Four asked in flight with two items to run: each is held to one other item's allowance,
+    # not three (the negative control: the bound the flight would give four running items).
+    pair = [BatchItem(i.source, i.path, str(runs / "pair" / Path(i.output).name)) for i in items[1:]]
+    two = run_batch(pair, spec_for, CountingBackend(), items_in_flight=4)
+    assert [r.status for r in two.results] == [DONE, DONE] and all(r.beside for r in two.results)
+    allowance = batch_run.beside_allowance([r.job.plan for r in two.results])
+    assert [r.beside_bytes for r in two.results] == [allowance, allowance] != [3 * allowance] * 2
     # What the others hold must fit below Dask's terminate threshold, or the items run one by
     # one (negative control: chunk caches of 1 GiB do not fit).
     cluster = summary.sizing.job.plan

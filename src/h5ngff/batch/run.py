@@ -205,7 +205,9 @@ def run_batch(
     hooks.on_planned(summary)
     if runnable and not (fail_fast and summary.count(REFUSED)):
         assert summary.sizing is not None and summary.sizing.job is not None
-        in_flight = summary.items_in_flight
+        # No more items can run beside one another than there are to run: each item's bound
+        # counts the allowances of the others that can actually be beside it.
+        in_flight = min(summary.items_in_flight, len(runnable))
         with ExitStack() as stack:
             _Flight(backend, summary.sizing.job.plan, stack, summary, hooks, metrics).run(
                 runnable, in_flight, fail_fast, (in_flight - 1) * beside_allowance(plans)
