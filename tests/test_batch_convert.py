@@ -365,3 +365,59 @@ def test_a_conversionbatch_manifest_runs_locally_with_the_operator_s_items(runs)
         and "kind: ConversionBatch" in wrong.stderr
         and "Traceback" not in wrong.stderr
     )
+
+
+def test_the_ending_item_is_charged_the_segment_its_end_reads_and_a_failed_release_still_reads_it():
+    """An item's end reads the workers' marks after its release: that segment is the item's own
+    last one, so its peak must go to the item too (one at a time, nothing else is running), and a
+    release that fails on a worker must not lose the mark (it is reported beside it)."""
+    from types import SimpleNamespace
+
+    calls: list[dict] = []
+
+    class Client:
+        def run(self, function, release=None, on_error="raise"):
+            calls.append({"function": function.__name__, "on_error": on_error})
+            figures = function(release=release)  # this process stands in for the worker
+            return {"tcp://w0": {**figures, "name": "w0", "peak_rss": 123 << 20}}
+
+    flight = batch_run._Flight(None, None, None, batch_run.BatchSummary([]), batch_run.BatchHooks(), None)
+    flight.session = SimpleNamespace(client=Client())
+
+    def item(output):
+        worker = SimpleNamespace(name="w0", peak_rss=0)
+        result = batch_run.ItemResult(BatchItem("in.h5:/data", "in.h5", output))
+        result.job = SimpleNamespace(spec=SimpleNamespace(output=SimpleNamespace(path=output)), plan=None)
+        result.summary = SimpleNamespace(workers=[worker])
+        return result, worker
+
+    released: list[str] = []
+    original = batch_run.end_of_conversion
+    try:
+        batch_run.end_of_conversion = lambda conversion, keep=0: released.append(conversion)
+        first, worker = item("a.ome.zarr")
+        with flight.lock:
+            flight._begin(first)
+        flight._on_cluster.add(first)
+        flight._end(first)
+        assert released == ["a.ome.zarr"] and worker.peak_rss == 123 << 20, (released, worker)
+        assert calls[-1] == {"function": "take_peak_rss", "on_error": "return"}
+
+        def broken(conversion, keep=0):
+            raise OSError("no such thing")
+
+        batch_run.end_of_conversion = broken
+        second, worker = item("b.ome.zarr")
+        with flight.lock:
+            flight._begin(second)
+        flight._on_cluster.add(second)
+        flight._end(second)
+        assert worker.peak_rss == 123 << 20  # the mark was read all the same
+        # Negative control: an item that never ran on the cluster is charged nothing.
+        third, worker = item("c.ome.zarr")
+        with flight.lock:
+            flight._begin(third)
+        flight._end(third)
+        assert worker.peak_rss == 0 and len(calls) == 2
+    finally:
+        batch_run.end_of_conversion = original

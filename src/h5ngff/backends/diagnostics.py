@@ -163,10 +163,18 @@ def take_peak_rss(dask_worker: Any = None, release: Callable[[], object] | None 
     between the read and the reset (a few microseconds) would be missed.
 
     ``release`` runs first, in the same call (one round trip per item): what an ended item frees
-    does not lower the mark read, and the mark starts again from what is left."""
+    does not lower the mark read, and the mark starts again from what is left. A release that
+    fails is reported in ``release_error``; the mark is read and started again all the same, or
+    this segment's peak would be lost."""
+    error = None
     if release is not None:
-        release()
+        try:
+            release()
+        except Exception as exc:  # reported by the caller; the peak must still be read
+            error = f"{type(exc).__name__}: {exc}"
     figures = process_memory(dask_worker)
+    if error is not None:
+        figures["release_error"] = error
     figures["reset"] = reset_peak_rss()
     return figures
 

@@ -353,6 +353,10 @@ class _Flight:
         def launch() -> bool:
             with self.lock:
                 result = self.pending.pop(0) if self.pending else None
+                if result is not None:
+                    # Running from here, not from its thread's start: an item's end between
+                    # the two would leave it out of ``keep`` and of the others' beside lists.
+                    self._begin(result)
             if result is None:
                 return False
             name = f"h5ngff-item-{self.summary.results.index(result)}"
@@ -390,8 +394,7 @@ class _Flight:
 
     def _convert(self, result: ItemResult) -> None:
         try:
-            self._begin(result)
-            try:
+            try:  # _begin ran at its launch
                 _run_item(result, self.backend, self._cluster_for(result), self.hooks, self._metrics_for(result))
             finally:
                 self._end(result)
@@ -414,14 +417,14 @@ class _Flight:
         return cluster
 
     def _begin(self, result: ItemResult) -> None:
-        with self.lock:
-            # No mark is taken here: the segment running now began at the last item's end (or
-            # the cluster's start), and whatever ran in it since is an item still running, so
-            # beside this one. Charging this item the whole segment is never less than the truth.
-            self._overlapped[result] = list(self.running)
-            for other in self.running:
-                self._overlapped[other].append(result)
-            self.running.append(result)
+        """Under ``lock``, as the item is launched. No mark is taken here: the segment running now
+        began at the last item's end (or the cluster's start), and whatever ran in it since is an
+        item still running, so beside this one. Charging this item the whole segment is never
+        less than the truth."""
+        self._overlapped[result] = list(self.running)
+        for other in self.running:
+            self._overlapped[other].append(result)
+        self.running.append(result)
 
     def _end(self, result: ItemResult) -> None:
         with self.lock:
@@ -431,13 +434,13 @@ class _Flight:
                 # and the mark starts again from what is left, so the items after it are not
                 # charged with memory it held. (A function of the engine's: one defined here
                 # would make every worker import the runner.)
-                self.running.remove(result)
                 # Its slab buffers may stay for the next items' slabs where every item still to
-                # run counts one at least as large (engine.buffers.release_conversion).
-                keep = min((slab_share(r.job.plan) for r in self.running + self.pending if r.job), default=0)
+                # run counts one at least as large (engine.buffers.release_conversion). The
+                # marks still go to this item too: the segment ending now is its last.
+                after = [r for r in self.running if r is not result] + self.pending
+                keep = min((slab_share(r.job.plan) for r in after if r.job), default=0)
                 self._take_peaks(partial(end_of_conversion, result.job.spec.output.path, keep), result)
-            else:
-                self.running.remove(result)
+            self.running.remove(result)
             result.beside = [other for other in self._overlapped.pop(result) if other in self._on_cluster]
             result.beside_bytes = self.beside_bytes if result.beside else 0
             peaks = self._peaks.pop(result, {})
@@ -451,14 +454,19 @@ class _Flight:
         if self.session is None:
             return
         try:
-            marks = self.session.client.run(take_peak_rss, release=release, on_error="ignore")
+            marks = self.session.client.run(take_peak_rss, release=release, on_error="return")
         except Exception:  # a dying cluster: the next item's run says so
             log.warning("Could not release %s's buffers on the workers.", ended.item.output, exc_info=True)
             return
         for address, mark in marks.items():
-            if isinstance(mark, BaseException):
-                log.warning("Could not release %s's buffers on %s: %s", ended.item.output, address, mark)
-            elif isinstance(mark, dict) and mark.get("name"):
+            if isinstance(mark, BaseException):  # a worker gone mid-call: its restart is reported
+                log.debug("could not read %s's peak: %s", address, mark)
+                continue
+            if isinstance(mark, dict) and mark.get("release_error"):
+                log.warning(
+                    "Could not release %s's buffers on %s: %s", ended.item.output, address, mark["release_error"]
+                )
+            if isinstance(mark, dict) and mark.get("name"):
                 for item in self.running:
                     peaks = self._peaks.setdefault(item, {})
                     peaks[mark["name"]] = max(peaks.get(mark["name"], 0), int(mark["peak_rss"]))

@@ -29,7 +29,7 @@ _serving: dict[int, str] = {}
 _lock = threading.Lock()
 #: The owner of a spare buffer: a batch's ended item left it to the next slab on its thread
 #: (``release_conversion``'s ``keep``), and that slab's conversion takes it.
-SPARE = ""
+SPARE = "\x00spare"  # never a conversion's name (an output path) nor "" (outside a slab)
 #: Buffers this large are allocated in whole MiB, so that two items whose slabs differ by a few
 #: KiB (50,000,000 and 50,013,184 bytes) can reuse one buffer. The tail is never touched: a fresh
 #: buffer holds no more than before, and a transparent huge page is 2 MiB anyway.
@@ -122,6 +122,7 @@ def _buffer(slot: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarr
             if buf is not None and buf.nbytes >= need:
                 _allocated_for[ident, slot] = current_conversion()  # a spare: this slab's now
             else:
+                buf = None  # the last reference: the pop below frees it
                 buffers.pop(slot, None)  # drop the old one before allocating a larger one
                 if spare:  # its pages must not stay resident beside the new buffer
                     give_back_freed_memory()
