@@ -35,6 +35,7 @@ from ..errors import H5ngffError, PlanError
 from ..metrics.probes import ClusterPoller
 from ..phases import ITEMS_CONVERTED, ItemState
 from ..planner import DEFAULT_CONSTANTS, MemoryConstants, Plan
+from ..planner.memory import SLAB_BUFFERS_TERM
 from ..runner import PlannedJob, RunSummary, prepare_job, run_job
 from ..spec import ConversionSpec
 from ..units import MiB, format_bytes
@@ -230,7 +231,7 @@ def slab_share(plan: Plan) -> int:
     workers allocate it (``engine.buffers.capacity``): a spare buffer no larger is counted by the
     plan whatever the thread does next."""
     shares = [
-        sum(t.bytes for t in p.terms if t.name == "slab buffers") // max(plan.threads_per_worker, 1)
+        sum(t.bytes for t in p.terms if t.name == SLAB_BUFFERS_TERM) // max(plan.threads_per_worker, 1)
         for p in plan.passes
     ]
     return capacity(min(shares, default=0))
@@ -430,13 +431,13 @@ class _Flight:
         with self.lock:
             if result in self._on_cluster and result.job is not None:
                 # Its buffers and files go first, in the same round trip as the marks: a
-                # high-water mark is not lowered by a free, so the peak read is still the item's,
-                # and the mark starts again from what is left, so the items after it are not
-                # charged with memory it held. (A function of the engine's: one defined here
-                # would make every worker import the runner.)
-                # Its slab buffers may stay for the next items' slabs where every item still to
-                # run counts one at least as large (engine.buffers.release_conversion). The
-                # marks still go to this item too: the segment ending now is its last.
+                # high-water mark is not lowered by a free, so the peak read is still the item's
+                # (it is still running: the segment ending now is its last), and the mark starts
+                # again from what is left, so the items after it are not charged with memory it
+                # held. Its slab buffers may stay for the next items' slabs where every item
+                # still to run counts one at least as large (engine.buffers.release_conversion).
+                # (A function of the engine's: one defined here would make every worker import
+                # the runner.)
                 after = [r for r in self.running if r is not result] + self.pending
                 keep = min((slab_share(r.job.plan) for r in after if r.job), default=0)
                 self._take_peaks(partial(end_of_conversion, result.job.spec.output.path, keep), result)

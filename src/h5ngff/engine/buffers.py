@@ -85,15 +85,19 @@ def release_conversion(conversion: str, keep: int = 0) -> None:
             if slot == 0 and ident not in _serving and buf is not None and buf.nbytes <= keep:
                 _allocated_for[ident, slot] = SPARE
             else:
-                del _allocated_for[ident, slot]
-                _by_thread.get(ident, {}).pop(slot, None)
+                _drop(ident, slot)
         for ident, slot in [key for key, owner in _allocated_for.items() if owner == SPARE]:
             buf = _by_thread.get(ident, {}).get(slot)
             if buf is None or buf.nbytes > keep:
-                del _allocated_for[ident, slot]
-                _by_thread.get(ident, {}).pop(slot, None)
+                _drop(ident, slot)
         for ident in [i for i, serving in _serving.items() if serving == conversion]:
             del _serving[ident]
+
+
+def _drop(ident: int, slot: int) -> None:
+    """Under ``_lock``: forget a thread's buffer (freed once no slab holds a reference to it)."""
+    del _allocated_for[ident, slot]
+    _by_thread.get(ident, {}).pop(slot, None)
 
 
 def give_back_freed_memory() -> None:

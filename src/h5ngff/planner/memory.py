@@ -195,6 +195,11 @@ def encoded_bound(nbytes: int) -> int:
     return nbytes + BLOSC_MAX_OVERHEAD
 
 
+#: The name of the term that counts each thread's slab buffer: a batch reads it from a plan to
+#: know what a spare buffer may hold (batch.run.slab_share).
+SLAB_BUFFERS_TERM = "slab buffers"
+
+
 def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CONSTANTS) -> tuple[MemoryTerm, ...]:
     """The named terms of one worker's peak during a pass."""
     T = shape.threads
@@ -205,7 +210,7 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
             c.interpreter_baseline - (0 if allocator == "jemalloc" else c.jemalloc_baseline_share),
             "Python, Dask worker, numpy, h5py, zarr and codecs once imported",
         ),
-        MemoryTerm("slab buffers", T * slab_bytes, f"{T} slab(s) in flight x {slab_bytes / MiB:.1f} MiB, read once"),
+        MemoryTerm(SLAB_BUFFERS_TERM, T * slab_bytes, f"{T} slab(s) in flight x {slab_bytes / MiB:.1f} MiB, read once"),
     ]
     encode = shape.chunk_bytes + encoded_bound(shape.chunk_bytes)
     context = c.codec_context_zstd if shape.zstd else c.codec_context_other
