@@ -104,6 +104,17 @@ def test_only_all_zero_bits_count_as_empty():
         c[7, 7] = value  # not on the probe's stride: the full scan must find it
         assert not is_fill_chunk(c, 0), value
     assert not is_fill_chunk(chunk, 5)  # a non-zero fill value: never left out
+    # The first element is looked at on its own first: a non-zero there is data at once, and a
+    # -0.0 there (false as a number) must still reach the byte comparison.
+    for value in (-0.0, np.nan, 1.0):
+        c = chunk.copy()
+        c[0, 0] = value
+        assert not is_fill_chunk(c, 0), value
+    for dtype in (np.uint16, np.int8, np.complex64, np.bool_, np.float16):
+        z = np.zeros((4, 4), dtype=dtype)
+        assert is_fill_chunk(z, 0), dtype
+        z.reshape(-1)[0] = 1
+        assert not is_fill_chunk(z, 0), dtype
 
 
 FLAGS = [

@@ -164,6 +164,11 @@ def is_fill_chunk(chunk: np.ndarray, fill: Fill) -> bool:
     if fill:
         return False
     flat = chunk.reshape(-1)
+    # The first element as a Python scalar costs ~0.1 us against ~30 us for the strided probe
+    # (numpy's reduction set-up); a dense chunk almost always starts with a non-zero. -0.0 is
+    # false here and falls through to the byte comparison, which keeps it.
+    if flat.size and flat.item(0):
+        return False
     if flat[::_EMPTY_PROBE_STRIDE].any():  # NaN and non-zero values are True: stops at once
         return False
     return not int(flat.view(np.uint8).max(initial=0))
