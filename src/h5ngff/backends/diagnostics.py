@@ -22,6 +22,7 @@ from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 from ..errors import H5ngffError, NannyTerminatedError, OOMKilledError, WorkerFailedError
 from ..units import format_bytes
 from .cgroups import own_oom_kill_count
+from .memory_monitor import CheaperMemoryCheck
 from .shutdown import StopHeartbeat
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,12 @@ def _error_names(cls: type[BaseException]) -> set[str]:
 
 
 def register_plugins(client: Client) -> None:
-    """The plugins every backend's cluster runs: exit reports (nannies), quiet expected errors and
-    a quiet close (workers)."""
+    """The plugins every backend's cluster runs: exit reports and a cheaper memory check
+    (nannies), quiet expected errors and a quiet close (workers)."""
     client.register_plugin(WorkerExitReporter())
     client.register_plugin(QuietExpectedErrors())
     client.register_plugin(StopHeartbeat())
+    client.register_plugin(CheaperMemoryCheck())
 
 
 def _record_peak_on_termination(nanny: Any) -> None:
