@@ -48,6 +48,7 @@ from .base import (
 )
 from .cgroups import MemoryCgroup, create_pod_cgroup
 from .diagnostics import WorkerReport, register_plugins
+from .forkserver import worker_start_method
 from .podwatch import PodWatcher
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,16 @@ class LocalBackend(MachineBackend):
         config = dask_memory_config(plan)
         env = allocator_env(plan.allocator)
         with ExitStack() as stack:
-            stack.enter_context(dask.config.set({**config, "distributed.nanny.pre-spawn-environ": env}))
+            stack.enter_context(worker_environment(env))
+            stack.enter_context(
+                dask.config.set(
+                    {
+                        **config,
+                        "distributed.nanny.pre-spawn-environ": env,
+                        "distributed.worker.multiprocessing-method": worker_start_method(),
+                    }
+                )
+            )
             stack.enter_context(workers_skip_main_module())
             with ctrl_c_after_start():
                 cluster = stack.enter_context(
@@ -146,6 +156,25 @@ class LocalPodsBackend(MachineBackend):
             yield Session(
                 client, self.name, pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline)
             )
+
+
+@contextmanager
+def worker_environment(env: dict[str, str]) -> Iterator[None]:
+    """The plan's worker variables in ``os.environ`` while the cluster lives, the earlier values
+    back afterwards. Dask's nanny reads its pre-spawn variables with the process's own taking
+    precedence, and writes them into ``os.environ`` for good: without this, a glibc plan after a
+    jemalloc one in the same process started its workers with jemalloc still preloaded. The
+    fork server (backends/forkserver.py) starts with this environment."""
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextmanager

@@ -24,6 +24,18 @@ if __name__ == "__mp_main__":
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+    # A worker forked from the fork server (backends/forkserver.py) has jemalloc already loaded,
+    # but jemalloc stops its background threads in a forked child; they return freed pages to
+    # the kernel after dirty_decay_ms, which the plan counts on. Start them again. (A spawned
+    # worker has them from MALLOC_CONF; asking again changes nothing. glibc has no mallctl.)
+    if "background_thread:true" in os.environ.get("MALLOC_CONF", ""):
+        import ctypes
+
+        _mallctl = getattr(ctypes.CDLL(None), "mallctl", None)
+        if _mallctl is not None:
+            _on = ctypes.c_bool(True)
+            _mallctl(b"background_thread", None, None, ctypes.byref(_on), ctypes.c_size_t(ctypes.sizeof(_on)))
+
     _bootstrap = BaseProcess._bootstrap  # type: ignore[attr-defined]  # private, stable since Python 3.4
 
     def _bootstrap_then_exit(self, *args, **kwargs):  # type: ignore[no-untyped-def]

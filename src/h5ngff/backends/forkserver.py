@@ -1,0 +1,58 @@
+"""How the embedded cluster's nannies start their worker processes: forked from a fork server
+that has imported Dask once, instead of a fresh interpreter per worker.
+
+multiprocessing's *spawn* (Dask's default) starts each worker as a new interpreter that imports
+Dask and its dependencies again: about 0.45 CPU-s per worker (``python -c "import distributed"``
+on this project's machines), paid by every worker of every conversion, 16 times on a 16-core
+workstation. multiprocessing's *forkserver* starts one server process that imports them once;
+each worker is then a fork of it, its imported modules shared copy-on-write. Dask supports it
+(``distributed.worker.multiprocessing-method``) and preloads its own modules into the server.
+
+The server is one per process and keeps the environment it was started with, while a worker
+must start with this cluster's: its allocator (``LD_PRELOAD``, ``MALLOC_CONF``: the plan counts on
+them) and whatever else the caller has set since (a test's fault injection, a user's variables).
+The local backend puts the plan's worker environment into ``os.environ`` while its cluster lives
+(``local.worker_environment``), the first worker starts the server, and every worker forked from
+it has that environment. A later cluster in the same process whose environment differs in any
+variable stops the server first, and its first worker starts a new one. (Two clusters alive at
+once in one process with different environments are not supported: the second would stop the
+server the first restarts its workers from.)
+
+What a fork does not carry over is put back in each worker (``backends/worker_main``):
+jemalloc's background threads, which return freed pages to the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.forkserver as mp_forkserver
+import os
+
+log = logging.getLogger(__name__)
+
+#: Set to "spawn" to start every worker as a fresh interpreter, as Dask does by default.
+METHOD_VARIABLE = "H5NGFF_WORKER_START"
+
+_started_with: dict[str, str] | None = None
+
+
+def worker_start_method() -> str:
+    """The multiprocessing start method for this cluster's workers, once this process's
+    environment is what they must start with: "forkserver", after making sure that a running
+    server has that environment, or "spawn" (``H5NGFF_WORKER_START=spawn``, or a Python whose
+    server cannot be stopped)."""
+    global _started_with
+    if os.environ.get(METHOD_VARIABLE, "forkserver") == "spawn":
+        return "spawn"
+    server = getattr(mp_forkserver, "_forkserver", None)
+    running = getattr(server, "_forkserver_pid", None) is not None
+    env = dict(os.environ)
+    env.pop("PYTHONHASHSEED", None)  # the nanny sets it when unset: not a difference
+    if running and env != _started_with:
+        stop = getattr(server, "_stop", None)
+        if stop is None:  # a Python without it: the running server's environment would be wrong
+            return "spawn"
+        log.debug("restarting the fork server: the environment changed")
+        stop()
+    _started_with = env
+    return "forkserver"

@@ -1,0 +1,127 @@
+"""The embedded cluster's workers are forked from one fork server (backends/forkserver.py): they
+carry the plan's allocator with its background threads, a changed environment starts a new
+server, and H5NGFF_WORKER_START=spawn goes back to Dask's spawn."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from h5ngff.backends import forkserver, local
+from h5ngff.backends.allocator import allocator_env, jemalloc_path
+from h5ngff.backends.local import LocalBackend
+from h5ngff.runner import plan_job
+from h5ngff.spec import parse_spec
+
+needs_jemalloc = pytest.mark.skipif(jemalloc_path() is None, reason="libjemalloc is not installed")
+
+
+def _worker_facts() -> dict:
+    """Run on a worker: its parent, its allocator and its threads."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return {
+        "ppid": os.getppid(),
+        "jemalloc": "jemalloc" in maps,
+        "background_threads": names.count("jemalloc_bg_thd"),
+        "mark": os.environ.get("H5NGFF_TEST_MARK"),
+    }
+
+
+def _facts(tmp_path, allocator: str = "auto") -> list[dict]:
+    source = tmp_path / "in.h5"
+    if not source.exists():
+        with h5py.File(source, "w") as f:
+            f["d"] = np.zeros((8, 64, 64), np.uint16)
+    spec = parse_spec(
+        {
+            "source": {"path": str(source), "dataset": "/d"},
+            "output": {"path": str(tmp_path / "out.ome.zarr")},
+            "resources": {"workers": 2, "allocator": allocator},
+        }
+    )
+    backend = LocalBackend()
+    with backend.session(plan_job(spec, backend).plan) as session:
+        return list(session.client.run(_worker_facts).values())
+
+
+def _background_threads_of_a_plain_fork() -> int:
+    """A process forked from the same server without h5ngff's worker main module."""
+    child = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(5,))
+    child.start()
+    try:
+        most = 0
+        deadline = time.monotonic() + 3  # its start-up and part of its sleep
+        while time.monotonic() < deadline:
+            names = [
+                open(f"/proc/{child.pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{child.pid}/task")
+            ]
+            most = max(most, names.count("jemalloc_bg_thd"))
+            time.sleep(0.1)
+        assert child.is_alive()
+        with open(f"/proc/{child.pid}/maps") as f:
+            assert "jemalloc" in f.read()  # a fork of the server, which has jemalloc loaded
+        return most
+    finally:
+        child.terminate()
+        child.join()
+
+
+@needs_jemalloc
+def test_workers_are_forked_from_one_server_with_jemalloc_and_its_background_threads(tmp_path):
+    facts = _facts(tmp_path, "jemalloc")
+    (server,) = {f["ppid"] for f in facts}
+    assert server != os.getpid()  # not spawned by the nannies in this process: forked by the server
+    assert all(f["jemalloc"] and f["background_threads"] >= 1 for f in facts), facts
+    # Negative control: jemalloc stops its background threads in a forked child; without the
+    # worker main module's restart, a fork of the same server has none.
+    assert _background_threads_of_a_plain_fork() == 0
+
+
+@needs_jemalloc
+def test_a_changed_environment_starts_a_new_server(tmp_path, monkeypatch):
+    first = _facts(tmp_path, "jemalloc")
+    monkeypatch.setenv("H5NGFF_TEST_MARK", "set after the first cluster")
+    second = _facts(tmp_path, "jemalloc")
+    assert {f["mark"] for f in second} == {"set after the first cluster"}
+    assert {f["ppid"] for f in first}.isdisjoint(f["ppid"] for f in second)
+    glibc = _facts(tmp_path, "glibc")  # another allocator: the server must not carry jemalloc over
+    assert not any(f["jemalloc"] for f in glibc), glibc
+    # Negative control: told that nothing changed, the running server forks workers that do not
+    # see a variable set since it started.
+    monkeypatch.setenv("H5NGFF_TEST_MARK", "set after the glibc cluster")
+    started = dict(forkserver._started_with or {})
+    monkeypatch.setattr(forkserver, "_started_with", {**started, "H5NGFF_TEST_MARK": "set after the glibc cluster"})
+    stale = _facts(tmp_path, "glibc")
+    assert {f["mark"] for f in stale} == {"set after the first cluster"}
+
+
+def test_spawn_on_request(tmp_path, monkeypatch):
+    monkeypatch.setenv(forkserver.METHOD_VARIABLE, "spawn")
+    facts = _facts(tmp_path)
+    assert {f["ppid"] for f in facts} == {os.getpid()}  # each worker a child of its nanny, here
+
+
+@needs_jemalloc
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_glibc_plan_after_a_jemalloc_one_gets_glibc(tmp_path, monkeypatch, method):
+    """Dask's nanny gives the process's own variables precedence over its pre-spawn config and
+    leaves its own in os.environ: the local backend sets the plan's for the cluster's life."""
+    monkeypatch.setenv(forkserver.METHOD_VARIABLE, method)
+    for key in {**allocator_env("jemalloc"), **allocator_env("glibc")}:
+        monkeypatch.delenv(key, raising=False)  # and put back as they were, whatever the nanny wrote
+    assert all(f["jemalloc"] for f in _facts(tmp_path, "jemalloc"))
+    assert not any(f["jemalloc"] for f in _facts(tmp_path, "glibc"))
+    assert "MALLOC_CONF" not in os.environ  # jemalloc's variables went with its cluster
+    # Negative control: without the plan's variables set for the cluster, the glibc plan's
+    # workers start with the jemalloc cluster's LD_PRELOAD.
+    monkeypatch.setattr(local, "worker_environment", lambda env: contextlib.nullcontext())
+    assert all(f["jemalloc"] for f in _facts(tmp_path, "jemalloc"))
+    assert all(f["jemalloc"] for f in _facts(tmp_path, "glibc"))
