@@ -137,6 +137,10 @@ def _cpu(times: Any) -> float:
     return float(times.user + times.system)
 
 
+#: In the command line of multiprocessing's fork server and of every process forked from it.
+FORK_SERVER = "multiprocessing.forkserver import main"
+
+
 def _kind(proc: psutil.Process, client_pid: int, nannies: set[int]) -> str:
     """client, worker, nanny (only with --enforce-pod-limits: in a LocalCluster the nannies run
     in the client process), other; "pending" for a child forked but not yet exec'd (it still
@@ -146,6 +150,10 @@ def _kind(proc: psutil.Process, client_pid: int, nannies: set[int]) -> str:
     try:
         cmdline = proc.cmdline()
         parent = proc.ppid()
+        if FORK_SERVER in " ".join(cmdline):
+            # The local backend's fork server (a child of the client) imports Dask once for every
+            # worker, and each worker is a fork of it with its command line: both count as workers.
+            return "worker"
         if cmdline == psutil.Process(parent).cmdline():
             return "pending"
     except psutil.Error:
@@ -397,12 +405,17 @@ def analyse(launched: Launched, record: dict[str, Any], summary: dict[str, Any])
     children_at_main = sum(record.get("rusage_children", {}).values())
     # client_self and workers_waited: the client's getrusage when its main returned;
     # teardown_and_strays: the rest (interpreter teardown, descendants waited for later or adopted).
+    # Workers forked from the fork server are its children, not the client's: the server (with
+    # them) is waited for by this tool after the client has exited, so their exact CPU is the
+    # tree's less what the client waited for.
+    forked = any(FORK_SERVER in p.command for p in acct.procs.values())
+    workers_exact = launched.tree_cpu - launched.client_wait4_cpu if forked else children_at_main
     exact = {
         "tree": launched.tree_cpu,
         "client_and_waited": launched.client_wait4_cpu,
         "client_self": self_at_main,
-        "workers_waited": children_at_main,
-        "teardown_and_strays": launched.tree_cpu - self_at_main - children_at_main,
+        "workers_waited": workers_exact,
+        "teardown_and_strays": launched.tree_cpu - self_at_main - workers_exact,
     }
     # Sampled per kind (each process up to its last poll) and per client thread.
     by_kind: dict[str, float] = defaultdict(float)
@@ -471,7 +484,7 @@ def analyse(launched: Launched, record: dict[str, Any], summary: dict[str, Any])
         "wall": t_exit - last,
         "cpu": launched.tree_cpu - acct.series.at(last),
         "cpu_client": (launched.client_wait4_cpu - children_at_main) - acct.series.at(last, "client"),
-        "cpu_workers": children_at_main - acct.series.at(last, "worker"),
+        "cpu_workers": workers_exact - acct.series.at(last, "worker"),
     }
     durations = [(_pass_of(t["key"]), t["stop"] - t["start"]) for t in tasks]
     return {
@@ -646,7 +659,8 @@ def report(doc: dict[str, Any]) -> str:
     add("")
     add(
         "Exact (kernel) columns: whole tree = this process's RUSAGE_CHILDREN around the run (orphans adopted and waited for); "
-        "client self and workers = the client's own getrusage when its main returned; teardown = the rest. "
+        "client self and workers = the client's own getrusage when its main returned (workers forked from the fork server, "
+        "and the server: all the tree but what the client waited for); teardown = the rest. "
         "Sampled columns: psutil per process and per client thread, each up to its last poll."
     )
     add("")
