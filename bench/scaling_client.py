@@ -1,6 +1,6 @@
 """The client process of a ``bench.scaling`` run: ``h5ngff convert`` exactly as its console
-script runs it (``h5ngff.cli.main``), with timestamps and a task recorder attached from outside,
-so that no h5ngff source changes:
+script runs it (``h5ngff.entry.main``: the workers' fork server started early, then the CLI),
+with timestamps and a task recorder attached from outside, so that no h5ngff source changes:
 
     python -m bench.scaling_client RECORD.json convert SRC:/volume/data OUT --json --workers 2 ...
 
@@ -22,7 +22,8 @@ What is added, all in this (the client's) process:
   join) when ``main`` returns.
 
 The record is written when ``main`` returns; the process then exits as the console script does
-(``sys.exit``), interpreter teardown included.
+(``sys.exit``), interpreter teardown included. ``BENCH_SCALING_LATE_SERVER=1`` is the control for
+the early fork server: the first worker starts it, as before the entry point did.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 T_MAIN = time.time()  # noqa: E402  (before every import below: they are part of the start-up)
 
 import json  # noqa: E402
+import os  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -145,6 +147,10 @@ def install_hooks() -> None:
 
 def main(argv: list[str]) -> int:
     record_path, cli_argv = argv[0], argv[1:]
+    from h5ngff import entry
+
+    if os.environ.get("BENCH_SCALING_LATE_SERVER") != "1":  # the control: the first worker starts it
+        entry.start_fork_server_early(cli_argv)  # as the console script does, before the CLI's imports
     from h5ngff import cli
 
     _mark("cli_imported")

@@ -13,6 +13,7 @@ can be run through them and shown to fail (tests/test_backend_contract.py, the n
 from __future__ import annotations
 
 import copy
+import multiprocessing.forkserver as mp_forkserver
 import os
 import signal
 import time
@@ -199,6 +200,9 @@ def observe_session(
         _kill_one_worker(session, plan, observed, since)
     observed.client_status_after = session.client.status
     observed.pids.discard(os.getpid())  # LocalCluster's nannies live in this process
+    # The local backend's workers are forked from a fork server (backends/forkserver.py), their
+    # parent: it holds no worker's memory and serves this process's next local cluster.
+    observed.pids.discard(getattr(mp_forkserver._forkserver, "_forkserver_pid", None))
     deadline = time.monotonic() + teardown_timeout
     while time.monotonic() < deadline and any(_running(p) for p in observed.pids):
         if not observed.owns_workers:

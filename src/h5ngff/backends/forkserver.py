@@ -24,9 +24,12 @@ jemalloc's background threads, which return freed pages to the kernel.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import multiprocessing
 import multiprocessing.forkserver as mp_forkserver
 import os
+from typing import Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,37 @@ log = logging.getLogger(__name__)
 METHOD_VARIABLE = "H5NGFF_WORKER_START"
 
 _started_with: dict[str, str] | None = None
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONHASHSEED", None)  # the nanny sets it when unset: not a difference
+    return env
+
+
+def start_early(worker_env: Mapping[str, str], preload: Iterable[str]) -> bool:
+    """Start the server now, with this process's environment and ``worker_env`` on top, preloading
+    those of ``preload`` that are installed (``entry.py``: while the CLI imports its modules). A
+    cluster whose environment is the same then uses it; True if it was started."""
+    global _started_with
+    server = getattr(mp_forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is not None:
+        return False
+    before = {key: os.environ.get(key) for key in worker_env}
+    os.environ.update(worker_env)
+    try:
+        modules = [name for name in preload if importlib.util.find_spec(name) is not None]
+        multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
+        server.ensure_running()
+        _started_with = _environment()
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    log.debug("fork server started early")
+    return True
 
 
 def worker_start_method() -> str:
@@ -46,8 +80,7 @@ def worker_start_method() -> str:
         return "spawn"
     server = getattr(mp_forkserver, "_forkserver", None)
     running = getattr(server, "_forkserver_pid", None) is not None
-    env = dict(os.environ)
-    env.pop("PYTHONHASHSEED", None)  # the nanny sets it when unset: not a difference
+    env = _environment()
     if running and env != _started_with:
         stop = getattr(server, "_stop", None)
         if stop is None:  # a Python without it: the running server's environment would be wrong

@@ -164,7 +164,7 @@ def is_fill_chunk(chunk: np.ndarray, fill: Fill) -> bool:
     if fill:
         return False
     flat = chunk.reshape(-1)
-    # The first element as a Python scalar costs ~0.1 us against ~30 us for the strided probe
+    # The first element as a Python scalar costs ~0.5 us against ~7 us for the strided probe
     # (numpy's reduction set-up); a dense chunk almost always starts with a non-zero. -0.0 is
     # false here and falls through to the byte comparison, which keeps it.
     if flat.size and flat.item(0):

@@ -1,0 +1,67 @@
+"""The ``h5ngff`` command's entry point: starts the workers' fork server before the CLI's imports.
+
+A local conversion's workers are forked from a fork server that imports Dask once
+(``backends/forkserver.py``); the first worker would start it, after the CLI has imported its
+modules (about 0.6 s) and planned. Started here instead, the server imports Dask on another core
+while this process imports the CLI, and the cluster is up sooner. Only for the commands that start
+a local cluster on their own (``convert`` and ``demo`` without ``--backend``, ``--scheduler`` or
+``--enforce-pod-limits``), and with the environment the plan's workers will have: the default
+allocator's variables, or those of ``--allocator``. Where the plan's environment turns out to
+differ, the cluster starts a new server and this one is only wasted (one process, about half a
+CPU-second); ``H5NGFF_WORKER_START=spawn`` starts none.
+
+This module imports only the standard library and ``backends.allocator`` before it hands over.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: Commands that start a LocalCluster when none of ``_OTHER_CLUSTER`` is given.
+_LOCAL_COMMANDS = ("convert", "demo")
+_OTHER_CLUSTER = ("--backend", "--scheduler", "--enforce-pod-limits", "-h", "--help")
+#: The modules Dask preloads into the fork server (``distributed.utils.get_mp_context``: Dask and
+#: its required and optional packages that are installed).
+_PRELOAD = ("distributed", "dask", "msgpack", "cloudpickle", "tornado", "toolz", "numpy", "pandas", "lz4")
+
+
+def _allocator(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--allocator" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--allocator="):
+            return arg.split("=", 1)[1]
+    return "auto"
+
+
+def starts_a_local_cluster(argv: list[str]) -> bool:
+    """Whether these arguments run a command that starts a LocalCluster of its own."""
+    if not argv or argv[0] not in _LOCAL_COMMANDS:
+        return False
+    return not any(arg == flag or arg.startswith(flag + "=") for arg in argv for flag in _OTHER_CLUSTER)
+
+
+def start_fork_server_early(argv: list[str]) -> bool:
+    """Start the fork server with the environment this command's workers will have; True if
+    started."""
+    from .backends import forkserver
+    from .backends.allocator import allocator_env, resolve_allocator
+
+    if os.environ.get(forkserver.METHOD_VARIABLE, "forkserver") == "spawn" or not starts_a_local_cluster(argv):
+        return False
+    allocator = _allocator(argv)
+    if allocator not in ("auto", "jemalloc", "glibc"):
+        return False  # the CLI will refuse it
+    return forkserver.start_early(allocator_env(resolve_allocator(allocator)), _PRELOAD)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        start_fork_server_early(args)
+    except Exception:  # a head start only: the cluster starts its server itself if this fails
+        pass
+    from .cli import main as cli_main
+
+    return cli_main(argv)
