@@ -46,8 +46,14 @@ def source(tmp_path_factory):
 
 
 def worker_processes() -> list[psutil.Process]:
-    """This process's Dask worker processes (LocalCluster spawns them as our children)."""
-    return [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    """This process's Dask worker processes: forked from the fork server, our child (its children
+    share its command line), or spawned as our children (H5NGFF_WORKER_START=spawn)."""
+    me = os.getpid()
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "spawn_main" in (cmd := " ".join(p.cmdline())) or ("multiprocessing.forkserver" in cmd and p.ppid() != me)
+    ]
 
 
 @pytest.mark.slow
