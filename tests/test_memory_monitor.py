@@ -5,6 +5,7 @@ nanny still terminates a worker that outgrows its limit through it."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -67,6 +68,16 @@ def _grow(mib: int) -> int:
     held = bytearray(mib << 20)  # resident at once: bytearray zero-fills
     time.sleep(8)
     return len(held)
+
+
+@pytest.fixture(autouse=True)
+def _environment_back():
+    """A plain LocalCluster's nanny writes Dask's pre-spawn variables (MALLOC_TRIM_THRESHOLD_...)
+    into os.environ for good: put it back for the tests after these."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _run_a_task_beyond_the_limit() -> tuple[list, int | None, bool]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver as mp_forkserver
 import os
 import time
 
@@ -125,3 +126,20 @@ def test_a_glibc_plan_after_a_jemalloc_one_gets_glibc(tmp_path, monkeypatch, met
     monkeypatch.setattr(local, "worker_environment", lambda env: contextlib.nullcontext())
     assert all(f["jemalloc"] for f in _facts(tmp_path, "jemalloc"))
     assert all(f["jemalloc"] for f in _facts(tmp_path, "glibc"))
+
+
+def test_a_fork_server_multiprocessing_lost_track_of_falls_back_to_spawn(tmp_path):
+    """An interrupt inside multiprocessing's own stop (a test's timeout did it) leaves the server's
+    pid without its descriptor: every later stop raised TypeError and no cluster could start."""
+    _facts(tmp_path)  # a server is running
+    server = mp_forkserver._forkserver
+    fd = server._forkserver_alive_fd
+    server._forkserver_alive_fd = None  # what the interrupted stop left
+    try:
+        with pytest.raises(TypeError):  # negative control: multiprocessing itself cannot stop it
+            server._stop()
+        facts = _facts(tmp_path)
+        assert {f["ppid"] for f in facts} == {os.getpid()}  # spawned, and the conversion ran
+    finally:
+        server._forkserver_alive_fd = fd
+    assert forkserver.worker_start_method() == "forkserver"  # usable again once its state is whole

@@ -79,13 +79,33 @@ def worker_start_method() -> str:
     if os.environ.get(METHOD_VARIABLE, "forkserver") == "spawn":
         return "spawn"
     server = getattr(mp_forkserver, "_forkserver", None)
-    running = getattr(server, "_forkserver_pid", None) is not None
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None and not _usable(server, pid):
+        # Its state no longer matches a live child of ours (something else reaped it, or an
+        # interrupt landed inside multiprocessing's own stop): multiprocessing would fail to start
+        # a worker. Dask's spawn needs none of that state.
+        log.debug("the fork server cannot be used: workers are spawned")
+        return "spawn"
     env = _environment()
-    if running and env != _started_with:
-        stop = getattr(server, "_stop", None)
-        if stop is None:  # a Python without it: the running server's environment would be wrong
-            return "spawn"
+    if pid is not None and env != _started_with:
         log.debug("restarting the fork server: the environment changed")
-        stop()
+        try:
+            server._stop()  # type: ignore[union-attr]  # checked by _usable
+        except Exception:
+            log.debug("the fork server could not be stopped: workers are spawned", exc_info=True)
+            return "spawn"
     _started_with = env
     return "forkserver"
+
+
+def _usable(server: object, pid: int) -> bool:
+    """Whether multiprocessing can still stop or reuse its running server ``pid``."""
+    if getattr(server, "_forkserver_alive_fd", None) is None or not callable(getattr(server, "_stop", None)):
+        return False
+    try:
+        os.kill(pid, 0)  # an exited server not yet waited for still counts: multiprocessing waits for it
+    except ProcessLookupError:
+        return False  # waited for by someone else: multiprocessing's waitpid would fail
+    except PermissionError:
+        return False  # the number is another user's process now
+    return True
