@@ -24,6 +24,13 @@ from h5ngff.entry import _allocator, starts_a_local_cluster
         (["convert", "in.h5:/d", "out.ome.zarr", "--scheduler", "tcp://x:8786"], False),
         (["convert", "in.h5:/d", "out.ome.zarr", "--enforce-pod-limits"], False),
         (["convert", "--help"], False),
+        (["convert", "-h"], False),
+        (["-v", "convert", "in.h5:/d", "out.ome.zarr"], True),  # a global flag before the command
+        (["-vv", "demo"], True),
+        (["convert", "in.h5:/d", "out.ome.zarr", "--back", "slurm"], False),  # argparse's abbreviations
+        (["convert", "in.h5:/d", "out.ome.zarr", "--sched", "tcp://x:8786"], False),
+        (["convert", "in.h5:/d", "out.ome.zarr", "--enforce-pod"], False),
+        (["convert", "in.h5:/d", "out.ome.zarr", "--workers", "2"], True),
         (["plan", "in.h5:/d"], False),
         (["verify", "out.ome.zarr"], False),
         ([], False),
@@ -37,6 +44,8 @@ def test_the_allocator_flag_is_read_in_both_spellings():
     assert _allocator(["convert", "a", "b"]) == "auto"
     assert _allocator(["convert", "a", "b", "--allocator", "glibc"]) == "glibc"
     assert _allocator(["convert", "a", "b", "--allocator=jemalloc"]) == "jemalloc"
+    assert _allocator(["convert", "a", "b", "--alloc", "glibc"]) == "glibc"  # abbreviated
+    assert _allocator(["convert", "--allocator", "glibc", "--allocator", "jemalloc"]) == "jemalloc"  # the last
 
 
 # Runs in a fresh interpreter as the console script would: the head start, then the CLI; prints
@@ -50,9 +59,14 @@ assert entry.start_fork_server_early(argv)
 early = f._forkserver._forkserver_pid
 if os.environ.get("PROBE_CHANGE_ENV"):
     os.environ["PROBE_CHANGED"] = "after the head start"  # what the workers must see
+from h5ngff.backends import local
+chosen = []
+choose = local.worker_start_method
+local.worker_start_method = lambda: chosen.append(choose()) or chosen[-1]
 from h5ngff import cli
 code = cli.main(argv)
-print("REUSED" if f._forkserver._forkserver_pid == early else "RESTARTED", code)
+same = f._forkserver._forkserver_pid == early
+print("REUSED" if chosen == ["forkserver"] and same else "RESTARTED" if chosen == ["forkserver"] else chosen, code)
 """
 
 

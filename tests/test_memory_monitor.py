@@ -113,3 +113,41 @@ def test_a_worker_above_its_limit_is_still_terminated_by_the_nanny(monkeypatch):
     monkeypatch.setattr(memory_monitor.StatmProbe, "rss", lambda self, pid: 0)
     events, result, installed = _run_a_task_beyond_the_limit()
     assert installed and not events and result == 600 << 20
+
+
+def test_teardown_puts_dasks_check_back_and_closes_the_descriptor():
+    """A nanny tears its plugins down before it stops its periodic callbacks: a check still
+    installed then would open the descriptor again, and nothing would close it."""
+
+    class Periodic:
+        def __init__(self, callback):
+            self.callback = callback
+
+    class Nanny:
+        def __init__(self, pid):
+            self.process = type("P", (), {"process": type("Q", (), {"pid": pid})()})()
+            self.periodic_callbacks = {"memory_monitor": Periodic(lambda: calls.append("dask"))}
+            self.memory_manager = type("M", (), {"memory_limit": 1 << 40, "memory_terminate_fraction": 0.95})()
+
+    calls: list[str] = []
+    proc = _sleeper()
+    try:
+        nanny = Nanny(proc.pid)
+        original = nanny.periodic_callbacks["memory_monitor"].callback
+        plugin = memory_monitor.CheaperMemoryCheck()
+        plugin.setup(nanny)
+        check = nanny.periodic_callbacks["memory_monitor"].callback
+        check()  # below the threshold: Dask's check is not called, the descriptor is open
+        probe = nanny._h5ngff_memory_check[2]
+        assert calls == [] and probe.pid == proc.pid
+        plugin.teardown(nanny)
+        assert nanny.periodic_callbacks["memory_monitor"].callback is original and probe.pid is None
+        nanny.periodic_callbacks["memory_monitor"].callback()  # a tick after the teardown: Dask's
+        assert calls == ["dask"] and probe.pid is None  # and no descriptor opened again
+        # Negative control: the wrapped check itself, ticking after the teardown, opens it again.
+        check()
+        assert probe.pid == proc.pid
+        probe.close()
+    finally:
+        proc.kill()
+        proc.wait()

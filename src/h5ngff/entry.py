@@ -20,26 +20,46 @@ import sys
 
 #: Commands that start a LocalCluster when none of ``_OTHER_CLUSTER`` is given.
 _LOCAL_COMMANDS = ("convert", "demo")
-_OTHER_CLUSTER = ("--backend", "--scheduler", "--enforce-pod-limits", "-h", "--help")
+_OTHER_CLUSTER = ("--backend", "--scheduler", "--enforce-pod-limits", "--help")
+#: The CLI's options before the command (``h5ngff -v convert ...``).
+_GLOBAL_FLAGS = ("-v", "-vv", "-vvv", "--verbose")
 #: The modules Dask preloads into the fork server (``distributed.utils.get_mp_context``: Dask and
 #: its required and optional packages that are installed).
 _PRELOAD = ("distributed", "dask", "msgpack", "cloudpickle", "tornado", "toolz", "numpy", "pandas", "lz4")
 
 
+def _names(arg: str, flag: str) -> bool:
+    """Whether ``arg`` is ``flag`` as argparse reads it: whole, with ``=value``, or abbreviated
+    to a prefix of at least ``--xx``."""
+    name = arg.split("=", 1)[0]
+    return name.startswith("--") and len(name) >= 4 and flag.startswith(name)
+
+
+def _command(argv: list[str]) -> tuple[str | None, list[str]]:
+    rest = list(argv)
+    while rest and rest[0] in _GLOBAL_FLAGS:
+        rest.pop(0)
+    return (rest[0], rest[1:]) if rest else (None, [])
+
+
 def _allocator(argv: list[str]) -> str:
+    """The value of the last ``--allocator`` (argparse keeps the last), or "auto"."""
+    value = "auto"
     for i, arg in enumerate(argv):
-        if arg == "--allocator" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--allocator="):
-            return arg.split("=", 1)[1]
-    return "auto"
+        if _names(arg, "--allocator"):
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                value = argv[i + 1]
+    return value
 
 
 def starts_a_local_cluster(argv: list[str]) -> bool:
     """Whether these arguments run a command that starts a LocalCluster of its own."""
-    if not argv or argv[0] not in _LOCAL_COMMANDS:
+    command, rest = _command(argv)
+    if command not in _LOCAL_COMMANDS:
         return False
-    return not any(arg == flag or arg.startswith(flag + "=") for arg in argv for flag in _OTHER_CLUSTER)
+    return not any(arg == "-h" or any(_names(arg, flag) for flag in _OTHER_CLUSTER) for arg in rest)
 
 
 def start_fork_server_early(argv: list[str]) -> bool:

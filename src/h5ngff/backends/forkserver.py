@@ -14,9 +14,9 @@ them) and whatever else the caller has set since (a test's fault injection, a us
 The local backend puts the plan's worker environment into ``os.environ`` while its cluster lives
 (``local.worker_environment``), the first worker starts the server, and every worker forked from
 it has that environment. A later cluster in the same process whose environment differs in any
-variable stops the server first, and its first worker starts a new one. (Two clusters alive at
-once in one process with different environments are not supported: the second would stop the
-server the first restarts its workers from.)
+variable stops the server first, and its first worker starts a new one. A server this module did
+not start, or one that still has workers of another cluster, is left alone and the workers are
+spawned instead.
 
 What a fork does not carry over is put back in each worker (``backends/worker_main``):
 jemalloc's background threads, which return freed pages to the kernel.
@@ -39,9 +39,16 @@ METHOD_VARIABLE = "H5NGFF_WORKER_START"
 _started_with: dict[str, str] | None = None
 
 
+#: Variables that are no difference between two environments: the nanny sets PYTHONHASHSEED when
+#: it is unset, and pytest rewrites its marker for every phase of every test (no worker reads it;
+#: compared, every test's cluster would start a server of its own).
+_NOT_COMPARED = ("PYTHONHASHSEED", "PYTEST_CURRENT_TEST")
+
+
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("PYTHONHASHSEED", None)  # the nanny sets it when unset: not a difference
+    for name in _NOT_COMPARED:
+        env.pop(name, None)
     return env
 
 
@@ -53,6 +60,9 @@ def start_early(worker_env: Mapping[str, str], preload: Iterable[str]) -> bool:
     server = getattr(mp_forkserver, "_forkserver", None)
     if server is None or getattr(server, "_forkserver_pid", None) is not None:
         return False
+    # Dask's nanny gives its workers PYTHONHASHSEED=6640 where it is unset; a server started by
+    # the nanny gets it that way, this one here.
+    worker_env = {"PYTHONHASHSEED": "6640", **worker_env} if "PYTHONHASHSEED" not in os.environ else dict(worker_env)
     before = {key: os.environ.get(key) for key in worker_env}
     os.environ.update(worker_env)
     try:
@@ -80,14 +90,19 @@ def worker_start_method() -> str:
         return "spawn"
     server = getattr(mp_forkserver, "_forkserver", None)
     pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None and not _usable(server, pid):
-        # Its state no longer matches a live child of ours (something else reaped it, or an
-        # interrupt landed inside multiprocessing's own stop): multiprocessing would fail to start
-        # a worker. Dask's spawn needs none of that state.
+    if pid is not None and (_started_with is None or not _usable(server, pid)):
+        # Not one this module started (its environment is unknown: a user's process pool, say),
+        # or its state no longer matches a live child of ours (something else reaped it, or an
+        # interrupt landed inside multiprocessing's own stop): Dask's spawn needs none of it.
         log.debug("the fork server cannot be used: workers are spawned")
         return "spawn"
     env = _environment()
     if pid is not None and env != _started_with:
+        if _has_live_children(pid):
+            # Stopping waits until every process forked from it has exited (each holds the
+            # server's "alive" descriptor): another cluster's workers would block this one.
+            log.debug("the fork server still serves other workers: these are spawned")
+            return "spawn"
         log.debug("restarting the fork server: the environment changed")
         try:
             server._stop()  # type: ignore[union-attr]  # checked by _usable
@@ -96,6 +111,15 @@ def worker_start_method() -> str:
             return "spawn"
     _started_with = env
     return "forkserver"
+
+
+def _has_live_children(pid: int) -> bool:
+    import psutil
+
+    try:
+        return any(child.status() != psutil.STATUS_ZOMBIE for child in psutil.Process(pid).children())
+    except psutil.Error:
+        return False
 
 
 def _usable(server: object, pid: int) -> bool:

@@ -95,11 +95,17 @@ class CheaperMemoryCheck(NannyPlugin):
         if periodic is None or not limit or fraction is False:  # no monitor, or a future distributed
             return
         # On the nanny, not the plugin: one plugin object may be set up on several nannies.
-        nanny._h5ngff_statm_probe = probe = StatmProbe()
+        probe = StatmProbe()
+        nanny._h5ngff_memory_check = (periodic, periodic.callback, probe)
         # Dask terminates above memory_limit * terminate (worker_memory.NannyMemoryManager).
         periodic.callback = cheaper_check(periodic.callback, lambda: _worker_pid(nanny), limit * fraction, probe)
 
     def teardown(self, nanny: Any) -> None:
-        probe = getattr(nanny, "_h5ngff_statm_probe", None)
-        if probe is not None:
+        # A closing nanny tears its plugins down before it stops its worker and, later, its
+        # periodic callbacks: Dask's own check goes back first, or the next tick would open the
+        # descriptor again and nothing would close it.
+        installed = getattr(nanny, "_h5ngff_memory_check", None)
+        if installed is not None:
+            periodic, original, probe = installed
+            periodic.callback = original
             probe.close()
