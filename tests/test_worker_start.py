@@ -12,6 +12,7 @@ import time
 
 import h5py
 import numpy as np
+import psutil
 import pytest
 
 from h5ngff.backends import forkserver, local
@@ -143,3 +144,27 @@ def test_a_fork_server_multiprocessing_lost_track_of_falls_back_to_spawn(tmp_pat
     finally:
         server._forkserver_alive_fd = fd
     assert forkserver.worker_start_method() == "forkserver"  # usable again once its state is whole
+
+
+def test_a_process_outliving_its_cluster_does_not_hold_up_the_next(tmp_path, monkeypatch):
+    """The old server exits only once every process forked from it has. multiprocessing's own stop
+    waits for that, and a CI run hung on it; the server is let go instead."""
+    _facts(tmp_path)
+    old = mp_forkserver._forkserver._forkserver_pid
+    straggler = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,))
+    straggler.start()
+    try:
+        monkeypatch.setenv("H5NGFF_TEST_MARK", "a new environment")
+        started = time.monotonic()
+        facts = _facts(tmp_path)
+        assert time.monotonic() - started < 60
+        assert {f["ppid"] for f in facts} != {old} and {f["mark"] for f in facts} == {"a new environment"}
+        # What multiprocessing's stop would have waited for: the old server is still there.
+        assert psutil.pid_exists(old) and psutil.Process(old).status() != psutil.STATUS_ZOMBIE
+    finally:
+        straggler.kill()
+        straggler.join()
+    deadline = time.monotonic() + 10  # then it exits, and the reaper thread waits for it
+    while psutil.pid_exists(old) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(old)

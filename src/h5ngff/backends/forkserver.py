@@ -14,9 +14,9 @@ them) and whatever else the caller has set since (a test's fault injection, a us
 The local backend puts the plan's worker environment into ``os.environ`` while its cluster lives
 (``local.worker_environment``), the first worker starts the server, and every worker forked from
 it has that environment. A later cluster in the same process whose environment differs in any
-variable stops the server first, and its first worker starts a new one. A server this module did
-not start, or one that still has workers of another cluster, is left alone and the workers are
-spawned instead.
+variable lets that server go (it exits once the processes forked from it have) and its first
+worker starts a new one. A server this module did not start, or one multiprocessing has lost
+track of, is left alone and the workers are spawned instead.
 
 What a fork does not carry over is put back in each worker (``backends/worker_main``):
 jemalloc's background threads, which return freed pages to the kernel.
@@ -28,8 +28,10 @@ import importlib.util
 import logging
 import multiprocessing
 import multiprocessing.forkserver as mp_forkserver
+import multiprocessing.util as mp_util
 import os
-from typing import Iterable, Mapping
+import threading
+from typing import Any, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -98,33 +100,47 @@ def worker_start_method() -> str:
         return "spawn"
     env = _environment()
     if pid is not None and env != _started_with:
-        if _has_live_children(pid):
-            # Stopping waits until every process forked from it has exited (each holds the
-            # server's "alive" descriptor): another cluster's workers would block this one.
-            log.debug("the fork server still serves other workers: these are spawned")
-            return "spawn"
-        log.debug("restarting the fork server: the environment changed")
+        log.debug("a new fork server: the environment changed")
         try:
-            server._stop()  # type: ignore[union-attr]  # checked by _usable
+            _let_go(server, pid)
         except Exception:
-            log.debug("the fork server could not be stopped: workers are spawned", exc_info=True)
+            log.debug("the fork server could not be let go: workers are spawned", exc_info=True)
             return "spawn"
     _started_with = env
     return "forkserver"
 
 
-def _has_live_children(pid: int) -> bool:
-    import psutil
+def _let_go(server: Any, pid: int) -> None:
+    """Forget the running server so that the next worker starts a new one, and let the old one
+    exit on its own. multiprocessing's own ``_stop`` waits for it to exit, which it does only once
+    every process forked from it has (each holds its "alive" descriptor): a worker that outlived
+    its cluster would block this one for good (a CI run hung on it). Its exit is waited for on a
+    thread, so it leaves no zombie."""
+    with server._lock:
+        alive, address = server._forkserver_alive_fd, server._forkserver_address
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+    os.close(alive)  # the server's signal to stop
+    if address and not mp_util.is_abstract_socket_namespace(address):
+        try:
+            os.unlink(address)  # a socket file, where the platform has no abstract namespace
+        except OSError:
+            pass
+    threading.Thread(target=_reap, args=(pid,), name="h5ngff-fork-server-reaper", daemon=True).start()
 
+
+def _reap(pid: int) -> None:
     try:
-        return any(child.status() != psutil.STATUS_ZOMBIE for child in psutil.Process(pid).children())
-    except psutil.Error:
-        return False
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _usable(server: object, pid: int) -> bool:
-    """Whether multiprocessing can still stop or reuse its running server ``pid``."""
-    if getattr(server, "_forkserver_alive_fd", None) is None or not callable(getattr(server, "_stop", None)):
+    """Whether multiprocessing's record of its running server ``pid`` is whole: this module can
+    let it go, and multiprocessing can reuse it."""
+    if any(not hasattr(server, name) for name in ("_lock", "_forkserver_address")):
+        return False  # another Python's multiprocessing: not what this module knows how to handle
+    if getattr(server, "_forkserver_alive_fd", None) is None:
         return False
     try:
         os.kill(pid, 0)  # an exited server not yet waited for still counts: multiprocessing waits for it
