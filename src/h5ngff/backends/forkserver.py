@@ -31,7 +31,8 @@ import multiprocessing.forkserver as mp_forkserver
 import multiprocessing.util as mp_util
 import os
 import threading
-from typing import Any, Iterable, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,21 @@ def _environment() -> dict[str, str]:
     return env
 
 
+@contextmanager
+def environment(variables: Mapping[str, str]) -> Iterator[None]:
+    """``variables`` in ``os.environ`` inside the block, the earlier values back after it."""
+    before = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def start_early(worker_env: Mapping[str, str], preload: Iterable[str]) -> bool:
     """Start the server now, with this process's environment and ``worker_env`` on top, preloading
     those of ``preload`` that are installed (``entry.py``: while the CLI imports its modules). A
@@ -65,19 +81,11 @@ def start_early(worker_env: Mapping[str, str], preload: Iterable[str]) -> bool:
     # Dask's nanny gives its workers PYTHONHASHSEED=6640 where it is unset; a server started by
     # the nanny gets it that way, this one here.
     worker_env = {"PYTHONHASHSEED": "6640", **worker_env} if "PYTHONHASHSEED" not in os.environ else dict(worker_env)
-    before = {key: os.environ.get(key) for key in worker_env}
-    os.environ.update(worker_env)
-    try:
+    with environment(worker_env):
         modules = [name for name in preload if importlib.util.find_spec(name) is not None]
         multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
         server.ensure_running()
         _started_with = _environment()
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     log.debug("fork server started early")
     return True
 

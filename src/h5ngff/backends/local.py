@@ -26,7 +26,7 @@ import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import dask
 from distributed import Client, LocalCluster
@@ -48,7 +48,7 @@ from .base import (
 )
 from .cgroups import MemoryCgroup, create_pod_cgroup
 from .diagnostics import WorkerReport, register_plugins
-from .forkserver import worker_start_method
+from .forkserver import environment, worker_start_method
 from .podwatch import PodWatcher
 
 log = logging.getLogger(__name__)
@@ -158,23 +158,13 @@ class LocalPodsBackend(MachineBackend):
             )
 
 
-@contextmanager
-def worker_environment(env: dict[str, str]) -> Iterator[None]:
+def worker_environment(env: dict[str, str]) -> ContextManager[None]:
     """The plan's worker variables in ``os.environ`` while the cluster lives, the earlier values
     back afterwards. Dask's nanny reads its pre-spawn variables with the process's own taking
     precedence, and writes them into ``os.environ`` for good: without this, a glibc plan after a
     jemalloc one in the same process started its workers with jemalloc still preloaded. The
     fork server (backends/forkserver.py) starts with this environment."""
-    before = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return environment(env)
 
 
 @contextmanager
