@@ -10,12 +10,12 @@ allocator's variables, or those of ``--allocator``. Where the plan's environment
 differ, the cluster starts a new server and this one is only wasted (one process, about half a
 CPU-second); ``H5NGFF_WORKER_START=spawn`` starts none.
 
-This module imports only the standard library and ``backends.allocator`` before it hands over.
+This module imports only the standard library, ``backends.allocator`` and ``backends.forkserver``
+(the standard library too) before it hands over.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 #: Commands that start a LocalCluster when none of ``_OTHER_CLUSTER`` is given.
@@ -68,7 +68,7 @@ def start_fork_server_early(argv: list[str]) -> bool:
     from .backends import forkserver
     from .backends.allocator import allocator_env, resolve_allocator
 
-    if os.environ.get(forkserver.METHOD_VARIABLE, "forkserver") == "spawn" or not starts_a_local_cluster(argv):
+    if not starts_a_local_cluster(argv):
         return False
     allocator = _allocator(argv)
     if allocator not in ("auto", "jemalloc", "glibc"):

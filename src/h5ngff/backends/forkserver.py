@@ -48,6 +48,10 @@ _started_with: dict[str, str] | None = None
 _NOT_COMPARED = ("PYTHONHASHSEED", "PYTEST_CURRENT_TEST")
 
 
+def _spawn_asked() -> bool:
+    return os.environ.get(METHOD_VARIABLE, "forkserver") == "spawn"
+
+
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
     for name in _NOT_COMPARED:
@@ -73,10 +77,11 @@ def environment(variables: Mapping[str, str]) -> Iterator[None]:
 def start_early(worker_env: Mapping[str, str], preload: Iterable[str]) -> bool:
     """Start the server now, with this process's environment and ``worker_env`` on top, preloading
     those of ``preload`` that are installed (``entry.py``: while the CLI imports its modules). A
-    cluster whose environment is the same then uses it; True if it was started."""
+    cluster whose environment is the same then uses it; True if it was started (not where
+    ``H5NGFF_WORKER_START=spawn`` or a server already runs)."""
     global _started_with
     server = getattr(mp_forkserver, "_forkserver", None)
-    if server is None or getattr(server, "_forkserver_pid", None) is not None:
+    if _spawn_asked() or server is None or getattr(server, "_forkserver_pid", None) is not None:
         return False
     # Dask's nanny gives its workers PYTHONHASHSEED=6640 where it is unset; a server started by
     # the nanny gets it that way, this one here.
@@ -93,10 +98,10 @@ def start_early(worker_env: Mapping[str, str], preload: Iterable[str]) -> bool:
 def worker_start_method() -> str:
     """The multiprocessing start method for this cluster's workers, once this process's
     environment is what they must start with: "forkserver", after making sure that a running
-    server has that environment, or "spawn" (``H5NGFF_WORKER_START=spawn``, or a Python whose
-    server cannot be stopped)."""
+    server has that environment, or "spawn" (``H5NGFF_WORKER_START=spawn``, or a server this
+    module did not start or cannot use)."""
     global _started_with
-    if os.environ.get(METHOD_VARIABLE, "forkserver") == "spawn":
+    if _spawn_asked():
         return "spawn"
     server = getattr(mp_forkserver, "_forkserver", None)
     pid = getattr(server, "_forkserver_pid", None)
