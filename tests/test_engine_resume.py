@@ -175,6 +175,45 @@ def test_output_of_another_conversion_is_refused(source, clean_run, convert):
     assert chunk_files(clean_run) == before
 
 
+@pytest.mark.slow
+def test_an_overwrite_killed_mid_delete_is_resumed_not_taken_for_finished(
+    source, clean_run, convert, tmp_path, monkeypatch
+):
+    """--overwrite of a finished output, killed when half its files are deleted: the next run
+    without --overwrite redoes every slab and ends bit-identical to an uninterrupted run. Before
+    the fix it found the completion marker (deleted last) and reported the half-deleted output
+    finished; the deletion order's own negative control is in test_output_store.py."""
+    import shutil
+
+    from h5ngff.engine.stores import LocalStore
+
+    h5, data, _ = source
+    out = str(tmp_path / "overwritten.ome.zarr")
+    shutil.copytree(clean_run, out)
+    output = {"chunks": [8, 32, 32], "compressor": {"codec": "gzip", "clevel": 3}}
+    options = {"pyramid": {"levels": 2}, "resources": {"slab": [16, 64, 256]}}
+    real = LocalStore.delete_prefix
+
+    def killed_half_way(self, prefix, keep=()):
+        keys = [k for k in self.list(prefix) if k not in keep]
+        for key in keys[: len(keys) // 2]:
+            self.delete(key)
+        raise KeyboardInterrupt  # as a Ctrl-C there would
+
+    monkeypatch.setattr(LocalStore, "delete_prefix", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        convert(spec_for(h5, out, output={**output, "overwrite": True}, **options))
+    monkeypatch.setattr(LocalStore, "delete_prefix", real)
+    assert len(chunk_files(out)) < len(chunk_files(clean_run)), "the kill must land mid-delete"
+
+    summary = convert(spec_for(h5, out, output=output, **options))
+    assert summary.status == "Succeeded"
+    assert summary.totals.slabs_written == TOTAL_SLABS
+    assert chunk_files(out) == chunk_files(clean_run)
+    assert ome_attributes(out) == ome_attributes(clean_run)
+    np.testing.assert_array_equal(zarr.open_array(out + "/0", mode="r")[...], data)
+
+
 def test_foreign_directory_is_refused_even_with_overwrite(source, tmp_path, convert):
     h5, _, _ = source
     foreign = tmp_path / "thesis"

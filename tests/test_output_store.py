@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 
-from h5ngff.engine.write.manifest import MANIFEST_KEY, MANIFEST_PREFIX, Manifest, SlabRecord
+from h5ngff.engine.write import output as output_module
+from h5ngff.engine.write.manifest import MANIFEST_KEY, MANIFEST_PREFIX, Manifest, SlabRecord, fingerprint
+from h5ngff.engine.write.output import object_marker, remove_ours
 from h5ngff.engine.stores import LocalStore
 
 CONTENT = {"shape": [8, 8, 8], "dtype": "<u2", "chunks": [4, 4, 4]}
@@ -110,3 +113,102 @@ def test_no_manifest_is_none(store):
         with open(path, "w") as f:
             f.write("x")
         assert Manifest.load(path) is None and os.path.isfile(path)
+
+
+class _Killed(Exception):
+    """The process died here: nothing after this mutation of the store happened."""
+
+
+class _KilledAfter:
+    """``store``, but the ``after``-th mutation (a put or the deletion of one object) never
+    happens: the run is killed there. ``delete_prefix`` deletes one object at a time, in a seeded
+    shuffled order, so a kill lands after any subset of the data is gone."""
+
+    def __init__(self, store, after: int | None, seed: int = 0):
+        self._store, self._after, self._seed, self.mutations = store, after, seed, 0
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def _mutate(self) -> None:
+        self.mutations += 1
+        if self.mutations == self._after:
+            raise _Killed(f"killed at mutation {self.mutations}")
+
+    def put(self, key, data, sync=False):
+        self._mutate()
+        return self._store.put(key, data, sync=sync)
+
+    def delete(self, key):
+        self._mutate()
+        return self._store.delete(key)
+
+    def delete_prefix(self, prefix, keep=()):
+        keys = [k for k in self._store.list(prefix) if k not in keep]
+        random.Random(self._seed).shuffle(keys)
+        for key in keys:
+            self.delete(key)
+        return len(keys)
+
+
+def _finished_output(store) -> None:
+    """What a finished h5ngff output holds: chunks, level metadata, and the root document with
+    the completion marker (its manifest removed)."""
+    marker = {"complete": True, "fingerprint": fingerprint(CONTENT), "content": CONTENT}
+    store.put("zarr.json", json.dumps({"zarr_format": 3, "attributes": {"h5ngff": marker}}).encode())
+    store.put("0/zarr.json", b'{"zarr_format": 3, "node_type": "array"}')
+    for i in range(6):
+        store.put(f"0/c/{i}/0/0", b"x" * (100 + i))
+
+
+def _unfinished_output(store) -> None:
+    """An output a run was killed in: the manifest's header, two batches of records, metadata
+    without the marker, and the chunks."""
+    m = Manifest(store)
+    m.start(CONTENT)
+    m.append([_record(0), _record(1)])
+    m.append([_record(2)])
+    store.put("zarr.json", b'{"zarr_format": 3, "attributes": {}}')
+    for i in range(3):
+        store.put(f"0/c/{i}/0/0", b"x" * (100 + i))
+
+
+@pytest.mark.parametrize("output", [_finished_output, _unfinished_output], ids=["finished", "unfinished"])
+def test_an_overwrite_killed_at_any_deletion_leaves_an_output_that_is_whole_or_records_nothing_done(store, output):
+    """--overwrite deletes the record of progress before the data and its claim last. Killed after
+    any number of deletions, the output is still ours (the same content, so a re-run with other
+    options is refused), a completion marker is only ever over all of its data, and every slab
+    still recorded has its chunks: a re-run without --overwrite redoes what is gone instead of
+    reporting missing chunks as finished (test_engine_resume.py runs that re-run)."""
+    output(store)
+    data = set(store.list("0/"))
+    counting = _KilledAfter(store, None)
+    remove_ours(counting)
+    assert list(store.list("")) == []
+    total = counting.mutations
+    assert total > len(data)
+    for after in range(1, total + 1):
+        output(store)
+        with pytest.raises(_Killed):
+            remove_ours(_KilledAfter(store, after, seed=after))
+        where = f"killed at mutation {after} of {total}"
+        left, marker = Manifest.load(store), object_marker(store)
+        assert marker is None or set(store.list("0/")) == data, f"{where}: a completion marker over missing data"
+        claim = left.content if left is not None else (marker or {}).get("content")
+        assert claim == CONTENT, f"{where}: no longer recognisably ours"
+        if left is not None:
+            recorded = {key for r in left.records for _, key, _ in r.units}
+            assert recorded <= left.verified_units({0: "0"}).get(0, set()), f"{where}: a recorded chunk is gone"
+        remove_ours(store)  # --overwrite again finishes the job
+        assert list(store.list("")) == []
+
+
+def test_negative_control_deleting_the_claims_last_alone_leaves_a_finished_marker(store, monkeypatch):
+    """The order before the fix (data, root documents, then the manifest's header): a kill in the
+    middle of the data left the completion marker over missing chunks."""
+    monkeypatch.setattr(output_module, "_record_nothing_done", lambda s: ("zarr.json",))
+    _finished_output(store)
+    with pytest.raises(_Killed):
+        remove_ours(_KilledAfter(store, 3))
+    assert object_marker(store) is not None
+    assert len(list(store.list("0/c/"))) < 6

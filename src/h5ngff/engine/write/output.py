@@ -16,9 +16,11 @@ run killed at any point leaves an output h5ngff resumes or replaces:
 
 ``--overwrite`` deletes only an output of ours (found by its manifest or its completion marker),
 or, where the store allows it (``overwrites_foreign_zarr``: a directory), a Zarr store; never the
-one-writer lock (``LOCK_NAME``, a directory's flock file or a bucket's lease object), and the
-claims last: the data, then the root documents, then the manifest's header, so a run killed while
-deleting leaves an output that is still recognisably ours.
+one-writer lock (``LOCK_NAME``, a directory's flock file or a bucket's lease object). The record of
+progress goes first (the completion marker, and every slab the manifest records; its header
+stays), then the data, then the header: a run killed while deleting leaves an output that is still
+recognisably ours and records nothing done, which a re-run resumes from the start or replaces,
+and never takes for finished.
 """
 
 from __future__ import annotations
@@ -231,20 +233,44 @@ def _refuse_existing(
 
 
 def remove_ours(store: Store) -> int:
-    """Delete the output but the lock, its claims last (the root documents, then the manifest's
-    header): a run killed while deleting leaves an output that is still recognisably ours."""
+    """Delete the output but the lock. What says how far it got goes first (``_record_nothing_done``),
+    its claim (the manifest's header) last: a run killed while deleting leaves an output that is
+    still recognisably ours and records nothing done. Deleting the claims last alone was not
+    enough: a finished output killed mid-delete kept its completion marker over missing chunks,
+    and the next run without --overwrite reported it finished."""
     log.info("Removing the existing output %s (--overwrite).", store.root)
-    header = (
-        MANIFEST_KEY,
-        *sorted(store.list(MANIFEST_PREFIX))[:1],
-    )  # the appended form's object, or the batch form's first
-    claims = (*_ROOT_DOCUMENTS, *header)
-    removed = store.delete_prefix("", keep=(LOCK_NAME, *claims))
-    for key in claims:
+    claim = _record_nothing_done(store)
+    removed = store.delete_prefix("", keep=(LOCK_NAME, *claim))
+    for key in claim:
         if store.size(key) is not None:
             store.delete(key)
             removed += 1
     return removed
+
+
+def _record_nothing_done(store: Store) -> tuple[str, ...]:
+    """Leave the output's manifest with its header and no slab, and delete the completion marker;
+    return the keys of the claim that stays (none for a foreign Zarr store, which has none). The
+    header keeps the old conversion's content, so a re-run with other options is still refused."""
+    existing, marker = Manifest.load(store), object_marker(store)
+    content = existing.content if existing is not None else (marker or {}).get("content")
+    if content is None:
+        return ()
+    if store.supports_append:
+        Manifest(store).start(content)  # the one object, replaced whole by its header alone
+        claim: tuple[str, ...] = (MANIFEST_KEY,)
+    else:
+        objects = sorted(store.list(MANIFEST_PREFIX))
+        if not objects:  # a finished output: its manifest was removed
+            Manifest(store).start(content)
+            objects = sorted(store.list(MANIFEST_PREFIX))
+        for key in objects[1:]:  # the first object holds the header alone (Manifest.start)
+            store.delete(key)
+        claim = tuple(objects[:1])
+    for name in _ROOT_DOCUMENTS:  # after the records: a kill between the two resumes from the start
+        if store.size(name) is not None:
+            store.delete(name)
+    return claim
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
