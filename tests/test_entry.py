@@ -30,6 +30,9 @@ from h5ngff.entry import _allocator, starts_a_local_cluster
         (["convert", "in.h5:/d", "out.ome.zarr", "--back", "slurm"], False),  # argparse's abbreviations
         (["convert", "in.h5:/d", "out.ome.zarr", "--sched", "tcp://x:8786"], False),
         (["convert", "in.h5:/d", "out.ome.zarr", "--enforce-pod"], False),
+        (["convert", "in.h5:/d", "out.ome.zarr", "--b", "slurm"], False),  # the shortest prefixes too
+        (["convert", "in.h5:/d", "out.ome.zarr", "--e"], False),
+        (["demo", "--h"], False),
         (["convert", "in.h5:/d", "out.ome.zarr", "--workers", "2"], True),
         (["plan", "in.h5:/d"], False),
         (["verify", "out.ome.zarr"], False),
@@ -95,3 +98,41 @@ def test_the_cluster_forks_its_workers_from_the_server_started_early(tmp_path):
     # Negative control: a variable set after the head start makes the environment differ, and
     # the cluster starts a server of its own (its workers must see the variable).
     assert _probe(tmp_path, change_env=True) == "RESTARTED 0"
+
+
+# The fork server started early, preloading a module that takes 1.5 s to import; a Ctrl-C (SIGINT
+# to the process group, as a terminal sends it) lands during that preload.
+_CTRL_C_PROBE = """
+import os, signal, sys, time
+import multiprocessing.forkserver as f
+from h5ngff.backends import forkserver
+shield = sys.argv[1] == "shield"
+signal.signal(signal.SIGINT, lambda *_: None)  # this process stands for the CLI, which handles it
+assert forkserver.start_early({}, ["h5ngff_slow_import"], shield_ctrl_c=shield)
+pid = f._forkserver._forkserver_pid
+time.sleep(0.5)
+os.killpg(os.getpgid(0), signal.SIGINT)
+time.sleep(2.0)
+print("ALIVE" if os.waitpid(pid, os.WNOHANG) == (0, 0) else "DEAD", flush=True)
+"""
+
+
+@pytest.mark.parametrize("shield", [True, False], ids=["shielded", "negative-control"])
+def test_a_ctrl_c_while_the_early_server_preloads_does_not_kill_it(tmp_path, shield):
+    (tmp_path / "h5ngff_slow_import.py").write_text("import time\ntime.sleep(1.5)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env.pop("H5NGFF_WORKER_START", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_PROBE, "shield" if shield else "bare"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,  # its own process group: the SIGINT reaches nothing else
+    )
+    if shield:
+        assert result.stdout.strip() == "ALIVE", result.stderr
+        assert "Traceback" not in result.stderr, result.stderr
+    else:  # the server dies in its preload with a traceback, as before the fix
+        assert result.stdout.strip() == "DEAD"
+        assert "KeyboardInterrupt" in result.stderr

@@ -29,10 +29,11 @@ _PRELOAD = ("distributed", "dask", "msgpack", "cloudpickle", "tornado", "toolz",
 
 
 def _names(arg: str, flag: str) -> bool:
-    """Whether ``arg`` is ``flag`` as argparse reads it: whole, with ``=value``, or abbreviated
-    to a prefix of at least ``--xx``."""
+    """Whether ``arg`` may be ``flag`` as argparse reads it: whole, with ``=value``, or abbreviated
+    to any prefix (``--b`` is ``--backend`` where no other option starts so; where one does,
+    argparse refuses it and the head start is only wasted)."""
     name = arg.split("=", 1)[0]
-    return name.startswith("--") and len(name) >= 4 and flag.startswith(name)
+    return name.startswith("--") and len(name) > 2 and flag.startswith(name)
 
 
 def _command(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -28,8 +28,10 @@ import importlib.util
 import logging
 import multiprocessing
 import multiprocessing.forkserver as mp_forkserver
+import multiprocessing.resource_tracker as mp_resource_tracker
 import multiprocessing.util as mp_util
 import os
+import signal
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping
@@ -74,11 +76,18 @@ def environment(variables: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def start_early(worker_env: Mapping[str, str], preload: Iterable[str]) -> bool:
+def start_early(worker_env: Mapping[str, str], preload: Iterable[str], shield_ctrl_c: bool = True) -> bool:
     """Start the server now, with this process's environment and ``worker_env`` on top, preloading
     those of ``preload`` that are installed (``entry.py``: while the CLI imports its modules). A
     cluster whose environment is the same then uses it; True if it was started (not where
-    ``H5NGFF_WORKER_START=spawn`` or a server already runs)."""
+    ``H5NGFF_WORKER_START=spawn`` or a server already runs).
+
+    A terminal's Ctrl-C reaches the whole process group, and multiprocessing's server ignores
+    SIGINT only once its preload is done (half a second): a Ctrl-C then killed it with a
+    traceback beside the CLI's own clean message. So it starts with SIGINT blocked, as a server
+    the cluster starts does (``local.ctrl_c_after_start``); processes forked from it inherit the
+    mask until ``worker_main`` ignores SIGINT. ``shield_ctrl_c=False`` is the tests' negative
+    control."""
     global _started_with
     server = getattr(mp_forkserver, "_forkserver", None)
     if _spawn_asked() or server is None or getattr(server, "_forkserver_pid", None) is not None:
@@ -89,7 +98,13 @@ def start_early(worker_env: Mapping[str, str], preload: Iterable[str]) -> bool:
     with environment(worker_env):
         modules = [name for name in preload if importlib.util.find_spec(name) is not None]
         multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
-        server.ensure_running()
+        # The resource tracker first: starting it unblocks SIGINT in this thread again.
+        mp_resource_tracker.ensure_running()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT} if shield_ctrl_c else set())
+        try:
+            server.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a Ctrl-C held meanwhile is raised here
         _started_with = _environment()
     log.debug("fork server started early")
     return True

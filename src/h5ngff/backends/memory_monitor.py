@@ -63,15 +63,17 @@ class StatmProbe:
 
 
 def cheaper_check(
-    full_check: Callable[[], None], worker_pid: Callable[[], int | None], threshold: float, probe: StatmProbe
-) -> Callable[[], None]:
+    full_check: Callable[[], Any], worker_pid: Callable[[], int | None], threshold: float, probe: StatmProbe
+) -> Callable[[], Any]:
     """The periodic callback: Dask's ``full_check`` only where the worker's RSS is above
-    ``threshold`` bytes or unreadable."""
+    ``threshold`` bytes or unreadable. What it returns is returned: should Dask's check become a
+    coroutine (the worker side's already is), tornado's PeriodicCallback awaits it."""
 
-    def check() -> None:
+    def check() -> Any:
         rss = probe.rss(worker_pid())
         if rss is None or rss > threshold:
-            full_check()
+            return full_check()
+        return None
 
     return check
 
