@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -144,3 +145,48 @@ def test_cli_exit_codes_and_messages(tmp_path):
         "message": json.loads(bad_flag.stdout)["message"],
     }
     assert "output.chunks" in bad_flag.stdout and "0 is not allowed" in bad_flag.stdout
+
+
+def _as_an_unprivileged_user() -> list[str]:
+    """A command prefix under which file modes bind: root's DAC override dropped (CI runs as root)."""
+    if os.geteuid() != 0:
+        return []
+    caps = "-dac_override,-dac_read_search,-fowner"
+    assert shutil.which("setpriv"), "setpriv (util-linux) drops root's DAC override for this test"
+    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+
+
+@pytest.mark.slow
+def test_a_read_only_output_is_refused_with_exit_3_before_the_plan(tmp_path):
+    """A finished output the user may not write: exit 3 and a message saying what to change, with
+    nothing on stdout (no plan printed), instead of a PermissionError traceback from the lock
+    file. Control: the same command once the output is writable again finishes (exit 0)."""
+    h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)))
+    out = tmp_path / "out.ome.zarr"
+    cli = [sys.executable, "-m", "h5ngff.cli", "convert", f"{h5}:/volume/data", str(out), "--workers", "1"]
+    subprocess.run(cli, check=True, capture_output=True)
+    modes = {p: p.stat().st_mode for p in [out, *out.rglob("*")] if p.is_dir()}
+    for path in modes:
+        path.chmod(0o555)
+    try:
+        refused = subprocess.run(_as_an_unprivileged_user() + cli, capture_output=True, text=True)
+        locked = subprocess.run(
+            _as_an_unprivileged_user()
+            + [
+                sys.executable,
+                "-c",
+                f"from h5ngff.engine.write.lock import output_lock\nwith output_lock({str(out)!r}): pass",
+            ],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+    assert refused.returncode == 3, refused.stderr
+    assert "is not writable" in refused.stderr and "h5ngff verify" in refused.stderr
+    assert "Traceback" not in refused.stderr and not refused.stdout.strip()
+    assert "OutputError: output.path: cannot create its lock file" in locked.stderr  # the lock's own refusal
+    assert "PermissionError" not in locked.stderr
+    again = subprocess.run(_as_an_unprivileged_user() + cli, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr

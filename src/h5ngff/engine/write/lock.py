@@ -133,7 +133,13 @@ def _object_lease(store: Store, path: str, options: Mapping[str, Any] | None) ->
 
 def _acquire(lock_file: str, output: str) -> int:
     for _ in range(_ATTEMPTS):
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:  # a read-only output (or filesystem): no run may write it
+            raise OutputError(
+                f"output.path: cannot create its lock file {lock_file!r}: {exc.strerror or exc}. "
+                f"Make {output!r} writable, or choose another path."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

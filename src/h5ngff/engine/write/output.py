@@ -34,7 +34,7 @@ from typing import Any, Literal
 import zarr
 from zarr.storage import MemoryStore
 
-from ...errors import OutputConflictError
+from ...errors import OutputConflictError, OutputError
 from ...planner.layout import level_steps
 from ...planner.model import Plan
 from ...spec import ConversionSpec
@@ -191,9 +191,22 @@ def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> No
         if not store.occupied(ignore=(LOCK_NAME,)):  # a 403 or a missing bucket fails here, before the cluster
             store.check_creatable()
             return
-        _refuse_existing(
-            store, spec.output.path, spec, content_of(plan, spec, source), Manifest.load(store), object_marker(store)
-        )
+        finished = object_marker(store)
+        _refuse_existing(store, spec.output.path, spec, content_of(plan, spec, source), Manifest.load(store), finished)
+        _refuse_read_only(store, spec.output.path, finished is not None)
+
+
+def _refuse_read_only(store: Store, path: str, finished: bool) -> None:
+    """A local output this process may not write into is refused before the plan is printed: the
+    run would fail only when it took the output's lock (a lock file in the directory)."""
+    root = store.local_path
+    if root is None or os.access(root, os.W_OK | os.X_OK):
+        return
+    hint = f" It is a finished output: `h5ngff verify {path}` checks it without writing." if finished else ""
+    raise OutputError(
+        f"output.path: {path!r} is not writable (permission denied), so it can be neither resumed nor replaced. "
+        f"Make it writable, or choose another path.{hint}"
+    )
 
 
 def _refuse_existing(
