@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -190,3 +191,36 @@ def test_a_read_only_output_is_refused_with_exit_3_before_the_plan(tmp_path):
     assert "PermissionError" not in locked.stderr
     again = subprocess.run(_as_an_unprivileged_user() + cli, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.parametrize(
+    "address, why",
+    [
+        ("notanaddress", "missing port number"),
+        ("tcp://localhost", "missing port number"),
+        ("http://127.0.0.1:8786", "unknown scheme 'http'"),
+    ],
+)
+def test_a_scheduler_address_dask_cannot_parse_is_bad_input_at_once(tmp_path, address, why):
+    """Dask's client fails on these inside its connection attempt: a traceback, exit 1, and then a
+    60 s wait in its finaliser. Now exit 2 before anything is planned or started."""
+    h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)))
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "h5ngff.cli", "convert", f"{h5}:/volume/data", str(tmp_path / "o.zarr")]
+        + ["--scheduler", address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"--scheduler: {address!r} is not a Dask scheduler address ({why}" in result.stderr
+    assert "Traceback" not in result.stderr and time.monotonic() - started < 30
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def test_addresses_dask_accepts_are_accepted():
+    from h5ngff.backends.external import check_address
+
+    for address in ("tcp://10.0.0.5:8786", "127.0.0.1:8786", "tls://host:8786", "tcp://[::1]:8786", "inproc://x/1/2"):
+        assert check_address(address) == address

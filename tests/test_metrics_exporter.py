@@ -359,6 +359,13 @@ def test_a_port_in_use_is_an_input_error():
             MetricsExporter(held.getsockname()[1], "busy", addr="127.0.0.1")
 
 
+@pytest.mark.parametrize("port", [99999, 65536])
+def test_a_port_no_machine_has_is_an_input_error(port):
+    """bind() refuses these with an OverflowError, not an OSError: it was a traceback, exit 1."""
+    with pytest.raises(SpecError, match=f"--metrics-port: Expected a free TCP port.*Got {port}.*0-65535"):
+        MetricsExporter(port, "nonsense", addr="127.0.0.1")
+
+
 @pytest.mark.parametrize("command", ["convert", "run"])
 def test_the_exporter_answers_while_the_job_is_planned(shared_cluster, tmp_path, monkeypatch, command):
     """Issue 17: the exporter used to start after planning, so Prometheus's first scrapes of a

@@ -10,19 +10,38 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from distributed import Client
+from distributed.comm.addressing import parse_address, parse_host_port
+from distributed.comm.registry import backends
 
-from ..errors import ClusterError
+from ..errors import ClusterError, SpecError
 from ..planner.model import Capacity, Plan
 from ..spec import ConversionSpec
 from .base import Description, Session, connect
 from .diagnostics import register_plugins
 
 
+def check_address(address: str) -> str:
+    """Refuse an address no Dask scheduler can have, before anything starts: Dask's client fails
+    on one only inside its connection attempt, with a traceback, and then waits out its timeout."""
+    try:
+        scheme, location = parse_address(address)  # Dask's own parsers (tcp:// when no scheme is given)
+        if scheme not in backends:
+            raise ValueError(f"unknown scheme {scheme!r}; Dask knows {', '.join(sorted(backends))}")
+        if scheme in ("tcp", "tls", "ws", "wss"):
+            parse_host_port(location)
+    except ValueError as exc:
+        raise SpecError(
+            "--scheduler",
+            f"{address!r} is not a Dask scheduler address ({exc}). Expected tcp://HOST:PORT, e.g. tcp://10.0.0.5:8786.",
+        ) from None
+    return address
+
+
 class ExternalBackend:
     name = "external"
 
     def __init__(self, address: str, timeout: float = 30):
-        self.address = address
+        self.address = check_address(address)
         self.timeout = timeout
 
     def _connect(self) -> Client:

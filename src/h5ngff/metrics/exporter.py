@@ -79,10 +79,11 @@ class MetricsExporter:
         self.registry.register(_Collector(self))
         try:
             self._server, _ = start_http_server(port, addr, registry=self.registry)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # OverflowError: a number no port has (bind's own check)
+            why = exc.strerror if isinstance(exc, OSError) else "ports are 0-65535"
             raise SpecError(
                 "--metrics-port",
-                f"Expected a free TCP port on {addr}. Got {port} instead ({exc.strerror}). Pick another port, or 0 for any free one.",
+                f"Expected a free TCP port on {addr}. Got {port} instead ({why}). Pick another port, or 0 for any free one.",
             ) from None
         log.info("Serving Prometheus metrics on http://%s:%d/metrics", addr, self.port)
 
