@@ -224,3 +224,44 @@ def test_addresses_dask_accepts_are_accepted():
 
     for address in ("tcp://10.0.0.5:8786", "127.0.0.1:8786", "tls://host:8786", "tcp://[::1]:8786", "inproc://x/1/2"):
         assert check_address(address) == address
+
+
+def test_a_memory_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    """The report is written after the conversion: a bad path was a traceback and exit 1 after a
+    finished conversion (.txt, a path under a file), or a report at another name (a directory
+    gave DIR.png). Now exit 2 before anything is written."""
+    h5 = write_h5(tmp_path / "in.h5", smooth((4, 8, 8)))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    a_dir = tmp_path / "a-dir"
+    a_dir.mkdir()
+    cases = {
+        "rep.txt": "Expected a .png or .html file name",
+        str(a_dir): "which is a directory",
+        str(a_file / "x.png"): "is a file, not a directory",
+    }
+    for report, message in cases.items():
+        out = tmp_path / "o.ome.zarr"
+        result = subprocess.run(
+            [sys.executable, "-m", "h5ngff.cli", "convert", f"{h5}:/volume/data", str(out), "--memory-report", report],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2, (report, result.stderr)
+        assert "--memory-report" in result.stderr and message in result.stderr and "Traceback" not in result.stderr
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_demo_into_a_path_it_cannot_use_is_an_output_error(tmp_path, where):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    directory = a_file if where == "a file" else a_file / "demo"
+    result = subprocess.run(
+        [sys.executable, "-m", "h5ngff.cli", "demo", str(directory), "--shape", "4,16,16"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "cannot use" in result.stderr and "Choose a writable directory" in result.stderr
+    assert "Traceback" not in result.stderr

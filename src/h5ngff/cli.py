@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from .clibatch import add_batch_command, add_batch_flags, convert_batch, is_batc
 from .clijob import add_job_commands
 from .console import make_console, print_notices
 from .cliverify import add_verify_command
-from .errors import ExitCode, H5ngffError, exit_code_table
+from .errors import ExitCode, H5ngffError, OutputError, exit_code_table
 from .spec import ConversionSpec, SlurmSpec, parse_spec
 
 if TYPE_CHECKING:
@@ -258,6 +259,10 @@ def _manifest_slurm(args: argparse.Namespace) -> SlurmSpec | None:
 
 
 def cmd_convert(args: argparse.Namespace, console: Console) -> int:
+    if getattr(args, "memory_report", None):
+        from .metrics.timeline import check_report_path
+
+        check_report_path(args.memory_report)
     if is_batch(args.sources, args.output):
         return convert_batch(args.sources, args.output, args, console)
     spec = spec_from_args(args)
@@ -296,23 +301,27 @@ def convert_spec(spec: ConversionSpec, args: argparse.Namespace, console: Consol
         if args.memory_report and exc.summary is not None and exc.summary.timeline:
             _write_memory_report(exc.summary, args.memory_report, console)
         raise
-    if args.memory_report:
-        _write_memory_report(summary, args.memory_report)
+    reported = _write_memory_report(summary, args.memory_report) if args.memory_report else False
     if args.json:
         print(json.dumps(summary.to_dict(), indent=1, default=str))
     else:
         console.print(summary_renderable(summary))
-        if args.memory_report:
+        if reported:
             console.print(f"memory report: {args.memory_report}")
     return 0
 
 
-def _write_memory_report(summary: RunSummary, path: str, console: Console | None = None) -> None:
-    from .metrics.timeline import write_memory_report
+def _write_memory_report(summary: RunSummary, path: str, console: Console | None = None) -> bool:
+    """Write the report, or warn (``timeline.report_failure``); whether it was written."""
+    from .metrics.timeline import report_failure
 
-    write_memory_report(summary, path)
+    failure = report_failure(summary, path)
+    if failure is not None:
+        Console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(failure)}")
+        return False
     if console is not None:
         console.print(f"memory report of the failed run: {path}")
+    return True
 
 
 def cmd_sample(args: argparse.Namespace, console: Console) -> int:
@@ -332,7 +341,14 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from .sample import parse_shape, write_sample
 
     shape = parse_shape(args.shape)  # before the directory is made: a refused shape writes nothing
-    os.makedirs(args.directory, exist_ok=True)
+    try:
+        os.makedirs(args.directory, exist_ok=True)
+        if not os.access(args.directory, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "permission denied")
+    except OSError as exc:
+        raise OutputError(
+            f"demo: cannot use {args.directory!r} as the demo's directory ({exc.strerror or exc}). Choose a writable directory."
+        ) from None
     source = os.path.join(args.directory, "sample.h5")
     if not os.path.exists(source):
         console.print(f"[bold]1. sample[/bold]: writing {source} {shape} uint16")

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from .runner import Linger, PlannedJob
 
     job = load_job(args.manifest)
+    if args.memory_report:
+        from .metrics.timeline import check_report_path
+
+        check_report_path(args.memory_report)
     metrics = None
     if getattr(args, "metrics_port", None) is not None:
         from .metrics.exporter import MetricsExporter
@@ -288,9 +293,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     )
     status, result = run_locally(job.name, spec, backend_from_args(args, spec.slurm), options)
     if args.memory_report and result.summary is not None:
-        from .metrics.timeline import write_memory_report
+        from .metrics.timeline import report_failure
 
-        write_memory_report(result.summary, args.memory_report)
+        if (failure := report_failure(result.summary, args.memory_report)) is not None:
+            Console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(failure)}")
     document = {
         "apiVersion": job.raw["apiVersion"],
         "kind": job.raw["kind"],

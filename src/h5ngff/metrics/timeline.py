@@ -89,11 +89,43 @@ def _natural(name: str) -> tuple:
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
+#: What ``write_memory_report`` writes, by the path's suffix.
+REPORT_SUFFIXES = (".png", ".html", ".htm")
+
+
+def check_report_path(path: str) -> None:
+    """Refuse a memory-report path that could not be written, before the conversion starts: the
+    report is written after it, and a conversion that finished must not be reported failed."""
+    from ..errors import SpecError
+
+    if os.path.isdir(path):
+        raise SpecError("--memory-report", f"Expected a file name. Got {path!r}, which is a directory.")
+    if not path.lower().endswith(REPORT_SUFFIXES):
+        raise SpecError("--memory-report", f"Expected a .png or .html file name. Got {path!r} instead.")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        why = "a file, not a directory" if not os.path.isdir(parent) else "not writable"
+        raise SpecError("--memory-report", f"cannot write {path!r}: {parent!r} is {why}. Choose another path.")
+
+
+def report_failure(summary, path: str) -> str | None:
+    """Write the report; None, or why it was not written. A report is never a run's outcome: its
+    path was checked before the run (``check_report_path``), so only a change meanwhile or a full
+    disk gets here, and a conversion that finished must not be reported failed for it."""
+    try:
+        write_memory_report(summary, path)
+    except (OSError, ValueError) as exc:
+        return f"the memory report {path!r} was not written: {exc}"
+    return None
+
+
 def write_memory_report(summary, path: str) -> str:
     """Write a PNG, or an HTML page (with the PNG and a per-worker table) for ``.html``."""
     fig = _figure(summary)
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    if path.endswith((".html", ".htm")):
+    if path.lower().endswith((".html", ".htm")):
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         image = base64.b64encode(buf.getvalue()).decode()
