@@ -3,6 +3,7 @@ that failed before its fix. Real subprocesses on tiny generated files; no mocks.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import h5py
 import jsonschema
+import psutil
 import pytest
 import yaml
 
@@ -227,6 +229,65 @@ def test_ctrl_c_to_the_process_group_prints_one_line_not_tracebacks(small, tmp_p
         -3000:
     ]
     assert len(stderr.strip().splitlines()) <= 3, stderr
+
+
+def _live_processes_of_group(pgid: int, wait_s: float) -> list[str]:
+    """The processes of group ``pgid`` still running (exited ones not yet reaped by init do not
+    count) once they have had ``wait_s`` to go: the fork server and the resource tracker exit
+    when they see the command gone."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = [
+            f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}"
+            for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and _pgid(p.pid) == pgid
+        ]
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_command_closes_the_run_like_ctrl_c_and_a_rerun_resumes(small, tmp_path):
+    """kill, a deleted pod and scancel send SIGTERM to the command (not its group): one line, exit
+    143, the cluster closed (no process of the run left), and the same command resumes. Before,
+    SIGTERM's default ended the client at once: no message, the workers left to die on their own."""
+    out = tmp_path / "terminated.ome.zarr"
+    argv = [*H5NGFF, "convert", f"{small / 'small.h5'}:/volume/data", str(out)]
+    argv += ["--chunks", "8,64,64", "--slab", "8,64,64", "--levels", "1", "--workers", "2", "--no-progress"]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**ENV, "H5NGFF_FAULTS": "slab_sleep=1"},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any((out / "0").rglob("c/*")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        left = _live_processes_of_group(proc.pid, wait_s=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == ExitCode.TERMINATED, stderr[-3000:]
+    assert "terminated (SIGTERM): re-run the same command to resume" in stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert left == [], f"processes of the run still there: {left}"
+    again = subprocess.run(argv + ["--json"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(again.stdout)
+    assert summary["resumed"] is True and summary["slabs_skipped"] >= 1
 
 
 # --- 5. errors go to stderr ------------------------------------------------------------------

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
+from .backends.interrupts import Terminated, terminate_like_ctrl_c
 from .cliargs import (
     SuggestingParser,
     add_backend_flags,
@@ -373,6 +374,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    terminate_like_ctrl_c()  # first: a SIGTERM during the imports and the planning is a clean exit too
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -390,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         return _stdout_closed()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if isinstance(exc, Terminated):
+            Console(stderr=True).print("[yellow]terminated[/yellow] (SIGTERM): re-run the same command to resume.")
+            return ExitCode.TERMINATED
         Console(stderr=True).print("[yellow]interrupted[/yellow]: re-run the same command to resume.")
         return ExitCode.INTERRUPTED
 

@@ -30,6 +30,7 @@ class ExitCode(IntEnum):
     OUTPUT_REFUSED = 3, "the output exists and cannot be resumed, or cannot be written; nothing was changed"
     INTERRUPTED = 130, "interrupted (Ctrl-C); re-run the same command to resume"
     BROKEN_PIPE = 141, "stdout was closed early (e.g. | head); like any Unix tool"
+    TERMINATED = 143, "terminated (SIGTERM: kill, a deleted pod, scancel); re-run the same command to resume"
 
 
 def exit_code_table() -> str:

@@ -49,6 +49,7 @@ from .base import (
 from .cgroups import MemoryCgroup, create_pod_cgroup
 from .diagnostics import WorkerReport, register_plugins
 from .forkserver import environment, worker_start_method
+from .interrupts import hold_termination
 from .podwatch import PodWatcher
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,8 @@ def ctrl_c_after_start() -> Iterator[None]:
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield
+        with hold_termination():  # SIGTERM too (backends/interrupts.py: held, not blocked)
+            yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
