@@ -477,9 +477,11 @@ def test_a_typod_flag_gets_the_subcommand_usage_and_the_closest_flag(small):
 
 
 @pytest.mark.slow
-def test_a_closed_stdout_pipe_ends_quietly(small):
+@pytest.mark.parametrize("form", [["--json"], []], ids=["json", "tables"])
+def test_a_closed_stdout_pipe_ends_quietly(small, form):
+    """141 for the tables too: rich's own broken-pipe handler exited 1, a failed run's status."""
     proc = subprocess.Popen(
-        [*H5NGFF, "plan", f"{small / 'small.h5'}:/volume/data", "--json"],
+        [*H5NGFF, "plan", f"{small / 'small.h5'}:/volume/data", *form],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

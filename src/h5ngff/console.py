@@ -16,6 +16,16 @@ from rich.console import Console
 PIPE_WIDTH = 1000
 
 
+class _Console(Console):
+    """rich's Console, but a reader that went away (``| head``) is a BrokenPipeError for the CLI
+    to end with 141, as for --json's output: rich's own handler exits 1, which reads as a failed
+    run (and for ``verify``, as problems found)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def make_console(stderr: bool = False) -> Console:
     """A rich Console on stdout (or stderr): the terminal's width on a terminal, COLUMNS where
     set, else (a pipe or a file) wide enough that no table is cut."""
@@ -25,8 +35,8 @@ def make_console(stderr: bool = False) -> Console:
     except (AttributeError, ValueError):
         tty = False
     if tty or os.environ.get("COLUMNS"):
-        return Console(stderr=stderr)
-    return Console(stderr=stderr, width=PIPE_WIDTH)
+        return _Console(stderr=stderr)
+    return _Console(stderr=stderr, width=PIPE_WIDTH)
 
 
 def print_notices(notices: list[str]) -> None:
