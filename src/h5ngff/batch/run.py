@@ -456,8 +456,16 @@ class _Flight:
             return
         try:
             marks = self.session.client.run(take_peak_rss, release=release, on_error="return")
-        except Exception:  # a dying cluster: the next item's run says so
-            log.warning("Could not release %s's buffers on the workers.", ended.item.output, exc_info=True)
+        except Exception as exc:  # a dying cluster: the next item's run says so
+            # A client closing under it (a Ctrl-C or a SIGTERM ends the batch) is no news.
+            closing = getattr(self.session.client, "status", None) in ("closing", "closed")
+            log.log(
+                logging.DEBUG if closing else logging.WARNING,
+                "Could not release %s's buffers on the workers: %s",
+                ended.item.output,
+                type(exc).__name__,
+            )
+            log.debug("the release's error", exc_info=True)
             return
         for address, mark in marks.items():
             if isinstance(mark, BaseException):  # a worker gone mid-call: its restart is reported
