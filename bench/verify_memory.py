@@ -40,7 +40,9 @@ def main() -> None:
     shape = tuple(int(v) for v in a.shape.split(","))
     work = a.dir or tempfile.mkdtemp(prefix="verify-mem-")
     h5, out = os.path.join(work, "in.h5"), os.path.join(work, "out.ome.zarr")
-    subprocess.run(CLI + ["sample", h5, "--shape", a.shape, "--dtype", a.dtype], check=True, capture_output=True)
+    subprocess.run(
+        CLI + ["sample", h5, "--shape", a.shape, "--dtype", a.dtype, "--force"], check=True, capture_output=True
+    )
     flags = ["--chunks", "64,64,64", "--levels", str(a.levels), "--workers", "2", "--no-progress", "--overwrite"]
     if a.shards:
         flags += ["--shards", a.shards]

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 
 import h5ngff as package
@@ -123,6 +124,7 @@ BAD_SAMPLE = [
     (["--dtype", "uint17"], "--dtype"),
     (["--dtype", "complex64"], "--dtype"),
     (["--shape", "4,8,8", "--hdf5-chunks", "2,4"], "--hdf5-chunks"),
+    (["--shape", "4,8,8", "--gzip"], "--gzip"),  # HDF5 compresses chunked datasets only
 ]
 
 
@@ -136,6 +138,23 @@ def test_sample_refuses_bad_inputs_with_exit_2_and_leaves_no_file(tmp_path, flag
         proc.stderr
     )
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_sample_refuses_to_replace_an_existing_file_without_force(tmp_path):
+    """It replaced a file holding anything (twelve datasets once) with its one sample, silently."""
+    path = tmp_path / "precious.h5"
+    with h5py.File(path, "w") as f:
+        f["/mine"] = np.arange(10)
+    before = path.read_bytes()
+    proc = h5ngff("sample", path, "--shape", "4,8,8")
+    no_traceback(proc)
+    assert proc.returncode == 3 and "exists" in proc.stderr and "--force" in proc.stderr, proc.stderr
+    assert path.read_bytes() == before
+    forced = h5ngff("sample", path, "--shape", "4,8,8", "--force")  # the control: asked to, it replaces it
+    assert forced.returncode == 0, forced.stderr
+    with h5py.File(path, "r") as f:
+        assert "/mine" not in f and f["/volume/data"].shape == (4, 8, 8)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from .clibatch import add_batch_command, add_batch_flags, convert_batch, is_batc
 from .clijob import add_job_commands
 from .console import make_console, print_notices
 from .cliverify import add_verify_command
-from .errors import ExitCode, H5ngffError, OutputError, exit_code_table
+from .errors import ExitCode, H5ngffError, OutputConflictError, OutputError, SpecError, exit_code_table
 from .spec import ConversionSpec, SlurmSpec, parse_spec
 
 if TYPE_CHECKING:
@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--hdf5-chunks", metavar="SHAPE", help="Store chunked with this chunk shape (default contiguous).")
     s.add_argument("--gzip", action="store_true", help="gzip-compress the HDF5 chunks (needs --hdf5-chunks).")
+    s.add_argument("--force", action="store_true", help="Replace an existing file at PATH (refused without it).")
     s.set_defaults(func=cmd_sample)
 
     d = sub.add_parser("demo", help="Generate a sample, show its plan, convert it locally and write a memory report.")
@@ -333,6 +334,13 @@ def cmd_sample(args: argparse.Namespace, console: Console) -> int:
     check_dtype(args.dtype)
     chunks = parse_shape(args.hdf5_chunks, "--hdf5-chunks") if args.hdf5_chunks else None
     check_chunks(chunks, shape)
+    if args.gzip and chunks is None:
+        raise SpecError(
+            "--gzip",
+            "Expected --hdf5-chunks with --gzip (HDF5 compresses chunked datasets only). Got --gzip alone instead.",
+        )
+    if os.path.lexists(args.path) and not args.force:
+        raise OutputConflictError(f"{args.path!r} exists. Pass --force to replace it, or choose another path.")
     write_sample(args.path, args.dataset, shape, args.dtype, chunks=chunks, compression="gzip" if args.gzip else None)
     console.print(f"wrote {args.path}:{args.dataset} shape {shape} {args.dtype}")
     return 0
