@@ -108,6 +108,10 @@ def test_fail_fast_stops_at_the_first_refusal(runs):
     statuses = [r["status"] for r in json.loads(proc.stdout)["results"]]
     assert statuses == [REFUSED, NOT_RUN, NOT_RUN, NOT_RUN]
     assert not (runs / "out").exists()
+    # The tables say what happened: it read "No item of 4 could be planned", three never tried.
+    tables = h5ngff("convert", "runs/day1/*.h5:/volume/data", "out/{stem}.ome.zarr", *FLAGS, "--fail-fast", cwd=runs)
+    said = " ".join(tables.stdout.split())
+    assert "No cluster started: of 4 item(s), 1 refused, 3 not tried (--fail-fast stopped the batch)." in said, said
 
 
 def test_two_sources_mapped_to_one_output_are_refused_before_anything_starts(runs):

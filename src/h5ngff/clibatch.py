@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -227,7 +228,7 @@ def _start_metrics(items: Sequence[BatchItem], args: argparse.Namespace) -> Metr
 def _show_plan(summary: BatchSummary, console: Console) -> None:
     sizing = summary.sizing
     if sizing is None or sizing.job is None:
-        console.print(f"[red]No item of {len(summary.results)} could be planned.[/red]")
+        console.print(_nothing_planned(summary))
         return
     plan = sizing.job.plan
     planned = sum(r.job is not None for r in summary.results)
@@ -236,6 +237,21 @@ def _show_plan(summary: BatchSummary, console: Console) -> None:
         f"{plan.threads_per_worker} thread(s), pod limit {plan.memory.pod_limit / MiB:.0f} MiB each, sized by {sizing.item.source}"
     )
     print_notices(summary.notices)
+
+
+def _nothing_planned(summary: BatchSummary) -> str:
+    """Why no cluster was started, in counts of what the items are: "No item of 4 could be
+    planned" was untrue where --fail-fast stopped after the first refusal, or every item was
+    finished before."""
+    if not summary.results:
+        return "The batch has no items: nothing to do."
+    counts = Counter(r.status for r in summary.results)
+    said = {REFUSED: "refused", COMPLETE: "already complete", NOT_RUN: "not tried (--fail-fast stopped the batch)"}
+    parts = [f"{counts[state]} {words}" for state, words in said.items() if counts[state]]
+    others = len(summary.results) - sum(counts[state] for state in said)
+    parts += [f"{others} other"] if others else []
+    colour = "red" if counts[REFUSED] else "green"
+    return f"[{colour}]No cluster started: of {len(summary.results)} item(s), {', '.join(parts)}.[/{colour}]"
 
 
 def batch_renderable(summary: BatchSummary) -> Group:
