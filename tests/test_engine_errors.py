@@ -265,3 +265,27 @@ def test_demo_into_a_path_it_cannot_use_is_an_output_error(tmp_path, where):
     assert result.returncode == 3, result.stderr
     assert "cannot use" in result.stderr and "Choose a writable directory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_directory_or_an_unreadable_file_gets_its_own_hint_not_the_corrupt_file_one(tmp_path):
+    """h5py's message buried the errno (21, 13) in its text, and the hint asked whether the file
+    was corrupt. Control: a truncated file still gets that hint."""
+    directory = tmp_path / "adir.h5"
+    directory.mkdir()
+    locked = write_h5(tmp_path / "locked.h5", smooth((4, 8, 8)))
+    os.chmod(locked, 0)
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(open(write_h5(tmp_path / "whole.h5", smooth((4, 8, 8))), "rb").read()[:300])
+    cli = _as_an_unprivileged_user() + [sys.executable, "-m", "h5ngff.cli", "plan"]
+    expected = {
+        directory: "is a directory, not an HDF5 file",
+        locked: "cannot be read (permission denied)",
+        truncated: "Is it a complete, uncorrupted HDF5 file?",
+    }
+    try:
+        for path, message in expected.items():
+            result = subprocess.run(cli + [f"{path}:/volume/data"], capture_output=True, text=True)
+            assert result.returncode == 2 and message in result.stderr, (path, result.stderr)
+            assert ("uncorrupted" in result.stderr) == (path == truncated), result.stderr
+    finally:
+        os.chmod(locked, 0o644)

@@ -28,7 +28,7 @@ from ...errors import SourceError, SourceNotFoundError, UnsupportedDatasetError
 from ...planner.model import DatasetInfo
 from ..buffers import current_conversion, slab_buffer
 from .inflate import direct_read, read_deflate
-from .hdf5 import SUPPORTED_KINDS, SourceIdentity, dtype_kind, filter_names, output_dtype
+from .hdf5 import SUPPORTED_KINDS, SourceIdentity, dtype_kind, filter_names, output_dtype, unopenable
 
 #: rdcc_nslots should be a prime well above the number of cached chunks.
 CACHE_SLOTS = 10007
@@ -221,9 +221,7 @@ def open_hdf5(path: str, field: str = "source.path") -> h5py.File:
     try:
         return h5py.File(path, "r")
     except OSError as exc:
-        raise SourceError(
-            f"{field}: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?"
-        ) from None
+        raise SourceError(unopenable(path, exc, field)) from None
 
 
 def check_dtype(dtype: np.dtype, what: str) -> None:

@@ -36,6 +36,16 @@ def output_dtype(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
 
 
+def unopenable(path: str, exc: OSError, field: str = "source.path") -> str:
+    """Why an existing ``path`` would not open as HDF5, with the hint that fits: h5py's own message
+    buries a directory's or a permission's errno in its text, and the corrupt-file hint misled."""
+    if os.path.isdir(path):
+        return f"{field}: {path!r} is a directory, not an HDF5 file. Name the file itself."
+    if not os.access(path, os.R_OK):
+        return f"{field}: {path!r} cannot be read (permission denied). Check its permissions: every worker must read it too."
+    return f"{field}: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?"
+
+
 def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity]:
     """Read the dataset's metadata (never its data) and check it is convertible."""
     if not os.path.exists(path):
@@ -45,9 +55,7 @@ def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        raise SourceError(
-            f"source.path: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?"
-        ) from None
+        raise SourceError(unopenable(path, exc)) from None
     with f:
         try:
             obj = f[dataset]
