@@ -289,3 +289,22 @@ def test_a_directory_or_an_unreadable_file_gets_its_own_hint_not_the_corrupt_fil
             assert ("uncorrupted" in result.stderr) == (path == truncated), result.stderr
     finally:
         os.chmod(locked, 0o644)
+
+
+def test_a_dangling_soft_or_external_link_is_named_as_a_link(tmp_path):
+    """It was "'/ext' is not in 'links.h5'", though the file lists it. Control: a name that is
+    not in the file at all still says so, with the datasets that are."""
+    from h5ngff.engine.sources.hdf5 import inspect_source
+    from h5ngff.errors import DatasetNotFoundError
+
+    path = str(tmp_path / "links.h5")
+    with h5py.File(path, "w") as f:
+        f["real"] = np.zeros((4, 8, 8), "u2")
+        f["soft"] = h5py.SoftLink("/gone")
+        f["ext"] = h5py.ExternalLink(str(tmp_path / "missing.h5"), "/data")
+    with pytest.raises(DatasetNotFoundError, match="'/soft' in .* is a soft link to '/gone', which is not in the file"):
+        inspect_source(path, "/soft")
+    with pytest.raises(DatasetNotFoundError, match="'/ext' in .* is an external link to '/data' in .*missing.h5"):
+        inspect_source(path, "/ext")
+    with pytest.raises(DatasetNotFoundError, match="'/nothing' is not in .*Datasets in the file: /real"):
+        inspect_source(path, "/nothing")

@@ -36,6 +36,20 @@ def output_dtype(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
 
 
+def broken_link(f: h5py.File, name: str) -> str | None:
+    """What ``name`` is where it is a link whose target does not resolve (the file says "not in"
+    otherwise, which a user who made the link cannot square with what they see in it)."""
+    try:
+        link = f.get(name, getlink=True)
+    except (KeyError, ValueError, OSError):
+        return None
+    if isinstance(link, h5py.SoftLink):
+        return f"a soft link to {link.path!r}, which is not in the file"
+    if isinstance(link, h5py.ExternalLink):
+        return f"an external link to {link.path!r} in {link.filename!r}, which cannot be opened or does not hold it"
+    return None
+
+
 def unopenable(path: str, exc: OSError, field: str = "source.path") -> str:
     """Why an existing ``path`` would not open as HDF5, with the hint that fits: h5py's own message
     buries a directory's or a permission's errno in its text, and the corrupt-file hint misled."""
@@ -60,6 +74,8 @@ def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity
         try:
             obj = f[dataset]
         except KeyError:
+            if (broken := broken_link(f, dataset)) is not None:
+                raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is {broken}.") from None
             found = list_datasets(f)
             hint = (
                 f" Datasets in the file: {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}."
