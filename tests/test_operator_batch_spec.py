@@ -179,6 +179,20 @@ def test_bad_batches_are_refused_naming_the_field(change, field):
     assert err.value.field == field, err.value
 
 
+def test_two_items_with_one_explicit_output_are_told_to_give_each_its_own():
+    """The hint was the command line's ("add a field ... to the template") for items whose
+    outputs the manifest names one by one."""
+    data = copy.deepcopy(BASE)
+    data["items"] = [
+        {"source": {"path": "/data/a.h5", "dataset": "/d"}, "output": "/data/out/same.ome.zarr"},
+        {"source": {"path": "/data/b.h5", "dataset": "/d"}, "output": "/data/out/same.ome.zarr"},
+    ]
+    with pytest.raises(
+        SpecError, match=r"both written to .*give each of them an output of its own \(items\[\]\.output\)"
+    ):
+        parse_batch_spec(data)
+
+
 def test_admission_refuses_what_the_model_refuses_for_item_sources():
     """The job's rules on source apply to each item's source (CEL included), and a valid batch passes."""
     schema = _spec_schema()

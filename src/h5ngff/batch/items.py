@@ -120,8 +120,10 @@ def output_key(output: str) -> str:
     return os.path.normpath(os.path.abspath(output))
 
 
-def refuse_collisions(items: Iterable[BatchItem]) -> None:
-    """Two items writing one output, or one output inside another, are refused before anything starts."""
+def refuse_collisions(items: Iterable[BatchItem], fix: str | None = None) -> None:
+    """Two items writing one output, or one output inside another, are refused before anything
+    starts. ``fix`` says how to tell two items' outputs apart where they come from (default: the
+    command's output template)."""
     seen: dict[str, BatchItem] = {}
     for item in items:
         key = output_key(item.output)
@@ -130,7 +132,7 @@ def refuse_collisions(items: Iterable[BatchItem]) -> None:
             raise SpecError(
                 "output",
                 f"Expected one output per source. Got {other.source!r} and {item.source!r} both written to "
-                f"{item.output!r} instead: add a field that tells them apart to the template ({_field_hint()}).",
+                f"{item.output!r} instead: {fix or template_fix()}.",
             )
         seen[key] = item
     for key, item in seen.items():
@@ -159,6 +161,11 @@ def _ancestors(key: str) -> Iterator[str]:
     while (parent := os.path.dirname(key)) != key:
         yield parent
         key = parent
+
+
+def template_fix() -> str:
+    """How to tell two outputs of one template apart."""
+    return f"add a field that tells them apart to the template ({_field_hint()})"
 
 
 def _field_hint() -> str:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from pydantic import Field, model_validator
 
-from ..batch.items import BatchItem, output_key, refuse_collisions, render_output
+from ..batch.items import BatchItem, output_key, refuse_collisions, render_output, template_fix
 from ..errors import SpecError
 from ..jobspec import ConversionJobSpec, RetryPolicy, parse_job_spec
 from ..spec import SourceSpec, _FieldError, _Model, parse_model, url_scheme
@@ -147,7 +147,11 @@ class ConversionBatchSpec(ConversionJobSpec):
                 ) from None
             where = self.output_where(output)
             out.append(PlannedItem(item_id(where), spec, BatchItem(_source_text(item.source, path), path, where)))
-        refuse_collisions(p.item for p in out)
+        refuse_collisions(
+            (p.item for p in out),
+            "give each of them an output of its own (items[].output), or "
+            + template_fix().replace("the template", "output.path's template"),
+        )
         return out
 
     def output_where(self, output: str) -> str:
