@@ -26,6 +26,7 @@ from h5ngff.batch import run as batch_run
 from h5ngff.batch.items import batch_items
 from h5ngff.batch.items import BatchItem
 from h5ngff.batch.run import COMPLETE, DONE, NOT_RUN, REFUSED, run_batch
+from h5ngff.planner.memory import SLAB_BUFFERS_TERM
 from h5ngff.errors import ExitCode
 from h5ngff.spec import parse_spec
 
@@ -230,6 +231,11 @@ def _specs(runs: Path, sizes: dict[str, tuple[int, ...]]):
     return items, spec_for
 
 
+def _largest_slab_buffers(plan) -> int:
+    """A worker's slab buffers in the plan's pass that holds the most."""
+    return max(sum(t.bytes for t in p.terms if t.name == SLAB_BUFFERS_TERM) for p in plan.passes)
+
+
 def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monkeypatch):
     """Items 16x apart in size, one at a time: the cluster is planned for the largest, started
     once, and each item's busiest worker stays under its own (smaller) plan: the workers drop an
@@ -268,7 +274,13 @@ def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monk
         run_batch([item], spec_for, separate)
     assert separate.starts == 3
     # Negative control 2: without the release when an item ends, a small item run after the big
-    # one holds the big one's slab buffers and goes over its own plan.
+    # one holds the big one's slab buffers. Measured against the small items' own peaks in the
+    # run above, not their plan: a forked worker's interpreter holds less than the planned one
+    # (pages it shares with the fork server and never touches), so the big buffers can fit in
+    # the margin; the rise itself is what shows the buffers are held.
+    clean_small = max(r.peak_rss for r in summary.results[1:])
+    held = _largest_slab_buffers(big) - _largest_slab_buffers(small)
+    assert held >= 8 * 2**20, (_largest_slab_buffers(big), _largest_slab_buffers(small))
     for item in items[1:]:
         _remove(item.output)
     monkeypatch.setattr(batch_run, "end_of_conversion", lambda conversion, keep=0: None)
@@ -279,9 +291,11 @@ def test_one_cluster_start_per_batch_and_each_item_under_its_own_plan(runs, monk
         items_in_flight=1,
     )
     assert [r.status for r in leaky.results] == [DONE, DONE, DONE]
-    assert any(r.peak_rss > r.predicted_peak for r in leaky.results[1:]), [
-        (r.peak_rss, r.predicted_peak) for r in leaky.results
-    ]
+    assert min(r.peak_rss for r in leaky.results[1:]) >= clean_small + held // 2, (
+        [r.peak_rss for r in leaky.results],
+        clean_small,
+        held,
+    )
 
 
 def test_two_items_in_flight_share_the_workers_under_the_larger_plan(runs, monkeypatch):
