@@ -243,9 +243,12 @@ def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(
             {"Done": k, "Pending": 3 - k, "Refused": 1} if k < 3 else {"Done": 3, "Refused": 1} for k in (1, 2, 3)
         ]
     else:  # after the k-th item ends, the others are Running (at most one) or Pending
+        # At least k Done: the item beside it may end while this one's hook scrapes (a loaded
+        # machine showed Done 2 in the first item's scrape).
         for k, states in enumerate(map(item_states, scrapes), 1):
-            assert states.get("Done") == k and states.get("Refused") == 1, states
+            assert states.get("Done", 0) >= k and states.get("Refused") == 1, states
             assert states.get("Running", 0) <= 1 and sum(states.values()) == 4, states
+        assert item_states(scrapes[-1]).get("Done") == 3
         assert any(item_states(s).get("Running") for s in scrapes)  # they did overlap
     workers = {str(name) for name in shared_cluster.workers}
     for values in scrapes:  # each item's run polled the batch's cluster
