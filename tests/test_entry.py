@@ -136,3 +136,25 @@ def test_a_ctrl_c_while_the_early_server_preloads_does_not_kill_it(tmp_path, shi
     else:  # the server dies in its preload with a traceback, as before the fix
         assert result.stdout.strip() == "DEAD"
         assert "KeyboardInterrupt" in result.stderr
+
+
+# The console script's first moments: a signal while the head start runs or the CLI imports. The
+# head start is made slow here so that the signal lands inside that window every time.
+_EARLY_SIGNAL_PROBE = """
+import os, signal, sys, threading, time
+from h5ngff import entry
+entry.start_fork_server_early = lambda args: time.sleep(3)
+threading.Timer(0.5, os.kill, (os.getpid(), getattr(signal, sys.argv[1]))).start()
+sys.exit(entry.main(["convert", "in.h5:/d", "out.ome.zarr"]))
+"""
+
+
+@pytest.mark.parametrize(
+    "signame, code, line", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated (SIGTERM)")]
+)
+def test_a_signal_before_the_cli_is_imported_is_one_line_not_a_traceback(signame, code, line):
+    result = subprocess.run(
+        [sys.executable, "-c", _EARLY_SIGNAL_PROBE, signame], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == code, result.stderr
+    assert result.stderr.strip() == f"{line}: re-run the same command to resume.", result.stderr

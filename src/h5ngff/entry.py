@@ -10,13 +10,16 @@ allocator's variables, or those of ``--allocator``. Where the plan's environment
 differ, the cluster starts a new server and this one is only wasted (one process, about half a
 CPU-second); ``H5NGFF_WORKER_START=spawn`` starts none.
 
-This module imports only the standard library, ``backends.allocator`` and ``backends.forkserver``
-(the standard library too) before it hands over.
+This module imports only the standard library, ``errors``, ``backends.interrupts``,
+``backends.allocator`` and ``backends.forkserver`` (the standard library too) before it hands over.
 """
 
 from __future__ import annotations
 
 import sys
+
+from .backends.interrupts import Terminated, terminate_like_ctrl_c
+from .errors import ExitCode
 
 #: Commands that start a LocalCluster when none of ``_OTHER_CLUSTER`` is given.
 _LOCAL_COMMANDS = ("convert", "demo")
@@ -80,9 +83,17 @@ def start_fork_server_early(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
-        start_fork_server_early(args)
-    except Exception:  # a head start only: the cluster starts its server itself if this fails
-        pass
-    from .cli import main as cli_main
-
+        terminate_like_ctrl_c()  # before the CLI's half second of imports, which cli.main cannot guard
+        try:
+            start_fork_server_early(args)
+        except Exception:  # a head start only: the cluster starts its server itself if this fails
+            pass
+        from .cli import main as cli_main
+    except KeyboardInterrupt as exc:  # nothing has started: the CLI's own line, without its imports
+        terminated = isinstance(exc, Terminated)
+        print(
+            f"{'terminated (SIGTERM)' if terminated else 'interrupted'}: re-run the same command to resume.",
+            file=sys.stderr,
+        )
+        return int(ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED)
     return cli_main(argv)
