@@ -5,9 +5,12 @@ server, and H5NGFF_WORKER_START=spawn goes back to Dask's spawn."""
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import multiprocessing.forkserver as mp_forkserver
 import os
+import subprocess
+import sys
 import time
 
 import h5py
@@ -168,3 +171,59 @@ def test_a_process_outliving_its_cluster_does_not_hold_up_the_next(tmp_path, mon
     while psutil.pid_exists(old) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not psutil.pid_exists(old)
+
+
+# A fresh interpreter runs one conversion with a stand-in "pandas" on its path that holds 64 MiB
+# once imported (Dask's own preload list adds pandas where it is installed, and imports it here
+# to check). Prints the JSON summary's worker peaks and plan, and whether this process imported it.
+_PANDAS_PROBE = """
+import json, sys
+from h5ngff.backends import forkserver
+from h5ngff.cli import main
+if sys.argv[1] == "preload-it":
+    forkserver.WORKER_PRELOAD = forkserver.WORKER_PRELOAD + ("pandas",)
+sys.argv = ["h5ngff"]
+import io, contextlib
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = main(["convert", sys.argv_source, sys.argv_out, "--workers", "1", "--json", "--no-progress"])
+summary = json.loads(out.getvalue())
+print(json.dumps({
+    "code": code,
+    "peaks": [w["peak_rss"] for w in summary["workers"]],
+    "predicted": summary["predicted_peak_per_worker"],
+    "client_imported": "pandas" in sys.modules,
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preload", ["ours", "preload-it"], ids=["ours", "negative-control"])
+def test_a_forked_worker_does_not_carry_modules_no_worker_needs(tmp_path, preload):
+    """A forked worker's RSS starts with every page of its server's: a module the server imported
+    is in every worker's peak. With pandas 3.1 installed, Dask's preload list put workers at 141
+    MiB against a 138.3 MiB plan. The stand-in holds 64 MiB: preloaded (the control), the worker
+    goes over its plan."""
+    fake = tmp_path / "mods" / "pandas"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("_ballast = bytes(range(256)) * (256 << 10)  # 64 MiB, every page written\n")
+    source = tmp_path / "in.h5"
+    with h5py.File(source, "w") as f:
+        f["d"] = np.arange(8 * 64 * 64, dtype=np.uint16).reshape(8, 64, 64)
+    probe = _PANDAS_PROBE.replace("sys.argv_source", repr(f"{source}:/d")).replace(
+        "sys.argv_out", repr(str(tmp_path / "out.ome.zarr"))
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "mods"), os.environ.get("PYTHONPATH", "")])}
+    env.pop(forkserver.METHOD_VARIABLE, None)
+    result = subprocess.run(
+        [sys.executable, "-c", probe, preload], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    if preload == "ours":
+        assert facts["code"] == 0, result.stderr[-3000:]
+        assert all(peak <= facts["predicted"] for peak in facts["peaks"]), facts
+        assert not facts["client_imported"], "Dask's preload list imported it in the client"
+    else:  # over its plan from its first moment: the nanny terminates it, again and again
+        assert facts["code"] == 1 and any(peak > facts["predicted"] for peak in facts["peaks"]), facts
+        assert "workers died" in result.stderr, result.stderr[-3000:]

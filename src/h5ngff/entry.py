@@ -26,9 +26,6 @@ _LOCAL_COMMANDS = ("convert", "demo")
 _OTHER_CLUSTER = ("--backend", "--scheduler", "--enforce-pod-limits", "--help")
 #: The CLI's options before the command (``h5ngff -v convert ...``).
 _GLOBAL_FLAGS = ("-v", "-vv", "-vvv", "--verbose")
-#: The modules Dask preloads into the fork server (``distributed.utils.get_mp_context``: Dask and
-#: its required and optional packages that are installed).
-_PRELOAD = ("distributed", "dask", "msgpack", "cloudpickle", "tornado", "toolz", "numpy", "pandas", "lz4")
 
 
 def _names(arg: str, flag: str) -> bool:
@@ -77,7 +74,7 @@ def start_fork_server_early(argv: list[str]) -> bool:
     allocator = _allocator(argv)
     if allocator not in ("auto", "jemalloc", "glibc"):
         return False  # the CLI will refuse it
-    return forkserver.start_early(allocator_env(resolve_allocator(allocator)), _PRELOAD)
+    return forkserver.start_early(allocator_env(resolve_allocator(allocator)))
 
 
 def main(argv: list[str] | None = None) -> int:
