@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import psutil
 import pytest
 
@@ -53,9 +55,11 @@ def source(tmp_path_factory):
     return h5, f"{h5}:/volume/data"
 
 
-def _start_slow(src: str, out: str, sleep: float = 0.4) -> subprocess.Popen:
-    """A first writer that takes a while (each slab sleeps), stopped once it has written slabs."""
-    env = {**os.environ, "H5NGFF_FAULTS": f"slab_sleep={sleep}"}
+def _start_slow(src: str, out: str, sleep: float = 0.4, gate: Path | None = None) -> subprocess.Popen:
+    """A first writer that takes a while (each slab sleeps), returned once it has written slabs.
+    With ``gate``, its later slabs wait until the caller deletes that file (created here)."""
+    faults = f"slab_sleep={sleep}" + (f",slab_gate={gate}" if gate else "")
+    env = {**os.environ, "H5NGFF_FAULTS": faults}
     proc = subprocess.Popen(
         CLI + ["convert", src, out] + FLAGS,
         env=env,
@@ -68,6 +72,8 @@ def _start_slow(src: str, out: str, sleep: float = 0.4) -> subprocess.Popen:
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.monotonic() < deadline, "the first writer never started writing"
         time.sleep(0.05)
+    if gate is not None:
+        gate.touch()
     return proc
 
 
@@ -93,7 +99,8 @@ def test_a_second_convert_and_an_overwrite_are_refused_while_the_first_runs(sour
     out = str(tmp_path / "out.ome.zarr")
     job = tmp_path / "job.yaml"
     job.write_text(JOB.format(h5=h5, out=out))
-    first = _start_slow(src, out, sleep=3.0)  # ~70 s: three refused CLI starts fit in it
+    gate = tmp_path / "gate"
+    first = _start_slow(src, out, sleep=0.1, gate=gate)  # held mid-run until the gate is deleted
     try:
         lock_file = os.path.join(out, LOCK_NAME)
         assert _holders(first.pid, lock_file) == [first.pid]  # the driver only, never a worker
@@ -117,6 +124,7 @@ def test_a_second_convert_and_an_overwrite_are_refused_while_the_first_runs(sour
             run.returncode == ExitCode.OUTPUT_REFUSED and json.loads(run.stdout)["status"]["reason"] == "OutputBusy"
         ), run.stdout + run.stderr
         assert first.poll() is None  # all three were refused while the first was still writing
+        gate.unlink()
         assert first.wait(timeout=300) == 0, first.stderr.read().decode()
     finally:
         _stop(first)

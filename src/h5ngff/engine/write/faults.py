@@ -3,6 +3,8 @@ variable (never by a spec or a flag): ``H5NGFF_FAULTS="slab_sleep=0.2,slab_extra
 
 * ``slab_sleep``: seconds each slab task sleeps before writing (slows a run down so a test can
   kill it mid-flight).
+* ``slab_gate``: a path; while a file is there, each slab task waits before writing (at most 10
+  minutes), so a test holds a run mid-flight for as long as it needs and lets it go at once.
 * ``slab_extra_bytes``: each slab task allocates and touches this much memory beyond the plan,
   ``fault_growth_rate`` bytes per second (default 1 GiB/s) - a task that outgrows its plan.
 * ``slab_leak_bytes``: each slab task leaves this much memory behind for good - a leak.
@@ -35,6 +37,10 @@ def at_slab_start() -> list[np.ndarray]:
         return []
     if "slab_sleep" in faults:
         time.sleep(float(faults["slab_sleep"]))
+    if "slab_gate" in faults:
+        deadline = time.monotonic() + 600
+        while os.path.exists(faults["slab_gate"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
     if "slab_leak_bytes" in faults:
         _leaked.append(np.ones(parse_bytes(faults["slab_leak_bytes"]), dtype=np.uint8))
     held: list[np.ndarray] = []
