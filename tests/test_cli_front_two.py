@@ -124,7 +124,6 @@ BAD_SAMPLE = [
     (["--dtype", "uint17"], "--dtype"),
     (["--dtype", "complex64"], "--dtype"),
     (["--shape", "4,8,8", "--hdf5-chunks", "2,4"], "--hdf5-chunks"),
-    (["--shape", "4,8,8", "--gzip"], "--gzip"),  # HDF5 compresses chunked datasets only
 ]
 
 
@@ -155,6 +154,16 @@ def test_sample_refuses_to_replace_an_existing_file_without_force(tmp_path):
     assert forced.returncode == 0, forced.stderr
     with h5py.File(path, "r") as f:
         assert "/mine" not in f and f["/volume/data"].shape == (4, 8, 8)
+    directory = tmp_path / "a-directory"
+    directory.mkdir()
+    for flags in ([], ["--force"]):  # a directory is never replaced
+        refused = h5ngff("sample", directory, "--shape", "4,8,8", *flags)
+        no_traceback(refused)
+        assert refused.returncode == 3 and "is a directory" in refused.stderr, refused.stderr
+    gzipped = h5ngff("sample", tmp_path / "g.h5", "--shape", "4,8,8", "--gzip")  # h5py chooses the chunks
+    assert gzipped.returncode == 0, gzipped.stderr
+    with h5py.File(tmp_path / "g.h5", "r") as f:
+        assert f["/volume/data"].compression == "gzip" and f["/volume/data"].chunks is not None
 
 
 @pytest.mark.slow

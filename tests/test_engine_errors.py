@@ -198,7 +198,7 @@ def test_a_read_only_output_is_refused_with_exit_3_before_the_plan(tmp_path):
     [
         ("notanaddress", "missing port number"),
         ("tcp://localhost", "missing port number"),
-        ("http://127.0.0.1:8786", "unknown scheme 'http'"),
+        ("http://127.0.0.1:8786", "unknown address scheme 'http'"),
     ],
 )
 def test_a_scheduler_address_dask_cannot_parse_is_bad_input_at_once(tmp_path, address, why):
@@ -222,7 +222,16 @@ def test_a_scheduler_address_dask_cannot_parse_is_bad_input_at_once(tmp_path, ad
 def test_addresses_dask_accepts_are_accepted():
     from h5ngff.backends.external import check_address
 
-    for address in ("tcp://10.0.0.5:8786", "127.0.0.1:8786", "tls://host:8786", "tcp://[::1]:8786", "inproc://x/1/2"):
+    for address in (
+        "tcp://10.0.0.5:8786",
+        "127.0.0.1:8786",
+        "scheduler.lab.example:8786",
+        "tls://host:8786",
+        "ws://host:8786",
+        "tcp://[::1]:8786",
+        "inproc://x/1/2",
+        "ucx://host:13337",
+    ):
         assert check_address(address) == address
 
 

@@ -122,9 +122,10 @@ class _Killed(Exception):
 class _KilledAfter:
     """``store``, but the ``after``-th mutation (a put or the deletion of one object) never
     happens: the run is killed there. ``delete_prefix`` deletes one object at a time, in a seeded
-    shuffled order, so a kill lands after any subset of the data is gone."""
+    shuffled order (a kill lands after any subset of the data is gone) or, with no seed, in the
+    store's listing order (a directory's root files come first)."""
 
-    def __init__(self, store, after: int | None, seed: int = 0):
+    def __init__(self, store, after: int | None, seed: int | None = 0):
         self._store, self._after, self._seed, self.mutations = store, after, seed, 0
 
     def __getattr__(self, name):
@@ -145,7 +146,8 @@ class _KilledAfter:
 
     def delete_prefix(self, prefix, keep=()):
         keys = [k for k in self._store.list(prefix) if k not in keep]
-        random.Random(self._seed).shuffle(keys)
+        if self._seed is not None:  # else in the store's own listing order, as its deletes go
+            random.Random(self._seed).shuffle(keys)
         for key in keys:
             self.delete(key)
         return len(keys)
@@ -173,8 +175,43 @@ def _unfinished_output(store) -> None:
         store.put(f"0/c/{i}/0/0", b"x" * (100 + i))
 
 
-@pytest.mark.parametrize("output", [_finished_output, _unfinished_output], ids=["finished", "unfinished"])
-def test_an_overwrite_killed_at_any_deletion_leaves_an_output_that_is_whole_or_records_nothing_done(store, output):
+def _finished_with_headerless_records(store) -> None:
+    """A finished output whose manifest's deletion was killed part-way: records are left, their
+    header gone (a bucket deletes the sorted keys in batches, the header's first)."""
+    _finished_output(store)
+    line = Manifest._line(_record(0)) + "\n"
+    key = MANIFEST_KEY if store.supports_append else f"{MANIFEST_PREFIX}0000000001-abcdef12.jsonl"
+    store.put(key, line.encode())
+
+
+def _foreign_zarr_v3(store) -> None:
+    """A Zarr store h5ngff did not write (--overwrite replaces one where the store allows it)."""
+    store.put("zarr.json", b'{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    store.put("0/zarr.json", b'{"zarr_format": 3, "node_type": "array"}')
+    for i in range(6):
+        store.put(f"0/c/{i}/0/0", b"x" * (100 + i))
+
+
+def _foreign_zarr_v2(store) -> None:
+    store.put(".zgroup", b'{"zarr_format": 2}')
+    store.put(".zattrs", b"{}")
+    store.put("0/.zarray", b'{"zarr_format": 2}')
+    for i in range(6):
+        store.put(f"0/{i}.0.0", b"x" * (100 + i))
+
+
+FOREIGN = (_foreign_zarr_v3, _foreign_zarr_v2)
+
+
+@pytest.mark.parametrize("order", ["listed", "shuffled"])
+@pytest.mark.parametrize(
+    "output",
+    [_finished_output, _unfinished_output, _finished_with_headerless_records, *FOREIGN],
+    ids=["finished", "unfinished", "headerless-records", "foreign-v3", "foreign-v2"],
+)
+def test_an_overwrite_killed_at_any_deletion_leaves_an_output_that_is_whole_or_records_nothing_done(
+    store, output, order
+):
     """--overwrite deletes the record of progress before the data and its claim last. Killed after
     any number of deletions, the output is still ours (the same content, so a re-run with other
     options is refused), a completion marker is only ever over all of its data, and every slab
@@ -190,8 +227,13 @@ def test_an_overwrite_killed_at_any_deletion_leaves_an_output_that_is_whole_or_r
     for after in range(1, total + 1):
         output(store)
         with pytest.raises(_Killed):
-            remove_ours(_KilledAfter(store, after, seed=after))
+            remove_ours(_KilledAfter(store, after, seed=after if order == "shuffled" else None))
         where = f"killed at mutation {after} of {total}"
+        if output in FOREIGN:  # still a Zarr store, so --overwrite may replace it again
+            assert any(store.size(m) is not None for m in ("zarr.json", ".zgroup")), f"{where}: no longer Zarr"
+            remove_ours(store)
+            assert list(store.list("")) == []
+            continue
         left, marker = Manifest.load(store), object_marker(store)
         assert marker is None or set(store.list("0/")) == data, f"{where}: a completion marker over missing data"
         claim = left.content if left is not None else (marker or {}).get("content")

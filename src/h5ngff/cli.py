@@ -29,7 +29,7 @@ from .clibatch import add_batch_command, add_batch_flags, convert_batch, is_batc
 from .clijob import add_job_commands
 from .console import make_console, print_notices
 from .cliverify import add_verify_command
-from .errors import ExitCode, H5ngffError, OutputConflictError, OutputError, SpecError, exit_code_table
+from .errors import ExitCode, H5ngffError, OutputConflictError, OutputError, exit_code_table
 from .spec import ConversionSpec, SlurmSpec, parse_spec
 
 if TYPE_CHECKING:
@@ -133,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="uint16", help="numpy dtype name: an integer, float or bool type, e.g. uint16, float32."
     )
     s.add_argument("--hdf5-chunks", metavar="SHAPE", help="Store chunked with this chunk shape (default contiguous).")
-    s.add_argument("--gzip", action="store_true", help="gzip-compress the HDF5 chunks (needs --hdf5-chunks).")
+    s.add_argument(
+        "--gzip",
+        action="store_true",
+        help="gzip-compress the dataset (chunked by --hdf5-chunks, else as h5py chooses).",
+    )
     s.add_argument("--force", action="store_true", help="Replace an existing file at PATH (refused without it).")
     s.set_defaults(func=cmd_sample)
 
@@ -334,11 +338,8 @@ def cmd_sample(args: argparse.Namespace, console: Console) -> int:
     check_dtype(args.dtype)
     chunks = parse_shape(args.hdf5_chunks, "--hdf5-chunks") if args.hdf5_chunks else None
     check_chunks(chunks, shape)
-    if args.gzip and chunks is None:
-        raise SpecError(
-            "--gzip",
-            "Expected --hdf5-chunks with --gzip (HDF5 compresses chunked datasets only). Got --gzip alone instead.",
-        )
+    if os.path.isdir(args.path):
+        raise OutputConflictError(f"{args.path!r} is a directory. Name the HDF5 file to write.")
     if os.path.lexists(args.path) and not args.force:
         raise OutputConflictError(f"{args.path!r} exists. Pass --force to replace it, or choose another path.")
     write_sample(args.path, args.dataset, shape, args.dtype, chunks=chunks, compression="gzip" if args.gzip else None)
@@ -382,14 +383,13 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    terminate_like_ctrl_c()  # first: a SIGTERM during the imports and the planning is a clean exit too
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-        format="%(levelname)s %(name)s: %(message)s",
-    )
     try:
+        terminate_like_ctrl_c()  # first: a SIGTERM during the imports and the planning is a clean exit too
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(
+            level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+            format="%(levelname)s %(name)s: %(message)s",
+        )
         # Dask logs every worker start and stop at INFO; the progress bar says what matters. Import
         # distributed first: importing it installs its own logging config, which would undo ours.
         import distributed  # noqa: F401

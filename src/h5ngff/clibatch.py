@@ -241,12 +241,11 @@ def _show_plan(summary: BatchSummary, console: Console) -> None:
 
 def _nothing_planned(summary: BatchSummary) -> str:
     """Why no cluster was started, in counts of what the items are: "No item of 4 could be
-    planned" was untrue where --fail-fast stopped after the first refusal, or every item was
-    finished before."""
+    planned" was untrue where --fail-fast stopped after the first refusal."""
     if not summary.results:
         return "The batch has no items: nothing to do."
     counts = Counter(r.status for r in summary.results)
-    said = {REFUSED: "refused", COMPLETE: "already complete", NOT_RUN: "not tried (--fail-fast stopped the batch)"}
+    said = {REFUSED: "refused", NOT_RUN: "not tried (--fail-fast stopped the batch)"}
     parts = [f"{counts[state]} {words}" for state, words in said.items() if counts[state]]
     others = len(summary.results) - sum(counts[state] for state in said)
     parts += [f"{others} other"] if others else []

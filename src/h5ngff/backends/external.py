@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 from distributed import Client
 from distributed.comm.addressing import parse_address, parse_host_port
-from distributed.comm.registry import backends
+from distributed.comm.registry import get_backend
 
 from ..errors import ClusterError, SpecError
 from ..planner.model import Capacity, Plan
@@ -25,8 +25,7 @@ def check_address(address: str) -> str:
     on one only inside its connection attempt, with a traceback, and then waits out its timeout."""
     try:
         scheme, location = parse_address(address)  # Dask's own parsers (tcp:// when no scheme is given)
-        if scheme not in backends:
-            raise ValueError(f"unknown scheme {scheme!r}; Dask knows {', '.join(sorted(backends))}")
+        get_backend(scheme)  # built in, or a transport a package registers (distributed-ucxx's ucxx://)
         if scheme in ("tcp", "tls", "ws", "wss"):
             parse_host_port(location)
     except ValueError as exc:

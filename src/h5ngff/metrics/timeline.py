@@ -89,8 +89,9 @@ def _natural(name: str) -> tuple:
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
-#: What ``write_memory_report`` writes, by the path's suffix.
-REPORT_SUFFIXES = (".png", ".html", ".htm")
+#: What ``write_memory_report`` writes, by the path's suffix: an HTML page, or the figure in any
+#: format matplotlib writes without extra packages (.png is the documented one).
+REPORT_SUFFIXES = (".png", ".html", ".htm", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
 
 
 def check_report_path(path: str) -> None:
@@ -101,7 +102,7 @@ def check_report_path(path: str) -> None:
     if os.path.isdir(path):
         raise SpecError("--memory-report", f"Expected a file name. Got {path!r}, which is a directory.")
     if not path.lower().endswith(REPORT_SUFFIXES):
-        raise SpecError("--memory-report", f"Expected a .png or .html file name. Got {path!r} instead.")
+        raise SpecError("--memory-report", f"Expected a .png or .html file name (or .svg, .pdf). Got {path!r} instead.")
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

@@ -77,6 +77,8 @@ class Manifest:
         self._synced = 0.0
         #: The next batch object's sequence number (the batch form).
         self._seq = 0
+        #: The object ``start`` wrote the header into (the batch form's holds the header alone).
+        self.header_key: str | None = None
 
     # -- reading ---------------------------------------------------------------------------
     @classmethod
@@ -203,8 +205,9 @@ class Manifest:
         line = json.dumps(self.header) + "\n"
         if self.store.supports_append:
             self.store.put(MANIFEST_KEY, line.encode(), sync=True)
+            self.header_key = MANIFEST_KEY
         else:
-            self._put_batch(line)
+            self.header_key = self._put_batch(line)
 
     def append(self, records: Iterable[SlabRecord]) -> None:
         lines = []
@@ -225,8 +228,10 @@ class Manifest:
         if sync:
             self._synced = time.monotonic()
 
-    def _put_batch(self, text: str) -> None:
+    def _put_batch(self, text: str) -> str:
         # The sequence number orders the objects (a lexical list); the random part keeps a
         # resumed run from overwriting a batch if two ever raced.
-        self.store.put(f"{MANIFEST_PREFIX}{self._seq:010d}-{uuid.uuid4().hex[:8]}.jsonl", text.encode())
+        key = f"{MANIFEST_PREFIX}{self._seq:010d}-{uuid.uuid4().hex[:8]}.jsonl"
+        self.store.put(key, text.encode())
         self._seq += 1
+        return key

@@ -42,7 +42,7 @@ from .chunkio import ArrayLayout
 from .checksums import write_sidecars
 from ..codecs import zarr_compressors
 from .lock import LOCK_NAME, inspection_lock
-from .manifest import MANIFEST_DIR, MANIFEST_KEY, MANIFEST_PREFIX, Manifest, fingerprint
+from .manifest import MANIFEST_DIR, MANIFEST_PREFIX, Manifest, fingerprint
 from .ngff import root_attributes
 from ..stores import Store, open_store
 from ..sources.hdf5 import SourceIdentity
@@ -200,7 +200,7 @@ def _refuse_read_only(store: Store, path: str, finished: bool) -> None:
     """A local output this process may not write into is refused before the plan is printed: the
     run would fail only when it took the output's lock (a lock file in the directory)."""
     root = store.local_path
-    if root is None or os.access(root, os.W_OK | os.X_OK):
+    if root is None or os.access(root, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         return
     hint = f" It is a finished output: `h5ngff verify {path}` checks it without writing." if finished else ""
     raise OutputError(
@@ -263,27 +263,27 @@ def remove_ours(store: Store) -> int:
 
 def _record_nothing_done(store: Store) -> tuple[str, ...]:
     """Leave the output's manifest with its header and no slab, and delete the completion marker;
-    return the keys of the claim that stays (none for a foreign Zarr store, which has none). The
-    header keeps the old conversion's content, so a re-run with other options is still refused."""
+    return the keys of the claim that stays, to be deleted last. The header keeps the old
+    conversion's content, so a re-run with other options is still refused. A foreign Zarr store
+    (``--overwrite`` where the store allows it) has no claim of ours: its root metadata is what
+    makes it one, so that goes last instead, and a run killed while deleting it can be told to
+    overwrite it again."""
     existing, marker = Manifest.load(store), object_marker(store)
     content = existing.content if existing is not None else (marker or {}).get("content")
     if content is None:
-        return ()
-    if store.supports_append:
-        Manifest(store).start(content)  # the one object, replaced whole by its header alone
-        claim: tuple[str, ...] = (MANIFEST_KEY,)
-    else:
-        objects = sorted(store.list(MANIFEST_PREFIX))
-        if not objects:  # a finished output: its manifest was removed
-            Manifest(store).start(content)
-            objects = sorted(store.list(MANIFEST_PREFIX))
-        for key in objects[1:]:  # the first object holds the header alone (Manifest.start)
-            store.delete(key)
-        claim = tuple(objects[:1])
+        last = (*(name for name in _ROOT_DOCUMENTS if name not in _ZARR_MARKERS), *_ZARR_MARKERS)  # a marker last
+        return tuple(name for name in last if store.size(name) is not None)
+    # A fresh header, whatever is there: in a bucket, the first object listed need not be one (a
+    # kill while a finished output's manifest was deleted leaves records without their header).
+    header = Manifest(store)
+    header.start(content)  # a directory's one object is replaced whole by the header alone
+    assert header.header_key is not None
+    if not store.supports_append:
+        store.delete_prefix(MANIFEST_PREFIX, keep=(header.header_key,))  # the records, before any data
     for name in _ROOT_DOCUMENTS:  # after the records: a kill between the two resumes from the start
         if store.size(name) is not None:
             store.delete(name)
-    return claim
+    return (header.header_key,)
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
