@@ -186,44 +186,45 @@ def test_run_with_an_hdf5_file_instead_of_a_manifest(small):
 # --- 4. a real Ctrl-C ------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_ctrl_c_to_the_process_group_prints_one_line_not_tracebacks(small, tmp_path):
-    out = tmp_path / "interrupted.ome.zarr"
-    env = {**ENV, "H5NGFF_FAULTS": "slab_sleep=1"}
-    proc = subprocess.Popen(
-        [
-            *H5NGFF,
-            "convert",
-            f"{small / 'small.h5'}:/volume/data",
-            str(out),
-            "--chunks",
-            "8,64,64",
-            "--slab",
-            "8,64,64",
-            "--levels",
-            "1",
-            "--workers",
-            "2",
-            "--no-progress",
-        ],
+SLOW_FLAGS = ["--chunks", "8,64,64", "--slab", "8,64,64", "--levels", "1", "--workers", "2", "--no-progress"]
+
+
+def _start_slowed(argv: list[str]) -> subprocess.Popen:
+    """``argv`` in a process group of its own, each slab sleeping a second."""
+    return subprocess.Popen(
+        argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env={**ENV, "H5NGFF_FAULTS": "slab_sleep=1"},
         start_new_session=True,
     )
+
+
+def _ctrl_c_once_writing(argv: list[str], out: Path) -> tuple[int, str]:
+    """Run ``argv`` (slabs slowed down) and, once a chunk file exists under ``out`` (the workers
+    are running slab tasks), send SIGINT to its whole process group, as a terminal's Ctrl-C
+    does. Its exit status and stderr."""
+    proc = _start_slowed(argv)
     try:
         deadline = time.monotonic() + 60
-        # Once a chunk file exists the workers are running slab tasks: then a terminal's Ctrl-C
-        # reaches every process of the group (SIGINT to the group, as a terminal sends it).
-        while not any((out / "0").rglob("c/*")) and time.monotonic() < deadline and proc.poll() is None:
+        while not any(out.rglob("c/*")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == ExitCode.INTERRUPTED, stderr[-3000:]
+    return proc.returncode, stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_process_group_prints_one_line_not_tracebacks(small, tmp_path):
+    out = tmp_path / "interrupted.ome.zarr"
+    code, stderr = _ctrl_c_once_writing(
+        [*H5NGFF, "convert", f"{small / 'small.h5'}:/volume/data", str(out), *SLOW_FLAGS], out / "0"
+    )
+    assert code == ExitCode.INTERRUPTED, stderr[-3000:]
     assert "interrupted: re-run the same command to resume" in stderr
     assert "Traceback" not in stderr and "CommClosedError" not in stderr and "KeyboardInterrupt" not in stderr, stderr[
         -3000:
@@ -240,25 +241,10 @@ def test_ctrl_c_to_a_batch_prints_one_line_not_tracebacks(small, tmp_path):
     for name in ("a", "b", "c"):
         shutil.copy(small / "small.h5", inputs / f"{name}.h5")
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [*H5NGFF, "convert", f"{inputs}/*.h5:/volume/data", f"{out}/{{stem}}.ome.zarr"]
-        + ["--chunks", "8,64,64", "--slab", "8,64,64", "--levels", "1", "--workers", "2", "--no-progress"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**ENV, "H5NGFF_FAULTS": "slab_sleep=1"},
-        start_new_session=True,
+    code, stderr = _ctrl_c_once_writing(
+        [*H5NGFF, "convert", f"{inputs}/*.h5:/volume/data", f"{out}/{{stem}}.ome.zarr", *SLOW_FLAGS], out
     )
-    try:
-        deadline = time.monotonic() + 60
-        while not any(out.rglob("c/*")) and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == ExitCode.INTERRUPTED, stderr[-3000:]
+    assert code == ExitCode.INTERRUPTED, stderr[-3000:]
     assert "interrupted: re-run the same command to resume" in stderr
     assert "Traceback" not in stderr and "Could not release" not in stderr, stderr[-3000:]
     assert len(stderr.strip().splitlines()) <= 3, stderr
@@ -293,16 +279,8 @@ def test_sigterm_to_the_command_closes_the_run_like_ctrl_c_and_a_rerun_resumes(s
     143, the cluster closed (no process of the run left), and the same command resumes. Before,
     SIGTERM's default ended the client at once: no message, the workers left to die on their own."""
     out = tmp_path / "terminated.ome.zarr"
-    argv = [*H5NGFF, "convert", f"{small / 'small.h5'}:/volume/data", str(out)]
-    argv += ["--chunks", "8,64,64", "--slab", "8,64,64", "--levels", "1", "--workers", "2", "--no-progress"]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**ENV, "H5NGFF_FAULTS": "slab_sleep=1"},
-        start_new_session=True,
-    )
+    argv = [*H5NGFF, "convert", f"{small / 'small.h5'}:/volume/data", str(out), *SLOW_FLAGS]
+    proc = _start_slowed(argv)
     manifest = out / ".h5ngff" / "manifest.jsonl"
     try:
         deadline = time.monotonic() + 60
