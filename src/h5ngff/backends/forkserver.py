@@ -77,13 +77,25 @@ def environment(variables: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-#: What the server imports before it forks any worker: what a spawned worker imports at its start
-#: anyway (Dask's required packages, numpy, lz4). Not Dask's own list, which adds pandas where
-#: it is installed (``distributed.utils.get_mp_context``, importing it in this process to check):
-#: a forked worker's RSS starts with every page of the server's, and pandas added 25 MiB to each
-#: worker, past a plan whose interpreter term was fitted on spawned workers (141 MiB measured
-#: against 138.3 planned, pandas 3.1 installed). No worker needs pandas.
-WORKER_PRELOAD = ("distributed", "dask", "msgpack", "cloudpickle", "tornado", "toolz", "numpy", "lz4")
+#: What the server imports before it forks any worker: what a spawned worker imports anyway, at
+#: its start (Dask's required packages, numpy, lz4) or with its first slab task (the engine:
+#: h5py, hdf5plugin, zarr, numcodecs; about 0.2 CPU-s a worker, paid once here instead). Not
+#: Dask's own list, which adds pandas where it is installed (``distributed.utils.get_mp_context``,
+#: importing it in this process to check): a forked worker's RSS starts with every page of the
+#: server's, and pandas added 25 MiB to each worker, past a plan whose interpreter term was
+#: fitted on spawned workers (141 MiB measured against 138.3 planned, pandas 3.1 installed). No
+#: worker needs pandas. Importing the engine starts no thread (a fork keeps only the forking one).
+WORKER_PRELOAD = (
+    "distributed",
+    "dask",
+    "msgpack",
+    "cloudpickle",
+    "tornado",
+    "toolz",
+    "numpy",
+    "lz4",
+    "h5ngff.engine.write.tasks",
+)
 
 
 def _set_preload(preload: Iterable[str]) -> None:
