@@ -85,6 +85,8 @@ def test_workers_are_forked_from_one_server_with_jemalloc_and_its_background_thr
     (server,) = {f["ppid"] for f in facts}
     assert server != os.getpid()  # not spawned by the nannies in this process: forked by the server
     assert all(f["jemalloc"] and f["background_threads"] >= 1 for f in facts), facts
+    with open(f"/proc/{server}/maps") as f:  # the server preloaded the engine: HDF5 is loaded in it
+        assert "libhdf5" in f.read(), "the engine (h5py) is not preloaded in the fork server"
     # Negative control: jemalloc stops its background threads in a forked child; without the
     # worker main module's restart, a fork of the same server has none.
     assert _background_threads_of_a_plain_fork() == 0
