@@ -198,3 +198,33 @@ def test_the_sync_cancel_race_is_dropped_and_only_it(monkeypatch):
             assert [type(r.exc_info[1]) for r in handler.records if r.exc_info] == [NameError]
     finally:
         logger.removeHandler(handler)
+
+
+def test_dasks_line_about_a_task_whose_workers_died_is_left_to_h5ngffs_error_at_the_default_verbosity():
+    """It came before the run's own error (OOMKilled, NannyTerminated, with figures) with a
+    timestamp and a task key, as if it were another failure. Controls: any other scheduler
+    error passes, and with -v (distributed's loggers at WARNING) the line itself passes."""
+    from h5ngff.backends.shutdown import SCHEDULER_LOG, quiet_repeated_death_log
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    scheduler, dask_root = logging.getLogger(SCHEDULER_LOG), logging.getLogger("distributed")
+    handler, level = Keep(), dask_root.level
+    scheduler.addHandler(handler)
+    try:
+        quiet_repeated_death_log()
+        quiet_repeated_death_log()  # idempotent
+        for verbose, dask_level in ((False, logging.ERROR), (True, logging.WARNING)):
+            dask_root.setLevel(dask_level)
+            seen.clear()
+            scheduler.error("Task %s marked as failed because %d workers died while trying to run it", "slab-0", 3)
+            scheduler.error("Some other scheduler error %s", "x")
+            assert ("Task slab-0 marked as failed because 3 workers died while trying to run it" in seen) == verbose
+            assert "Some other scheduler error x" in seen
+    finally:
+        scheduler.removeHandler(handler)
+        dask_root.setLevel(level)

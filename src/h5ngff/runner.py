@@ -19,7 +19,7 @@ from . import __version__
 from .backends.allocator import resolve_allocator
 from .backends.base import Backend, Session
 from .backends.diagnostics import ClusterEvents, WorkerReport
-from .backends.shutdown import quiet_sync_cancel_race
+from .backends.shutdown import quiet_sync_cancel_race, quiet_repeated_death_log
 from .engine.write.driver import RunTotals, finish, run_conversion
 from .engine.write.lock import output_lock, refuse_if_held
 from .engine.write.output import check_output, prepare_output
@@ -241,6 +241,7 @@ def run_job(
     batch's, planned for its largest item, started when an item first needs it)."""
     events = Broadcast([*(listeners or ()), *([metrics] if metrics is not None else [])])
     quiet_sync_cancel_race()  # a Ctrl-C must print one line, not distributed's NameError (backends/shutdown.py)
+    quiet_repeated_death_log()  # a run whose workers died says so once, in its own error
     events.emit(phase=Phase.PLANNED, slabs_total=job.plan.n_tasks, message="")
     summary = RunSummary("Failed", job)
     start, started = time.perf_counter(), time.time()

@@ -107,3 +107,31 @@ def quiet_sync_cancel_race() -> None:
     logger = logging.getLogger(TORNADO_CALLBACKS)
     if _drop_sync_cancel_race not in logger.filters:
         logger.addFilter(_drop_sync_cancel_race)
+
+
+#: Dask's scheduler, which a LocalCluster runs in the client's process.
+SCHEDULER_LOG = "distributed.scheduler"
+
+
+def is_repeated_death_log(record: logging.LogRecord) -> bool:
+    """Dask's "Task ... marked as failed because N workers died while trying to run it"."""
+    return (
+        record.name == SCHEDULER_LOG
+        and isinstance(record.msg, str)
+        and record.msg.startswith("Task %s marked as failed because %d workers died")
+    )
+
+
+def _drop_repeated_death(record: logging.LogRecord) -> bool:
+    # Dropped at the default verbosity only (distributed's loggers at ERROR, cli.main): the run's
+    # own error says the same with its cause and figures (OOMKilled, NannyTerminated), and this
+    # line, with its own timestamp and a task key, came before it as if it were another failure.
+    quiet = logging.getLogger("distributed").getEffectiveLevel() >= logging.ERROR
+    return not (quiet and is_repeated_death_log(record))
+
+
+def quiet_repeated_death_log() -> None:
+    """Drop Dask's log of a task whose workers died, in this process, where h5ngff reports it. Idempotent."""
+    logger = logging.getLogger(SCHEDULER_LOG)
+    if _drop_repeated_death not in logger.filters:
+        logger.addFilter(_drop_repeated_death)
