@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from .backends.interrupts import Terminated, terminate_like_ctrl_c
+from .backends.interrupts import interrupted_exit, terminate_like_ctrl_c
 from .cliargs import (
     SuggestingParser,
     add_backend_flags,
@@ -27,7 +27,7 @@ from .cliargs import (
 )
 from .clibatch import add_batch_command, add_batch_flags, convert_batch, is_batch
 from .clijob import add_job_commands
-from .console import make_console, print_notices
+from .console import make_console, print_notices, print_warning
 from .cliverify import add_verify_command
 from .errors import ExitCode, H5ngffError, OutputConflictError, OutputError, exit_code_table
 from .spec import ConversionSpec, SlurmSpec, parse_spec
@@ -323,7 +323,7 @@ def _write_memory_report(summary: RunSummary, path: str, console: Console | None
 
     failure = report_failure(summary, path)
     if failure is not None:
-        Console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(failure)}")
+        print_warning(failure)
         return False
     if console is not None:
         console.print(f"memory report of the failed run: {path}")
@@ -401,11 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except KeyboardInterrupt as exc:
-        if isinstance(exc, Terminated):
-            Console(stderr=True).print("[yellow]terminated[/yellow] (SIGTERM): re-run the same command to resume.")
-            return ExitCode.TERMINATED
-        Console(stderr=True).print("[yellow]interrupted[/yellow]: re-run the same command to resume.")
-        return ExitCode.INTERRUPTED
+        what, code = interrupted_exit(exc)
+        Console(stderr=True).print(f"[yellow]{what}[/yellow]: re-run the same command to resume.")
+        return code
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.markup import escape
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +259,7 @@ def _hide(sub: Any, name: str) -> None:
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     """``h5ngff run``'s input and output around one attempt (``operator.attempt``, the run sequence)."""
     from .cliargs import backend_from_args, constants_from_args
-    from .console import print_notices
+    from .console import print_notices, print_warning
     from .engine.progress import Listener
     from .job import load_job
     from .operator.attempt import AttemptOptions, run_locally
@@ -296,7 +295,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         from .metrics.timeline import report_failure
 
         if (failure := report_failure(result.summary, args.memory_report)) is not None:
-            Console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(failure)}")
+            print_warning(failure)
     document = {
         "apiVersion": job.raw["apiVersion"],
         "kind": job.raw["kind"],

@@ -10,6 +10,7 @@ import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 #: The width of tables written to a pipe or a file: rich would cut them to 80 columns, dropping
 #: the numbers of the wide ones (the pod-limit rows); a file has no width to fit.
@@ -46,3 +47,8 @@ def print_notices(notices: list[str]) -> None:
         from .report import notices_renderable
 
         make_console(stderr=True).print(notices_renderable(notices))
+
+
+def print_warning(message: str) -> None:
+    """One warning line on stderr; ``message`` is shown as it is (never read as rich markup)."""
+    make_console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(message)}")

@@ -10,7 +10,7 @@ allocator's variables, or those of ``--allocator``. Where the plan's environment
 differ, the cluster starts a new server and this one is only wasted (one process, about half a
 CPU-second); ``H5NGFF_WORKER_START=spawn`` starts none.
 
-This module imports only the standard library, ``errors``, ``backends.interrupts``,
+This module imports only the standard library, ``backends.interrupts`` (with ``errors``),
 ``backends.allocator`` and ``backends.forkserver`` (the standard library too) before it hands over.
 """
 
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from .backends.interrupts import Terminated, terminate_like_ctrl_c
-from .errors import ExitCode
+from .backends.interrupts import interrupted_exit, terminate_like_ctrl_c
 
 #: Commands that start a LocalCluster when none of ``_OTHER_CLUSTER`` is given.
 _LOCAL_COMMANDS = ("convert", "demo")
@@ -87,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
         from .cli import main as cli_main
     except KeyboardInterrupt as exc:  # nothing has started: the CLI's own line, without its imports
-        terminated = isinstance(exc, Terminated)
-        print(
-            f"{'terminated (SIGTERM)' if terminated else 'interrupted'}: re-run the same command to resume.",
-            file=sys.stderr,
-        )
-        return int(ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED)
+        what, code = interrupted_exit(exc)
+        print(f"{what}: re-run the same command to resume.", file=sys.stderr)
+        return int(code)
     return cli_main(argv)

@@ -20,6 +20,8 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from ..errors import ExitCode
+
 
 class Terminated(KeyboardInterrupt):
     """The process was sent SIGTERM: it unwinds as a Ctrl-C does."""
@@ -55,3 +57,11 @@ def hold_termination() -> Iterator[None]:
         if not _holding and _pending:
             _pending = False
             raise Terminated
+
+
+def interrupted_exit(exc: KeyboardInterrupt) -> tuple[str, ExitCode]:
+    """What the command prints (its first words, then ": re-run the same command to resume.")
+    and exits with, for a Ctrl-C or a SIGTERM: the CLI's and the console script's one answer."""
+    if isinstance(exc, Terminated):
+        return "terminated (SIGTERM)", ExitCode.TERMINATED
+    return "interrupted", ExitCode.INTERRUPTED
