@@ -253,6 +253,24 @@ def test_a_cluster_as_the_runner_builds_it_passes(allocator, library):
     assert _violations(_cluster(job_spec()), job_spec()) == []  # no credentials, no image of its own
 
 
+PLACED = {
+    "nodeSelector": {"dedicated": "imaging"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "imaging", "effect": "NoSchedule"}],
+}
+
+
+def test_a_cluster_placed_as_its_job_asks_passes_and_placed_otherwise_is_refused():
+    placed = _job(**PLACED)
+    cluster = _cluster(placed)
+    assert _worker(cluster)["tolerations"] == PLACED["tolerations"]  # the builders carry the job's placement
+    assert _violations(cluster, placed) == []
+    # The same cluster held against a job that asked for no placement: both fields refused, on both pods.
+    violations = _violations(cluster, _job())
+    assert {v.split(" ")[0] for v in violations} == {
+        f"spec.{role}.spec.{key}" for role in ("worker", "scheduler") for key in PLACED
+    }, violations
+
+
 def _worker(c):
     return c["spec"]["worker"]["spec"]
 
@@ -321,6 +339,47 @@ ROGUE = {
         "sitecustomize",
     ),
     "public scheduler": (lambda c: c["spec"]["scheduler"]["service"].update(type="LoadBalancer"), "LoadBalancer"),
+    # Placement: the pods go where the job asked (here nowhere in particular), and nowhere else.
+    "nodeName, past the scheduler and its taints": (
+        lambda c: _worker(c).update(nodeName="control-plane-0"),
+        "nodeName",
+    ),
+    "priorityClassName, preempting other tenants": (
+        lambda c: _worker(c).update(priorityClassName="system-cluster-critical"),
+        "priorityClassName",
+    ),
+    "schedulerName": (lambda c: _worker(c).update(schedulerName="my-scheduler"), "schedulerName"),
+    "runtimeClassName": (lambda c: _worker(c).update(runtimeClassName="unconfined"), "runtimeClassName"),
+    "affinity": (
+        lambda c: _worker(c).update(
+            affinity={"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+        ),
+        "affinity",
+    ),
+    "a toleration the job did not ask for": (
+        lambda c: _worker(c).update(
+            tolerations=[{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists", "effect": "NoSchedule"}]
+        ),
+        "tolerations",
+    ),
+    "a nodeSelector the job did not ask for": (
+        lambda c: c["spec"]["scheduler"]["spec"].update(nodeSelector={"dedicated": "team-b"}),
+        "nodeSelector",
+    ),
+    "a container command": (lambda c: _worker(c)["containers"][0].update(command=["sh", "-c", "id"]), "command"),
+    "a lifecycle hook": (
+        lambda c: _worker(c)["containers"][0].update(lifecycle={"postStart": {"exec": {"command": ["id"]}}}),
+        "lifecycle",
+    ),
+    "a port of the node": (lambda c: _worker(c)["containers"][0]["ports"][0].update(hostPort=8788), "hostPort"),
+    "a scheduler on external IPs": (
+        lambda c: c["spec"]["scheduler"]["service"].update(externalIPs=["203.0.113.7"]),
+        "externalIPs",
+    ),
+    "a scheduler on a node port": (
+        lambda c: c["spec"]["scheduler"]["service"]["ports"][0].update(nodePort=30786),
+        "nodePort",
+    ),
 }
 
 

@@ -193,9 +193,57 @@ DASK_POD_ENV = frozenset(
         "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL",
         "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES",
         "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED",
+        "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL",
     }
 )
 CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
+#: Pod-level fields refused with a message of their own (pod_spec_violations).
+HOST_NAMESPACES = ("hostNetwork", "hostPID", "hostIPC")
+#: The PodSpec fields the runner's builders write (backends/kubernetes.py, k8s.pod_placement,
+#: k8s.with_scratch); a Dask pod may hold no other. An allow-list, as for env, because a
+#: deny-list misses too much and Kubernetes keeps adding fields: ``nodeName`` skips the scheduler
+#: and the NoSchedule taints that keep pods off reserved nodes, ``priorityClassName`` preempts
+#: other tenants' pods, ``schedulerName`` and ``runtimeClassName`` pick another scheduler or
+#: container runtime, ``affinity`` and ``topologySpreadConstraints`` steer pods onto nodes the job
+#: never asked for.
+POD_SPEC_FIELDS = frozenset(
+    {
+        "containers",
+        "volumes",
+        "securityContext",
+        "automountServiceAccountToken",
+        "nodeSelector",
+        "tolerations",
+        "serviceAccountName",
+        "serviceAccount",
+        *HOST_NAMESPACES,
+        *CONTAINER_LISTS,  # checked container by container, and refused where the builders write none
+    }
+)
+#: The container fields the builders write. ``command`` is not one (the image's entrypoint runs
+#: ``args``), nor ``lifecycle`` (hooks run commands), nor ``envFrom`` (refused with its own reason).
+CONTAINER_FIELDS = frozenset(
+    {
+        "name",
+        "image",
+        "args",
+        "env",
+        "resources",
+        "ports",
+        "volumeMounts",
+        "workingDir",
+        "imagePullPolicy",
+        "securityContext",
+        "readinessProbe",
+        "livenessProbe",
+        "envFrom",
+    }
+)
+#: The scheduler Service's fields the builders write: ``externalIPs``, ``loadBalancerIP`` or a
+#: port's ``nodePort`` would reach the scheduler, which runs any code a client sends, from
+#: outside the cluster as surely as a LoadBalancer would.
+SERVICE_FIELDS = frozenset({"type", "selector", "ports"})
+SERVICE_PORT_FIELDS = frozenset({"name", "protocol", "port", "targetPort"})
 
 
 def dask_cluster_violations(
@@ -217,12 +265,7 @@ def dask_cluster_violations(
     image = spec.pod.image or default_image
     body = cluster.get("spec") or {}
     out = []
-    service = ((body.get("scheduler") or {}).get("service") or {}).get("type", "ClusterIP")
-    if service != "ClusterIP":
-        out.append(
-            f"spec.scheduler.service.type {service!r} is not allowed: the scheduler runs any code a client sends, so it "
-            f"stays inside the cluster (ClusterIP)."
-        )
+    out += service_violations((body.get("scheduler") or {}).get("service") or {})
     for role in ("scheduler", "worker"):
         pod_spec = (body.get(role) or {}).get("spec")
         if pod_spec is not None:
@@ -230,6 +273,32 @@ def dask_cluster_violations(
                 f"spec.{role}.spec", pod_spec, spec.pod, image, policy, default_image, default_sa
             )
     return out
+
+
+def service_violations(service: dict[str, Any]) -> list[str]:
+    """The scheduler's Service against the ClusterIP Service the builders write."""
+    kind = service.get("type", "ClusterIP")
+    out = []
+    if kind != "ClusterIP":
+        out.append(
+            f"spec.scheduler.service.type {kind!r} is not allowed: the scheduler runs any code a client sends, so it "
+            f"stays inside the cluster (ClusterIP)."
+        )
+    out += _unknown_fields("spec.scheduler.service", service, SERVICE_FIELDS, "the scheduler stays inside the cluster")
+    for i, port in enumerate(service.get("ports") or ()):
+        out += _unknown_fields(
+            f"spec.scheduler.service.ports[{i}]", port, SERVICE_PORT_FIELDS, "the scheduler stays inside the cluster"
+        )
+    return out
+
+
+def _unknown_fields(where: str, body: dict[str, Any], known: frozenset[str], why: str) -> list[str]:
+    extra = sorted(k for k in body if k not in known)
+    if not extra:
+        return []
+    return [
+        f"{where} sets {', '.join(extra)}, which h5ngff never writes there ({why}); only {sorted(known)} may be set."
+    ]
 
 
 def pod_spec_violations(
@@ -244,9 +313,18 @@ def pod_spec_violations(
     """A Dask pod spec against what ``with_scratch`` and the job's ``spec.pod`` make of it."""
     out = [
         f"{where}.{key} is not allowed: Dask pods share no host namespace."
-        for key in ("hostNetwork", "hostPID", "hostIPC")
+        for key in HOST_NAMESPACES
         if pod_spec.get(key)
     ]
+    out += _unknown_fields(
+        where, pod_spec, POD_SPEC_FIELDS, "a Dask pod is placed and run only as its ConversionJob's spec.pod says"
+    )
+    for key, asked_by_job in (("nodeSelector", pod.node_selector), ("tolerations", pod.tolerations)):
+        if (pod_spec.get(key) or None) != (asked_by_job or None):
+            out.append(
+                f"{where}.{key} {pod_spec.get(key)!r} is not the job's spec.pod.{key} {asked_by_job!r}: Dask pods go "
+                f"only where their ConversionJob asks."
+            )
     if pod_spec.get("automountServiceAccountToken") is not False:
         out.append(f"{where}.automountServiceAccountToken must be false: Dask pods need no Kubernetes API access.")
     account = pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount")
@@ -289,6 +367,12 @@ def container_violations(
     asked = container.get("image")
     if asked != image or not image_allowed(image, policy, default_image):
         out.append(f"{where} image {asked!r} is not allowed: the job's Dask pods run its image {image!r}.")
+    out += _unknown_fields(where, container, CONTAINER_FIELDS, "a Dask container runs only what the runner builds")
+    out += [
+        f"{where}.ports[{i}] sets hostPort or hostIP, which is not allowed: Dask pods take no port of the node."
+        for i, port in enumerate(container.get("ports") or ())
+        if "hostPort" in port or "hostIP" in port
+    ]
     if container.get("securityContext") != container_security_context():
         out.append(
             f"{where}.securityContext {container.get('securityContext')!r} is not the one h5ngff sets: {container_security_context()!r}."
