@@ -9,7 +9,8 @@ Per round: the limit (``bench.limit``, one core, in this process: its ``cpu_seco
 ``h5ngff convert … --json --workers W`` per W, each in its own process group through
 ``bench.scaling_client`` (the console script's ``cli.main`` with timestamps and a task recorder
 attached from outside; nothing in h5ngff changes). Every output is verified (``bench.verify``)
-and deleted.
+and deleted. ``BENCH_SCALING_ARGS`` adds arguments to every such command (``--threads 2`` with
+``--workers 1``: one worker with two threads instead of two with one).
 
 1. **CPU-seconds**, every process the command starts. Exact totals from the kernel: this
    process is made a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a descendant orphaned by
@@ -45,6 +46,7 @@ import heapq
 import json
 import os
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -387,6 +389,7 @@ def convert_argv(
     ]
     if levels > 1:
         argv += ["--downsample", "mean"]
+    argv += shlex.split(os.environ.get("BENCH_SCALING_ARGS", ""))
     return argv
 
 

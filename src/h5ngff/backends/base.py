@@ -27,8 +27,13 @@ log = logging.getLogger(__name__)
 REMOTE_DEFAULT_WORKERS = 4
 
 
+#: How often each Dask server times its event loop (Dask's default: 20 ms).
+TICK_INTERVAL = "500ms"
+
+
 def dask_memory_config(plan: Plan) -> dict[str, Any]:
-    """Dask's worker settings from the plan (memory thresholds, retries, no profiler), as dask config keys."""
+    """Dask's settings from the plan (memory thresholds, retries, no profiler, a slower event-loop
+    timer), as dask config keys, for the scheduler, the nannies and the workers alike."""
     t = plan.memory.thresholds
     return {
         "distributed.worker.memory.target": t.target,
@@ -43,6 +48,12 @@ def dask_memory_config(plan: Plan) -> dict[str, Any]:
         # running task while holding the GIL; only the Dask dashboard's profile page reads what it
         # gathers. Off, 227 MB conversions ran 7-12 % faster (python -m bench.worker_profiler).
         "distributed.worker.profile.enabled": False,
+        # Every Dask server (scheduler, nanny, worker) wakes every 20 ms by default only to time
+        # its own event loop, for the "Event loop was unresponsive" log (after 3 s) and a
+        # dashboard figure. An idle 2-worker LocalCluster spent 2-3 % of a core in its workers
+        # and about 1.5 % in the client on it (docs/benchmarks.md, "Dask's housekeeping"); at
+        # TICK_INTERVAL the log still fires, for a stall of 3 s or more.
+        "distributed.admin.tick.interval": TICK_INTERVAL,
     }
 
 
