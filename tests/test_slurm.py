@@ -324,6 +324,41 @@ def test_a_job_script_slurm_refuses_fails_before_anything_is_submitted(small, tm
     assert not squeue()
 
 
+def _semaphores() -> set[str]:
+    """multiprocessing's named semaphores in this node's shared memory."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-")}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_finished_run_leaves_no_semaphore_in_the_nodes_shared_memory(small, tmp_path, monkeypatch):
+    """Each nanny hands its worker queues backed by named semaphores in /dev/shm, which only its
+    resource tracker unlinks. The run's jobs are stopped with SIGTERM first (the tracker stays and
+    cleans up), not SIGKILL alone, which took the tracker too and left 6 names per worker on the
+    node until its next reboot."""
+    h5, _ = small
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=120))
+
+    def run(name: str) -> set[str]:
+        before = _semaphores()
+        job = plan_job(spec_for(h5, str(tmp_path / f"{name}.ome.zarr"), resources={"workers": 2}), backend)
+        run_job(job, backend)
+        assert not squeue(), "a job of the run is still queued"
+        return _semaphores() - before
+
+    left = run("stopped")
+    assert not left, f"the run left {sorted(left)} in /dev/shm"
+    # Negative control: SIGKILL alone, as before, leaves each worker's semaphores behind.
+    import h5ngff.backends.slurm as slurm_backend
+    from h5ngff.backends.slurmctl import cancel_by_name
+
+    monkeypatch.setattr(slurm_backend, "stop_by_name", lambda job_name: cancel_by_name(job_name, kill=True))
+    left = run("killed")
+    for name in left:  # the control's leftovers are this test's to remove
+        os.unlink(os.path.join("/dev/shm", name))
+    assert len(left) >= 2 * 6, f"SIGKILL alone left only {sorted(left)}: the control shows nothing"
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_job_cancelled_under_the_run_is_workers_lost(small, tmp_path):

@@ -63,6 +63,7 @@ from .slurmctl import (
     pending_advice,
     queued_ids,
     sbatch_refusal,
+    stop_by_name,
 )
 from .slurmscript import build_job_script, job_mem_mib
 
@@ -158,11 +159,13 @@ class SlurmBackend:
             stack.enter_context(dask.config.set({"distributed.deploy.lost-worker-timeout": f"{LOST_WORKER_TIMEOUT}s"}))
             cluster = stack.enter_context(_cluster(plan, settings, self, job_name))
             jobs.cluster = cluster
-            # Once the client is closed, nothing of the workers is needed: SIGKILL every process
-            # of the run's jobs before dask-jobqueue cancels them. Cancelling first would send
-            # SIGTERM, and a nanny busy restarting its worker holds the job for SLURM's KillWait
-            # (30 s by default); a job already cancelling can no longer be signalled.
-            stack.callback(cancel_by_name, job_name, kill=True)
+            # Once the client is closed, nothing of the workers is needed: stop every process of
+            # the run's jobs (SIGTERM, then SIGKILL after a few seconds) before dask-jobqueue
+            # cancels them. Cancelling first would send SIGTERM, and a nanny busy restarting its
+            # worker holds the job for SLURM's KillWait (30 s by default); a job already
+            # cancelling can no longer be signalled. SIGKILL alone left the nannies' semaphores
+            # in the node's /dev/shm (slurmctl.stop_by_name).
+            stack.callback(stop_by_name, job_name)
             client = stack.enter_context(connect(cluster))
             register_plugins(client)
             cluster.scale(plan.workers)

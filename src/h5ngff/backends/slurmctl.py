@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,39 @@ def queued_ids(job_name: str) -> list[str]:
     """Ids of this run's jobs still in the queue (pending, running or completing)."""
     try:
         proc = _run(["squeue", "-h", "-n", job_name, "-o", "%i"])
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return proc.stdout.split()
+
+
+#: Seconds the run's nannies get to close after SIGTERM before ``stop_by_name`` kills them.
+STOP_GRACE = 5.0
+
+
+def stop_by_name(job_name: str, grace: float = STOP_GRACE) -> None:
+    """End every running job of this run at once, leaving nothing on its node: SIGTERM to each
+    batch shell and its children (the nanny, ``exec``'d, and its worker), then SIGKILL to whatever
+    is still queued after ``grace`` seconds (a nanny busy restarting its worker).
+
+    Why not SIGKILL straight away: the nanny hands its worker queues backed by named POSIX
+    semaphores (``/dev/shm/sem.mp-*``, 6 per worker start), and only multiprocessing's resource
+    tracker, a child of the nanny, unlinks them when the nanny exits. It ignores SIGTERM and stays
+    to clean up; SIGKILL takes it with the rest, and the names stay in the node's shared memory
+    until it reboots. Signalling is not cancelling, so the SIGKILL can still follow."""
+    try:
+        _run(["scancel", "--name", job_name, "--batch", "--signal=TERM"])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scancel --name %s --signal=TERM failed: %s", job_name, exc)
+    deadline = time.monotonic() + grace
+    while _running_ids(job_name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cancel_by_name(job_name, kill=True)
+
+
+def _running_ids(job_name: str) -> list[str]:
+    """Ids of this run's jobs whose processes may still run (running or completing)."""
+    try:
+        proc = _run(["squeue", "-h", "-n", job_name, "-t", "RUNNING,COMPLETING", "-o", "%i"])
     except (OSError, subprocess.TimeoutExpired):
         return []
     return proc.stdout.split()

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from .slurmctl import cancel_by_name
+from .slurmctl import cancel_by_name, stop_by_name
 
 POLL_SECONDS = 0.25
 
@@ -33,7 +33,7 @@ def watch(pid: int, job_name: str) -> None:
     started = _start_time(pid)
     while started is not None and _start_time(pid) == started:
         time.sleep(POLL_SECONDS)
-    cancel_by_name(job_name, kill=True)  # running jobs end at once (no KillWait)
+    stop_by_name(job_name)  # running jobs end within seconds (no KillWait), leaving nothing on the node
     cancel_by_name(job_name)  # pending ones
 
 
