@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 
@@ -455,3 +456,15 @@ def test_batch_bench_samples_both_dtypes_evenly():
     assert len(picks) == 10 and sum(i % 2 for i in picks) == 5 and picks[0] == 0 and picks[-1] >= 180
     assert [file_case(i, 50).dtype for i in (0, 1)] == ["float32", "uint16"]
     assert [math.prod(file_case(i, 50).shape) * (4, 2)[i] / 1e6 for i in (0, 1)] == [pytest.approx(50, rel=0.01)] * 2
+
+
+def test_idle_cost_reads_the_client_and_the_cluster_processes(capsys):
+    from bench.idle_cost import main as idle_cost
+
+    assert idle_cost(["--workers", "2", "--seconds", "0.5", "--rounds", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    # The fork server (or none, with spawned workers) and 2 workers at least, each figure a share of a core.
+    match = re.search(r"client \(scheduler, nannies\) ([\d.]+) %, (\d+) other processes .* ([\d.]+) %", line)
+    assert match, line
+    client, processes, others = float(match[1]), int(match[2]), float(match[3])
+    assert processes >= 2 and 0 < client < 100 and 0 < others < 100 * processes, line
