@@ -287,7 +287,7 @@ def classify_failure(
     elif terminations:
         worst = max(e.get("rss", 0) for e in events.memory_restarts)
         err = NannyTerminatedError(
-            f"NannyTerminated: Dask's nanny terminated a worker at {format_bytes(worst)}, above its terminate threshold "
+            f"Dask's nanny terminated a worker at {format_bytes(worst)}, above its terminate threshold "
             f"of memory_limit {format_bytes(memory_limit)}, {terminations} time(s). The task used more memory "
             f"than planned; raise resources.memoryPerWorker or use a smaller resources.slab.",
         )
