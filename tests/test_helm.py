@@ -70,6 +70,7 @@ VALUE_SETS = {
             "allowedImages": ["registry.example.org/lab/*"],
             "allowedServiceAccounts": ["lab-runner"],
             "allowedVolumeTypes": ["persistentVolumeClaim", "csi"],
+            "allowedTolerationKeys": ["dedicated", "nvidia.com/*"],
         },
     },
 }
@@ -191,6 +192,7 @@ def test_app_version_is_the_package_version():
         ({"policy": {"allowedVolumeTypes": ["hostpath"]}}, "/policy/allowedVolumeTypes/0"),
         ({"policy": {"allowedVolumeTypes": []}}, "/policy/allowedVolumeTypes"),
         ({"policy": {"allowedServiceAccounts": ["Lab Runner"]}}, "/policy/allowedServiceAccounts/0"),
+        ({"policy": {"allowedTolerationKeys": ["two words"]}}, "/policy/allowedTolerationKeys/0"),
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else None,
 )
@@ -296,14 +298,17 @@ def test_the_tenant_policy_reaches_the_operator(rendered, values):
     expected = (
         TenantPolicy()
         if values == "defaults"
-        else TenantPolicy(("registry.example.org/lab/*",), ("lab-runner",), ("persistentVolumeClaim", "csi"))
+        else TenantPolicy(
+            ("registry.example.org/lab/*",),
+            ("lab-runner",),
+            ("persistentVolumeClaim", "csi"),
+            ("dedicated", "nvidia.com/*"),
+        )
     )
     assert policy_from_args(args) == expected
-    assert (
-        TenantPolicy().allowed_volume_types
-        == DEFAULT_VOLUME_TYPES
-        == tuple(yaml.safe_load((CHART / "values.yaml").read_text())["policy"]["allowedVolumeTypes"])
-    )
+    chart_policy = yaml.safe_load((CHART / "values.yaml").read_text())["policy"]
+    assert TenantPolicy().allowed_volume_types == DEFAULT_VOLUME_TYPES == tuple(chart_policy["allowedVolumeTypes"])
+    assert TenantPolicy().allowed_toleration_keys == tuple(chart_policy["allowedTolerationKeys"]) == ()
 
 
 def test_unknown_operator_flags_fail_the_parser():

@@ -53,7 +53,11 @@ LAB = TenantPolicy(
     allowed_images=("registry.example.org/lab/*",),
     allowed_service_accounts=("lab-runner",),
     allowed_volume_types=(*DEFAULT_VOLUME_TYPES, "csi"),
+    allowed_toleration_keys=("dedicated", "nvidia.com/*"),
 )
+GPU = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+CONTROL_PLANE = {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists", "effect": "NoSchedule"}
+EVERY_TAINT = {"operator": "Exists"}
 
 CASES = [
     # (pod settings, policy, expected number of violations, a phrase every message must hold)
@@ -83,6 +87,13 @@ CASES = [
     ({"volumes": [{"name": "c", "csi": {"driver": "x"}}]}, TenantPolicy(), 1, "csi"),
     ({"volumes": [{"name": "c", "csi": {"driver": "x"}}]}, LAB, 0, None),
     ({"image": "evil:1", "serviceAccountName": "admin", "volumes": [HOST]}, TenantPolicy(), 3, "is not allowed"),
+    # Tolerations: taints keep nodes for others, so each key tolerated must be allowed.
+    ({"tolerations": [GPU]}, TenantPolicy(), 1, "policy.allowedTolerationKeys"),
+    ({"tolerations": [GPU, {"key": "dedicated", "operator": "Equal", "value": "lab"}]}, LAB, 0, None),
+    ({"tolerations": [GPU, CONTROL_PLANE]}, LAB, 1, "node-role.kubernetes.io/control-plane"),
+    ({"tolerations": [EVERY_TAINT]}, LAB, 1, "every taint"),
+    ({"tolerations": [EVERY_TAINT, CONTROL_PLANE]}, TenantPolicy(allowed_toleration_keys=("*",)), 0, None),
+    ({"nodeSelector": {"dedicated": "lab"}}, TenantPolicy(), 0, None),
 ]
 
 
@@ -123,6 +134,7 @@ DENIED = {
         "image": "evil.example/miner:1",
         "volumes": [HOST],
         "volumeMounts": [{"name": "node", "mountPath": "/host"}],
+        "tolerations": [CONTROL_PLANE],
     },
 }
 
@@ -139,6 +151,7 @@ async def test_a_denied_job_fails_with_policy_denied_and_creates_nothing():
         status = c.status("greedy")
         assert status["reason"] == "PolicyDenied"
         assert "evil.example/miner:1" in status["message"] and "hostPath" in status["message"]
+        assert "node-role.kubernetes.io/control-plane" in status["message"]
         for resource in (JOB_RES, ROLE_RES, ROLEBINDING_RES, DASK_RES):
             assert c.live(resource) == {}, resource
         created = {
@@ -157,7 +170,11 @@ async def test_a_denied_job_fails_with_policy_denied_and_creates_nothing():
 @pytest.mark.timeout(120)
 async def test_the_same_job_runs_when_the_policy_allows_it():
     """Negative control: what denied the job above is the policy, not the spec."""
-    policy = TenantPolicy(allowed_images=("evil.example/*",), allowed_volume_types=(*DEFAULT_VOLUME_TYPES, "hostPath"))
+    policy = TenantPolicy(
+        allowed_images=("evil.example/*",),
+        allowed_volume_types=(*DEFAULT_VOLUME_TYPES, "hostPath"),
+        allowed_toleration_keys=("node-role.kubernetes.io/*",),
+    )
     async with emulator() as c, operator_running(fast_config(c.url, policy=policy)):
         await c.apply(manifest("greedy", DENIED))
         # The status announces the attempt before its Job is created (record before acting).

@@ -239,6 +239,13 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
         metavar="TYPE",
         help=f"A volume type (PodSpec field, e.g. csi) spec.pod.volumes may use; repeatable; replaces the default {', '.join(DEFAULT_VOLUME_TYPES)}.",
     )
+    g.add_argument(
+        "--allowed-toleration-key",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="A taint key (shell glob, e.g. 'dedicated' or 'nvidia.com/*') spec.pod.tolerations may tolerate; repeatable. Default none; '*' allows any, and a toleration without a key.",
+    )
 
 
 def policy_from_args(args: argparse.Namespace):
@@ -248,6 +255,7 @@ def policy_from_args(args: argparse.Namespace):
         tuple(args.allowed_image),
         tuple(args.allowed_service_account),
         tuple(args.allowed_volume_type) if args.allowed_volume_type else DEFAULT_VOLUME_TYPES,
+        tuple(args.allowed_toleration_key),
     )
 
 

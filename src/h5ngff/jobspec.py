@@ -86,7 +86,10 @@ class PodSettings(_Model):
         description="Service account of the runner pod (workers get no API access); it must be allowed to manage DaskClusters and patch conversionjobs/status.",
     )
     node_selector: dict[str, str] | None = Field(None, description="nodeSelector of the runner and worker pods.")
-    tolerations: list[FreeForm] | None = Field(None, description="Tolerations of the runner and worker pods.")
+    tolerations: list[FreeForm] | None = Field(
+        None,
+        description="Tolerations of the runner and worker pods; each taint key must be allowed by the operator's policy.allowedTolerationKeys.",
+    )
     credentials_secret: str | None = Field(
         None,
         max_length=253,

@@ -2,7 +2,8 @@
 
 The operator creates the runner Job and (through the runner) the Dask pods with its own
 permissions, so whoever may create a ConversionJob could otherwise run any image, as any service
-account of the namespace, with any volume (a hostPath is the node's root filesystem). The admin
+account of the namespace, with any volume (a hostPath is the node's root filesystem), on any
+node a toleration opens (a taint keeps nodes for someone: a team's GPUs, the control plane). The admin
 sets the policy in the Helm values (``policy.*``); the chart passes it as ``h5ngff operator``
 flags. A job asking for more fails at reconcile with reason ``PolicyDenied`` and nothing is
 created for it.
@@ -126,6 +127,11 @@ class TenantPolicy:
     allowed_service_accounts: tuple[str, ...] = ()
     #: Volume source types (PodSpec field names) ``spec.pod.volumes`` may use.
     allowed_volume_types: tuple[str, ...] = DEFAULT_VOLUME_TYPES
+    #: Taint keys (shell globs) ``spec.pod.tolerations`` may tolerate. Default none: a taint is
+    #: how an admin keeps nodes for someone (a team's GPU nodes, the control plane), and a
+    #: toleration is the key to them; ``*`` allows any key, and only it allows a toleration
+    #: without a key, which tolerates every taint.
+    allowed_toleration_keys: tuple[str, ...] = ()
 
 
 def volume_type(volume: dict[str, Any]) -> str:
@@ -169,6 +175,16 @@ def policy_violations(
         message = mount_violation("spec.pod.volumeMounts", mount) or home_violation(mount, pod.volumes or [])
         if message:
             out.append(message)
+    for toleration in pod.tolerations or ():
+        key = str(toleration.get("key") or "")
+        if not any(fnmatchcase(key, pattern) for pattern in policy.allowed_toleration_keys):
+            what = f"taint key {key!r}" if key else "every taint (it names no key)"
+            allowed = list(policy.allowed_toleration_keys) or "none"
+            out.append(
+                f"spec.pod.tolerations {toleration!r} tolerates {what}, which is not allowed: allowed keys are {allowed}. "
+                f"Taints keep nodes for others; ask the cluster admin to add the key to the Helm value "
+                f"policy.allowedTolerationKeys."
+            )
     return out
 
 
