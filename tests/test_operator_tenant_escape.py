@@ -376,6 +376,40 @@ ROGUE = {
         lambda c: c["spec"]["scheduler"]["service"].update(externalIPs=["203.0.113.7"]),
         "externalIPs",
     ),
+    "an annotation the Dask Operator copies onto the pods": (
+        lambda c: (
+            c["metadata"]
+            .setdefault("annotations", {})
+            .update({"container.apparmor.security.beta.kubernetes.io/worker": "unconfined"})
+        ),
+        "apparmor",
+    ),
+    "an annotation of the worker group": (
+        lambda c: c["spec"]["worker"].update(
+            metadata={"annotations": {"container.apparmor.security.beta.kubernetes.io/worker": "unconfined"}}
+        ),
+        "spec.worker.metadata",
+    ),
+    "an exec probe": (
+        lambda c: c["spec"]["scheduler"]["spec"]["containers"][0].update(
+            livenessProbe={"exec": {"command": ["sh", "-c", "id"]}}
+        ),
+        "livenessProbe",
+    ),
+    "a probe that makes the kubelet call the node's network": (
+        lambda c: c["spec"]["scheduler"]["spec"]["containers"][0]["readinessProbe"]["httpGet"].update(
+            host="169.254.169.254"
+        ),
+        "readinessProbe",
+    ),
+    "a probe on a worker": (
+        lambda c: _worker(c)["containers"][0].update(livenessProbe={"tcpSocket": {"port": 22, "host": "10.0.0.1"}}),
+        "livenessProbe",
+    ),
+    "a second container shaped like the worker": (
+        lambda c: _worker(c)["containers"].append({**copy.deepcopy(_worker(c)["containers"][0]), "name": "sidecar"}),
+        "exactly one container",
+    ),
     "a scheduler on a node port": (
         lambda c: c["spec"]["scheduler"]["service"]["ports"][0].update(nodePort=30786),
         "nodePort",

@@ -306,8 +306,11 @@ def test_jobs_pending_past_the_timeout_fail_with_slurms_reason(small, tmp_path):
         SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=3, directives=["--begin=now+1hour"])
     )
     job = plan_job(spec_for(h5, str(tmp_path / "p.ome.zarr"), resources={"workers": 1}), backend)
+    start = time.monotonic()
     with pytest.raises(WorkersPendingError) as info:
         run_job(job, backend)
+    # A pending job named in a signal makes scancel retry for 30 s; the stop cancels it instead.
+    assert time.monotonic() - start < 20, "the pending job held up the stop"
     assert info.value.reason == "WorkersPending" and "BeginTime" in str(info.value)
     assert f"--mem={job.plan.memory.pod_limit // MiB}M" in str(info.value)
     assert not squeue(), "the pending job was left queued"
@@ -357,6 +360,52 @@ def test_a_finished_run_leaves_no_semaphore_in_the_nodes_shared_memory(small, tm
     for name in left:  # the control's leftovers are this test's to remove
         os.unlink(os.path.join("/dev/shm", name))
     assert len(left) >= 2 * 6, f"SIGKILL alone left only {sorted(left)}: the control shows nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_run_stopped_with_slabs_in_flight_leaves_no_semaphore(small, tmp_path, monkeypatch):
+    """A Ctrl-C or a failure stops the jobs while their workers still run slabs. The nanny, told
+    to stop, waits 8 s for its busy worker before it terminates it; SIGKILL any earlier takes the
+    nanny before it unlinks its semaphores (6 per worker, 12 here, as this test measured with a
+    5 s grace). The stop gives it that time, and only then kills."""
+    import h5ngff.runner as runner_module
+
+    h5, _ = small
+    backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=120))
+
+    class Stopped(Exception):
+        pass
+
+    def busy_then_stopped(client, *args, **kwargs):
+        futures = client.map(time.sleep, [60.0, 60.0], pure=False)  # a slab each, for a minute
+        deadline = time.monotonic() + 30
+        while len([t for ts in client.processing().values() for t in ts]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert futures and len([t for ts in client.processing().values() for t in ts]) == 2
+        raise Stopped  # as a Ctrl-C or a failed slab would, with both workers busy
+
+    monkeypatch.setattr(runner_module, "run_conversion", busy_then_stopped)
+
+    def stopped_run(name: str) -> tuple[set[str], float]:
+        job = plan_job(spec_for(h5, str(tmp_path / f"{name}.ome.zarr"), resources={"workers": 2}), backend)
+        before, start = _semaphores(), time.monotonic()
+        with pytest.raises(Stopped):
+            run_job(job, backend)
+        assert not squeue(), "a job of the run is still queued"
+        return _semaphores() - before, time.monotonic() - start
+
+    left, took = stopped_run("busy")
+    assert not left, f"the run left {sorted(left)} in /dev/shm"
+    assert took < 30, f"the stop took {took:.1f} s"  # 11 s measured: the nanny's 8 s, then the close
+    # Negative control: SIGKILL before the nanny's 8 s are up leaves the busy workers' semaphores.
+    from h5ngff.backends import slurmctl
+
+    monkeypatch.setattr(slurmctl, "STOP_GRACE", 3.0)
+    left, _ = stopped_run("killed")
+    for name in left:  # the control's leftovers are this test's to remove
+        os.unlink(os.path.join("/dev/shm", name))
+    assert len(left) >= 6, f"SIGKILL after 3 s left only {sorted(left)}: the control shows nothing"
 
 
 @pytest.mark.slow

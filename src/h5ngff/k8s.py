@@ -80,6 +80,25 @@ def owner_reference(api_version: str, kind: str, name: str, uid: str, block: boo
     }
 
 
+#: The scheduler container's probes (its dashboard's /health); the workers have none. Here, not in
+#: backends/kubernetes.py, because the operator's guard (operator/policy.py) holds a DaskCluster's
+#: probes to exactly these: an ``exec`` probe runs a command, and ``httpGet.host`` makes the kubelet
+#: send requests from the node's network.
+SCHEDULER_PROBES: dict[str, dict[str, Any]] = {
+    "readinessProbe": {
+        "httpGet": {"port": "http-dashboard", "path": "/health"},
+        "initialDelaySeconds": 0,
+        "periodSeconds": 1,
+        "timeoutSeconds": 300,
+    },
+    "livenessProbe": {
+        "httpGet": {"port": "http-dashboard", "path": "/health"},
+        "initialDelaySeconds": 15,
+        "periodSeconds": 20,
+    },
+}
+
+
 def pod_placement(pod: PodSettings) -> dict[str, Any]:
     """The pod-level fields a user's ``spec.pod`` contributes to every pod."""
     out: dict[str, Any] = {}

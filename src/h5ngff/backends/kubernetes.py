@@ -20,6 +20,7 @@ names, labels and pod conventions the operator uses too (``h5ngff.k8s``); only
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from distributed import Client
 from ..errors import ClusterError
 from ..jobspec import API_VERSION, Owner, PodSettings
 from ..k8s import (
+    SCHEDULER_PROBES,
     container_storage,
     credential_env,
     dask_cluster_name,
@@ -128,17 +130,7 @@ def build_scheduler_pod_spec(plan: Plan, image: str, pod: PodSettings) -> dict[s
             {"name": "tcp-comm", "containerPort": 8786, "protocol": "TCP"},
             {"name": "http-dashboard", "containerPort": 8787, "protocol": "TCP"},
         ],
-        "readinessProbe": {
-            "httpGet": {"port": "http-dashboard", "path": "/health"},
-            "initialDelaySeconds": 0,
-            "periodSeconds": 1,
-            "timeoutSeconds": 300,
-        },
-        "livenessProbe": {
-            "httpGet": {"port": "http-dashboard", "path": "/health"},
-            "initialDelaySeconds": 15,
-            "periodSeconds": 20,
-        },
+        **copy.deepcopy(SCHEDULER_PROBES),
     }
     if pod.image_pull_policy:
         container["imagePullPolicy"] = pod.image_pull_policy

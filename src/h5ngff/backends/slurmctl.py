@@ -136,25 +136,32 @@ def queued_ids(job_name: str) -> list[str]:
     return proc.stdout.split()
 
 
-#: Seconds the run's nannies get to close after SIGTERM before ``stop_by_name`` kills them.
-STOP_GRACE = 5.0
+#: Seconds the run's nannies get to close after SIGTERM before ``stop_by_name`` kills them: an
+#: idle nanny closes its worker and exits in about a second; one whose worker is still running a
+#: slab (a Ctrl-C, a failed run) waits 8 s for it (``dask worker`` closes its nanny with a 10 s
+#: timeout, 0.8 of it for the worker) and then terminates it.
+STOP_GRACE = 12.0
 
 
-def stop_by_name(job_name: str, grace: float = STOP_GRACE) -> None:
-    """End every running job of this run at once, leaving nothing on its node: SIGTERM to each
-    batch shell and its children (the nanny, ``exec``'d, and its worker), then SIGKILL to whatever
-    is still queued after ``grace`` seconds (a nanny busy restarting its worker).
+def stop_by_name(job_name: str) -> None:
+    """End every job of this run, leaving nothing on its node: pending jobs are cancelled, each
+    running job's nanny (``exec``'d as the batch shell) gets SIGTERM and closes its worker, and a
+    job still running after ``STOP_GRACE`` seconds gets SIGKILL.
 
     Why not SIGKILL straight away: the nanny hands its worker queues backed by named POSIX
-    semaphores (``/dev/shm/sem.mp-*``, 6 per worker start), and only multiprocessing's resource
-    tracker, a child of the nanny, unlinks them when the nanny exits. It ignores SIGTERM and stays
-    to clean up; SIGKILL takes it with the rest, and the names stay in the node's shared memory
-    until it reboots. Signalling is not cancelling, so the SIGKILL can still follow."""
-    try:
-        _run(["scancel", "--name", job_name, "--batch", "--signal=TERM"])
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("scancel --name %s --signal=TERM failed: %s", job_name, exc)
-    deadline = time.monotonic() + grace
+    semaphores (``/dev/shm/sem.mp-*``, 6 per worker start). A nanny that closes unlinks them; one
+    killed leaves them to multiprocessing's resource tracker, which slurmstepd kills with the
+    rest of the job, and the names stay in the node's shared memory until it reboots. Only the
+    nanny is signalled: a second SIGTERM would end it before its close, and a worker killed under
+    it leaves what it registered itself. Signalling is not cancelling, so SIGKILL can still
+    follow. Pending jobs are cancelled first and the signal names only running ones: a pending
+    job named in a signal makes scancel retry for 30 s ("Job can not be altered now")."""
+    for args in (["--state=PENDING"], ["--state=RUNNING", "--batch", "--signal=TERM"]):
+        try:
+            _run(["scancel", "--name", job_name, *args])
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("scancel --name %s %s failed: %s", job_name, " ".join(args), exc)
+    deadline = time.monotonic() + STOP_GRACE
     while _running_ids(job_name) and time.monotonic() < deadline:
         time.sleep(0.1)
     cancel_by_name(job_name, kill=True)

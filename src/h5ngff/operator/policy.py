@@ -24,7 +24,14 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ..jobspec import ConversionJobSpec, PodSettings
-from ..k8s import CREDENTIAL_ENV, SCRATCH_PATH, SCRATCH_VOLUME, container_security_context, pod_security_context
+from ..k8s import (
+    CREDENTIAL_ENV,
+    SCHEDULER_PROBES,
+    SCRATCH_PATH,
+    SCRATCH_VOLUME,
+    container_security_context,
+    pod_security_context,
+)
 
 #: Volume sources that reach only what the namespace already owns: its claims, config maps and
 #: secrets, and scratch space. Everything else (hostPath above all, but also nfs, iscsi, or a
@@ -233,7 +240,6 @@ POD_SPEC_FIELDS = frozenset(
         "serviceAccountName",
         "serviceAccount",
         *HOST_NAMESPACES,
-        *CONTAINER_LISTS,  # checked container by container, and refused where the builders write none
     }
 )
 #: The container fields the builders write. ``command`` is not one (the image's entrypoint runs
@@ -255,6 +261,12 @@ CONTAINER_FIELDS = frozenset(
         "envFrom",
     }
 )
+#: Annotations that loosen a container's confinement, by key: the Dask Operator copies a
+#: DaskCluster's annotations (and ``spec.<role>.metadata``'s) onto every pod, where
+#: ``container.apparmor.security.beta.kubernetes.io/worker: unconfined`` lifts AppArmor (the
+#: ``securityContext``, held to h5ngff's own, is the newer way to say the same). A deny-list, not
+#: an allow-list: admission webhooks and tools annotate objects for their own bookkeeping.
+CONFINEMENT_ANNOTATIONS = ("apparmor.security.beta.kubernetes.io/", "seccomp.security.alpha.kubernetes.io/")
 #: The scheduler Service's fields the builders write: ``externalIPs``, ``loadBalancerIP`` or a
 #: port's ``nodePort`` would reach the scheduler, which runs any code a client sends, from
 #: outside the cluster as surely as a LoadBalancer would.
@@ -280,15 +292,29 @@ def dask_cluster_violations(
         ]
     image = spec.pod.image or default_image
     body = cluster.get("spec") or {}
-    out = []
+    out = annotation_violations("metadata", cluster.get("metadata") or {})
     out += service_violations((body.get("scheduler") or {}).get("service") or {})
     for role in ("scheduler", "worker"):
+        out += annotation_violations(f"spec.{role}.metadata", (body.get(role) or {}).get("metadata") or {})
         pod_spec = (body.get(role) or {}).get("spec")
         if pod_spec is not None:
             out += pod_spec_violations(
                 f"spec.{role}.spec", pod_spec, spec.pod, image, policy, default_image, default_sa
             )
     return out
+
+
+def annotation_violations(where: str, metadata: dict[str, Any]) -> list[str]:
+    """Annotations the Dask Operator would copy onto the pods that loosen their confinement."""
+    loosening = sorted(
+        key for key in metadata.get("annotations") or {} if any(p in key for p in CONFINEMENT_ANNOTATIONS)
+    )
+    if not loosening:
+        return []
+    return [
+        f"{where}.annotations {', '.join(loosening)} are not allowed: the Dask Operator copies them onto the pods, "
+        f"whose AppArmor and seccomp profiles h5ngff sets in their securityContext."
+    ]
 
 
 def service_violations(service: dict[str, Any]) -> list[str]:
@@ -312,9 +338,7 @@ def _unknown_fields(where: str, body: dict[str, Any], known: frozenset[str], why
     extra = sorted(k for k in body if k not in known)
     if not extra:
         return []
-    return [
-        f"{where} sets {', '.join(extra)}, which h5ngff never writes there ({why}); only {sorted(known)} may be set."
-    ]
+    return [f"{where} sets {', '.join(extra)}, which h5ngff never writes there: {why}."]
 
 
 def pod_spec_violations(
@@ -338,9 +362,11 @@ def pod_spec_violations(
     for key, asked_by_job in (("nodeSelector", pod.node_selector), ("tolerations", pod.tolerations)):
         if (pod_spec.get(key) or None) != (asked_by_job or None):
             out.append(
-                f"{where}.{key} {pod_spec.get(key)!r} is not the job's spec.pod.{key} {asked_by_job!r}: Dask pods go "
-                f"only where their ConversionJob asks."
+                f"{where}.{key} {pod_spec.get(key) or '(none)'!r} is not the job's spec.pod.{key} "
+                f"{asked_by_job or '(none)'!r}: Dask pods go only where their ConversionJob asks."
             )
+    if len(pod_spec.get("containers") or ()) != 1:
+        out.append(f"{where}.containers must be exactly one container, as h5ngff builds it.")
     if pod_spec.get("automountServiceAccountToken") is not False:
         out.append(f"{where}.automountServiceAccountToken must be false: Dask pods need no Kubernetes API access.")
     account = pod_spec.get("serviceAccountName") or pod_spec.get("serviceAccount")
@@ -384,6 +410,12 @@ def container_violations(
     if asked != image or not image_allowed(image, policy, default_image):
         out.append(f"{where} image {asked!r} is not allowed: the job's Dask pods run its image {image!r}.")
     out += _unknown_fields(where, container, CONTAINER_FIELDS, "a Dask container runs only what the runner builds")
+    out += [
+        f"{where}.{probe} is not the probe h5ngff writes: a probe may run a command or make the kubelet call an address of "
+        f"the node's network."
+        for probe in SCHEDULER_PROBES
+        if probe in container and container[probe] != SCHEDULER_PROBES[probe]
+    ]
     out += [
         f"{where}.ports[{i}] sets hostPort or hostIP, which is not allowed: Dask pods take no port of the node."
         for i, port in enumerate(container.get("ports") or ())
