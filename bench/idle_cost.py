@@ -17,13 +17,11 @@ import argparse
 import tempfile
 import time
 
-import h5py
-import numpy as np
 import psutil
 
 from h5ngff.backends.local import LocalBackend
-from h5ngff.runner import plan_job
-from h5ngff.spec import parse_spec
+
+from .cluster_cost import tiny_plan
 
 
 def _cpu(process: psutil.Process) -> float:
@@ -62,16 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="h5ngff-idle-cost-") as tmp:
-        with h5py.File(f"{tmp}/in.h5", "w") as f:
-            f.create_dataset("/volume/data", data=np.zeros((16, 64, 64), np.uint16))
-        spec = parse_spec(
-            {
-                "source": {"path": f"{tmp}/in.h5", "dataset": "/volume/data"},
-                "output": {"path": f"{tmp}/out.ome.zarr"},
-                "resources": {"workers": args.workers},
-            }
-        )
-        plan = plan_job(spec, LocalBackend()).plan
+        plan = tiny_plan(tmp, args.workers)
         print(f"idle {args.workers}-worker cluster, {args.seconds:g} s a round, % of one core:")
         for number in range(args.rounds):
             r = one_round(plan, args.seconds)
