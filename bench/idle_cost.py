@@ -32,17 +32,13 @@ def _cpu(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def _run_processes(me: psutil.Process) -> list[psutil.Process]:
-    """Every descendant of this process: the fork server is its child and forks the workers, so
-    they are its grandchildren (spawned workers are children of the nannies, in this process)."""
-    return me.children(recursive=True)
-
-
 def one_round(plan, seconds: float) -> dict[str, float]:
     me = psutil.Process()
     with LocalBackend().session(plan):
         time.sleep(1.0)  # the workers' first heartbeats and registrations are not idle time
-        others = _run_processes(me)
+        # Every descendant: the fork server is a child and forks the workers (spawned workers are
+        # children of the nannies, in this process).
+        others = me.children(recursive=True)
         before = {p.pid: _cpu(p) for p in [me, *others]}
         t0 = time.monotonic()
         time.sleep(seconds)

@@ -332,13 +332,18 @@ def _semaphores() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-")}
 
 
+def _remove_semaphores(names: set[str]) -> None:
+    """A negative control's leftovers are its test's to remove."""
+    for name in names:
+        os.unlink(os.path.join("/dev/shm", name))
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_finished_run_leaves_no_semaphore_in_the_nodes_shared_memory(small, tmp_path, monkeypatch):
-    """Each nanny hands its worker queues backed by named semaphores in /dev/shm, which only its
-    resource tracker unlinks. The run's jobs are stopped with SIGTERM first (the tracker stays and
-    cleans up), not SIGKILL alone, which took the tracker too and left 6 names per worker on the
-    node until its next reboot."""
+    """Each nanny hands its worker queues backed by named semaphores in /dev/shm, which it unlinks
+    when it closes. The run's jobs are stopped with SIGTERM to each nanny first, not SIGKILL
+    alone, which left 6 names per worker on the node until its next reboot."""
     h5, _ = small
     backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=120))
 
@@ -357,8 +362,7 @@ def test_a_finished_run_leaves_no_semaphore_in_the_nodes_shared_memory(small, tm
 
     monkeypatch.setattr(slurm_backend, "stop_by_name", lambda job_name: cancel_by_name(job_name, kill=True))
     left = run("killed")
-    for name in left:  # the control's leftovers are this test's to remove
-        os.unlink(os.path.join("/dev/shm", name))
+    _remove_semaphores(left)
     assert len(left) >= 2 * 6, f"SIGKILL alone left only {sorted(left)}: the control shows nothing"
 
 
@@ -403,8 +407,7 @@ def test_a_run_stopped_with_slabs_in_flight_leaves_no_semaphore(small, tmp_path,
 
     monkeypatch.setattr(slurmctl, "STOP_GRACE", 3.0)
     left, _ = stopped_run("killed")
-    for name in left:  # the control's leftovers are this test's to remove
-        os.unlink(os.path.join("/dev/shm", name))
+    _remove_semaphores(left)
     assert len(left) >= 6, f"SIGKILL after 3 s left only {sorted(left)}: the control shows nothing"
 
 

@@ -160,7 +160,7 @@ class SlurmBackend:
             cluster = stack.enter_context(_cluster(plan, settings, self, job_name))
             jobs.cluster = cluster
             # Once the client is closed, nothing of the workers is needed: stop every process of
-            # the run's jobs (SIGTERM, then SIGKILL after a few seconds) before dask-jobqueue
+            # the run's jobs (SIGTERM to each nanny, SIGKILL after STOP_GRACE) before dask-jobqueue
             # cancels them. Cancelling first would send SIGTERM, and a nanny busy restarting its
             # worker holds the job for SLURM's KillWait (30 s by default); a job already
             # cancelling can no longer be signalled. SIGKILL alone left the nannies' semaphores

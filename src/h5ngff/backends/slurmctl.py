@@ -127,10 +127,11 @@ def job_state(job_id: str) -> JobState | None:
     return parse_scontrol_job(proc.stdout) if proc.returncode == 0 else None
 
 
-def queued_ids(job_name: str) -> list[str]:
-    """Ids of this run's jobs still in the queue (pending, running or completing)."""
+def queued_ids(job_name: str, states: str | None = None) -> list[str]:
+    """Ids of this run's jobs still in the queue (pending, running or completing), or only those
+    in ``states`` (squeue's ``-t``, e.g. "RUNNING,COMPLETING")."""
     try:
-        proc = _run(["squeue", "-h", "-n", job_name, "-o", "%i"])
+        proc = _run(["squeue", "-h", "-n", job_name, *(["-t", states] if states else []), "-o", "%i"])
     except (OSError, subprocess.TimeoutExpired):
         return []
     return proc.stdout.split()
@@ -162,18 +163,9 @@ def stop_by_name(job_name: str) -> None:
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.warning("scancel --name %s %s failed: %s", job_name, " ".join(args), exc)
     deadline = time.monotonic() + STOP_GRACE
-    while _running_ids(job_name) and time.monotonic() < deadline:
+    while queued_ids(job_name, "RUNNING,COMPLETING") and time.monotonic() < deadline:  # processes may still run
         time.sleep(0.1)
     cancel_by_name(job_name, kill=True)
-
-
-def _running_ids(job_name: str) -> list[str]:
-    """Ids of this run's jobs whose processes may still run (running or completing)."""
-    try:
-        proc = _run(["squeue", "-h", "-n", job_name, "-t", "RUNNING,COMPLETING", "-o", "%i"])
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return proc.stdout.split()
 
 
 def cancel_by_name(job_name: str, kill: bool = False) -> None:

@@ -34,7 +34,7 @@ def watch(pid: int, job_name: str) -> None:
     while started is not None and _start_time(pid) == started:
         time.sleep(POLL_SECONDS)
     stop_by_name(job_name)  # running jobs end within seconds (no KillWait), leaving nothing on the node
-    cancel_by_name(job_name)  # pending ones
+    cancel_by_name(job_name)  # anything still queued (a job whose submission was answered late)
 
 
 def main(argv: list[str]) -> int:
