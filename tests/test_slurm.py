@@ -193,6 +193,44 @@ def test_scontrol_and_err_readings():
     assert oom_events("2026 distributed.nanny - INFO - Worker process 5884 was killed by signal 9") == 0
 
 
+def hold_the_gil(seconds: int, started: str) -> None:
+    """A task that holds the GIL, as a C extension that never releases it does: ctypes' PyDLL
+    keeps the GIL across the foreign call, so the worker's event loop cannot answer meanwhile."""
+    import ctypes
+
+    open(started, "w").close()
+    ctypes.PyDLL(None).sleep(seconds)
+
+
+@pytest.mark.slow
+def test_the_job_figures_do_not_wait_on_a_worker_that_holds_the_gil(tmp_path):
+    """The run's end reads each job's cgroup through its worker; one stuck in a GIL-holding task
+    once held the run for about 250 s. A real worker stuck that way, the wait bounded at 1 s."""
+    from distributed import Client, LocalCluster
+
+    from h5ngff.backends.slurm import job_cgroup_figures, running_job_figures
+
+    started = tmp_path / "started"
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0", processes=True) as cluster,
+        Client(cluster) as client,
+    ):
+        assert running_job_figures(client)  # an idle worker answers (no SLURM job here: its name alone)
+        stuck = client.submit(hold_the_gil, 8, str(started), pure=False)
+        while not started.exists():
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        assert running_job_figures(client, timeout=1) == {}
+        assert time.monotonic() - t0 < 5
+        # Negative control: Dask's own call waits for as long as the worker is stuck.
+        unbounded = threading.Thread(target=client.run, args=(job_cgroup_figures,), daemon=True)
+        unbounded.start()
+        unbounded.join(4)
+        assert unbounded.is_alive()
+        stuck.result()
+        unbounded.join(30)
+
+
 # --- a real SLURM -----------------------------------------------------------------------------
 
 

@@ -73,6 +73,10 @@ log = logging.getLogger(__name__)
 CANCEL_WAIT = 30
 #: Seconds a worker may be gone (restarting after a kill) before its job is given up.
 LOST_WORKER_TIMEOUT = 120
+#: Seconds the run waits for its workers to read their jobs' cgroups. A worker whose task holds
+#: the GIL (a C extension that never releases it) cannot answer, and without a bound the run's
+#: end waited for it (about 250 s once); the jobs' .err files still tell the kills.
+FIGURES_TIMEOUT = 10
 
 
 class SlurmBackend:
@@ -478,16 +482,7 @@ class SlurmJobs:
     def refresh(self, client: Client | None = None) -> None:
         """Re-read every job's figures: its cgroup through the worker (while it runs), its .err."""
         self._known_jobs()
-        figures: dict[str, dict[str, Any]] = {}
-        if client is not None:
-            try:
-                figures = {
-                    str(v.get("name")): v
-                    for v in client.run(job_cgroup_figures, on_error="ignore").values()
-                    if isinstance(v, dict)
-                }
-            except Exception:  # a closing cluster: the .err files still tell
-                figures = {}
+        figures = running_job_figures(client) if client is not None else {}
         for name, report in self.reports.items():
             fig = figures.get(name, {})
             if fig.get("limit"):  # the limit SLURM really put on the job's cgroup
@@ -521,6 +516,17 @@ class SlurmJobs:
             if state is not None:
                 self.states[name] = state
         self.refresh()
+
+
+def running_job_figures(client: Client, timeout: float = FIGURES_TIMEOUT) -> dict[str, dict[str, Any]]:
+    """Each running worker's ``job_cgroup_figures``, by worker name; none where the workers do not
+    answer within ``timeout`` seconds or the cluster is closing (the .err files still tell)."""
+    try:
+        # Client.sync takes callback_timeout from run's keywords: the wait, not the workers' call.
+        answers = client.run(job_cgroup_figures, on_error="ignore", callback_timeout=timeout)
+    except Exception:
+        return {}
+    return {str(v.get("name")): v for v in answers.values() if isinstance(v, dict)}
 
 
 def job_cgroup_figures(dask_worker: Any = None) -> dict[str, Any]:
