@@ -216,3 +216,46 @@ async def test_the_runner_converts_on_a_daskcluster_sized_by_its_plan(tmp_path):
         text = open(os.path.join(tmp_path, f"scan-dask-default-worker-{i}.log")).read()
         assert re.search(rf"Memory:\s+{re.escape(format_bytes(plan['memoryLimitBytes']))}\n", text), text[-2000:]
         assert re.search(r"Threads:\s+1\n", text)
+
+
+async def test_a_runner_finds_a_stale_daskcluster_in_one_request_and_deletes_it(tmp_path):
+    """Every runner looks for a DaskCluster left by an earlier attempt of its job before it creates
+    its own. The first attempt has none, and kr8s' ``DaskCluster.get`` polled 2.5 s to say so."""
+    import time
+
+    from h5ngff.backends.kubernetes import delete_stale_cluster
+
+    async with emulator() as c:
+        os.environ["KUBECONFIG"] = kubeconfig(tmp_path / "kubeconfig", c.url)  # kr8s reads it
+        try:
+            t0 = time.monotonic()
+            assert await asyncio.to_thread(delete_stale_cluster, "fresh-dask", "default") is False
+            missing_took = time.monotonic() - t0
+            stale = {
+                "apiVersion": "kubernetes.dask.org/v1",
+                "kind": "DaskCluster",
+                "metadata": {"name": "retried-dask", "namespace": "default"},
+                "spec": {},
+            }
+            resp = await c.k.post(DASK_PATH, json=stale)
+            assert resp.status in (200, 201), await resp.text()
+            assert "retried-dask" in c.live(DASK_RES)
+            assert await asyncio.to_thread(delete_stale_cluster, "retried-dask", "default", 10.0) is True
+            assert "retried-dask" not in c.live(DASK_RES)
+            # Negative control: the lookup it replaced waits its whole timeout for a missing name.
+            from kr8s import NotFoundError
+            from kr8s.objects import new_class
+
+            DaskCluster = new_class("DaskCluster", "kubernetes.dask.org/v1", namespaced=True)
+            t0 = time.monotonic()
+            with pytest.raises(NotFoundError):
+                await asyncio.to_thread(DaskCluster.get, "fresh-dask", namespace="default")
+            polled = time.monotonic() - t0
+        finally:
+            os.environ.pop("KUBECONFIG", None)
+            # kr8s keeps its client (this emulator's URL) for the thread's next caller, as its own
+            # test suite's fixtures clear it: a later test's emulator listens elsewhere.
+            from kr8s._api import Api
+
+            Api._instances.clear()
+    assert missing_took < 1.0 <= 2.0 <= polled, (missing_took, polled)

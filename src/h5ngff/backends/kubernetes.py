@@ -245,18 +245,20 @@ def _wait_for_workers(client: Client, n: int, name: str) -> None:
 
 def delete_stale_cluster(name: str, namespace: str, timeout: float = RESOURCE_TIMEOUT) -> bool:
     """Delete a DaskCluster left by an attempt that died (its runner pod was killed), and wait."""
-    import kr8s
     from kr8s.objects import new_class
 
     DaskCluster = new_class("DaskCluster", "kubernetes.dask.org/v1", namespaced=True)
     try:
-        stale = DaskCluster.get(name, namespace=namespace)
-    except kr8s.NotFoundError:
-        return False
+        # One list request. kr8s' DaskCluster.get polls for 2 s before it reports a name missing,
+        # and a first attempt (every run but a retried one) has no stale cluster: 2.5 s per run.
+        found = list(DaskCluster.list(namespace=namespace, field_selector={"metadata.name": name}))
     except Exception as exc:  # kr8s raises httpx errors for 403s and unreachable servers
         raise ClusterError(
             f"Cannot look up DaskCluster {namespace}/{name}: {exc}. May the runner's service account get daskclusters?"
         ) from exc
+    stale = next((c for c in found if isinstance(c, DaskCluster) and c.name == name), None)
+    if stale is None:
+        return False
     log.warning("deleting DaskCluster %s/%s left by an earlier attempt", namespace, name)
     stale.delete()
     deadline = time.monotonic() + timeout
