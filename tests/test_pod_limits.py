@@ -7,9 +7,13 @@ outgrows its plan is stopped by Dask's nanny, not the kernel.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -48,14 +52,23 @@ def user_spec(h5: str, out: str, **resources):
     )
 
 
+def pod_directories() -> set[str]:
+    """The emulated pods' directories (their logs, Dask's local directories) in the temporary directory."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "h5ngff-pods-*")))
+
+
 @pytest.mark.slow
 def test_user_case_runs_with_no_oom_kills_under_pod_limits(user_case, tmp_path):
     out = str(tmp_path / "out.ome.zarr")
     backend = LocalPodsBackend()
     job = plan_job(user_spec(user_case, out), backend)
     assert job.plan.workers == 8
+    before = pod_directories()
     summary = run_job(job, backend)
     assert summary.status == "Succeeded"
+    # A clean run leaves nothing behind (every run left its pods' directory before); the kill
+    # below keeps its own, which shows this can see one.
+    assert pod_directories() == before
     assert len(summary.workers) == 8
     for w in summary.workers:
         assert w.oom_kills == 0, w
@@ -84,8 +97,12 @@ def test_negative_control_kernel_kills_below_the_plan(user_case, tmp_path):
     probe = plan_job(spec, LocalBackend())
     limit = int(0.6 * probe.plan.memory.pod_limit)
     backend = LocalPodsBackend(pod_limit=limit)
+    before = pod_directories()
     with pytest.raises(OOMKilledError, match=rf"^OOMKilled by the kernel \(pod limit {limit >> 20} MiB\)") as caught:
         run_job(plan_job(spec, backend), backend)
+    (kept,) = pod_directories() - before  # the killed pods' logs stay for whoever looks into it
+    assert os.path.getsize(os.path.join(kept, "pod-0.log")) > 0
+    shutil.rmtree(kept)
     assert caught.value.reason == "OOMKilled"
     assert caught.value.oom_kills >= 1
     # The failed run keeps its figures: the worker that was killed, and its cgroup at the limit.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -260,7 +261,7 @@ class PodCluster:
             for i in range(self.plan.workers):
                 self.pods.append(self._start_pod(i))
         except Exception:
-            self.__exit__(None, None, None)
+            self.__exit__(*sys.exc_info())
             raise
         self.watcher.start()
         self._supervisor.start()
@@ -360,9 +361,9 @@ class PodCluster:
                 report.pod_pinned_peak = p.pinned or None
                 report.pod_dirty_peak = p.dirty
                 report.nanny_anon_peak = p.nanny_anon or None
-            text = self._log_text(pod)
-            report.nanny_restarts = text.count("Restarting worker")
-            report.memory_terminations = text.count("memory budget. Restarting")
+            text = self._log_text(pod)  # append-only while the run lasts: a count never falls
+            report.nanny_restarts = max(report.nanny_restarts, text.count("Restarting worker"))
+            report.memory_terminations = max(report.memory_terminations, text.count("memory budget. Restarting"))
 
     def _log_text(self, pod: Pod) -> str:
         try:
@@ -403,6 +404,19 @@ class PodCluster:
         if self._scheduler is not None:
             self._scheduler.close()
             self._scheduler = None
+        self._remove_directory(troubled=exc[0] is not None)
+
+    def _remove_directory(self, troubled: bool) -> None:
+        """The pods' logs and Dask's local directories, in the system's temporary directory:
+        removed after a clean session, kept (and named) where a pod was killed, restarted or
+        terminated or the session failed, for whoever looks into it. Every run left them before."""
+        troubled = troubled or any(
+            r.oom_kills or r.nanny_restarts or r.memory_terminations or r.pod_restarts for r in self.reports.values()
+        )
+        if troubled:
+            log.warning("The emulated pods' logs are kept in %s.", self._dir)
+        else:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
