@@ -382,6 +382,26 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     return cmd_convert(convert_args, console)
 
 
+class IgnoredBroadcastFailures(logging.Filter):
+    """Drops the scheduler's "broadcast to ADDR failed" errors. h5ngff's own calls on every
+    worker (the memory poll every 0.5 s, the final figures) ask Dask to ignore a worker that is
+    gone, and Dask logs each one as an ERROR all the same: on a run the kernel kills, those lines
+    came before the one that says what happened. ``-v`` shows them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("broadcast to ")
+
+
+def quiet_dask_logs(verbose: int) -> None:
+    """Dask's logs at the CLI's verbosity: errors only by default, warnings with -v, info with -vv."""
+    logging.getLogger("distributed").setLevel([logging.ERROR, logging.WARNING, logging.INFO][min(verbose, 2)])
+    scheduler = logging.getLogger("distributed.scheduler")
+    for old in [f for f in scheduler.filters if isinstance(f, IgnoredBroadcastFailures)]:
+        scheduler.removeFilter(old)
+    if not verbose:
+        scheduler.addFilter(IgnoredBroadcastFailures())
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         terminate_like_ctrl_c()  # first: a SIGTERM during the imports and the planning is a clean exit too
@@ -394,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         # distributed first: importing it installs its own logging config, which would undo ours.
         import distributed  # noqa: F401
 
-        logging.getLogger("distributed").setLevel([logging.ERROR, logging.WARNING, logging.INFO][min(args.verbose, 2)])
+        quiet_dask_logs(args.verbose)
         code = _dispatch(args)
         sys.stdout.flush()  # inside the try: a reader that went away (| head) is seen here
         return code
