@@ -225,6 +225,11 @@ async def test_a_runner_finds_a_stale_daskcluster_in_one_request_and_deletes_it(
 
     from h5ngff.backends.kubernetes import delete_stale_cluster
 
+    from kr8s._api import Api
+
+    # kr8s keeps its client (an emulator's URL) for the thread's next caller, and its own test
+    # suite's fixtures clear it: an earlier test's emulator listened elsewhere, and so will a later one's.
+    Api._instances.clear()
     async with emulator() as c:
         os.environ["KUBECONFIG"] = kubeconfig(tmp_path / "kubeconfig", c.url)  # kr8s reads it
         try:
@@ -253,9 +258,5 @@ async def test_a_runner_finds_a_stale_daskcluster_in_one_request_and_deletes_it(
             polled = time.monotonic() - t0
         finally:
             os.environ.pop("KUBECONFIG", None)
-            # kr8s keeps its client (this emulator's URL) for the thread's next caller, as its own
-            # test suite's fixtures clear it: a later test's emulator listens elsewhere.
-            from kr8s._api import Api
-
             Api._instances.clear()
     assert missing_took < 1.0 <= 2.0 <= polled, (missing_took, polled)

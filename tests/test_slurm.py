@@ -203,24 +203,35 @@ def hold_the_gil(seconds: int, started: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_job_figures_do_not_wait_on_a_worker_that_holds_the_gil(tmp_path):
-    """The run's end reads each job's cgroup through its worker; one stuck in a GIL-holding task
-    once held the run for about 250 s. A real worker stuck that way, the wait bounded at 1 s."""
+def test_the_run_does_not_wait_on_a_worker_that_holds_the_gil(tmp_path, monkeypatch):
+    """A SLURM run's end reads each job's cgroup through its worker, and every run polls its
+    workers' memory every 0.5 s; one worker stuck in a GIL-holding task once held a run's end for
+    about 250 s. A real worker stuck that way; each wait bounded (at 1 s here)."""
     from distributed import Client, LocalCluster
 
+    import h5ngff.metrics.probes as probes
+    from h5ngff.backends.base import Session
     from h5ngff.backends.slurm import job_cgroup_figures, running_job_figures
 
+    monkeypatch.setattr(probes, "POLL_TIMEOUT", 1.0)
     started = tmp_path / "started"
     with (
         LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0", processes=True) as cluster,
         Client(cluster) as client,
     ):
+        # The plan only sizes the pod limit, which the session gives here.
+        poller = probes.ClusterPoller(Session(client, "external", pod_limit=1 << 30), plan=None)  # type: ignore[arg-type]
         assert running_job_figures(client)  # an idle worker answers (no SLURM job here: its name alone)
-        stuck = client.submit(hold_the_gil, 8, str(started), pure=False)
+        assert poller.poll().workers  # and the poll sees it
+        stuck = client.submit(hold_the_gil, 15, str(started), pure=False)  # past the 6 s of waits below, with room
         while not started.exists():
             time.sleep(0.05)
         t0 = time.monotonic()
         assert running_job_figures(client, timeout=1) == {}
+        assert time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            poller.poll()
         assert time.monotonic() - t0 < 5
         # Negative control: Dask's own call waits for as long as the worker is stuck.
         unbounded = threading.Thread(target=client.run, args=(job_cgroup_figures,), daemon=True)

@@ -242,7 +242,7 @@ class PodCluster:
         #: Each pod's non-reclaimable memory and its worker's VmHWM, sampled every 25 ms.
         self.watcher = PodWatcher()
         self._scheduler: LocalCluster | None = None
-        self._dir = tempfile.mkdtemp(prefix="h5ngff-pods-")
+        self._dir: str | None = None  # made by __enter__, removed or kept by __exit__
         self._token = uuid.uuid4().hex[:8]
         self._closing = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="h5ngff-pod-supervisor", daemon=True)
@@ -253,14 +253,15 @@ class PodCluster:
         return self._scheduler.scheduler_address
 
     def __enter__(self) -> "PodCluster":
-        with dask.config.set(self.config):
-            self._scheduler = local_cluster(
-                n_workers=0, processes=True, dashboard_address=":0", silence_logs=logging.ERROR
-            )
         try:
+            self._dir = tempfile.mkdtemp(prefix="h5ngff-pods-")
+            with dask.config.set(self.config):
+                self._scheduler = local_cluster(
+                    n_workers=0, processes=True, dashboard_address=":0", silence_logs=logging.ERROR
+                )
             for i in range(self.plan.workers):
                 self.pods.append(self._start_pod(i))
-        except Exception:
+        except BaseException:  # a Ctrl-C too: pods, cgroups and the directory must not outlive it
             self.__exit__(*sys.exc_info())
             raise
         self.watcher.start()
@@ -286,6 +287,7 @@ class PodCluster:
     def _start_pod(self, index: int, group: MemoryCgroup | None = None) -> Pod:
         name = f"pod-{index}"
         group = group or create_pod_cgroup(f"h5ngff-{self._token}-{name}", self.pod_limit)
+        assert self._dir is not None, "pods start inside __enter__"
         log_path = os.path.join(self._dir, f"{name}.log")
         env = {**os.environ, **self.env, **dask_env(self.config)}
         cmd = [
@@ -410,6 +412,8 @@ class PodCluster:
         """The pods' logs and Dask's local directories, in the system's temporary directory:
         removed after a clean session, kept (and named) where a pod was killed, restarted or
         terminated or the session failed, for whoever looks into it. Every run left them before."""
+        if self._dir is None:
+            return
         troubled = troubled or any(
             r.oom_kills or r.nanny_restarts or r.memory_terminations or r.pod_restarts for r in self.reports.values()
         )

@@ -39,6 +39,9 @@ SPILL_ACTIVITIES = ("disk-write", "disk-read")
 SAMPLE_INTERVAL = 0.5
 #: How long the end of ``running`` waits for the final poll before giving up on a broken cluster.
 FINAL_POLL_TIMEOUT = 10.0
+#: How long one round trip of a poll waits for the workers. One whose task holds the GIL (a C
+#: extension that never releases it) cannot answer; unbounded, it stalled every figure of the run.
+POLL_TIMEOUT = 5.0
 
 
 @dataclass
@@ -211,7 +214,9 @@ class ClusterPoller:
         listeners = list(self.listeners)
         try:
             if not listeners:  # the report alone needs each worker's RSS: one round trip
-                self._record_memory(time.time(), self.client.run(process_memory, on_error="ignore"))
+                self._record_memory(
+                    time.time(), self.client.run(process_memory, on_error="ignore", callback_timeout=POLL_TIMEOUT)
+                )
                 return
             snapshot: ClusterSnapshot | None = self.poll()
         except Exception as exc:  # a restarting worker, a dying cluster: must not stop the run
@@ -221,8 +226,8 @@ class ClusterPoller:
             listener(snapshot)
 
     def poll(self) -> ClusterSnapshot:
-        view = self.client.run_on_scheduler(self._scheduler_view)
-        probes = self.client.run(worker_probe, on_error="ignore")
+        view = self.client.run_on_scheduler(self._scheduler_view, callback_timeout=POLL_TIMEOUT)
+        probes = self.client.run(worker_probe, on_error="ignore", callback_timeout=POLL_TIMEOUT)
         snapshot = ClusterSnapshot(time=time.time())
         for address, info in view.items():
             name = info["name"]
