@@ -247,6 +247,11 @@ async def test_a_runner_finds_a_stale_daskcluster_in_one_request_and_deletes_it(
             assert "retried-dask" in c.live(DASK_RES)
             assert await asyncio.to_thread(delete_stale_cluster, "retried-dask", "default", 10.0) is True
             assert "retried-dask" not in c.live(DASK_RES)
+            # Without the Dask Operator's CRD the lookup is answered 404: nothing stale, and the
+            # cluster's creation says what is missing, not the lookup (blaming the runner's RBAC).
+            dask_resource = c.k.resources.pop(DASK_RES)
+            assert await asyncio.to_thread(delete_stale_cluster, "fresh-dask", "default") is False
+            c.k.resources[DASK_RES] = dask_resource
             # Negative control: the lookup it replaced waits its whole timeout for a missing name.
             from kr8s import NotFoundError
             from kr8s.objects import new_class
