@@ -4,6 +4,7 @@ A conversion either finishes with exact data, or fails with a reason and resumes
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -79,6 +80,22 @@ def test_worker_sigkilled_mid_slab_reruns_the_slab(source, tmp_path, monkeypatch
     assert summary.status == "Succeeded"
     assert chunk_files(out) == chunk_files(clean)
     assert verify_output(out).ok
+    # The run succeeded, and its report still says a worker died and was restarted.
+    assert sorted(w.nanny_restarts for w in summary.workers) == [0, 1]
+    assert "restarts" in _rendered(summary)
+    for w in summary.workers:  # the control: a run without restarts has no such column
+        w.nanny_restarts = 0
+    assert "restarts" not in _rendered(summary)
+
+
+def _rendered(summary) -> str:
+    from rich.console import Console
+
+    from h5ngff.report import summary_renderable
+
+    console = Console(width=300, record=True, file=io.StringIO())
+    console.print(summary_renderable(summary))
+    return console.export_text()
 
 
 def _temporaries(path: str) -> list[str]:

@@ -228,3 +228,38 @@ def test_a_forked_worker_does_not_carry_modules_no_worker_needs(tmp_path, preloa
         assert not facts["client_imported"], "Dask's preload list imported it in the client"
     else:  # over its plan from its first moment (and, where that passes the terminate threshold, killed for it)
         assert any(peak > facts["predicted"] for peak in facts["peaks"]), facts
+
+
+KILLED_WORKER = """
+import multiprocessing, os, sys
+
+def make_a_semaphore_and_die():
+    held = multiprocessing.get_context("spawn").Lock()  # held: collected, it would unlink itself
+    os._exit(0 if held else 1)  # as a SIGKILL (the kernel's OOM kill) does: no finalizer runs
+
+if __name__ == "__main__":
+    if sys.argv[1] == "quiet":
+        from h5ngff.backends.forkserver import start_resource_tracker
+        start_resource_tracker()
+    child = multiprocessing.get_context("spawn").Process(target=make_a_semaphore_and_die)
+    child.start()
+    child.join()
+"""
+
+
+@pytest.mark.parametrize("tracker", ["quiet", "control"])
+def test_a_killed_workers_semaphore_is_cleaned_up_without_a_warning(tmp_path, tracker):
+    """A worker the kernel kills leaves a semaphore registered with the resource tracker, which
+    unlinks it when the run's process exits, with a two-line UserWarning after the run's report.
+    Started by h5ngff, the tracker still unlinks it and says nothing; started as multiprocessing
+    starts it (the control), it warns."""
+    script = tmp_path / "killed_worker.py"
+    script.write_text(KILLED_WORKER)
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+    # The tracker holds stderr open until it has cleaned up and exited: run() waits for it.
+    done = subprocess.run([sys.executable, str(script), tracker], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    left = {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")} - before
+    assert not left, f"the tracker left {sorted(left)}"
+    warned = "leaked semaphore objects to clean up at shutdown" in done.stderr
+    assert warned == (tracker == "control"), done.stderr

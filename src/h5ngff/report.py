@@ -147,6 +147,11 @@ def summary_renderable(summary: RunSummary) -> Group:
         # non-reclaimable peak is what the pod really needed, and its ratio to the limit is the
         # pod limit's margin.
         cols += ["pod non-reclaimable peak MiB", "pod limit/need", "cgroup peak MiB", "OOM kills", "restarts"]
+    # Without cgroups a worker can still die (the machine's OOM killer, a crash) and be restarted
+    # by its nanny, its slabs retried: the run succeeds, and the table is where it shows.
+    restarted = not has_cgroup and any(w.nanny_restarts or w.memory_terminations for w in summary.workers)
+    if restarted:
+        cols += ["restarts", "memory terminations"]
     for c in cols:
         workers.add_column(c, justify="left" if c == "worker" else "right")
     for w in summary.workers:
@@ -170,6 +175,8 @@ def summary_renderable(summary: RunSummary) -> Group:
                 str(w.oom_kills),
                 str(w.nanny_restarts),
             ]
+        if restarted:
+            row += [str(w.nanny_restarts), str(w.memory_terminations)]
         workers.add_row(*row)
     return Group(head, Text(""), workers)
 

@@ -108,6 +108,21 @@ def _set_preload(preload: Iterable[str]) -> None:
         dask_utils._forkserver_preload_set = True  # type: ignore[attr-defined]  # private: no setter exists
 
 
+#: multiprocessing's resource tracker warns, when it exits, of every semaphore a worker could not
+#: unlink because it was killed ("There appear to be N leaked semaphore objects to clean up at
+#: shutdown"), and then unlinks it: nothing is left behind, the run's report already counts the
+#: worker's restart, and the two lines came after the report of a run that had succeeded.
+QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def start_resource_tracker() -> None:
+    """Start this process's resource tracker (shared by its fork server and spawned workers)
+    without that warning, unless one already runs."""
+    current = os.environ.get("PYTHONWARNINGS")
+    with environment({"PYTHONWARNINGS": f"{current},{QUIET_TRACKER}" if current else QUIET_TRACKER}):
+        mp_resource_tracker.ensure_running()
+
+
 def start_early(
     worker_env: Mapping[str, str], preload: Iterable[str] = WORKER_PRELOAD, shield_ctrl_c: bool = True
 ) -> bool:
@@ -132,7 +147,7 @@ def start_early(
     with environment(worker_env):
         _set_preload(preload)
         # The resource tracker first: starting it unblocks SIGINT in this thread again.
-        mp_resource_tracker.ensure_running()
+        start_resource_tracker()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT} if shield_ctrl_c else set())
         try:
             server.ensure_running()
@@ -149,6 +164,7 @@ def worker_start_method() -> str:
     server has that environment, or "spawn" (``H5NGFF_WORKER_START=spawn``, or a server this
     module did not start or cannot use)."""
     global _started_with
+    start_resource_tracker()  # spawned workers and the fork server alike register with it
     if _spawn_asked():
         return "spawn"
     server = getattr(mp_forkserver, "_forkserver", None)
