@@ -249,7 +249,8 @@ def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(
     finally:
         exporter.close()
     assert [r.status for r in summary.results] == ["Done", "Done", "Done", "Refused"]
-    # Each converted item shows Running while it runs, in the exporter's figures.
+    # While an item runs, the exporter counts at least one item Running (its first event is
+    # in the figures before any listener after the exporter's own sees it).
     assert len(running_scrapes) == 3 and all(s.get("Running", 0) >= 1 for s in running_scrapes), running_scrapes
     if in_flight == 1:
         assert not any(r.beside for r in summary.results)  # the overlap check below can fail
@@ -263,8 +264,9 @@ def test_a_batch_on_a_real_cluster_serves_its_items_and_each_items_workers(
             assert states.get("Done", 0) >= k and states.get("Refused") == 1, states
             assert states.get("Running", 0) <= 1 and sum(states.values()) == 4, states
         assert item_states(scrapes[-1]).get("Done") == 3
-        # They did overlap: an item's slabs ran beside another's. (A scrape after an item's end
-        # need not catch another Running: two small items can end within one scrape.)
+        # Two were launched together: the batch's own record of the items beside each one (what
+        # sizes their shared memory allowance). A scrape after an item's end need not catch
+        # another Running: two small items can end within one scrape, which failed this once.
         assert any(r.beside for r in summary.results)
     workers = {str(name) for name in shared_cluster.workers}
     for values in scrapes:  # each item's run polled the batch's cluster

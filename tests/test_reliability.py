@@ -82,7 +82,8 @@ def test_worker_sigkilled_mid_slab_reruns_the_slab(source, tmp_path, monkeypatch
     assert verify_output(out).ok
     # The run succeeded, and its report still says a worker died and was restarted.
     assert sorted(w.nanny_restarts for w in summary.workers) == [0, 1]
-    assert "restarts" in _rendered(summary)
+    text = _rendered(summary)
+    assert "restarts (any cause)" in text and "memory terminations" in text, text
     for w in summary.workers:  # the control: a run without restarts has no such column
         w.nanny_restarts = 0
     assert "restarts" not in _rendered(summary)

@@ -150,8 +150,8 @@ def summary_renderable(summary: RunSummary) -> Group:
     # Without cgroups a worker can still die (the machine's OOM killer, a crash) and be restarted
     # by its nanny, its slabs retried: the run succeeds, and the table is where it shows.
     restarted = not has_cgroup and any(w.nanny_restarts or w.memory_terminations for w in summary.workers)
-    if restarted:
-        cols += ["restarts", "memory terminations"]
+    if restarted:  # a memory termination is a restart too: the second column says how many were
+        cols += ["restarts (any cause)", "memory terminations"]
     for c in cols:
         workers.add_column(c, justify="left" if c == "worker" else "right")
     for w in summary.workers:

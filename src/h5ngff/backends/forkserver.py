@@ -111,16 +111,22 @@ def _set_preload(preload: Iterable[str]) -> None:
 #: multiprocessing's resource tracker warns, when it exits, of every semaphore a worker could not
 #: unlink because it was killed ("There appear to be N leaked semaphore objects to clean up at
 #: shutdown"), and then unlinks it: nothing is left behind, the run's report already counts the
-#: worker's restart, and the two lines came after the report of a run that had succeeded.
+#: worker's restart, and the two lines came after the report of a run that had succeeded. The
+#: filter is by module: the tracker's other warning (an unlink that failed) goes too, as both
+#: begin "resource_tracker: " and a -W filter cannot tell them apart by message.
 QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
 def start_resource_tracker() -> None:
     """Start this process's resource tracker (shared by its fork server and spawned workers)
-    without that warning, unless one already runs."""
-    current = os.environ.get("PYTHONWARNINGS")
-    with environment({"PYTHONWARNINGS": f"{current},{QUIET_TRACKER}" if current else QUIET_TRACKER}):
+    without that warning, unless one already runs. multiprocessing starts it with this
+    interpreter's ``-W`` options: the filter goes last among them, so it wins over a ``-W default``
+    of the caller's, and holds under ``-E``/``-I`` (which drop PYTHONWARNINGS)."""
+    sys.warnoptions.append(QUIET_TRACKER)
+    try:
         mp_resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions.remove(QUIET_TRACKER)
 
 
 def start_early(
