@@ -68,10 +68,12 @@ def test_worker_sigkilled_mid_slab_reruns_the_slab(source, tmp_path, monkeypatch
     backend = LocalBackend()
     job = plan_job(spec, backend)
     killed: list[int] = []
+    # Workers of other clusters (the session's shared one) are ours too: this run's are new.
+    others = {p.pid for p in worker_processes()}
 
     def kill_one_worker(progress):
         if not killed and progress.slabs_done >= progress.slabs_total // 3:
-            victim = worker_processes()[0]
+            victim = next(p for p in worker_processes() if p.pid not in others)
             killed.append(victim.pid)
             victim.send_signal(signal.SIGKILL)
 
