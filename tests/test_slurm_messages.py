@@ -223,6 +223,25 @@ def _slow_run(tmp_path, monkeypatch, h5, name, **slurm):
     return plan_job(spec, backend), backend
 
 
+def _once_writing(action):
+    """A progress listener that runs ``action`` in a thread of its own once the run writes (its
+    worker connected, its slabs submitted), as an admin, a preemption or the clock would act on a
+    working job. Where the run fails before writing, ``action`` never runs, and pytest.raises in
+    the test reports what the run raised."""
+    writing = threading.Event()
+
+    def act() -> None:
+        if writing.wait(120):
+            action()
+
+    def on_progress(progress) -> None:
+        if progress.phase == Phase.WRITING:
+            writing.set()
+
+    threading.Thread(target=act, daemon=True).start()
+    return on_progress
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.usefixtures("slurm_cluster")
@@ -230,23 +249,14 @@ def test_a_job_cancelled_during_the_run_is_named_cancelled(small, tmp_path, monk
     h5, _ = small
     job, backend = _slow_run(tmp_path, monkeypatch, h5, "c.ome.zarr")
 
-    writing = threading.Event()  # set by the run itself: its worker connected, its slabs are submitted
-
-    def cancel_when_running():  # as an admin (or a preemption) would, once the worker works
-        if not writing.wait(120):
-            return  # the run failed before writing: pytest.raises below reports what it raised
+    def cancel_the_running_jobs():  # as an admin (or a preemption) would
         running = subprocess.run(
             ["squeue", "-h", "-t", "RUNNING", "-o", "%i"], capture_output=True, text=True, check=False
         ).stdout.split()
         subprocess.run(["scancel", *running], check=False)
 
-    def on_progress(progress) -> None:
-        if progress.phase == Phase.WRITING:
-            writing.set()
-
-    threading.Thread(target=cancel_when_running, daemon=True).start()
     with pytest.raises(WorkersLostError) as info:
-        run_job(job, backend, [on_progress])
+        run_job(job, backend, [_once_writing(cancel_the_running_jobs)])
     text = str(info.value)
     assert "JobState=CANCELLED" in text and "during the run" in text and "someone other than h5ngff" in text, text
     assert not squeue()
@@ -263,12 +273,9 @@ def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_pat
     while its 16 slabs of 10 s are still running."""
     h5, _ = small
     job, backend = _slow_run(tmp_path, monkeypatch, h5, "t.ome.zarr", walltime="1")
-    writing = threading.Event()
     updates: list[subprocess.CompletedProcess] = []
 
     def end_the_time_limit_now():
-        if not writing.wait(120):
-            return  # the run failed before writing: pytest.raises below reports what it raised
         for job_id in squeue():
             updates.append(
                 subprocess.run(
@@ -276,14 +283,9 @@ def test_a_job_at_its_time_limit_names_the_limit_and_the_walltime(small, tmp_pat
                 )
             )
 
-    def on_progress(progress) -> None:
-        if progress.phase == Phase.WRITING:
-            writing.set()
-
-    threading.Thread(target=end_the_time_limit_now, daemon=True).start()
     start = time.monotonic()
     with pytest.raises(WorkersLostError) as info:
-        run_job(job, backend, [on_progress])
+        run_job(job, backend, [_once_writing(end_the_time_limit_now)])
     text = str(info.value)
     assert (
         "during the run" in text
