@@ -400,7 +400,7 @@ def test_the_ending_item_is_charged_the_segment_its_end_reads_and_a_failed_relea
             return {"tcp://w0": {**figures, "name": "w0", "peak_rss": 123 << 20}}
 
     flight = batch_run._Flight(None, None, None, batch_run.BatchSummary([]), batch_run.BatchHooks(), None)
-    flight.session = SimpleNamespace(client=Client())
+    flight.session = SimpleNamespace(client=Client(), take_segment=None)  # no figures of its own (not pods)
 
     def item(output):
         worker = SimpleNamespace(name="w0", peak_rss=0)

@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 import zarr
 
-from conftest import requires_cgroups, spec_for, write_h5
-from h5ngff.backends.local import LocalBackend, LocalPodsBackend
+from conftest import requires_cgroups, smooth, spec_for, write_h5
+from h5ngff.backends.local import LocalBackend, LocalPodsBackend, PodCluster
+from h5ngff.batch.items import batch_items
+from h5ngff.batch.run import DONE, run_batch
 from h5ngff.errors import NannyTerminatedError, OOMKilledError
 from h5ngff.runner import plan_job, run_job
 from h5ngff.sample import write_sample
@@ -239,3 +241,51 @@ def test_negative_control_a_leak_is_caught(tmp_path, monkeypatch):
     roomy = DEFAULT_CONSTANTS.with_overrides({"planned_fraction": 0.6})
     with pytest.raises(AssertionError, match="RSS grew"):
         assert_flat(*run_200_slabs(tmp_path, roomy))
+
+
+def _batch_under_pods(tmp_path, name: str):
+    """A big item, then a small one, one at a time on the batch's two emulated pods."""
+    day = tmp_path / name
+    day.mkdir()
+    write_h5(day / "a_big.h5", smooth((64, 512, 512), "float32"))
+    write_h5(day / "b_small.h5", smooth((16, 64, 64), "float32"))
+    items = batch_items([str(day / "*.h5") + ":/volume/data"], str(tmp_path / f"{name}-out" / "{stem}.ome.zarr"))
+
+    def item_spec(item):
+        path, _, dataset = item.source.rpartition(":")
+        return spec_for(path, item.output, dataset, resources={"workers": 2})
+
+    summary = run_batch(items, item_spec, LocalPodsBackend(), items_in_flight=1)
+    assert [r.status for r in summary.results] == [DONE, DONE], [r.error for r in summary.results]
+    return summary.results
+
+
+def _most(result, field: str) -> int:
+    return max(getattr(w, field) or 0 for w in result.summary.workers)
+
+
+@pytest.mark.slow
+def test_each_batch_item_reports_its_own_pod_figures(tmp_path, monkeypatch):
+    """A batch's pods live through all its items, and their cgroups, the watcher's peaks and the
+    nannies' logs count from the pods' start. Each item is charged with the segments it ran in
+    (the marks at each item's end): a small item after a big one reports its own peaks. It
+    reported the big item's before, which put it above its own plan (peak/plan 1.04)."""
+    big, small = _batch_under_pods(tmp_path, "segments")
+    assert len(small.summary.workers) == 2
+    assert 0 < small.peak_rss <= small.predicted_peak < big.predicted_peak, (small.peak_rss, small.predicted_peak)
+    assert small.peak_rss < big.peak_rss, (small.peak_rss, big.peak_rss)
+    assert 0 < _most(small, "pod_pinned_peak") < _most(big, "pod_pinned_peak")
+    # The cgroup's peak counts page cache, which the big item's files still fill when the small
+    # item starts (a reset starts from the usage then): never above the big item's.
+    assert 0 < _most(small, "cgroup_peak") <= _most(big, "cgroup_peak")
+    for worker in small.summary.workers:
+        assert worker.nanny_anon_peak and worker.oom_kills == worker.nanny_restarts == 0, worker
+        assert worker.predicted_peak == small.predicted_peak, worker  # its own plan, not the big one's
+    assert all(w.predicted_peak == big.predicted_peak for w in big.summary.workers)
+
+    # Negative control: with the session's figures (no segments) the small item reports the big
+    # item's peaks.
+    monkeypatch.setattr(PodCluster, "take_segment", property(lambda self: None))
+    big, small = _batch_under_pods(tmp_path, "whole")
+    assert small.peak_rss >= big.peak_rss, (small.peak_rss, big.peak_rss)
+    assert _most(small, "pod_pinned_peak") >= _most(big, "pod_pinned_peak")

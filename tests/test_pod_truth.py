@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_cgroups, spec_for, write_h5
-from h5ngff.backends.cgroups import create_pod_cgroup, nonreclaimable_terms
+from h5ngff.backends.cgroups import PeakMeter, create_pod_cgroup, nonreclaimable_terms
 from h5ngff.backends.local import LocalPodsBackend
 from h5ngff.backends.podwatch import PodWatcher
 from h5ngff.errors import OOMKilledError
@@ -263,3 +263,52 @@ def test_a_worker_first_read_mid_exec_is_read_again_not_filed_as_other(monkeypat
         watcher.sample()
     peaks = watcher.peaks["pod-0"]
     assert peaks.worker_hwm == 500 * MiB and peaks.nanny_anon == 0
+
+
+METER_CHILD = """
+import sys
+for mib in (96, 16):
+    block = bytearray(mib << 20)  # zero-filled: every page touched
+    del block
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@requires_cgroups
+def test_the_cgroup_peak_meter_reads_each_segment_and_the_whole(tmp_path):
+    """A batch's items each get the cgroup peak of their own segment (PeakMeter.take_segment),
+    while the session's report keeps the peak since the pod started (total)."""
+    group = create_pod_cgroup(f"h5ngff-test-meter-{int(time.time() * 1000) % 10**8}", 512 * MiB)
+    meter = PeakMeter(group)
+    try:
+        procs = f"{group.path}/cgroup.procs"
+
+        def enter_pod() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        proc = subprocess.Popen(
+            [sys.executable, "-c", METER_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=enter_pod,
+        )
+        assert proc.stdout.readline().strip() == "held"
+        first = meter.take_segment()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "held"
+        second = meter.take_segment()
+        whole = group.peak()  # v1: the file was reset; the meter's total keeps the first segment
+        proc.communicate("\n", timeout=30)
+        assert first is not None and first >= 96 * MiB, first
+        assert second is not None and second < first - 48 * MiB, (first, second)
+        assert meter.total() >= first
+        # Control: the cgroup's own file, read as the session reads it, is not the segment's on
+        # cgroup v2 (the peak since creation), nor the whole session's on v1 (reset for everyone).
+        assert (whole >= first) if group.version == 2 else (whole < first), (group.version, whole, first)
+    finally:
+        meter.close()
+        group.remove()

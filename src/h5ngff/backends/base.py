@@ -10,7 +10,7 @@ import os
 import time
 from collections import Counter
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 from distributed import Client, LocalCluster
@@ -95,6 +95,11 @@ class Session:
     pod_timeline: Callable[[], list[tuple[float, str, int]]] = list
     #: What the enforced limit is called where this backend runs (messages name it).
     limit_name: str = "pod limit"
+    #: Where the backend measures its workers itself (pod emulation): the figures of
+    #: ``extra_reports`` over the stretch since the last call, by worker name, and a new stretch
+    #: from now. A batch charges each item with the stretches it ran in; ``extra_reports`` hold
+    #: the whole session's, which would charge every item with the largest item before it.
+    take_segment: Callable[[], dict[str, WorkerReport]] | None = None
 
     def enforced_pod_limit(self, plan: Plan) -> int:
         """The pod (job) memory limit the workers run under: the backend's override, else the plan's."""
@@ -116,8 +121,11 @@ class Session:
             names = set(pods) | {n for n in names if n in pods}
         reports = []
         for name in sorted(names, key=_natural):
-            report = pods.get(name) or WorkerReport(
-                name=name, oom_kills=kills[name], memory_terminations=terminations[name]
+            # A copy: the pods' own reports stay the session's, and a batch's items each get theirs.
+            report = (
+                replace(pods[name])
+                if name in pods
+                else WorkerReport(name=name, oom_kills=kills[name], memory_terminations=terminations[name])
             )
             report.nanny_restarts = max(report.nanny_restarts, restarts[name])
             report.peak_rss = max(report.peak_rss, peaks.get(name, 0), last_peaks.get(name, 0))

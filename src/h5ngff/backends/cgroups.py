@@ -178,6 +178,56 @@ class MemoryCgroup:
                 time.sleep(0.05)
 
 
+class PeakMeter:
+    """A cgroup's memory high-water mark over the whole session (``total``) and in segments
+    (``take_segment``: the peak since the last call, and a new segment from now), for a batch,
+    whose items each own the segments they ran in.
+
+    cgroup v1 resets ``memory.max_usage_in_bytes`` for every reader (any value written), so the
+    meter folds each segment into its own running total. v2 resets ``memory.peak`` per open file
+    (Linux 6.12: "reset" written to it), so the meter keeps one file open for its segments and the
+    total is the file's plain value. A kernel that cannot reset gives the peak since the cgroup's
+    creation as every segment's: never less than the segment's, as the batch's other peaks."""
+
+    def __init__(self, cgroup: MemoryCgroup):
+        self.cgroup = cgroup
+        self._earlier = 0  # v1: the highest segment peak before the last reset
+        self._fd: int | None = None
+        if cgroup.version == 2:
+            try:
+                self._fd = os.open(cgroup._file("memory.max_usage_in_bytes", "memory.peak"), os.O_RDWR)
+            except OSError:  # no memory.peak (before Linux 5.19), or not ours to write
+                self._fd = None
+
+    def total(self) -> int | None:
+        peak = self.cgroup.peak()
+        return None if peak is None else max(peak, self._earlier)
+
+    def take_segment(self) -> int | None:
+        if self.cgroup.version == 1:
+            peak = self.cgroup.peak()
+            try:
+                _write(self.cgroup._file("memory.max_usage_in_bytes", "memory.peak"), "0")
+            except OSError:
+                return self.total()
+            if peak is not None:
+                self._earlier = max(self._earlier, peak)
+            return peak
+        if self._fd is None:
+            return self.total()
+        try:
+            peak = int(os.pread(self._fd, 64, 0))
+            os.write(self._fd, b"reset")
+        except (OSError, ValueError):  # before Linux 6.12 the write fails: the peak since creation
+            return self.total()
+        return peak
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def cgroups_available() -> str | None:
     """None when pod cgroups can be created here; otherwise the reason they cannot."""
     own = own_cgroup_dir()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -212,6 +212,33 @@ class WorkerReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def then(self, later: "WorkerReport") -> "WorkerReport":
+        """This worker's figures over its stretch and ``later``'s (the same worker's, over the
+        next one): the higher of each peak, the counts added."""
+
+        def most(a: int | None, b: int | None) -> int | None:
+            return b if a is None else a if b is None else max(a, b)
+
+        nonreclaimable = most(self.pod_nonreclaimable_peak, later.pod_nonreclaimable_peak)
+        return replace(
+            self,
+            peak_rss=max(self.peak_rss, later.peak_rss),
+            cgroup_peak=most(self.cgroup_peak, later.cgroup_peak),
+            oom_kills=self.oom_kills + later.oom_kills,
+            nanny_restarts=self.nanny_restarts + later.nanny_restarts,
+            memory_terminations=self.memory_terminations + later.memory_terminations,
+            pod_restarts=self.pod_restarts + later.pod_restarts,
+            pod_nonreclaimable_peak=nonreclaimable,
+            pod_nonreclaimable_terms=(
+                self.pod_nonreclaimable_terms
+                if nonreclaimable == self.pod_nonreclaimable_peak
+                else later.pod_nonreclaimable_terms
+            ),
+            pod_pinned_peak=most(self.pod_pinned_peak, later.pod_pinned_peak),
+            pod_dirty_peak=most(self.pod_dirty_peak, later.pod_dirty_peak),
+            nanny_anon_peak=most(self.nanny_anon_peak, later.nanny_anon_peak),
+        )
 
 
 @dataclass

@@ -47,11 +47,11 @@ from .base import (
     machine_capacity,
     wait_for_workers,
 )
-from .cgroups import MemoryCgroup, create_pod_cgroup
+from .cgroups import MemoryCgroup, PeakMeter, create_pod_cgroup
 from .diagnostics import WorkerReport, register_plugins
 from .forkserver import environment, worker_start_method
 from .interrupts import hold_termination
-from .podwatch import PodWatcher
+from .podwatch import PodPeaks, PodWatcher
 
 log = logging.getLogger(__name__)
 #: How long pod workers get to connect before the run gives up.
@@ -156,7 +156,13 @@ class LocalPodsBackend(MachineBackend):
             register_plugins(client)
             pods.wait_for_workers(client)
             yield Session(
-                client, self.name, pods.reports, pods.refresh, pods.pod_limit, lambda: list(pods.watcher.timeline)
+                client,
+                self.name,
+                pods.reports,
+                pods.refresh,
+                pods.pod_limit,
+                lambda: list(pods.watcher.timeline),
+                take_segment=pods.take_segment,
             )
 
 
@@ -241,6 +247,10 @@ class PodCluster:
         self.reports: dict[str, WorkerReport] = {}
         #: Each pod's non-reclaimable memory and its worker's VmHWM, sampled every 25 ms.
         self.watcher = PodWatcher()
+        #: Each pod's cgroup high-water mark, whole and in segments (``take_segment``).
+        self.meters: dict[str, PeakMeter] = {}
+        #: Each pod's counts (kills, restarts, terminations) when its current segment began.
+        self._counted: dict[str, tuple[int, int, int, int]] = {}
         self._scheduler: LocalCluster | None = None
         self._dir: str | None = None  # made by __enter__, removed or kept by __exit__
         self._token = uuid.uuid4().hex[:8]
@@ -287,6 +297,8 @@ class PodCluster:
     def _start_pod(self, index: int, group: MemoryCgroup | None = None) -> Pod:
         name = f"pod-{index}"
         group = group or create_pod_cgroup(f"h5ngff-{self._token}-{name}", self.pod_limit)
+        if name not in self.meters:  # a restarted pod keeps its cgroup, and so its meter
+            self.meters[name] = PeakMeter(group)
         assert self._dir is not None, "pods start inside __enter__"
         log_path = os.path.join(self._dir, f"{name}.log")
         env = {**os.environ, **self.env, **dask_env(self.config)}
@@ -351,7 +363,7 @@ class PodCluster:
         for pod in self.pods:
             report = self.reports[pod.name]
             try:
-                report.cgroup_peak = pod.cgroup.peak()
+                report.cgroup_peak = self.meters[pod.name].total()
                 report.oom_kills = pod.cgroup.oom_kills()
             except OSError:
                 pass
@@ -366,6 +378,44 @@ class PodCluster:
             text = self._log_text(pod)  # append-only while the run lasts: a count never falls
             report.nanny_restarts = max(report.nanny_restarts, text.count("Restarting worker"))
             report.memory_terminations = max(report.memory_terminations, text.count("memory budget. Restarting"))
+
+    def take_segment(self) -> dict[str, WorkerReport]:
+        """Each pod's figures since the last call (or since the pods started), and a new segment
+        from now: the peaks the watcher and the kernel saw in it and the kills, restarts and
+        terminations counted in it. A batch charges each item with the segments it ran in
+        (batch/run.py); ``reports`` stay the whole session's."""
+        segments = self.watcher.take_segment()
+        self.refresh()
+        out = {}
+        for pod in self.pods:
+            total = self.reports[pod.name]
+            counts = (total.oom_kills, total.nanny_restarts, total.memory_terminations, total.pod_restarts)
+            before = self._counted.get(pod.name, (0, 0, 0, 0))
+            self._counted[pod.name] = counts
+            kills, restarts, terminations, pod_restarts = (now - then for now, then in zip(counts, before))
+            p = segments.get(pod.name) or PodPeaks()
+            try:
+                cgroup_peak = self.meters[pod.name].take_segment()
+            except OSError:  # the cgroup is going
+                cgroup_peak = total.cgroup_peak
+            out[pod.name] = WorkerReport(
+                name=pod.name,
+                peak_rss=p.worker_hwm,
+                predicted_peak=total.predicted_peak,
+                memory_limit=total.memory_limit,
+                pod_limit=total.pod_limit,
+                cgroup_peak=cgroup_peak,
+                oom_kills=kills,
+                nanny_restarts=restarts,
+                memory_terminations=terminations,
+                pod_restarts=pod_restarts,
+                pod_nonreclaimable_peak=p.nonreclaimable or None,
+                pod_nonreclaimable_terms=dict(p.terms_at_peak) or None,
+                pod_pinned_peak=p.pinned or None,
+                pod_dirty_peak=p.dirty,
+                nanny_anon_peak=p.nanny_anon or None,
+            )
+        return out
 
     def _log_text(self, pod: Pod) -> str:
         try:
@@ -401,6 +451,8 @@ class PodCluster:
         # are these, read while the cgroups still exist.
         self.watcher.stop()
         self.refresh() if self.pods else None
+        for meter in self.meters.values():
+            meter.close()
         for pod in self.pods:
             pod.cgroup.remove()
         if self._scheduler is not None:

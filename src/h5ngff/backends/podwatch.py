@@ -107,7 +107,8 @@ def process_role(pid: int, nanny_pid: int) -> str:
 
 @dataclass
 class PodPeaks:
-    """The highest figures one pod reached, over every process it ever ran."""
+    """The highest figures one pod reached, over every process it ran (in the whole session, or
+    in one segment of it: see ``PodWatcher.take_segment``)."""
 
     #: max over samples of anon + shmem + dirty + writeback + unevictable (bytes)
     nonreclaimable: int = 0
@@ -127,12 +128,33 @@ class PodPeaks:
     killed_rss: dict[int, int] = field(default_factory=dict)
     samples: int = 0
 
+    def note(self, terms: dict[str, int], total: int) -> None:
+        """One sample of the pod's cgroup (``terms``: read_nonreclaimable; ``total``: their sum)."""
+        self.samples += 1
+        if total > self.nonreclaimable:
+            self.nonreclaimable, self.terms_at_peak = total, terms
+        self.dirty = max(self.dirty, terms["dirty"] + terms["writeback"])
+        self.pinned = max(self.pinned, terms["anon"] + terms["shmem"] + terms["unevictable"])
+
+    def note_kill(self, pid: int, worker: bool, anon: int, file: int, shmem: int, beside_worker: int) -> None:
+        """The kernel's record of an OOM kill in the pod."""
+        self.killed_rss[pid] = anon + file + shmem
+        if worker:
+            self.worker_hwm = max(self.worker_hwm, anon + file + shmem)
+            # At the kill the pod held at least the victim's pinned pages and the rest of the
+            # pod's anonymous memory: the kernel's figure beats a sample taken up to one interval
+            # before.
+            self.nonreclaimable = max(self.nonreclaimable, anon + shmem + beside_worker)
+            self.pinned = max(self.pinned, anon + shmem + beside_worker)
+
 
 @dataclass
 class _Watched:
     cgroup: MemoryCgroup
     nanny_pid: int
     peaks: PodPeaks
+    #: The same figures since the last ``PodWatcher.take_segment``.
+    segment: PodPeaks = field(default_factory=PodPeaks)
     roles: dict[int, str] = field(default_factory=dict)
     hwm: dict[int, int] = field(default_factory=dict)
     point: int = 0
@@ -200,6 +222,18 @@ class PodWatcher:
             else:
                 old.cgroup, old.nanny_pid = cgroup, nanny_pid
 
+    def take_segment(self) -> dict[str, PodPeaks]:
+        """Each pod's peaks since the last call (or since it was first watched), and a new
+        segment from now. A batch charges each item with the segments it ran in."""
+        self.sample()  # the segment's last moments
+        with self._lock:
+            out = {}
+            for name, pod in self._pods.items():
+                # The nanny's memory is steady and sampled only every NANNY_EVERY samples: a
+                # segment starts from its last figure, so a short one is not left without it.
+                out[name], pod.segment = pod.segment, PodPeaks(nanny_anon=pod.beside_worker)
+            return out
+
     def start(self) -> None:
         self._thread.start()
 
@@ -227,12 +261,9 @@ class PodWatcher:
     def _sample_pod(self, name: str, pod: _Watched, now: float) -> None:
         terms = read_nonreclaimable(pod.cgroup)
         total = sum(terms.values())
-        peaks = pod.peaks
-        peaks.samples += 1
-        if total > peaks.nonreclaimable:
-            peaks.nonreclaimable, peaks.terms_at_peak = total, terms
-        peaks.dirty = max(peaks.dirty, terms["dirty"] + terms["writeback"])
-        peaks.pinned = max(peaks.pinned, terms["anon"] + terms["shmem"] + terms["unevictable"])
+        peaks, segment = pod.peaks, pod.segment
+        peaks.note(terms, total)
+        segment.note(terms, total)
         beside_worker = 0
         # The worker's high-water mark at every sample (its last moments matter); the nanny's
         # steady memory every NANNY_EVERY samples, which keeps a sample cheap.
@@ -242,13 +273,17 @@ class PodWatcher:
             if role is None or role in PROVISIONAL_ROLES:  # a spawned child is a clone, then mid-exec, then itself
                 role = pod.roles[pid] = process_role(pid, pod.nanny_pid)
             if role == "worker":
-                pod.hwm[pid] = max(pod.hwm.get(pid, 0), read_status(pid).get("VmHWM", 0))
+                # The kernel's mark, not the highest read: a batch resets it between items.
+                hwm = read_status(pid).get("VmHWM", 0)
+                pod.hwm[pid] = max(pod.hwm.get(pid, 0), hwm)
                 peaks.worker_hwm = max(peaks.worker_hwm, pod.hwm[pid])
+                segment.worker_hwm = max(segment.worker_hwm, hwm)
             elif role not in PROVISIONAL_ROLES and nanny_turn:
                 beside_worker += read_status(pid).get("RssAnon", 0)
         if nanny_turn:
             pod.beside_worker = beside_worker
             peaks.nanny_anon = max(peaks.nanny_anon, beside_worker)
+            segment.nanny_anon = max(segment.nanny_anon, beside_worker)
         pod.point = max(pod.point, total)
         if now - pod.point_time >= TIMELINE_INTERVAL:
             self.timeline.append((now, name, pod.point))
@@ -264,11 +299,5 @@ class PodWatcher:
             for pod in self._pods.values():
                 if pid not in pod.roles:
                     continue
-                pod.peaks.killed_rss[pid] = anon + file + shmem
-                if pod.roles[pid] == "worker":
-                    pod.peaks.worker_hwm = max(pod.peaks.worker_hwm, anon + file + shmem)
-                    # At the kill the pod held at least the victim's pinned pages and the rest of
-                    # the pod's anonymous memory: the kernel's figure beats a sample taken up to
-                    # one interval before.
-                    pod.peaks.nonreclaimable = max(pod.peaks.nonreclaimable, anon + shmem + pod.beside_worker)
-                    pod.peaks.pinned = max(pod.peaks.pinned, anon + shmem + pod.beside_worker)
+                for peaks in (pod.peaks, pod.segment):
+                    peaks.note_kill(pid, pod.roles[pid] == "worker", anon, file, shmem, pod.beside_worker)

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -344,6 +344,9 @@ class _Flight:
         self._overlapped: dict[ItemResult, list[ItemResult]] = {}
         self._on_cluster: set[ItemResult] = set()
         self._peaks: dict[ItemResult, dict[str, int]] = {}
+        #: Where the backend measures its workers itself (pod emulation), its figures over the
+        #: segments each item ran in, by worker name (``Session.take_segment``).
+        self._segments: dict[ItemResult, dict[str, WorkerReport]] = {}
 
     def run(self, runnable: Sequence[ItemResult], items_in_flight: int, fail_fast: bool, beside_bytes: int) -> None:
         """``beside_bytes``: what the other items in flight may hold on a worker (``beside_allowance``)."""
@@ -445,8 +448,20 @@ class _Flight:
             result.beside = [other for other in self._overlapped.pop(result) if other in self._on_cluster]
             result.beside_bytes = self.beside_bytes if result.beside else 0
             peaks = self._peaks.pop(result, {})
+            segments = self._segments.pop(result, {})
         if result.summary is not None:
-            for worker in result.summary.workers:
+            last = result.summary.events.terminated_peaks() if segments else {}
+            for i, worker in enumerate(result.summary.workers):
+                if worker.name in segments:
+                    # The backend's figures over this item's segments, not the session's, which
+                    # hold every item before it (the largest one's peaks, its kills).
+                    worker = result.summary.workers[i] = replace(
+                        segments[worker.name],
+                        predicted_peak=worker.predicted_peak,
+                        memory_limit=worker.memory_limit,
+                        pod_limit=worker.pod_limit,
+                        peak_rss=max(segments[worker.name].peak_rss, last.get(worker.name, 0)),
+                    )
                 worker.peak_rss = max(worker.peak_rss, peaks.get(worker.name, 0))
 
     def _take_peaks(self, release: Callable[[], object], ended: ItemResult) -> None:
@@ -479,6 +494,11 @@ class _Flight:
                 for item in self.running:
                     peaks = self._peaks.setdefault(item, {})
                     peaks[mark["name"]] = max(peaks.get(mark["name"], 0), int(mark["peak_rss"]))
+        if self.session.take_segment is not None:
+            for name, figures in self.session.take_segment().items():
+                for item in self.running:
+                    segments = self._segments.setdefault(item, {})
+                    segments[name] = segments[name].then(figures) if name in segments else figures
 
     def _metrics_for(self, result: ItemResult) -> _ItemMetrics | None:
         return None if self.metrics is None else _ItemMetrics(self, result, self.metrics)
