@@ -635,6 +635,17 @@ def _f(v: float | None, digits: int = 2) -> str:
     return "-" if v is None or v != v else f"{v:.{digits}f}"
 
 
+def paired_ratio(run: dict[str, Any], limits: list[dict[str, Any]]) -> float | None:
+    """The run's whole-tree CPU against the limit measured in its own round, a minute or so
+    before it. This machine's speed drifts by 10-20 % within minutes (the same limit measured
+    16.5 and 19.2 CPU-s ten minutes apart), so the least limit of all rounds makes every run but
+    the fastest round's look worse than it is; the paired ratio does not."""
+    round_index = run["round"] - 1
+    if not 0 <= round_index < len(limits):
+        return None
+    return run["cpu_exact"]["tree"] / limits[round_index]["cpu_seconds"]
+
+
 def report(doc: dict[str, Any]) -> str:
     lines: list[str] = []
     add = lines.append
@@ -668,13 +679,14 @@ def report(doc: dict[str, Any]) -> str:
     )
     add("")
     add(
-        "| round | workers | wall s | CPU whole tree | x limit CPU | client self (exact) | workers (exact) | teardown + strays | "
+        "| round | workers | wall s | CPU whole tree | x limit CPU | x its round's limit | client self (exact) | workers (exact) | teardown + strays | "
         "client main thread | event loop (scheduler, nannies) | client other threads | workers (sampled) | other processes | verified |"
     )
-    add("|" + "---|" * 14)
+    add("|" + "---|" * 15)
     for r in runs:
         ex, th, kind = r["cpu_exact"], r["cpu_client_threads_sampled"], r["cpu_sampled_by_kind"]
         ratio = ex["tree"] / limit if limit else None
+        paired = paired_ratio(r, doc.get("limits") or [])
         main_t = th.get("main thread (planning, driver loop, manifest, metadata)", 0.0)
         loop_t = th.get("event-loop thread (scheduler, nannies, client comms)", 0.0)
         other_t = sum(
@@ -690,7 +702,7 @@ def report(doc: dict[str, Any]) -> str:
             r.get("verified", {}).get("text", "not verified") if r["returncode"] == 0 else f"exit {r['returncode']}"
         )
         add(
-            f"| {r['round']} | {r['workers']} | {_f(r['wall'])} | **{_f(ex['tree'])}** | {_f(ratio)}x | {_f(ex['client_self'])} | "
+            f"| {r['round']} | {r['workers']} | {_f(r['wall'])} | **{_f(ex['tree'])}** | {_f(ratio)}x | {_f(paired)}x | {_f(ex['client_self'])} | "
             f"{_f(ex['workers_waited'])} | {_f(ex['teardown_and_strays'])} | {_f(main_t)} | {_f(loop_t)} | {_f(other_t)} | "
             f"{_f(kind.get('worker', 0.0))} ({r['processes_by_kind'].get('worker', 0)}) | {_f(kind.get('other', 0.0) + kind.get('nanny', 0.0))} "
             f"({r['processes_by_kind'].get('other', 0) + r['processes_by_kind'].get('nanny', 0)}) | {verified} |"

@@ -342,6 +342,18 @@ def test_largest_first_and_passes():
 
 
 @pytest.mark.slow
+def test_each_scaling_run_is_also_set_against_its_own_rounds_limit():
+    """The machine's speed drifts between rounds: a run is set against the limit measured just
+    before it, not only the least of all rounds."""
+    from bench.scaling import paired_ratio
+
+    limits = [{"cpu_seconds": 16.0}, {"cpu_seconds": 20.0}]
+    second = {"round": 2, "cpu_exact": {"tree": 22.0}}
+    assert paired_ratio(second, limits) == pytest.approx(1.1)
+    assert paired_ratio({"round": 1, "cpu_exact": {"tree": 22.0}}, limits) == pytest.approx(1.375)
+    assert paired_ratio(second, []) is None  # --no-limit
+
+
 def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path):
     """One tiny conversion with 2 workers through bench.scaling, in its own process (it makes
     itself a child subreaper)."""
@@ -373,7 +385,7 @@ def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "#### 3. The tail" in done.stdout
+    assert "#### 3. The tail" in done.stdout and "x its round's limit" in done.stdout
     doc = json.loads(result.read_text())
     assert doc["subreaper"] and doc["limit_cpu"] > 0
     (run,) = doc["runs"]
