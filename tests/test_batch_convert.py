@@ -14,6 +14,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -383,6 +384,100 @@ def test_a_conversionbatch_manifest_runs_locally_with_the_operator_s_items(runs)
         and "kind: ConversionBatch" in wrong.stderr
         and "Traceback" not in wrong.stderr
     )
+
+
+def test_items_are_charged_the_pods_figures_of_the_segments_they_ran_in():
+    """Pod emulation's own figures (batch/run.py, ``Session.take_segment``) go to the items
+    running in each segment: peaks the highest, counts added. A round trip that fails at an
+    item's end (a dying cluster) still ends the segment: its kill is that item's, not the next
+    one's."""
+    from types import SimpleNamespace
+
+    from h5ngff.backends.diagnostics import ClusterEvents, WorkerReport
+
+    MiB = 1 << 20
+    segments = iter(
+        [
+            {"w0": WorkerReport("w0", peak_rss=300 * MiB, pod_pinned_peak=250 * MiB, cgroup_peak=320 * MiB)},
+            {"w0": WorkerReport("w0", peak_rss=90 * MiB, pod_pinned_peak=80 * MiB, oom_kills=1, nanny_restarts=1)},
+            {"w0": WorkerReport("w0", peak_rss=60 * MiB, pod_pinned_peak=50 * MiB, cgroup_peak=70 * MiB)},
+        ]
+    )
+    failing = {"now": False}
+
+    class Client:
+        status = "running"
+
+        def run(self, function, release=None, on_error="raise"):
+            if failing["now"]:
+                raise OSError("the cluster is going")
+            return {"tcp://w0": {"name": "w0", "peak_rss": 0}}
+
+    flight = batch_run._Flight(None, None, None, batch_run.BatchSummary([]), batch_run.BatchHooks(), None)
+    flight.session = SimpleNamespace(client=Client(), take_segment=lambda: next(segments))
+
+    def item(output):
+        result = batch_run.ItemResult(BatchItem("in.h5:/data", "in.h5", output))
+        plan = SimpleNamespace(passes=[], threads_per_worker=1)
+        result.job = SimpleNamespace(spec=SimpleNamespace(output=SimpleNamespace(path=output)), plan=plan)
+        # What run_job's worker_reports gave: the session's figures since the pods started.
+        whole = WorkerReport("w0", peak_rss=300 * MiB, predicted_peak=100 * MiB, oom_kills=5, pod_pinned_peak=250 * MiB)
+        result.summary = SimpleNamespace(workers=[whole], events=ClusterEvents())
+        flight._on_cluster.add(result)
+        return result
+
+    original = batch_run.end_of_conversion
+    try:
+        batch_run.end_of_conversion = lambda conversion, keep=0: None
+        big, small, last = item("big"), item("small"), item("last")
+        with flight.lock:
+            flight._begin(big)
+            flight._begin(small)
+        flight._end(big)  # segment 1: both were running
+        failing["now"] = True
+        flight._end(small)  # segment 2, although the round trip failed
+        failing["now"] = False
+        with flight.lock:
+            flight._begin(last)
+        flight._end(last)  # segment 3
+    finally:
+        batch_run.end_of_conversion = original
+    (b,), (s,), (t,) = (r.summary.workers for r in (big, small, last))
+    assert (b.peak_rss, b.pod_pinned_peak, b.oom_kills) == (300 * MiB, 250 * MiB, 0)
+    assert (s.peak_rss, s.pod_pinned_peak, s.oom_kills, s.nanny_restarts) == (300 * MiB, 250 * MiB, 1, 1)
+    assert s.cgroup_peak == 320 * MiB and s.predicted_peak == 100 * MiB  # its own plan's figure stays
+    assert (t.peak_rss, t.pod_pinned_peak, t.oom_kills, t.cgroup_peak) == (60 * MiB, 50 * MiB, 0, 70 * MiB)
+    # Negative control: without segments (a backend with no figures of its own) an item keeps the
+    # whole session's figures it was given.
+    plain = batch_run._Flight(None, None, None, batch_run.BatchSummary([]), batch_run.BatchHooks(), None)
+    plain.session = SimpleNamespace(client=Client(), take_segment=None)
+    flight = plain
+    try:
+        batch_run.end_of_conversion = lambda conversion, keep=0: None
+        alone = item("alone")
+        with plain.lock:
+            plain._begin(alone)
+        plain._end(alone)
+    finally:
+        batch_run.end_of_conversion = original
+    assert alone.summary.workers[0].oom_kills == 5 and alone.summary.workers[0].peak_rss == 300 * MiB
+
+
+def test_worker_reports_count_a_batch_items_kills_from_its_start():
+    """A batch item's view of the session (``reports_before``) takes the counts the pods had when
+    the item started off its own, so its failure's message does not count an earlier item's kills."""
+    from h5ngff.backends.base import Session
+    from h5ngff.backends.diagnostics import ClusterEvents, WorkerReport
+
+    pods = {"pod-0": WorkerReport("pod-0", oom_kills=3, nanny_restarts=4, memory_terminations=1, pod_restarts=1)}
+    before = {"pod-0": WorkerReport("pod-0", oom_kills=2, nanny_restarts=4, memory_terminations=0, pod_restarts=1)}
+    plan = SimpleNamespace(memory=SimpleNamespace(predicted_peak=1, memory_limit=2, pod_limit=3))
+    (mine,) = Session(None, "local-pods", pods, reports_before=before).worker_reports(plan, {}, ClusterEvents())
+    assert (mine.oom_kills, mine.nanny_restarts, mine.memory_terminations, mine.pod_restarts) == (1, 0, 1, 0)
+    assert pods["pod-0"].oom_kills == 3  # the session's own report is not touched
+    # Negative control: the session as a single run sees it, from the pods' start.
+    (whole,) = Session(None, "local-pods", pods).worker_reports(plan, {}, ClusterEvents())
+    assert whole.oom_kills == 3 and whole.nanny_restarts == 4
 
 
 def test_the_ending_item_is_charged_the_segment_its_end_reads_and_a_failed_release_still_reads_it():

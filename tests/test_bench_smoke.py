@@ -482,3 +482,22 @@ def test_idle_cost_reads_the_client_and_the_cluster_processes(capsys):
     assert match, line
     client, processes, others = float(match[1]), int(match[2]), float(match[3])
     assert processes >= 2 and 0 < client < 100 and 0 < others < 100 * processes, line
+
+
+@pytest.mark.slow
+def test_task_cpu_counts_each_workers_tasks_inside_its_whole_cpu(tmp_path):
+    """bench.task_cpu on a tiny file: every worker counted its slab tasks, and what the tasks
+    spent is part of (never more than) what the kernel counted for the worker's process."""
+    from bench.task_cpu import run_counted
+
+    source = write_h5(tmp_path / "in.h5", np.arange(64 * 128 * 128, dtype="float32").reshape(64, 128, 128))
+    run = run_counted(source, "/volume/data", str(tmp_path / "out.zarr"), (32, 32, 32), workers=2)
+    assert len(run["workers"]) == 2
+    assert sum(w["tasks"] for w in run["workers"].values()) >= 1, run  # a 4 MiB image is one slab
+    for figures in run["workers"].values():
+        assert 0 <= figures["cpu"] <= figures["process"], figures
+        assert figures["process"] >= sum(figures["threads"].values()) - 0.05, figures  # ended threads are not listed
+    assert sum(w["cpu"] for w in run["workers"].values()) > 0
+    assert zarr.open_array(str(tmp_path / "out.zarr" / "0"), mode="r")[:].sum() == pytest.approx(
+        float(np.arange(64 * 128 * 128, dtype="float64").sum()), rel=1e-6
+    )

@@ -21,6 +21,7 @@ import pytest
 import zarr
 
 from conftest import requires_cgroups, smooth, spec_for, write_h5
+from h5ngff.backends.cgroups import own_cgroup_dir
 from h5ngff.backends.local import LocalBackend, LocalPodsBackend, PodCluster
 from h5ngff.batch.items import batch_items
 from h5ngff.batch.run import DONE, run_batch
@@ -269,23 +270,26 @@ def test_each_batch_item_reports_its_own_pod_figures(tmp_path, monkeypatch):
     """A batch's pods live through all its items, and their cgroups, the watcher's peaks and the
     nannies' logs count from the pods' start. Each item is charged with the segments it ran in
     (the marks at each item's end): a small item after a big one reports its own peaks. It
-    reported the big item's before, which put it above its own plan (peak/plan 1.04)."""
+    reported the big item's before, which put it above its own plan (122 MiB against 114)."""
     big, small = _batch_under_pods(tmp_path, "segments")
     assert len(small.summary.workers) == 2
     assert 0 < small.peak_rss <= small.predicted_peak < big.predicted_peak, (small.peak_rss, small.predicted_peak)
     assert small.peak_rss < big.peak_rss, (small.peak_rss, big.peak_rss)
     assert 0 < _most(small, "pod_pinned_peak") < _most(big, "pod_pinned_peak")
     # The cgroup's peak counts page cache, which the big item's files still fill when the small
-    # item starts (a reset starts from the usage then): never above the big item's.
+    # item starts (a reset starts from the usage then), yet stays below the big item's (measured
+    # 131-136 MiB against 157-158). cgroup v2 before Linux 6.12 cannot reset it per segment.
     assert 0 < _most(small, "cgroup_peak") <= _most(big, "cgroup_peak")
+    if own_cgroup_dir()[0] == 1:  # v1 resets it for every reader; v2 per open file from 6.12
+        assert _most(small, "cgroup_peak") < _most(big, "cgroup_peak")
     for worker in small.summary.workers:
         assert worker.nanny_anon_peak and worker.oom_kills == worker.nanny_restarts == 0, worker
         assert worker.predicted_peak == small.predicted_peak, worker  # its own plan, not the big one's
     assert all(w.predicted_peak == big.predicted_peak for w in big.summary.workers)
 
     # Negative control: with the session's figures (no segments) the small item reports the big
-    # item's peaks.
+    # item's peaks, above its own plan.
     monkeypatch.setattr(PodCluster, "take_segment", property(lambda self: None))
     big, small = _batch_under_pods(tmp_path, "whole")
-    assert small.peak_rss >= big.peak_rss, (small.peak_rss, big.peak_rss)
+    assert small.peak_rss > small.predicted_peak, (small.peak_rss, small.predicted_peak)
     assert _most(small, "pod_pinned_peak") >= _most(big, "pod_pinned_peak")

@@ -303,9 +303,14 @@ def test_the_cgroup_peak_meter_reads_each_segment_and_the_whole(tmp_path):
         second = meter.take_segment()
         whole = group.peak()  # v1: the file was reset; the meter's total keeps the first segment
         proc.communicate("\n", timeout=30)
+        if whole is None:
+            pytest.skip("no memory.peak: cgroup v2 before Linux 5.19")
         assert first is not None and first >= 96 * MiB, first
-        assert second is not None and second < first - 48 * MiB, (first, second)
         assert meter.total() >= first
+        if not meter.resets:  # cgroup v2 before Linux 6.12: every segment is the peak since creation
+            assert second == meter.total() >= first, (first, second)
+            return
+        assert second is not None and second < first - 48 * MiB, (first, second)
         # Control: the cgroup's own file, read as the session reads it, is not the segment's on
         # cgroup v2 (the peak since creation), nor the whole session's on v1 (reset for everyone).
         assert (whole >= first) if group.version == 2 else (whole < first), (group.version, whole, first)

@@ -303,7 +303,13 @@ def _convert(
             # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
             _collect_workers(summary, job.plan, poller, session, started)
     # The session has closed: the pods' counters are final (the backend re-read them after the
-    # last process stopped), so the message, the JSON and the metrics give the same counts.
+    # last process stopped: the kernel's last kills, slurmstepd's oom-kill lines), so the message,
+    # the JSON and the metrics give the same counts. A batch's shared session is still open.
+    if cluster is None:
+        summary.workers = [
+            w.read_again(session.extra_reports[w.name]) if w.name in session.extra_reports else w
+            for w in summary.workers
+        ]
     if metrics is not None:
         metrics.settle(summary.workers)
     if failure is not None:

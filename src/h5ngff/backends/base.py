@@ -100,6 +100,9 @@ class Session:
     #: from now. A batch charges each item with the stretches it ran in; ``extra_reports`` hold
     #: the whole session's, which would charge every item with the largest item before it.
     take_segment: Callable[[], dict[str, WorkerReport]] | None = None
+    #: A batch item's view of the batch's session: ``extra_reports`` as they stood when the item
+    #: started, whose counts (kills, restarts, terminations) are not the item's.
+    reports_before: dict[str, WorkerReport] = field(default_factory=dict)
 
     def enforced_pod_limit(self, plan: Plan) -> int:
         """The pod (job) memory limit the workers run under: the backend's override, else the plan's."""
@@ -113,21 +116,21 @@ class Session:
         pods = self.extra_reports
         kills = _by_name(events.oom_killed())
         terminations = _by_name(events.memory_restarts)
-        # A worker process that exits non-zero is restarted by its nanny, on every backend.
-        restarts = _by_name(e for e in events.exits if e.get("exitcode") not in (0, None))
+        restarts = events.restarts_by_worker()
         last_peaks = events.terminated_peaks()
         names = set(peaks) | set(last_peaks) | set(restarts) | set(kills)
         if pods:  # only pods exist: a name no pod has cannot be a worker of this run
             names = set(pods) | {n for n in names if n in pods}
         reports = []
         for name in sorted(names, key=_natural):
-            # A copy: the pods' own reports stay the session's, and a batch's items each get theirs.
+            # A copy: the pods' own reports stay the session's, and a batch's items each get
+            # theirs. The runner reads the session's again once it has closed (runner.run_job).
             report = (
-                replace(pods[name])
+                replace(pods[name]).counted_since(self.reports_before.get(name))
                 if name in pods
                 else WorkerReport(name=name, oom_kills=kills[name], memory_terminations=terminations[name])
             )
-            report.nanny_restarts = max(report.nanny_restarts, restarts[name])
+            report.nanny_restarts = max(report.nanny_restarts, restarts.get(name, 0))
             report.peak_rss = max(report.peak_rss, peaks.get(name, 0), last_peaks.get(name, 0))
             report.predicted_peak = plan.memory.predicted_peak
             report.memory_limit = plan.memory.memory_limit

@@ -199,6 +199,11 @@ class PeakMeter:
             except OSError:  # no memory.peak (before Linux 5.19), or not ours to write
                 self._fd = None
 
+    @property
+    def resets(self) -> bool:
+        """Whether segments are the cgroup's own (else each is the peak since its creation)."""
+        return self.cgroup.version == 1 or self._fd is not None
+
     def total(self) -> int | None:
         peak = self.cgroup.peak()
         return None if peak is None else max(peak, self._earlier)
@@ -206,19 +211,21 @@ class PeakMeter:
     def take_segment(self) -> int | None:
         if self.cgroup.version == 1:
             peak = self.cgroup.peak()
+            if peak is None:
+                return None
+            # Folded in before the reset: a refresh between the two still reads the whole peak.
+            self._earlier = max(self._earlier, peak)
             try:
                 _write(self.cgroup._file("memory.max_usage_in_bytes", "memory.peak"), "0")
-            except OSError:
-                return self.total()
-            if peak is not None:
-                self._earlier = max(self._earlier, peak)
+            except OSError:  # not ours to reset: the peak since creation, never less than the segment's
+                pass
             return peak
-        if self._fd is None:
+        if self._fd is None:  # no memory.peak (before Linux 5.19), or not writable
             return self.total()
         try:
             peak = int(os.pread(self._fd, 64, 0))
             os.write(self._fd, b"reset")
-        except (OSError, ValueError):  # before Linux 6.12 the write fails: the peak since creation
+        except (OSError, ValueError):  # before Linux 6.12 "reset" is refused: the peak since creation
             return self.total()
         return peak
 

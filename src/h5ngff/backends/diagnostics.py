@@ -216,28 +216,48 @@ class WorkerReport:
     def then(self, later: "WorkerReport") -> "WorkerReport":
         """This worker's figures over its stretch and ``later``'s (the same worker's, over the
         next one): the higher of each peak, the counts added."""
+        return self._with(later, lambda a, b: a + b)
 
+    def read_again(self, final: "WorkerReport") -> "WorkerReport":
+        """These figures with the backend's ``final`` ones over the same stretch, read again
+        later (after the last process stopped): the higher of each peak and of each count."""
+        return self._with(final, max)
+
+    def _with(self, other: "WorkerReport", count: Callable[[int, int], int]) -> "WorkerReport":
         def most(a: int | None, b: int | None) -> int | None:
             return b if a is None else a if b is None else max(a, b)
 
-        nonreclaimable = most(self.pod_nonreclaimable_peak, later.pod_nonreclaimable_peak)
+        nonreclaimable = most(self.pod_nonreclaimable_peak, other.pod_nonreclaimable_peak)
         return replace(
             self,
-            peak_rss=max(self.peak_rss, later.peak_rss),
-            cgroup_peak=most(self.cgroup_peak, later.cgroup_peak),
-            oom_kills=self.oom_kills + later.oom_kills,
-            nanny_restarts=self.nanny_restarts + later.nanny_restarts,
-            memory_terminations=self.memory_terminations + later.memory_terminations,
-            pod_restarts=self.pod_restarts + later.pod_restarts,
+            peak_rss=max(self.peak_rss, other.peak_rss),
+            cgroup_peak=most(self.cgroup_peak, other.cgroup_peak),
+            oom_kills=count(self.oom_kills, other.oom_kills),
+            nanny_restarts=count(self.nanny_restarts, other.nanny_restarts),
+            memory_terminations=count(self.memory_terminations, other.memory_terminations),
+            pod_restarts=count(self.pod_restarts, other.pod_restarts),
             pod_nonreclaimable_peak=nonreclaimable,
             pod_nonreclaimable_terms=(
                 self.pod_nonreclaimable_terms
                 if nonreclaimable == self.pod_nonreclaimable_peak
-                else later.pod_nonreclaimable_terms
+                else other.pod_nonreclaimable_terms
             ),
-            pod_pinned_peak=most(self.pod_pinned_peak, later.pod_pinned_peak),
-            pod_dirty_peak=most(self.pod_dirty_peak, later.pod_dirty_peak),
-            nanny_anon_peak=most(self.nanny_anon_peak, later.nanny_anon_peak),
+            pod_pinned_peak=most(self.pod_pinned_peak, other.pod_pinned_peak),
+            pod_dirty_peak=most(self.pod_dirty_peak, other.pod_dirty_peak),
+            nanny_anon_peak=most(self.nanny_anon_peak, other.nanny_anon_peak),
+        )
+
+    def counted_since(self, before: "WorkerReport | None") -> "WorkerReport":
+        """These figures with the counts (kills, restarts, terminations) less ``before``'s: what
+        happened since a batch's item started, on a backend whose counts run from its start."""
+        if before is None:
+            return self
+        return replace(
+            self,
+            oom_kills=max(0, self.oom_kills - before.oom_kills),
+            nanny_restarts=max(0, self.nanny_restarts - before.nanny_restarts),
+            memory_terminations=max(0, self.memory_terminations - before.memory_terminations),
+            pod_restarts=max(0, self.pod_restarts - before.pod_restarts),
         )
 
 
@@ -260,6 +280,15 @@ class ClusterEvents:
         except Exception:
             return cls()
         return cls(exits, restarts)
+
+    def restarts_by_worker(self) -> dict[str, int]:
+        """Per worker name, its processes that exited non-zero: the nanny restarts each, on every
+        backend."""
+        counts: dict[str, int] = {}
+        for event in self.exits:
+            if event.get("exitcode") not in (0, None) and event.get("name") is not None:
+                counts[str(event["name"])] = counts.get(str(event["name"]), 0) + 1
+        return counts
 
     def terminated_peaks(self) -> dict[str, int]:
         """Per worker name, the highest peak of a worker the nanny terminated for memory: the

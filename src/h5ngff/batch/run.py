@@ -416,9 +416,19 @@ class _Flight:
                     self.session = reply.wait()
             with self.lock:
                 self._on_cluster.add(result)
-            return nullcontext(self.session)
+            return nullcontext(self._item_view(self.session))
 
         return cluster
+
+    @staticmethod
+    def _item_view(session: Session) -> Session:
+        """The batch's session as one item sees it: the backend's counts (kills, restarts,
+        terminations) run from the cluster's start, so the item's figures and its failure's
+        message count from what they stood at now. Pod emulation's are read again first (local
+        files); a SLURM job's figures are as last read, a round trip to every worker away."""
+        if session.take_segment is not None:
+            session.refresh()
+        return replace(session, reports_before={name: replace(r) for name, r in session.extra_reports.items()})
 
     def _begin(self, result: ItemResult) -> None:
         """Under ``lock``, as the item is launched. No mark is taken here: the segment running now
@@ -451,6 +461,7 @@ class _Flight:
             segments = self._segments.pop(result, {})
         if result.summary is not None:
             last = result.summary.events.terminated_peaks() if segments else {}
+            restarts = result.summary.events.restarts_by_worker() if segments else {}
             for i, worker in enumerate(result.summary.workers):
                 if worker.name in segments:
                     # The backend's figures over this item's segments, not the session's, which
@@ -461,6 +472,9 @@ class _Flight:
                         memory_limit=worker.memory_limit,
                         pod_limit=worker.pod_limit,
                         peak_rss=max(segments[worker.name].peak_rss, last.get(worker.name, 0)),
+                        # Dask's own count of the item's restarts (its events), where the nanny's
+                        # log line came after the segment's end.
+                        nanny_restarts=max(segments[worker.name].nanny_restarts, restarts.get(worker.name, 0)),
                     )
                 worker.peak_rss = max(worker.peak_rss, peaks.get(worker.name, 0))
 
@@ -481,7 +495,10 @@ class _Flight:
                 type(exc).__name__,
             )
             log.debug("the release's error", exc_info=True)
-            return
+            marks = {}
+        # After the release, so the next segment starts without the ended item's buffers; and
+        # even where the round trip failed, as a dying cluster's kills are the ended item's too.
+        self._charge_segment()
         for address, mark in marks.items():
             if isinstance(mark, BaseException):  # a worker gone mid-call: its restart is reported
                 log.debug("could not read %s's peak: %s", address, mark)
@@ -494,11 +511,16 @@ class _Flight:
                 for item in self.running:
                     peaks = self._peaks.setdefault(item, {})
                     peaks[mark["name"]] = max(peaks.get(mark["name"], 0), int(mark["peak_rss"]))
-        if self.session.take_segment is not None:
-            for name, figures in self.session.take_segment().items():
-                for item in self.running:
-                    segments = self._segments.setdefault(item, {})
-                    segments[name] = segments[name].then(figures) if name in segments else figures
+
+    def _charge_segment(self) -> None:
+        """Under ``lock``: end the backend's current segment of its own figures (pod emulation);
+        they go to every item running."""
+        if self.session is None or self.session.take_segment is None:
+            return
+        for name, figures in self.session.take_segment().items():
+            for item in self.running:
+                segments = self._segments.setdefault(item, {})
+                segments[name] = segments[name].then(figures) if name in segments else figures
 
     def _metrics_for(self, result: ItemResult) -> _ItemMetrics | None:
         return None if self.metrics is None else _ItemMetrics(self, result, self.metrics)
