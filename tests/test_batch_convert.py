@@ -391,14 +391,17 @@ def test_items_are_charged_the_pods_figures_of_the_segments_they_ran_in():
     running in each segment: peaks the highest, counts added. A round trip that fails at an
     item's end (a dying cluster) still ends the segment: its kill is that item's, not the next
     one's."""
-    from types import SimpleNamespace
 
     from h5ngff.backends.diagnostics import ClusterEvents, WorkerReport
 
     MiB = 1 << 20
     segments = iter(
         [
-            {"w0": WorkerReport("w0", peak_rss=300 * MiB, pod_pinned_peak=250 * MiB, cgroup_peak=320 * MiB)},
+            {
+                "w0": WorkerReport(
+                    "w0", peak_rss=300 * MiB, pod_pinned_peak=250 * MiB, cgroup_peak=320 * MiB, oom_kills=1
+                )
+            },
             {"w0": WorkerReport("w0", peak_rss=90 * MiB, pod_pinned_peak=80 * MiB, oom_kills=1, nanny_restarts=1)},
             {"w0": WorkerReport("w0", peak_rss=60 * MiB, pod_pinned_peak=50 * MiB, cgroup_peak=70 * MiB)},
         ]
@@ -416,20 +419,23 @@ def test_items_are_charged_the_pods_figures_of_the_segments_they_ran_in():
     flight = batch_run._Flight(None, None, None, batch_run.BatchSummary([]), batch_run.BatchHooks(), None)
     flight.session = SimpleNamespace(client=Client(), take_segment=lambda: next(segments))
 
-    def item(output):
+    def item(output, events=()):
         result = batch_run.ItemResult(BatchItem("in.h5:/data", "in.h5", output))
         plan = SimpleNamespace(passes=[], threads_per_worker=1)
         result.job = SimpleNamespace(spec=SimpleNamespace(output=SimpleNamespace(path=output)), plan=plan)
         # What run_job's worker_reports gave: the session's figures since the pods started.
         whole = WorkerReport("w0", peak_rss=300 * MiB, predicted_peak=100 * MiB, oom_kills=5, pod_pinned_peak=250 * MiB)
-        result.summary = SimpleNamespace(workers=[whole], events=ClusterEvents())
+        result.summary = SimpleNamespace(workers=[whole], events=ClusterEvents(exits=list(events)))
         flight._on_cluster.add(result)
         return result
 
     original = batch_run.end_of_conversion
     try:
         batch_run.end_of_conversion = lambda conversion, keep=0: None
-        big, small, last = item("big"), item("small"), item("last")
+        # Dask saw the last item's worker exit (its nanny restarted it) after the pods' segment
+        # ended: the item's own count stands.
+        big, small = item("big"), item("small")
+        last = item("last", events=[{"name": "w0", "exitcode": -9}])
         with flight.lock:
             flight._begin(big)
             flight._begin(small)
@@ -443,10 +449,12 @@ def test_items_are_charged_the_pods_figures_of_the_segments_they_ran_in():
     finally:
         batch_run.end_of_conversion = original
     (b,), (s,), (t,) = (r.summary.workers for r in (big, small, last))
-    assert (b.peak_rss, b.pod_pinned_peak, b.oom_kills) == (300 * MiB, 250 * MiB, 0)
-    assert (s.peak_rss, s.pod_pinned_peak, s.oom_kills, s.nanny_restarts) == (300 * MiB, 250 * MiB, 1, 1)
+    assert (b.peak_rss, b.pod_pinned_peak, b.oom_kills) == (300 * MiB, 250 * MiB, 1)
+    # Both segments' kills (added, not the higher), the highest of their peaks.
+    assert (s.peak_rss, s.pod_pinned_peak, s.oom_kills, s.nanny_restarts) == (300 * MiB, 250 * MiB, 2, 1)
     assert s.cgroup_peak == 320 * MiB and s.predicted_peak == 100 * MiB  # its own plan's figure stays
     assert (t.peak_rss, t.pod_pinned_peak, t.oom_kills, t.cgroup_peak) == (60 * MiB, 50 * MiB, 0, 70 * MiB)
+    assert t.nanny_restarts == 1
     # Negative control: without segments (a backend with no figures of its own) an item keeps the
     # whole session's figures it was given.
     plain = batch_run._Flight(None, None, None, batch_run.BatchSummary([]), batch_run.BatchHooks(), None)
@@ -461,6 +469,38 @@ def test_items_are_charged_the_pods_figures_of_the_segments_they_ran_in():
     finally:
         batch_run.end_of_conversion = original
     assert alone.summary.workers[0].oom_kills == 5 and alone.summary.workers[0].peak_rss == 300 * MiB
+
+
+def test_a_batch_item_sees_the_session_with_the_counts_it_started_with():
+    """Each item's cluster is a view of the batch's session whose ``reports_before`` hold the
+    backend's figures as the item started: read again first where the backend reads local files
+    (pod emulation), copies so later counts are not taken as the baseline."""
+    from h5ngff.backends.base import Session
+    from h5ngff.backends.diagnostics import WorkerReport
+
+    reports = {"pod-0": WorkerReport("pod-0", oom_kills=1)}
+    refreshed: list[int] = []
+
+    def refresh():
+        refreshed.append(1)
+        reports["pod-0"].oom_kills = 2  # a kill read at the item's start
+
+    session = Session(None, "local-pods", reports, refresh, take_segment=dict)
+    flight = batch_run._Flight(None, None, None, batch_run.BatchSummary([]), batch_run.BatchHooks(), None)
+    flight.session = session
+    result = batch_run.ItemResult(BatchItem("in.h5:/data", "in.h5", "out.ome.zarr"))
+    with flight._cluster_for(result)() as view:
+        assert refreshed == [1] and view.reports_before["pod-0"].oom_kills == 2
+        reports["pod-0"].oom_kills = 3  # the item's own kill
+        assert view.reports_before["pod-0"].oom_kills == 2 and view.client is session.client
+        assert view.extra_reports is reports  # the backend's figures themselves, read on
+    assert result in flight._on_cluster
+    # Negative control: a backend with no figures of its own to read (no segments) is not read
+    # again at each item's start (SLURM's would cost a round trip to every worker).
+    refreshed.clear()
+    flight.session = Session(None, "slurm", reports, refresh)
+    with flight._cluster_for(batch_run.ItemResult(BatchItem("b.h5:/d", "b.h5", "b.ome.zarr")))() as view:
+        assert refreshed == [] and view.reports_before["pod-0"].oom_kills == 3
 
 
 def test_worker_reports_count_a_batch_items_kills_from_its_start():
@@ -484,7 +524,6 @@ def test_the_ending_item_is_charged_the_segment_its_end_reads_and_a_failed_relea
     """An item's end reads the workers' marks after its release: that segment is the item's own
     last one, so its peak must go to the item too (one at a time, nothing else is running), and a
     release that fails on a worker must not lose the mark (it is reported beside it)."""
-    from types import SimpleNamespace
 
     calls: list[dict] = []
 

@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator
 
 import pytest
 from conftest import smooth, spec_for, write_h5
 
 from h5ngff.backends.base import Description, Session, connect, wait_for_workers
+from h5ngff.backends.diagnostics import WorkerReport
 from h5ngff.backends.external import ExternalBackend
 from h5ngff.backends.factory import BACKENDS, owning_kinds
 from h5ngff.backends.local import LocalBackend, LocalPodsBackend
 from h5ngff.engine.write.lock import output_lock
 from h5ngff.errors import ClusterError, OutputBusyError, OutputConflictError, SpecError
 from h5ngff.planner.model import Capacity, Plan
-from h5ngff.runner import Linger, Outcome, execute, plan_job
+from h5ngff.runner import Linger, Outcome, execute, plan_job, run_job
 from h5ngff.spec import ConversionSpec
 
 # The sequence runs on the suite's shared Dask cluster (real processes).
@@ -228,3 +230,59 @@ def _raise(exc: BaseException):
         raise exc
 
     return check
+
+
+class LateFigures:
+    """The shared cluster through the real ExternalBackend, with figures of its own that it reads
+    again once its session has closed, as pod emulation and SLURM do (the kernel's last kill
+    count, slurmstepd's oom-kill lines): a kill that shows only then."""
+
+    name = "late-figures"
+
+    def __init__(self, address: str):
+        self.real = ExternalBackend(address)
+        self.reports = {"late": WorkerReport("late")}
+        self.during: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    @contextmanager
+    def session(self, plan: Plan) -> Iterator[Session]:
+        try:
+            with self.real.session(plan) as session:
+                yield replace(session, extra_reports=self.reports)
+                self.during.append(self.reports["late"].oom_kills)
+        finally:
+            self.reports["late"].oom_kills = 2
+            self.reports["late"].cgroup_peak = 123 << 20
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
+def test_a_single_run_takes_the_figures_its_backend_reads_after_closing(
+    shared_cluster, source, tmp_path, monkeypatch, fails
+):
+    """The summary's worker reports are copies of the backend's (a batch's items each get their
+    own); what the backend reads after its last process stopped still reaches them, on a failure
+    that is not a killed worker too."""
+    import h5ngff.runner as runner_module
+    from h5ngff.errors import SourceError
+
+    backend = LateFigures(shared_cluster.scheduler_address)
+    job = plan_job(spec_for(source, str(tmp_path / "out.ome.zarr"), resources={"workers": 1}), backend)
+    if fails:
+
+        def broken(*args, **kwargs):
+            raise SourceError("a slab could not be read")
+
+        monkeypatch.setattr(runner_module, "run_conversion", broken)
+        with pytest.raises(SourceError) as caught:
+            run_job(job, backend)
+        summary = caught.value.summary
+    else:
+        summary = run_job(job, backend)
+        assert backend.during == [0]  # the kill was not there while the session was open
+    (worker,) = summary.workers
+    assert (worker.oom_kills, worker.cgroup_peak) == (2, 123 << 20), worker
+    assert worker.predicted_peak == job.plan.memory.predicted_peak
+    assert backend.reports["late"].predicted_peak == 0  # the backend's own report is not the summary's

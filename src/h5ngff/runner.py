@@ -285,31 +285,36 @@ def _convert(
         summary.status = "Succeeded"
         return
     failure = None
-    with cluster() if cluster is not None else backend.session(job.plan) as session:
-        # The one sampler of the workers: the report's peaks and timeline, and the metrics.
-        poller = ClusterPoller(session, job.plan)
-        try:
-            with (
-                metrics.attached(poller, job.plan) if metrics is not None else nullcontext(),
-                poller.running(at_start=cluster is None or metrics is not None),
-            ):
-                try:
-                    summary.totals = run_conversion(
-                        session.client, job.plan, job.spec, output, events, guard, job.reader
-                    )
-                except (KilledWorker, WorkersLostError) as exc:
-                    failure = exc
-        finally:
-            # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
-            _collect_workers(summary, job.plan, poller, session, started)
-    # The session has closed: the pods' counters are final (the backend re-read them after the
-    # last process stopped: the kernel's last kills, slurmstepd's oom-kill lines), so the message,
-    # the JSON and the metrics give the same counts. A batch's shared session is still open.
-    if cluster is None:
-        summary.workers = [
-            w.read_again(session.extra_reports[w.name]) if w.name in session.extra_reports else w
-            for w in summary.workers
-        ]
+    opened: Session | None = None
+    try:
+        with cluster() if cluster is not None else backend.session(job.plan) as session:
+            opened = session
+            # The one sampler of the workers: the report's peaks and timeline, and the metrics.
+            poller = ClusterPoller(session, job.plan)
+            try:
+                with (
+                    metrics.attached(poller, job.plan) if metrics is not None else nullcontext(),
+                    poller.running(at_start=cluster is None or metrics is not None),
+                ):
+                    try:
+                        summary.totals = run_conversion(
+                            session.client, job.plan, job.spec, output, events, guard, job.reader
+                        )
+                    except (KilledWorker, WorkersLostError) as exc:
+                        failure = exc
+            finally:
+                # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
+                _collect_workers(summary, job.plan, poller, session, started)
+    finally:
+        # The session has closed: its backend re-read its figures after the last process stopped
+        # (the kernel's last kills, slurmstepd's oom-kill lines). On every way out, a failure's
+        # too, the summary's copies take them, so the message, the JSON and the metrics give the
+        # same counts. A batch's shared session is still open (its items' figures: batch/run.py).
+        if cluster is None and opened is not None:
+            summary.workers = [
+                w.read_again(opened.extra_reports[w.name]) if w.name in opened.extra_reports else w
+                for w in summary.workers
+            ]
     if metrics is not None:
         metrics.settle(summary.workers)
     if failure is not None:

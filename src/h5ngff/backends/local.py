@@ -251,6 +251,9 @@ class PodCluster:
         self.meters: dict[str, PeakMeter] = {}
         #: Each pod's counts (kills, restarts, terminations) when its current segment began.
         self._counted: dict[str, tuple[int, int, int, int]] = {}
+        #: ``refresh`` runs from the pollers', the batch items' and the batch's own threads: one
+        #: at a time, so a slow reader never writes an older count over a newer one.
+        self._reading = threading.RLock()
         self._scheduler: LocalCluster | None = None
         self._dir: str | None = None  # made by __enter__, removed or kept by __exit__
         self._token = uuid.uuid4().hex[:8]
@@ -359,12 +362,16 @@ class PodCluster:
         wait_for_workers(client, len(self.pods), WORKER_START_TIMEOUT, lambda have: refuse(), check, interval=0.1)
 
     def refresh(self) -> None:
+        with self._reading:
+            self._refresh()
+
+    def _refresh(self) -> None:
         peaks = self.watcher.peaks
         for pod in self.pods:
             report = self.reports[pod.name]
             try:
                 report.cgroup_peak = self.meters[pod.name].total()
-                report.oom_kills = pod.cgroup.oom_kills()
+                report.oom_kills = max(report.oom_kills, pod.cgroup.oom_kills())
             except OSError:
                 pass
             if pod.name in peaks:
@@ -384,15 +391,19 @@ class PodCluster:
         from now: the peaks the watcher and the kernel saw in it and the kills, restarts and
         terminations counted in it. A batch charges each item with the segments it ran in
         (batch/run.py); ``reports`` stay the whole session's."""
+        with self._reading:
+            return self._take_segment()
+
+    def _take_segment(self) -> dict[str, WorkerReport]:
         segments = self.watcher.take_segment()
-        self.refresh()
+        self._refresh()
         out = {}
         for pod in self.pods:
             total = self.reports[pod.name]
             counts = (total.oom_kills, total.nanny_restarts, total.memory_terminations, total.pod_restarts)
             before = self._counted.get(pod.name, (0, 0, 0, 0))
             self._counted[pod.name] = counts
-            kills, restarts, terminations, pod_restarts = (now - then for now, then in zip(counts, before))
+            kills, restarts, terminations, pod_restarts = (max(0, now - then) for now, then in zip(counts, before))
             p = segments.get(pod.name) or PodPeaks()
             try:
                 cgroup_peak = self.meters[pod.name].take_segment()

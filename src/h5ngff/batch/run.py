@@ -428,7 +428,9 @@ class _Flight:
         files); a SLURM job's figures are as last read, a round trip to every worker away."""
         if session.take_segment is not None:
             session.refresh()
-        return replace(session, reports_before={name: replace(r) for name, r in session.extra_reports.items()})
+        # list(): SLURM's watcher thread may add a worker's name meanwhile.
+        before = {name: replace(report) for name, report in list(session.extra_reports.items())}
+        return replace(session, reports_before=before)
 
     def _begin(self, result: ItemResult) -> None:
         """Under ``lock``, as the item is launched. No mark is taken here: the segment running now

@@ -164,6 +164,8 @@ class ClusterPoller:
         self.client = session.client
         self.planned_pod_limit = session.enforced_pod_limit(plan)
         self.extra_reports = session.extra_reports
+        #: A batch item's view: the counts the backend had when the item started are not its own.
+        self.reports_before = session.reports_before
         self.refresh = session.refresh
         #: Events older than this belong to earlier runs on the same (external) cluster.
         self.since = time.time()
@@ -283,6 +285,8 @@ class ClusterPoller:
         names = set(snapshot.workers) | set(restarts) | set(ooms) | set(terminations) | set(self.extra_reports)
         for name in names:
             report = self.extra_reports.get(name)
+            if report is not None:
+                report = report.counted_since(self.reports_before.get(name))
             snapshot.nanny_restarts[name] = max(restarts[name], getattr(report, "nanny_restarts", 0))
             snapshot.oom_kills[name] = max(ooms[name], getattr(report, "oom_kills", 0))
             snapshot.memory_terminations[name] = max(terminations[name], getattr(report, "memory_terminations", 0))
