@@ -377,11 +377,8 @@ class PodCluster:
             if pod.name in peaks:
                 p = peaks[pod.name]
                 report.peak_rss = max(report.peak_rss, p.worker_hwm)
-                report.pod_nonreclaimable_peak = p.nonreclaimable or None
-                report.pod_nonreclaimable_terms = dict(p.terms_at_peak) or None
-                report.pod_pinned_peak = p.pinned or None
-                report.pod_dirty_peak = p.dirty
-                report.nanny_anon_peak = p.nanny_anon or None
+                for key, value in p.report_fields().items():
+                    setattr(report, key, value)
             text = self._log_text(pod)  # append-only while the run lasts: a count never falls
             report.nanny_restarts = max(report.nanny_restarts, text.count("Restarting worker"))
             report.memory_terminations = max(report.memory_terminations, text.count("memory budget. Restarting"))
@@ -420,11 +417,7 @@ class PodCluster:
                 nanny_restarts=restarts,
                 memory_terminations=terminations,
                 pod_restarts=pod_restarts,
-                pod_nonreclaimable_peak=p.nonreclaimable or None,
-                pod_nonreclaimable_terms=dict(p.terms_at_peak) or None,
-                pod_pinned_peak=p.pinned or None,
-                pod_dirty_peak=p.dirty,
-                nanny_anon_peak=p.nanny_anon or None,
+                **p.report_fields(),
             )
         return out
 

@@ -24,6 +24,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .cgroups import MemoryCgroup, nonreclaimable_terms
 
@@ -127,6 +128,16 @@ class PodPeaks:
     #: RSS (anon + file + shmem) of every pod process the kernel OOM-killed, from its kill record
     killed_rss: dict[int, int] = field(default_factory=dict)
     samples: int = 0
+
+    def report_fields(self) -> dict[str, Any]:
+        """These peaks as a WorkerReport's pod fields (None where no sample saw any)."""
+        return {
+            "pod_nonreclaimable_peak": self.nonreclaimable or None,
+            "pod_nonreclaimable_terms": dict(self.terms_at_peak) or None,
+            "pod_pinned_peak": self.pinned or None,
+            "pod_dirty_peak": self.dirty,
+            "nanny_anon_peak": self.nanny_anon or None,
+        }
 
     def note(self, terms: dict[str, int], total: int) -> None:
         """One sample of the pod's cgroup (``terms``: read_nonreclaimable; ``total``: their sum)."""
