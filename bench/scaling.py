@@ -636,8 +636,8 @@ def _f(v: float | None, digits: int = 2) -> str:
 
 
 def paired_ratio(run: dict[str, Any], limits: list[dict[str, Any]]) -> float | None:
-    """The run's whole-tree CPU against the limit measured in its own round, a minute or so
-    before it. This machine's speed drifts by 10-20 % within minutes (the same limit measured
+    """The run's whole-tree CPU against the limit measured in its own round, just before the
+    round's runs. This machine's speed drifts by 10-20 % within minutes (the same limit measured
     16.5 and 19.2 CPU-s ten minutes apart), so the least limit of all rounds makes every run but
     the fastest round's look worse than it is; the paired ratio does not."""
     round_index = run["round"] - 1

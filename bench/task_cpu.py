@@ -1,7 +1,7 @@
 """Where a worker's CPU goes: inside the slab tasks, or in Dask around them. One real conversion
 on the local backend; every worker counts the CPU its task threads spend in ``run_slab``
-(``time.thread_time``), and at the end its whole process's CPU is read from the kernel, per
-thread. The limit (``bench.limit``) and the same slab work in one process without Dask
+(``time.thread_time``), and at the end its whole process's CPU is read from the kernel (also
+per thread, in the JSON-able figures ``run_counted`` returns). The limit (``bench.limit``) and the same slab work in one process without Dask
 (``bench.cpu_work``) run before it on the same input, so the three compare within a minute.
 
     PYTHONPATH=src .venv/bin/python -m bench.task_cpu [--scale 1] [--workers 2] [--case f32] [--rounds 2]

@@ -341,7 +341,6 @@ def test_largest_first_and_passes():
     assert row["submitted_x"] == 1.5 and row["largest_first_x"] == 1.0
 
 
-@pytest.mark.slow
 def test_each_scaling_run_is_also_set_against_its_own_rounds_limit():
     """The machine's speed drifts between rounds: a run is set against the limit measured just
     before it, not only the least of all rounds."""
@@ -354,6 +353,7 @@ def test_each_scaling_run_is_also_set_against_its_own_rounds_limit():
     assert paired_ratio(second, []) is None  # --no-limit
 
 
+@pytest.mark.slow
 def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path):
     """One tiny conversion with 2 workers through bench.scaling, in its own process (it makes
     itself a child subreaper)."""

@@ -291,5 +291,11 @@ def test_each_batch_item_reports_its_own_pod_figures(tmp_path, monkeypatch):
     # item's peaks, above its own plan.
     monkeypatch.setattr(PodCluster, "take_segment", property(lambda self: None))
     big, small = _batch_under_pods(tmp_path, "whole")
-    assert small.peak_rss > small.predicted_peak, (small.peak_rss, small.predicted_peak)
+    # (The big item's row also holds the mark read at its end, a few KiB above what the watcher
+    # had sampled: hence the 1 MiB.)
+    assert small.peak_rss >= big.peak_rss - (1 << 20) and small.peak_rss > small.predicted_peak, (
+        small.peak_rss,
+        big.peak_rss,
+        small.predicted_peak,
+    )
     assert _most(small, "pod_pinned_peak") >= _most(big, "pod_pinned_peak")

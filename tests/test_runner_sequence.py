@@ -286,3 +286,22 @@ def test_a_single_run_takes_the_figures_its_backend_reads_after_closing(
     assert (worker.oom_kills, worker.cgroup_peak) == (2, 123 << 20), worker
     assert worker.predicted_peak == job.plan.memory.predicted_peak
     assert backend.reports["late"].predicted_peak == 0  # the backend's own report is not the summary's
+
+
+def test_final_reports_fall_back_to_the_backends_own_where_collecting_failed():
+    """A run whose figures could not be collected (a broken cluster) still reports the backend's
+    own, with its plan's figures; where they were collected, each takes the backend's last read."""
+    from types import SimpleNamespace
+
+    from h5ngff.runner import final_reports
+
+    plan = SimpleNamespace(memory=SimpleNamespace(predicted_peak=10, memory_limit=20, pod_limit=30))
+    pods = {"pod-0": WorkerReport("pod-0", oom_kills=1, cgroup_peak=25)}
+    session = Session(None, "local-pods", pods)
+    (filled,) = final_reports([], session, plan)
+    assert (filled.oom_kills, filled.cgroup_peak, filled.predicted_peak, filled.pod_limit) == (1, 25, 10, 30)
+    assert filled is not pods["pod-0"]
+    (merged,) = final_reports([WorkerReport("pod-0", peak_rss=7, predicted_peak=10)], session, plan)
+    assert (merged.peak_rss, merged.oom_kills, merged.predicted_peak) == (7, 1, 10)
+    # Negative control: a backend with no figures of its own leaves an empty list empty.
+    assert final_reports([], Session(None, "local"), plan) == []

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from distributed.scheduler import KilledWorker
@@ -307,14 +307,11 @@ def _convert(
                 _collect_workers(summary, job.plan, poller, session, started)
     finally:
         # The session has closed: its backend re-read its figures after the last process stopped
-        # (the kernel's last kills, slurmstepd's oom-kill lines). On every way out, a failure's
-        # too, the summary's copies take them, so the message, the JSON and the metrics give the
-        # same counts. A batch's shared session is still open (its items' figures: batch/run.py).
+        # (the kernel's last kills, slurmstepd's oom-kill lines). On a failure's way out too, the
+        # summary's copies take them, so the message, the JSON and the metrics give the same
+        # counts. A batch's shared session is still open (its items' figures: batch/run.py).
         if cluster is None and opened is not None:
-            summary.workers = [
-                w.read_again(opened.extra_reports[w.name]) if w.name in opened.extra_reports else w
-                for w in summary.workers
-            ]
+            summary.workers = final_reports(summary.workers, opened, job.plan)
     if metrics is not None:
         metrics.settle(summary.workers)
     if failure is not None:
@@ -349,6 +346,22 @@ def _failed_totals(summary: RunSummary, events: Broadcast, exc: H5ngffError) -> 
         bytes_written=p.bytes_written,
         store_retries=p.store_retries,
     )
+
+
+def final_reports(workers: list[WorkerReport], session: Session, plan: Plan) -> list[WorkerReport]:
+    """The summary's worker reports with the backend's figures as it read them last. Where
+    collecting them failed (none), the backend's own, with the plan's figures."""
+    if not workers:
+        return [
+            replace(
+                report,
+                predicted_peak=plan.memory.predicted_peak,
+                memory_limit=plan.memory.memory_limit,
+                pod_limit=report.pod_limit or session.enforced_pod_limit(plan),
+            )
+            for report in session.extra_reports.values()
+        ]
+    return [w.read_again(session.extra_reports[w.name]) if w.name in session.extra_reports else w for w in workers]
 
 
 def _collect_workers(summary: RunSummary, plan: Plan, sampler: ClusterPoller, session: Session, since: float) -> None:

@@ -206,7 +206,9 @@ class PeakMeter:
 
     def total(self) -> int | None:
         peak = self.cgroup.peak()
-        return None if peak is None else max(peak, self._earlier)
+        if peak is None:  # no such file here, or the cgroup is gone: what the segments saw
+            return self._earlier or None
+        return max(peak, self._earlier)
 
     def take_segment(self) -> int | None:
         if self.cgroup.version == 1:

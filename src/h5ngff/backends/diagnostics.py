@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -251,7 +252,7 @@ class WorkerReport:
         """These figures with the counts (kills, restarts, terminations) less ``before``'s: what
         happened since a batch's item started, on a backend whose counts run from its start."""
         if before is None:
-            return self
+            return replace(self)
         return replace(
             self,
             oom_kills=max(0, self.oom_kills - before.oom_kills),
@@ -284,11 +285,11 @@ class ClusterEvents:
     def restarts_by_worker(self) -> dict[str, int]:
         """Per worker name, its processes that exited non-zero: the nanny restarts each, on every
         backend."""
-        counts: dict[str, int] = {}
-        for event in self.exits:
-            if event.get("exitcode") not in (0, None) and event.get("name") is not None:
-                counts[str(event["name"])] = counts.get(str(event["name"]), 0) + 1
-        return counts
+        return dict(
+            Counter(
+                str(e["name"]) for e in self.exits if e.get("exitcode") not in (0, None) and e.get("name") is not None
+            )
+        )
 
     def terminated_peaks(self) -> dict[str, int]:
         """Per worker name, the highest peak of a worker the nanny terminated for memory: the

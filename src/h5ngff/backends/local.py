@@ -249,11 +249,13 @@ class PodCluster:
         self.watcher = PodWatcher()
         #: Each pod's cgroup high-water mark, whole and in segments (``take_segment``).
         self.meters: dict[str, PeakMeter] = {}
-        #: Each pod's counts (kills, restarts, terminations) when its current segment began.
+        #: Each pod's counts (kills, nanny restarts, terminations, pod restarts) when its current
+        #: segment began.
         self._counted: dict[str, tuple[int, int, int, int]] = {}
-        #: ``refresh`` runs from the pollers', the batch items' and the batch's own threads: one
-        #: at a time, so a slow reader never writes an older count over a newer one.
-        self._reading = threading.RLock()
+        #: ``refresh`` and ``take_segment`` run from the pollers', the batch items' and the
+        #: batch's own threads: one at a time, so a segment's baseline counts (``_counted``) and
+        #: each meter's read-then-reset pair are never interleaved, nor a meter closed under them.
+        self._reading = threading.Lock()
         self._scheduler: LocalCluster | None = None
         self._dir: str | None = None  # made by __enter__, removed or kept by __exit__
         self._token = uuid.uuid4().hex[:8]
@@ -455,8 +457,9 @@ class PodCluster:
         # are these, read while the cgroups still exist.
         self.watcher.stop()
         self.refresh() if self.pods else None
-        for meter in self.meters.values():
-            meter.close()
+        with self._reading:  # a batch's item thread may still be taking a segment
+            for meter in self.meters.values():
+                meter.close()
         for pod in self.pods:
             pod.cgroup.remove()
         if self._scheduler is not None:

@@ -392,6 +392,8 @@ class _Flight:
         session = self.stack.enter_context(self.backend.session(self.plan))
         self.summary.cluster_starts += 1
         session.client.run(reset_peak_rss)  # the items' peaks, not the workers' start
+        if session.take_segment is not None:
+            session.take_segment()  # nor the pods' figures of it (their start, a restart in it)
         return session
 
     # -- in each item's thread ---------------------------------------------------------------
@@ -461,6 +463,13 @@ class _Flight:
             result.beside_bytes = self.beside_bytes if result.beside else 0
             peaks = self._peaks.pop(result, {})
             segments = self._segments.pop(result, {})
+        if result.summary is not None and segments and not result.summary.workers and result.job is not None:
+            # Collecting its figures failed: the segments' are the item's all the same.
+            memory = result.job.plan.memory
+            result.summary.workers = [
+                replace(figures, predicted_peak=memory.predicted_peak, memory_limit=memory.memory_limit)
+                for figures in segments.values()
+            ]
         if result.summary is not None:
             last = result.summary.events.terminated_peaks() if segments else {}
             restarts = result.summary.events.restarts_by_worker() if segments else {}
