@@ -27,7 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ..backends.base import Backend, Session
-from ..backends.diagnostics import WorkerReport, reset_peak_rss, take_peak_rss
+from ..backends.diagnostics import ClusterEvents, WorkerReport, reset_peak_rss, take_peak_rss
 from ..engine.buffers import capacity
 from ..engine.progress import Listener, Progress
 from ..engine.write.tasks import end_of_conversion
@@ -471,22 +471,9 @@ class _Flight:
                 for figures in segments.values()
             ]
         if result.summary is not None:
-            last = result.summary.events.terminated_peaks() if segments else {}
-            restarts = result.summary.events.restarts_by_worker() if segments else {}
             for i, worker in enumerate(result.summary.workers):
                 if worker.name in segments:
-                    # The backend's figures over this item's segments, not the session's, which
-                    # hold every item before it (the largest one's peaks, its kills).
-                    worker = result.summary.workers[i] = replace(
-                        segments[worker.name],
-                        predicted_peak=worker.predicted_peak,
-                        memory_limit=worker.memory_limit,
-                        pod_limit=worker.pod_limit,
-                        peak_rss=max(segments[worker.name].peak_rss, last.get(worker.name, 0)),
-                        # Dask's own count of the item's restarts (its events), where the nanny's
-                        # log line came after the segment's end.
-                        nanny_restarts=max(segments[worker.name].nanny_restarts, restarts.get(worker.name, 0)),
-                    )
+                    worker = result.summary.workers[i] = charged(worker, segments[worker.name], result.summary.events)
                 worker.peak_rss = max(worker.peak_rss, peaks.get(worker.name, 0))
 
     def _take_peaks(self, release: Callable[[], object], ended: ItemResult) -> None:
@@ -539,6 +526,21 @@ class _Flight:
     def newest(self) -> ItemResult | None:
         """The item that started last among those running: the one the metrics show."""
         return self.running[-1] if self.running else None
+
+
+def charged(worker: WorkerReport, segments: WorkerReport, events: ClusterEvents) -> WorkerReport:
+    """An item's report of one worker: the backend's figures over the segments the item ran in
+    (``segments``), not the session's, which hold every item before it (the largest one's peaks,
+    its kills), with the item's own plan figures and what Dask told the item itself (``events``:
+    a worker terminated for memory, a restart whose nanny's log line came after the segment)."""
+    return replace(
+        segments,
+        predicted_peak=worker.predicted_peak,
+        memory_limit=worker.memory_limit,
+        pod_limit=worker.pod_limit,
+        peak_rss=max(segments.peak_rss, events.terminated_peaks().get(worker.name, 0)),
+        nanny_restarts=max(segments.nanny_restarts, events.restarts_by_worker().get(worker.name, 0)),
+    )
 
 
 class _Reply:
