@@ -317,3 +317,79 @@ def test_the_cgroup_peak_meter_reads_each_segment_and_the_whole(tmp_path):
     finally:
         meter.close()
         group.remove()
+
+
+def test_the_watcher_ends_a_segment_and_keeps_the_whole(monkeypatch):
+    """``take_segment`` hands over each pod's peaks since the last call and starts again, while
+    ``peaks`` keep the pod's whole life; a new segment starts from the nanny's last figure (it is
+    read only every NANNY_EVERY samples, and is steady)."""
+    from h5ngff.backends import podwatch
+
+    class Pod:  # a nanny (pid 1) and its worker (pid 4242)
+        def pids(self):
+            return [4242, 1]
+
+    state = {"anon": 300 * MiB, "hwm": 280 * MiB}
+    monkeypatch.setattr(podwatch, "_cmdline", lambda pid: b"spawn_main" if pid == 4242 else b"dask-worker\0")
+    monkeypatch.setattr(
+        podwatch,
+        "read_nonreclaimable",
+        lambda cgroup: {"anon": state["anon"], "shmem": 0, "dirty": 0, "writeback": 0, "unevictable": 0},
+    )
+    monkeypatch.setattr(
+        podwatch, "read_status", lambda pid: {"VmHWM": state["hwm"]} if pid == 4242 else {"RssAnon": 50 * MiB}
+    )
+    watcher = PodWatcher()
+    watcher.watch("pod-0", Pod(), nanny_pid=1)
+    watcher.sample()  # the first sample reads the nanny too
+    first = watcher.take_segment()["pod-0"]
+    assert (first.pinned, first.worker_hwm, first.nanny_anon) == (300 * MiB, 280 * MiB, 50 * MiB)
+    state.update(anon=120 * MiB, hwm=100 * MiB)  # a batch reset the worker's high-water mark
+    second = watcher.take_segment()["pod-0"]  # its own last sample only: no nanny read in it
+    assert (second.pinned, second.worker_hwm, second.nanny_anon) == (120 * MiB, 100 * MiB, 50 * MiB)
+    # Control: the whole life is not the segment's.
+    whole = watcher.peaks["pod-0"]
+    assert (whole.pinned, whole.worker_hwm) == (300 * MiB, 280 * MiB)
+
+
+def test_a_pods_segment_counts_only_what_happened_in_it(tmp_path):
+    """PodCluster.take_segment: the kills, restarts and terminations counted since the last
+    segment (the cgroup's kill counter and the nanny's log run from the pod's start), and the
+    cgroup's peak of the segment; the session's reports keep the whole."""
+    from types import SimpleNamespace
+
+    from h5ngff.backends.diagnostics import WorkerReport
+    from h5ngff.backends.local import Pod, PodCluster
+
+    class Cgroup:
+        kills = 0
+
+        def oom_kills(self):
+            return self.kills
+
+    class Meter:
+        def __init__(self):
+            self.peaks = iter([200 * MiB, 90 * MiB])
+
+        def total(self):
+            return 200 * MiB
+
+        def take_segment(self):
+            return next(self.peaks)
+
+    log = tmp_path / "pod-0.log"
+    log.write_text("")
+    pods = PodCluster(SimpleNamespace(), {}, {}, 256 * MiB)
+    group = Cgroup()
+    pods.pods = [Pod(0, "pod-0", None, group, str(log))]
+    pods.reports = {"pod-0": WorkerReport("pod-0", pod_limit=256 * MiB)}
+    pods.meters = {"pod-0": Meter()}
+    group.kills = 1
+    log.write_text("Restarting worker\n")
+    first = pods.take_segment()["pod-0"]
+    assert (first.oom_kills, first.nanny_restarts, first.cgroup_peak) == (1, 1, 200 * MiB)
+    group.kills = 3  # two more kills, no more restarts
+    second = pods.take_segment()["pod-0"]
+    assert (second.oom_kills, second.nanny_restarts, second.cgroup_peak) == (2, 0, 90 * MiB)
+    # Control: the session's report counts from the pod's start.
+    assert (pods.reports["pod-0"].oom_kills, pods.reports["pod-0"].nanny_restarts) == (3, 1)
