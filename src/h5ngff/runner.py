@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from distributed.scheduler import KilledWorker
@@ -352,15 +352,7 @@ def final_reports(workers: list[WorkerReport], session: Session, plan: Plan) -> 
     """The summary's worker reports with the backend's figures as it read them last. Where
     collecting them failed (none), the backend's own, with the plan's figures."""
     if not workers:
-        return [
-            replace(
-                report,
-                predicted_peak=plan.memory.predicted_peak,
-                memory_limit=plan.memory.memory_limit,
-                pod_limit=report.pod_limit or session.enforced_pod_limit(plan),
-            )
-            for report in session.extra_reports.values()
-        ]
+        return [session.with_plan(report, plan) for report in session.extra_reports.values()]
     return [w.read_again(session.extra_reports[w.name]) if w.name in session.extra_reports else w for w in workers]
 
 

@@ -132,11 +132,18 @@ class Session:
             )
             report.nanny_restarts = max(report.nanny_restarts, restarts.get(name, 0))
             report.peak_rss = max(report.peak_rss, peaks.get(name, 0), last_peaks.get(name, 0))
-            report.predicted_peak = plan.memory.predicted_peak
-            report.memory_limit = plan.memory.memory_limit
-            report.pod_limit = report.pod_limit or self.enforced_pod_limit(plan)
-            reports.append(report)
+            reports.append(self.with_plan(report, plan))
         return reports
+
+    def with_plan(self, report: WorkerReport, plan: Plan) -> WorkerReport:
+        """``report`` with the plan's figures beside its own: the predicted peak, Dask's
+        memory_limit and the pod limit enforced (the pod's own where the backend set one)."""
+        return replace(
+            report,
+            predicted_peak=plan.memory.predicted_peak,
+            memory_limit=plan.memory.memory_limit,
+            pod_limit=report.pod_limit or self.enforced_pod_limit(plan),
+        )
 
     def diagnose(
         self, failure: BaseException, events: ClusterEvents, plan: Plan, workers: list[WorkerReport]

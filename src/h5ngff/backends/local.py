@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.machinery import ModuleSpec
 from typing import Any, ContextManager, Iterator
 
@@ -249,9 +249,8 @@ class PodCluster:
         self.watcher = PodWatcher()
         #: Each pod's cgroup high-water mark, whole and in segments (``take_segment``).
         self.meters: dict[str, PeakMeter] = {}
-        #: Each pod's counts (kills, nanny restarts, terminations, pod restarts) when its current
-        #: segment began.
-        self._counted: dict[str, tuple[int, int, int, int]] = {}
+        #: Each pod's report when its current segment began (its counts run from the pod's start).
+        self._counted: dict[str, WorkerReport] = {}
         #: ``refresh`` and ``take_segment`` run from the pollers', the batch items' and the
         #: batch's own threads: one at a time, so a segment's baseline counts (``_counted``) and
         #: each meter's read-then-reset pair are never interleaved, nor a meter closed under them.
@@ -399,28 +398,14 @@ class PodCluster:
         out = {}
         for pod in self.pods:
             total = self.reports[pod.name]
-            counts = (total.oom_kills, total.nanny_restarts, total.memory_terminations, total.pod_restarts)
-            before = self._counted.get(pod.name, (0, 0, 0, 0))
-            self._counted[pod.name] = counts
-            kills, restarts, terminations, pod_restarts = (max(0, now - then) for now, then in zip(counts, before))
+            before, self._counted[pod.name] = self._counted.get(pod.name), replace(total)
             p = segments.get(pod.name) or PodPeaks()
             try:
                 cgroup_peak = self.meters[pod.name].take_segment()
             except OSError:  # the cgroup is going
                 cgroup_peak = total.cgroup_peak
-            out[pod.name] = WorkerReport(
-                name=pod.name,
-                peak_rss=p.worker_hwm,
-                predicted_peak=total.predicted_peak,
-                memory_limit=total.memory_limit,
-                pod_limit=total.pod_limit,
-                cgroup_peak=cgroup_peak,
-                oom_kills=kills,
-                nanny_restarts=restarts,
-                memory_terminations=terminations,
-                pod_restarts=pod_restarts,
-                **p.report_fields(),
-            )
+            segment = replace(total, peak_rss=p.worker_hwm, cgroup_peak=cgroup_peak, **p.report_fields())
+            out[pod.name] = segment.counted_since(before)
         return out
 
     def _log_text(self, pod: Pod) -> str:

@@ -465,11 +465,8 @@ class _Flight:
             segments = self._segments.pop(result, {})
         if result.summary is not None and segments and not result.summary.workers and result.job is not None:
             # Collecting its figures failed: the segments' are the item's all the same.
-            memory = result.job.plan.memory
-            result.summary.workers = [
-                replace(figures, predicted_peak=memory.predicted_peak, memory_limit=memory.memory_limit)
-                for figures in segments.values()
-            ]
+            assert self.session is not None  # segments come only from the session
+            result.summary.workers = [self.session.with_plan(f, result.job.plan) for f in segments.values()]
         if result.summary is not None:
             for i, worker in enumerate(result.summary.workers):
                 if worker.name in segments:
