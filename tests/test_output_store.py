@@ -17,7 +17,7 @@ from h5ngff.engine.write.manifest import MANIFEST_KEY, MANIFEST_PREFIX, Manifest
 from h5ngff.engine.write.output import object_marker, remove_ours
 from h5ngff.engine.stores import LocalStore
 
-CONTENT = {"shape": [8, 8, 8], "dtype": "<u2", "chunks": [4, 4, 4]}
+CONTENT = {"shape": [8, 8, 8], "dtype": "<u2", "chunks": [4, 4, 4], "levels": 1}
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -446,6 +446,31 @@ def _dispatch(args: argparse.Namespace) -> int:
         else:
             print(json.dumps({"status": "Failed", "reason": exc.reason, "message": str(exc)}))
         return code
+    except (KeyboardInterrupt, BrokenPipeError, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: one clear line and exit 1, not a traceback
+        return _internal_error(exc, as_json, errors, bool(getattr(args, "verbose", 0)))
+
+
+def _internal_error(exc: Exception, as_json: bool, errors: Console, verbose: bool) -> int:
+    """An exception h5ngff did not expect (a bug, not bad input): say so in one line with what to
+    do, keep the traceback for -v, and exit 1 like any failed run (--json still gets its document).
+    An output it was writing is left as a partial output that the same command resumes."""
+    what = f"{type(exc).__name__}: {exc}"
+    message = (
+        f"h5ngff stopped on an unexpected error, a bug in h5ngff rather than in your input ({what}). "
+        f"Re-run with -v for the traceback and report it with the command that failed; an output it was "
+        f"writing is kept, and the same command resumes it once fixed."
+    )
+    if verbose:
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+    if as_json:
+        print(json.dumps({"status": "Failed", "reason": "InternalError", "message": message}))
+    else:
+        errors.print(f"[red]error[/red] (InternalError): {escape(message)}", highlight=False, soft_wrap=True)
+    return int(ExitCode.FAILED)
 
 
 def _exit_code(exc: H5ngffError) -> int:

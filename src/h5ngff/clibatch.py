@@ -8,6 +8,7 @@ batch's plan, an overall bar over a bar per item, the summary table); the batch 
 from __future__ import annotations
 
 import argparse
+import os
 import json
 from collections import Counter
 from contextlib import nullcontext
@@ -151,16 +152,31 @@ def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespa
             "Expected --memory-report with one conversion; a batch reports each item's peak against its plan in its summary.",
         )
     if not is_template(template) and len(sources := expand_sources(patterns)) > 1:
-        raise SpecError(
-            "output",
-            f"Expected an output template such as out/{{stem}}.ome.zarr for {len(sources)} sources. Got {template!r} instead.",
-        )
+        raise SpecError("output", several_sources_one_output(sources, template))
     items = batch_items(patterns, template)
 
     def spec_for(item: BatchItem) -> ConversionSpec:
         return spec_for_source(item.source, item.output, args)
 
     return _run(items, spec_for, backend_from_args(args, None), args, console)
+
+
+def several_sources_one_output(sources: Sequence[tuple[str, str]], output: str) -> str:
+    """Why several sources and one plain output path are refused, with the two things the user
+    may have meant: one output per source (a template), or one image stacking datasets of a file."""
+    files = list(dict.fromkeys(path for _, path in sources))
+    datasets = [split_pattern(source)[1] for source, _ in sources]
+    if len(files) == 1 and all(datasets):
+        stacked = f"{files[0]}:{','.join(d for d in datasets if d)}"
+    else:
+        stacked = f"{files[0]}:/ch0,/ch1"
+    names = ", ".join(repr(source) for source, _ in sources[:3]) + (", ..." if len(sources) > 3 else "")
+    return (
+        f"Expected one source for the output {output!r}, or an output template. Got {len(sources)} sources ({names}) "
+        f"instead, and one output cannot hold them apart. Either give a template such as "
+        f"'{os.path.join(os.path.dirname(output), '{stem}.ome.zarr')}' for one output per file, or stack datasets of one "
+        f"file into one image with one source: {stacked!r} (--stack-axis c|t)."
+    )
 
 
 def _run(

@@ -21,6 +21,7 @@ from .backends.base import Backend, Session
 from .backends.diagnostics import ClusterEvents, WorkerReport
 from .backends.shutdown import quiet_sync_cancel_race, quiet_repeated_death_log
 from .engine.write.driver import RunTotals, finish, run_conversion
+from .engine.write import faults
 from .engine.write.lock import output_lock, refuse_if_held
 from .engine.write.output import check_output, prepare_output
 from .engine.progress import Broadcast, Listener, Progress
@@ -271,6 +272,7 @@ def _convert(
     guard: Any,
     cluster: Callable[[], AbstractContextManager[Session]] | None,
 ) -> None:
+    faults.crash_point("lock")
     output = prepare_output(job.plan, job.spec, job.source)
     summary.totals = RunTotals()  # the output is written from here on: a failed run reports what it wrote
     summary.resumed = output.resumed

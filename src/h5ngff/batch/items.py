@@ -65,9 +65,11 @@ def split_pattern(pattern: str) -> tuple[str, str | None]:
 
 
 def expand_sources(patterns: Sequence[str]) -> list[tuple[str, str]]:
-    """Every (source, file) the patterns name, in natural order (cell_2 before cell_10), each file
-    once. A pattern that matches nothing is an error that names it: a batch that silently skips
-    a mistyped directory would look like success."""
+    """Every (source, file) the patterns name, in natural order (cell_2 before cell_10), each
+    source once. A pattern that matches nothing is an error that names it: a batch that silently
+    skips a mistyped directory would look like success. Every path a glob matches is kept, a
+    dangling link or a directory included: planning refuses it with its reason, so the summary
+    names it instead of dropping it. Two datasets of one file are two sources, never one."""
     found: dict[str, str] = {}
     for pattern in patterns:
         files, dataset = split_pattern(pattern)
@@ -76,7 +78,6 @@ def expand_sources(patterns: Sequence[str]) -> list[tuple[str, str]]:
                 "source", f"Expected local HDF5 files (the workers read them as files). Got the URL {files!r} instead."
             )
         matches = sorted(glob.glob(files, recursive=True), key=_natural) if GLOB_CHARS.search(files) else [files]
-        matches = [m for m in matches if os.path.isfile(m) or not GLOB_CHARS.search(files)]
         if not matches:
             raise SpecError(
                 "source",
@@ -84,8 +85,9 @@ def expand_sources(patterns: Sequence[str]) -> list[tuple[str, str]]:
                 f"directory and the quoting (quote the pattern so the shell does not expand it).",
             )
         for path in matches:
-            found.setdefault(path, f"{path}:{dataset}" if dataset else path)
-    return [(source, path) for path, source in found.items()]
+            source = f"{path}:{dataset}" if dataset else path
+            found.setdefault(source, path)
+    return list(found.items())
 
 
 def _natural(text: str) -> list[object]:

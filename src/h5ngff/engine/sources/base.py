@@ -28,7 +28,7 @@ from ...errors import SourceError, SourceNotFoundError, UnsupportedDatasetError
 from ...planner.model import DatasetInfo
 from ..buffers import current_conversion, slab_buffer
 from .inflate import direct_read, read_deflate
-from .hdf5 import SUPPORTED_KINDS, SourceIdentity, dtype_kind, filter_names, output_dtype, unopenable
+from .hdf5 import SUPPORTED_KINDS, SourceIdentity, dtype_kind, filter_names, missing, output_dtype, unopenable
 
 #: rdcc_nslots should be a prime well above the number of cached chunks.
 CACHE_SLOTS = 10007
@@ -215,9 +215,7 @@ def identity(path: str, selection: str) -> SourceIdentity:
 
 def open_hdf5(path: str, field: str = "source.path") -> h5py.File:
     if not os.path.exists(path):
-        raise SourceNotFoundError(
-            f"{field}: file {path!r} does not exist. Check the path (workers must see the same path)."
-        )
+        raise SourceNotFoundError(missing(path, "file", field))
     try:
         return h5py.File(path, "r")
     except OSError as exc:

@@ -30,6 +30,7 @@ import numpy as np
 from ...errors import SourceError, SourceNotFoundError, SpecError, UnsupportedDatasetError
 from ...spec import ConversionSpec
 from .base import Opened, SlabSource, check_dtype, composite_info, identity, open_hdf5
+from .hdf5 import missing
 from .imaris import UNITS, unknown_unit
 
 _SELECTORS = ("illumination", "tile", "angle")
@@ -56,7 +57,7 @@ def xml_pair(path: str) -> tuple[str, str]:
                 f"source.path: {path!r} looks like BigDataViewer HDF5 (t00000/s00) but {xml!r} is missing; the XML holds the setups and voxel sizes. Give the .xml."
             )
     if not os.path.exists(xml):
-        raise SourceNotFoundError(f"source.path: BigDataViewer XML {xml!r} does not exist.")
+        raise SourceNotFoundError(missing(xml, "BigDataViewer XML"))
     try:
         root = ET.parse(xml).getroot()
     except ET.ParseError as exc:

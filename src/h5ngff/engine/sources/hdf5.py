@@ -6,6 +6,7 @@ sizes) and the workers' reads (``sources.base``, with the one per-process file c
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 
@@ -50,6 +51,17 @@ def broken_link(f: h5py.File, name: str) -> str | None:
     return None
 
 
+def missing(path: str, what: str, field: str = "source.path") -> str:
+    """Why ``path`` is not there: a dangling symbolic link names its target (a glob in a batch
+    matches the link, so the user sees the link's name and not why it reads nothing)."""
+    if os.path.islink(path):
+        return (
+            f"{field}: {what} {path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist. "
+            f"Fix or remove the link."
+        )
+    return f"{field}: {what} {path!r} does not exist. Check the path (workers must see the same path)."
+
+
 def unopenable(path: str, exc: OSError, field: str = "source.path") -> str:
     """Why an existing ``path`` would not open as HDF5, with the hint that fits: h5py's own message
     buries a directory's or a permission's errno in its text, and the corrupt-file hint misled."""
@@ -57,15 +69,19 @@ def unopenable(path: str, exc: OSError, field: str = "source.path") -> str:
         return f"{field}: {path!r} is a directory, not an HDF5 file. Name the file itself."
     if not os.access(path, os.R_OK):
         return f"{field}: {path!r} cannot be read (permission denied). Check its permissions: every worker must read it too."
+    if exc.errno == errno.EAGAIN or "unable to lock file" in str(exc):
+        return (
+            f"{field}: {path!r} is locked by another process that has it open for writing (HDF5 file locking, {exc}). "
+            f"Wait until the writer closes it; if the writer uses SWMR, or the file sits on a filesystem whose locks "
+            f"are stale, set HDF5_USE_FILE_LOCKING=FALSE to read it anyway (only while nothing writes it)."
+        )
     return f"{field}: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?"
 
 
 def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity]:
     """Read the dataset's metadata (never its data) and check it is convertible."""
     if not os.path.exists(path):
-        raise SourceNotFoundError(
-            f"source.path: HDF5 file {path!r} does not exist. Check the path (workers must see the same path)."
-        )
+        raise SourceNotFoundError(missing(path, "HDF5 file"))
     try:
         f = h5py.File(path, "r")
     except OSError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from .chunkio import ArrayLayout
 from ..sources.base import SlabSource
 from .tasks import SlabResult, SlabTask, expected_units, run_slab
 from .manifest import MANIFEST_DIR
+from . import faults
 from .window import histogram_key, windows
 
 log = logging.getLogger(__name__)
@@ -66,11 +68,9 @@ def build_tasks(
     # The first pass reads the HDF5 source; later ones read a level an earlier pass wrote.
     source: SlabSource | ArrayLayout
     if p.source_level == -1:
-        source = (
-            replace(reader, cache_bytes=plan.hdf5_cache_bytes)
-            if reader is not None
-            else slab_source(spec, plan.hdf5_cache_bytes)
-        )
+        opened = reader if reader is not None else slab_source(spec, plan.hdf5_cache_bytes)
+        # Absolute, as the output's layouts are: a worker's working directory is its own.
+        source = replace(opened, path=os.path.abspath(opened.path), cache_bytes=plan.hdf5_cache_bytes)
         src_shape = plan.dataset.shape
     else:
         source = output.layouts[p.source_level]
@@ -171,6 +171,7 @@ def _run_passes(
         for result in _stream(client, todo, plan.inflight_total, token, guard):
             if guard is not None:
                 guard.check()
+            faults.crash_point("slab")
             output.manifest.append([result.record])
             _accumulate(totals, result)
             p = events.progress

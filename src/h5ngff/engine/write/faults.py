@@ -10,11 +10,17 @@ variable (never by a spec or a flag): ``H5NGFF_FAULTS="slab_sleep=0.2,slab_extra
 * ``slab_leak_bytes``: each slab task leaves this much memory behind for good - a leak.
 * ``rename_sleep``: seconds every chunk or shard write waits with its temporary file written and
   still open, before the rename, so a test can find the writer and kill it there.
+* ``crash_at``: the process that creates the output kills itself (SIGKILL, nothing cleaned up) at
+  this step of creating it: ``lock`` (the lock taken, nothing else), ``manifest`` (the manifest
+  header's bytes written but not yet visible), ``metadata`` (the first array document stored, the
+  rest not) or ``slab`` (the first slab's chunks written, its manifest record not). Every one
+  must leave an output that the same command resumes and ``--overwrite`` replaces.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -61,3 +67,13 @@ def before_rename() -> None:
     delay = active().get("rename_sleep")
     if delay:
         time.sleep(float(delay))
+
+
+#: The steps of creating an output at which ``crash_at`` can kill the process, in order.
+CRASH_POINTS = ("lock", "manifest", "metadata", "slab")
+
+
+def crash_point(step: str) -> None:
+    """SIGKILL this process if ``crash_at`` names ``step`` (a dictionary lookup otherwise)."""
+    if ENV in os.environ and active().get("crash_at") == step:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..stores import Store, open_store
+from . import faults
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +205,12 @@ class Manifest:
         self.records, self.units, self.checksums, self._seq = [], {}, {}, 0
         line = json.dumps(self.header) + "\n"
         if self.store.supports_append:
-            self.store.put(MANIFEST_KEY, line.encode(), sync=True)
+            with self.store.writer(MANIFEST_KEY, sync=True) as f:  # whole or absent
+                f.write(line.encode())
+                faults.crash_point("manifest")
             self.header_key = MANIFEST_KEY
         else:
+            faults.crash_point("manifest")  # one PUT: a kill leaves it sent whole or not at all
             self.header_key = self._put_batch(line)
 
     def append(self, records: Iterable[SlabRecord]) -> None:

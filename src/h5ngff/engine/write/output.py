@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,18 +38,22 @@ from zarr.storage import MemoryStore
 from ...errors import OutputConflictError, OutputError
 from ...planner.layout import level_steps
 from ...planner.model import Plan
-from ...spec import ConversionSpec
+from ...spec import ConversionSpec, url_scheme
 from .chunkio import ArrayLayout
 from .checksums import write_sidecars
 from ..codecs import zarr_compressors
 from .lock import LOCK_NAME, inspection_lock
 from .manifest import MANIFEST_DIR, MANIFEST_PREFIX, Manifest, fingerprint
+from .members import foreign_objects, is_own, our_nodes
+from . import faults
 from .ngff import root_attributes
 from ..stores import Store, open_store
 from ..sources.hdf5 import SourceIdentity
 
 log = logging.getLogger(__name__)
 _ZARR_MARKERS = ("zarr.json", ".zgroup", ".zarray")
+#: The documents of a Zarr hierarchy's nodes and their attributes (v3 keeps both in zarr.json).
+_NODE_DOCUMENTS = (*_ZARR_MARKERS, ".zattrs", ".zmetadata")
 #: The root documents that carry the completion marker (Zarr v3, v2).
 _ROOT_DOCUMENTS = ("zarr.json", ".zattrs")
 
@@ -76,9 +81,13 @@ def zarr_format(spec: ConversionSpec) -> Literal[2, 3]:
 def level_layouts(plan: Plan, spec: ConversionSpec) -> tuple[ArrayLayout, ...]:
     fmt = zarr_format(spec)
     fill = False if plan.dtype.endswith("b1") else 0
+    # Absolute: the layouts travel to workers whose working directory need not be the client's (an
+    # existing cluster's, SLURM's), and a relative path there once wrote the chunks under the
+    # worker's directory while the run reported success.
+    root = spec.output.path if url_scheme(spec.output.path) else os.path.abspath(spec.output.path)
     return tuple(
         ArrayLayout(
-            path=os.path.join(spec.output.path, str(level.index)),
+            path=os.path.join(root, str(level.index)),
             shape=level.shape,
             chunks=plan.chunks,
             shards=plan.shards,
@@ -140,7 +149,7 @@ def prepare_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> 
     layouts = level_layouts(plan, spec)
     fmt = zarr_format(spec)
     store = output_store(spec)
-    if store.occupied(ignore=(LOCK_NAME,)):  # our own run's lock is not content
+    if store.occupied(ignore=(LOCK_NAME,)) and not _clear_unclaimed_start(store):
         existing, finished = Manifest.load(store), object_marker(store)
         _refuse_existing(store, path, spec, content, existing, finished)
         if spec.output.overwrite:
@@ -188,7 +197,9 @@ def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> No
     conflict (nor objects to delete)."""
     store = output_store(spec)
     with inspection_lock(spec.output.path, spec.output.storage_options):
-        if not store.occupied(ignore=(LOCK_NAME,)):  # a 403 or a missing bucket fails here, before the cluster
+        # A 403 or a missing bucket fails here, before the cluster. What a run killed before its
+        # claim left (``_unclaimed_start``) is as good as nothing: prepare_output clears it.
+        if not store.occupied(ignore=(LOCK_NAME,)) or _unclaimed_start(store):
             store.check_creatable()
             return
         finished = object_marker(store)
@@ -230,6 +241,7 @@ def _refuse_existing(
                 f"output.path: {path!r} exists and is neither an h5ngff output nor a Zarr store; --overwrite only replaces those. "
                 f"Remove it yourself or choose a new path."
             )
+        refuse_foreign(store, path, content["source"]["path"])
         return
     if not ours:
         raise OutputConflictError(
@@ -245,15 +257,78 @@ def _refuse_existing(
         )
 
 
+def refuse_foreign(store: Store, path: str, source: str | None = None) -> None:
+    """Raise OutputConflictError if the output holds anything --overwrite must not delete: an
+    object that is neither a member of its Zarr hierarchy nor h5ngff's own (engine.write.members),
+    such as the run's own source, a README or a folder of TIFFs. Nothing has been deleted yet."""
+    existing, marker = Manifest.load(store), object_marker(store)
+    content = existing.content if existing is not None else (marker or {}).get("content")
+    known = our_nodes(int(content.get("levels", 0))) if isinstance(content, dict) else None
+    foreign = foreign_objects(store.list(""), store.get, store.local_path, known)
+    if not foreign:
+        return
+    root = store.local_path
+    if root is not None and source is not None:
+        inside = os.path.relpath(os.path.realpath(source), os.path.realpath(root))
+        if not inside.startswith(os.pardir) and inside.replace(os.sep, "/") in foreign:
+            raise OutputConflictError(
+                f"output.path: {path!r} holds the source of this conversion ({inside!r}), so --overwrite would delete it; "
+                f"nothing was deleted. Move the source out of the output, or choose another output path."
+            )
+    shown = ", ".join(repr(key) for key in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    raise OutputConflictError(
+        f"output.path: {path!r} holds {len(foreign)} object(s) that are no part of its Zarr hierarchy and that h5ngff "
+        f"did not write ({shown}), so --overwrite would delete what this run did not write; nothing was deleted. "
+        f"Move them out of the output, or choose another output path."
+    )
+
+
+def _unclaimed_start(store: Store) -> bool:
+    """Whether the output holds only what a run killed before its claim was stored leaves: its
+    lock, its manifest directory (empty, or a header's temporary file) and temporary files, and
+    no manifest header. Such a start is nobody's output, and ours to clear."""
+    keys = store.list("")
+    top = {key.split("/")[0] for key in keys}
+    return (
+        all(is_own(key) for key in keys)
+        and not store.occupied(ignore=(LOCK_NAME, MANIFEST_DIR, *(name for name in top if is_own(name))))
+        and Manifest.load(store) is None
+        and object_marker(store) is None
+        and not foreign_objects(keys, store.get, store.local_path)
+    )
+
+
+def _clear_unclaimed_start(store: Store) -> bool:
+    """Clear an unclaimed start (``_unclaimed_start``) and return True; else change nothing."""
+    if not _unclaimed_start(store):
+        return False
+    log.info("Clearing %s: a run was killed there before it stored its claim.", store.root)
+    store.delete_prefix("", keep=(LOCK_NAME,))  # a directory's emptied subdirectories go too
+    return True
+
+
 def remove_ours(store: Store) -> int:
     """Delete the output but the lock. What says how far it got goes first (``_record_nothing_done``),
     its claim (the manifest's header) last: a run killed while deleting leaves an output that is
     still recognisably ours and records nothing done. Deleting the claims last alone was not
     enough: a finished output killed mid-delete kept its completion marker over missing chunks,
     and the next run without --overwrite reported it finished."""
+    # Checked again under the lock, right before the first delete: whatever the caller checked,
+    # nothing outside the hierarchy and h5ngff's own objects is ever deleted.
+    refuse_foreign(store, store.root)
     log.info("Removing the existing output %s (--overwrite).", store.root)
     claim = _record_nothing_done(store)
-    removed = store.delete_prefix("", keep=(LOCK_NAME, *claim))
+    # The chunks before the documents that make them a hierarchy's, deepest node first: a run
+    # killed while deleting leaves chunks under their array's document, never orphans that the
+    # next --overwrite would have to refuse as foreign (engine.write.members).
+    documents = sorted(
+        (k for k in store.list("") if posixpath.basename(k) in _NODE_DOCUMENTS and k not in claim),
+        key=lambda k: (-k.count("/"), k),
+    )
+    removed = store.delete_prefix("", keep=(LOCK_NAME, *claim, *documents))
+    for key in documents:
+        store.delete(key)
+        removed += 1
     for key in claim:
         if store.size(key) is not None:
             store.delete(key)
@@ -303,6 +378,7 @@ def _store_metadata(store: Store, plan: Plan, spec: ConversionSpec, layouts: tup
     _create_arrays(MemoryStore(documents), plan, spec, layouts)
     for key, data in sorted(documents.items()):
         store.put(key, data.to_bytes())
+        faults.crash_point("metadata")
 
 
 def _create_arrays(store: Any, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:

@@ -60,7 +60,10 @@ def key_mode(dtype: npt.DTypeLike) -> str:
 
 def sample_keys(block: np.ndarray, mode: str) -> np.ndarray:
     """The bin keys (uint16) of every STRIDE-th element of ``block`` in C order."""
-    flat = block.reshape(-1)  # a view for the contiguous chunk copy; edge blocks are copied
+    # ravel, not reshape: an edge block one element wide along its last axis (a (k, 1) slice of
+    # a chunk) reshapes to a strided view, which the uint16 view below cannot reinterpret; ravel
+    # copies exactly when the elements are not contiguous, and is a view for the usual chunk copy.
+    flat = np.ravel(block)
     if mode == "u":
         return flat[::STRIDE].astype(np.uint16)
     if mode == "s":
