@@ -96,11 +96,27 @@ requires_cgroups = pytest.mark.skipif(
 )
 
 
+def pytest_configure(config):
+    """One seed for every hypothesis test of the run, drawn here unless --hypothesis-seed gives it,
+    and printed in the header: a failure in CI is repeated with ``--hypothesis-seed=N``."""
+    from hypothesis import core
+
+    given = config.getoption("--hypothesis-seed", default=None)
+    seed = int(given) if given is not None else int.from_bytes(os.urandom(4), "little")
+    core.global_force_seed = seed
+    config._h5ngff_hypothesis_seed = seed
+
+
 def pytest_report_header(config):
+    from properties import PROFILE
+
     reason = cgroups_available()
+    seed = getattr(config, "_h5ngff_hypothesis_seed", None)
     return [
         f"h5ngff: memory cgroups {'available' if reason is None else 'unavailable: ' + reason}",
         f"cpus: {os.cpu_count()}",
+        f"property tests: profile {PROFILE!r} (H5NGFF_PROPERTY_PROFILE), hypothesis seed {seed} "
+        f"(repeat with --hypothesis-seed={seed})",
     ]
 
 
