@@ -245,7 +245,7 @@ def test_a_memory_report_path_that_cannot_be_written_is_refused_before_the_run(t
     a_dir = tmp_path / "a-dir"
     a_dir.mkdir()
     cases = {
-        "rep.txt": "Expected a .png or .html file name",
+        "rep.txt": "Expected an .html page or an image file name",
         str(a_dir): "which is a directory",
         str(a_file / "x.png"): "is a file, not a directory",
     }

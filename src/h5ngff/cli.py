@@ -27,7 +27,7 @@ from .cliargs import (
 )
 from .clibatch import add_batch_command, add_batch_flags, convert_batch, is_batch
 from .clijob import add_job_commands
-from .console import make_console, print_notices, print_warning
+from .console import make_console, print_notices, print_warning, shorten_quoted
 from .cliverify import add_verify_command
 from .errors import ExitCode, H5ngffError, OutputConflictError, OutputError, exit_code_table
 from .spec import ConversionSpec, SlurmSpec, parse_spec
@@ -125,7 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_flags(c)
     c.set_defaults(func=cmd_convert)
 
-    s = sub.add_parser("sample", help="Write a sample HDF5 volume that compresses like real data.")
+    s = sub.add_parser(
+        "sample",
+        help="Write a sample HDF5 volume that compresses like real data.",
+        description="Write a sample HDF5 volume to try h5ngff on: smooth structure plus quantised sensor noise, so "
+        "blosc and zstd compress it a few to one as they do real microscopy. Leading t and c axes repeat the volume "
+        "with an offset. Refused (exit 2, nothing written) when a plane would not fit in memory or the file on the "
+        "disk; the file is written under a temporary name and renamed when whole.",
+        epilog="examples:\n  h5ngff sample in.h5\n  h5ngff sample in.h5 --shape 2,3,64,512,512 --dtype float32 "
+        "--hdf5-chunks 1,1,32,128,128 --gzip",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("path", help="HDF5 file to write.")
     s.add_argument("--dataset", default="/volume/data", help="Dataset path inside the file (default /volume/data).")
     s.add_argument("--shape", default="96,768,512", help="Comma-separated shape (2 to 5 dimensions).")
@@ -141,7 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="Replace an existing file at PATH (refused without it).")
     s.set_defaults(func=cmd_sample)
 
-    d = sub.add_parser("demo", help="Generate a sample, show its plan, convert it locally and write a memory report.")
+    d = sub.add_parser(
+        "demo",
+        help="Generate a sample, show its plan, convert it locally and write a memory report.",
+        description="The main job end to end on this machine: write a sample HDF5 volume, print its memory plan, "
+        "convert it on a local Dask cluster sized by the plan with a progress bar, print each worker's measured peak "
+        "against the plan, and draw it in DIRECTORY/memory-report.png. Re-running it reuses the sample and converts "
+        "it afresh.",
+    )
     d.add_argument(
         "directory",
         nargs="?",
@@ -165,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
+def _common_run_flags(p: argparse.ArgumentParser, convert: bool, memory_report: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="Print one JSON object instead of tables.")
     add_backend_flags(p)
     p.add_argument("--calibration", metavar="FILE", help="JSON file overriding the memory model's measured constants.")
@@ -190,11 +207,13 @@ def _common_run_flags(p: argparse.ArgumentParser, convert: bool) -> None:
             metavar="SIZE",
             help="Override the planned pod limit (with --enforce-pod-limits; for experiments).",
         )
-        p.add_argument(
-            "--memory-report",
-            metavar="FILE",
-            help="Write a per-worker memory timeline (.png or .html) with the planned limits drawn in.",
-        )
+        if memory_report:  # one conversion's timeline: a batch reports each item against its plan instead
+            p.add_argument(
+                "--memory-report",
+                metavar="FILE",
+                help="Write a per-worker memory timeline with the planned limits drawn in: an interactive .html page, "
+                "or an image (.png, .svg, .pdf, .jpg, .webp, .tif, .eps).",
+            )
         p.add_argument(
             "--metrics-port",
             type=int,
@@ -285,19 +304,26 @@ def _start_metrics(spec: ConversionSpec, args: argparse.Namespace) -> MetricsExp
 
 def convert_spec(spec: ConversionSpec, args: argparse.Namespace, console: Console) -> int:
     """``h5ngff convert``'s input and output around the run sequence (``runner.execute``)."""
-    from .report import ProgressBar, plan_renderable, summary_renderable
+    from .report import ProgressBar, plan_renderable, plan_summary_renderable, summary_renderable
     from .runner import Linger, PlannedJob, execute
 
     backend = backend_from_args(args, _manifest_slurm(args))
     constants = constants_from_args(args)
     metrics = _start_metrics(spec, args)  # before planning: Prometheus's first scrapes find the target up
+    # The plan and the results on stdout, the bar on stderr (issue 42). The plan in two lines, or
+    # every term with -v (and in the demo, whose point it is).
+    notes = make_console(stderr=True)
 
     def show_plan(job: PlannedJob) -> None:
-        if not args.json:
+        if args.json:
+            return
+        if args.verbose or getattr(args, "full_plan", False):
             console.print(plan_renderable(job, notices=False))
-            print_notices(job.notices)
+        else:
+            console.print(plan_summary_renderable(job, _source(args)), highlight=False, soft_wrap=True)
+        print_notices(job.notices)
 
-    bar: list[Listener] = [] if args.json or args.no_progress else [ProgressBar(console)]
+    bar: list[Listener] = [] if args.json or args.no_progress else [ProgressBar(notes)]
     try:
         summary = execute(
             spec, backend, bar, metrics, constants=constants, on_plan=show_plan, linger=Linger(args.metrics_linger)
@@ -379,6 +405,7 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     convert_args = parser.parse_args(
         ["convert", f"{source}:/volume/data", output, "--overwrite", "--memory-report", report]
     )
+    convert_args.full_plan = True  # the demo is there to show the plan, term by term
     return cmd_convert(convert_args, console)
 
 
@@ -439,7 +466,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not as_json:
             # soft_wrap: one line per message, so grep and logs see it whole. Escaped: a message
             # quoting "[profile x]" or a list must not be read as rich markup and vanish.
-            errors.print(f"[red]error[/red] ({exc.reason}): {escape(str(exc))}", highlight=False, soft_wrap=True)
+            message = shorten_quoted(str(exc))
+            errors.print(f"[red]error[/red] ({exc.reason}): {escape(message)}", highlight=False, soft_wrap=True)
         elif exc.summary is not None:
             # The failed run's figures (per-worker peaks, cgroup peaks, OOM kills, restarts) too.
             print(json.dumps(exc.summary.to_dict(), indent=1, default=str))

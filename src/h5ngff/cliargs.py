@@ -253,7 +253,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     res.add_argument("--workers", metavar="N|auto", help="Dask worker processes (default auto: one per core).")
     res.add_argument("--threads", type=int, metavar="N", help="Threads per worker (default 1); each runs one slab.")
     res.add_argument(
-        "--memory-per-worker", metavar="SIZE", help="Pod memory limit per worker, e.g. 1GiB; the plan must fit."
+        "--memory-per-worker",
+        metavar="SIZE",
+        help="Memory budget per worker, e.g. 1GiB: the planner sizes the slabs to fit it and sets each worker's pod "
+        "limit to what the plan needs, at most this (so 1GiB may well give a 250Mi pod; h5ngff plan shows it).",
     )
     res.add_argument(
         "--memory-total", metavar="SIZE", help="Memory for all workers together; the planner picks the worker count."

@@ -41,7 +41,7 @@ from .batch.run import (
     run_batch,
 )
 from .cliargs import add_spec_flags, backend_from_args, constants_from_args, merge, spec_for_source, spec_overrides
-from .console import print_notices
+from .console import make_console, print_notices, shorten_quoted
 from .engine.progress import Listener, Progress as ProgressEvent
 from .errors import ExitCode, SpecError
 from .units import MiB
@@ -64,7 +64,7 @@ template (docs/batch.md); the items and every setting come from the manifest's s
 """
 
 
-def add_batch_command(sub: Any, common_run_flags: Callable[[argparse.ArgumentParser, bool], None]) -> None:
+def add_batch_command(sub: Any, common_run_flags: Callable[[argparse.ArgumentParser, bool, bool], None]) -> None:
     b = sub.add_parser(
         "batch",
         help="Run a ConversionBatch manifest locally: many files through one planned cluster.",
@@ -75,7 +75,7 @@ def add_batch_command(sub: Any, common_run_flags: Callable[[argparse.ArgumentPar
     b.add_argument(
         "manifest", metavar="BATCH.yaml", help="A ConversionBatch manifest (apiVersion h5ngff.dev/v1alpha1)."
     )
-    common_run_flags(b, True)
+    common_run_flags(b, True, False)
     add_spec_flags(b)  # over every item's spec, as over a manifest's in h5ngff plan and convert
     add_batch_flags(b)
     b.set_defaults(func=cmd_batch)
@@ -188,7 +188,10 @@ def _run(
 ) -> int:
     """The batch's run, shown: its plan, a bar per item under an overall bar, the summary (or
     ``--json``), and its metrics (``--metrics-port``). Exit 0 when every item is converted."""
-    progress = BatchProgress(console, len(items)) if not (args.json or args.no_progress) else None
+    # The plan's line and the results on stdout; the bars, each item's end and why an item was
+    # refused or failed on stderr (issue 42).
+    notes = make_console(stderr=True)
+    progress = BatchProgress(notes, len(items)) if not (args.json or args.no_progress) else None
 
     def on_planned(summary: BatchSummary) -> None:
         if not args.json:
@@ -223,6 +226,8 @@ def _run(
             print(json.dumps(summary.to_dict(), indent=1, default=str), flush=True)
         else:
             console.print(batch_renderable(summary))
+            if problems := batch_problems(summary):
+                notes.print(problems, soft_wrap=True)  # one line each, for grep
         if metrics is not None:
             metrics.linger(args.metrics_linger)
     finally:
@@ -247,12 +252,22 @@ def _show_plan(summary: BatchSummary, console: Console) -> None:
         console.print(_nothing_planned(summary))
         return
     plan = sizing.job.plan
-    planned = sum(r.job is not None for r in summary.results)
-    console.print(
-        f"[bold]batch[/bold]: {len(summary.results)} items, {planned} planned; one cluster of {plan.workers} worker(s) x "
-        f"{plan.threads_per_worker} thread(s), pod limit {plan.memory.pod_limit / MiB:.0f} MiB each, sized by {sizing.item.source}"
-    )
+    planned = [r for r in summary.results if r.job is not None]
+    complete = sum(r.job is not None and r.job.complete for r in summary.results)
+    head = f"[bold]batch[/bold]: {_items(len(summary.results))}, {len(planned)} planned"
+    if complete == len(planned):
+        console.print(f"{head}, every one already complete: no cluster to start.")
+    else:
+        done = f" ({complete} already complete)" if complete else ""
+        console.print(
+            f"{head}{done}; one cluster of {plan.workers} worker(s) x {plan.threads_per_worker} thread(s), "
+            f"pod limit {plan.memory.pod_limit / MiB:.0f} MiB each, sized by {sizing.item.source}"
+        )
     print_notices(summary.notices)
+
+
+def _items(n: int) -> str:
+    return f"{n} item{'s' if n != 1 else ''}"
 
 
 def _nothing_planned(summary: BatchSummary) -> str:
@@ -315,12 +330,17 @@ def batch_renderable(summary: BatchSummary) -> Group:
             f"{r.peak_bound / MiB:.0f}" if r.peak_bound > r.predicted_peak else "",
             ratio,
         )
+    return Group(head, Text(""), table)
+
+
+def batch_problems(summary: BatchSummary) -> Group | None:
+    """Why each item that was refused or failed did (stderr, below the table on stdout)."""
     problems = [
-        Text(f"{r.item.source}: ({r.error.reason}) {r.error}", style=OUTCOME_STYLE[r.status])
+        Text(f"{r.item.source}: ({r.error.reason}) {shorten_quoted(str(r.error))}", style=OUTCOME_STYLE[r.status])
         for r in summary.results
         if r.error
     ]
-    return Group(head, Text(""), table, *([Text("")] + problems if problems else []))
+    return Group(*problems) if problems else None
 
 
 class BatchProgress:

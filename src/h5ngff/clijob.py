@@ -43,7 +43,7 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     r.add_argument(
         "manifest",
         metavar="JOB.yaml",
-        help="A ConversionJob or ConversionBatch manifest (apiVersion h5ngff.dev/v1alpha1).",
+        help="A ConversionJob manifest (apiVersion h5ngff.dev/v1alpha1); a ConversionBatch runs with h5ngff batch.",
     )
     common_run_flags(r, convert=True)
     r.set_defaults(func=cmd_run)
@@ -267,11 +267,11 @@ def _hide(sub: Any, name: str) -> None:
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     """``h5ngff run``'s input and output around one attempt (``operator.attempt``, the run sequence)."""
     from .cliargs import backend_from_args, constants_from_args
-    from .console import print_notices, print_warning
+    from .console import make_console, print_notices, print_warning
     from .engine.progress import Listener
     from .job import load_job
     from .operator.attempt import AttemptOptions, run_locally
-    from .report import ProgressBar, plan_renderable
+    from .report import ProgressBar, plan_renderable, plan_summary_renderable
     from .runner import Linger, PlannedJob
 
     job = load_job(args.manifest)
@@ -289,12 +289,18 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     if args.overwrite:
         spec = spec.model_copy(update={"output": spec.output.model_copy(update={"overwrite": True})})
 
-    def show_plan(planned: PlannedJob) -> None:
-        if not args.json:
-            console.print(plan_renderable(planned, notices=False))
-            print_notices(planned.notices)  # stderr, as for convert
+    notes = make_console(stderr=True)  # as for convert: the plan and the results on stdout, the bar on stderr
 
-    bar: list[Listener] = [] if args.json or args.no_progress else [ProgressBar(console)]
+    def show_plan(planned: PlannedJob) -> None:
+        if args.json:
+            return
+        if args.verbose:
+            console.print(plan_renderable(planned, notices=False))
+        else:
+            console.print(plan_summary_renderable(planned, args.manifest), highlight=False, soft_wrap=True)
+        print_notices(planned.notices)
+
+    bar: list[Listener] = [] if args.json or args.no_progress else [ProgressBar(notes)]
     options = AttemptOptions(
         constants_from_args(args), bar, show_plan, metrics=metrics, linger=Linger(args.metrics_linger)
     )

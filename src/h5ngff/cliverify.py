@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from .cliargs import add_storage_option_flag, parse_storage_options, split_source
+from .console import make_console
 from .spec import parse_output_path, url_scheme
 from .errors import OutputNotFoundError
 
@@ -53,8 +54,15 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
         report = verify_output(args.output, source, storage_options=options)
         print(json.dumps(report.to_dict(), indent=1))
         return 0 if report.ok else 1
+    # On stderr, and gone when done: the report is the result, and an output found broken before
+    # its first chunk (not a Zarr group) left a half-drawn bar above it.
     with Progress(
-        TextColumn("verify"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(), console=console
+        TextColumn("verify"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeRemainingColumn(),
+        console=make_console(stderr=True),
+        transient=True,
     ) as bar:
         task = bar.add_task("verify", total=None)
         report = verify_output(

@@ -7,14 +7,16 @@ included, can make a console without that import.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from rich.console import Console
 from rich.markup import escape
 
-#: The width of tables written to a pipe or a file: rich would cut them to 80 columns, dropping
-#: the numbers of the wide ones (the pod-limit rows); a file has no width to fit.
-PIPE_WIDTH = 1000
+#: The width of tables written to a pipe or a file: 100 columns, which a terminal, a pager or a
+#: log viewer shows whole (rich's 80 cut the numbers of the wide rows; 1000 made 200-column
+#: tables). Long explanations wrap inside their column; no figure is cut.
+PIPE_WIDTH = 100
 
 
 class _Console(Console):
@@ -40,13 +42,31 @@ def make_console(stderr: bool = False) -> Console:
     return _Console(stderr=stderr, width=PIPE_WIDTH)
 
 
+#: A quoted value longer than this is shown with its middle left out: a 5 KB path echoed whole
+#: buries the message around it.
+QUOTED_LIMIT = 160
+_QUOTED = re.compile(r"'[^'\n]{%d,}'" % (QUOTED_LIMIT + 1))
+
+
+def shorten_quoted(message: str) -> str:
+    """``message`` with every quoted value over QUOTED_LIMIT characters cut in the middle
+    (its start and its end, where paths differ, are kept)."""
+    keep = QUOTED_LIMIT // 2 - 2
+
+    def cut(match: re.Match[str]) -> str:
+        text = match.group(0)[1:-1]
+        return f"'{text[:keep]}…({len(text) - 2 * keep} characters)…{text[-keep:]}'"
+
+    return _QUOTED.sub(cut, message)
+
+
 def print_notices(notices: list[str]) -> None:
     """The plan's notices go to stderr, as the README says: stdout carries only the tables (or
     the --json document), so a pipe or a file gets the plan alone."""
     if notices:
         from .report import notices_renderable
 
-        make_console(stderr=True).print(notices_renderable(notices))
+        make_console(stderr=True).print(notices_renderable(notices), soft_wrap=True)  # a notice, a line
 
 
 def print_warning(message: str) -> None:

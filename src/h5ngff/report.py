@@ -117,6 +117,20 @@ def plan_renderable(job: PlannedJob, notices: bool = True) -> Group:
     return Group(*parts)
 
 
+def plan_summary_renderable(job: PlannedJob, source: str) -> Text:
+    """The plan in two lines, what ``convert`` shows before it starts (``h5ngff plan SOURCE``,
+    or ``convert -v``, gives every term)."""
+    plan = job.plan
+    passes = f"{len(plan.passes)} pass{'es' if len(plan.passes) != 1 else ''}"
+    return Text.assemble(
+        ("plan", "bold"),
+        f": {plan.n_tasks:,} slab(s) in {passes}, {len(plan.levels)} level(s); {plan.workers} worker(s) x "
+        f"{plan.threads_per_worker} thread(s), pod limit {_mib(plan.memory.pod_limit)} MiB each "
+        f"(predicted peak {_mib(plan.memory.predicted_peak)} MiB)\n",
+        (f"      every term: h5ngff plan {source}, or convert -v", "dim"),
+    )
+
+
 def notices_renderable(notices: list[str]) -> Group:
     return Group(*(Text(f"notice: {notice}", style="yellow") for notice in notices))
 

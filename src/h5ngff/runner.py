@@ -61,6 +61,9 @@ class PlannedJob:
     #: The workers' reader from the same inspection: the run builds its slab tasks on it rather
     #: than opening the file again (a batch's 50 MB item spent a third of its client time there).
     reader: SlabSource | None = None
+    #: When it was prepared, the output was already finished by an earlier run of the same
+    #: conversion (``check_output``): it needs no cluster (a batch whose items all are starts none).
+    complete: bool = False
 
 
 def plan_job(
@@ -97,6 +100,8 @@ class RunSummary:
     #: (what the limit is called, bytes) where the backend enforced another limit than the plan's
     #: (``--pod-limit``, ``--slurm-job-mem``): the summary shows what held, and says so.
     limit_override: tuple[str, int] | None = None
+    #: The output was finished by an earlier run: this one did nothing (a batch's Complete).
+    already_complete: bool = False
 
     @property
     def gb_per_s(self) -> float:
@@ -223,7 +228,7 @@ def prepare_job(
     of ``execute``; a batch takes them for each of its items, ``at_once`` of them in flight)."""
     job = plan_job(spec, backend, constants, at_once)
     refuse_if_held(job.spec.output.path)  # another run writing it: refused before the plan is shown
-    check_output(job.plan, job.spec, job.source)  # a conflicting output: refused before the plan and the cluster
+    job.complete = check_output(job.plan, job.spec, job.source)  # a conflict: refused before the plan and the cluster
     job.notices.extend(backend.describe(job.spec, job.plan).notices)
     return job
 
@@ -277,6 +282,7 @@ def _convert(
     summary.totals = RunTotals()  # the output is written from here on: a failed run reports what it wrote
     summary.resumed = output.resumed
     if output.complete:
+        summary.already_complete = True
         summary.totals = RunTotals(slabs_skipped=job.plan.n_tasks)
         events.emit(
             phase=Phase.SUCCEEDED,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import h5py
 import numpy as np
@@ -59,6 +60,51 @@ def check_chunks(chunks: tuple[int, ...] | None, shape: tuple[int, ...], field: 
             f"Expected {len(shape)} comma-separated positive integers, one per axis of the shape {shape}. "
             f"Got {','.join(map(str, chunks))!r} instead.",
         )
+    if any(c > n for c, n in zip(chunks, shape)):
+        fitted = ",".join(str(min(c, n)) for c, n in zip(chunks, shape))
+        raise SpecError(
+            field,
+            f"Expected chunks no larger than the shape {shape} (HDF5 refuses a chunk larger than a fixed-size "
+            f"dataset). Got {','.join(map(str, chunks))!r} instead; {fitted!r} fits.",
+        )
+
+
+#: Bytes of working memory per element of one plane while it is generated (a few float32
+#: temporaries: the signal, the noise, the clipped data and the cast).
+_PLANE_WORK_BYTES = 20
+
+
+def check_size(shape: tuple[int, ...], dt: np.dtype, directory: str, compressed: bool) -> None:
+    """Refuse a sample this machine cannot write (SpecError, exit 2, nothing written): one plane is
+    generated at a time, so a plane must fit in half the available memory, and the uncompressed
+    file must fit on the disk."""
+    import psutil
+
+    from .units import format_bytes
+
+    plane = math.prod(shape[-2:]) * _PLANE_WORK_BYTES
+    available = psutil.virtual_memory().available
+    if plane > available // 2:
+        raise SpecError(
+            "--shape",
+            f"Expected planes (the last two axes) this machine can generate: one {shape[-2]} x {shape[-1]} plane takes "
+            f"{format_bytes(plane)} to generate, more than half of the {format_bytes(available)} available. Choose "
+            f"smaller y and x (more planes cost disk, not memory).",
+        )
+    size = math.prod(shape) * dt.itemsize
+    free = shutil.disk_usage(directory).free
+    if not compressed and size > free:
+        raise SpecError(
+            "--shape",
+            f"Expected a sample that fits on the disk: {shape} {dt.name} is {format_bytes(size)}, and "
+            f"{directory!r} has {format_bytes(free)} free. Choose a smaller shape, another directory, or --gzip.",
+        )
+
+
+def _existing_ancestor(directory: str) -> str:
+    while not os.path.exists(directory):
+        directory = os.path.dirname(directory)
+    return directory
 
 
 def _plane(z: int, shape: tuple[int, int], rng: np.random.Generator, dtype: np.dtype) -> np.ndarray:
@@ -99,6 +145,7 @@ def write_sample(
     if not MIN_DIMS <= len(shape) <= MAX_DIMS or any(n < 1 for n in shape):
         raise SpecError("--shape", f"Expected {MIN_DIMS} to {MAX_DIMS} positive dimensions. Got {shape} instead.")
     check_chunks(chunks, shape)
+    check_size(shape, dt, _existing_ancestor(os.path.dirname(os.path.abspath(path))), compression is not None)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     partial = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.partial-{os.getpid()}")
     try:

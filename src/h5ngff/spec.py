@@ -12,6 +12,7 @@ axis?) are checked by the planner, which still names the spec field in its error
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Sequence
@@ -907,6 +908,38 @@ def _describe_pydantic_error(err: ErrorDetails, alternatives: Sequence[ErrorDeta
     return field, f"Expected {allowed}. Got {got!r} instead."
 
 
+def _did_you_mean(key: str, errors: Sequence[ErrorDetails], model: type[BaseModel] | None) -> str:
+    """' Did you mean source?' for a misspelt key: the closest field left missing beside it, else
+    the closest field name anywhere in ``model``."""
+    parent = list(errors[0]["loc"][:-1])
+    missing = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and list(e["loc"][:-1]) == parent]
+    candidates = [to_camel(m) for m in missing]
+    if not candidates and model is not None:
+        candidates = sorted(_field_names(model))
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]}?" if close else ""
+
+
+def _field_names(model: type[BaseModel], seen: set[type] | None = None) -> set[str]:
+    """Every field name (camelCase, as manifests spell them) in ``model`` and the models it holds."""
+    seen = seen if seen is not None else set()
+    if model in seen:
+        return set()
+    seen.add(model)
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        names.add(info.alias or to_camel(name))
+        for inner in _models_in(info.annotation):
+            names |= _field_names(inner, seen)
+    return names
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in getattr(annotation, "__args__", ()) for m in _models_in(arg)]
+
+
 def parse_model(model: type[M], data: Any) -> M:
     """Validate a ``.spec`` dict into ``model``, or raise SpecError naming the field."""
     if isinstance(data, model):
@@ -916,7 +949,7 @@ def parse_model(model: type[M], data: Any) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise spec_error_from(exc) from None
+        raise spec_error_from(exc, model) from None
 
 
 def parse_spec(data: Any) -> ConversionSpec:
@@ -924,14 +957,23 @@ def parse_spec(data: Any) -> ConversionSpec:
     return parse_model(ConversionSpec, data)
 
 
-def spec_error_from(exc: ValidationError) -> SpecError:
+def spec_error_from(exc: ValidationError, model: type[BaseModel] | None = None) -> SpecError:
     errors = exc.errors(include_url=False)
     # Union members each report a failure; keep the most specific one (a value_error beats a type
-    # error), and name what every member allows.
-    errors.sort(key=lambda e: e["type"] != "value_error")
+    # error), and name what every member allows. A misspelt key comes before the field it leaves
+    # missing: "sourc: no such field, did you mean source?" says what to change, "source: a value
+    # is required" hid the typo.
+    errors.sort(key=lambda e: (e["type"] != "value_error", e["type"] != "extra_forbidden"))
     first = errors[0]
     same = [e for e in errors[1:] if _field_path(e) == _field_path(first) and e["type"] != "value_error"]
     field, message = _describe_pydantic_error(first, same if first["type"] != "value_error" else [])
-    others = len({_field_path(e) for e in errors} - {field})
+    meant: set[str] = set()
+    if first["type"] == "extra_forbidden":
+        hint = _did_you_mean(str(first["loc"][-1]), errors, model)
+        message += hint
+        # The field the typo left missing is the same problem, not one more.
+        meant = {_field_path(e) for e in errors if e["type"] == "missing" and hint.endswith(f" {e['loc'][-1]}?")}
+        meant |= {p for p in (_field_path(e) for e in errors) if any(p.startswith(m + ".") for m in meant)}
+    others = len({_field_path(e) for e in errors} - {field} - meant)
     extra = f" ({others} more problem(s) after fixing this one)" if others else ""
     return SpecError(field, message + extra)

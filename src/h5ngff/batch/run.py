@@ -31,7 +31,7 @@ from ..backends.diagnostics import ClusterEvents, WorkerReport, reset_peak_rss, 
 from ..engine.buffers import capacity
 from ..engine.progress import Listener, Progress
 from ..engine.write.tasks import end_of_conversion
-from ..errors import H5ngffError, PlanError
+from ..errors import ExitCode, H5ngffError, PlanError
 from ..metrics.probes import ClusterPoller
 from ..phases import ITEMS_CONVERTED, ItemState
 from ..planner import DEFAULT_CONSTANTS, MemoryConstants, Plan
@@ -608,11 +608,12 @@ def _run_item(
     assert result.job is not None
     try:
         result.summary = run_job(result.job, backend, list(hooks.listeners(result)), metrics, cluster=cluster)
-        totals = result.summary.totals
-        result.status = (
-            COMPLETE
-            if totals is not None and not totals.slabs_written and totals.slabs_skipped == result.job.plan.n_tasks
-            else DONE
-        )
+        # Complete only where an earlier run had finished it: a run that found every slab done
+        # but wrote the completion marker itself did the last step (docs/batch.md, "Outcomes").
+        result.status = COMPLETE if result.summary.already_complete else DONE
     except H5ngffError as exc:
-        result.status, result.error, result.summary = FAILED, exc, exc.summary
+        # Refused, not Failed, where the run stopped before it wrote anything for a reason that
+        # refuses an item at planning too (a busy output found as it starts, a conflict).
+        started = exc.summary is not None and exc.summary.totals is not None
+        refused = exc.exit_code in (ExitCode.BAD_INPUT, ExitCode.OUTPUT_REFUSED) and not started
+        result.status, result.error, result.summary = REFUSED if refused else FAILED, exc, exc.summary

@@ -102,7 +102,11 @@ def check_report_path(path: str) -> None:
     if os.path.isdir(path):
         raise SpecError("--memory-report", f"Expected a file name. Got {path!r}, which is a directory.")
     if not path.lower().endswith(REPORT_SUFFIXES):
-        raise SpecError("--memory-report", f"Expected a .png or .html file name (or .svg, .pdf). Got {path!r} instead.")
+        raise SpecError(
+            "--memory-report",
+            f"Expected an .html page or an image file name ({', '.join(s for s in REPORT_SUFFIXES if s not in ('.html', '.htm'))}). "
+            f"Got {path!r} instead.",
+        )
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)

@@ -193,7 +193,7 @@ class LocalStore:
             )
         if not os.access(parent, os.W_OK | os.X_OK):
             raise OutputError(
-                f"output.path: cannot create {self.root!r}: permission denied ({parent}). Choose a writable location."
+                f"output.path: cannot create {self.root!r}: {unwritable_reason(parent)} ({parent}). Choose a writable location."
             )
 
     def sweep(self) -> int:
@@ -235,10 +235,25 @@ class LocalStore:
         return ZarrLocalStore(self.root, read_only=True)
 
 
+def unwritable_reason(path: str) -> str:
+    """Why this process cannot write into the existing directory ``path``: a read-only filesystem
+    (mounted ro: permissions will not help) or permission denied."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "it is on a read-only filesystem"
+    except OSError:
+        pass
+    return "permission denied"
+
+
 def _write_error(path: str, exc: OSError) -> OutputError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFullError(
             f"No space left on the output device while writing {path}. Free space and re-run the same command; finished slabs are kept."
+        )
+    if exc.errno == errno.EROFS:
+        return OutputError(
+            f"Cannot write {path}: the filesystem is read-only (mounted ro). Choose an output on a writable filesystem."
         )
     return OutputError(f"Cannot write {path}: {exc.strerror or exc}. Check that the output location is writable.")
 

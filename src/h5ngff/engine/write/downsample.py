@@ -11,9 +11,13 @@ single remaining input voxel (``mean`` divides by the voxels that exist, never b
   rounded half to even, which is what ``np.rint`` of the float64 mean gives wherever float64 can
   hold the sum exactly; bool is treated as 0/1 and ties go to False.
 
-NaN propagates through ``mean`` and ``max``; ``nearest`` keeps the first voxel of each block.
-Each level is computed from the previous one, so a level built from a written level in a later
-pass is bit-identical to one built inside the first pass.
+NaN propagates through ``mean`` and ``max`` as one canonical quiet NaN (positive, no payload):
+which of two NaN operands an addition returns, and the sign of the NaN that inf - inf makes,
+depend on numpy's loop for the arrays' layout and on the CPU, so the writer's slabs and
+``verify``'s chunks once disagreed in a NaN's sign bit (found by tests/test_engine_properties.py).
+``nearest`` keeps the first voxel of each block, NaN payload and all. Each level is computed from
+the previous one, so a level built from a written level in a later pass is bit-identical to one
+built inside the first pass.
 """
 
 from __future__ import annotations
@@ -66,7 +70,16 @@ def downsample(
             slice(2 * r.start, min(2 * r.stop, n)) if d else r for r, d, n in zip(dst, downsampled, block.shape)
         )
         out[dst] = _reduce(block[src], downsampled, method)  # the one cast back to the dtype
+    if out.dtype.kind == "f":
+        _canonical_nan(out)
     return out
+
+
+def _canonical_nan(a: np.ndarray) -> None:
+    """Every NaN in ``a`` becomes the one positive quiet NaN (see the module's docstring)."""
+    nan = np.isnan(a)
+    if nan.any():
+        a[nan] = np.nan
 
 
 def _pair(a: np.ndarray, axis: int, op: np.ufunc, dtype: npt.DTypeLike) -> np.ndarray:

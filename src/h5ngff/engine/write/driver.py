@@ -188,6 +188,7 @@ def finish(output: Output, plan: Plan, spec: ConversionSpec, summary: dict[str, 
     written into the image: it changes every run, and an output's objects must be the same bytes
     however it was written (uninterrupted or resumed). The --json summary carries it."""
     channels = plan.dataset.shape[plan.axes.index("c")] if "c" in plan.axes else 1
+    faults.crash_point("finish")
     finish_output(output, plan, spec, list(channel_windows(output, channels)))  # a list of tuple[float, ...]
 
 

@@ -13,8 +13,9 @@ variable (never by a spec or a flag): ``H5NGFF_FAULTS="slab_sleep=0.2,slab_extra
 * ``crash_at``: the process that creates the output kills itself (SIGKILL, nothing cleaned up) at
   this step of creating it: ``lock`` (the lock taken, nothing else), ``manifest`` (the manifest
   header's bytes written but not yet visible), ``metadata`` (the first array document stored, the
-  rest not) or ``slab`` (the first slab's chunks written, its manifest record not). Every one
-  must leave an output that the same command resumes and ``--overwrite`` replaces.
+  rest not), ``slab`` (the first slab's chunks written, its manifest record not) or ``finish``
+  (every slab recorded, the completion marker not written). Every one must leave an output that
+  the same command resumes and ``--overwrite`` replaces.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def before_rename() -> None:
 
 
 #: The steps of creating an output at which ``crash_at`` can kill the process, in order.
-CRASH_POINTS = ("lock", "manifest", "metadata", "slab")
+CRASH_POINTS = ("lock", "manifest", "metadata", "slab", "finish")
 
 
 def crash_point(step: str) -> None:

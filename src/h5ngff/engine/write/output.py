@@ -48,6 +48,7 @@ from .members import foreign_objects, is_own, our_nodes
 from . import faults
 from .ngff import root_attributes
 from ..stores import Store, open_store
+from ..stores.local import unwritable_reason
 from ..sources.hdf5 import SourceIdentity
 
 log = logging.getLogger(__name__)
@@ -189,8 +190,9 @@ def object_marker(store: Store) -> dict[str, Any] | None:
     return None
 
 
-def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> None:
-    """Refuse an output that ``prepare_output`` would refuse, writing nothing: the CLI and the
+def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> bool:
+    """Refuse an output that ``prepare_output`` would refuse, writing nothing, and say whether it
+    is already finished (a run would do nothing there, unless --overwrite): the CLI and the
     runner call it before they print the plan and start a cluster, so a conflict costs no wait.
     Where the lock is a lease it is taken first (``lock.inspection_lock``): a prefix another run
     is starting on holds its objects before its claim is readable, and that run is busy, not a
@@ -201,10 +203,11 @@ def check_output(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> No
         # claim left (``_unclaimed_start``) is as good as nothing: prepare_output clears it.
         if not store.occupied(ignore=(LOCK_NAME,)) or _unclaimed_start(store):
             store.check_creatable()
-            return
-        finished = object_marker(store)
-        _refuse_existing(store, spec.output.path, spec, content_of(plan, spec, source), Manifest.load(store), finished)
+            return False
+        finished, existing = object_marker(store), Manifest.load(store)
+        _refuse_existing(store, spec.output.path, spec, content_of(plan, spec, source), existing, finished)
         _refuse_read_only(store, spec.output.path, finished is not None)
+        return finished is not None and existing is None and not spec.output.overwrite
 
 
 def _refuse_read_only(store: Store, path: str, finished: bool) -> None:
@@ -215,7 +218,7 @@ def _refuse_read_only(store: Store, path: str, finished: bool) -> None:
         return
     hint = f" It is a finished output: `h5ngff verify {path}` checks it without writing." if finished else ""
     raise OutputError(
-        f"output.path: {path!r} is not writable (permission denied), so it can be neither resumed nor replaced. "
+        f"output.path: {path!r} is not writable ({unwritable_reason(root)}), so it can be neither resumed nor replaced. "
         f"Make it writable, or choose another path.{hint}"
     )
 
