@@ -402,24 +402,25 @@ def test_scaling_tool_accounts_every_process_and_stamps_the_fixed_costs(tmp_path
     # Sampled per process, each up to its last poll: never more than the exact total.
     assert 0 < run["cpu_sampled_total"] <= exact["tree"] + 0.05
     s = run["stamps"]
+    # The stamps the tool and the client take on this machine's clock, each after the one before
+    # in cause and effect, are in order whatever the load. The task stamps are the workers' compute
+    # times as Dask corrects them by its estimate of each worker's clock offset: they are checked
+    # only against each other (a loaded machine once put the last task end after the client's
+    # next stamp, and a 50 ms allowance is a wall-clock order that load can change, issue 42).
     order = [
         "launched",
         "main",
         "cli_imported",
         "planned",
         "cluster_up",
-        "first_task_start",
-        "last_task_end",
         "cluster_closed",
         "metadata_written",
         "main_returned",
         "exited",
     ]
-    # In order, to 50 ms: the task stamps are the workers' compute times, which Dask corrects by
-    # its estimate of each worker's delay to the scheduler (off by a few ms on a loaded machine;
-    # a CI run once saw the last task end 5 ms after the client's next stamp).
     stamps = [s[k] for k in order]
-    assert all(b >= a - 0.05 for a, b in zip(stamps, stamps[1:])), list(zip(order, stamps))
+    assert all(b >= a for a, b in zip(stamps, stamps[1:])), list(zip(order, stamps))
+    assert s["first_task_start"] <= s["last_task_end"]
     assert run["head"]["wall"] > 0 and run["tail"]["wall"] > 0 and 0 < run["head"]["cpu"] < exact["tree"]
     assert len(run["task_seconds"]) == run["plan"]["n_tasks"] == run["summary"]["slabs_written"]
     assert [r["workers"] for r in run["tail_rows"]] == [1, 2, 64]

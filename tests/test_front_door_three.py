@@ -252,3 +252,122 @@ def test_fail_fast_with_an_item_refused_at_planning_converts_nothing(tmp_path, s
     results = {_file(r["source"]): r["status"] for r in json.loads(proc.stdout)["results"]}
     assert results == {"r0.h5": "NotRun", "r1.h5": "Refused"}
     assert not (tmp_path / "out").exists()
+
+
+# -- plan and verify take what convert takes ------------------------------------------------------
+
+
+def test_plan_of_a_glob_plans_every_item_and_names_the_cluster(tmp_path):
+    pattern, template = _runs(tmp_path, n=2)
+    (tmp_path / "runs" / "r9.h5").symlink_to("gone.h5")
+    proc = h5ngff("plan", pattern, template, "--json")
+    assert proc.returncode == ExitCode.FAILED, proc.stderr  # one item would be refused, as convert would
+    doc = json.loads(proc.stdout)
+    status = {_file(i["source"]): i["status"] for i in doc["items"]}
+    assert status == {"r0.h5": "Planned", "r1.h5": "Planned", "r9.h5": "Refused"}
+    assert doc["cluster"]["workers"] >= 1 and doc["items"][0]["plan"]["memory"]["pod_limit"] > 0
+    assert not (tmp_path / "out").exists()  # a plan writes nothing
+    table = h5ngff("plan", pattern)
+    assert "batch plan: 3 items, 1 refused" in table.stdout and "gone.h5" in table.stderr
+
+
+def test_verify_takes_the_template_and_sources_convert_took_or_a_glob_of_outputs(tmp_path, shared_cluster):
+    pattern, template = _runs(tmp_path, n=2)
+    done = h5ngff("convert", pattern, template, "--no-progress", "--scheduler", shared_cluster.scheduler_address)
+    assert done.returncode == 0, done.stderr
+    both = h5ngff("verify", template, "--source", pattern)
+    assert both.returncode == 0 and "2 of 2 output(s) ok." in both.stdout, both.stdout + both.stderr
+    assert h5ngff("verify", str(tmp_path / "out" / "*.ome.zarr")).returncode == 0
+    # A wrong source for one output: that output is named, the exit status is 1.
+    (tmp_path / "runs" / "r1.h5").unlink()
+    write_h5(tmp_path / "runs" / "r1.h5", smooth((8, 32, 32), seed=99))
+    bad = h5ngff("verify", template, "--source", pattern)
+    assert bad.returncode == 1 and "1 of 2 output(s) ok, 1 with problems." in bad.stdout
+    assert "r1.ome.zarr: level 0" in bad.stdout
+    glob_with_source = h5ngff("verify", str(tmp_path / "out" / "*.ome.zarr"), "--source", pattern)
+    assert glob_with_source.returncode == ExitCode.BAD_INPUT and "template" in one_error_line(glob_with_source)
+
+
+# -- other ----------------------------------------------------------------------------------------
+
+
+def test_a_windows_style_dataset_path_is_shown_as_typed_with_the_slashed_one(small):
+    proc = h5ngff("plan", f"{small / 'small.h5'}:\\volume\\data")
+    assert proc.returncode == ExitCode.BAD_INPUT
+    line = one_error_line(proc)
+    assert "'/\\volume\\data'" in line and "Did you mean '/volume/data'?" in line and "\\\\" not in line
+
+
+def test_scales_and_translations_are_written_as_decimals(tmp_path, shared_cluster):
+    path = tmp_path / "aniso.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=smooth((16, 16, 16))).attrs["element_size_um"] = [0.3, 0.2, 0.1]
+    out = tmp_path / "o.ome.zarr"
+    proc = h5ngff(
+        "convert", f"{path}:/x", out, "--chunks", "4,4,4", "--levels", "4", "--no-progress",
+        "--scheduler", shared_cluster.scheduler_address,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    text = (out / "zarr.json").read_text()
+    assert "0.15000000000000002" not in text and "0000000" not in text, text
+    values = [
+        v
+        for d in json.loads(text)["attributes"]["ome"]["multiscales"][0]["datasets"]
+        for t in d["coordinateTransformations"]
+        for v in t.get("scale", t.get("translation", []))
+    ]
+    assert 0.15 in values and all(len(repr(v)) <= 6 for v in values), values
+
+
+def test_each_level_has_chunks_no_larger_than_itself(tmp_path, shared_cluster):
+    """A (5, 16, 16) level kept (40, 64, 64) chunks (issue 42): every reader decoded buffers 32
+    times the level. Each level's chunks are now level 0's, at most its own extent; the chunk and
+    shard grids are unchanged, so verify --source and ome-zarr-models still agree."""
+    from ome_zarr_models.v05 import Image
+    import zarr
+
+    path = write_h5(tmp_path / "in.h5", smooth((40, 64, 64)))
+    out = tmp_path / "o.ome.zarr"
+    proc = h5ngff(
+        "convert", f"{path}:/volume/data", out, "--chunks", "40,64,64", "--levels", "4", "--no-progress",
+        "--scheduler", shared_cluster.scheduler_address,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    group = zarr.open_group(str(out), mode="r")
+    assert [tuple(group[str(k)].chunks) for k in range(4)] == [(40, 64, 64), (20, 32, 32), (10, 16, 16), (5, 8, 8)]
+    Image.from_zarr(group)
+    check = h5ngff("verify", out, "--source", f"{path}:/volume/data")
+    assert check.returncode == 0, check.stdout
+
+
+def test_an_output_of_an_earlier_version_with_level_0s_chunks_everywhere_is_complete_or_refused_clearly(
+    tmp_path, shared_cluster
+):
+    """Outputs written before levels had their own chunks lack ``levelChunks`` in their content: a
+    finished one is complete (a re-run has nothing to do, as before); an unfinished one is refused
+    with what to do, never resumed in a mixed layout."""
+    path = write_h5(tmp_path / "in.h5", smooth((16, 64, 64)))
+    address = shared_cluster.scheduler_address
+    flags = ["--chunks", "16,64,64", "--levels", "3", "--no-progress", "--scheduler", address]
+    done = tmp_path / "done.ome.zarr"
+    assert h5ngff("convert", f"{path}:/volume/data", done, *flags).returncode == 0
+    root = json.loads((done / "zarr.json").read_text())
+    del root["attributes"]["h5ngff"]["content"]["levelChunks"]  # as an earlier version wrote it
+    (done / "zarr.json").write_text(json.dumps(root))
+    before = sorted((p.relative_to(done), p.stat().st_mtime_ns) for p in done.rglob("*") if p.is_file())
+    again = h5ngff("convert", f"{path}:/volume/data", done, *flags)
+    assert again.returncode == 0 and "0 written" in again.stdout, again.stdout + again.stderr
+    assert sorted((p.relative_to(done), p.stat().st_mtime_ns) for p in done.rglob("*") if p.is_file()) == before
+    unfinished = tmp_path / "unfinished.ome.zarr"
+    killed = h5ngff(
+        "convert", f"{path}:/volume/data", unfinished, *flags, env={**ENV, "H5NGFF_FAULTS": "crash_at=finish"}
+    )
+    assert killed.returncode == -signal.SIGKILL
+    manifest = unfinished / ".h5ngff" / "manifest.jsonl"
+    lines = manifest.read_text().splitlines()
+    header = json.loads(lines[0])
+    del header["content"]["levelChunks"]
+    manifest.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    refused = h5ngff("convert", f"{path}:/volume/data", unfinished, *flags)
+    assert refused.returncode == ExitCode.OUTPUT_REFUSED and "--overwrite" in one_error_line(refused)
+    assert h5ngff("convert", f"{path}:/volume/data", unfinished, *flags, "--overwrite").returncode == 0

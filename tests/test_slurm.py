@@ -381,6 +381,46 @@ def _semaphores() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("sem.mp-")}
 
 
+class _JobSemaphores:
+    """The named semaphores the SLURM jobs' processes hold, seen in their memory maps while the
+    run runs (every 50 ms): what a run left behind is what it held and is still there, never a
+    name another process made in /dev/shm meanwhile (a before-and-after difference counted those,
+    and failed under load, issue 42). A process is a job's when its environment has SLURM_JOB_ID
+    (this test's are the only jobs on the node's fixture while it runs)."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "_JobSemaphores":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def left(self) -> set[str]:
+        return self.held & _semaphores()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        if b"SLURM_JOB_ID=" not in f.read():
+                            continue
+                    with open(f"/proc/{pid}/maps") as f:
+                        maps = f.read()
+                except OSError:  # gone, or not ours to read
+                    continue
+                self.held.update(
+                    os.path.basename(line.split()[-1]) for line in maps.splitlines() if "/dev/shm/sem.mp-" in line
+                )
+            self._stop.wait(0.05)
+
+
 def _remove_semaphores(names: set[str]) -> None:
     """A negative control's leftovers are its test's to remove."""
     for name in names:
@@ -397,11 +437,12 @@ def test_a_finished_run_leaves_no_semaphore_in_the_nodes_shared_memory(small, tm
     backend = SlurmBackend(SlurmSpec(logDirectory=str(tmp_path / "logs"), pendingTimeout=120))
 
     def run(name: str) -> set[str]:
-        before = _semaphores()
         job = plan_job(spec_for(h5, str(tmp_path / f"{name}.ome.zarr"), resources={"workers": 2}), backend)
-        run_job(job, backend)
+        with _JobSemaphores() as watched:
+            run_job(job, backend)
         assert not squeue(), "a job of the run is still queued"
-        return _semaphores() - before
+        assert watched.held, "no semaphore of the jobs was seen: the watch shows nothing"
+        return watched.left()
 
     left = run("stopped")
     assert not left, f"the run left {sorted(left)} in /dev/shm"
@@ -442,11 +483,12 @@ def test_a_run_stopped_with_slabs_in_flight_leaves_no_semaphore(small, tmp_path,
 
     def stopped_run(name: str) -> tuple[set[str], float]:
         job = plan_job(spec_for(h5, str(tmp_path / f"{name}.ome.zarr"), resources={"workers": 2}), backend)
-        before, start = _semaphores(), time.monotonic()
-        with pytest.raises(Stopped):
+        start = time.monotonic()
+        with _JobSemaphores() as watched, pytest.raises(Stopped):
             run_job(job, backend)
         assert not squeue(), "a job of the run is still queued"
-        return _semaphores() - before, time.monotonic() - start
+        assert watched.held, "no semaphore of the jobs was seen: the watch shows nothing"
+        return watched.left(), time.monotonic() - start
 
     left, took = stopped_run("busy")
     assert not left, f"the run left {sorted(left)} in /dev/shm"

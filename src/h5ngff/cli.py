@@ -62,6 +62,7 @@ examples:
   h5ngff plan scan.h5:/entry/data --memory-per-worker 1GiB --workers 4 --json
   h5ngff plan scan.h5:/data --chunks 64,64,64 --shards 256,256,256 --levels 3
   h5ngff plan job.yaml --kubernetes          # a ConversionJob manifest, planned as the operator would
+  h5ngff plan 'runs/*/*.h5:/data' 'out/{parent}/{stem}.ome.zarr'   # every item of a batch, one cluster
 """
 
 EPILOG_CONVERT = """\
@@ -94,9 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan a conversion and explain every MiB a worker needs. Reads only HDF5 metadata.",
         epilog=EPILOG_PLAN,
     )
-    p.add_argument("source", metavar="SOURCE", help="FILE.h5:/dataset, or a ConversionJob YAML file.")
     p.add_argument(
-        "output", metavar="OUTPUT", nargs="?", help="Output path (only needed to show it; default SOURCE.ome.zarr)."
+        "source",
+        metavar="SOURCE",
+        help="FILE.h5:/dataset, a ConversionJob YAML file, or a quoted glob ('runs/*/*.h5:/data'): every file's plan "
+        "and the one cluster a batch would start (docs/batch.md).",
+    )
+    p.add_argument(
+        "output",
+        metavar="OUTPUT",
+        nargs="?",
+        help="Output path (only needed to show it; default beside the source), or a batch's template "
+        "(out/{stem}.ome.zarr).",
     )
     _common_run_flags(p, convert=False)
     add_spec_flags(p)
@@ -249,9 +259,12 @@ def spec_from_args(args: argparse.Namespace) -> ConversionSpec:
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from .clibatchplan import cmd_plan_batch, is_batch_plan
     from .report import plan_renderable
     from .runner import plan_job
 
+    if is_batch_plan(args.source, args.output):  # a glob or a template: every item's plan
+        return cmd_plan_batch(args, console)
     spec = spec_from_args(args)
     backend = backend_from_args(args, _manifest_slurm(args))
     job = plan_job(spec, backend, constants_from_args(args))

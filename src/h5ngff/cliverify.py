@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
+from .batch.items import GLOB_CHARS, is_template
 from .cliargs import add_storage_option_flag, parse_storage_options, split_source
 from .console import make_console
 from .spec import parse_output_path, url_scheme
-from .errors import OutputNotFoundError
+from .errors import OutputNotFoundError, SpecError
 
 EPILOG = """\
 Checks that the OME-NGFF metadata is present, that the completion marker is set, that every chunk
@@ -33,7 +36,12 @@ def add_verify_command(sub) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    v.add_argument("output", metavar="OUTPUT", help="An OME-Zarr written by h5ngff.")
+    v.add_argument(
+        "output",
+        metavar="OUTPUT",
+        help="An OME-Zarr written by h5ngff; a quoted glob of them ('out/*.ome.zarr'); or, with --source 'runs/*.h5:/data', "
+        "the template convert wrote them with ('out/{stem}.ome.zarr'), each compared with its own source.",
+    )
     v.add_argument(
         "--source",
         metavar="SOURCE",
@@ -49,6 +57,8 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from .engine.verify.check import verify_output  # zarr and h5py load only when needed
 
     options = parse_storage_options(args.storage_option)
+    if is_template(args.output) or (url_scheme(args.output) is None and GLOB_CHARS.search(args.output)):
+        return _verify_many(args, console, options)
     source = _checked_inputs(args.output, args.source, options)
     if args.json:
         report = verify_output(args.output, source, storage_options=options)
@@ -87,6 +97,69 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     if len(report.problems) > 50:
         console.print(f"  … and {len(report.problems) - 50} more (use --json for all).")
     return 1
+
+
+def _many(output: str, source: str | None) -> list[tuple[str, str | None]]:
+    """(output, source) pairs: a template's outputs with the sources ``--source`` matches, as
+    ``convert SOURCE TEMPLATE`` wrote them; or the outputs a glob matches, without sources."""
+    from .batch.items import batch_items
+
+    if is_template(output):
+        if source is None:
+            raise SpecError(
+                "--source",
+                f"Expected --source with the pattern the template {output!r} was filled from (e.g. "
+                f"--source 'runs/*.h5:/data'), or a glob of outputs (out/*.ome.zarr) to check without sources.",
+            )
+        return [(item.output, item.source) for item in batch_items([source], output)]
+    if source is not None:
+        raise SpecError(
+            "OUTPUT",
+            f"Expected the output template that wrote the outputs (e.g. 'out/{{stem}}.ome.zarr') with --source, so each "
+            f"output is compared with its own source. Got the glob {output!r} instead.",
+        )
+    outputs = sorted(glob.glob(output, recursive=True))
+    if not outputs:
+        raise OutputNotFoundError(
+            f"{output!r} matches no output (from {os.getcwd()!r}). Check the pattern and its quoting."
+        )
+    return [(path, None) for path in outputs]
+
+
+def _verify_many(args: argparse.Namespace, console: Console, options: dict[str, str]) -> int:
+    """Every output of a template or a glob, one after the other; exit 0 when all are good."""
+    from .engine.verify.check import verify_output
+
+    pairs = _many(args.output, args.source)
+    rows: list[dict] = []
+    with Progress(
+        TextColumn("verify"), BarColumn(), MofNCompleteColumn(), console=make_console(stderr=True), transient=True
+    ) as bar:
+        task = bar.add_task("verify", total=len(pairs))
+        for output, source in pairs:
+            if not os.path.exists(output) and url_scheme(output) is None:
+                rows.append({"path": output, "source": source, "ok": False, "problems": ["does not exist"]})
+            else:
+                split = split_source(source) if source else None
+                report = verify_output(output, split, storage_options=options)
+                rows.append({**report.to_dict(), "source": source})
+            bar.advance(task)
+    ok = all(row["ok"] for row in rows)
+    if args.json:
+        print(json.dumps({"ok": ok, "outputs": rows}, indent=1))
+        return 0 if ok else 1
+    table = Table(show_edge=False)
+    for column in ("output", "source", "result"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["path"], row["source"] or "", "[green]ok[/green]" if row["ok"] else "[red]problems[/red]")
+    console.print(table)
+    for row in rows:
+        for problem in row["problems"][:10]:
+            console.print(f"  - {row['path']}: {problem}", highlight=False, soft_wrap=True)
+    bad = sum(not row["ok"] for row in rows)
+    console.print(f"{len(rows) - bad} of {len(rows)} output(s) ok" + (f", {bad} with problems." if bad else "."))
+    return 0 if ok else 1
 
 
 def _checked_inputs(

@@ -186,23 +186,12 @@ def run_batch(
     """Plan every item, start one cluster for the largest plan, and convert the items on it in
     order, ``items_in_flight`` at a time. ``metrics`` serves the job and worker series of the
     item that started last among those running (docs/metrics.md, "Batches")."""
-    if items_in_flight < 1:
-        raise ValueError(f"items_in_flight must be 1 or more, not {items_in_flight}")
     hooks = hooks or BatchHooks()
     start = time.perf_counter()
-    summary = BatchSummary([ItemResult(item) for item in items], items_in_flight=items_in_flight)
-    at_once = min(items_in_flight, len(items))
-    _plan_all(summary, spec_for, backend, constants, fail_fast, at_once)
+    summary = plan_batch(
+        items, spec_for, backend, constants=constants, fail_fast=fail_fast, items_in_flight=items_in_flight
+    )
     runnable, plans = _runnable(summary)
-    if plans and summary.sizing is not None and summary.sizing.job is not None:
-        fitted = fitting_in_flight(at_once, summary.sizing.job.plan, plans, summary)
-        if fitted < at_once:  # planned to share the threads with items that will not run beside
-            told = summary.notices
-            summary.results, summary.sizing = [ItemResult(item) for item in items], None
-            _plan_all(summary, spec_for, backend, constants, fail_fast, fitted)
-            summary.notices = sorted({*summary.notices, *told})
-            runnable, plans = _runnable(summary)
-            summary.items_in_flight = fitted
     hooks.on_planned(summary)
     if runnable and not (fail_fast and summary.count(REFUSED)):
         assert summary.sizing is not None and summary.sizing.job is not None
@@ -214,6 +203,35 @@ def run_batch(
                 runnable, in_flight, fail_fast, (in_flight - 1) * beside_allowance(plans)
             )
     summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def plan_batch(
+    items: Sequence[BatchItem],
+    spec_for: Callable[[BatchItem], ConversionSpec],
+    backend: Backend,
+    *,
+    constants: MemoryConstants = DEFAULT_CONSTANTS,
+    fail_fast: bool = False,
+    items_in_flight: int = DEFAULT_ITEMS_IN_FLIGHT,
+) -> BatchSummary:
+    """Plan every item as ``run_batch`` would, starting nothing (``h5ngff plan`` of a glob shows
+    this): each item's plan or refusal, the cluster the largest plan sizes, and how many items
+    will run at once."""
+    if items_in_flight < 1:
+        raise ValueError(f"items_in_flight must be 1 or more, not {items_in_flight}")
+    summary = BatchSummary([ItemResult(item) for item in items], items_in_flight=items_in_flight)
+    at_once = min(items_in_flight, len(items))
+    _plan_all(summary, spec_for, backend, constants, fail_fast, at_once)
+    _, plans = _runnable(summary)
+    if plans and summary.sizing is not None and summary.sizing.job is not None:
+        fitted = fitting_in_flight(at_once, summary.sizing.job.plan, plans, summary)
+        if fitted < at_once:  # planned to share the threads with items that will not run beside
+            told = summary.notices
+            summary.results, summary.sizing = [ItemResult(item) for item in items], None
+            _plan_all(summary, spec_for, backend, constants, fail_fast, fitted)
+            summary.notices = sorted({*summary.notices, *told})
+            summary.items_in_flight = fitted
     return summary
 
 

@@ -213,6 +213,12 @@ def resolve_levels(spec: ConversionSpec, shape: Shape, chunks: Shape, rule: Halv
     return levels
 
 
+def _decimal(x: float) -> float:
+    """``x`` to 12 significant digits: 0.5 * 3 * 0.1 is 0.15000000000000002 in binary, which the
+    metadata would show as written; voxel sizes carry nowhere near 12 digits."""
+    return float(f"{x:.12g}")
+
+
 def build_levels(shape: Shape, scale: tuple[float, ...], steps: Steps, method: str) -> tuple[Level, ...]:
     """``len(steps) + 1`` levels. A level's factors are the product of the halvings of the steps
     below it, per axis, and its scale is level 0's times them. For ``mean`` and ``max`` a level-k
@@ -224,9 +230,9 @@ def build_levels(shape: Shape, scale: tuple[float, ...], steps: Steps, method: s
     for k, lshape in enumerate(level_shapes(shape, steps)):
         if k:
             factors = tuple(f * 2 if d else f for f, d in zip(factors, steps[k - 1]))
-        lscale = tuple(s * f for s, f in zip(scale, factors))
+        lscale = tuple(_decimal(s * f) for s, f in zip(scale, factors))
         shift = 0.0 if method == "nearest" else 0.5
-        translation = tuple(shift * (f - 1) * s for s, f in zip(scale, factors))
+        translation = tuple(_decimal(shift * (f - 1) * s) for s, f in zip(scale, factors))
         levels.append(Level(k, lshape, factors, lscale, translation))
     return tuple(levels)
 

@@ -98,6 +98,12 @@ def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity
                 if found
                 else " The file holds no datasets."
             )
+            if "\\" in dataset:  # a Windows habit: HDF5 paths use '/', and repr would double each '\\'
+                slashed = "/" + "/".join(p for p in dataset.replace("\\", "/").split("/") if p)
+                raise DatasetNotFoundError(
+                    f"source.dataset: '{dataset}' is not in {path!r}: HDF5 paths are separated by '/', not '\\'. "
+                    f"Did you mean '{slashed}'?{hint}"
+                ) from None
             raise DatasetNotFoundError(f"source.dataset: {dataset!r} is not in {path!r}.{hint}") from None
         except Exception as exc:  # corrupt object headers surface as assorted h5py errors
             raise SourceError(

@@ -90,8 +90,8 @@ def level_layouts(plan: Plan, spec: ConversionSpec) -> tuple[ArrayLayout, ...]:
         ArrayLayout(
             path=os.path.join(root, str(level.index)),
             shape=level.shape,
-            chunks=plan.chunks,
-            shards=plan.shards,
+            chunks=level_chunks(plan.chunks, level.shape),
+            shards=level_shards(plan.shards, plan.chunks, level.shape),
             dtype=plan.dtype,
             zarr_format=fmt,
             compressor=spec.output.compressor,
@@ -102,6 +102,32 @@ def level_layouts(plan: Plan, spec: ConversionSpec) -> tuple[ArrayLayout, ...]:
         )
         for level in plan.levels
     )
+
+
+def level_chunks(chunks: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A level's chunk shape: level 0's, at most the level's own extent per axis, as level 0's is
+    at most its shape (planner.layout). A (5, 16, 16) level kept (40, 64, 64) chunks before, so
+    every reader decoded a buffer 32 times the level. The chunk grid is unchanged: an axis shorter
+    than a chunk has one chunk either way."""
+    return tuple(min(c, n) for c, n in zip(chunks, shape))
+
+
+def level_shards(
+    shards: tuple[int, ...] | None, chunks: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """A level's shard shape: level 0's, at most the whole chunks that cover the level (a multiple
+    of the level's chunk, ``level_chunks``), so the shard grid is unchanged too."""
+    if shards is None:
+        return None
+    inner = level_chunks(chunks, shape)
+    return tuple(min(s, -(-n // c) * c) for s, c, n in zip(shards, inner, shape))
+
+
+def _level_chunks_record(plan: Plan) -> list[list[int]] | None:
+    """Each level's chunk shape where one differs from level 0's (content_of): an output written
+    before levels had their own chunks must not be resumed with them."""
+    per_level = [list(level_chunks(plan.chunks, level.shape)) for level in plan.levels]
+    return per_level if any(c != list(plan.chunks) for c in per_level) else None
 
 
 def downsampled_record(plan: Plan) -> list[bool] | list[list[bool]] | None:
@@ -130,6 +156,9 @@ def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict
         "levels": len(plan.levels),
         "method": spec.pyramid.method,
         "downsampled": downsampled_record(plan),
+        # Only when a level's chunks differ from level 0's, so outputs that never had such a level
+        # still resume as before (``_LAYOUT_ONLY`` says what an older finished output may differ in).
+        **({"levelChunks": record} if (record := _level_chunks_record(plan)) is not None else {}),
         # Only when on, so outputs written before checksums existed still resume with --no-checksums.
         **({"checksums": "crc32c"} if spec.output.checksums else {}),
     }
@@ -253,6 +282,14 @@ def _refuse_existing(
         )
     old = existing.content if existing is not None else (finished or {}).get("content", {})
     differences = _differences(old, content)
+    if differences and all(key in _LAYOUT_ONLY and key not in old for key in _changed(old, content)):
+        if existing is None:  # finished by a version that stored every level with level 0's chunks:
+            return  # the same image in a valid layout; a re-run has nothing to do
+        raise OutputConflictError(
+            f"output.path: {path!r} is an unfinished output of an earlier h5ngff, which stored every level with "
+            f"level 0's chunk shape; this version gives each level its own. Re-run it with --overwrite to start it "
+            f"afresh (or finish it with the earlier version)."
+        )
     if differences:
         raise OutputConflictError(
             f"output.path: {path!r} holds an h5ngff output of a different conversion ({'; '.join(differences)}). "
@@ -362,6 +399,15 @@ def _record_nothing_done(store: Store) -> tuple[str, ...]:
         if store.size(name) is not None:
             store.delete(name)
     return (header.header_key,)
+
+
+#: Content keys an earlier version's output lacks because it wrote the same image in an older
+#: layout: a finished one is taken as complete, an unfinished one is refused with what to do.
+_LAYOUT_ONLY = frozenset({"levelChunks"})
+
+
+def _changed(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
+    return {key for key in set(old) | set(new) if old.get(key) != new.get(key)}
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
