@@ -76,6 +76,12 @@ VALID = {
     "base": BASE,
     "minimal": {"source": {"path": "a.h5", "dataset": "d"}, "output": {"path": "o"}},
     "workers auto": edit("resources.workers", "auto"),
+    "files stacked": edit("source", {"paths": ["/d/a.h5", "/d/b.h5"], "dataset": "/data", "stack": "t"}),
+    "a glob of files stacked": edit("source", {"path": "/d/t*.h5", "dataset": "/data", "stack": "t"}),
+    "planes along z": edit("source", {"paths": ["/d/a.h5"], "dataset": "/data", "stack": "z"}),
+    "path beside paths": edit(
+        "source", {"path": "/d/a.h5", "paths": ["/d/a.h5", "/d/b.h5"], "dataset": "/data", "stack": "c"}
+    ),
     "workers 4096": edit("resources.workers", 4096),
     "levels auto": edit("pyramid.levels", "auto"),
     "levels 1": edit("pyramid.levels", 1),
@@ -298,6 +304,17 @@ INVALID = {
     "source https": edit("source.path", "https://example.org/in.h5"),
     "source file": edit("source.path", "file:///data/in.h5"),
     "source path too long": edit("source.path", "/" + "a" * 4096),
+    # --- one image from many files (issue 45) ---
+    "source with neither path nor paths": edit("source", {"dataset": "/data", "stack": "t"}),
+    "files without a stack axis": edit("source", {"paths": ["/d/a.h5", "/d/b.h5"], "dataset": "/data"}),
+    "a glob of files without a stack axis": edit("source", {"path": "/d/t*.h5", "dataset": "/data"}),
+    "files with two stack axes": edit("source", {"paths": ["/d/a.h5"], "dataset": "/data", "stack": "tc"}),
+    "stack z within one file": edit("source", {"path": "/d/a.h5", "dataset": "/ch{0..2}", "stack": "z"}),
+    "path not the first of paths": edit(
+        "source", {"path": "/d/b.h5", "paths": ["/d/a.h5", "/d/b.h5"], "dataset": "/data", "stack": "t"}
+    ),
+    "paths holding a URL": edit("source", {"paths": ["/d/a.h5", "s3://b/t1.h5"], "dataset": "/data", "stack": "t"}),
+    "paths holding a padded path": edit("source", {"paths": ["/d/a.h5 "], "dataset": "/data", "stack": "t"}),
     # --- URL-like prefixes and padding (issue: admission limits) ---
     "output path with a colon": edit("output.path", "out:1.ome.zarr"),
     "output s3:/ one slash": edit("output.path", "s3:/bucket/x.ome.zarr"),

@@ -261,14 +261,21 @@ def check_output(out: str, truth: np.ndarray, src_path: str, flags: list[str]) -
         assert array.dtype == want_dtype, (k, array.dtype)
         if asked is not None and k == 0:  # the chunks asked for, at most the whole axis (a notice says so)
             assert tuple(array.chunks) == tuple(min(c, n) for c, n in zip(asked, truth.shape)), (array.chunks, asked)
+        above = expected
         if k:
             downsampled = halved_axes(datasets[k - 1], dataset, expected.shape, array.shape)
             _note(f"level {k}: halved {downsampled}")
             expected = reference_level(expected, downsampled, method)
         got = array[...]
         assert got.shape == expected.shape, (k, got.shape, expected.shape)
-        if method == "mean" and k and got.dtype == np.float64:  # docs/engine.md: summed in float64
-            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0, equal_nan=True, err_msg=f"level {k}")
+        if method == "mean" and k and got.dtype == np.float64:
+            # docs/engine.md: float64 sums round once per addition, in the writer's order (pairs
+            # along each axis) and the reference's (one reduction): they differ by a few ulps of
+            # the inputs' magnitude, which is the result's only where the inputs do not cancel.
+            # (The long profile found 2.4e-12 relative on -0.012 from inputs near 500: rtol failed.)
+            finite = np.abs(above[np.isfinite(above)])
+            atol = 16 * np.finfo(np.float64).eps * (float(finite.max()) if finite.size else 0.0)
+            np.testing.assert_allclose(got, expected, rtol=0, atol=atol, equal_nan=True, err_msg=f"level {k}")
         else:
             np.testing.assert_array_equal(got, expected, err_msg=f"level {k}")
     _validate(group, version)
@@ -353,6 +360,13 @@ PINNED: dict[str, tuple[Source, list[str]]] = {
     "float16-nan-sign-second-pass": (
         Source((1, 2, 43, 3, 1), "<f2", seed=2580897, specials=0.3),
         ["--ngff-version", "0.4", "--chunks", "1,1,11,4,2", "--levels", "3", "--downsample", "mean", "--compressor", "zstd:5:bitshuffle"],
+    ),
+    # The long profile's second find (seed 40403): not a bug of the writer but of this test's
+    # tolerance, rtol 1e-12 on a float64 mean whose inputs (near 500) cancel to -0.012; the
+    # documented rounding is relative to the inputs' magnitude (check_output).
+    "float64-mean-cancelling-inputs": (
+        Source((1, 7, 26, 5), "<f8", layout={"chunks": (1, 1, 1, 1)}, kind="chunked", seed=0),
+        ["--ngff-version", "0.4", "--chunks", "1,8,9,4", "--levels", "2", "--downsample", "mean", "--compressor", "zstd:5:bitshuffle"],
     ),
     "float32-default-chunks-257": (
         Source((200, 257), ">f4", seed=2),

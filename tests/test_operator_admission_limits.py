@@ -129,6 +129,7 @@ MIRRORED_AS = {
 #: Validators with no admission rule, and why none is needed or possible.
 NOT_IN_THE_CRD = {
     "_absolute_dataset": "normalises source.dataset (adds the leading '/'); refuses nothing",
+    "_path_from_paths": "a default (source.path is the first of source.paths when left out); refuses nothing",
     "_no_sidecar_in_a_bucket": "a default (no checksums for an NGFF 0.4 bucket); refuses nothing",
     "_version_is_a_string": "a type check: the CRD's type string refuses a number",
     "_levels_not_bool": "a type check: int-or-string refuses a boolean",

@@ -25,7 +25,14 @@ from .cliargs import (
     spec_for_source,
     spec_overrides,
 )
-from .clibatch import add_batch_command, add_batch_flags, convert_batch, is_batch
+from .clibatch import (
+    add_batch_command,
+    add_batch_flags,
+    convert_batch,
+    is_batch,
+    is_file_stack,
+    spec_for_file_stack,
+)
 from .clijob import add_job_commands
 from .console import make_console, print_notices, print_warning, shorten_quoted
 from .cliverify import add_verify_command
@@ -263,7 +270,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from .report import plan_renderable
     from .runner import plan_job
 
-    if is_batch_plan(args.source, args.output):  # a glob or a template: every item's plan
+    if is_batch_plan(args.source, args.output, args.stack_axis):  # a glob or a template: every item's plan
         return cmd_plan_batch(args, console)
     spec = spec_from_args(args)
     backend = backend_from_args(args, _manifest_slurm(args))
@@ -301,6 +308,8 @@ def cmd_convert(args: argparse.Namespace, console: Console) -> int:
         from .metrics.timeline import check_report_path
 
         check_report_path(args.memory_report)
+    if is_file_stack(args.sources, args.output, args.stack_axis):  # one image from many files
+        return convert_spec(spec_for_file_stack(args.sources, args.output, args), args, console)
     if is_batch(args.sources, args.output):
         return convert_batch(args.sources, args.output, args, console)
     spec = spec_from_args(args)

@@ -234,8 +234,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     fmt = parser.add_argument_group("source formats (docs/formats.md)")
     fmt.add_argument(
         "--stack-axis",
-        metavar="c|t|tc",
-        help="New axes for several stacked datasets (FILE:/ch{0..2}, a list or a glob); default c.",
+        metavar="c|t|tc|z",
+        help="New axes for several stacked datasets of one file (FILE:/ch{0..2}, a list or a glob; default c), or "
+        "the one new axis (t, c or z) of one image stacked from several files: 'run/t*.h5:/data' or a list, with a "
+        "plain output path (docs/formats.md).",
     )
     fmt.add_argument(
         "--tile", type=int, metavar="N", help="BigDataViewer: convert this tile (when the file holds several)."

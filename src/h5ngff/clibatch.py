@@ -40,7 +40,15 @@ from .batch.run import (
     ItemResult,
     run_batch,
 )
-from .cliargs import add_spec_flags, backend_from_args, constants_from_args, merge, spec_for_source, spec_overrides
+from .cliargs import (
+    add_spec_flags,
+    backend_from_args,
+    constants_from_args,
+    merge,
+    spec_for_source,
+    spec_overrides,
+    split_source,
+)
 from .console import make_console, print_notices, shorten_quoted
 from .engine.progress import Listener, Progress as ProgressEvent
 from .errors import ExitCode, SpecError
@@ -161,9 +169,45 @@ def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespa
     return _run(items, spec_for, backend_from_args(args, None), args, console)
 
 
+def spec_for_file_stack(sources: list[str], output: str, args: argparse.Namespace) -> ConversionSpec:
+    """One image from several sources along ``--stack-axis`` (docs/formats.md, "Files stacked
+    into one image"): several datasets of one file are stacked inside it (``a.h5:/ch0,/ch1``);
+    files, in the order given (each pattern's matches in natural order), are ``source.paths``; a
+    single glob stays a glob in ``source.path``, expanded when the source is opened."""
+    from .spec import parse_spec
+
+    split = [split_source(s) for s in sources]
+    datasets = list(dict.fromkeys(d for _, d in split))
+    files = list(dict.fromkeys(f for f, _ in split))
+    if len(files) == 1 and len(sources) > 1:  # datasets of one file: a stack inside it
+        return spec_for_source(f"{files[0]}:{','.join(datasets)}", output, args)
+    if len(datasets) > 1:
+        raise SpecError(
+            "source",
+            f"Expected one dataset for every file stacked (each file holds one image of the stack). Got "
+            f"{', '.join(repr(d) for d in datasets[:3])} instead: convert them apart, or stack them one dataset at a time.",
+        )
+    if len(sources) == 1:
+        return spec_for_source(sources[0], output, args)
+    paths = [path for _, path in expand_sources(sources)]
+    base: dict[str, Any] = {"source": {"paths": paths, "dataset": datasets[0]}, "output": {"path": output}}
+    if getattr(args, "overwrite", False):
+        base["output"]["overwrite"] = True
+    return parse_spec(merge(base, spec_overrides(args)))
+
+
+def is_file_stack(sources: Sequence[str], output: str, stack_axis: str | None) -> bool:
+    """``--stack-axis`` with several sources, or a glob of files, and one plain output: one image
+    stacked from them (``spec_for_file_stack``), not a batch."""
+    if not stack_axis or is_template(output):
+        return False
+    return len(sources) > 1 or bool(GLOB_CHARS.search(split_pattern(sources[0])[0]))
+
+
 def several_sources_one_output(sources: Sequence[tuple[str, str]], output: str) -> str:
-    """Why several sources and one plain output path are refused, with the two things the user
-    may have meant: one output per source (a template), or one image stacking datasets of a file."""
+    """Why several sources and one plain output path are refused, with the three things the user
+    may have meant: one output per source (a template), one image stacking datasets of a file, or
+    one image stacking the files (--stack-axis)."""
     files = list(dict.fromkeys(path for _, path in sources))
     datasets = [split_pattern(source)[1] for source, _ in sources]
     if len(files) == 1 and all(datasets):
@@ -173,9 +217,10 @@ def several_sources_one_output(sources: Sequence[tuple[str, str]], output: str) 
     names = ", ".join(repr(source) for source, _ in sources[:3]) + (", ..." if len(sources) > 3 else "")
     return (
         f"Expected one source for the output {output!r}, or an output template. Got {len(sources)} sources ({names}) "
-        f"instead, and one output cannot hold them apart. Either give a template such as "
-        f"'{os.path.join(os.path.dirname(output), '{stem}.ome.zarr')}' for one output per file, or stack datasets of one "
-        f"file into one image with one source: {stacked!r} (--stack-axis c|t)."
+        f"instead, and one output cannot hold them apart. Give a template such as "
+        f"'{os.path.join(os.path.dirname(output), '{stem}.ome.zarr')}' for one output per file; or stack datasets of one "
+        f"file into one image with one source: {stacked!r} (--stack-axis c|t); or stack the files into one image "
+        f"along a new axis with --stack-axis t, c or z."
     )
 
 

@@ -27,9 +27,12 @@ from .units import MiB
 PLANNED = "Planned"
 
 
-def is_batch_plan(source: str, output: str | None) -> bool:
-    """A glob in the source's file part, or an output template, makes ``plan`` a batch's."""
-    return bool(GLOB_CHARS.search(split_pattern(source)[0])) or (output is not None and is_template(output))
+def is_batch_plan(source: str, output: str | None, stack_axis: str | None = None) -> bool:
+    """A glob in the source's file part, or an output template, makes ``plan`` a batch's; with
+    ``--stack-axis`` and no template a glob is one image stacked from its files."""
+    if output is not None and is_template(output):
+        return True
+    return not stack_axis and bool(GLOB_CHARS.search(split_pattern(source)[0]))
 
 
 def plan_items(source: str, output: str | None) -> list[BatchItem]:

@@ -125,6 +125,9 @@ SCHEME_LIKE_PATTERN = "^([A-Za-z][A-Za-z0-9+.-]+:|[A-Za-z]://)"
 PADDED_PATTERN = "^[ \\t\\n\\r\\f\\v]|[ \\t\\n\\r\\f\\v]$"
 #: Longest source.path and output.path accepted (Linux's PATH_MAX); bounds the CRD's CEL cost.
 MAX_PATH_LENGTH = 4096
+#: The most files one image may stack (source.paths): bounds the spec's size in the CRD and the
+#: manifest's identity of a stacked source; a larger acquisition is a batch, or a glob.
+MAX_STACKED_FILES = 10000
 #: The storage option that sets how many PUTs each worker thread keeps in flight (default: the
 #: planner's choice by unit size, planner/memory.py upload_depth), and its largest value.
 UPLOADS_IN_FLIGHT = "uploads_in_flight"
@@ -256,9 +259,18 @@ class SourceSpec(_Model):
     """The HDF5 input: one dataset, several stacked, or a container (Imaris, BigDataViewer). See docs/formats.md."""
 
     path: str = Field(
+        "",
         min_length=1,
         max_length=MAX_PATH_LENGTH,
-        description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it; not a URL.",
+        description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it; not a URL. "
+        "With stack across files, a glob naming the files (/data/run/t*.h5, in natural order). Required unless paths is given.",
+    )
+    paths: list[Annotated[str, Field(min_length=1, max_length=MAX_PATH_LENGTH)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_STACKED_FILES,
+        description="Files stacked in this order into one image, one dataset (or one Imaris or BigDataViewer image) "
+        "each, along the new axis stack names (t, c or z). path is then the first of them.",
     )
     dataset: str = Field(
         min_length=1,
@@ -277,17 +289,66 @@ class SourceSpec(_Model):
         None, ge=0, description="BigDataViewer: the illumination to convert when the file holds several."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _path_from_paths(cls, data: Any) -> Any:
+        """``paths`` alone names the files: ``path`` is their first (so every reader of a spec
+        finds a file in ``path``); given both, ``path`` must be that first file."""
+        if isinstance(data, dict) and isinstance(data.get("paths"), list) and data["paths"] and not data.get("path"):
+            return {**data, "path": data["paths"][0]}
+        return data
+
     @field_validator("path")
     @classmethod
     def _not_a_url(cls, v: str) -> str:
-        return parse_source_path(v)
+        return parse_source_path(v) if v else v
+
+    @field_validator("paths")
+    @classmethod
+    def _paths_not_urls(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            for p in v:
+                parse_source_path(p)
+        return v
 
     @field_validator("stack")
     @classmethod
     def _stack_axes(cls, v: str | None) -> str | None:
-        if v is not None and (not v or any(a not in "tc" for a in v) or len(set(v)) != len(v)):
-            raise ValueError(f"Expected new axes from 't' and 'c', e.g. 'c', 't' or 'tc'. Got {v!r} instead.")
+        if v is not None and (not v or any(a not in "tcz" for a in v) or len(set(v)) != len(v)):
+            raise ValueError(
+                f"Expected new axes from 't' and 'c' (and 'z' for files stacked into one image), e.g. 'c', 't' or "
+                f"'tc'. Got {v!r} instead."
+            )
         return v
+
+    @model_validator(mode="after")
+    def _files_or_datasets(self) -> "SourceSpec":
+        if not self.path:
+            raise _FieldError("path", "Expected a path to the HDF5 file, or paths: the files to stack. Got neither.")
+        if self.paths and self.path != self.paths[0]:
+            raise _FieldError(
+                "path",
+                f"Expected path to be the first of paths (or left out). Got {self.path!r} beside paths starting "
+                f"{self.paths[0]!r} instead.",
+            )
+        files = self.stacks_files
+        if files and (self.stack is None or len(self.stack) != 1):
+            raise _FieldError(
+                "stack",
+                f"Expected one new axis (t, c or z) to stack the files {'of ' + repr(self.path) if not self.paths else 'in paths'} "
+                f"into one image. Got {self.stack!r} instead. For one output per file, use a ConversionBatch "
+                f"(h5ngff convert 'PATTERN' 'out/{{stem}}.ome.zarr').",
+            )
+        if not files and self.stack is not None and "z" in self.stack:
+            raise _FieldError(
+                "stack", f"Expected 'z' only to stack files (paths, or a glob in path). Got {self.stack!r} instead."
+            )
+        return self
+
+    @property
+    def stacks_files(self) -> bool:
+        """Several files make this one image: ``paths``, or a glob in ``path``."""
+        return bool(self.paths) or any(ch in self.path for ch in "*?[")
 
     # --- end formats ---
 

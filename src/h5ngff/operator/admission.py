@@ -242,6 +242,50 @@ def _not_padded_rule(path: str) -> CelRule:
     )
 
 
+def _file_stack_rules() -> tuple[CelRule, ...]:
+    """SourceSpec._files_or_datasets and _paths_not_urls: one image from several files (source.paths,
+    or a glob in source.path) needs exactly one new axis; 'z' only there; path, when given beside
+    paths, is their first; every listed file is a path, not a URL."""
+    files = "(has(self.paths) || (has(self.path) && self.path.matches('[*?\\\\[]')))"
+    scheme, padded = SCHEME_LIKE_PATTERN, _cel_string(PADDED_PATTERN)
+    return (
+        CelRule(
+            "source",
+            "has(self.path) || has(self.paths)",
+            "source needs path (the HDF5 file) or paths (the files to stack into one image)",
+            why="SourceSpec._files_or_datasets: a path or paths",
+        ),
+        CelRule(
+            "source",
+            f"!{files} || (has(self.stack) && size(self.stack) == 1)",
+            "source.stack must name one new axis (t, c or z) to stack several files into one image; for one output per "
+            "file, use a ConversionBatch",
+            ".stack",
+            why="SourceSpec._files_or_datasets: files need one stack axis",
+        ),
+        CelRule(
+            "source",
+            f"!has(self.stack) || !self.stack.contains('z') || {files}",
+            "source.stack 'z' stacks files (paths, or a glob in path) into one image",
+            ".stack",
+            why="SourceSpec._files_or_datasets: z only for files",
+        ),
+        CelRule(
+            "source",
+            "!has(self.path) || !has(self.paths) || self.path == self.paths[0]",
+            "source.path must be the first of source.paths, or left out",
+            ".path",
+            why="SourceSpec._files_or_datasets: path is paths' first",
+        ),
+        CelRule(
+            "source.paths",
+            f"self.all(p, !p.matches('{scheme}') && !p.matches('{padded}'))",
+            "source.paths must be paths to the HDF5 files as the workers see them, not URLs, with no surrounding whitespace",
+            why="SourceSpec._paths_not_urls (parse_source_path)",
+        ),
+    )
+
+
 def _slurm_planned_rule() -> CelRule:
     """SlurmSpec._not_planned: RE2 has no negative lookahead, so a pattern cannot refuse the
     options the plan sets; CEL can, with the model's own expression (SLURM_PLANNED_DIRECTIVE: any
@@ -329,8 +373,8 @@ SCHEMA_RULES: tuple[SchemaRule, ...] = (
     ),
     SchemaRule(
         "source.stack",
-        {"maxLength": 2, "pattern": "^(t|c|tc|ct)$"},
-        "SourceSpec._stack_axes: distinct new axes from 't' and 'c'",
+        {"maxLength": 2, "pattern": "^(t|c|z|tc|ct)$"},
+        "SourceSpec._stack_axes: distinct new axes from 't' and 'c', or 'z' for files",
     ),
     *(_one_line(f"slurm.{name}") for name in ("partition", "account", "qos", "scratch", "python", "logDirectory")),
     SchemaRule("slurm.prologue", {"items": _ONE_LINE}, "SlurmSpec._prologue_lines"),
@@ -448,6 +492,7 @@ CEL_RULES: tuple[CelRule, ...] = (
     _url_like_output_rule(),
     _not_padded_rule("output.path"),
     _not_padded_rule("source.path"),
+    *_file_stack_rules(),
     CelRule(
         "retry",
         f"(has(self.maxIntervalSeconds) ? self.maxIntervalSeconds : {DEFAULT_MAX_RETRY_INTERVAL}) >= "

@@ -174,6 +174,9 @@ class PassShape:
     #: The HDF5 chunks are read with read_direct_chunk and inflated by libdeflate
     #: (DatasetInfo.hdf5_direct_read): HDF5's chunk cache and its filter buffers are not used.
     hdf5_direct: bool = False
+    #: HDF5 files a worker holds open at once: one, or, for an image stacked from several files
+    #: (each opened for one slab's read and closed after it), one per thread.
+    open_files: int = 1
 
     @property
     def levels_built(self) -> int:
@@ -241,17 +244,20 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         )
     if shape.from_hdf5:
         terms.append(window_term(shape))
-        hdf5 = shape.hdf5_cache_bytes + c.hdf5_internal
-        why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB + HDF5 internal buffers"
+        # HDF5's own buffers per open file; an image stacked from files has one open per thread.
+        internal = shape.open_files * c.hdf5_internal
+        files = f" of {shape.open_files} open files (one per thread)" if shape.open_files > 1 else ""
+        hdf5 = shape.hdf5_cache_bytes + internal
+        why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB + HDF5 internal buffers{files}"
         if shape.hdf5_direct:
             # engine.sources.inflate: each chunk's stored bytes (read_direct_chunk) and libdeflate's output,
             # one chunk at a time (h5py serialises the reads); HDF5's chunk cache stays empty.
-            hdf5 = c.hdf5_internal
-            why = "chunks read directly and inflated by libdeflate, HDF5's chunk cache unused: HDF5 internal buffers"
+            hdf5 = internal
+            why = f"chunks read directly and inflated by libdeflate, HDF5's chunk cache unused: HDF5 internal buffers{files}"
         elif shape.hdf5_filtered and shape.hdf5_cache_bytes:
             factor = c.hdf5_filtered_cache_factor if allocator == "jemalloc" else c.hdf5_filtered_cache_factor_glibc
-            hdf5 = math.ceil(factor * shape.hdf5_cache_bytes) + c.hdf5_internal
-            why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB x {factor} (filter buffers, {allocator}) + HDF5 internal buffers"
+            hdf5 = math.ceil(factor * shape.hdf5_cache_bytes) + internal
+            why = f"chunk cache (rdcc_nbytes) {shape.hdf5_cache_bytes / MiB:.1f} MiB x {factor} (filter buffers, {allocator}) + HDF5 internal buffers{files}"
         if shape.hdf5_direct and shape.hdf5_chunk_bytes:
             # libdeflate inflates outside h5py's lock, so every thread may hold its own chunk.
             hdf5 += T * 2 * shape.hdf5_chunk_bytes

@@ -39,6 +39,8 @@ class DatasetInfo:
     #: What the source reader decided that the user should hear (e.g. a voxel size left out);
     #: they join the plan's notices.
     notices: tuple[str, ...] = ()
+    #: Files the image is stacked from (engine.sources.files): each thread opens one at a time.
+    source_files: int = 1
 
     @property
     def ndim(self) -> int:

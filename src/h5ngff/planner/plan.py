@@ -544,6 +544,7 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: i
         object_store=ctx.object_store,
         upload_depth=ctx.upload_depth,
         hdf5_direct=direct,
+        open_files=min(ctx.threads, ctx.ds.source_files) if from_hdf5 else 1,
     )
 
 

@@ -57,6 +57,10 @@ def open_source(spec: ConversionSpec, *, check_metadata: bool = True) -> Opened:
 
 
 def _open(spec: ConversionSpec) -> Opened:
+    if spec.source.stacks_files:  # one image from many files: each opened as one source below
+        from .files import open_file_stack
+
+        return open_file_stack(spec, _open)
     kind = detect(spec.source)
     _check_options(spec.source, kind)
     if kind == "stacked":
@@ -99,7 +103,7 @@ def verify_source(path: str, dataset: str, recorded: dict[str, Any] | None = Non
     if (
         recorded
         and os.path.abspath(str(recorded.get("path", ""))) == os.path.abspath(path)
-        and recorded.get("dataset") == SourceSpec(path=path, dataset=dataset).dataset
+        and recorded.get("dataset") == (dataset if dataset.startswith("/") else "/" + dataset)
     ):
         source = {**recorded, **source}
     spec = parse_spec({"source": source, "output": {"path": "unused"}})

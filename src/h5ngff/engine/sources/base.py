@@ -60,6 +60,10 @@ class SlabSource:
     storage_dtype: str | None
     #: The planned HDF5 chunk cache of one whole slab; a slab spanning k pieces gives each 1/k.
     cache_bytes: int
+    #: The file of each piece where the pieces come from several files (one image stacked from
+    #: many, engine.sources.files); empty: every piece is in ``path``. Such files are opened for
+    #: one slab's read and closed after it, so a worker never holds hundreds open.
+    piece_files: tuple[str, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -78,17 +82,44 @@ class SlabSource:
         out = slab_buffer(tuple(r.stop - r.start for r in region), np.dtype(self.dtype))
         target = out.view(np.dtype(self.storage_dtype)) if self.storage_dtype else out
         spanned = math.prod(r.stop - r.start for r in lead)
+        indices = list(product(*(range(r.start, r.stop) for r in lead)))
+        flat = [int(np.ravel_multi_index(index, self.lead_shape)) for index in indices]
+        if self.piece_files:
+            _read_from_files(self, indices, flat, lead, inner, target, self.cache_bytes // spanned)
+            return out
         _note_reader(self.path)
         f = _open_file(self.path)
-        for index in product(*(range(r.start, r.stop) for r in lead)):
-            name = self.pieces[int(np.ravel_multi_index(index, self.lead_shape))]
-            dest = target[tuple(i - r.start for i, r in zip(index, lead))]
-            _read_piece(f, name, self.cache_bytes // spanned, inner, dest, self.path)
+        for index, i in zip(indices, flat):
+            dest = target[tuple(j - r.start for j, r in zip(index, lead))]
+            _read_piece(f, self.pieces[i], self.cache_bytes // spanned, inner, dest, self.path)
         return out
 
     def __getitem__(self, region: tuple[slice, ...]) -> np.ndarray:
         """A fresh copy of ``region`` (for verify, which compares outside the slab path)."""
         return self.read(region).copy()
+
+
+def _read_from_files(
+    source: SlabSource,
+    indices: list[tuple[int, ...]],
+    flat: list[int],
+    lead: tuple[slice, ...],
+    inner: tuple[slice, ...],
+    target: np.ndarray,
+    cache_bytes: int,
+) -> None:
+    """The pieces of one slab that lie in several files: each file opened once for the slab, its
+    pieces read, and closed (one image stacked from many files, engine.sources.files)."""
+    for path in dict.fromkeys(source.piece_files[i] for i in flat):
+        try:
+            f = h5py.File(path, "r", rdcc_nbytes=1 << 20, rdcc_nslots=CACHE_SLOTS)
+        except OSError as exc:
+            raise SourceError(unopenable(path, exc)) from None
+        with f:
+            for index, i in zip(indices, flat):
+                if source.piece_files[i] == path:
+                    dest = target[tuple(j - r.start for j, r in zip(index, lead))]
+                    _read_piece(f, source.pieces[i], cache_bytes, inner, dest, path)
 
 
 def _open_file(path: str) -> h5py.File:

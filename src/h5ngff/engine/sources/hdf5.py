@@ -30,6 +30,9 @@ class SourceIdentity:
     dataset: str
     size: int
     mtime_ns: int
+    #: (path, size, mtime_ns) of every file of an image stacked from several (engine.sources.files);
+    #: empty for one file, whose identity is the fields above.
+    files: tuple[tuple[str, int, int], ...] = ()
 
 
 def output_dtype(dtype: np.dtype) -> np.dtype:

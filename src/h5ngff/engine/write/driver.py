@@ -70,7 +70,12 @@ def build_tasks(
     if p.source_level == -1:
         opened = reader if reader is not None else slab_source(spec, plan.hdf5_cache_bytes)
         # Absolute, as the output's layouts are: a worker's working directory is its own.
-        source = replace(opened, path=os.path.abspath(opened.path), cache_bytes=plan.hdf5_cache_bytes)
+        source = replace(
+            opened,
+            path=os.path.abspath(opened.path),
+            piece_files=tuple(os.path.abspath(p) for p in opened.piece_files),
+            cache_bytes=plan.hdf5_cache_bytes,
+        )
         src_shape = plan.dataset.shape
     else:
         source = output.layouts[p.source_level]

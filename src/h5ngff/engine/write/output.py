@@ -145,8 +145,15 @@ def downsampled_record(plan: Plan) -> list[bool] | list[list[bool]] | None:
 
 def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict[str, Any]:
     """What determines the bytes of every chunk: if any of it changes, an old output is not ours to resume."""
+    files = {"files": [list(f) for f in source.files]} if source.files else {}  # a stack of files: each one
     return {
-        "source": {"path": source.path, "dataset": source.dataset, "size": source.size, "mtime_ns": source.mtime_ns},
+        "source": {
+            "path": source.path,
+            "dataset": source.dataset,
+            "size": source.size,
+            "mtime_ns": source.mtime_ns,
+            **files,
+        },
         "shape": list(plan.dataset.shape),
         "dtype": plan.dtype,
         "ngffVersion": spec.output.ngff_version,
@@ -411,11 +418,25 @@ def _changed(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return [
-        f"{key}: was {old.get(key)!r}, now {new.get(key)!r}"
-        for key in sorted(set(old) | set(new))
-        if old.get(key) != new.get(key)
-    ]
+    out = []
+    for key in sorted(_changed(old, new)):
+        before, after = old.get(key), new.get(key)
+        if key == "source" and isinstance(before, dict) and isinstance(after, dict) and after.get("files"):
+            out.append(f"source: {_files_changed(before.get('files') or [[before.get('path'), 0, 0]], after['files'])}")
+        else:
+            out.append(f"{key}: was {before!r}, now {after!r}")
+    return out
+
+
+def _files_changed(before: list[list[Any]], after: list[list[Any]]) -> str:
+    """Which files of a stack were added, removed or changed (size or mtime), by name, at most a few."""
+    old, new = {f[0]: f[1:] for f in before}, {f[0]: f[1:] for f in after}
+    said = [f"{p} added" for p in new if p not in old] + [f"{p} removed" for p in old if p not in new]
+    said += [f"{p} changed (size or modification time)" for p in new if p in old and old[p] != new[p]]
+    if not said and list(old) != list(new):
+        said = ["the files' order changed"]
+    shown = "; ".join(said[:3]) + (f"; and {len(said) - 3} more" if len(said) > 3 else "")
+    return f"of the {len(old)} file(s) stacked, {shown}" if said else "the stacked files' identity changed"
 
 
 def _store_metadata(store: Store, plan: Plan, spec: ConversionSpec, layouts: tuple[ArrayLayout, ...]) -> None:
