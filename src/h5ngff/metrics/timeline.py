@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 import io
 import os
 from typing import Any
@@ -103,6 +104,13 @@ def check_report_path(path: str) -> None:
         raise SpecError("--memory-report", f"Expected a file name. Got {path!r}, which is a directory.")
     if not path.lower().endswith(REPORT_SUFFIXES):
         raise SpecError("--memory-report", f"Expected a .png or .html file name (or .svg, .pdf). Got {path!r} instead.")
+    if importlib.util.find_spec("matplotlib") is None:
+        # A plots extra, not a dependency: the container image leaves matplotlib out (no pod draws).
+        raise SpecError(
+            "--memory-report",
+            "needs matplotlib, which this installation lacks (the container image leaves it out). "
+            "Install h5ngff[plots], or run without --memory-report.",
+        )
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
