@@ -1,0 +1,382 @@
+"""The built image, run for real (marker ``image``): podman runs what scripts/image built from this
+checkout, and plays the pods h5ngff's own builders render, under their real memory limits.
+
+What must hold (issue 43), each with a negative control that shows the check can fail:
+
+* the image runs as uid 10001 with tini as PID 1, and ``h5ngff --version`` is this checkout's;
+* jemalloc is mapped in every process of a worker pod (control: a pod rendered for glibc);
+* a conversion in the image, under a read-only root filesystem without capabilities, is
+  byte-identical to the host's (control: another compression level differs);
+* the worker pods, as the operator renders them and with their ``resources.limits.memory``,
+  succeed at the planned limit with no OOM kill; below the pods' pinned peak (anon + shmem +
+  unevictable, sampled from the host) the kernel kills, and h5ngff's report of the existing
+  cluster (``--scheduler``) says OOMKilled with the kernel's count and the limit that held;
+* the runner Job's container runs under tini (control: the old ``command`` bypasses it);
+* the image is at most 450 MB, carries the OCI labels, and has no matplotlib (``--memory-report``
+  says so before a run).
+
+The image is built once, by scripts/test before the suite (CI) or here when missing; its tag is
+the hash of the build's inputs, so a stale image is never tested. Skips with the reason where
+podman cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import podman_pods
+from podman_pods import Pods, as_pod, inspect, run
+
+pytestmark = [
+    pytest.mark.image,
+    pytest.mark.integration,
+    pytest.mark.slow,
+    # The image's Python is Debian's 3.11.2 where scripts/image builds the base, the host's may be
+    # another 3.11 patch release: Dask warns, and the two talk the same protocol.
+    pytest.mark.filterwarnings("ignore::distributed.versions.VersionMismatchWarning"),
+]
+
+MB = 1_000_000
+MiB = 1 << 20
+#: issue 43: at most this many bytes uncompressed.
+SIZE_LIMIT = 450 * MB
+#: The host's own command, for the reference conversions and the existing cluster's client.
+H5NGFF = [sys.executable, "-m", "h5ngff.cli"]
+CONVERSION = ["--chunks", "64,64,64", "--levels", "2"]
+
+
+@pytest.fixture(scope="session")
+def image():
+    reason = podman_pods.podman_missing()
+    if reason:
+        pytest.skip(reason)
+    tag = podman_pods.checkout_tag()
+    if not podman_pods.has_image(tag):
+        podman_pods.build_image(tag)
+    return tag
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A directory the pods' user (10001) can write, with a real HDF5 input whose chunks need
+    hdf5plugin's Blosc/Zstd filter (a plugin the image strips of debug sections)."""
+    import h5py
+    import hdf5plugin
+
+    path = tmp_path_factory.mktemp("image")
+    path.chmod(0o777)
+    shape = (128, 512, 512)
+    z, y, x = (np.arange(n, dtype=np.uint32) for n in shape)
+    with h5py.File(path / "in.h5", "w") as f:
+        data = f.create_dataset(
+            "/volume/data",
+            shape=shape,
+            dtype="uint16",
+            chunks=(16, 128, 128),
+            **hdf5plugin.Blosc(cname="zstd", clevel=3, shuffle=hdf5plugin.Blosc.SHUFFLE),
+        )
+        for i in range(shape[0]):  # plane by plane: a few MiB at a time
+            plane = (z[i] * 131 + y[:, None] * 7 + x[None, :] * 3 + (y[:, None] * x[None, :]) % 17) % 65521
+            data[i] = plane.astype(np.uint16)
+    (path / "in.h5").chmod(0o644)
+    return path
+
+
+@pytest.fixture(scope="module")
+def host_reference(shared):
+    """The host's conversion of the input: what every conversion in the image must equal."""
+    out = shared / "host.ome.zarr"
+    subprocess.run(
+        [*H5NGFF, "convert", f"{shared}/in.h5:/volume/data", str(out), *CONVERSION], check=True, capture_output=True
+    )
+    return out
+
+
+def tree_differences(a: Path, b: Path) -> list[str]:
+    """Files that differ between two directory trees, by relative path; [] when byte-identical."""
+
+    def files(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    left, right = files(a), files(b)
+    missing = sorted(set(left) ^ set(right))
+    return missing + [name for name in sorted(set(left) & set(right)) if left[name] != right[name]]
+
+
+# --- the image itself ----------------------------------------------------------------------------
+
+
+def identity_problems(output: str) -> list[str]:
+    """From ``id -u; id -g; cat /proc/1/cmdline``: a non-root numeric user and tini as PID 1."""
+    uid, gid, pid1 = (output.splitlines() + ["", "", ""])[:3]
+    problems = []
+    if uid != "10001" or gid != "10001":
+        problems.append(f"runs as {uid}:{gid}, not 10001:10001")
+    if not pid1.startswith("/usr/bin/tini"):
+        problems.append(f"PID 1 is {pid1!r}, not tini")
+    return problems
+
+
+def test_the_image_runs_as_10001_under_tini(image):
+    probe = ("sh", "-c", "id -u; id -g; tr '\\0' ' ' < /proc/1/cmdline")
+    ok = run(image, *probe)
+    assert ok.returncode == 0, ok.stderr
+    assert identity_problems(ok.stdout) == []
+    # Negative control: as root, and with the entrypoint replaced, the check says so.
+    bad = run(image, "-c", probe[2], options=("--user", "0", "--entrypoint", "sh"))
+    assert bad.returncode == 0, bad.stderr
+    found = identity_problems(bad.stdout)
+    assert any("0:0" in p for p in found) and any("not tini" in p for p in found), found
+
+
+def test_h5ngff_version_is_this_checkouts(image):
+    import h5ngff
+
+    result = run(image, "h5ngff", "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"h5ngff {h5ngff.__version__}", result
+    # Negative control: the base image (everything but h5ngff) has no such command.
+    base = inspect(image, "image")["Config"]["Labels"]["org.opencontainers.image.base.name"]
+    assert run(base, "h5ngff", "--version").returncode != 0
+
+
+def label_problems(labels: dict[str, str]) -> list[str]:
+    wanted = ("title", "version", "revision", "created", "licenses", "base.name", "base.digest")
+    problems = [f"no org.opencontainers.image.{k}" for k in wanted if not labels.get(f"org.opencontainers.image.{k}")]
+    base = labels.get("org.opencontainers.image.base.name", "")
+    if "@" in base and base.split("@")[1] != labels.get("org.opencontainers.image.base.digest"):
+        problems.append("base.name's digest is not base.digest")
+    return problems
+
+
+def test_size_labels_and_base_digest(image):
+    found = inspect(image, "image")
+    size, labels = found["Size"], found["Config"]["Labels"]
+    assert size <= SIZE_LIMIT, f"{size / MB:.0f} MB uncompressed, more than {SIZE_LIMIT / MB:.0f} MB"
+    assert label_problems(labels) == []
+    base = labels["org.opencontainers.image.base.name"]
+    assert inspect(base, "image")["Digest"] == labels["org.opencontainers.image.base.digest"]
+    assert labels["org.opencontainers.image.version"] == run(image, "h5ngff", "--version").stdout.split()[-1]
+    # Negative control: the base image carries none of them.
+    assert len(label_problems(inspect(base, "image")["Config"]["Labels"] or {})) >= 5
+
+
+def test_memory_report_is_refused_in_the_image_before_the_run(image, shared):
+    """matplotlib is a workstation's (h5ngff[plots]): the image leaves it out, and says so."""
+    result = run(
+        image,
+        *("h5ngff", "convert", f"{shared}/in.h5:/volume/data", "/tmp/out.zarr", "--memory-report", "/tmp/r.png"),
+        options=("-v", f"{shared}:{shared}:ro"),
+    )
+    assert result.returncode == 2 and "h5ngff[plots]" in result.stderr, result.stderr
+    assert not run(image, "python", "-c", "import matplotlib").returncode == 0
+    # Negative control: where matplotlib is installed (this venv), the same path is accepted.
+    from h5ngff.metrics.timeline import check_report_path
+
+    check_report_path(str(shared / "r.png"))
+
+
+def test_a_conversion_in_the_image_is_byte_identical_to_the_hosts(image, shared, host_reference):
+    out = shared / "image.ome.zarr"
+    result = run(
+        image,
+        *("h5ngff", "convert", f"{shared}/in.h5:/volume/data", str(out), *CONVERSION),
+        # as the pods run it: read-only root, no capabilities, no privilege gain, scratch at /tmp
+        options=(
+            *("--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"),
+            *("--tmpfs", "/tmp", "--env", "HOME=/tmp", "-v", f"{shared}:{shared}"),
+        ),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert tree_differences(host_reference, out) == []
+    # Negative control: one byte of one chunk changed, and the comparison names that file.
+    chunk = next(p for p in sorted(out.rglob("c/*/*/*")) if p.is_file())
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    assert tree_differences(host_reference, out) == [str(chunk.relative_to(out))]
+
+
+# --- the pods the operator renders ---------------------------------------------------------------
+
+
+def render_cluster(image: str, shared: Path, allocator: str = "auto") -> dict:
+    """The DaskCluster the runner would create for a job on ``shared`` (``h5ngff operator render
+    --plan``'s code path), with the input and output on a hostPath volume at the same path."""
+    from h5ngff.job import parse_manifest
+    from h5ngff.operator.policy import TenantPolicy
+    from h5ngff.operator.render import RenderOptions, render_objects
+
+    manifest = parse_manifest(job_manifest(image, shared, allocator))
+    policy = TenantPolicy(allowed_volume_types=("hostPath", "emptyDir"))
+    (cluster,) = [
+        o
+        for o in render_objects(manifest, RenderOptions(image=image, plan=True, policy=policy))
+        if o["kind"] == "DaskCluster"
+    ]
+    return cluster
+
+
+def job_manifest(image: str, shared: Path, allocator: str = "auto") -> dict:
+    return {
+        "apiVersion": "h5ngff.dev/v1alpha1",
+        "kind": "ConversionJob",
+        "metadata": {"name": "image-test", "namespace": "h5ngff"},
+        "spec": {
+            "source": {"path": f"{shared}/in.h5", "dataset": "/volume/data"},
+            "output": {"path": f"{shared}/pods.ome.zarr", "chunks": [64, 64, 64]},
+            "pyramid": {"levels": 2},
+            "resources": {"workers": 2, "threadsPerWorker": 1, "allocator": allocator},
+            "pod": {
+                "image": image,
+                "volumes": [{"name": "data", "hostPath": {"path": str(shared), "type": "Directory"}}],
+                "volumeMounts": [{"name": "data", "mountPath": str(shared)}],
+            },
+        },
+    }
+
+
+def worker_pod(cluster: dict, name: str, scheduler: str, limit: str | None = None) -> dict:
+    """One worker pod of ``cluster``, with what the Dask Operator adds (the scheduler's address and
+    the worker's name), and ``limit`` instead of the planned memory limit where given."""
+    spec = cluster["spec"]["worker"]["spec"]
+    if limit:
+        spec = json.loads(json.dumps(spec))
+        spec["containers"][0]["resources"] = {"requests": {"memory": limit}, "limits": {"memory": limit}}
+    return as_pod(name, spec, {"DASK_SCHEDULER_ADDRESS": scheduler, "DASK_WORKER_NAME": name})
+
+
+def processes_without_jemalloc(container: str) -> list[str]:
+    return [p["cmdline"] for p in Pods.processes(container).values() if "libjemalloc" not in p["maps"]]
+
+
+def convert_on(scheduler: str, shared: Path, out: str, pod_limit: int) -> tuple[int, dict]:
+    """``h5ngff convert --scheduler`` from the host, as a user of an existing cluster would, told
+    the pods' memory (Dask's memory_limit is all a scheduler knows of it). umask 0: the pods' user
+    (10001) writes chunks into the directories this root process creates."""
+    result = subprocess.run(
+        [
+            *H5NGFF,
+            *("convert", f"{shared}/in.h5:/volume/data", f"{shared}/{out}", *CONVERSION),
+            *("--scheduler", scheduler, "--memory-per-worker", str(pod_limit), "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        umask=0,
+        timeout=240,
+    )
+    try:
+        return result.returncode, json.loads(result.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"no JSON report (exit {result.returncode}): {result.stderr[-3000:]}") from None
+
+
+def start_workers(pods: Pods, cluster: dict, scheduler: str, names: list[str], limit: str | None = None) -> float:
+    """Play the worker pods; seconds until every one of them is connected to the scheduler."""
+    from distributed import Client
+
+    started = time.monotonic()
+    for name in names:
+        pods.play(worker_pod(cluster, name, scheduler, limit))
+    with Client(scheduler, timeout=60) as client:
+        client.wait_for_workers(len(names), timeout=180)
+        return time.monotonic() - started
+
+
+def test_worker_pods_at_the_planned_limit_and_below_the_pinned_peak(image, shared, host_reference, tmp_path):
+    from distributed import Client
+
+    from h5ngff.backends.podwatch import PodWatcher
+    from h5ngff.units import parse_bytes
+
+    cluster = render_cluster(image, shared)
+    worker_spec = cluster["spec"]["worker"]["spec"]["containers"][0]
+    planned = parse_bytes(worker_spec["resources"]["limits"]["memory"])
+    with Pods(tmp_path) as pods:
+        (sched,) = pods.play(as_pod(podman_pods.unique("scheduler"), cluster["spec"]["scheduler"]["spec"]))
+        scheduler = f"tcp://{Pods.address(sched)}:8786"
+        with Client(scheduler, timeout=60):
+            pass  # up
+
+        # jemalloc in every process, and its negative control: a pod rendered for glibc.
+        glibc = render_cluster(image, shared, allocator="glibc")
+        name = podman_pods.unique("glibc")
+        start_workers(pods, glibc, scheduler, [name])
+        assert any("dask worker" in cmd or "spawn" in cmd for cmd in processes_without_jemalloc(f"{name}-worker"))
+        subprocess.run(["podman", "pod", "rm", "--force", "--time", "0", name], capture_output=True, check=True)
+
+        # At the planned limit: the conversion succeeds, no OOM kill, the same bytes as the host's.
+        names = [podman_pods.unique(f"w{i}") for i in range(2)]
+        seconds = start_workers(pods, cluster, scheduler, names)
+        containers = [f"{n}-worker" for n in names]
+        for container in containers:
+            assert Pods.cgroup(container).limit() == planned
+            assert processes_without_jemalloc(container) == []
+        watcher = PodWatcher()
+        for n, container in zip(names, containers):
+            watcher.watch(n, Pods.cgroup(container), Pods.main_pid(container))
+        watcher.sample()
+        idle = max(p.pinned for p in watcher.peaks.values())
+        watcher.start()
+        code, report = convert_on(scheduler, shared, "pods.ome.zarr", planned)
+        watcher.stop()
+        peak = min(p.pinned for p in watcher.peaks.values())
+        assert code == 0 and report["status"] == "Succeeded", report.get("message")
+        assert [w["oom_kills"] for w in report["workers"]] == [0, 0]
+        assert [Pods.cgroup(c).oom_kills() for c in containers] == [0, 0]
+        assert tree_differences(host_reference, shared / "pods.ome.zarr") == []
+        print(
+            f"worker pods connected {seconds:.1f} s after kube play (image present); "
+            f"planned limit {planned / MiB:.0f} MiB, pinned idle {idle / MiB:.0f} MiB, pinned peak {peak / MiB:.0f} MiB"
+        )
+        for n in names:
+            subprocess.run(["podman", "pod", "rm", "--force", "--time", "0", n], capture_output=True, check=True)
+
+        # Below the pinned peak (and above what an idle pod pins, so the workers start): the
+        # kernel kills, and the report says so with the kernel's count and the limit that held.
+        limit = (idle + peak) // 2 // MiB * MiB
+        assert peak - limit >= 8 * MiB and limit - idle >= 8 * MiB, (idle, peak)
+        names = [podman_pods.unique(f"oom{i}") for i in range(2)]
+        start_workers(pods, cluster, scheduler, names, limit=f"{limit // MiB}Mi")
+        containers = [f"{n}-worker" for n in names]
+        code, report = convert_on(scheduler, shared, "oom.ome.zarr", planned)
+        kernel = sum(Pods.cgroup(c).oom_kills() for c in containers)
+        reported = sum(w["oom_kills"] for w in report["workers"])
+        assert code != 0 and report["status"] == "Failed" and report["reason"] == "OOMKilled", report
+        assert f"OOMKilled by the kernel (pod limit {limit // MiB} MiB)" in report["message"], report["message"]
+        assert 1 <= reported <= kernel, (reported, kernel)
+        assert {w["pod_limit"] for w in report["workers"]} == {limit}
+        # What podman itself records for these containers, for the report: its State.OOMKilled is
+        # set only when the container's main process is killed (never the case here: the nanny
+        # survives and restarts its worker), so the kernel's counter is the truth to read.
+        print(f"below the pinned peak ({limit / MiB:.0f} MiB): {reported} OOM kill(s) reported, {kernel} by the kernel")
+
+
+def test_the_runner_job_runs_under_tini(image, shared, tmp_path):
+    """The runner Job's container as the operator renders it, started by podman: the image's
+    entrypoint runs its args. Negative control: the old manifest's ``command`` replaces tini."""
+    from h5ngff.job import parse_manifest
+    from h5ngff.operator.policy import TenantPolicy
+    from h5ngff.operator.render import RenderOptions, render_objects
+
+    manifest = parse_manifest(job_manifest(image, shared))
+    policy = TenantPolicy(allowed_volume_types=("hostPath", "emptyDir"))
+    (job,) = [o for o in render_objects(manifest, RenderOptions(image=image, policy=policy)) if o["kind"] == "Job"]
+    template = job["spec"]["template"]["spec"]
+    with Pods(tmp_path) as pods:
+        (runner,) = pods.play(as_pod(podman_pods.unique("runner"), template))
+        started = inspect(runner)
+        assert [started["Path"], *started["Args"][:3]] == ["/usr/bin/tini", "--", "h5ngff", "runner"], started["Args"]
+        old = json.loads(json.dumps(template))
+        old["containers"][0]["command"] = old["containers"][0]["args"][:2]
+        old["containers"][0]["args"] = old["containers"][0]["args"][2:]
+        (bypass,) = pods.play(as_pod(podman_pods.unique("runner-old"), old))
+        assert inspect(bypass)["Path"] == "h5ngff"
+    assert os.path.exists(shared / "in.h5")  # the runner pods had the volume and touched nothing
