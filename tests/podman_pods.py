@@ -14,7 +14,9 @@ podman is not kubelet, and what it does differently is done here, each for a sta
   the caller passes them as ``env``.
 
 Every name a test creates starts with ``h5ngff-test-`` and a random part, and every pod is
-removed on the way out: other sessions share the machine's podman.
+removed on the way out: other sessions share the machine's podman. podman runs in a directory of
+the test's own: conmon 2.1.6 (Debian 12) writes its ``oom`` marker into its working directory,
+not the container's, which is also why ``podman inspect`` never reports OOMKilled here.
 """
 
 from __future__ import annotations
@@ -74,8 +76,11 @@ def unique(prefix: str) -> str:
     return f"h5ngff-test-{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def run(image: str, *command: str, options: tuple[str, ...] = (), timeout: float = 300) -> subprocess.CompletedProcess:
-    """``podman run --rm`` of ``command`` in ``image`` (through its entrypoint), under a name of ours."""
+def run(
+    image: str, *command: str, cwd: Path, options: tuple[str, ...] = (), timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``podman run --rm`` of ``command`` in ``image`` (through its entrypoint), under a name of
+    ours, from ``cwd`` (a directory of the test's)."""
     return subprocess.run(
         # --no-healthcheck: podman would schedule the image's HEALTHCHECK through systemd, which a
         # test machine may not run (it logs an error per container), and nothing here probes.
@@ -83,6 +88,7 @@ def run(image: str, *command: str, options: tuple[str, ...] = (), timeout: float
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -126,7 +132,10 @@ class Pods:
 
     def __exit__(self, *exc: object) -> None:
         for name in self.names:
-            subprocess.run(["podman", "pod", "rm", "--force", "--time", "0", name], capture_output=True)
+            self.remove(name)
+
+    def remove(self, name: str) -> None:
+        subprocess.run(["podman", "pod", "rm", "--force", "--time", "0", name], capture_output=True, cwd=self.workdir)
 
     def play(self, manifest: dict[str, Any]) -> list[str]:
         """Start the pod; its containers' names (podman names them ``<pod>-<container>``)."""
@@ -134,7 +143,9 @@ class Pods:
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(manifest))
         self.names.append(name)
-        subprocess.run(["podman", "kube", "play", str(path)], capture_output=True, text=True, check=True)
+        subprocess.run(
+            ["podman", "kube", "play", str(path)], capture_output=True, text=True, check=True, cwd=self.workdir
+        )
         return [f"{name}-{c['name']}" for c in manifest["spec"]["containers"]]
 
     @staticmethod

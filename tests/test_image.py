@@ -125,26 +125,26 @@ def identity_problems(output: str) -> list[str]:
     return problems
 
 
-def test_the_image_runs_as_10001_under_tini(image):
+def test_the_image_runs_as_10001_under_tini(image, tmp_path):
     probe = ("sh", "-c", "id -u; id -g; tr '\\0' ' ' < /proc/1/cmdline")
-    ok = run(image, *probe)
+    ok = run(image, *probe, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert identity_problems(ok.stdout) == []
     # Negative control: as root, and with the entrypoint replaced, the check says so.
-    bad = run(image, "-c", probe[2], options=("--user", "0", "--entrypoint", "sh"))
+    bad = run(image, "-c", probe[2], cwd=tmp_path, options=("--user", "0", "--entrypoint", "sh"))
     assert bad.returncode == 0, bad.stderr
     found = identity_problems(bad.stdout)
     assert any("0:0" in p for p in found) and any("not tini" in p for p in found), found
 
 
-def test_h5ngff_version_is_this_checkouts(image):
+def test_h5ngff_version_is_this_checkouts(image, tmp_path):
     import h5ngff
 
-    result = run(image, "h5ngff", "--version")
+    result = run(image, "h5ngff", "--version", cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.strip() == f"h5ngff {h5ngff.__version__}", result
     # Negative control: the base image (everything but h5ngff) has no such command.
     base = inspect(image, "image")["Config"]["Labels"]["org.opencontainers.image.base.name"]
-    assert run(base, "h5ngff", "--version").returncode != 0
+    assert run(base, "h5ngff", "--version", cwd=tmp_path).returncode != 0
 
 
 def label_problems(labels: dict[str, str]) -> list[str]:
@@ -156,38 +156,42 @@ def label_problems(labels: dict[str, str]) -> list[str]:
     return problems
 
 
-def test_size_labels_and_base_digest(image):
+def test_size_labels_and_base_digest(image, tmp_path):
     found = inspect(image, "image")
     size, labels = found["Size"], found["Config"]["Labels"]
     assert size <= SIZE_LIMIT, f"{size / MB:.0f} MB uncompressed, more than {SIZE_LIMIT / MB:.0f} MB"
     assert label_problems(labels) == []
     base = labels["org.opencontainers.image.base.name"]
     assert inspect(base, "image")["Digest"] == labels["org.opencontainers.image.base.digest"]
-    assert labels["org.opencontainers.image.version"] == run(image, "h5ngff", "--version").stdout.split()[-1]
+    assert (
+        labels["org.opencontainers.image.version"] == run(image, "h5ngff", "--version", cwd=tmp_path).stdout.split()[-1]
+    )
     # Negative control: the base image carries none of them.
     assert len(label_problems(inspect(base, "image")["Config"]["Labels"] or {})) >= 5
 
 
-def test_memory_report_is_refused_in_the_image_before_the_run(image, shared):
+def test_memory_report_is_refused_in_the_image_before_the_run(image, shared, tmp_path):
     """matplotlib is a workstation's (h5ngff[plots]): the image leaves it out, and says so."""
     result = run(
         image,
         *("h5ngff", "convert", f"{shared}/in.h5:/volume/data", "/tmp/out.zarr", "--memory-report", "/tmp/r.png"),
+        cwd=tmp_path,
         options=("-v", f"{shared}:{shared}:ro"),
     )
     assert result.returncode == 2 and "h5ngff[plots]" in result.stderr, result.stderr
-    assert not run(image, "python", "-c", "import matplotlib").returncode == 0
+    assert run(image, "python", "-c", "import matplotlib", cwd=tmp_path).returncode != 0
     # Negative control: where matplotlib is installed (this venv), the same path is accepted.
     from h5ngff.metrics.timeline import check_report_path
 
     check_report_path(str(shared / "r.png"))
 
 
-def test_a_conversion_in_the_image_is_byte_identical_to_the_hosts(image, shared, host_reference):
+def test_a_conversion_in_the_image_is_byte_identical_to_the_hosts(image, shared, host_reference, tmp_path):
     out = shared / "image.ome.zarr"
     result = run(
         image,
         *("h5ngff", "convert", f"{shared}/in.h5:/volume/data", str(out), *CONVERSION),
+        cwd=tmp_path,
         # as the pods run it: read-only root, no capabilities, no privilege gain, scratch at /tmp
         options=(
             *("--read-only", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"),
@@ -310,7 +314,7 @@ def test_worker_pods_at_the_planned_limit_and_below_the_pinned_peak(image, share
         name = podman_pods.unique("glibc")
         start_workers(pods, glibc, scheduler, [name])
         assert any("dask worker" in cmd or "spawn" in cmd for cmd in processes_without_jemalloc(f"{name}-worker"))
-        subprocess.run(["podman", "pod", "rm", "--force", "--time", "0", name], capture_output=True, check=True)
+        pods.remove(name)
 
         # At the planned limit: the conversion succeeds, no OOM kill, the same bytes as the host's.
         names = [podman_pods.unique(f"w{i}") for i in range(2)]
@@ -337,7 +341,7 @@ def test_worker_pods_at_the_planned_limit_and_below_the_pinned_peak(image, share
             f"planned limit {planned / MiB:.0f} MiB, pinned idle {idle / MiB:.0f} MiB, pinned peak {peak / MiB:.0f} MiB"
         )
         for n in names:
-            subprocess.run(["podman", "pod", "rm", "--force", "--time", "0", n], capture_output=True, check=True)
+            pods.remove(n)
 
         # Below the pinned peak (and above what an idle pod pins, so the workers start): the
         # kernel kills, and the report says so with the kernel's count and the limit that held.
