@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,8 @@ pytestmark = [
     # The image's Python is Debian's 3.11.2 where scripts/image builds the base, the host's may be
     # another 3.11 patch release: Dask warns, and the two talk the same protocol.
     pytest.mark.filterwarnings("ignore::distributed.versions.VersionMismatchWarning"),
+    # The first test builds the image where scripts/test did not (2.5 min from scratch on 2 cores).
+    pytest.mark.timeout(600),
 ]
 
 MB = 1_000_000
@@ -294,73 +297,155 @@ def start_workers(pods: Pods, cluster: dict, scheduler: str, names: list[str], l
         return time.monotonic() - started
 
 
-def test_worker_pods_at_the_planned_limit_and_below_the_pinned_peak(image, shared, host_reference, tmp_path):
+def stop_workers(pods: Pods, scheduler: str, names: list[str]) -> None:
+    """Remove the worker pods, and wait until the scheduler has let them go (the next pods'
+    conversion must see only its own workers)."""
     from distributed import Client
 
-    from h5ngff.backends.podwatch import PodWatcher
-    from h5ngff.units import parse_bytes
+    pods.remove(*names)
+    with Client(scheduler, timeout=60) as client:
+        deadline = time.monotonic() + 60
+        while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+@dataclass
+class PodRun:
+    """One conversion on worker pods, with what the host saw of them."""
+
+    code: int
+    report: dict
+    #: each worker container's memory limit, as its cgroup holds it
+    limits: list[int | None]
+    #: the command lines of worker-pod processes without jemalloc mapped
+    without_jemalloc: list[str]
+    #: OOM kills the kernel counted in the worker containers' cgroups
+    kernel_kills: int
+    #: the most any worker pod pinned (anon + shmem + unevictable) before the conversion
+    idle: int
+    #: the least of the worker pods' pinned peaks during it (h5ngff's pod sampler, every 25 ms)
+    peak: int
+    #: seconds from ``podman kube play`` of the worker pods until both were connected
+    start_seconds: float
+
+
+@dataclass
+class ClusterPods:
+    """The rendered DaskCluster's scheduler pod, running; worker pods come and go per run."""
+
+    pods: Pods
+    cluster: dict
+    scheduler: str
+    scheduler_container: str
+    shared: Path
+
+    @property
+    def planned_limit(self) -> int:
+        from h5ngff.units import parse_bytes
+
+        return parse_bytes(self.cluster["spec"]["worker"]["spec"]["containers"][0]["resources"]["limits"]["memory"])
+
+
+@pytest.fixture(scope="module")
+def cluster_pods(image, shared, tmp_path_factory):
+    from distributed import Client
 
     cluster = render_cluster(image, shared)
-    worker_spec = cluster["spec"]["worker"]["spec"]["containers"][0]
-    planned = parse_bytes(worker_spec["resources"]["limits"]["memory"])
-    with Pods(tmp_path) as pods:
-        (sched,) = pods.play(as_pod(podman_pods.unique("scheduler"), cluster["spec"]["scheduler"]["spec"]))
-        scheduler = f"tcp://{Pods.address(sched)}:8786"
+    with Pods(tmp_path_factory.mktemp("pods")) as pods:
+        (container,) = pods.play(as_pod(podman_pods.unique("scheduler"), cluster["spec"]["scheduler"]["spec"]))
+        scheduler = f"tcp://{Pods.address(container)}:8786"
         with Client(scheduler, timeout=60):
-            pass  # up
+            pass  # it answers
+        yield ClusterPods(pods, cluster, scheduler, container, shared)
 
-        # jemalloc in every process, and its negative control: a pod rendered for glibc.
-        glibc = render_cluster(image, shared, allocator="glibc")
-        name = podman_pods.unique("glibc")
-        start_workers(pods, glibc, scheduler, [name])
-        assert any("dask worker" in cmd or "spawn" in cmd for cmd in processes_without_jemalloc(f"{name}-worker"))
-        pods.remove(name)
 
-        # At the planned limit: the conversion succeeds, no OOM kill, the same bytes as the host's.
-        names = [podman_pods.unique(f"w{i}") for i in range(2)]
-        seconds = start_workers(pods, cluster, scheduler, names)
+def run_worker_pods(at: ClusterPods, out: str, limit: int | None = None) -> PodRun:
+    """Two worker pods as rendered (with ``limit`` instead of the planned memory limit where
+    given), and ``h5ngff convert --scheduler`` on them, sampled from the host."""
+    from h5ngff.backends.podwatch import PodWatcher
+
+    names = [podman_pods.unique("worker") for _ in range(2)]
+    seconds = start_workers(at.pods, at.cluster, at.scheduler, names, f"{limit // MiB}Mi" if limit else None)
+    try:
         containers = [f"{n}-worker" for n in names]
-        for container in containers:
-            assert Pods.cgroup(container).limit() == planned
-            assert processes_without_jemalloc(container) == []
+        without = [cmd for c in containers for cmd in processes_without_jemalloc(c)]
         watcher = PodWatcher()
-        for n, container in zip(names, containers):
-            watcher.watch(n, Pods.cgroup(container), Pods.main_pid(container))
+        for name, container in zip(names, containers):
+            watcher.watch(name, Pods.cgroup(container), Pods.main_pid(container))
         watcher.sample()
         idle = max(p.pinned for p in watcher.peaks.values())
         watcher.start()
-        code, report = convert_on(scheduler, shared, "pods.ome.zarr", planned)
-        watcher.stop()
-        peak = min(p.pinned for p in watcher.peaks.values())
-        assert code == 0 and report["status"] == "Succeeded", report.get("message")
-        assert [w["oom_kills"] for w in report["workers"]] == [0, 0]
-        assert [Pods.cgroup(c).oom_kills() for c in containers] == [0, 0]
-        assert tree_differences(host_reference, shared / "pods.ome.zarr") == []
-        print(
-            f"worker pods connected {seconds:.1f} s after kube play (image present); "
-            f"planned limit {planned / MiB:.0f} MiB, pinned idle {idle / MiB:.0f} MiB, pinned peak {peak / MiB:.0f} MiB"
+        try:
+            code, report = convert_on(at.scheduler, at.shared, out, at.planned_limit)
+        finally:
+            watcher.stop()
+        return PodRun(
+            code=code,
+            report=report,
+            limits=[Pods.cgroup(c).limit() for c in containers],
+            without_jemalloc=without,
+            kernel_kills=sum(Pods.cgroup(c).oom_kills() for c in containers),
+            idle=idle,
+            peak=min(p.pinned for p in watcher.peaks.values()),
+            start_seconds=seconds,
         )
-        for n in names:
-            pods.remove(n)
+    finally:
+        stop_workers(at.pods, at.scheduler, names)
 
-        # Below the pinned peak (and above what an idle pod pins, so the workers start): the
-        # kernel kills, and the report says so with the kernel's count and the limit that held.
-        limit = (idle + peak) // 2 // MiB * MiB
-        assert peak - limit >= 8 * MiB and limit - idle >= 8 * MiB, (idle, peak)
-        names = [podman_pods.unique(f"oom{i}") for i in range(2)]
-        start_workers(pods, cluster, scheduler, names, limit=f"{limit // MiB}Mi")
-        containers = [f"{n}-worker" for n in names]
-        code, report = convert_on(scheduler, shared, "oom.ome.zarr", planned)
-        kernel = sum(Pods.cgroup(c).oom_kills() for c in containers)
-        reported = sum(w["oom_kills"] for w in report["workers"])
-        assert code != 0 and report["status"] == "Failed" and report["reason"] == "OOMKilled", report
-        assert f"OOMKilled by the kernel (pod limit {limit // MiB} MiB)" in report["message"], report["message"]
-        assert 1 <= reported <= kernel, (reported, kernel)
-        assert {w["pod_limit"] for w in report["workers"]} == {limit}
-        # What podman itself records for these containers, for the report: its State.OOMKilled is
-        # set only when the container's main process is killed (never the case here: the nanny
-        # survives and restarts its worker), so the kernel's counter is the truth to read.
-        print(f"below the pinned peak ({limit / MiB:.0f} MiB): {reported} OOM kill(s) reported, {kernel} by the kernel")
+
+@pytest.fixture(scope="module")
+def at_planned_limit(cluster_pods) -> PodRun:
+    return run_worker_pods(cluster_pods, "pods.ome.zarr")
+
+
+def test_worker_pods_succeed_at_the_planned_limit(cluster_pods, at_planned_limit, host_reference, shared):
+    run = at_planned_limit
+    planned = cluster_pods.planned_limit
+    assert run.limits == [planned, planned]  # the pod's limit is a real cgroup limit
+    assert run.code == 0 and run.report["status"] == "Succeeded", run.report.get("message")
+    assert [w["oom_kills"] for w in run.report["workers"]] == [0, 0] and run.kernel_kills == 0
+    assert tree_differences(host_reference, shared / "pods.ome.zarr") == []
+    print(
+        f"worker pods connected {run.start_seconds:.1f} s after kube play (image present); planned limit "
+        f"{planned / MiB:.0f} MiB, pinned idle {run.idle / MiB:.0f} MiB, pinned peak {run.peak / MiB:.0f} MiB"
+    )
+
+
+def test_jemalloc_is_mapped_in_every_process_of_the_pods(cluster_pods, at_planned_limit, image, shared):
+    """Every process of the worker pods (tini, the nanny, the worker, its resource tracker) and of
+    the scheduler pod. Negative control: a pod rendered for ``allocator: glibc`` has processes
+    without it, and the check names them."""
+    at = cluster_pods
+    assert at_planned_limit.without_jemalloc == []
+    assert len(Pods.processes(at.scheduler_container)) >= 2
+    assert processes_without_jemalloc(at.scheduler_container) == []
+    name = podman_pods.unique("glibc")
+    start_workers(at.pods, render_cluster(image, shared, allocator="glibc"), at.scheduler, [name])
+    try:
+        assert any("dask worker" in cmd for cmd in processes_without_jemalloc(f"{name}-worker"))
+    finally:
+        stop_workers(at.pods, at.scheduler, [name])
+
+
+def test_worker_pods_below_their_pinned_peak_are_oom_killed_and_the_report_says_so(cluster_pods, at_planned_limit):
+    """A limit half-way between what the pods pin idle and at their peak: the workers start, and
+    the kernel must kill them. The report of the existing cluster (--scheduler) counts the
+    kernel's kills and quotes the limit that held. Negative control: the run at the planned
+    limit, whose report and kernel counters say 0 (test_worker_pods_succeed_at_the_planned_limit)."""
+    before = at_planned_limit
+    limit = (before.idle + before.peak) // 2 // MiB * MiB
+    assert before.peak - limit >= 8 * MiB and limit - before.idle >= 8 * MiB, (before.idle, before.peak)
+    run = run_worker_pods(cluster_pods, "oom.ome.zarr", limit)
+    reported = sum(w["oom_kills"] for w in run.report["workers"])
+    assert run.limits == [limit, limit]
+    assert run.code != 0 and run.report["status"] == "Failed" and run.report["reason"] == "OOMKilled", run.report
+    assert f"OOMKilled by the kernel (pod limit {limit // MiB} MiB)" in run.report["message"], run.report["message"]
+    # The client reads the events when the run fails; a worker still running may be killed after.
+    assert 1 <= reported <= run.kernel_kills, (reported, run.kernel_kills)
+    assert {w["pod_limit"] for w in run.report["workers"]} == {limit}
+    print(
+        f"below the pinned peak ({limit / MiB:.0f} MiB): {reported} OOM kill(s) reported, {run.kernel_kills} by the kernel"
+    )
 
 
 def test_the_runner_job_runs_under_tini(image, shared, tmp_path):
