@@ -189,6 +189,32 @@ def test_memory_report_is_refused_in_the_image_before_the_run(image, shared, tmp
     check_report_path(str(shared / "r.png"))
 
 
+#: Imported in the image: every h5ngff module, and what the runner and the operator import
+#: outside h5ngff (dask-kubernetes' KubeCluster, kopf, kr8s, kubernetes_asyncio) and a worker
+#: writing a bucket (obstore, botocore's config chain).
+IMPORTS = """
+import importlib, pkgutil, h5ngff
+failed = []
+for module in pkgutil.walk_packages(h5ngff.__path__, "h5ngff."):
+    try:
+        importlib.import_module(module.name)
+    except Exception as exc:
+        failed.append(f"{module.name}: {exc!r}")
+from dask_kubernetes.operator import KubeCluster
+import botocore.session, kopf, kr8s, kubernetes_asyncio.client, obstore
+print(len(failed), *failed, sep="\\n")
+"""
+
+
+def test_what_the_pods_import_is_in_the_image_and_what_was_left_out_is_not(image, tmp_path):
+    result = run(image, "python", "-c", IMPORTS, cwd=tmp_path, options=("--env", "HOME=/tmp"))
+    assert result.returncode == 0 and result.stdout.strip() == "0", result.stdout + result.stderr[-2000:]
+    # Negative control: the packages the image leaves out fail to import there, so the check
+    # above would have failed had a pod needed one.
+    for left_out in ("kubernetes", "pykube", "matplotlib"):
+        assert run(image, "python", "-c", f"import {left_out}", cwd=tmp_path).returncode != 0, left_out
+
+
 def test_a_conversion_in_the_image_is_byte_identical_to_the_hosts(image, shared, host_reference, tmp_path):
     out = shared / "image.ome.zarr"
     result = run(
