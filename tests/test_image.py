@@ -468,7 +468,8 @@ def test_worker_pods_below_their_pinned_peak_are_oom_killed_and_the_report_says_
     assert f"OOMKilled by the kernel (pod limit {limit // MiB} MiB)" in run.report["message"], run.report["message"]
     # The client reads the events when the run fails; a worker still running may be killed after.
     assert 1 <= reported <= run.kernel_kills, (reported, run.kernel_kills)
-    assert {w["pod_limit"] for w in run.report["workers"]} == {limit}
+    # each killed worker's limit is the one its pod held (one never killed has no exit to tell it)
+    assert {w["pod_limit"] for w in run.report["workers"] if w["oom_kills"]} == {limit}
     print(
         f"below the pinned peak ({limit / MiB:.0f} MiB): {reported} OOM kill(s) reported, {run.kernel_kills} by the kernel"
     )
