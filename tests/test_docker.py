@@ -1,13 +1,15 @@
-"""docker/Dockerfile, checked with BuildKit's own parser (PyPI ``dockerfile``): there is no Docker
-engine here, so the image is never built in these tests (docs/deployment.md says so).
+"""docker/Dockerfile, checked with BuildKit's own parser (PyPI ``dockerfile``), without building it;
+tests/test_image.py builds and runs the image itself (marker ``image``, podman).
 
-What must hold: a pinned slim base, a multi-stage build that installs h5ngff from its wheel with
-the kubernetes extra, jemalloc installed and preloaded with h5ngff's MALLOC_CONF, a non-root user,
-a HEALTHCHECK, and an entrypoint that runs its arguments as the command (the chart's Deployment
-and h5ngff's Dask pods pass only ``args``). Each check has a negative control on edited text.
+What must hold: a base pinned by digest or exact release, a multi-stage build that installs the
+hashed requirements/image.txt (the lock's versions of what a pod imports) and h5ngff from stages
+of their own, pinned apt packages, jemalloc installed and preloaded with h5ngff's MALLOC_CONF, a
+non-root user, OCI labels, a HEALTHCHECK, and an entrypoint that runs its arguments as the
+command (every h5ngff pod passes only ``args``). Each rule has a negative control on edited text.
 The jemalloc settings are also tried for real: the MALLOC_CONF string is accepted by Debian's
 libjemalloc2 (``abort_conf`` would abort on a bad option), and the healthcheck script probes a
-real HTTP endpoint.
+real HTTP endpoint. requirements/image.txt is checked against the lock and the dependency
+closure installed here.
 """
 
 from __future__ import annotations
@@ -71,34 +73,38 @@ def _base(cmd, args: dict[str, str]) -> str:
     return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), cmd.value[0])
 
 
+#: The OCI labels every image carries (scripts/image fills their values).
+OCI_LABELS = ("title", "version", "revision", "created", "licenses", "base.name", "base.digest")
+
+
 def problems(text: str) -> list[str]:
     """Everything wrong with a Dockerfile's text, by the rules above; [] when all hold."""
     out = []
     args, stages = _args(text), _stages(text)
     if len(stages) < 2:
         return ["not multi-stage"]
-    builder, final = stages[0], stages[-1]
+    names = {c.value[2].lower() for s in stages for c in s[:1] if len(c.value) == 3 and c.value[1].upper() == "AS"}
+    final = stages[-1]
     for stage in stages:
         base = _base(stage[0], args)
-        if not PINNED.match(base):
+        if base.lower() not in names and not PINNED.match(base):
             out.append(f"base not pinned: {base}")
     runs = [" ".join(c.value) for c in final if c.cmd == "RUN"]
-    builder_runs = " ".join(" ".join(c.value) for c in builder if c.cmd == "RUN")
-    if "pip wheel" not in builder_runs:
-        out.append("the builder builds no wheel")
-    elif "-c requirements/lock.txt" not in builder_runs:
-        # the memory model's constants were measured with the locked versions
-        out.append("the builder does not pin the locked versions")
-    install = [(c, " ".join(c.value)) for c in final if c.cmd == "RUN" and "pip install" in " ".join(c.value)]
-    from_builder = [c for c, _ in install if any("from=builder" in f for f in c.flags)] + [
-        c for c in final if c.cmd == "COPY" and "--from=builder" in c.flags
-    ]
-    if (
-        not install
-        or not from_builder
-        or not any("--no-index" in t and '"h5ngff[kubernetes,s3]"' in t for _, t in install)
-    ):
-        out.append("h5ngff[kubernetes] is not installed from the builder's wheels")
+    every_run = [" ".join(c.value) for s in stages for c in s if c.cmd == "RUN"]
+    install = [r for r in every_run if "pip" in r and "install" in r and "requirements/image.txt" in r]
+    if not install:
+        out.append("requirements/image.txt is not installed")
+    elif not all("--require-hashes" in r and "--no-deps" in r for r in install):
+        # the hashes pin the bytes; the file is the whole closure (the lock's versions)
+        out.append("requirements/image.txt is not installed with --require-hashes --no-deps")
+    copied = {f.split("=", 1)[1] for c in final if c.cmd == "COPY" for f in c.flags if f.startswith("--from=")}
+    if not {"deps", "app"} <= copied:
+        out.append(f"the final stage does not take the deps and app stages' layers (takes {sorted(copied)})")
+    for r in every_run:
+        for packages in re.findall(r"apt-get install((?:\s+[^&|;]+)+)", r):
+            loose = [p for p in packages.split() if not p.startswith("-") and "=" not in p]
+            if loose:
+                out.append(f"apt packages not pinned: {loose}")
     if not any(re.search(r"apt-get install[^&]*\blibjemalloc2\b", r) for r in runs):
         out.append("libjemalloc2 is not installed")
     env = _env(final)
@@ -110,6 +116,10 @@ def problems(text: str) -> list[str]:
         out.append("H5NGFF_JEMALLOC differs from LD_PRELOAD")
     if env.get("MALLOC_CONF") != JEMALLOC_CONF:
         out.append(f"MALLOC_CONF {env.get('MALLOC_CONF')!r} is not allocator.JEMALLOC_CONF {JEMALLOC_CONF!r}")
+    labels = " ".join(" ".join(c.value) for c in final if c.cmd == "LABEL")
+    missing = [k for k in OCI_LABELS if f"org.opencontainers.image.{k}" not in labels]
+    if missing:
+        out.append(f"OCI labels missing: {missing}")
     users = [c.value[0] for c in final if c.cmd == "USER"]
     user = users[-1].split(":")[0] if users else "root"
     if not user.isdigit() or int(user) == 0:
@@ -133,21 +143,20 @@ TEXT = DOCKERFILE.read_text()
 @pytest.mark.parametrize(
     "edit, problem",
     [
+        (lambda t: re.sub(r"ARG PYTHON_IMAGE=\S+", "ARG PYTHON_IMAGE=python:3.11-slim", t), "base not pinned"),
+        (lambda t: re.sub(r"ARG PYTHON_IMAGE=\S+", "ARG PYTHON_IMAGE=python:latest", t), "base not pinned"),
+        (lambda t: t.replace("FROM deps AS app", "FROM debian:bookworm AS app"), "base not pinned"),
         (
-            lambda t: t.replace("ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm", "ARG PYTHON_IMAGE=python:3.11-slim"),
-            "base not pinned",
-        ),
-        (
-            lambda t: t.replace("ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm", "ARG PYTHON_IMAGE=python:latest"),
-            "base not pinned",
-        ),
-        (
-            lambda t: re.sub(r"(?s)FROM \$\{PYTHON_IMAGE\} AS builder.*?(?=FROM \$\{PYTHON_IMAGE\}\n)", "", t),
+            lambda t: re.sub(r"(?s)FROM \$\{PYTHON_IMAGE\} AS deps.*?(?=FROM \$\{PYTHON_IMAGE\}\n)", "", t),
             "not multi-stage",
         ),
-        (lambda t: t.replace("libjemalloc2 tini", "tini"), "libjemalloc2 is not installed"),
+        (lambda t: t.replace("libjemalloc2=5.3.0-1 tini", "tini"), "libjemalloc2 is not installed"),
+        (lambda t: t.replace("libjemalloc2=5.3.0-1", "libjemalloc2"), "apt packages not pinned"),
+        (lambda t: t.replace("binutils=2.40-2", "binutils"), "apt packages not pinned"),
         (
-            lambda t: t.replace("ENV LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \\", "ENV \\"),
+            lambda t: t.replace(
+                "    LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \\", "    NO_PRELOAD=/usr/local/lib/libjemalloc.so.2 \\"
+            ),
             "jemalloc is not preloaded",
         ),
         (lambda t: t.replace("muzzy_decay_ms:0", "muzzy_decay_ms:1000"), "MALLOC_CONF"),
@@ -156,18 +165,25 @@ TEXT = DOCKERFILE.read_text()
         (lambda t: t.replace("USER 10001:10001\n", ""), "non-root"),
         (lambda t: re.sub(r"(?s)HEALTHCHECK .*?healthcheck\"\]\n", "", t), "no HEALTHCHECK"),
         (lambda t: t.replace('ENTRYPOINT ["/usr/bin/tini", "--"]', 'ENTRYPOINT ["h5ngff"]'), "ENTRYPOINT"),
-        (lambda t: t.replace('"h5ngff[kubernetes,s3]"', '"h5ngff"'), "h5ngff[kubernetes] is not installed"),
         (
-            lambda t: t.replace("RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \\", "RUN \\"),
-            "h5ngff[kubernetes] is not installed",
+            lambda t: t.replace(
+                "--no-deps --require-hashes -r /tmp/requirements/image.txt", "-r /tmp/requirements/image.txt"
+            ),
+            "--require-hashes",
         ),
-        (lambda t: t.replace(" -c requirements/lock.txt", ""), "does not pin the locked versions"),
+        (lambda t: t.replace("/tmp/requirements/image.txt", "/tmp/requirements/other.txt"), "is not installed"),
+        (lambda t: t.replace("COPY --from=app ", "COPY --from=deps "), "deps and app"),
+        (lambda t: t.replace("org.opencontainers.image.base.digest=", "base-digest="), "OCI labels missing"),
+        (lambda t: t.replace("org.opencontainers.image.revision=", "revision="), "OCI labels missing"),
     ],
     ids=[
         "floating-minor",
         "latest",
+        "unpinned-stage-base",
         "single-stage",
         "no-jemalloc",
+        "jemalloc-unpinned",
+        "binutils-unpinned",
         "no-preload",
         "other-malloc-conf",
         "user-root",
@@ -175,9 +191,11 @@ TEXT = DOCKERFILE.read_text()
         "no-user",
         "no-healthcheck",
         "entrypoint-swallows-args",
-        "no-kubernetes-extra",
-        "not-from-builder",
-        "unlocked",
+        "unhashed",
+        "not-the-image-requirements",
+        "no-app-layer",
+        "no-base-digest-label",
+        "no-revision-label",
     ],
 )
 def test_each_rule_catches_its_breakage(edit, problem):
@@ -262,7 +280,14 @@ def test_the_build_context_has_what_the_dockerfile_copies_and_nothing_big():
         if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags)
         for s in c.value[:-1]
     ]
-    assert set(sources) == {"pyproject.toml", "README.md", "requirements/lock.txt", "src", "docker/healthcheck.py"}
+    assert set(sources) == {
+        "pyproject.toml",
+        "README.md",
+        "requirements/image.txt",
+        "requirements/image-build.txt",
+        "src",
+        "docker/healthcheck.py",
+    }
     for source in sources:
         assert (ROOT / source).exists(), source
         assert _dockerignore_allows(source), f".dockerignore excludes {source}, which the Dockerfile copies"
@@ -325,3 +350,77 @@ def test_healthcheck_probes_a_real_endpoint():
     assert (
         healthcheck.check(["h5ngff", "operator", "--liveness", f"http://0.0.0.0:{port}/healthz"]) == 1
     )  # nothing listens now
+
+
+# --- requirements/image.txt: the lock's versions of exactly what a pod imports ------------------
+
+REQUIREMENTS = ROOT / "requirements"
+
+
+def pins(path: Path) -> dict[str, str]:
+    """name -> version of every ``name==version`` requirement in a pip requirements file."""
+    from packaging.utils import canonicalize_name
+
+    found = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", path.read_text(), re.M)
+    return {canonicalize_name(name): version for name, version in found}
+
+
+def dropped() -> set[str]:
+    """The packages requirements/image-overrides.txt leaves out (a marker that never holds)."""
+    text = (REQUIREMENTS / "image-overrides.txt").read_text()
+    return set(re.findall(r'^([A-Za-z0-9._-]+)\s*;\s*sys_platform == "never"', text, re.M))
+
+
+def project_requires() -> list[str]:
+    """h5ngff's own requirements, from pyproject.toml (an editable install's metadata lags it),
+    as Requires-Dist lines with their extra markers."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = list(project["dependencies"])
+    for extra, requirements in project["optional-dependencies"].items():
+        lines += [f'{r}; extra == "{extra}"' for r in requirements]
+    return lines
+
+
+def closure(extras: tuple[str, ...], leave_out: set[str]) -> set[str]:
+    """Every distribution ``h5ngff[extras]`` needs on this platform (the dependencies' installed
+    metadata), without ``leave_out`` and what only they need."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    done: set[tuple[str, tuple[str, ...]]] = set()
+    todo = [("h5ngff", extras)]
+    while todo:
+        name, wanted = todo.pop()
+        if name in leave_out or (name, wanted) in done:
+            continue
+        done.add((name, wanted))
+        seen.add(name)
+        for line in project_requires() if name == "h5ngff" else distribution(name).requires or []:
+            req = Requirement(line)
+            environments = [{"extra": e} for e in wanted] or [{"extra": ""}]
+            if req.marker is not None and not any(req.marker.evaluate(env) for env in environments):
+                continue
+            todo.append((canonicalize_name(req.name), tuple(sorted(req.extras))))
+    return seen - {"h5ngff"}
+
+
+def test_image_requirements_are_the_locks_versions_of_what_pods_import():
+    image, lock = pins(REQUIREMENTS / "image.txt"), pins(REQUIREMENTS / "lock.txt")
+    assert dropped() == {"kubernetes", "pykube-ng"}
+    assert set(image) == closure(("kubernetes", "s3"), dropped())
+    assert {name: version for name, version in image.items() if lock.get(name) != version} == {}
+    assert "matplotlib" not in image  # a workstation's plots, not a pod's
+    # every requirement carries hashes (pip --require-hashes refuses the file otherwise)
+    blocks = re.split(r"\n(?=[A-Za-z0-9])", (REQUIREMENTS / "image.txt").read_text().split("\n", 2)[2])
+    assert all("--hash=sha256:" in block for block in blocks if "==" in block)
+
+
+def test_negative_control_the_closure_sees_what_the_overrides_drop_and_an_extra():
+    full = closure(("kubernetes", "s3"), set())
+    assert {"kubernetes", "pykube-ng", "requests-oauthlib"} <= full - set(pins(REQUIREMENTS / "image.txt"))
+    assert "matplotlib" in closure(("plots",), set())

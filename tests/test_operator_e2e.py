@@ -48,7 +48,7 @@ async def run_container(
     log_path = os.path.join(cwd, f"{job['metadata']['name']}.log")
     with open(log_path, "wb") as log:
         proc = await asyncio.create_subprocess_exec(
-            *container["command"],
+            *container.get("command", ()),  # none: the args are the command (the image's tini runs them)
             *container["args"],
             env=env,
             cwd=container.get("workingDir", cwd),

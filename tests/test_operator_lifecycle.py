@@ -347,7 +347,9 @@ async def test_deleting_a_running_job_stops_its_live_runner_cluster_and_pods(tmp
             "KUBECONFIG": kubeconfig(tmp_path / "kubeconfig", c.url),
             "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
         }
-        pod = await kubelet.run_pod("scan-runner-1", [*container["command"], *container["args"]], env, str(tmp_path))
+        pod = await kubelet.run_pod(
+            "scan-runner-1", [*container.get("command", ()), *container["args"]], env, str(tmp_path)
+        )
         await wait_for(lambda: "scan-dask" in c.live(DASK_RES), timeout=60, what="the runner created its DaskCluster")
         await wait_for(lambda: c.status("scan").get("phase") == "Planned", what="the runner planned")
         await wait_for(lambda: len(c.live(POD_RES)) == 4, what="runner, scheduler and worker pods")

@@ -103,6 +103,10 @@ class Session:
     #: A batch item's view of the batch's session: ``extra_reports`` as they stood when the item
     #: started, whose counts (kills, restarts, terminations) are not the item's.
     reports_before: dict[str, WorkerReport] = field(default_factory=dict)
+    #: Whether the limit each nanny reads from its own memory cgroup is the one that holds: an
+    #: existing cluster's workers run in containers or pods whose limits no plan of ours set, so
+    #: its report quotes what the kernel enforced, not the plan's figure (issue 43).
+    limits_from_workers: bool = False
 
     def enforced_pod_limit(self, plan: Plan) -> int:
         """The pod (job) memory limit the workers run under: the backend's override, else the plan's."""
@@ -118,6 +122,7 @@ class Session:
         terminations = _by_name(events.memory_restarts)
         restarts = events.restarts_by_worker()
         last_peaks = events.terminated_peaks()
+        limits = events.cgroup_limits() if self.limits_from_workers else {}
         names = set(peaks) | set(last_peaks) | set(restarts) | set(kills)
         if pods:  # only pods exist: a name no pod has cannot be a worker of this run
             names = set(pods) | {n for n in names if n in pods}
@@ -128,7 +133,12 @@ class Session:
             report = (
                 replace(pods[name]).counted_since(self.reports_before.get(name))
                 if name in pods
-                else WorkerReport(name=name, oom_kills=kills[name], memory_terminations=terminations[name])
+                else WorkerReport(
+                    name=name,
+                    oom_kills=kills[name],
+                    memory_terminations=terminations[name],
+                    pod_limit=limits.get(name, 0),
+                )
             )
             report.nanny_restarts = max(report.nanny_restarts, restarts.get(name, 0))
             report.peak_rss = max(report.peak_rss, peaks.get(name, 0), last_peaks.get(name, 0))
@@ -150,10 +160,12 @@ class Session:
     ) -> WorkerFailedError:
         """The error a run whose workers died fails with: who killed them, with the numbers."""
         kills = sum(w.oom_kills for w in workers)
+        # The limit the killed workers ran under, where they know it (an existing cluster's).
+        killed_limits = [w.pod_limit for w in workers if w.oom_kills and w.pod_limit]
         return classify_failure(
             failure,
             events,
-            self.enforced_pod_limit(plan),
+            max(killed_limits) if killed_limits and self.limits_from_workers else self.enforced_pod_limit(plan),
             plan.memory.memory_limit,
             kills,
             limit_name=self.limit_name,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -76,6 +77,46 @@ def _own_paths(proc_cgroup: str = "/proc/self/cgroup") -> tuple[str | None, str 
     return v1, v2
 
 
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (\\040 ...)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def cgroup_mounts(mountinfo: str = "/proc/self/mountinfo") -> dict[int, list[tuple[str, str]]]:
+    """{1: the v1 memory hierarchy's mounts, 2: cgroup2's}, each as (the cgroup the mount shows at
+    its top, the mount point). A container without a cgroup namespace (cgroup v1 under podman or
+    Docker, or v2 with ``--cgroupns=host``) sees its own cgroup, say /libpod_parent/libpod-<id>,
+    mounted at /sys/fs/cgroup/memory, while /proc/self/cgroup names the full path."""
+    mounts: dict[int, list[tuple[str, str]]] = {1: [], 2: []}
+    try:
+        lines = _read(mountinfo).splitlines()
+    except OSError:
+        return mounts
+    for line in lines:
+        head, sep, tail = line.partition(" - ")
+        fields, kind = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(kind) < 3:
+            continue
+        root, point = _unescape(fields[3]), _unescape(fields[4])
+        if kind[0] == "cgroup" and "memory" in kind[2].split(","):
+            mounts[1].append((root, point))
+        elif kind[0] == "cgroup2":
+            mounts[2].append((root, point))
+    return mounts
+
+
+def cgroup_dir(path: str, mounts: list[tuple[str, str]]) -> list[str]:
+    """The directories where cgroup ``path`` (as /proc/self/cgroup names it) can be found through
+    ``mounts``: the part of the path below each mount's root, under its mount point."""
+    found = []
+    for root, point in mounts:
+        if root == "/":
+            found.append(os.path.join(point, path.lstrip("/")))
+        elif path == root or path.startswith(root.rstrip("/") + "/"):
+            found.append(os.path.join(point, path[len(root.rstrip("/")) :].lstrip("/")))
+    return found
+
+
 def _v2_root() -> str | None:
     for root in V2_ROOTS:
         if (
@@ -86,18 +127,29 @@ def _v2_root() -> str | None:
     return None
 
 
-def own_cgroup_dir() -> tuple[int, str] | None:
-    """(version, directory) of this process's memory cgroup, or None."""
-    v1, v2 = _own_paths()
-    if v1 is not None and os.path.isdir(V1_ROOT):
-        path = os.path.join(V1_ROOT, v1.lstrip("/"))
-        if os.path.exists(os.path.join(path, "memory.usage_in_bytes")):
-            return 1, path
+def _usual_mounts(version: int) -> list[tuple[str, str]]:
+    """Where a host mounts each hierarchy's top, for when /proc/self/mountinfo lists none."""
+    if version == 1:
+        return [("/", V1_ROOT)]
     root = _v2_root()
-    if v2 is not None and root:
-        path = os.path.join(root, v2.lstrip("/"))
-        if os.path.exists(os.path.join(path, "memory.current")):
-            return 2, path
+    return [("/", root)] if root else []
+
+
+def own_cgroup_dir(
+    proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo"
+) -> tuple[int, str] | None:
+    """(version, directory) of this process's memory cgroup, or None. Found through the mount
+    that shows it (``cgroup_mounts``): inside a container that is often not where the path
+    /proc/self/cgroup names would be, and a Dask nanny there read no OOM kill of its own
+    container, so an existing cluster's report counted none (issue 43)."""
+    v1, v2 = _own_paths(proc_cgroup)
+    mounts = cgroup_mounts(mountinfo)
+    for version, path, probe in ((1, v1, "memory.usage_in_bytes"), (2, v2, "memory.current")):
+        if path is None:
+            continue
+        for directory in cgroup_dir(path, mounts[version] or _usual_mounts(version)):
+            if os.path.exists(os.path.join(directory, probe)):
+                return version, directory
     return None
 
 
@@ -295,3 +347,13 @@ def own_oom_kill_count() -> int:
         return group.oom_kills() if group else 0
     except OSError:
         return 0
+
+
+def own_memory_limit() -> int | None:
+    """The memory limit of this process's cgroup (None where unlimited or unreadable): inside a
+    container or pod, the limit its runtime set."""
+    group = own_cgroup()
+    try:
+        return group.limit() if group else None
+    except (OSError, ValueError):
+        return None

@@ -22,7 +22,7 @@ from distributed.diagnostics.plugin import NannyPlugin, WorkerPlugin
 
 from ..errors import H5ngffError, NannyTerminatedError, OOMKilledError, WorkerFailedError
 from ..units import format_bytes
-from .cgroups import own_oom_kill_count
+from .cgroups import own_memory_limit, own_oom_kill_count
 from .memory_monitor import CheaperMemoryCheck
 from .shutdown import StopHeartbeat
 
@@ -60,6 +60,9 @@ class WorkerExitReporter(NannyPlugin):
                         "name": str(_nanny.name),
                         "exitcode": exitcode,
                         "oom_kills": own_oom_kill_count(),
+                        # The limit the kernel enforced on the nanny's cgroup: on an existing
+                        # cluster it is the container's or pod's, which no plan of ours set.
+                        "cgroup_limit": own_memory_limit(),
                         "time": time.time(),
                     },
                 )
@@ -290,6 +293,15 @@ class ClusterEvents:
                 str(e["name"]) for e in self.exits if e.get("exitcode") not in (0, None) and e.get("name") is not None
             )
         )
+
+    def cgroup_limits(self) -> dict[str, int]:
+        """Per worker name, the memory limit its nanny's cgroup had at the worker's last exit
+        (the exit reports carry it; a nanny in an unlimited cgroup reports none)."""
+        return {
+            str(e["name"]): int(e["cgroup_limit"])
+            for e in self.exits
+            if e.get("name") is not None and isinstance(e.get("cgroup_limit"), int)
+        }
 
     def terminated_peaks(self) -> dict[str, int]:
         """Per worker name, the highest peak of a worker the nanny terminated for memory: the

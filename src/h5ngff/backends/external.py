@@ -92,4 +92,4 @@ class ExternalBackend:
     def session(self, plan: Plan) -> Iterator[Session]:
         with self._connect() as client:
             register_plugins(client)
-            yield Session(client, self.name)
+            yield Session(client, self.name, limits_from_workers=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 import io
 import os
 from typing import Any
@@ -106,6 +107,13 @@ def check_report_path(path: str) -> None:
             "--memory-report",
             f"Expected an .html page or an image file name ({', '.join(s for s in REPORT_SUFFIXES if s not in ('.html', '.htm'))}). "
             f"Got {path!r} instead.",
+        )
+    if importlib.util.find_spec("matplotlib") is None:
+        # A plots extra, not a dependency: the container image leaves matplotlib out (no pod draws).
+        raise SpecError(
+            "--memory-report",
+            "needs matplotlib, which this installation lacks (the container image leaves it out). "
+            "Install h5ngff[plots], or run without --memory-report.",
         )
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):

@@ -67,6 +67,9 @@ RUNNER_MEMORY = 1 * GiB
 #: Requested, not limited: planning and task submission are short CPU bursts, and a CPU limit
 #: would only throttle them.
 RUNNER_CPU_REQUEST = "250m"
+#: The runner's program, given as the container's ``args`` (no ``command``): the image's
+#: entrypoint, tini, stays PID 1 and runs it, as in the operator and the Dask pods. A ``command``
+#: replaces the entrypoint, and the runner then ran as PID 1 without tini (issue 43).
 RUNNER_COMMAND = ["h5ngff", "runner"]
 #: The environment variable holding the job's spec (JSON) in the runner container.
 SPEC_ENV = "H5NGFF_SPEC"
@@ -111,8 +114,10 @@ def build_runner_job(
     container = {
         "name": "runner",
         "image": image,
-        "command": list(RUNNER_COMMAND),
-        "args": ["--namespace", owner.namespace, "--name", owner.name, "--uid", owner.uid, "--attempt", str(attempt)],
+        "args": [
+            *RUNNER_COMMAND,
+            *("--namespace", owner.namespace, "--name", owner.name, "--uid", owner.uid, "--attempt", str(attempt)),
+        ],
         "env": env_list(
             {
                 SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True),
