@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
                 ("stacked", h5ngff("convert", f"{work}/h5/t*.h5:/data", f"{work}/stacked.ome.zarr", "--stack-axis", "t", *flags)),
                 ("one file", h5ngff("convert", f"{work}/one.h5:/data", f"{work}/one.ome.zarr", *flags)),
                 *(
-                    [("eubi-bridge-lite (TIFF)", [args.eubi, "to_zarr", f"{work}/tif", f"{work}/eubi.zarr", "--concatenation_axes", "t"])]
+                    [("eubi-bridge-lite (TIFF)", [args.eubi, "to_zarr", f"{work}/tif", f"{work}/eubi.zarr", "--concatenation_axes", "t", "--time_tag", "t"])]
                     if args.eubi
                     else []
                 ),
@@ -123,13 +123,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _eubi_equal(out: str, stack: np.ndarray) -> bool:
-    """EuBI-Bridge writes its own layout (a 5-D tczyx array, maybe under a group): compare values."""
-    group = zarr.open_group(out, mode="r")
-    for name in ("0", *group.array_keys()):
-        if name in group:
-            data = np.asarray(group[name][...]).reshape(-1)
-            return bool(np.array_equal(data, stack.reshape(-1)))
-    return False
+    """EuBI-Bridge writes OUT/<tag>_tset.zarr, whose level 0 is a 5-D tczyx array: the values in
+    C order must be the stack's."""
+    inner = [name for name in sorted(os.listdir(out)) if name.endswith(".zarr")]
+    if not inner:
+        return False
+    data = np.asarray(zarr.open_group(os.path.join(out, inner[0]), mode="r")["0"][...])
+    return data.size == stack.size and bool(np.array_equal(data.reshape(-1), stack.reshape(-1)))
 
 
 def main(argv: list[str] | None = None) -> int:

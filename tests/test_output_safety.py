@@ -353,3 +353,23 @@ def test_relative_paths_on_an_existing_cluster_are_the_clients_not_the_workers(t
     assert not os.path.exists(name), "chunks were written under the workers' directory"
     check = h5ngff("verify", workdir / name, "--source", f"{source}:/volume/data")
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("then", ["resume", "overwrite"])
+def test_an_output_left_with_only_a_lock_and_a_temporary_header_is_resumed_or_replaced(
+    tmp_path, source, shared_cluster, reference, then
+):
+    """The state the issue found after a kill while the output was created (a lock file and the
+    manifest header's temporary file, nothing else), made directly: on cb6367c both the re-run and
+    --overwrite refused it (exit 3, "not an h5ngff output" / "Remove it yourself")."""
+    out = tmp_path / "out.ome.zarr"
+    (out / ".h5ngff").mkdir(parents=True)
+    (out / ".h5ngff.lock").write_text('{"pid": 1}')
+    (out / ".h5ngff" / ".manifest.jsonl.h5ngff-tmp-0123456789ab").write_text('{"kind": "hea')
+    again = h5ngff(
+        "convert", f"{source}:/volume/data", out, *FLAGS, *(["--overwrite"] if then == "overwrite" else []),
+        scheduler=shared_cluster.scheduler_address,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert image_files(out) == reference
