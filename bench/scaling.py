@@ -517,6 +517,8 @@ def analyse(launched: Launched, record: dict[str, Any], summary: dict[str, Any])
             k: (summary.get("plan") or {}).get(k) for k in ("workers", "n_tasks", "inflight_per_worker", "passes")
         },
         "worker_peaks": [w.get("peak_rss") for w in summary.get("workers", [])],
+        # A worker the nanny restarted (a loaded machine's missed heartbeat) is one more process.
+        "worker_restarts": sum(int(w.get("nanny_restarts") or 0) for w in summary.get("workers", [])),
         "processes": [
             {
                 "pid": p.pid,
