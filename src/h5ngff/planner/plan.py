@@ -521,7 +521,9 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: i
     hdf5_chunks = ctx.ds.hdf5_chunks if from_hdf5 else None
     hdf5_chunk_bytes = math.prod(hdf5_chunks) * ctx.itemsize if hdf5_chunks else None
     cache = 0
-    direct = from_hdf5 and ctx.ds.hdf5_direct_read
+    remote = from_hdf5 and ctx.ds.remote_request_bytes > 0
+    # A bucket source's chunks are fetched and decoded one by one (engine.sources.ranged): no cache.
+    direct = from_hdf5 and (ctx.ds.hdf5_direct_read or remote)
     # The direct-chunk path (engine.sources.inflate) reads every chunk a slab touches once per slab without
     # HDF5's chunk cache, so it needs none; HDF5's own filter path keeps them in the cache.
     if hdf5_chunks and straddles and not direct:
@@ -545,7 +547,24 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: i
         upload_depth=ctx.upload_depth,
         hdf5_direct=direct,
         open_files=min(ctx.threads, ctx.ds.source_files) if from_hdf5 else 1,
+        remote_in_flight=ctx.ds.remote_in_flight if remote else 0,
+        remote_request_bytes=_remote_request_bytes(ctx, slab) if remote else 0,
     )
+
+
+def _remote_request_bytes(ctx: _Context, slab: Shape) -> int:
+    """The largest body one ranged GET of a slab can bring: the reader's request size, but never
+    more than the bytes that slab's reads span (its chunks, each at most the largest stored chunk,
+    with a coalescing gap after each; or its run of a contiguous dataset), so small slabs are not
+    priced as 8 MiB requests (engine.sources.ranged)."""
+    ds = ctx.ds
+    gap = ds.remote_gap_bytes
+    if ds.hdf5_chunks:
+        touched = math.prod(_chunks_touched(s, h, n) for s, h, n in zip(slab, ds.hdf5_chunks, ds.shape))
+        spanned = touched * (ds.remote_stored_chunk_bytes + gap)
+    else:
+        spanned = math.prod(slab) * ctx.itemsize + gap
+    return max(ds.remote_stored_chunk_bytes, min(ds.remote_request_bytes, spanned))
 
 
 def _chunks_touched(slab: int, chunk: int, size: int) -> int:
