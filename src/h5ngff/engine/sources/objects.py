@@ -190,8 +190,8 @@ def _refused(url: str, exc: StoreRefusedError, field: str) -> SourceError:
 
 
 #: The client reads HDF5 metadata in blocks of this size (superblock, object headers, B-tree
-#: nodes and heaps are small and near each other), kept in an LRU of ``_CACHED_BLOCKS``: 64
-#: requests of 256 KiB index a file of a few thousand chunks (docs/engine.md).
+#: nodes and heaps are small and mostly near each other), the last ``_CACHED_BLOCKS`` kept (16 MiB):
+#: HDF5 revisits nodes while it walks a B-tree, and each block costs a round trip.
 BLOCK_BYTES = 256 * 1024
 _CACHED_BLOCKS = 64
 
@@ -205,8 +205,6 @@ class RangeFile(io.RawIOBase):
         self._pos = 0
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
         self._lock = threading.Lock()
-        #: Ranged GETs made (the tests count them: the index is read once, by the client).
-        self.requests = 0
 
     def readable(self) -> bool:
         return True
@@ -248,7 +246,6 @@ class RangeFile(io.RawIOBase):
         length = min(BLOCK_BYTES, self.size - start)
         block = b"".join(self.bucket.fetch(self.url, [(start, length)], 1, self.etag or None, self.field))
         with self._lock:
-            self.requests += 1
             self._blocks[index] = block
             while len(self._blocks) > _CACHED_BLOCKS:
                 self._blocks.popitem(last=False)
