@@ -94,9 +94,10 @@ def test_a_plain_dataset_in_a_bucket_converts_exactly_at_every_level(s3, bucket,
     assert summary.status == "Succeeded" and summary.totals.store_retries == 0
     for got, expected in zip(_levels(str(tmp_path / "out.ome.zarr")), reference_pyramid(data, ALL3, "mean", 3)):
         np.testing.assert_array_equal(got, expected)
-    # The plan priced the ranged reads, and no HDF5 chunk cache (a worker never opens the file).
+    # The plan priced the ranged reads (the requests beyond the one being decoded: none where one
+    # request holds a slab's reads), and no HDF5 chunk cache (a worker never opens the file).
     terms = {t.name: t.bytes for t in summary.job.plan.memory.terms}
-    assert terms["source requests in flight"] > 0 and terms["source range buffers"] > 0
+    assert "source requests in flight" in terms and terms["source range buffers"] > 0
     assert summary.job.plan.hdf5_cache_bytes == 0
 
 

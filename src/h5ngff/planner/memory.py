@@ -178,9 +178,11 @@ class PassShape:
     #: (each opened for one slab's read and closed after it), one per thread.
     open_files: int = 1
     #: A source in a bucket (DatasetInfo.remote_in_flight, remote_request_bytes): each reading
-    #: thread's ranged GETs in flight and the largest body of one; 0 for a local file.
+    #: thread's ranged GETs in flight, the largest body of one, and the most bytes one slab's
+    #: reads span (all its requests together); 0 for a local file.
     remote_in_flight: int = 0
     remote_request_bytes: int = 0
+    remote_span_bytes: int = 0
 
     @property
     def levels_built(self) -> int:
@@ -327,11 +329,14 @@ def source_range_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]
     T = shape.threads
     request = shape.remote_request_bytes
     chunk = shape.hdf5_chunk_bytes or 0
+    # A thread's bodies all belong to its one slab: together never more than that slab's reads span.
+    in_flight = min(shape.remote_in_flight * request, max(shape.remote_span_bytes - request, 0))
     return [
         MemoryTerm(
             "source requests in flight",
-            T * shape.remote_in_flight * request,
-            f"per thread: {shape.remote_in_flight} ranged GETs of the source in flight, up to {request / MiB:.1f} MiB each",
+            T * in_flight,
+            f"per thread: {shape.remote_in_flight} ranged GETs of the source in flight, up to {request / MiB:.1f} MiB "
+            f"each, at most what one slab's reads span beyond the body being decoded ({in_flight / MiB:.1f} MiB)",
         ),
         MemoryTerm(
             "source range buffers",

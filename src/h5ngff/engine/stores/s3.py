@@ -23,7 +23,19 @@ import re
 from contextlib import contextmanager
 from functools import partial
 from datetime import timedelta
-from typing import Any, BinaryIO, Callable, Collection, ContextManager, Iterable, Iterator, NoReturn, Sequence, TypeVar
+from typing import (
+    Any,
+    BinaryIO,
+    Callable,
+    Collection,
+    ContextManager,
+    Iterable,
+    Iterator,
+    NoReturn,
+    Sequence,
+    TypeVar,
+    cast,
+)
 
 import obstore
 from obstore import exceptions as obx
@@ -321,7 +333,7 @@ class S3Store:
         def get(start: int, length: int) -> bytes:
             what = f"GET {key} (bytes {start}-{start + length - 1})"
             try:
-                body = self._call(what, lambda: _range_or_missing(self._store, key, start, length, etag))
+                body: bytes = self._call(what, lambda: _range_or_missing(self._store, key, start, length, etag))
             except _Missing:
                 raise KeyError(key) from None
             except _Conflict:
@@ -483,12 +495,14 @@ def _ranges_or_missing(store: Any, key: str, starts: list[int], lengths: list[in
 
 
 def _range_or_missing(store: Any, key: str, start: int, length: int, etag: str | None) -> bytes:
-    # The body is read inside the retried call: it is what a reset connection loses.
+    # The body is read inside the retried call: it is what a reset connection loses. It stays
+    # obstore's buffer (no copy): the readers take it through the buffer protocol.
     options: dict[str, Any] = {"range": (start, start + length)}
     if etag:
         options["if_match"] = etag
     try:
-        return bytes(obstore.get(store, key, options=options).bytes())  # type: ignore[arg-type]
+        # obstore.Bytes: a read-only buffer, as bytes are to every reader here.
+        return cast(bytes, obstore.get(store, key, options=options).bytes())  # type: ignore[arg-type]
     except (obx.NotFoundError, FileNotFoundError):
         raise _Missing from None
 
