@@ -165,3 +165,23 @@ def _plan_json(path: Path) -> str:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
+
+
+def test_a_batch_items_object_keeps_its_url_under_a_working_dir():
+    """A ConversionBatch item in a bucket is its URL as the pods see it; a relative local path
+    still resolves against pod.workingDir (the control)."""
+    from h5ngff.operator.batchspec import parse_batch_spec
+
+    spec = parse_batch_spec(
+        {
+            "output": {"path": "s3://scans/out/{stem}.ome.zarr"},
+            "pod": {"workingDir": "/data"},
+            "items": [
+                {"source": {"path": "s3://raw/run/a.h5", "dataset": "/d"}},
+                {"source": {"path": "run/b.h5", "dataset": "/d"}},
+            ],
+        }
+    )
+    items = spec.planned_items()
+    assert [i.item.path for i in items] == ["s3://raw/run/a.h5", "/data/run/b.h5"]
+    assert [i.item.output for i in items] == ["s3://scans/out/a.ome.zarr", "s3://scans/out/b.ome.zarr"]
