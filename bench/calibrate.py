@@ -210,8 +210,39 @@ def _write_random(path: str, shape, dtype: str, chunks, compression) -> None:
             )
 
 
+#: (endpoint URL, uploaded keys) where ``--from-bucket`` reads every source from a loopback S3
+#: endpoint (bench/moto_ranged.py): the bucket read path's terms (issue 44, docs/memory-model.md).
+BUCKET: dict[str, object] = {}
+
+
+def in_bucket(path: str) -> str:
+    """The source's object in the calibration bucket, uploaded once."""
+    import boto3
+
+    uploaded: set = BUCKET.setdefault("uploaded", set())  # type: ignore[assignment]
+    key = os.path.basename(path)
+    if key not in uploaded:
+        client = boto3.client("s3", endpoint_url=str(BUCKET["endpoint"]), region_name="us-east-1")
+        client.upload_file(path, "calibrate", key)
+        uploaded.add(key)
+    return f"s3://calibrate/{key}"
+
+
+def start_bucket() -> None:
+    from bench.s3_read import KEY, start_endpoint
+
+    proc, endpoint = start_endpoint(stock=False)
+    os.environ.update({**KEY, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"})
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="calibrate")
+    BUCKET.update(endpoint=endpoint, proc=proc)
+
+
 def run_case(case: Case, workers: int, allocator: str, calibration: str | None = None, backend: str = "pods") -> dict:
     source = source_for(case)
+    if BUCKET:
+        source = in_bucket(source)
     out = os.path.join(
         DATA, f"out-{allocator}-{backend}.ome.zarr"
     )  # one per allocator and backend: matrices may run side by side
@@ -395,6 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="Also write the Markdown table to this file.")
     parser.add_argument(
+        "--from-bucket",
+        action="store_true",
+        help="Read every source from a loopback S3 endpoint (moto, bench/moto_ranged.py): the sources-in-a-bucket "
+        "path and its memory terms (issue 44).",
+    )
+    parser.add_argument(
         "--calibration",
         metavar="FILE",
         help="Constants to plan with (h5ngff convert --calibration). To re-fit the baseline after a "
@@ -410,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]
+    if args.from_bucket:
+        start_bucket()
     rows = []
     for case in cases:
         r = row(run_case(case, args.workers, args.allocator, args.calibration, args.backend))
@@ -436,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(
                 f"<!-- {' '.join(['bench/calibrate'] + (argv if argv is not None else sys.argv[1:]))} -->\n{text}\n"
             )
+    if BUCKET:
+        BUCKET["proc"].terminate()  # type: ignore[attr-defined]
     bad = [r for r in rows if verdict(r) != "safe, tight"]
     return 1 if bad else 0
 

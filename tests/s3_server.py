@@ -84,6 +84,8 @@ class Faults:
 
     rules: list[list] = field(default_factory=list)
     seen: list[tuple[str, str, str]] = field(default_factory=list)
+    #: Every request the proxy received: (method, path, Range header or None).
+    requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, action: str, count: int, method: str | None = None, path_contains: str = "") -> None:
@@ -124,6 +126,8 @@ class FaultProxy:
 
             def _handle(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with faults.lock:
+                    faults.requests.append((self.command, self.path, self.headers.get("Range")))
                 action = faults.take(self.command, self.path)
                 if action and action.startswith("delay:"):
                     time.sleep(float(action.split(":", 1)[1]))

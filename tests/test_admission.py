@@ -124,6 +124,19 @@ VALID = {
     "backoff 0": edit("backoffLimit", 0),
     # --- output and source paths (issue 14) ---
     "output s3": edit("output.path", "s3://bucket/prefix/out.ome.zarr"),
+    # --- sources in a bucket (issue 44) ---
+    "source s3": edit("source.path", "s3://bucket/in.h5"),
+    "source S3 in capitals": edit("source.path", "S3://bucket/run/in.h5"),
+    "source s3 with storage options": edit(
+        "source", {"path": "s3://b/in.h5", "dataset": "/data", "storageOptions": {"endpoint": "http://minio:9000"}}
+    ),
+    "source s3 with empty storage options": edit(
+        "source", {"path": "s3://b/in.h5", "dataset": "/data", "storageOptions": {}}
+    ),
+    "files in a bucket": edit(
+        "source", {"paths": ["s3://b/t0.h5", "s3://b/t1.h5"], "dataset": "/data", "stack": "t", "storageOptions": {}}
+    ),
+    "a glob of files in a bucket": edit("source", {"path": "s3://b/run/t*.h5", "dataset": "/data", "stack": "t"}),
     "output S3 upper-case": edit("output.path", "S3://bucket/out.ome.zarr"),
     "output relative path": edit("output.path", "out.ome.zarr"),
     "output local name with a colon": edit("output.path", "./out:1.ome.zarr"),
@@ -300,8 +313,9 @@ INVALID = {
         "output", {"path": "s3://b/x", "storageOptions": {"UPLOADS_IN_FLIGHT": "99"}}
     ),
     "output s3 ngff 0.4 with checksums": edit("output", {"path": "s3://b/x", "ngffVersion": "0.4", "checksums": True}),
-    "source s3": edit("source.path", "s3://bucket/in.h5"),
     "source https": edit("source.path", "https://example.org/in.h5"),
+    "source s3 without a bucket": edit("source.path", "s3:///in.h5"),
+    "source storage options with a local path": edit("source.storageOptions", {"profile": "lab"}),
     "source file": edit("source.path", "file:///data/in.h5"),
     "source path too long": edit("source.path", "/" + "a" * 4096),
     # --- one image from many files (issue 45) ---
@@ -313,7 +327,12 @@ INVALID = {
     "path not the first of paths": edit(
         "source", {"path": "/d/b.h5", "paths": ["/d/a.h5", "/d/b.h5"], "dataset": "/data", "stack": "t"}
     ),
-    "paths holding a URL": edit("source", {"paths": ["/d/a.h5", "s3://b/t1.h5"], "dataset": "/data", "stack": "t"}),
+    "paths mixing files and URLs": edit(
+        "source", {"paths": ["/d/a.h5", "s3://b/t1.h5"], "dataset": "/data", "stack": "t"}
+    ),
+    "paths holding a gs URL": edit(
+        "source", {"paths": ["gs://b/t0.h5", "gs://b/t1.h5"], "dataset": "/data", "stack": "t"}
+    ),
     "paths holding a padded path": edit("source", {"paths": ["/d/a.h5 "], "dataset": "/data", "stack": "t"}),
     # --- URL-like prefixes and padding (issue: admission limits) ---
     "output path with a colon": edit("output.path", "out:1.ome.zarr"),
@@ -458,7 +477,7 @@ def test_without_cel_the_crd_admits_what_the_model_refuses(model_verdicts, failu
         "output gs",
         "output http",
         "output file",
-        "source s3",
+        "source https",
         "output storage options with a local path",
         "output s3 ngff 0.4 with checksums",
     } <= found

@@ -155,7 +155,7 @@ def test_relative_paths_resolve_against_the_working_directory():
         ),
         (lambda d: d["output"].update(path="/data/out/{nope}.ome.zarr"), "output.path"),
         (lambda d: d.update(source={"path": "/data/a.h5", "dataset": "/d"}), "source"),
-        (lambda d: d["items"][0]["source"].update(path="s3://bucket/a.h5"), "items[0].source.path"),
+        (lambda d: d["items"][0]["source"].update(path="gs://bucket/a.h5"), "items[0].source.path"),
         (lambda d: d["items"][0].update(output=""), "items[0].output"),
         (lambda d: d.update(activeDeadlineSeconds=3600), "activeDeadlineSeconds"),
         (lambda d: d.update(retry={"intervalSeconds": 5}), "retry"),
@@ -198,8 +198,8 @@ def test_admission_refuses_what_the_model_refuses_for_item_sources():
     schema = _spec_schema()
     assert admission_errors(schema, BASE) == []
     url = copy.deepcopy(BASE)
-    url["items"][1]["source"]["path"] = "s3://bucket/b.h5"
-    assert any("items[1].source.path" in e and "not a URL" in e for e in admission_errors(schema, url))
+    url["items"][1]["source"]["path"] = "gs://bucket/b.h5"
+    assert any("items[1].source.path" in e and "gs://" in e for e in admission_errors(schema, url))
     with pytest.raises(SpecError):
         parse_batch_spec(url)
     both = {

@@ -108,8 +108,13 @@ def unrecognized_message(extras: list[str], parser: argparse.ArgumentParser) -> 
 
 def split_source(text: str) -> tuple[str, str]:
     """``in.h5:/volume/data`` -> (file, dataset). The dataset is after the last ':' that starts a path;
-    a file alone (``scan.ims``, ``dataset.xml``) is ``/``, the whole container."""
-    head, sep, tail = text.rpartition(":")
+    a file alone (``scan.ims``, ``dataset.xml``) is ``/``, the whole container. A URL's own
+    ``scheme://`` is never that ':' (``s3://bucket/scan.h5:/data``)."""
+    from .spec import url_scheme
+
+    scheme = len(text.partition("://")[0]) + 3 if url_scheme(text) else 0
+    head, sep, tail = text[scheme:].rpartition(":")
+    head = text[:scheme] + head if sep else head
     if _whole_container(text):
         # A whole container (file.ims, dataset.xml): its reader finds the image (docs/formats.md).
         return text, "/"
@@ -124,7 +129,11 @@ def _whole_container(text: str) -> bool:
     lower = text.lower()
     if lower.endswith((".ims", ".xml")):
         return True
-    return lower.endswith((".h5", ".hdf5")) and os.path.exists(os.path.splitext(text)[0] + ".xml")
+    from .spec import url_scheme
+
+    # In a bucket, a BigDataViewer pair is named by its XML (nothing is listed to find it).
+    local = url_scheme(text) is None
+    return local and lower.endswith((".h5", ".hdf5")) and os.path.exists(os.path.splitext(text)[0] + ".xml")
 
 
 def _ints(text: str, field: str) -> list[int]:
@@ -199,6 +208,7 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
         "--ngff-version", choices=["0.4", "0.5"], help="0.5 = Zarr v3 (default); 0.4 = Zarr v2 for older viewers."
     )
     add_storage_option_flag(out)
+    add_source_storage_option_flag(out)
     out.add_argument(
         "--no-checksums",
         dest="checksums",
@@ -319,18 +329,46 @@ def add_storage_option_flag(group) -> None:
     )
 
 
-def parse_storage_options(items: list[str] | None) -> dict[str, str]:
+def add_source_storage_option_flag(group) -> None:
+    group.add_argument(
+        "--source-storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        dest="source_storage_option",
+        help="Object store option for an s3:// source, repeatable, as --storage-option takes them. Default: an s3:// "
+        "output's --storage-option values (one endpoint for both); none for a local output.",
+    )
+
+
+def parse_storage_options(
+    items: list[str] | None, field: str = "output.storageOptions", flag: str = "--storage-option"
+) -> dict[str, str]:
     """``["endpoint=http://h:9000", "allow_http=true"]`` -> a dict; refuses an item without '='."""
     out: dict[str, str] = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise SpecError(
-                "output.storageOptions",
-                f"Expected --storage-option KEY=VALUE, e.g. endpoint=http://127.0.0.1:9000. Got {item!r} instead.",
+                field,
+                f"Expected {flag} KEY=VALUE, e.g. endpoint=http://127.0.0.1:9000. Got {item!r} instead.",
             )
         out[key.strip()] = value.strip()
     return out
+
+
+def parse_source_storage_options(items: list[str] | None) -> dict[str, str]:
+    return parse_storage_options(items, "source.storageOptions", "--source-storage-option")
+
+
+def listing_options(args: argparse.Namespace, output: str | None) -> dict[str, str]:
+    """The options a glob in a bucket is listed with: ``--source-storage-option``, else an
+    s3:// output's ``--storage-option`` (as each item's spec reads its source)."""
+    from .spec import source_options_from_output
+
+    given = getattr(args, "source_storage_option", None)
+    if given:
+        return parse_source_storage_options(given)
+    return source_options_from_output(output or "", parse_storage_options(getattr(args, "storage_option", None)))
 
 
 def spec_for_source(source: str, output: str | None, args: argparse.Namespace) -> ConversionSpec:
@@ -353,6 +391,8 @@ def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
     spec: dict[str, dict[str, Any]] = {}
     if getattr(args, "storage_option", None):
         spec["output"] = {"storageOptions": parse_storage_options(args.storage_option)}
+    if getattr(args, "source_storage_option", None):
+        spec["source"] = {"storageOptions": parse_source_storage_options(args.source_storage_option)}
     for dest, field, parse in FLAG_FIELDS:
         value = getattr(args, dest, None)
         if value is None or value == "":

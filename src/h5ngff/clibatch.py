@@ -44,6 +44,7 @@ from .cliargs import (
     add_spec_flags,
     backend_from_args,
     constants_from_args,
+    listing_options,
     merge,
     spec_for_source,
     spec_overrides,
@@ -159,9 +160,10 @@ def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespa
             "--memory-report",
             "Expected --memory-report with one conversion; a batch reports each item's peak against its plan in its summary.",
         )
-    if not is_template(template) and len(sources := expand_sources(patterns)) > 1:
+    listing = listing_options(args, template)
+    if not is_template(template) and len(sources := expand_sources(patterns, listing)) > 1:
         raise SpecError("output", several_sources_one_output(sources, template))
-    items = batch_items(patterns, template)
+    items = batch_items(patterns, template, listing)
 
     def spec_for(item: BatchItem) -> ConversionSpec:
         return spec_for_source(item.source, item.output, args)
@@ -189,7 +191,7 @@ def spec_for_file_stack(sources: list[str], output: str, args: argparse.Namespac
         )
     if len(sources) == 1:
         return spec_for_source(sources[0], output, args)
-    paths = [path for _, path in expand_sources(sources)]
+    paths = [path for _, path in expand_sources(sources, listing_options(args, output))]
     base: dict[str, Any] = {"source": {"paths": paths, "dataset": datasets[0]}, "output": {"path": output}}
     if getattr(args, "overwrite", False):
         base["output"]["overwrite"] = True

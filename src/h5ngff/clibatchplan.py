@@ -17,7 +17,7 @@ from rich.text import Text
 
 from .batch.items import GLOB_CHARS, BatchItem, batch_items, expand_sources, is_template, split_pattern
 from .batch.run import DEFAULT_ITEMS_IN_FLIGHT, REFUSED, BatchSummary, plan_batch
-from .cliargs import backend_from_args, constants_from_args, spec_for_source
+from .cliargs import backend_from_args, constants_from_args, listing_options, spec_for_source
 from .console import make_console, print_notices, shorten_quoted
 from .errors import ExitCode
 from .spec import ConversionSpec
@@ -35,17 +35,19 @@ def is_batch_plan(source: str, output: str | None, stack_axis: str | None = None
     return not stack_axis and bool(GLOB_CHARS.search(split_pattern(source)[0]))
 
 
-def plan_items(source: str, output: str | None) -> list[BatchItem]:
+def plan_items(source: str, output: str | None, listing: dict[str, str] | None = None) -> list[BatchItem]:
     """The items ``convert SOURCE OUTPUT`` would make; without OUTPUT each output goes beside its
-    file, as a single plan's default does."""
+    file, as a single plan's default does. A glob in a bucket is listed with ``listing``."""
     if output is not None:
-        return batch_items([source], output)
-    return [BatchItem(s, path, os.path.splitext(path)[0] + ".ome.zarr") for s, path in expand_sources([source])]
+        return batch_items([source], output, listing)
+    return [
+        BatchItem(s, path, os.path.splitext(path)[0] + ".ome.zarr") for s, path in expand_sources([source], listing)
+    ]
 
 
 def cmd_plan_batch(args: argparse.Namespace, console: Console) -> int:
     """Exit 0 when every item can be converted, 1 when one is refused (as ``convert`` would)."""
-    items = plan_items(args.source, args.output)
+    items = plan_items(args.source, args.output, listing_options(args, args.output))
 
     def spec_for(item: BatchItem) -> ConversionSpec:
         return spec_for_source(item.source, item.output, args)

@@ -12,7 +12,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressC
 from rich.table import Table
 
 from .batch.items import GLOB_CHARS, is_template
-from .cliargs import add_storage_option_flag, parse_storage_options, split_source
+from .cliargs import (
+    add_source_storage_option_flag,
+    add_storage_option_flag,
+    parse_source_storage_options,
+    parse_storage_options,
+    split_source,
+)
 from .console import make_console
 from .spec import parse_output_path, url_scheme
 from .errors import OutputNotFoundError, SpecError
@@ -50,6 +56,7 @@ def add_verify_command(sub) -> None:
     )
     v.add_argument("--json", action="store_true", help="Print the report as one JSON object.")
     add_storage_option_flag(v)
+    add_source_storage_option_flag(v)
     v.set_defaults(func=cmd_verify)
 
 
@@ -57,11 +64,14 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     from .engine.verify.check import verify_output  # zarr and h5py load only when needed
 
     options = parse_storage_options(args.storage_option)
+    # A bucket source's options: its own flag's, else (in verify_output) an s3:// output's.
+    given = getattr(args, "source_storage_option", None)
+    source_options = parse_source_storage_options(given) if given else None
     if is_template(args.output) or (url_scheme(args.output) is None and GLOB_CHARS.search(args.output)):
-        return _verify_many(args, console, options)
-    source = _checked_inputs(args.output, args.source, options)
+        return _verify_many(args, console, options, source_options)
+    source = _checked_inputs(args.output, args.source, options, source_options)
     if args.json:
-        report = verify_output(args.output, source, storage_options=options)
+        report = verify_output(args.output, source, storage_options=options, source_options=source_options)
         print(json.dumps(report.to_dict(), indent=1))
         return 0 if report.ok else 1
     # On stderr, and gone when done: the report is the result, and an output found broken before
@@ -81,6 +91,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
             on_unit=lambda: bar.advance(task),
             on_total=lambda n: bar.update(task, total=n),
             storage_options=options,
+            source_options=source_options,
         )
     checked = f"{report.units_checked} chunk/shard files in {report.levels} level(s), checksums: {report.checksums}"
     if report.ok:
@@ -99,7 +110,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> int:
     return 1
 
 
-def _many(output: str, source: str | None) -> list[tuple[str, str | None]]:
+def _many(output: str, source: str | None, source_options: dict[str, str] | None) -> list[tuple[str, str | None]]:
     """(output, source) pairs: a template's outputs with the sources ``--source`` matches, as
     ``convert SOURCE TEMPLATE`` wrote them; or the outputs a glob matches, without sources."""
     from .batch.items import batch_items
@@ -111,7 +122,7 @@ def _many(output: str, source: str | None) -> list[tuple[str, str | None]]:
                 f"Expected --source with the pattern the template {output!r} was filled from (e.g. "
                 f"--source 'runs/*.h5:/data'), or a glob of outputs (out/*.ome.zarr) to check without sources.",
             )
-        return [(item.output, item.source) for item in batch_items([source], output)]
+        return [(item.output, item.source) for item in batch_items([source], output, source_options)]
     if source is not None:
         raise SpecError(
             "OUTPUT",
@@ -126,11 +137,13 @@ def _many(output: str, source: str | None) -> list[tuple[str, str | None]]:
     return [(path, None) for path in outputs]
 
 
-def _verify_many(args: argparse.Namespace, console: Console, options: dict[str, str]) -> int:
+def _verify_many(
+    args: argparse.Namespace, console: Console, options: dict[str, str], source_options: dict[str, str] | None
+) -> int:
     """Every output of a template or a glob, one after the other; exit 0 when all are good."""
     from .engine.verify.check import verify_output
 
-    pairs = _many(args.output, args.source)
+    pairs = _many(args.output, args.source, source_options)
     rows: list[dict] = []
     with Progress(
         TextColumn("verify"), BarColumn(), MofNCompleteColumn(), console=make_console(stderr=True), transient=True
@@ -141,7 +154,7 @@ def _verify_many(args: argparse.Namespace, console: Console, options: dict[str, 
                 rows.append({"path": output, "source": source, "ok": False, "problems": ["does not exist"]})
             else:
                 split = split_source(source) if source else None
-                report = verify_output(output, split, storage_options=options)
+                report = verify_output(output, split, storage_options=options, source_options=source_options)
                 rows.append({**report.to_dict(), "source": source})
             bar.advance(task)
     ok = all(row["ok"] for row in rows)
@@ -163,7 +176,10 @@ def _verify_many(args: argparse.Namespace, console: Console, options: dict[str, 
 
 
 def _checked_inputs(
-    output: str, source_text: str | None, options: dict[str, str] | None = None
+    output: str,
+    source_text: str | None,
+    options: dict[str, str] | None = None,
+    source_options: dict[str, str] | None = None,
 ) -> tuple[str, str] | None:
     """Refuse a missing output or an unreadable source up front, with convert's own source
     errors (not a traceback from deep inside the comparison)."""
@@ -174,12 +190,16 @@ def _checked_inputs(
     if source_text is None:
         return None
     from .engine.sources import verify_source
+    from .engine.stores import open_object_reader
+    from .spec import source_options_from_output
 
     path, dataset = split_source(source_text)
+    if source_options is None:
+        source_options = source_options_from_output(output, options)
     # Metadata only, through the sources layer convert uses: a plain dataset, a stacked selection,
     # an Imaris file or a BigDataViewer XML/HDF5 pair; the output's recorded choices (stack axes,
     # BDV tile) apply as verify_output applies them.
-    verify_source(path, dataset, _recorded_source(output, options or {}))
+    verify_source(path, dataset, _recorded_source(output, options or {}), open_object_reader, source_options)
     return path, dataset
 
 

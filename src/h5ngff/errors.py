@@ -115,6 +115,14 @@ class DatasetNotFoundError(SourceError, LookupError):
     pass
 
 
+class SourceUnavailableError(SourceError):
+    """A source in an object store stopped answering (throttled, 5xx, timeouts) after every retry,
+    or changed while it was read: the run failed and resumes once the store answers again."""
+
+    reason = "SourceUnavailable"
+    exit_code = ExitCode.FAILED
+
+
 class UnsupportedDatasetError(SourceError, TypeError):
     pass
 
@@ -124,6 +132,25 @@ class OutputError(H5ngffError, OSError):
 
     reason = "OutputUnwritable"
     exit_code = ExitCode.OUTPUT_REFUSED
+
+
+class StoreRefusedError(OutputError):
+    """An object store refused a request for good (403 AccessDenied, no such bucket, a bad key):
+    ``code`` is S3's word for it, ``detail`` the store's own first line. The source readers turn it
+    into their own message (engine.sources.objects); an output's message is this one's."""
+
+    def __init__(self, message: str, code: str = "", detail: str = ""):
+        self.code = code
+        self.detail = detail
+        super().__init__(message)
+
+
+class StoreUnavailableError(OutputError):
+    """An object store request still failed after its retries (throttling, 5xx, timeouts)."""
+
+
+class StoreObjectChangedError(OutputError):
+    """A ranged read pinned to an object's ETag (If-Match) found another object there (412)."""
 
 
 class CredentialsError(OutputError):

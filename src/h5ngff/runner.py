@@ -28,6 +28,7 @@ from .engine.progress import Broadcast, Listener, Progress
 from .engine.sources.base import SlabSource
 from .engine.sources.hdf5 import SourceIdentity
 from .engine.sources import open_source
+from .engine.stores import open_object_reader
 from .errors import H5ngffError, WorkersLostError
 from .metrics.probes import ClusterPoller
 from .phases import Phase
@@ -71,7 +72,7 @@ def plan_job(
 ) -> PlannedJob:
     """Inspect the source (metadata only) and plan the conversion for ``backend``, sharing its
     threads with ``at_once - 1`` other conversions (a batch's items in flight)."""
-    opened = open_source(spec)
+    opened = open_source(spec, objects=open_object_reader)
     dataset, identity = opened.info, opened.identity
     allocator = resolve_allocator(spec.resources.allocator)
     notices: list[str] = []

@@ -111,6 +111,11 @@ MIN_WORKER_MEMORY = 226 * MiB
 
 #: URL schemes an output path may carry; a path without ``scheme://`` is a local directory.
 OUTPUT_SCHEMES: tuple[str, ...] = ("s3",)
+#: URL schemes a source path may carry (an object in a bucket, read as byte ranges:
+#: docs/engine.md, "Sources in a bucket"); a path without ``scheme://`` is a local file.
+SOURCE_SCHEMES: tuple[str, ...] = ("s3",)
+#: Storage options that only an output uses: a source read with an output's options leaves them out.
+OUTPUT_ONLY_OPTIONS = ("lock", "lock_ttl", "multipart_threshold", "part_size", "uploads_in_flight")
 #: What makes a path a URL (RFC 3986's scheme, then ``://``); the CRD's CEL rules use the same
 #: regex (operator/admission.py), so the API server and the model agree on what a URL is.
 URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
@@ -176,21 +181,26 @@ def parse_output_path(path: str) -> str:
 
 
 def parse_source_path(path: str) -> str:
-    """Refuse a URL as the source, or a path that starts like one (``s3:/bucket``): HDF5 is read
-    from a filesystem the workers see, and a URL would otherwise fail later, on a worker, as a
-    file that does not exist."""
+    """Refuse a URL whose scheme no store reads, or a path that starts like one (``s3:/bucket``):
+    a source is a file the workers see, or an object in a bucket (``s3://bucket/key``), and a
+    mistyped URL would otherwise fail later, on a worker, as a file that does not exist."""
     _not_padded(path)
     scheme = url_scheme(path)
+    if scheme in SOURCE_SCHEMES:
+        if not path.partition("://")[2].partition("/")[0]:
+            raise ValueError(f"Expected s3://BUCKET/KEY with a bucket name. Got {path!r} instead.")
+        return path
     if scheme is not None:
         raise ValueError(
-            f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead "
-            f"({scheme}:// is not read: copy the file to a volume, or mount the bucket, and give its path)."
+            f"Expected a path to the HDF5 file as the workers see it, or an s3://bucket/key URL. Got {path!r} instead "
+            f"({scheme}:// is not read: copy the file to a volume or a bucket, and give its path)."
         )
     prefix = _scheme_like(path)
     if prefix is not None:
         raise ValueError(
-            f"Expected a path to the HDF5 file as the workers see it (e.g. on a mounted volume). Got {path!r} instead: "
-            f"it starts like a URL ({prefix!r}); write ./{path} for a local file whose name has a colon."
+            f"Expected a path to the HDF5 file as the workers see it, or an s3://bucket/key URL. Got {path!r} instead: "
+            f"it starts like a URL ({prefix!r}); write s3://bucket/key for an object, or ./{path} for a local file whose "
+            f"name has a colon."
         )
     return path
 
@@ -262,8 +272,9 @@ class SourceSpec(_Model):
         "",
         min_length=1,
         max_length=MAX_PATH_LENGTH,
-        description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it; not a URL. "
-        "With stack across files, a glob naming the files (/data/run/t*.h5, in natural order). Required unless paths is given.",
+        description="Path to the HDF5 file (.h5, Imaris .ims, or a BigDataViewer .xml), as the workers see it, or an "
+        "s3://bucket/key URL (read as byte ranges; docs/engine.md). With stack across files, a glob naming the files "
+        "(/data/run/t*.h5 or s3://bucket/run/t*.h5, in natural order). Required unless paths is given.",
     )
     paths: list[Annotated[str, Field(min_length=1, max_length=MAX_PATH_LENGTH)]] | None = Field(
         None,
@@ -288,6 +299,12 @@ class SourceSpec(_Model):
     illumination: Int | None = Field(
         None, ge=0, description="BigDataViewer: the illumination to convert when the file holds several."
     )
+    storage_options: dict[str, str] | None = Field(
+        None,
+        description="Object store options for an s3:// source, as output.storageOptions takes them (profile, endpoint, "
+        "region, allow_http). Default: an s3:// output's own options; {} reads with the environment alone. "
+        "Credentials belong in the environment (a Secret), not here.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -300,12 +317,12 @@ class SourceSpec(_Model):
 
     @field_validator("path")
     @classmethod
-    def _not_a_url(cls, v: str) -> str:
+    def _source_path(cls, v: str) -> str:
         return parse_source_path(v) if v else v
 
     @field_validator("paths")
     @classmethod
-    def _paths_not_urls(cls, v: list[str] | None) -> list[str] | None:
+    def _source_paths(cls, v: list[str] | None) -> list[str] | None:
         if v is not None:
             for p in v:
                 parse_source_path(p)
@@ -342,6 +359,26 @@ class SourceSpec(_Model):
         if not files and self.stack is not None and "z" in self.stack:
             raise _FieldError(
                 "stack", f"Expected 'z' only to stack files (paths, or a glob in path). Got {self.stack!r} instead."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _files_in_one_place(self) -> "SourceSpec":
+        kinds = {url_scheme(p) is not None for p in self.paths or []}
+        if len(kinds) > 1:
+            raise _FieldError(
+                "paths",
+                "Expected the files of one image all local or all objects in a bucket. Got local paths and URLs instead.",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _options_need_a_url(self) -> "SourceSpec":
+        if self.storage_options is not None and not any(url_scheme(p) for p in [self.path, *(self.paths or [])] if p):
+            raise _FieldError(
+                "storageOptions",
+                f"Expected storage options only with an s3:// source. Got {sorted(self.storage_options)} with the local "
+                f"path {self.path!r} instead.",
             )
         return self
 
@@ -844,6 +881,15 @@ class ConversionSpec(_Model):
     pyramid: PyramidSpec = Field(default_factory=PyramidSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
 
+    @property
+    def source_storage_options(self) -> dict[str, str]:
+        """The options an s3:// source is read with: its own where given (``{}``: the environment
+        alone); else an s3:// output's, less the options only an output uses, as one endpoint
+        usually serves both (docs/engine.md, "Sources in a bucket"); else none."""
+        if self.source.storage_options is not None:
+            return dict(self.source.storage_options)
+        return source_options_from_output(self.output.path, self.output.storage_options)
+
     @model_validator(mode="after")
     def _agrees_with_axes(self) -> "ConversionSpec":
         """With ``image.axes`` given, the per-axis lists must fit it. The planner checks the same
@@ -869,6 +915,13 @@ class ConversionSpec(_Model):
                 f"Expected axes present in the image axes {axes!r}. Got {self.pyramid.axes!r} instead ({missing[0]!r} is not an image axis).",
             )
         return self
+
+
+def source_options_from_output(output_path: str, options: dict[str, str] | None) -> dict[str, str]:
+    """A bucket source's default options: an s3:// output's, less those only an output uses."""
+    if url_scheme(output_path) is None:
+        return {}
+    return {k: v for k, v in (options or {}).items() if k.lower() not in OUTPUT_ONLY_OPTIONS}
 
 
 def _check_units(units: list[str] | None, axes: str) -> None:

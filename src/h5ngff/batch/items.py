@@ -14,7 +14,7 @@ import os
 import re
 import string
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from ..errors import SpecError
 from ..spec import url_scheme
@@ -57,37 +57,51 @@ def _fields(template: str) -> list[str]:
 
 def split_pattern(pattern: str) -> tuple[str, str | None]:
     """``runs/*/*.h5:/data`` -> (``runs/*/*.h5``, ``/data``); a whole container's pattern
-    (``runs/*.ims``) has no dataset part."""
-    head, sep, tail = pattern.rpartition(":")
+    (``runs/*.ims``) has no dataset part. A URL's ``scheme://`` is never the ':'."""
+    scheme = len(pattern.partition("://")[0]) + 3 if url_scheme(pattern) else 0
+    head, sep, tail = pattern[scheme:].rpartition(":")
     if sep and head and tail.startswith("/"):
-        return head, tail
+        return pattern[:scheme] + head, tail
     return pattern, None
 
 
-def expand_sources(patterns: Sequence[str]) -> list[tuple[str, str]]:
+def expand_sources(patterns: Sequence[str], source_options: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
     """Every (source, file) the patterns name, in natural order (cell_2 before cell_10), each
     source once. A pattern that matches nothing is an error that names it: a batch that silently
     skips a mistyped directory would look like success. Every path a glob matches is kept, a
     dangling link or a directory included: planning refuses it with its reason, so the summary
-    names it instead of dropping it. Two datasets of one file are two sources, never one."""
+    names it instead of dropping it. Two datasets of one file are two sources, never one. A
+    pattern in a bucket (``s3://bucket/run/*.h5:/data``) lists the bucket under its prefix, read
+    with ``source_options``."""
     found: dict[str, str] = {}
     for pattern in patterns:
         files, dataset = split_pattern(pattern)
-        if url_scheme(files):
-            raise SpecError(
-                "source", f"Expected local HDF5 files (the workers read them as files). Got the URL {files!r} instead."
-            )
-        matches = sorted(glob.glob(files, recursive=True), key=_natural) if GLOB_CHARS.search(files) else [files]
+        if not GLOB_CHARS.search(files):
+            matches = [files]
+        elif url_scheme(files):
+            matches = sorted(_bucket_matches(files, source_options), key=_natural)
+        else:
+            matches = sorted(glob.glob(files, recursive=True), key=_natural)
         if not matches:
+            where = "in the bucket" if url_scheme(files) else f"(from {os.getcwd()!r})"
             raise SpecError(
                 "source",
-                f"Expected the pattern {files!r} to match HDF5 files. It matches none (from {os.getcwd()!r}): check the "
+                f"Expected the pattern {files!r} to match HDF5 files. It matches none {where}: check the "
                 f"directory and the quoting (quote the pattern so the shell does not expand it).",
             )
         for path in matches:
             source = f"{path}:{dataset}" if dataset else path
             found.setdefault(source, path)
     return list(found.items())
+
+
+def _bucket_matches(pattern: str, options: Mapping[str, str] | None) -> list[str]:
+    """The objects a glob in a bucket matches, as the source readers list them."""
+    from ..engine.sources.access import Access
+    from ..engine.sources.objects import Bucket
+    from ..engine.stores import open_object_reader
+
+    return Access(Bucket(open_object_reader, tuple(sorted((options or {}).items())))).glob(pattern)
 
 
 def _natural(text: str) -> list[object]:
@@ -103,13 +117,21 @@ def render_output(template: str, path: str) -> str:
             "output", f"Expected template fields from {known}. Got {{{unknown[0]}}} in {template!r} instead."
         )
     name = os.path.basename(path)
-    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if url_scheme(path):  # s3://bucket/run/a.h5: the key's parent (the bucket's name at its root)
+        parent = path.partition("://")[2].rstrip("/").split("/")[-2]
+    else:
+        parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
     return template.format(stem=os.path.splitext(name)[0], name=name, parent=parent)
 
 
-def batch_items(patterns: Sequence[str], template: str) -> list[BatchItem]:
+def batch_items(
+    patterns: Sequence[str], template: str, source_options: Mapping[str, str] | None = None
+) -> list[BatchItem]:
     """The items of ``h5ngff convert PATTERN... TEMPLATE``, checked for collisions."""
-    items = [BatchItem(source, path, render_output(template, path)) for source, path in expand_sources(patterns)]
+    items = [
+        BatchItem(source, path, render_output(template, path))
+        for source, path in expand_sources(patterns, source_options)
+    ]
     refuse_collisions(items)
     return items
 
@@ -146,7 +168,11 @@ def refuse_collisions(items: Iterable[BatchItem], fix: str | None = None) -> Non
                 f"instead: one conversion would write into the other's image.",
             )
     for item in seen.values():
-        if not url_scheme(item.output) and output_key(item.path) == output_key(item.output):
+        if (
+            url_scheme(item.output) is None
+            and url_scheme(item.path) is None
+            and output_key(item.path) == output_key(item.output)
+        ):
             raise SpecError(
                 "output",
                 f"Expected an output apart from its source. Got {item.output!r} for the source file itself instead.",

@@ -36,6 +36,7 @@ from ..spec import (
     SLURM_DIRECTIVE_PREFIX,
     SLURM_PLANNED_DIRECTIVE,
     SLURM_PLANNED_OPTIONS,
+    SOURCE_SCHEMES,
     SPACE_UNITS,
     TIME_UNITS,
     UPLOADS_IN_FLIGHT,
@@ -233,6 +234,24 @@ def _url_like_output_rule() -> CelRule:
     )
 
 
+def _source_url() -> str:
+    """What parse_source_path accepts as a URL: a known scheme (any case) and a bucket name."""
+    known = "|".join(_any_case(s) for s in SOURCE_SCHEMES)
+    return f"^({known})://[^/]+"
+
+
+def _source_scheme_rule() -> CelRule:
+    """parse_source_path: a source is a path, or an s3://bucket/key URL; other schemes and
+    URL-like prefixes (``s3:/bucket``) are refused."""
+    return CelRule(
+        "source.path",
+        f"!self.matches('{SCHEME_LIKE_PATTERN}') || self.matches('{_source_url()}')",
+        "source.path must be a path to the HDF5 file as the workers see it, or an s3://bucket/key URL (gs://, http://, "
+        "file:// and URL-like prefixes such as s3:/bucket are not read)",
+        why="SourceSpec._source_path (parse_source_path)",
+    )
+
+
 def _not_padded_rule(path: str) -> CelRule:
     return CelRule(
         path,
@@ -243,9 +262,10 @@ def _not_padded_rule(path: str) -> CelRule:
 
 
 def _file_stack_rules() -> tuple[CelRule, ...]:
-    """SourceSpec._files_or_datasets and _paths_not_urls: one image from several files (source.paths,
-    or a glob in source.path) needs exactly one new axis; 'z' only there; path, when given beside
-    paths, is their first; every listed file is a path, not a URL."""
+    """SourceSpec._files_or_datasets, _source_paths and _options_need_a_url: one image from several
+    files (source.paths, or a glob in source.path) needs exactly one new axis; 'z' only there;
+    path, when given beside paths, is their first; the files are all paths or all s3:// URLs;
+    storage options come with a URL."""
     files = "(has(self.paths) || (has(self.path) && self.path.matches('[*?\\\\[]')))"
     scheme, padded = SCHEME_LIKE_PATTERN, _cel_string(PADDED_PATTERN)
     return (
@@ -279,9 +299,24 @@ def _file_stack_rules() -> tuple[CelRule, ...]:
         ),
         CelRule(
             "source.paths",
-            f"self.all(p, !p.matches('{scheme}') && !p.matches('{padded}'))",
-            "source.paths must be paths to the HDF5 files as the workers see them, not URLs, with no surrounding whitespace",
-            why="SourceSpec._paths_not_urls (parse_source_path)",
+            f"self.all(p, (!p.matches('{scheme}') || p.matches('{_source_url()}')) && !p.matches('{padded}'))",
+            "source.paths must be paths to the HDF5 files as the workers see them, or s3://bucket/key URLs, with no "
+            "surrounding whitespace",
+            why="SourceSpec._source_paths (parse_source_path)",
+        ),
+        CelRule(
+            "source.paths",
+            f"self.all(p, p.matches('{URL_PATTERN}')) || self.all(p, !p.matches('{URL_PATTERN}'))",
+            "source.paths must all be local files or all objects in a bucket",
+            why="SourceSpec._files_in_one_place",
+        ),
+        CelRule(
+            "source",
+            f"!has(self.storageOptions) || (has(self.path) && self.path.matches('{URL_PATTERN}')) || "
+            f"(has(self.paths) && self.paths.exists(p, p.matches('{URL_PATTERN}')))",
+            "source.storageOptions are only for an s3:// source",
+            ".storageOptions",
+            why="SourceSpec._options_need_a_url",
         ),
     )
 
@@ -459,12 +494,7 @@ CEL_RULES: tuple[CelRule, ...] = (
         why="planner: resolve_downsampled",
     ),
     _output_scheme_rule(),
-    CelRule(
-        "source.path",
-        f"!self.matches('{SCHEME_LIKE_PATTERN}')",
-        "source.path must be a path to the HDF5 file as the workers see it, not a URL (mount the data on a volume)",
-        why="SourceSpec._not_a_url (parse_source_path)",
-    ),
+    _source_scheme_rule(),
     CelRule(
         "output",
         f"!has(self.storageOptions) || size(self.storageOptions) == 0 || self.path.matches('{URL_PATTERN}')",

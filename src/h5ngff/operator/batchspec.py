@@ -111,9 +111,10 @@ class ConversionBatchSpec(ConversionJobSpec):
         return self
 
     def item_source_path(self, item: BatchItemSpec) -> str:
-        """The source file as the pods see it (relative paths resolve against workingDir)."""
+        """The source file as the pods see it (relative paths resolve against workingDir; an
+        object in a bucket is its URL)."""
         path = item.source.path
-        if not posixpath.isabs(path) and self.pod.working_dir:
+        if url_scheme(path) is None and not posixpath.isabs(path) and self.pod.working_dir:
             path = posixpath.join(self.pod.working_dir, path)
         return path
 

@@ -96,12 +96,15 @@ def _dask_cluster(manifest: JobManifest, owner: Owner, opts: RenderOptions) -> d
     """Plan as the runner pod would (the kubernetes backend's capacity, the image's allocator) and
     build its DaskCluster."""
     from ..planner import DEFAULT_CONSTANTS, make_plan
+    from ..engine.sources.access import access_for
     from ..engine.sources.hdf5 import inspect_source
+    from ..engine.stores import open_object_reader
 
     spec = manifest.spec
     image = spec.pod.image or opts.image
     backend = make_backend("kubernetes", BackendOptions(owner=owner, image=image, pod=spec.pod))
-    dataset, _ = inspect_source(spec.source.path, spec.source.dataset)
+    access = access_for(spec.conversion(), open_object_reader)  # a source in a bucket is read from it
+    dataset, _ = inspect_source(spec.source.path, spec.source.dataset, access)
     # The image preloads jemalloc, so "auto" resolves to jemalloc in the runner pod whatever this
     # machine has installed.
     allocator = "glibc" if spec.resources.allocator == "glibc" else "jemalloc"

@@ -177,6 +177,12 @@ class PassShape:
     #: HDF5 files a worker holds open at once: one, or, for an image stacked from several files
     #: (each opened for one slab's read and closed after it), one per thread.
     open_files: int = 1
+    #: A source in a bucket (DatasetInfo.remote_in_flight, remote_request_bytes): each reading
+    #: thread's ranged GETs in flight, the largest body of one, and the most bytes one slab's
+    #: reads span (all its requests together); 0 for a local file.
+    remote_in_flight: int = 0
+    remote_request_bytes: int = 0
+    remote_span_bytes: int = 0
 
     @property
     def levels_built(self) -> int:
@@ -242,7 +248,10 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
                 f"per thread: {shape.levels_built} level buffer(s) ({levels / MiB:.1f} MiB, {ratios} of the slab) + one block of temporaries ({strip / MiB:.1f} MiB)",
             )
         )
-    if shape.from_hdf5:
+    if shape.from_hdf5 and shape.remote_request_bytes:
+        terms.append(window_term(shape))
+        terms.extend(source_range_terms(shape, c))
+    elif shape.from_hdf5:
         terms.append(window_term(shape))
         # HDF5's own buffers per open file; an image stacked from files has one open per thread.
         internal = shape.open_files * c.hdf5_internal
@@ -279,6 +288,8 @@ def pass_terms(shape: PassShape, allocator: str, c: MemoryConstants = DEFAULT_CO
         )
     if shape.object_store:
         terms.extend(object_store_terms(shape, c))
+    elif shape.from_hdf5 and shape.remote_request_bytes:
+        terms.append(client_term(c))
     dynamic = sum(t.bytes for t in terms[1:])
     slack = c.allocator_slack_jemalloc if allocator == "jemalloc" else c.allocator_slack_glibc
     terms.append(
@@ -309,6 +320,41 @@ def upload_depth(unit_bytes: int) -> int:
     return min(MAX_UPLOAD_DEPTH, UPLOAD_WINDOW_BYTES // encoded_bound(unit_bytes))
 
 
+def source_range_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]:
+    """A source in a bucket (engine.sources.ranged): per thread, the bodies of the ranged GETs in
+    flight (engine.stores.fetches keeps ``remote_in_flight`` running while the thread decodes the
+    one before), the body being decoded, one decoded HDF5 chunk and its copy (libdeflate's output,
+    or HDF5's filter pipeline's in-memory file, engine.sources.decode) and that file's HDF5
+    buffers. No HDF5 chunk cache: a worker never opens the file with HDF5."""
+    T = shape.threads
+    request = shape.remote_request_bytes
+    chunk = shape.hdf5_chunk_bytes or 0
+    # A thread's bodies all belong to its one slab: together never more than that slab's reads span.
+    in_flight = min(shape.remote_in_flight * request, max(shape.remote_span_bytes - request, 0))
+    return [
+        MemoryTerm(
+            "source requests in flight",
+            T * in_flight,
+            f"per thread: {shape.remote_in_flight} ranged GETs of the source in flight, up to {request / MiB:.1f} MiB "
+            f"each, at most what one slab's reads span beyond the body being decoded ({in_flight / MiB:.1f} MiB)",
+        ),
+        MemoryTerm(
+            "source range buffers",
+            T * (request + 2 * chunk) + c.hdf5_internal,
+            f"per thread: the body being decoded ({request / MiB:.1f} MiB) + one decoded HDF5 chunk and its copy "
+            f"({chunk / MiB:.1f} MiB each); HDF5's buffers of the decoding file",
+        ),
+    ]
+
+
+def client_term(c: MemoryConstants) -> MemoryTerm:
+    return MemoryTerm(
+        "object store client",
+        c.object_store_client,
+        "obstore, its runtime threads and connection pool, botocore for the AWS config chain; once per worker",
+    )
+
+
 def object_store_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]:
     """The network path's terms: the client once per worker, and per thread the unit being built
     plus the ``upload_depth`` units whose PUTs are in flight, each held whole (plus the multipart
@@ -327,14 +373,7 @@ def object_store_terms(shape: PassShape, c: MemoryConstants) -> list[MemoryTerm]
     )
     if unit > MULTIPART_THRESHOLD:
         why += f" + {PART_CONCURRENCY} multipart parts of {PART_SIZE / MiB:.0f} MiB in flight each"
-    terms = [
-        MemoryTerm(
-            "object store client",
-            c.object_store_client,
-            "obstore, its runtime threads and connection pool, botocore for the AWS config chain; once per worker",
-        ),
-        MemoryTerm("object store upload buffers", T * (depth + 1) * per_unit, why),
-    ]
+    terms = [client_term(c), MemoryTerm("object store upload buffers", T * (depth + 1) * per_unit, why)]
     if shape.shard_bytes and not shape.from_hdf5:
         terms.append(
             MemoryTerm(

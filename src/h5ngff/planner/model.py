@@ -41,6 +41,14 @@ class DatasetInfo:
     notices: tuple[str, ...] = ()
     #: Files the image is stacked from (engine.sources.files): each thread opens one at a time.
     source_files: int = 1
+    #: A source in a bucket (engine.sources.ranged): the ranged GETs each reading thread keeps in
+    #: flight, the largest body one GET brings (a coalesced request, or one stored HDF5 chunk
+    #: larger than that), the largest stored chunk, and the gap one request may span between two
+    #: ranges. 0: a local file, read by HDF5.
+    remote_in_flight: int = 0
+    remote_request_bytes: int = 0
+    remote_stored_chunk_bytes: int = 0
+    remote_gap_bytes: int = 0
 
     @property
     def ndim(self) -> int:

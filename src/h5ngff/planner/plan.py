@@ -521,7 +521,10 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: i
     hdf5_chunks = ctx.ds.hdf5_chunks if from_hdf5 else None
     hdf5_chunk_bytes = math.prod(hdf5_chunks) * ctx.itemsize if hdf5_chunks else None
     cache = 0
-    direct = from_hdf5 and ctx.ds.hdf5_direct_read
+    remote = from_hdf5 and ctx.ds.remote_request_bytes > 0
+    span = _remote_span_bytes(ctx, slab) if remote else 0
+    # A bucket source's chunks are fetched and decoded one by one (engine.sources.ranged): no cache.
+    direct = from_hdf5 and (ctx.ds.hdf5_direct_read or remote)
     # The direct-chunk path (engine.sources.inflate) reads every chunk a slab touches once per slab without
     # HDF5's chunk cache, so it needs none; HDF5's own filter path keeps them in the cache.
     if hdf5_chunks and straddles and not direct:
@@ -545,7 +548,24 @@ def _pass_shape(ctx: _Context, slab: Shape, from_hdf5: bool, base: int, built: i
         upload_depth=ctx.upload_depth,
         hdf5_direct=direct,
         open_files=min(ctx.threads, ctx.ds.source_files) if from_hdf5 else 1,
+        remote_in_flight=ctx.ds.remote_in_flight if remote else 0,
+        remote_request_bytes=max(ctx.ds.remote_stored_chunk_bytes, min(ctx.ds.remote_request_bytes, span))
+        if remote
+        else 0,
+        remote_span_bytes=span,
     )
+
+
+def _remote_span_bytes(ctx: _Context, slab: Shape) -> int:
+    """The most bytes one slab's ranged GETs bring together (engine.sources.ranged): its chunks,
+    each at most the largest stored chunk, with a coalescing gap after each; or its run of a
+    contiguous dataset. A small slab is not priced as 8 MiB requests."""
+    ds = ctx.ds
+    gap = ds.remote_gap_bytes
+    if ds.hdf5_chunks:
+        touched = math.prod(_chunks_touched(s, h, n) for s, h, n in zip(slab, ds.hdf5_chunks, ds.shape))
+        return touched * (ds.remote_stored_chunk_bytes + gap)
+    return math.prod(slab) * ctx.itemsize + gap
 
 
 def _chunks_touched(slab: int, chunk: int, size: int) -> int:

@@ -16,19 +16,22 @@ from __future__ import annotations
 import math
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import hdf5plugin  # noqa: F401  registers blosc, zstd, lz4, bitshuffle... with HDF5
 import numpy as np
 
-from ...errors import SourceError, SourceNotFoundError, UnsupportedDatasetError
+from ...errors import SourceError, UnsupportedDatasetError
 from ...planner.model import DatasetInfo
 from ..buffers import current_conversion, slab_buffer
 from .inflate import direct_read, read_deflate
-from .hdf5 import SUPPORTED_KINDS, SourceIdentity, dtype_kind, filter_names, missing, output_dtype, unopenable
+from .hdf5 import SUPPORTED_KINDS, SourceIdentity, dtype_kind, filter_names, output_dtype, unopenable
+
+if TYPE_CHECKING:
+    from .remote import RemoteLayout
 
 #: rdcc_nslots should be a prime well above the number of cached chunks.
 CACHE_SLOTS = 10007
@@ -64,6 +67,9 @@ class SlabSource:
     #: many, engine.sources.files); empty: every piece is in ``path``. Such files are opened for
     #: one slab's read and closed after it, so a worker never holds hundreds open.
     piece_files: tuple[str, ...] = ()
+    #: A source in a bucket: each piece's object, ETag and chunk index, read by byte ranges
+    #: (engine.sources.remote); None: local files, read with h5py.
+    remote: "RemoteLayout | None" = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -73,9 +79,22 @@ class SlabSource:
     def plain(self) -> bool:
         return not self.lead_shape and self.storage_dtype is None
 
+    def for_region(self, region: tuple[slice, ...]) -> "SlabSource":
+        """The reader a task of ``region`` needs: a bucket source's carries only the part of its
+        chunk index the region touches (a few kB per task, not the whole index per task)."""
+        return self if self.remote is None else replace(self, remote=self.remote.around(self.lead_shape, region))
+
+    def absolute(self) -> "SlabSource":
+        """Local paths made absolute (a worker's working directory is its own); URLs as they are."""
+        if self.remote is not None:
+            return self
+        return replace(
+            self, path=os.path.abspath(self.path), piece_files=tuple(os.path.abspath(p) for p in self.piece_files)
+        )
+
     def read(self, region: tuple[slice, ...]) -> np.ndarray:
         """One slab, read straight into this thread's slab buffer; valid until its next slab."""
-        if self.plain:
+        if self.plain and self.remote is None:
             return read_plain(self.path, self.pieces[0], self.cache_bytes, region)
         n = len(self.lead_shape)
         lead, inner = region[:n], region[n:]
@@ -83,7 +102,11 @@ class SlabSource:
         target = out.view(np.dtype(self.storage_dtype)) if self.storage_dtype else out
         spanned = math.prod(r.stop - r.start for r in lead)
         indices = list(product(*(range(r.start, r.stop) for r in lead)))
-        flat = [int(np.ravel_multi_index(index, self.lead_shape)) for index in indices]
+        flat = [int(np.ravel_multi_index(index, self.lead_shape)) for index in indices] if n else [0]
+        if self.remote is not None:
+            for index, i in zip(indices, flat):
+                self.remote.read_piece(i, inner, target[tuple(j - r.start for j, r in zip(index, lead))])
+            return out
         if self.piece_files:
             _read_from_files(self, indices, flat, lead, inner, target, self.cache_bytes // spanned)
             return out
@@ -237,20 +260,6 @@ class Opened:
     #: user's flags decide that field (``sources.open_source``). verify, which compares data
     #: only, does not stop on them.
     conflicts: tuple[tuple[str, str], ...] = ()
-
-
-def identity(path: str, selection: str) -> SourceIdentity:
-    stat = os.stat(path)
-    return SourceIdentity(os.path.abspath(path), selection, stat.st_size, stat.st_mtime_ns)
-
-
-def open_hdf5(path: str, field: str = "source.path") -> h5py.File:
-    if not os.path.exists(path):
-        raise SourceNotFoundError(missing(path, "file", field))
-    try:
-        return h5py.File(path, "r")
-    except OSError as exc:
-        raise SourceError(unopenable(path, exc, field)) from None
 
 
 def check_dtype(dtype: np.dtype, what: str) -> None:

@@ -29,8 +29,10 @@ import numpy as np
 
 from ...errors import SourceError, SourceNotFoundError, SpecError, UnsupportedDatasetError
 from ...spec import ConversionSpec
-from .base import Opened, SlabSource, check_dtype, composite_info, identity, open_hdf5
+from .access import Access
+from .base import Opened, SlabSource, check_dtype, composite_info
 from .hdf5 import missing
+from .objects import join_url
 from .imaris import UNITS, unknown_unit
 
 _SELECTORS = ("illumination", "tile", "angle")
@@ -46,20 +48,21 @@ class Setup:
     attributes: dict[str, int]
 
 
-def xml_pair(path: str) -> tuple[str, str]:
-    """(xml, h5) of a BDV dataset named by either file."""
+def xml_pair(path: str, access: Access) -> tuple[str, str, ET.Element]:
+    """(xml, h5, the XML's root) of a BDV dataset named by either file. In a bucket the HDF5
+    object is named relative to the XML's key, as a relative path is to the XML's directory."""
     if path.lower().endswith(".xml"):
         xml = path
     else:
         xml = os.path.splitext(path)[0] + ".xml"
-        if not os.path.exists(xml):
+        if not access.exists(xml):
             raise SourceNotFoundError(
                 f"source.path: {path!r} looks like BigDataViewer HDF5 (t00000/s00) but {xml!r} is missing; the XML holds the setups and voxel sizes. Give the .xml."
             )
-    if not os.path.exists(xml):
+    if not access.exists(xml):
         raise SourceNotFoundError(missing(xml, "BigDataViewer XML"))
     try:
-        root = ET.parse(xml).getroot()
+        root = ET.fromstring(access.read_bytes(xml))
     except ET.ParseError as exc:
         raise SourceError(f"source.path: {xml!r} is not valid XML ({exc}).") from None
     loader = root.find("SequenceDescription/ImageLoader")
@@ -72,11 +75,19 @@ def xml_pair(path: str) -> tuple[str, str]:
     name = (h5.text or "").strip()
     if h5.get("type", "relative") == "relative":
         base = root.find("BasePath")
-        basedir = os.path.dirname(os.path.abspath(xml))
-        if base is not None and base.get("type", "relative") == "relative":
-            basedir = os.path.join(basedir, (base.text or ".").strip())
+        relative = (
+            (base.text or ".").strip() if base is not None and base.get("type", "relative") == "relative" else "."
+        )
+        if access.remote(xml):
+            return xml, join_url(xml, f"{relative}/{name}"), root
+        basedir = os.path.join(os.path.dirname(os.path.abspath(xml)), relative)
         name = os.path.normpath(os.path.join(basedir, name))
-    return xml, name
+    elif access.remote(xml):
+        raise UnsupportedDatasetError(
+            f"source.path: {xml!r} names its HDF5 file by the absolute path {name!r}, which is not in the bucket. "
+            f"Save the XML with a relative path to the HDF5 file (BigDataViewer's default)."
+        )
+    return xml, name, root
 
 
 def _ints(text: str | None) -> list[int]:
@@ -206,9 +217,8 @@ def _holds(setups: list[Setup]) -> str:
     return f"It holds {len(setups)} setup(s): {', '.join(counts)}."
 
 
-def open_bdv(spec: ConversionSpec) -> Opened:
-    xml, h5 = xml_pair(spec.source.path)
-    root = ET.parse(xml).getroot()
+def open_bdv(spec: ConversionSpec, access: Access) -> Opened:
+    xml, h5, root = xml_pair(spec.source.path, access)
     setups = _select(_setups(root), spec, xml)
     times = _timepoints(root, xml)
     missing = {
@@ -223,7 +233,7 @@ def open_bdv(spec: ConversionSpec) -> Opened:
     _agree(setups, xml)
     size, first = setups[0].size, setups[0]
     pieces = tuple(f"/t{t:05d}/s{s.id:02d}/0/cells" for t in times for s in setups)
-    with open_hdf5(h5) as f:
+    with access.open_h5(h5) as f:
         datasets = [_cells(f, p, size, h5) for p in pieces]
         dtype, storage = _dtype(f, setups[0].id, datasets[0])
         check_dtype(dtype, "the BigDataViewer data")
@@ -247,10 +257,13 @@ def open_bdv(spec: ConversionSpec) -> Opened:
             attr_units=("",) * len(lead_axes) + ((UNITS[unit],) * 3 if unit in UNITS else ("",) * 3),
             channel_names=names,
         )
-    reader = SlabSource(h5, pieces, lead_shape, size, info.dtype, storage.str if storage is not None else None, 0)
+        remote = access.layout(h5, pieces, datasets)
+    reader = SlabSource(
+        h5, pieces, lead_shape, size, info.dtype, storage.str if storage is not None else None, 0, remote=remote
+    )
     contiguous = times == list(range(times[0], times[-1] + 1))
     described = f"bdv {os.path.basename(xml)}: setups {[s.id for s in setups]}, time points {f'{times[0]}..{times[-1]}' if contiguous else times}"
-    return Opened(info, identity(h5, described), reader, "bdv", conflicts)
+    return Opened(info, access.identity(h5, described), reader, "bdv", conflicts)
 
 
 def _agree(setups: list[Setup], xml: str) -> None:

@@ -19,7 +19,6 @@ a file changed, added or removed since is refused on resume.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import re
@@ -29,26 +28,30 @@ from typing import Callable
 from ...errors import SourceNotFoundError, SpecError, UnsupportedDatasetError
 from ...planner.model import DatasetInfo
 from ...spec import ConversionSpec, parse_axes
+from .access import Access
 from .base import Opened, SlabSource
 from .hdf5 import SourceIdentity, missing
+from .remote import RemoteLayout
 
 #: The axes a source of that many dimensions gets when its container names none (the planner's).
 _DEFAULT_AXES = {2: "yx", 3: "zyx", 4: "czyx"}
 
 
-def file_list(spec: ConversionSpec) -> list[str]:
+def file_list(spec: ConversionSpec, access: Access) -> list[str]:
     """The files of a stack in order: ``source.paths`` as given, or the glob in ``source.path`` in
-    natural order. A glob matching nothing, and a listed file that is missing, are refused."""
+    natural order (a bucket is listed under the pattern's prefix). A glob matching nothing, and a
+    listed file that is missing, are refused."""
     source = spec.source
     if source.paths:
         for path in source.paths:
-            if not os.path.exists(path):
+            if not access.exists(path):
                 raise SourceNotFoundError(missing(path, "file", "source.paths"))
         return list(source.paths)
-    found = sorted((p for p in glob.glob(source.path, recursive=True) if not os.path.isdir(p)), key=_natural)
+    found = sorted(access.glob(source.path), key=_natural)
     if not found:
+        where = "" if access.remote(source.path) else f" (from {os.getcwd()!r})"
         raise SourceNotFoundError(
-            f"source.path: the glob {source.path!r} matches no file (from {os.getcwd()!r}). Check the directory and "
+            f"source.path: the glob {source.path!r} matches no file{where}. Check the directory and "
             f"the quoting (quote the pattern so the shell does not expand it)."
         )
     return found
@@ -58,10 +61,10 @@ def _natural(text: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def open_file_stack(spec: ConversionSpec, open_one: Callable[[ConversionSpec], Opened]) -> Opened:
+def open_file_stack(spec: ConversionSpec, open_one: Callable[[ConversionSpec], Opened], access: Access) -> Opened:
     """Describe the stack: each file opened by ``open_one`` (metadata only), checked against the
     first, and joined into one source."""
-    files = file_list(spec)
+    files = file_list(spec, access)
     axis = spec.source.stack or ""
     single = spec.source.model_copy(update={"paths": None, "stack": None})
     opened = [open_one(spec.model_copy(update={"source": single.model_copy(update={"path": f})})) for f in files]
@@ -82,9 +85,24 @@ def open_file_stack(spec: ConversionSpec, open_one: Callable[[ConversionSpec], O
         reader.storage_dtype,
         0,
         piece_files=piece_files,
+        remote=_joined_remote([o.reader.remote for o in opened]),
     )
     described = f"{spec.source.dataset} of {len(files)} file(s) stacked along {axis}"
-    return Opened(info, _identity(files, described), joined, f"{first.kind} files", first.conflicts)
+    identities = [o.identity for o in opened]
+    return Opened(info, _identity(identities, described), joined, f"{first.kind} files", first.conflicts)
+
+
+def _joined_remote(layouts: list[RemoteLayout | None]) -> RemoteLayout | None:
+    """Objects in a bucket: every file's pieces, each with its own object, ETag and index."""
+    if not layouts or any(layout is None for layout in layouts):
+        return None
+    present = [layout for layout in layouts if layout is not None]
+    return replace(
+        present[0],
+        urls=tuple(u for layout in present for u in layout.urls),
+        etags=tuple(e for layout in present for e in layout.etags),
+        indexes=tuple(i for layout in present for i in layout.indexes),
+    )
 
 
 def _check_same(first_path: str, first: Opened, path: str, other: Opened) -> None:
@@ -157,13 +175,13 @@ def _joined_info(axis: str, axes: str | None, opened: list[Opened]) -> DatasetIn
     )
 
 
-def _identity(files: list[str], described: str) -> SourceIdentity:
-    """What must not change before a resume: every file's path, size and mtime."""
-    stats = [(os.path.abspath(f), os.stat(f)) for f in files]
+def _identity(identities: list[SourceIdentity], described: str) -> SourceIdentity:
+    """What must not change before a resume: every file's path, size and mtime (an object's
+    URL, size and ETag), as each file's own description saw it."""
     return SourceIdentity(
-        stats[0][0],
+        identities[0].path,
         described,
-        sum(s.st_size for _, s in stats),
-        max(s.st_mtime_ns for _, s in stats),
-        files=tuple((p, s.st_size, s.st_mtime_ns) for p, s in stats),
+        sum(i.size for i in identities),
+        max(i.mtime_ns for i in identities),
+        files=tuple((i.path, i.size, i.etag or i.mtime_ns) for i in identities),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import h5py
 import hdf5plugin  # noqa: F401  registers blosc, zstd, lz4, bitshuffle... with HDF5
@@ -30,9 +31,11 @@ class SourceIdentity:
     dataset: str
     size: int
     mtime_ns: int
-    #: (path, size, mtime_ns) of every file of an image stacked from several (engine.sources.files);
-    #: empty for one file, whose identity is the fields above.
-    files: tuple[tuple[str, int, int], ...] = ()
+    #: (path, size, mtime_ns) of every file of an image stacked from several (engine.sources.files),
+    #: (URL, size, ETag) for objects; empty for one file, whose identity is the fields above.
+    files: tuple[tuple[str, int, int | str], ...] = ()
+    #: An object's ETag (a source in a bucket, whose mtime_ns is 0); "" for a local file.
+    etag: str = ""
 
 
 def output_dtype(dtype: np.dtype) -> np.dtype:
@@ -81,8 +84,20 @@ def unopenable(path: str, exc: OSError, field: str = "source.path") -> str:
     return f"{field}: {path!r} cannot be opened as HDF5 ({exc}). Is it a complete, uncorrupted HDF5 file?"
 
 
-def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity]:
-    """Read the dataset's metadata (never its data) and check it is convertible."""
+class FileAccess(Protocol):
+    """How a source's files are reached (engine.sources.access.Access, which builds on this module)."""
+
+    def open_h5(self, path: str, field: str = ..., what: str = ...) -> h5py.File: ...
+    def identity(self, path: str, selection: str) -> SourceIdentity: ...
+
+
+def inspect_source(path: str, dataset: str, access: FileAccess | None = None) -> tuple[DatasetInfo, SourceIdentity]:
+    """Read the dataset's metadata (never its data) and check it is convertible: a local file,
+    or through ``access`` (a bucket's, engine.sources.access)."""
+    if access is not None:
+        with access.open_h5(path, what="HDF5 file") as f:
+            info, _ = inspect_dataset(f, path, dataset)
+        return info, access.identity(path, dataset)
     if not os.path.exists(path):
         raise SourceNotFoundError(missing(path, "HDF5 file"))
     try:
@@ -90,39 +105,49 @@ def inspect_source(path: str, dataset: str) -> tuple[DatasetInfo, SourceIdentity
     except OSError as exc:
         raise SourceError(unopenable(path, exc)) from None
     with f:
-        try:
-            obj = f[dataset]
-        except KeyError:
-            if (broken := broken_link(f, dataset)) is not None:
-                raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is {broken}.") from None
-            found = list_datasets(f)
-            hint = (
-                f" Datasets in the file: {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}."
-                if found
-                else " The file holds no datasets."
-            )
-            if "\\" in dataset:  # a Windows habit: HDF5 paths use '/', and repr would double each '\\'
-                slashed = "/" + "/".join(p for p in dataset.replace("\\", "/").split("/") if p)
-                raise DatasetNotFoundError(
-                    f"source.dataset: '{dataset}' is not in {path!r}: HDF5 paths are separated by '/', not '\\'. "
-                    f"Did you mean '{slashed}'?{hint}"
-                ) from None
-            raise DatasetNotFoundError(f"source.dataset: {dataset!r} is not in {path!r}.{hint}") from None
-        except Exception as exc:  # corrupt object headers surface as assorted h5py errors
-            raise SourceError(
-                f"source.dataset: cannot read {dataset!r} in {path!r} ({exc}). The file may be truncated or corrupt."
-            ) from None
-        if not isinstance(obj, h5py.Dataset):
-            inside = list_datasets(obj)
-            hint = (
-                f"Datasets in it: {', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}."
-                if inside
-                else "The group holds no datasets."
-            )
-            raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is a group, not a dataset. {hint}")
-        info = _describe(obj, path, dataset)
+        info, _ = inspect_dataset(f, path, dataset)
     stat = os.stat(path)
     return info, SourceIdentity(os.path.abspath(path), dataset, stat.st_size, stat.st_mtime_ns)
+
+
+def inspect_dataset(f: h5py.File, path: str, dataset: str) -> tuple[DatasetInfo, h5py.Dataset]:
+    """The planner's numbers of ``dataset`` in the open file ``f``, and the dataset; refused
+    with what the file holds where it is not there, not a dataset, or not convertible."""
+    try:
+        obj = f[dataset]
+    except KeyError:
+        if (broken := broken_link(f, dataset)) is not None:
+            raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is {broken}.") from None
+        found = list_datasets(f)
+        hint = (
+            f" Datasets in the file: {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}."
+            if found
+            else " The file holds no datasets."
+        )
+        if "\\" in dataset:  # a Windows habit: HDF5 paths use '/', and repr would double each '\\'
+            slashed = "/" + "/".join(p for p in dataset.replace("\\", "/").split("/") if p)
+            raise DatasetNotFoundError(
+                f"source.dataset: '{dataset}' is not in {path!r}: HDF5 paths are separated by '/', not '\\'. "
+                f"Did you mean '{slashed}'?{hint}"
+            ) from None
+        raise DatasetNotFoundError(f"source.dataset: {dataset!r} is not in {path!r}.{hint}") from None
+    except Exception as exc:  # corrupt object headers surface as assorted h5py errors
+        if isinstance(exc, SourceError):  # a bucket's read failed under h5py (engine.sources.objects)
+            raise
+        if isinstance(exc.__context__, SourceError):
+            raise exc.__context__ from None
+        raise SourceError(
+            f"source.dataset: cannot read {dataset!r} in {path!r} ({exc}). The file may be truncated or corrupt."
+        ) from None
+    if not isinstance(obj, h5py.Dataset):
+        inside = list_datasets(obj)
+        hint = (
+            f"Datasets in it: {', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}."
+            if inside
+            else "The group holds no datasets."
+        )
+        raise DatasetNotFoundError(f"source.dataset: {dataset!r} in {path!r} is a group, not a dataset. {hint}")
+    return _describe(obj, path, dataset), obj
 
 
 def _describe(ds: h5py.Dataset, path: str, name: str) -> DatasetInfo:

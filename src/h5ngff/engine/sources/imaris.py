@@ -24,7 +24,8 @@ import numpy as np
 
 from ...errors import SourceError, UnsupportedDatasetError
 from ...spec import ConversionSpec
-from .base import Opened, SlabSource, check_dtype, composite_info, identity, open_hdf5
+from .access import Access
+from .base import Opened, SlabSource, check_dtype, composite_info
 from .conventions import shortest_float32
 
 #: Units as Imaris and BigDataViewer write them (lower case) -> NGFF. Micro is written with the
@@ -81,9 +82,9 @@ def data_path(t: int, c: int, level: int = 0) -> str:
     return f"/DataSet/ResolutionLevel {level}/TimePoint {t}/Channel {c}/Data"
 
 
-def open_imaris(spec: ConversionSpec) -> Opened:
+def open_imaris(spec: ConversionSpec, access: Access) -> Opened:
     path = spec.source.path
-    with open_hdf5(path) as f:
+    with access.open_h5(path) as f:
         image = f["DataSetInfo/Image"].attrs if "DataSetInfo/Image" in f else None
         if image is None or "ResolutionLevel 0" not in f["DataSet"]:
             raise SourceError(
@@ -120,11 +121,12 @@ def open_imaris(spec: ConversionSpec) -> Opened:
             channel_names=names,
             channel_colors=colors,
         )
-    pieces = tuple(data_path(t, c) for t in times for c in channels)
-    reader = SlabSource(path, pieces, lead_shape, size, info.dtype, None, 0)
+        pieces = tuple(data_path(t, c) for t in times for c in channels)
+        remote = access.layout(path, pieces, datasets)
+    reader = SlabSource(path, pieces, lead_shape, size, info.dtype, None, 0, remote=remote)
     return Opened(
         info,
-        identity(path, f"imaris ResolutionLevel 0: {len(times)} time point(s), {len(channels)} channel(s)"),
+        access.identity(path, f"imaris ResolutionLevel 0: {len(times)} time point(s), {len(channels)} channel(s)"),
         reader,
         "imaris",
         conflicts,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 from itertools import product
+from typing import Any
 
 import h5py
 import numpy as np
@@ -34,6 +35,12 @@ except ImportError:  # pragma: no cover - the lock pins it
 _DEFLATE = 1  # H5Z_FILTER_DEFLATE
 #: Set (to anything) to read through h5py's own filter: the baseline bench.cpu_work compares with.
 DISABLE_ENV = "H5NGFF_NO_LIBDEFLATE"
+
+
+def libdeflate() -> Any:
+    """libdeflate's module where it is installed and not switched off (``DISABLE_ENV``), else None:
+    the bucket path (engine.sources.decode) decides as the local path does."""
+    return None if _libdeflate is None or DISABLE_ENV in os.environ else _libdeflate
 
 
 def direct_deflate(ds: h5py.Dataset) -> bool:

@@ -21,8 +21,9 @@ import h5py
 
 from ...errors import DatasetNotFoundError, SpecError, UnsupportedDatasetError
 from ...spec import ConversionSpec, parse_axes
-from .hdf5 import list_datasets, inspect_source
-from .base import Opened, SlabSource, check_dtype, composite_info, identity, open_hdf5
+from .access import Access
+from .hdf5 import inspect_dataset, list_datasets
+from .base import Opened, SlabSource, check_dtype, composite_info
 from .conventions import Physical, physical_attrs, raise_conflicts
 
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
@@ -43,11 +44,13 @@ def _notices(physical: Physical, spec: ConversionSpec) -> tuple[str, ...]:
     return () if spec.image.scale else tuple(physical.notices)
 
 
-def open_plain(spec: ConversionSpec) -> Opened:
+def open_plain(spec: ConversionSpec, access: Access) -> Opened:
     path, dataset = spec.source.path, spec.source.dataset
-    info, ident = inspect_source(path, dataset)
-    with h5py.File(path, "r") as f:
-        physical = physical_attrs(f[dataset], dataset, spec.image.axes)
+    with access.open_h5(path, what="HDF5 file") as f:
+        info, ds = inspect_dataset(f, path, dataset)
+        physical = physical_attrs(ds, dataset, spec.image.axes)
+        remote = access.layout(path, [dataset], [ds])
+    ident = access.identity(path, dataset)
     raise_conflicts(physical, overridden(spec))
     info = replace(
         info,
@@ -56,7 +59,7 @@ def open_plain(spec: ConversionSpec) -> Opened:
         attr_units=physical.units,
         notices=_notices(physical, spec),
     )
-    reader = SlabSource(path, (dataset,), (), info.shape, info.dtype, None, 0)
+    reader = SlabSource(path, (dataset,), (), info.shape, info.dtype, None, 0, remote=remote)
     return Opened(info, ident, reader, "plain")
 
 
@@ -94,9 +97,9 @@ def _natural(name: str) -> list[int | str]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def open_stacked(spec: ConversionSpec) -> Opened:
+def open_stacked(spec: ConversionSpec, access: Access) -> Opened:
     path, selection = spec.source.path, spec.source.dataset
-    with open_hdf5(path) as f:
+    with access.open_h5(path) as f:
         names, lead_shape = expand(f, selection)
         datasets = [_dataset(f, n, selection) for n in names]
         _check_agree(names, datasets)
@@ -126,9 +129,10 @@ def open_stacked(spec: ConversionSpec) -> Opened:
             attr_units=units,
             notices=_notices(physical, spec),
         )
+        remote = access.layout(path, names, datasets)
     described = f"{','.join(names)} stacked along {stack}"
-    reader = SlabSource(path, tuple(names), lead_shape, tuple(first.shape), info.dtype, None, 0)
-    return Opened(info, identity(path, described), reader, "stacked")
+    reader = SlabSource(path, tuple(names), lead_shape, tuple(first.shape), info.dtype, None, 0, remote=remote)
+    return Opened(info, access.identity(path, described), reader, "stacked")
 
 
 def _dataset(f: h5py.File, name: str, selection: str) -> h5py.Dataset:

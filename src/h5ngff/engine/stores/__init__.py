@@ -29,6 +29,7 @@ __all__ = [
     "StoreRetries",
     "store_retries",
     "open_store",
+    "open_object_reader",
     "forget_stores",
     "is_url",
     "split_url",
@@ -49,20 +50,34 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme.lower(), bucket, key.strip("/")
 
 
-def open_store(path: str, options: Mapping[str, str] | None = None) -> Store:
+def open_store(path: str, options: Mapping[str, str] | None = None, field: str = "output.storageOptions") -> Store:
     """The store rooted at ``path``: a local directory, or ``s3://bucket/prefix``. Cached per
-    process and options, so every caller in a process shares one client (and its pool)."""
+    process and options, so every caller in a process shares one client (and its pool).
+    ``field``: the spec field the options came from, named by a refusal (a source's options are
+    ``source.storageOptions``)."""
     with _lock:
         key = (path.rstrip("/"), tuple(sorted((options or {}).items())))
         store = _open.get(key)
         if store is None:
             if is_url(path):
-                validate(options)  # before any client: a mistyped option is exit 2, not obstore's Rust text
-                store = _s3_store_class().from_url(key[0], dict(options or {}))
+                try:
+                    validate(options)  # before any client: a mistyped option is exit 2, not obstore's Rust text
+                    store = _s3_store_class().from_url(key[0], dict(options or {}))
+                except SpecError as exc:
+                    if exc.field != "output.storageOptions" or field == exc.field:
+                        raise
+                    raise SpecError(field, str(exc).removeprefix(f"{exc.field}: ")) from None
             else:
                 store = LocalStore(path)
             _open[key] = store
         return store
+
+
+def open_object_reader(bucket: str, options: Mapping[str, str] | None = None) -> Any:
+    """What the source readers read a bucket through (engine.sources.objects.ObjectReader): the
+    bucket's store, shared with every other reader and writer in the process. The sources never
+    import this package (the engine's rooms); the rooms above pass this function to them."""
+    return open_store(bucket, options, field="source.storageOptions")
 
 
 def forget_stores(path: str) -> None:

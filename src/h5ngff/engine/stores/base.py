@@ -65,7 +65,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Collection, ContextManager, Iterable, Iterator, Protocol, Sequence, TypeVar
 
-from ...errors import OutputError
+from ...errors import StoreUnavailableError
 from .options import ATTEMPTS, RETRY_DEADLINE_S
 
 log = logging.getLogger(__name__)
@@ -190,8 +190,8 @@ def retrying(
             time.sleep(pause)
 
 
-def _gave_up(what: str, policy: RetryPolicy, attempts: int, elapsed: float, why: Exception) -> OutputError:
-    return OutputError(
+def _gave_up(what: str, policy: RetryPolicy, attempts: int, elapsed: float, why: Exception) -> StoreUnavailableError:
+    return StoreUnavailableError(
         f"{what}: still failing after {attempts} attempt{'s' if attempts != 1 else ''} in {elapsed:.0f} s ({why}). The object store is unavailable, "
         f"throttling or not answering. Run the command again once it answers: a conversion resumes where it stopped (its "
         f"finished slabs are kept); a verify checks the output afresh (reading it changed nothing)."

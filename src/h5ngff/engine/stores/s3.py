@@ -23,16 +23,29 @@ import re
 from contextlib import contextmanager
 from functools import partial
 from datetime import timedelta
-from typing import Any, BinaryIO, Callable, Collection, ContextManager, Iterable, Iterator, NoReturn, Sequence, TypeVar
+from typing import (
+    Any,
+    BinaryIO,
+    Callable,
+    Collection,
+    ContextManager,
+    Iterable,
+    Iterator,
+    NoReturn,
+    Sequence,
+    TypeVar,
+    cast,
+)
 
 import obstore
 from obstore import exceptions as obx
 from obstore.store import S3Store as _ObS3Store
 
-from ...errors import CredentialsError, OutputError, SpecError
+from ...errors import CredentialsError, SpecError, StoreObjectChangedError, StoreRefusedError
 from . import options as opts
 from .awsconfig import resolve_chain
 from .base import ConditionalWritesUnsupported, RetryPolicy, TransientStoreError, retrying
+from .fetches import FetchWindow
 from .uploads import UploadWindow
 
 T = TypeVar("T")
@@ -54,6 +67,7 @@ _PERMANENT_CODES = (
     "SignatureDoesNotMatch",
     "AllAccessDisabled",
     "InvalidBucketName",
+    "InvalidRange",
 )
 _WHAT_TO_CHANGE = {
     "AccessDenied": "grant the credentials s3:PutObject, s3:GetObject, s3:ListBucket and s3:DeleteObject on the bucket, or use other credentials",
@@ -164,6 +178,7 @@ class S3Store:
                 f"Expected S3 options obstore knows (endpoint, region, allow_http, access_key_id, ...). Got {sorted(options or {})} instead: {str(exc).strip().splitlines()[0]}",
             ) from None
         self._uploads = UploadWindow(bucket)
+        self._fetches = FetchWindow(bucket)
 
     def as_zarr_store(self) -> Any:
         """zarr-python's read-only view of the same prefix, over this client (same endpoint,
@@ -202,7 +217,7 @@ class S3Store:
             if (
                 isinstance(exc, (obx.PermissionDeniedError, obx.UnauthenticatedError))
                 or code
-                or (status and status.group(1) in ("400", "401", "403", "404", "405"))
+                or (status and status.group(1) in ("400", "401", "403", "404", "405", "416"))
             ):
                 code = code or (
                     "AccessDenied"
@@ -211,7 +226,9 @@ class S3Store:
                 )
                 hint = _WHAT_TO_CHANGE.get(code, "check the bucket, the endpoint and the credentials")
                 first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
-                return OutputError(f"{what}: {self.root} refused the request ({code}): {first}. To fix: {hint}.")
+                return StoreRefusedError(
+                    f"{what}: {self.root} refused the request ({code}): {first}. To fix: {hint}.", code, first
+                )
             return TransientStoreError(text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__)
 
         return classify
@@ -295,6 +312,43 @@ class S3Store:
         except _Missing:
             raise KeyError(key) from None
         return (bytes(part) for part in parts)
+
+    def head(self, key: str) -> tuple[int, str]:
+        """(size, ETag) of an object (a source's identity); KeyError if it is absent."""
+        try:
+            meta = self._call(f"HEAD {key}", lambda: _head_or_missing(self._store, key))
+        except _Missing:
+            raise KeyError(key) from None
+        return int(meta["size"]), str(meta.get("e_tag") or "")
+
+    def fetch(
+        self, key: str, ranges: Sequence[tuple[int, int]], in_flight: int = 1, etag: str | None = None
+    ) -> Iterator[bytes]:
+        """The byte ranges ``(start, length)`` of ``key``, one GET each, at most ``in_flight`` at
+        once (engine.stores.fetches), in order. With ``etag``, each GET is pinned to that object
+        (If-Match): a replaced object raises StoreObjectChangedError rather than mixing two
+        objects' bytes. A range past the object's end raises StoreRefusedError (code
+        ``Truncated``); a missing object KeyError."""
+
+        def get(start: int, length: int) -> bytes:
+            what = f"GET {key} (bytes {start}-{start + length - 1})"
+            try:
+                body: bytes = self._call(what, lambda: _range_or_missing(self._store, key, start, length, etag))
+            except _Missing:
+                raise KeyError(key) from None
+            except _Conflict:
+                raise StoreObjectChangedError(
+                    f"{what}: {self.root}/{key} is no longer the object of ETag {etag}: it was replaced while it was read."
+                ) from None
+            if len(body) != length:
+                raise StoreRefusedError(
+                    f"{what}: {self.root}/{key} ends before byte {start + length} ({len(body)} of {length} bytes came back).",
+                    "Truncated",
+                    f"{len(body)} of {length} bytes",
+                )
+            return body
+
+        return self._fetches.fetch(get, ranges, in_flight)
 
     def size(self, key: str) -> int | None:
         try:
@@ -436,6 +490,19 @@ def _suffix_or_missing(store: Any, key: str, length: int) -> tuple[Any, int]:
 def _ranges_or_missing(store: Any, key: str, starts: list[int], lengths: list[int]) -> Any:
     try:
         return obstore.get_ranges(store, key, starts=starts, lengths=lengths)
+    except (obx.NotFoundError, FileNotFoundError):
+        raise _Missing from None
+
+
+def _range_or_missing(store: Any, key: str, start: int, length: int, etag: str | None) -> bytes:
+    # The body is read inside the retried call: it is what a reset connection loses. It stays
+    # obstore's buffer (no copy): the readers take it through the buffer protocol.
+    options: dict[str, Any] = {"range": (start, start + length)}
+    if etag:
+        options["if_match"] = etag
+    try:
+        # obstore.Bytes: a read-only buffer, as bytes are to every reader here.
+        return cast(bytes, obstore.get(store, key, options=options).bytes())  # type: ignore[arg-type]
     except (obx.NotFoundError, FileNotFoundError):
         raise _Missing from None
 

@@ -22,12 +22,13 @@ from typing import Any, Callable
 import zarr
 
 from ...errors import VerificationError
+from ...spec import source_options_from_output
 from ..write.checksums import SIDECAR_DIR, load_sidecar, sidecar_key
 from .levelcheck import SOURCE_CACHE_BYTES, LevelComparison, Mismatch, PyramidRule, chunk_count, pyramid_rule
 from ..write.manifest import Manifest
 from ..sources import verify_source
 from .stored import ChecksumMismatch, StoredLevel, open_levels
-from ..stores import Store, open_store
+from ..stores import Store, open_object_reader, open_store
 
 
 @dataclass
@@ -176,12 +177,14 @@ def verify_output(
     on_unit: Callable[[], None] | None = None,
     on_total: Callable[[int], None] | None = None,
     storage_options: dict[str, str] | None = None,
+    source_options: dict[str, str] | None = None,
 ) -> VerifyReport:
     """Check everything; problems are collected, not raised, so the report names them all.
 
     With ``source``, every level is compared with the pyramid computed from it
     (``levelcheck``); levels that cannot be compared are still decoded. ``on_total(n)`` is told
-    how many ``on_unit()`` calls follow (files decoded plus chunks compared)."""
+    how many ``on_unit()`` calls follow (files decoded plus chunks compared). A source in a bucket
+    is read with ``source_options`` (default: an s3:// output's ``storage_options``)."""
     report = VerifyReport(path)
     store = open_store(path, storage_options or {})
     root = store.as_zarr_store()
@@ -211,7 +214,11 @@ def verify_output(
     rule: PyramidRule | None = None
     if source is not None and levels:
         recorded = marker.get("source") if marker else None
-        source_ds, compared, rule = _comparable(ms, levels, len(datasets), source, report, content, recorded)
+        if source_options is None:
+            source_options = source_options_from_output(path, storage_options)
+        source_ds, compared, rule = _comparable(
+            ms, levels, len(datasets), source, report, content, recorded, source_options
+        )
     decoded = [lv for lv in levels if lv not in compared]
     if on_total:
         on_total(sum(chunk_count(lv) for lv in compared) + sum(math.prod(lv.unit_grid) for lv in decoded))
@@ -233,10 +240,12 @@ def _comparable(
     report: VerifyReport,
     content: dict[str, Any],
     recorded: dict[str, Any] | None = None,
+    source_options: dict[str, str] | None = None,
 ) -> tuple[Any, list[StoredLevel], PyramidRule | None]:
     """The source (a plain dataset or a composite: stacked, Imaris, BDV), the levels that can be
     compared with it, and the pyramid rule."""
-    source_ds = dataclasses.replace(verify_source(source[0], source[1], recorded), cache_bytes=SOURCE_CACHE_BYTES)
+    opened = verify_source(source[0], source[1], recorded, open_object_reader, source_options)
+    source_ds = dataclasses.replace(opened, cache_bytes=SOURCE_CACHE_BYTES)
     report.compared_with_source = True
     if levels[0].level != 0 or tuple(source_ds.shape) != levels[0].shape:
         report.problems.append(

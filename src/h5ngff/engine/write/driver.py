@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import threading
 import time
 import uuid
@@ -24,7 +23,7 @@ from ...planner.model import Plan
 from ...spec import ConversionSpec
 from .output import Output, finish_output
 from ..progress import Broadcast
-from ..stores import store_retries
+from ..stores import open_object_reader, store_retries
 from ..sources import slab_source
 from .chunkio import ArrayLayout
 from ..sources.base import SlabSource
@@ -68,14 +67,9 @@ def build_tasks(
     # The first pass reads the HDF5 source; later ones read a level an earlier pass wrote.
     source: SlabSource | ArrayLayout
     if p.source_level == -1:
-        opened = reader if reader is not None else slab_source(spec, plan.hdf5_cache_bytes)
+        opened = reader if reader is not None else slab_source(spec, plan.hdf5_cache_bytes, open_object_reader)
         # Absolute, as the output's layouts are: a worker's working directory is its own.
-        source = replace(
-            opened,
-            path=os.path.abspath(opened.path),
-            piece_files=tuple(os.path.abspath(p) for p in opened.piece_files),
-            cache_bytes=plan.hdf5_cache_bytes,
-        )
+        source = replace(opened.absolute(), cache_bytes=plan.hdf5_cache_bytes)
         src_shape = plan.dataset.shape
     else:
         source = output.layouts[p.source_level]
@@ -84,11 +78,12 @@ def build_tasks(
     channel_axis = plan.axes.index("c") if "c" in plan.axes else None
     stats_dir = histogram_dir(output) if p.source_level == -1 else None
     for index in grid_indices(p.grid):
+        task_region = region(src_shape, p.slab, index)
         yield SlabTask(
             pass_index,
             index,
-            region(src_shape, p.slab, index),
-            source,
+            task_region,
+            source.for_region(task_region) if isinstance(source, SlabSource) else source,
             levels,
             steps,
             spec.pyramid.method,

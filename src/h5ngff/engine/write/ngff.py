@@ -101,7 +101,9 @@ def root_attributes(
     ms = multiscale(plan, spec)
     om = omero(plan, windows)
     # The whole source spec (stack axes, BDV tile...): verify --source rebuilds the same composite.
-    provenance = {"version": __version__, "source": spec.source.to_wire()}
+    # Never its storage options: they may hold credentials, and the output is read by others.
+    source = {k: v for k, v in spec.source.to_wire().items() if k != "storageOptions"}
+    provenance = {"version": __version__, "source": source}
     if zarr_format == 2:
         ms = {"version": "0.4", **ms}
         om = {"version": "0.4", **om}

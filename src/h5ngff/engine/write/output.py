@@ -152,6 +152,8 @@ def content_of(plan: Plan, spec: ConversionSpec, source: SourceIdentity) -> dict
             "dataset": source.dataset,
             "size": source.size,
             "mtime_ns": source.mtime_ns,
+            # An object in a bucket: its ETag (a replaced object of the same size is another source).
+            **({"etag": source.etag} if source.etag else {}),
             **files,
         },
         "shape": list(plan.dataset.shape),
@@ -432,7 +434,7 @@ def _files_changed(before: list[list[Any]], after: list[list[Any]]) -> str:
     """Which files of a stack were added, removed or changed (size or mtime), by name, at most a few."""
     old, new = {f[0]: f[1:] for f in before}, {f[0]: f[1:] for f in after}
     said = [f"{p} added" for p in new if p not in old] + [f"{p} removed" for p in old if p not in new]
-    said += [f"{p} changed (size or modification time)" for p in new if p in old and old[p] != new[p]]
+    said += [f"{p} changed (size, modification time or ETag)" for p in new if p in old and old[p] != new[p]]
     if not said and list(old) != list(new):
         said = ["the files' order changed"]
     shown = "; ".join(said[:3]) + (f"; and {len(said) - 3} more" if len(said) > 3 else "")
