@@ -82,7 +82,7 @@ def _status(result) -> str:
 
 
 def _document(summary: BatchSummary) -> dict:
-    plan = summary.sizing.job.plan if summary.sizing and summary.sizing.job else None
+    cluster = summary.cluster_dict()
     return {
         "items": [
             {
@@ -95,16 +95,7 @@ def _document(summary: BatchSummary) -> dict:
             }
             for r in summary.results
         ],
-        "cluster": None
-        if plan is None
-        else {
-            "sized_by": summary.sizing.item.source if summary.sizing else None,
-            "workers": plan.workers,
-            "threads_per_worker": plan.threads_per_worker,
-            "pod_limit": plan.memory.pod_limit,
-            "memory_limit": plan.memory.memory_limit,
-            "items_in_flight": summary.items_in_flight,
-        },
+        "cluster": None if cluster is None else {**cluster, "items_in_flight": summary.items_in_flight},
         "notices": summary.notices,
     }
 

@@ -138,8 +138,20 @@ class BatchSummary:
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
 
-    def to_dict(self) -> dict[str, Any]:
+    def cluster_dict(self) -> dict[str, Any] | None:
+        """The one cluster the largest plan sizes (None where no item planned)."""
         plan = self.sizing.job.plan if self.sizing and self.sizing.job else None
+        if plan is None or self.sizing is None:
+            return None
+        return {
+            "sized_by": self.sizing.item.source,
+            "workers": plan.workers,
+            "threads_per_worker": plan.threads_per_worker,
+            "pod_limit": plan.memory.pod_limit,
+            "memory_limit": plan.memory.memory_limit,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
         return {
             "status": "Succeeded" if self.ok else "Failed",
             "items": len(self.results),
@@ -147,15 +159,7 @@ class BatchSummary:
             "seconds": round(self.seconds, 3),
             "cluster_starts": self.cluster_starts,
             "items_in_flight": self.items_in_flight,
-            "cluster": None
-            if plan is None
-            else {
-                "sized_by": self.sizing.item.source if self.sizing else None,
-                "workers": plan.workers,
-                "threads_per_worker": plan.threads_per_worker,
-                "pod_limit": plan.memory.pod_limit,
-                "memory_limit": plan.memory.memory_limit,
-            },
+            "cluster": self.cluster_dict(),
             "results": [r.to_dict() for r in self.results],
             "notices": self.notices,
         }
