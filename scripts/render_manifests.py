@@ -3,7 +3,7 @@
 Helm can read only files inside the chart, so the chart holds copies, written here:
 
 * ``crds/conversionjobs.h5ngff.dev.yaml`` and ``crds/conversionbatches.h5ngff.dev.yaml``:
-  ``src/h5ngff/operator/crd.yaml`` and ``crd-batch.yaml`` (generated from the pydantic models);
+  ``src/h5ngff/operator/schema/crd.yaml`` and ``crd-batch.yaml`` (generated from the pydantic models);
 * ``files/rbac.yaml``: ``src/h5ngff/operator/rbac.py``'s rules, tagged with where each one applies;
 * ``files/h5ngff.json`` and ``files/h5ngff-alerts.yaml``: the Grafana dashboard and the alert rules
   from ``src/h5ngff/metrics/``.
@@ -34,8 +34,8 @@ RELEASE = "h5ngff"
 NAMESPACE = "h5ngff"
 
 SOURCES = {
-    "crds/conversionjobs.h5ngff.dev.yaml": ROOT / "src/h5ngff/operator/crd.yaml",
-    "crds/conversionbatches.h5ngff.dev.yaml": ROOT / "src/h5ngff/operator/crd-batch.yaml",
+    "crds/conversionjobs.h5ngff.dev.yaml": ROOT / "src/h5ngff/operator/schema/crd.yaml",
+    "crds/conversionbatches.h5ngff.dev.yaml": ROOT / "src/h5ngff/operator/schema/crd-batch.yaml",
     "files/h5ngff.json": ROOT / "src/h5ngff/metrics/dashboards/h5ngff.json",
     "files/h5ngff-alerts.yaml": ROOT / "src/h5ngff/metrics/rules/h5ngff-alerts.yaml",
 }
@@ -83,7 +83,7 @@ def _rule(rule: Any, placed: bool) -> dict[str, Any]:
 def rbac_document() -> dict[str, list[dict[str, Any]]]:
     """rbac.py's rules as the chart's templates read them (``files/rbac.yaml``)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_RULES
+    from h5ngff.operator.schema.rbac import OPERATOR_RULES, RUNNER_RULES
 
     return {"operator": [_rule(r, True) for r in OPERATOR_RULES], "runner": [_rule(r, False) for r in RUNNER_RULES]}
 

@@ -18,8 +18,8 @@ import pytest
 from crd_admission import admission_errors, cel_errors, cel_failures, openapi_errors, program
 from h5ngff.errors import SpecError
 from h5ngff.jobspec import parse_job_spec
-from h5ngff.operator import admission
-from h5ngff.operator.crd import build_crd
+from h5ngff.operator.schema import admission
+from h5ngff.operator.schema.crd import build_crd
 from h5ngff.spec import MIN_WORKER_MEMORY
 from h5ngff.units import MiB
 

@@ -266,7 +266,7 @@ def test_the_build_context_has_what_the_dockerfile_copies_and_nothing_big():
     for source in sources:
         assert (ROOT / source).exists(), source
         assert _dockerignore_allows(source), f".dockerignore excludes {source}, which the Dockerfile copies"
-    assert _dockerignore_allows("src/h5ngff/operator/crd.yaml")
+    assert _dockerignore_allows("src/h5ngff/operator/schema/crd.yaml")
     for unwanted in (
         ".venv/bin/python",
         ".git/HEAD",

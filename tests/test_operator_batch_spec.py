@@ -15,15 +15,15 @@ import yaml
 from crd_admission import admission_errors, as_json_schema
 from h5ngff.errors import SpecError
 from h5ngff.jobspec import ConversionJobSpec
-from h5ngff.operator.batchspec import ConversionBatchSpec, item_id, parse_batch_spec
-from h5ngff.operator.batchstatus import ConversionBatchStatus
-from h5ngff.operator.crd import BATCH_PRINTER_COLUMNS, build_batch_crd, render
-from h5ngff.operator.policy import TenantPolicy, policy_violations
+from h5ngff.operator.schema.batchspec import ConversionBatchSpec, item_id, parse_batch_spec
+from h5ngff.operator.schema.batchstatus import ConversionBatchStatus
+from h5ngff.operator.schema.crd import BATCH_PRINTER_COLUMNS, build_batch_crd, render
+from h5ngff.operator.schema.policy import TenantPolicy, policy_violations
 from test_crd import FORBIDDEN, _model_fields, _schema_fields, _walk
 
 ROOT = Path(__file__).resolve().parents[1]
 COPIES = [
-    ROOT / "src/h5ngff/operator/crd-batch.yaml",
+    ROOT / "src/h5ngff/operator/schema/crd-batch.yaml",
     ROOT / "manifests/crd-batch.yaml",
     ROOT / "helm/h5ngff/crds/conversionbatches.h5ngff.dev.yaml",
 ]
@@ -41,7 +41,7 @@ def _spec_schema() -> dict:
 @pytest.mark.parametrize("path", COPIES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_checked_in_batch_crd_matches_the_models(path):
     assert path.read_text() == render("ConversionBatch"), (
-        f"{path} drifted: python -m h5ngff.operator.crd batch > src/h5ngff/operator/crd-batch.yaml"
+        f"{path} drifted: python -m h5ngff.operator.schema.crd batch > src/h5ngff/operator/schema/crd-batch.yaml"
     )
 
 

@@ -1,4 +1,4 @@
-"""One output, one writer: the output Lease's key and where the Lease lives (operator/lease.py).
+"""One output, one writer: the output Lease's key and where the Lease lives (operator/controller/lease.py).
 
 Pure tests of ``output_key`` (every spelling of one location is one key) and of nesting, then the
 real kopf operator against the KMock emulator: jobs in two namespaces on one bucket prefix, nested
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from h5ngff.jobspec import GROUP, parse_job_spec
-from h5ngff.operator.lease import lease_name, output_key
+from h5ngff.operator.controller.lease import lease_name, output_key
 from operator_harness import LEASE_RES, emulator, fast_config, manifest, operator_running, passes, wait_for
 from test_operator_kmock import SPEC
 
@@ -109,7 +109,7 @@ def test_a_claim_key_names_the_claims_namespace_and_a_bucket_or_plain_path_key_d
     ],
 )
 def test_nested_outputs_overlap(a, b, clash):
-    from h5ngff.operator.lease import overlaps
+    from h5ngff.operator.controller.lease import overlaps
 
     assert overlaps(a, b) is clash and overlaps(b, a) is clash
 

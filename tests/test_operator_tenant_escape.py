@@ -1,4 +1,4 @@
-"""Ways around the tenant policy (operator/policy.py) through an image it allows, each closed:
+"""Ways around the tenant policy (operator/schema/policy.py) through an image it allows, each closed:
 
 1. the job's credentials Secret reaches the pods as named keys only, never ``envFrom`` (a key
    LD_PRELOAD or PYTHONPATH of the Secret would run code in the runner, which holds a token);
@@ -6,7 +6,7 @@
    ``sitecustomize.py``, a volume over site-packages, /etc, the service-account token), nor a
    volume the tenant writes over HOME (/tmp), where Python reads user site-packages;
 3. a DaskCluster the runner (any allowed image) creates is checked against the policy and its
-   ConversionJob, and deleted when it asks for more (operator/guard.py), because RBAC cannot
+   ConversionJob, and deleted when it asks for more (operator/controller/guard.py), because RBAC cannot
    limit ``create`` to some pod specs.
 
 New names are imported inside the tests, so on the code before the fix each test fails on its
@@ -27,8 +27,8 @@ import pytest
 from h5ngff.backends.kubernetes import KubernetesBackend, build_dask_cluster
 from h5ngff.errors import SpecError
 from h5ngff.jobspec import Owner, parse_job_spec
-from h5ngff.operator.manifests import build_runner_job
-from h5ngff.operator.policy import TenantPolicy, policy_violations
+from h5ngff.operator.controller.manifests import build_runner_job
+from h5ngff.operator.schema.policy import TenantPolicy, policy_violations
 from h5ngff.planner import DEFAULT_CONSTANTS, DatasetInfo, make_plan
 from operator_harness import DASK_RES, emulator, fast_config, manifest, operator_running, wait_for
 from test_operator_kmock import SPEC
@@ -239,7 +239,7 @@ def _cluster(spec, allocator="jemalloc", library=None):
 
 
 def _violations(cluster, spec):
-    from h5ngff.operator.policy import dask_cluster_violations
+    from h5ngff.operator.schema.policy import dask_cluster_violations
 
     return dask_cluster_violations(cluster, spec, POLICY, DEFAULT_IMAGE, "h5ngff-runner")
 
@@ -429,7 +429,7 @@ def test_a_cluster_asking_for_more_than_its_job_and_the_policy_allow_is_refused(
 
 
 def test_a_cluster_no_conversionjob_owns_is_refused():
-    from h5ngff.operator.policy import dask_cluster_violations
+    from h5ngff.operator.schema.policy import dask_cluster_violations
 
     spec = _job()
     (message,) = dask_cluster_violations(_cluster(spec), None, POLICY, IMAGE, "h5ngff-runner")
@@ -473,7 +473,7 @@ async def test_the_operator_deletes_a_rogue_dask_cluster_and_keeps_the_one_the_r
             lambda: not {"other-dask", "stray-dask"} & set(c.live(DASK_RES)), what="the rogue clusters deleted"
         )
 
-        from h5ngff.operator.guard import checked
+        from h5ngff.operator.controller.guard import checked
 
         await wait_for(lambda: checked["default", "scan-dask"] >= 1, what="the legit cluster checked")
         assert "scan-dask" in c.live(DASK_RES)

@@ -113,7 +113,8 @@ def cmd_batch(args: argparse.Namespace, console: Console) -> int:
     """``h5ngff batch BATCH.yaml``: the manifest's items, each with the spec one ConversionJob
     would have, under the flags given (``--overwrite``, the backend's)."""
     from .job import load_document, manifest_head, parse_spec_of
-    from .operator.batchspec import BATCH_KIND, parse_batch_spec
+    from .jobspec import BATCH_KIND
+    from .operator.schema.batchspec import parse_batch_spec
     from .spec import parse_spec
 
     doc = load_document(args.manifest, BATCH_KIND)

@@ -31,6 +31,11 @@ RUN_AS_GROUP = 10001
 #: (where it spills, ``dask-scratch-space``) all write under /tmp. Disk-backed, not memory-backed:
 #: a tmpfs would charge spilled data to the very pod memory limit the plan sizes.
 SCRATCH_PATH = "/tmp"
+#: The environment variables naming the ConversionJob (or ConversionBatch) of a runner pod: part
+#: of its runner contract (operator/contract.py), and what the metrics exporter labels its series
+#: with (metrics/exporter.py; ``h5ngff convert`` reads them too).
+JOB_NAME_ENV = "H5NGFF_JOB_NAME"
+JOB_NAMESPACE_ENV = "H5NGFF_JOB_NAMESPACE"
 
 
 def child_name(base: str, suffix: str, limit: int = MAX_NAME) -> str:
@@ -53,6 +58,11 @@ def label_value(name: str) -> str:
 
 def dask_cluster_name(job_name: str) -> str:
     return child_name(job_name, "dask", MAX_CLUSTER_NAME)
+
+
+def runner_job_name(job_name: str, attempt: int) -> str:
+    """``<job>-runner-<attempt>``: deterministic, so a restarted operator finds, not duplicates, it."""
+    return child_name(job_name, f"runner-{attempt}")
 
 
 def labels(job_name: str, component: str, attempt: int | None = None) -> dict[str, str]:
@@ -81,7 +91,7 @@ def owner_reference(api_version: str, kind: str, name: str, uid: str, block: boo
 
 
 #: The scheduler container's probes (its dashboard's /health); the workers have none. Here, not in
-#: backends/kubernetes.py, because the operator's guard (operator/policy.py) holds a DaskCluster's
+#: backends/kubernetes.py, because the operator's guard (operator/schema/policy.py) holds a DaskCluster's
 #: probes to exactly these: an ``exec`` probe runs a command, and ``httpGet.host`` makes the kubelet
 #: send requests from the node's network.
 SCHEDULER_PROBES: dict[str, dict[str, Any]] = {

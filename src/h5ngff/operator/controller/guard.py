@@ -23,13 +23,22 @@ from typing import Any, Protocol
 
 import kopf
 
-from ..errors import SpecError
-from ..jobspec import API_VERSION, GROUP, KIND, VERSION, ConversionJobSpec, parse_job_spec
-from ..k8s import dask_cluster_name
-from .kube import Kube, Transient, namespaced
-from .batchspec import BATCH_KIND, BATCH_PLURAL, parse_batch_spec
-from .manifests import PLURAL
-from .policy import TenantPolicy, dask_cluster_violations
+from ...errors import SpecError
+from ...jobspec import (
+    API_VERSION,
+    BATCH_KIND,
+    BATCH_PLURAL,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    ConversionJobSpec,
+    parse_job_spec,
+)
+from ...k8s import dask_cluster_name
+from ..kube import KubeApi, Transient, namespaced
+from ..schema.batchspec import parse_batch_spec
+from ..schema.policy import TenantPolicy, dask_cluster_violations
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +64,14 @@ class GuardConfig(Protocol):
     def retry_delay(self) -> float: ...
 
 
+class GuardState(Protocol):
+    kube: KubeApi
+
+
 class GuardMemo(Protocol):
     """What the guard reads of kopf's memo (handlers.OperatorMemo)."""
 
-    kube: Kube
+    state: GuardState
 
 
 def register_cluster_guard(registry: kopf.OperatorRegistry, cfg: GuardConfig) -> None:
@@ -82,12 +95,12 @@ def register_cluster_guard(registry: kopf.OperatorRegistry, cfg: GuardConfig) ->
         owner = next(iter(owners.get((namespace, name), ())), None)
         kind = KIND
         if owner is None:
-            owner = await _batch_owner(memo.kube, dict(body), namespace, name)
+            owner = await _batch_owner(memo.state.kube, dict(body), namespace, name)
             kind = BATCH_KIND if owner is not None else KIND
-        await _judge(cfg, memo.kube, dict(body), namespace, name, owner, kind)
+        await _judge(cfg, memo.state.kube, dict(body), namespace, name, owner, kind)
 
 
-async def _batch_owner(kube: Kube, body: dict[str, Any], namespace: str, name: str) -> Owner | None:
+async def _batch_owner(kube: KubeApi, body: dict[str, Any], namespace: str, name: str) -> Owner | None:
     """The ConversionBatch whose cluster this is: named by the cluster's ownerReference, and only
     if that batch exists with that uid and its cluster has this name (a runner cannot borrow
     another batch's spec by naming it: the name would not match)."""
@@ -101,7 +114,13 @@ async def _batch_owner(kube: Kube, body: dict[str, Any], namespace: str, name: s
 
 
 async def _judge(
-    cfg: GuardConfig, kube: Kube, body: dict[str, Any], namespace: str, name: str, owner: Owner | None, kind: str = KIND
+    cfg: GuardConfig,
+    kube: KubeApi,
+    body: dict[str, Any],
+    namespace: str,
+    name: str,
+    owner: Owner | None,
+    kind: str = KIND,
 ) -> None:
     """Delete the DaskCluster ``body`` if it asks for more than its job (or batch) and the policy allow."""
     violations = dask_cluster_violations(body, _spec_of(owner, kind), cfg.policy, cfg.image, cfg.runner_service_account)
@@ -124,7 +143,7 @@ async def _judge(
     checked[namespace, name] += 1
 
 
-async def _delete(kube: Kube, namespace: str, name: str, delay: float, tries: int = 3) -> None:
+async def _delete(kube: KubeApi, namespace: str, name: str, delay: float, tries: int = 3) -> None:
     # An event handler is not retried by kopf: retry a hiccup here, or the cluster would stay
     # until its next change.
     for attempt in range(tries):

@@ -17,22 +17,16 @@ from __future__ import annotations
 import hashlib
 import posixpath
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from pydantic import Field, model_validator
 
-from ..batch.items import BatchItem, output_key, refuse_collisions, render_output, template_fix
-from ..errors import SpecError
-from ..jobspec import ConversionJobSpec, RetryPolicy, parse_job_spec
-from ..spec import SourceSpec, _FieldError, _Model, parse_model, url_scheme
+from ...batch.items import BatchItem, output_key, refuse_collisions, render_output, template_fix
+from ...errors import SpecError
+from ...jobspec import BATCH_KIND, BATCH_PLURAL, ConversionJobSpec, RetryPolicy, parse_job_spec
+from ...spec import SourceSpec, _FieldError, _Model, parse_model, url_scheme
 
-BATCH_KIND = "ConversionBatch"
-BATCH_PLURAL = "conversionbatches"
-#: The runner Job's environment for a batch attempt: the kind (``h5ngff runner`` then runs
-#: operator/batchrunner.py), the ids of the items it runs, and of those it resumes (overwrite off).
-KIND_ENV = "H5NGFF_KIND"
-ITEMS_ENV = "H5NGFF_ITEMS"
-RESUME_ENV = "H5NGFF_RESUME"
+__all__ = ["BATCH_KIND", "BATCH_PLURAL", "ConversionBatchSpec", "PlannedItem", "item_id", "parse_batch_spec"]
 #: At most this many items: a status entry per item must fit in one etcd object (1.5 MiB), and
 #: the CRD's CEL cost is bounded by the list's length.
 MAX_ITEMS = 1000
@@ -175,12 +169,6 @@ def _source_text(source: SourceSpec, path: str) -> str:
 
 def _message(exc: SpecError) -> str:
     return str(exc).removeprefix(f"{exc.field}: ")
-
-
-def runner_env(items: Sequence[str], resume: Sequence[str] = ()) -> dict[str, str]:
-    """What a batch's runner Job adds to a job's runner Job (manifests.build_runner_job): its kind,
-    the ids of the items its attempt runs, and of those it resumes (overwrite off)."""
-    return {KIND_ENV: BATCH_KIND, ITEMS_ENV: ",".join(items), RESUME_ENV: ",".join(resume)}
 
 
 def parse_batch_spec(data: Any) -> ConversionBatchSpec:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..jobspec import GROUP
+from ...jobspec import GROUP
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ OPERATOR_RULES: tuple[Rule, ...] = (
         "kubernetes.dask.org",
         "daskclusters",
         ("list", "watch", "delete"),
-        "removes a DaskCluster left by a failed attempt or a deleted job; checks every DaskCluster against the tenant policy and deletes one that asks for more (operator/guard.py)",
+        "removes a DaskCluster left by a failed attempt or a deleted job; checks every DaskCluster against the tenant policy and deletes one that asks for more (operator/controller/guard.py)",
     ),
     Rule(
         "apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"), "kopf discovers the resources it serves"
@@ -149,7 +149,7 @@ RUNNER_RULES: tuple[Rule, ...] = (
         "daskclusters",
         ("get", "list", "create", "delete"),
         "dask-kubernetes' KubeCluster creates the run's cluster and deletes it after; the operator re-checks every DaskCluster's pods "
-        "against the tenant policy and deletes one that asks for more (operator/guard.py)",
+        "against the tenant policy and deletes one that asks for more (operator/controller/guard.py)",
     ),
     Rule("kubernetes.dask.org", "daskworkergroups", ("list",), "KubeCluster looks up the cluster's worker groups"),
     Rule("", "pods", ("get", "list"), "KubeCluster waits for the scheduler pod"),

@@ -43,12 +43,10 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..k8s import LABEL_COMPONENT, labels, owner_reference
-from ..spec import url_scheme
-from ..jobspec import KIND, ConversionJobSpec
-from .batchspec import BATCH_KIND, BATCH_PLURAL
-from .kube import Conflict, Kube, KubeError, namespaced
-from .manifests import API_VERSION, PLURAL
+from ...k8s import LABEL_COMPONENT, labels, owner_reference
+from ...spec import url_scheme
+from ...jobspec import API_VERSION, BATCH_KIND, BATCH_PLURAL, KIND, PLURAL, ConversionJobSpec
+from ..kube import Conflict, KubeApi, KubeError, namespaced
 
 LEASE_API = "coordination.k8s.io/v1"
 COMPONENT = "output-lease"
@@ -180,7 +178,7 @@ def lease_body(
     }
 
 
-async def acquire(kube: Kube, body: dict[str, Any], job_namespace: str | None = None) -> LeaseState:
+async def acquire(kube: KubeApi, body: dict[str, Any], job_namespace: str | None = None) -> LeaseState:
     """Take the Lease of ``body``'s key unless a live job holds that output or one nested with
     it; a Lease whose holder is gone is deleted on the way. Idempotent: holding it counts as held.
     ``job_namespace``: the asking job's, where an earlier build's Leases may be.
@@ -225,7 +223,7 @@ async def acquire(kube: Kube, body: dict[str, Any], job_namespace: str | None = 
     return LeaseState(name, False, holder, str(spec.get("acquireTime") or ""))
 
 
-async def _output_leases(kube: Kube, namespace: str, job_namespace: str | None) -> list[tuple[str, dict[str, Any]]]:
+async def _output_leases(kube: KubeApi, namespace: str, job_namespace: str | None) -> list[tuple[str, dict[str, Any]]]:
     """Every output Lease of the lease namespace, and an earlier build's in the job's namespace."""
     out = []
     for ns in dict.fromkeys(filter(None, (namespace, job_namespace))):
@@ -235,7 +233,7 @@ async def _output_leases(kube: Kube, namespace: str, job_namespace: str | None) 
     return out
 
 
-async def _holder_gone(kube: Kube, holder: str, kind: str = KIND) -> bool:
+async def _holder_gone(kube: KubeApi, holder: str, kind: str = KIND) -> bool:
     """True if the ConversionJob (or ConversionBatch: ``kind``) named by ``holder`` no longer exists
     (404, or a new object of the same name). A holder we may not read (403: a namespace no longer
     served), or of a kind this build does not know, counts as alive."""
@@ -253,7 +251,7 @@ async def _holder_gone(kube: Kube, holder: str, kind: str = KIND) -> bool:
     return found is None or (found.get("metadata") or {}).get("uid") != uid
 
 
-async def release(kube: Kube, namespace: str, name: str, me: str, job_namespace: str | None = None) -> bool:
+async def release(kube: KubeApi, namespace: str, name: str, me: str, job_namespace: str | None = None) -> bool:
     """Delete the Lease ``name`` if we hold it, in the lease namespace and (an earlier build's)
     in the job's; a Lease someone else holds is theirs to release."""
     released = False
@@ -261,4 +259,16 @@ async def release(kube: Kube, namespace: str, name: str, me: str, job_namespace:
         current = await kube.get(namespaced(LEASE_API, ns, "leases", name))
         if current is not None and (current.get("spec") or {}).get("holderIdentity") == me:
             released = await kube.delete(namespaced(LEASE_API, ns, "leases", name)) or released
+    return released
+
+
+async def release_all(kube: KubeApi, namespace: str, me: str, job_namespace: str | None = None) -> list[str]:
+    """Delete every output Lease ``me`` holds (a deleted object's, once its pods are gone): also
+    one a pass took but did not live to record in the status. Returns their names."""
+    released = []
+    for lease_ns, lease in await _output_leases(kube, namespace, job_namespace):
+        if (lease.get("spec") or {}).get("holderIdentity") == me:
+            name = (lease.get("metadata") or {}).get("name") or ""
+            if name and await kube.delete(namespaced(LEASE_API, lease_ns, "leases", name)):
+                released.append(name)
     return released

@@ -1,18 +1,19 @@
-"""Pure builders for what the operator creates: the runner Job of each attempt.
+"""Pure builders for what the controller creates: the runner Job of each attempt and its RBAC.
 
 The Dask cluster's manifests (scheduler and worker pods sized by the plan) are built by the
 runner, in ``h5ngff.backends.kubernetes``: only the runner knows the plan, because only its pod
 can open the HDF5 file. Names, labels, owner references and the pod conventions come from
-``h5ngff.k8s``, which both use, so the operator's cleanup finds everything the runner made.
+``h5ngff.k8s``, which both use, so the operator's cleanup finds everything the runner made. What
+the runner pod is told is one value, ``operator.contract.RunnerContract``, as its environment.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import Any, Sequence
 
-from .. import __version__
-from ..k8s import (
+from ... import __version__
+from ...jobspec import API_VERSION, BATCH_KIND, GROUP, KIND, PLURAL, VERSION, ConversionJobSpec, Owner
+from ...k8s import (
     LABEL_ATTEMPT,
     LABEL_JOB,
     child_name,
@@ -23,12 +24,12 @@ from ..k8s import (
     labels,
     owner_reference,
     pod_placement,
+    runner_job_name,
     with_scratch,
 )
-from ..jobspec import API_VERSION, GROUP, KIND, VERSION, ConversionJobSpec, Owner
-from ..metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
-from ..units import GiB, k8s_quantity
-from .rbac import RUNNER_BATCH_RULES, RUNNER_JOB_RULES, role_rules
+from ...units import GiB, k8s_quantity
+from ..contract import RunnerContract
+from ..schema.rbac import RUNNER_BATCH_RULES, RUNNER_JOB_RULES, role_rules
 
 __all__ = [
     "GROUP",
@@ -42,6 +43,7 @@ __all__ = [
     "runner_job_name",
     "dask_cluster_name",
     "build_runner_job",
+    "runner_contract",
     "labels",
     "owner_reference",
     "runner_account",
@@ -56,7 +58,6 @@ IMAGE_REPOSITORY = "ghcr.io/h5ngff/h5ngff"
 #: operator allows a job's pod.image only when it equals this, so the examples' pinned image
 #: was refused (PolicyDenied), and ``latest`` would run another release's runner.
 DEFAULT_IMAGE = f"{IMAGE_REPOSITORY}:{__version__}"
-PLURAL = "conversionjobs"
 #: The runner service account the Helm chart (and manifests/h5ngff.yaml) creates and passes as
 #: ``--runner-service-account``: what ``h5ngff operator render`` assumes unless told otherwise,
 #: so it renders a job as the chart's operator would.
@@ -68,18 +69,9 @@ RUNNER_MEMORY = 1 * GiB
 #: would only throttle them.
 RUNNER_CPU_REQUEST = "250m"
 RUNNER_COMMAND = ["h5ngff", "runner"]
-#: The environment variable holding the job's spec (JSON) in the runner container.
-SPEC_ENV = "H5NGFF_SPEC"
-BACKEND_ENV = "H5NGFF_BACKEND"
 #: The runner serves the job's Prometheus metrics (progress, per-worker memory) on this port; the
 #: Helm chart's PodMonitor scrapes the container port named "metrics".
 RUNNER_METRICS_PORT = 9465
-METRICS_PORT_ENV = "H5NGFF_METRICS_PORT"
-
-
-def runner_job_name(job_name: str, attempt: int) -> str:
-    """``<job>-runner-<attempt>``: deterministic, so a restarted operator finds, not duplicates, it."""
-    return child_name(job_name, f"runner-{attempt}")
 
 
 def runner_spec(spec: ConversionJobSpec, image: str, resume: bool) -> dict[str, Any]:
@@ -92,6 +84,30 @@ def runner_spec(spec: ConversionJobSpec, image: str, resume: bool) -> dict[str, 
     return spec.model_copy(update=update).to_wire()
 
 
+def runner_contract(
+    owner: Owner,
+    spec: ConversionJobSpec,
+    attempt: int,
+    image: str,
+    resume: bool = False,
+    items: Sequence[str] = (),
+    resume_items: Sequence[str] = (),
+) -> RunnerContract:
+    """What the runner of one attempt is told: who it reports to, the spec it converts (for a
+    batch: which items, and which of them it resumes)."""
+    return RunnerContract(
+        kind=owner.kind,
+        namespace=owner.namespace,
+        name=owner.name,
+        uid=owner.uid,
+        attempt=attempt,
+        spec=runner_spec(spec, image, resume and owner.kind != BATCH_KIND),
+        items=tuple(items),
+        resume=tuple(resume_items),
+        metrics_port=RUNNER_METRICS_PORT,
+    )
+
+
 def build_runner_job(
     owner: Owner,
     spec: ConversionJobSpec,
@@ -99,7 +115,8 @@ def build_runner_job(
     default_image: str,
     resume: bool = False,
     default_service_account: str | None = None,
-    extra_env: dict[str, str] | None = None,
+    items: Sequence[str] = (),
+    resume_items: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The ``batch/v1`` Job of one attempt. It never retries by itself (``backoffLimit: 0``): the
     operator decides about retries, because only it can tell an OOM (retry) from a bad input
@@ -108,22 +125,12 @@ def build_runner_job(
     name = runner_job_name(owner.name, attempt)
     meta_labels = labels(owner.name, "runner", attempt)
     memory = k8s_quantity(RUNNER_MEMORY)
+    contract = runner_contract(owner, spec, attempt, image, resume, items, resume_items)
     container = {
         "name": "runner",
         "image": image,
         "command": list(RUNNER_COMMAND),
-        "args": ["--namespace", owner.namespace, "--name", owner.name, "--uid", owner.uid, "--attempt", str(attempt)],
-        "env": env_list(
-            {
-                SPEC_ENV: json.dumps(runner_spec(spec, image, resume), sort_keys=True),
-                BACKEND_ENV: "kubernetes",
-                METRICS_PORT_ENV: str(RUNNER_METRICS_PORT),
-                JOB_NAME_ENV: owner.name,
-                JOB_NAMESPACE_ENV: owner.namespace,
-                **(extra_env or {}),
-            }
-        )
-        + credential_env(spec.pod),
+        "env": env_list(contract.to_env()) + credential_env(spec.pod),
         "ports": [{"name": "metrics", "containerPort": RUNNER_METRICS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"memory": memory, "cpu": RUNNER_CPU_REQUEST}, "limits": {"memory": memory}},
         **container_storage(spec.pod),

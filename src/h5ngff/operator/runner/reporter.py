@@ -13,9 +13,9 @@ import logging
 import threading
 from typing import Any
 
-from .kube import Kube, KubeConfig, KubeError, namespaced
-from .manifests import API_VERSION, PLURAL
-from .status import combine
+from ...jobspec import API_VERSION, PLURAL
+from ..kube import Kube, KubeConfig, KubeError, namespaced
+from ..schema.status import combine
 
 log = logging.getLogger(__name__)
 

@@ -12,29 +12,19 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..backends.base import Backend
-from ..engine.progress import Listener, Progress
-from ..errors import H5ngffError
-from ..jobspec import ConversionJobSpec
-from ..phases import WRITING_PHASES
-from ..planner import DEFAULT_CONSTANTS, MemoryConstants
-from ..runner import Linger, Outcome, PlannedJob, RunSummary, execute
-from .status import (
-    PROGRESS_INTERVAL,
-    failed_patch,
-    merge,
-    now,
-    pending_patch,
-    planned_patch,
-    progress_patch,
-    progress_status,
-    result_summary,
-    runner_report,
-    succeeded_patch,
-)
+from ...backends.base import Backend
+from ...engine.progress import Listener, Progress
+from ...errors import H5ngffError
+from ...jobspec import ConversionJobSpec
+from ...k8s import runner_job_name
+from ...phases import WRITING_PHASES
+from ...planner import DEFAULT_CONSTANTS, MemoryConstants
+from ...runner import Linger, Outcome, PlannedJob, RunSummary, execute
+from ..schema.status import failed_patch, merge, now, pending_patch, progress_status, succeeded_patch
+from .reports import PROGRESS_INTERVAL, planned_patch, progress_patch, result_summary, runner_report
 
 if TYPE_CHECKING:
-    from ..metrics.exporter import MetricsExporter
+    from ...metrics.exporter import MetricsExporter
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +148,6 @@ def run_locally(
     One attempt only: locally there is no pod to lose, and a deterministic failure (the usual
     case) would fail again. The operator's retry rule is documented in docs/operator.md.
     """
-    from .manifests import runner_job_name
-
     status: dict[str, Any] = merge({}, pending_patch({}, 1, runner_job_name(name, 1), spec.output.path, now()))
 
     def sink(patch: dict[str, Any], final: bool) -> None:

@@ -10,7 +10,7 @@ created for it.
 
 Pure: ``policy_violations(spec, policy, default_image, default_sa) -> list[str]``; the messages say
 what was asked, what is allowed and which Helm value to change. ``dask_cluster_violations`` checks
-a DaskCluster the same way (operator/guard.py runs it): the runner's service account may create
+a DaskCluster the same way (operator/controller/guard.py runs it): the runner's service account may create
 DaskClusters, and RBAC cannot say with which pods, so a runner running an allowed image of the
 tenant's could otherwise start pods the policy refuses.
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ..jobspec import ConversionJobSpec, PodSettings
-from ..k8s import (
+from ...jobspec import ConversionJobSpec, PodSettings
+from ...k8s import (
     CREDENTIAL_ENV,
     SCHEDULER_PROBES,
     SCRATCH_PATH,

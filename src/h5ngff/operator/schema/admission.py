@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from itertools import permutations
 from typing import Any
 
-from ..codecs_table import DEFAULT_CODEC, LEVEL_RANGES, CodecName
-from ..jobspec import DEFAULT_MAX_RETRY_INTERVAL, DEFAULT_RETRY_INTERVAL, MAX_VOLUME_NAME, MAX_VOLUMES, SCRATCH_VOLUME
-from ..spec import (
+from ...codecs_table import DEFAULT_CODEC, LEVEL_RANGES, CodecName
+from ...jobspec import DEFAULT_MAX_RETRY_INTERVAL, DEFAULT_RETRY_INTERVAL, MAX_VOLUME_NAME, MAX_VOLUMES, SCRATCH_VOLUME
+from ...spec import (
     MAX_AXES,
     MAX_QUANTITY_LENGTH,
     MAX_SLURM_DIRECTIVE_LENGTH,
@@ -41,7 +41,7 @@ from ..spec import (
     UPLOADS_IN_FLIGHT,
     URL_PATTERN,
 )
-from ..units import MAX_BYTES, SPACE, MiB
+from ...units import MAX_BYTES, SPACE, MiB
 
 
 def _cel_string(regex: str) -> str:

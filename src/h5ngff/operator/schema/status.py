@@ -15,18 +15,16 @@ Nothing here does I/O; times are passed in as RFC 3339 strings.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Literal
+import copy
+from typing import Any, Literal, Mapping, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from ..engine.progress import Progress
-from ..planner.model import Plan
-from ..units import k8s_quantity
-from ..patches import apply_merge_patch, deep_merge
+from ...patches import apply_merge_patch, deep_merge
 
 # Status patches carry plain strings (``.value``): ``h5ngff run`` prints them with yaml.safe_dump.
-from ..phases import Phase
+from ...phases import Phase
 
 #: Failures that the same spec will hit again on every attempt: retrying only wastes a pod.
 PERMANENT_REASONS = frozenset(
@@ -47,9 +45,20 @@ START_REASONS = frozenset(
 )
 #: How many failed attempts ``status.failures`` keeps (the newest); the count is in ``attempts``.
 MAX_FAILURE_RECORDS = 10
-#: The runner's ``progress`` patches are rate-limited to one per this many seconds (phase
-#: changes always go through): a 10 000-slab run must not write 10 000 status updates.
-PROGRESS_INTERVAL = 2.0
+
+
+#: The longest ``message`` any status field, condition or Event of ours carries. A message quotes
+#: what the user wrote (a path, a template, the API server's answer), and the whole object must
+#: stay far below etcd's 1.5 MiB; 4 KiB holds any message we write with its quotes.
+MAX_MESSAGE = 4096
+
+
+def bounded(message: str | None, limit: int = MAX_MESSAGE) -> str | None:
+    """``message`` cut to ``limit`` characters, saying how much was cut (None stays None)."""
+    if message is None or len(message) <= limit:
+        return message
+    note = f"... ({len(message) - limit} more characters)"
+    return message[: limit - len(note)] + note
 
 
 def now() -> str:
@@ -78,6 +87,64 @@ def seconds_between(earlier: str, later: str) -> float:
 
 class _Status(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+M = TypeVar("M", bound=BaseModel)
+#: At most this many unreadable fields are dropped before a status counts as unreadable.
+MAX_DROPPED = 64
+
+
+def read_status(model: type[M], data: Mapping[str, Any] | None) -> M:
+    """``data`` (a ``.status`` as the API holds it) as ``model``; a field this build cannot read
+    (written by hand, or by another release) is left out of the view rather than stopping every
+    pass, and an entry of a list that lacks a required field goes with it."""
+    work = copy.deepcopy(dict(data or {}))
+    for _ in range(MAX_DROPPED):
+        try:
+            return model.model_validate(work)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            loc = tuple(error["loc"])
+            if not _drop(work, loc[:-1] if error["type"] == "missing" else loc):
+                raise
+    return model.model_validate({})
+
+
+def _drop(node: Any, loc: tuple[Any, ...]) -> bool:
+    """Remove the element at ``loc`` (keys and list indexes) from ``node``; False if there is none."""
+    if not loc:
+        return False
+    for part in loc[:-1]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    try:
+        del node[loc[-1]]
+    except (KeyError, IndexError, TypeError):
+        return False
+    return True
+
+
+def dump_status(model: BaseModel) -> dict[str, Any]:
+    """A status model as the API holds it: camelCase keys, no nulls."""
+    out: dict[str, Any] = model.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return out
+
+
+def merge_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch (RFC 7386) that turns ``old`` into ``new``: changed keys, nested objects
+    recursively, a removed key as None. Lists are replaced whole, as merge patches do."""
+    patch: dict[str, Any] = {}
+    for key in dict.fromkeys([*old, *new]):
+        before, after = old.get(key), new.get(key)
+        if before == after:
+            continue
+        if isinstance(before, Mapping) and isinstance(after, Mapping):
+            patch[key] = merge_diff(before, after)
+        else:
+            patch[key] = after
+    return patch
 
 
 class Condition(_Status):
@@ -214,7 +281,7 @@ def set_condition(
         "type": type_,
         "status": status,
         "reason": reason,
-        "message": message,
+        "message": bounded(message),
         "lastTransitionTime": when if changed else (old or {}).get("lastTransitionTime", when),
         "observedGeneration": generation if generation is not None else (old or {}).get("observedGeneration"),
     }
@@ -256,7 +323,7 @@ def invalid_patch(field_message: str, when: str) -> dict[str, Any]:
     return {
         "phase": Phase.FAILED.value,
         "reason": "InvalidSpec",
-        "message": field_message,
+        "message": bounded(field_message),
         "completionTime": when,
         "conditions": conditions,
     }
@@ -285,7 +352,7 @@ def failed_patch(status: dict[str, Any], reason: str, message: str, when: str) -
     return {
         "phase": Phase.FAILED.value,
         "reason": reason,
-        "message": message,
+        "message": bounded(message),
         "completionTime": when,
         "conditions": conditions,
     }
@@ -296,41 +363,8 @@ def failure_record(
 ) -> list[dict[str, Any]]:
     """The failure history with this attempt's record (replacing one already there: idempotent)."""
     records = [r for r in previous or () if r.get("attempt") != attempt]
-    records.append({"attempt": attempt, "reason": reason, "message": message, "time": when})
+    records.append({"attempt": attempt, "reason": reason, "message": bounded(message), "time": when})
     return records[-MAX_FAILURE_RECORDS:]
-
-
-# ---------------------------------------------------------------------------------------------
-# Runner-side builders (also used by ``h5ngff run`` to print what the operator would show)
-
-
-def plan_summary(plan: Plan) -> dict[str, Any]:
-    m = plan.memory
-    return {
-        "shape": list(plan.dataset.shape),
-        "dtype": plan.dtype,
-        "chunks": list(plan.chunks),
-        "slab": list(plan.slab),
-        "levels": len(plan.levels),
-        "passes": len(plan.passes),
-        "tasks": plan.n_tasks,
-        "workers": plan.workers,
-        "threadsPerWorker": plan.threads_per_worker,
-        "memoryLimit": k8s_quantity(m.memory_limit),
-        "podLimit": k8s_quantity(m.pod_limit),
-        "memoryLimitBytes": m.memory_limit,
-        "podLimitBytes": m.pod_limit,
-        "predictedPeakBytes": m.predicted_peak,
-        "allocator": plan.allocator,
-    }
-
-
-def planned_patch(plan: Plan, when: str) -> dict[str, Any]:
-    return {
-        "phase": Phase.PLANNED.value,
-        "plan": plan_summary(plan),
-        "progress": progress_status(0, plan.n_tasks, when=when),
-    }
 
 
 def progress_summary(done: int, total: int) -> str:
@@ -345,6 +379,8 @@ def percent(done: int, total: int) -> int:
 def progress_status(
     done: int, total: int, skipped: int = 0, bytes_read: int = 0, bytes_written: int = 0, when: str | None = None
 ) -> dict[str, Any]:
+    """``status.progress`` (a job's, or a batch item's): written by the runner, completed by the
+    operator's Succeeded patch."""
     out = {
         "slabsDone": done,
         "slabsTotal": total,
@@ -357,39 +393,6 @@ def progress_status(
     if when:
         out["updateTime"] = when
     return out
-
-
-def progress_patch(progress: Progress, when: str) -> dict[str, Any]:
-    """A runner progress event as a status patch (phase Running while slabs are written)."""
-    body = progress_status(
-        progress.slabs_done,
-        progress.slabs_total,
-        progress.slabs_skipped,
-        progress.bytes_read,
-        progress.bytes_written,
-        when,
-    )
-    return {"phase": Phase.RUNNING.value, "progress": body}
-
-
-def runner_report(
-    attempt: int, outcome: str, when: str, reason: str | None = None, message: str | None = None
-) -> dict[str, Any]:
-    report = {"attempt": attempt, "outcome": outcome, "reason": reason, "message": message, "time": when}
-    return {"runner": {k: v for k, v in report.items() if v is not None}}
-
-
-def result_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """From ``RunSummary.to_dict()``: the figures worth keeping on the object."""
-    peaks = [w.get("peak_rss", 0) for w in summary.get("workers", ())]
-    return {
-        "seconds": summary.get("seconds", 0.0),
-        "bytesRead": summary.get("bytes_read", 0),
-        "bytesWritten": summary.get("bytes_written", 0),
-        "gbPerS": summary.get("gb_per_s", 0.0),
-        "resumed": bool(summary.get("resumed")),
-        "peakWorkerRssBytes": max(peaks, default=0),
-    }
 
 
 #: Applying and combining status patches (re-exported for the operator's modules and tests).

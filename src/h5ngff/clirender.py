@@ -1,4 +1,5 @@
-"""``h5ngff operator render job.yaml``: the objects the operator would create for a manifest.
+"""``h5ngff operator render job.yaml``: the objects the operator would create for a manifest (the
+CLI side of the operator: it plans, so it may use the backends; the controller never does).
 
 For review and diffs in GitOps: the runner Job of attempt 1, the Role and RoleBinding that let
 that runner patch its own job's status, and (with ``plan=True``, which opens the HDF5 file)
@@ -16,11 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backends.factory import BackendOptions, make_backend
-from ..backends.kubernetes import build_dask_cluster
-from ..errors import PolicyDeniedError
-from ..job import JobManifest
-from .manifests import (
+from .backends.factory import BackendOptions, make_backend
+from .backends.kubernetes import build_dask_cluster
+from .errors import PolicyDeniedError
+from .job import JobManifest
+from .jobspec import BATCH_KIND
+from .operator.controller.manifests import (
     DEFAULT_IMAGE,
     Owner,
     build_runner_job,
@@ -28,8 +30,8 @@ from .manifests import (
     build_runner_role_binding,
     runner_account,
 )
-from .batchspec import BATCH_KIND, ConversionBatchSpec, runner_env
-from .policy import TenantPolicy, policy_violations
+from .operator.schema.batchspec import ConversionBatchSpec
+from .operator.schema.policy import TenantPolicy, policy_violations
 
 #: ownerReferences need the ConversionJob's uid, which only the API server assigns.
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -86,17 +88,15 @@ def render_batch_objects(
     return [
         build_runner_role(owner),
         build_runner_role_binding(owner, runner_account(spec, opts.runner_service_account)),
-        build_runner_job(
-            owner, spec, 1, opts.image, default_service_account=opts.runner_service_account, extra_env=runner_env(items)
-        ),
+        build_runner_job(owner, spec, 1, opts.image, default_service_account=opts.runner_service_account, items=items),
     ]
 
 
 def _dask_cluster(manifest: JobManifest, owner: Owner, opts: RenderOptions) -> dict[str, Any]:
     """Plan as the runner pod would (the kubernetes backend's capacity, the image's allocator) and
     build its DaskCluster."""
-    from ..planner import DEFAULT_CONSTANTS, make_plan
-    from ..engine.sources.hdf5 import inspect_source
+    from .engine.sources.hdf5 import inspect_source
+    from .planner import DEFAULT_CONSTANTS, make_plan
 
     spec = manifest.spec
     image = spec.pod.image or opts.image

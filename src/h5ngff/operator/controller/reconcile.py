@@ -25,9 +25,11 @@ from .diagnose import (  # noqa: F401  (re-exported: tests and handlers read the
     runner_report,
     start_problem,
 )
-from ..phases import TERMINAL_PHASES, Phase
-from .manifests import LABEL_ATTEMPT, runner_job_name
-from .status import (
+from ...k8s import LABEL_ATTEMPT, runner_job_name
+from ...phases import TERMINAL_PHASES, Phase
+from .toolkit import Need, Wait, conversion_changed, pods_gate
+from ..schema.status import (
+    bounded,
     PERMANENT_REASONS,
     START_REASONS,
     add_seconds,
@@ -73,6 +75,9 @@ class Observed:
     #: The same fields hashed as builds up to 0.x did (defaults included); a status written by
     #: such a build is compared with this, so an upgrade alone never looks like an edit.
     legacy_conversion: str = ""
+    #: The hashes other builds compute for this spec (as written, defaults that were written out
+    #: included: builds up to issue 41); a recorded one of these is the same conversion.
+    other_conversions: tuple[str, ...] = ()
     spec_error: str | None = None
     #: Seconds to wait before a retry, by failed attempts of the run so far (1, 2, ...).
     retry_delays: tuple[int, ...] = (0,)
@@ -84,9 +89,11 @@ class Observed:
     events_checked: bool = False
     #: The current runner Job was looked up by name (the index did not have it).
     job_checked: bool = False
-    #: Why the tenant policy (operator/policy.py) refuses this spec, or None. A denied spec starts
-    #: nothing, and a run of it in flight is stopped; a finished outcome stays as it was.
+    #: Why the tenant policy (operator/schema/policy.py) refuses this spec, or None. A denied spec
+    #: starts nothing, and a run of it in flight is stopped; a finished outcome stays as it was.
     policy_denial: str | None = None
+    #: Why this job must not run because a ConversionBatch of its name is older (names.py), or None.
+    name_taken: str | None = None
     #: This process asked for the current attempt's runner Job and Kubernetes refused it for good
     #: (HTTP 4xx): the API's message. A permanent refusal ends the attempt (reason ``Rejected``).
     create_rejected: str | None = None
@@ -125,8 +132,8 @@ def reconcile(o: Observed) -> Decision:
     status = o.status
     if o.spec_error is not None:
         decision = _invalid(o, o.spec_error)
-    elif o.policy_denial is not None and (_conversion_changed(o) or _in_flight_now(status)):
-        decision = _policy_denied(o)
+    elif _refusal(o) is not None and (_conversion_changed(o) or _in_flight_now(status)):
+        decision = _refused(o, *(_refusal(o) or ("", "")))
     elif _conversion_changed(o):
         decision = _new_run(o)
     elif status.get("phase") in TERMINAL_PHASES:
@@ -156,17 +163,15 @@ def _stamp(o: Observed, d: Decision) -> Decision:
 
 
 def _conversion_changed(o: Observed) -> bool:
-    """A new run starts only for a new generation whose conversion differs. At the generation the
-    hash was last compared at, nobody edited the spec: a different hash then comes from a
-    different operator build (a field added with a default, a new hash formula), and a version
-    change of the operator must never start a run, let alone one with overwrite."""
+    """A new run starts only for a new generation whose normalised conversion differs
+    (toolkit.conversion_changed): writing a default out, removing one, an operator upgrade that
+    adds a defaulted field or changes the hash formula never starts a run, let alone one with
+    overwrite."""
     status = o.status
     if not int(status.get("attempts") or 0):
         return True  # never started
-    recorded = status.get("conversionHash")
-    if not recorded or recorded in (o.conversion, o.legacy_conversion):
-        return False
-    return o.generation != _compared_at(status)
+    accepted = (o.legacy_conversion, *o.other_conversions)
+    return conversion_changed(status.get("conversionHash"), o.conversion, accepted, o.generation, _compared_at(status))
 
 
 def _compared_at(status: dict[str, Any]) -> int | None:
@@ -437,49 +442,72 @@ def _deadline_passed(o: Observed) -> str | None:
     )
 
 
-def _released(o: Observed, patch: dict[str, Any]) -> dict[str, Any]:
-    """The run ended: its Lease goes back (before the status write that records the end)."""
-    patch = {**patch, "nextRetryTime": None, "outputLease": None}
+def _ended(o: Observed, d: Decision, ask: bool = False) -> Decision:
+    """A run that ended (``d`` records its end, or it ended earlier) gives its Lease back only
+    once no pod of it can still write: the runner pod and every Dask pod gone (toolkit's
+    ``pods_gate``). Until then the DaskCluster is deleted again, a runner Job still running is
+    deleted, and the OutputLease condition says what the Lease waits for. The pass that records
+    the end does not wait for a pod listing (``ask`` False): the Lease then goes back in a
+    later pass over the finished run."""
+    lease = o.status.get("outputLease")
+    if d.needs or not lease:
+        return d
+    gate = pods_gate(o.pods, o.pods_checked)
+    if isinstance(gate, Need):
+        return Decision(needs=gate.what) if ask else d
+    base = d.patch["conditions"] if "conditions" in d.patch else o.status.get("conditions")
+    if isinstance(gate, Wait):
+        text = gate.message(f"Giving back the output Lease {lease}")
+        conditions = set_condition(base, "OutputLease", "True", "Draining", text, o.now)
+        patch = {**d.patch, "conditions": conditions} if conditions != base else d.patch
+        job = _current_job(o)
+        running = job.name if job is not None and job.state in ("pending", "active") else None
+        return dataclasses.replace(d, patch=patch, delete_cluster=True, delete_job=d.delete_job or running)
+    patch = {**d.patch, "outputLease": None}
     if condition(o.status, "OutputLease"):
-        patch["conditions"] = set_condition(patch.get("conditions"), "OutputLease", "False", "Released", None, o.now)
-    return patch
+        patch["conditions"] = set_condition(base, "OutputLease", "False", "Released", None, o.now)
+    return dataclasses.replace(d, patch=patch, release_lease=lease)
 
 
 def _succeeded(o: Observed) -> Decision:
-    patch = _released(o, succeeded_patch(o.status, o.now))
-    return Decision(
-        patch,
-        release_lease=o.status.get("outputLease"),
-        event=("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}."),
-    )
+    patch = {**succeeded_patch(o.status, o.now), "nextRetryTime": None}
+    event = ("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}.")
+    return _ended(o, Decision(patch, event=event))
 
 
 def _final(o: Observed, reason: str, message: str, delete_job: str | None = None, failures: Any = None) -> Decision:
-    patch = _released(o, failed_patch(o.status, reason, message, o.now))
+    patch = {**failed_patch(o.status, reason, message, o.now), "nextRetryTime": None}
     if failures is not None:
         patch["failures"] = failures
-    return Decision(
-        patch,
-        delete_job=delete_job,
-        delete_cluster=True,
-        release_lease=o.status.get("outputLease"),
-        event=("Warning", reason, message),
-    )
+    event = ("Warning", reason, bounded(message) or "")
+    return _ended(o, Decision(patch, delete_job=delete_job, delete_cluster=True, event=event))
 
 
-def _policy_denied(o: Observed) -> Decision:
-    """Failed with reason PolicyDenied: no runner Job, Lease or DaskCluster is created, and the
-    children of a run in flight (its spec was edited, or the policy tightened) are deleted."""
+def _refusal(o: Observed) -> tuple[str, str] | None:
+    """(reason, message) when this job must not run: an older ConversionBatch has its name
+    (NameTaken), or the tenant policy refuses its spec (PolicyDenied)."""
+    if o.name_taken is not None:
+        return "NameTaken", o.name_taken
+    if o.policy_denial is not None:
+        return "PolicyDenied", o.policy_denial
+    return None
+
+
+def _refused(o: Observed, reason: str, message: str) -> Decision:
+    """Failed with ``reason``: no runner Job, Lease or DaskCluster is created, and the children of
+    a run in flight (its spec was edited, or the policy tightened) are deleted; its Lease goes
+    back once their pods are gone. A job that never ran deletes nothing: with NameTaken, what
+    its name names is the other object's."""
     status = o.status
-    denial = o.policy_denial or ""
     if (
         status.get("phase") == Phase.FAILED
-        and status.get("reason") == "PolicyDenied"
-        and status.get("message") == denial
+        and status.get("reason") == reason
+        and status.get("message") == bounded(message)
     ):
-        return NOTHING
+        return _settled(o)
     job = _current_job(o) if _in_flight_now(status) else None
-    return _final(o, "PolicyDenied", denial, delete_job=job.name if job else None)
+    d = _final(o, reason, message, delete_job=job.name if job else None)
+    return d if int(status.get("attempts") or 0) else dataclasses.replace(d, delete_cluster=False)
 
 
 def _after_failure(
@@ -529,11 +557,8 @@ def _after_failure(
 
 def _settled(o: Observed) -> Decision:
     """A finished run stays finished: only its generation stamp may change (an edit that did not
-    change the conversion), and a Lease left behind is given back."""
-    lease = o.status.get("outputLease")
-    if lease:
-        return Decision({"outputLease": None}, release_lease=lease)
-    return NOTHING
+    change the conversion), and its Lease goes back once its pods are gone (``_ended``)."""
+    return _ended(o, NOTHING, ask=True)
 
 
 def _invalid(o: Observed, error: str) -> Decision:

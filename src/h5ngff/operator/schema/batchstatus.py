@@ -25,6 +25,7 @@ class ItemReport(_Status):
     outcome: Literal["Running", "Succeeded", "Failed"]
     reason: str | None = None
     message: str | None = None
+    time: str | None = Field(None, description="When the runner wrote this report.")
     result: ResultSummary | None = None
     progress: ProgressStatus | None = Field(
         None, description="Its slabs while it runs, at most one report per item every few seconds."

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..k8s import LABEL_ATTEMPT, LABEL_COMPONENT
-from ..phases import TERMINAL_PHASES
+from ...k8s import LABEL_ATTEMPT, LABEL_COMPONENT
+from ...phases import TERMINAL_PHASES
 
 #: Pod termination reasons the kubelet reports when the kernel killed a container at its limit.
 OOM_REASONS = frozenset({"OOMKilled"})
