@@ -214,6 +214,63 @@ def test_admission_refuses_what_the_model_refuses_for_item_sources():
         assert any("does not support them yet" in e for e in errors), errors
 
 
+def _with(**changes) -> dict:
+    """BASE with its first item's output, or the template, or a top-level field changed."""
+    spec = copy.deepcopy(BASE)
+    if "item_output" in changes:
+        spec["items"][0]["output"] = changes.pop("item_output")
+    if "template" in changes:
+        spec["output"]["path"] = changes.pop("template")
+    return {**spec, **changes}
+
+
+#: Issue 41: rows the CRD admitted and the model refused (an item's own output skipped the
+#: output.path rules; a template field's format spec), or the other way round ("3").
+BATCH_ROWS = {
+    "an item with its own output": (_with(item_output="/data/x.ome.zarr"), True),
+    "an item writing to a bucket": (_with(item_output="s3://bucket/x.ome.zarr"), True),
+    "a template with escaped braces": (_with(template="/data/{{a:b}}/{stem}.ome.zarr"), True),
+    "an item output with a leading space": (_with(item_output=" /data/x"), False),
+    "an item output like a URL without //": (_with(item_output="s3:/b/p"), False),
+    "an item output of an unknown scheme": (_with(item_output="gs://b/x.ome.zarr"), False),
+    "a template field with a width": (_with(template="/data/out/{stem:>100000000}.zarr"), False),
+    "an item template field with a conversion": (_with(item_output="/data/{stem!r}.ome.zarr"), False),
+    "levels as a string": (_with(pyramid={"levels": "3"}), False),
+    "mounts /a and /a/": (
+        _with(
+            pod={
+                "volumes": [{"name": "v", "emptyDir": {}}],
+                "volumeMounts": [{"name": "v", "mountPath": "/a"}, {"name": "v", "mountPath": "/a/"}],
+            }
+        ),
+        False,
+    ),
+}
+
+
+def _model_admits(spec: dict) -> bool:
+    try:
+        parse_batch_spec(spec)
+    except SpecError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", BATCH_ROWS)
+def test_the_batch_crd_and_the_model_give_one_answer(name):
+    spec, admitted = BATCH_ROWS[name]
+    assert _model_admits(spec) is admitted
+    assert (admission_errors(_spec_schema(), spec) == []) is admitted
+
+
+def test_without_the_item_output_rules_the_crd_admits_what_the_model_refuses():
+    """Negative control: the item's output node as it was (no rules of its own)."""
+    schema = _spec_schema()
+    schema["properties"]["items"]["items"]["properties"]["output"].pop("x-kubernetes-validations")
+    admitted = {name for name, (spec, _) in BATCH_ROWS.items() if admission_errors(schema, spec) == []}
+    assert {"an item output with a leading space", "an item output like a URL without //"} <= admitted
+
+
 def test_the_example_is_valid_for_the_crd_and_the_model():
     doc = yaml.safe_load(EXAMPLE.read_text())
     schema = as_json_schema(build_batch_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])

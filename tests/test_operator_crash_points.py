@@ -343,9 +343,16 @@ async def test_a_runner_job_kubernetes_refuses_fails_rejected_and_frees_the_outp
         (
             {
                 "volumes": [{"name": "a", "emptyDir": {}}],
-                "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
+                "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x"}],
             },
             "mountPaths to be unique",
+        ),
+        (  # Kubernetes' own check compares strings: /x and /x/ would pass it and collide
+            {
+                "volumes": [{"name": "a", "emptyDir": {}}],
+                "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
+            },
+            "normal form",
         ),
         (
             {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "x"}]},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,6 +65,11 @@ MAX_VOLUME_NAME = 63
 #: The emptyDir every runner and Dask pod gets at /tmp (k8s.with_scratch): no user volume may
 #: take its name, or Kubernetes refuses the pod (duplicate volume names).
 SCRATCH_VOLUME = "h5ngff-scratch"
+#: A volumeMount's mountPath in normal form: absolute, no empty, ``.`` or ``..`` component and no
+#: trailing slash. Kubernetes compares mountPaths as written, so ``/a`` and ``/a/`` pass its
+#: uniqueness check and collide in the container; the CRD (a pattern) and the model (the same
+#: pattern) refuse the second spelling alike, since CEL cannot normalise a path (issue 41).
+MOUNT_PATH_PATTERN = r"^/$|^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
 
 
 class PodSettings(_Model):
@@ -141,11 +147,18 @@ class PodSettings(_Model):
         paths: list[str] = []
         for mount in self.volume_mounts or ():
             path = mount.get("mountPath")
-            if not isinstance(path, str) or not path.startswith("/"):
-                raise ValueError(
-                    f"Expected every volumeMount's mountPath to be an absolute path. Got {path!r} instead."
+            if not isinstance(path, str) or not re.fullmatch(MOUNT_PATH_PATTERN, path):
+                normal = posixpath.normpath("/" + path.lstrip("/")) if isinstance(path, str) else None
+                hint = (
+                    f" (write {normal!r})"
+                    if normal and normal.startswith("/") and ".." not in normal.split("/")
+                    else ""
                 )
-            paths.append(posixpath.normpath(path))
+                raise ValueError(
+                    f"Expected every volumeMount's mountPath to be an absolute path in normal form: no trailing '/', "
+                    f"no '//', '.' or '..' component{hint}. Got {path!r} instead."
+                )
+            paths.append(path)
         _no_repeats("spec.pod.volumeMounts mountPaths", paths)
         if self.image is not None and not self.image.strip():
             raise ValueError(

@@ -236,6 +236,14 @@ def _int_or_auto(value: Any, allowed: str) -> Any:
     return value
 
 
+def _number_or_auto(value: Any, allowed: str) -> Any:
+    """An int-or-string field whose only string is 'auto': a number in quotes ("3") is refused,
+    as the CRD's schema refuses it (the API server and the model give one answer, issue 41)."""
+    if isinstance(value, str) and value.strip().lstrip("+-").replace(".", "", 1).isdigit():
+        raise ValueError(f"Expected {allowed}. Got {value!r} (a string) instead: write a number without quotes.")
+    return _int_or_auto(value, allowed)
+
+
 def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
     if value is None:
         return None
@@ -531,7 +539,7 @@ class PyramidSpec(_Model):
     @field_validator("levels", mode="before")
     @classmethod
     def _levels_not_bool(cls, v: Any) -> Any:
-        return _int_or_auto(v, "'auto' or an integer from 1 to 16")
+        return _number_or_auto(v, "'auto' or an integer from 1 to 16")
 
     method: Literal["mean", "nearest", "max"] = Field(
         "mean", description="mean (exact, rounded half to even for integers), nearest or max."
@@ -582,7 +590,7 @@ class ResourcesSpec(_Model):
     @field_validator("workers", mode="before")
     @classmethod
     def _workers_not_bool(cls, v: Any) -> Any:
-        return _int_or_auto(v, "'auto' or an integer from 1 to 4096")
+        return _number_or_auto(v, "'auto' or an integer from 1 to 4096")
 
     @field_validator("memory_per_worker", "memory_total", mode="before")
     @classmethod

@@ -25,6 +25,10 @@ TEMPLATE_FIELDS = {
     "name": "the file name (cell_07.h5)",
     "parent": "the name of the directory holding the file (day1)",
 }
+#: A template field with a format spec or a conversion (``{stem:>9}``, ``{stem!r}``), which
+#: ``_parts`` refuses; the CRD refuses the same with this pattern (operator/schema/crd.py). A
+#: brace after a brace is an escaped one (``{{a:b}}`` is the literal text ``{a:b}``).
+FORMATTED_FIELD_PATTERN = r"(^|[^{])\{[^{}]*[:!][^{}]*\}"
 #: Characters that make a pattern a glob (Python's glob module: *, ?, [...], and ** with recursion).
 GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -45,14 +49,40 @@ def is_template(output: str) -> bool:
     return bool(_fields(output))
 
 
-def _fields(template: str) -> list[str]:
+def _parts(template: str) -> list[tuple[str, str | None]]:
+    """(literal text, field name or None) pieces of ``template``. A field is a bare name: a format
+    spec or a conversion (``{stem:>100000000}``, ``{stem!r}``) is refused, because Python's
+    formatting would pad, truncate or repr the value (one such spec made a 100 MB output path)."""
     try:
-        return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        parsed = list(string.Formatter().parse(template))
     except ValueError as exc:  # an unmatched brace
         raise SpecError(
             "output",
-            f"Expected an output template such as out/{{stem}}.ome.zarr. Got {template!r}, which is not one ({exc}), instead.",
+            f"Expected an output template such as out/{{stem}}.ome.zarr. Got {_quoted(template)}, which is not one ({exc}), instead.",
         ) from None
+    for _, name, spec, conversion in parsed:
+        if name is not None and (spec or conversion):
+            field = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise SpecError(
+                "output",
+                f"Expected template fields without a format spec or conversion ({{stem}}, {{name}}, {{parent}}). "
+                f"Got {_cut(field)} in {_quoted(template)} instead.",
+            )
+    return [(literal, name) for literal, name, _, _ in parsed]
+
+
+def _quoted(text: str, limit: int = 200) -> str:
+    """``text`` quoted for a message, cut to ``limit`` characters: messages quote what the user
+    wrote, and a status message must stay small."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _fields(template: str) -> list[str]:
+    return [name for _, name in _parts(template) if name is not None]
 
 
 def split_pattern(pattern: str) -> tuple[str, str | None]:
@@ -94,15 +124,22 @@ def _natural(text: str) -> list[object]:
 
 def render_output(template: str, path: str) -> str:
     """The template with ``path``'s fields filled in."""
-    unknown = [f for f in _fields(template) if f not in TEMPLATE_FIELDS]
+    parts = _parts(template)
+    unknown = [f for _, f in parts if f is not None and f not in TEMPLATE_FIELDS]
     if unknown:
         known = ", ".join("{" + f + "}" for f in TEMPLATE_FIELDS)
         raise SpecError(
-            "output", f"Expected template fields from {known}. Got {{{unknown[0]}}} in {template!r} instead."
+            "output",
+            f"Expected template fields from {known}. Got {_cut('{' + unknown[0] + '}')} in {_quoted(template)} instead.",
         )
     name = os.path.basename(path)
-    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
-    return template.format(stem=os.path.splitext(name)[0], name=name, parent=parent)
+    values = {
+        "stem": os.path.splitext(name)[0],
+        "name": name,
+        "parent": os.path.basename(os.path.dirname(os.path.abspath(path))),
+    }
+    # Plain substitution, not str.format: the fields were checked to be bare names.
+    return "".join(literal + (values[field] if field is not None else "") for literal, field in parts)
 
 
 def batch_items(patterns: Sequence[str], template: str) -> list[BatchItem]:

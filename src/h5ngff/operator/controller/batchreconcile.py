@@ -169,7 +169,12 @@ def _fold_attempt(w: _Work, o: BatchObserved) -> Need | BatchDecision | None:
         return cur
     if cur.state == "unknown":
         # Asked for by a pass that did not live to see it, and no runner spoke: ask again (409
-        # keeps one). Overwrite off: it may have run and written.
+        # keeps one), once no pod of an earlier one runs. Overwrite off: it may have run and written.
+        gate = pods_gate(o.pods, o.pods_checked)
+        if isinstance(gate, Need):
+            return gate
+        if isinstance(gate, Wait):
+            return BatchDecision(delete_cluster=True)
         return BatchDecision(ensure_attempt=w.attempt, resume=tuple(w.running))
     if cur.job is not None and cur.job.uid and w.status.runner_job_uid != cur.job.uid:
         w.status.runner_job_uid = cur.job.uid

@@ -304,10 +304,12 @@ def _in_flight(o: Observed, can_start: bool) -> Decision:
     if job is None:
         return _without_job(o, attempt, can_start)
     seen = {"runnerJobUid": job.uid} if status.get("runnerJobUid") != job.uid else {}
-    if job.state == "succeeded":
+    report = runner_report(status, attempt)
+    if job.state == "succeeded" or job.state == "failed" and report and report.get("outcome") == "Succeeded":
+        # The runner reports success after the output's completion marker, as its last act: a pod
+        # that dies after that (OOMKilled while its metrics linger, evicted) ends no conversion.
         return _succeeded(o)
     if job.state == "failed":
-        report = runner_report(status, attempt)
         if not o.pods_checked and not (report and report.get("outcome") == "Failed"):
             return Decision(needs=frozenset({"pods"}))
         reason, message = failure_cause(status, attempt, job, o.pods)

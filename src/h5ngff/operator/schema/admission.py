@@ -23,7 +23,14 @@ from itertools import permutations
 from typing import Any
 
 from ...codecs_table import DEFAULT_CODEC, LEVEL_RANGES, CodecName
-from ...jobspec import DEFAULT_MAX_RETRY_INTERVAL, DEFAULT_RETRY_INTERVAL, MAX_VOLUME_NAME, MAX_VOLUMES, SCRATCH_VOLUME
+from ...jobspec import (
+    DEFAULT_MAX_RETRY_INTERVAL,
+    DEFAULT_RETRY_INTERVAL,
+    MAX_VOLUME_NAME,
+    MAX_VOLUMES,
+    MOUNT_PATH_PATTERN,
+    SCRATCH_VOLUME,
+)
 from ...spec import (
     MAX_AXES,
     MAX_QUANTITY_LENGTH,
@@ -318,11 +325,11 @@ SCHEMA_RULES: tuple[SchemaRule, ...] = (
                 "required": ["name", "mountPath"],
                 "properties": {
                     "name": _VOLUME_NAME,
-                    "mountPath": {"type": "string", "maxLength": 4096, "pattern": "^/"},
+                    "mountPath": {"type": "string", "maxLength": 4096, "pattern": MOUNT_PATH_PATTERN},
                 },
             },
         },
-        "PodSettings._named; PodSettings._kubernetes_accepts: an absolute mountPath, as Kubernetes requires",
+        "PodSettings._named; PodSettings._kubernetes_accepts: an absolute mountPath in normal form (MOUNT_PATH_PATTERN)",
     ),
     SchemaRule(
         "pod.image", {"pattern": "[^ \\t\\n\\r]"}, "PodSettings._kubernetes_accepts: an image name, not an empty string"
@@ -465,7 +472,7 @@ CEL_RULES: tuple[CelRule, ...] = (
         why="PodSettings._mounts_name_volumes",
     ),
     # Kubernetes refuses these in the runner Job (HTTP 422); refusing them here fails the apply,
-    # not a run. mountPaths equal only after normalising (/d and /d/) are left to the model.
+    # not a run. mountPaths are in normal form (the pattern above), so equal paths are equal strings.
     CelRule(
         "pod.volumes",
         "self.all(v, !has(v.name) || self.exists_one(w, has(w.name) && w.name == v.name))",

@@ -27,8 +27,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from ...batch.items import FORMATTED_FIELD_PATTERN
 from ...jobspec import BATCH_KIND, BATCH_PLURAL, GROUP, KIND, PLURAL, VERSION, ConversionJobSpec
-from .admission import apply_rules
+from .admission import _cel_string, apply_rules
 from .batchspec import ConversionBatchSpec
 from .batchstatus import ConversionBatchStatus
 from .status import ConversionJobStatus
@@ -221,7 +222,9 @@ def batch_spec_schema() -> dict[str, Any]:
     spec["properties"]["source"] = copy.deepcopy(schema_of(ConversionJobSpec)["properties"]["source"])
     apply_rules(spec)
     source = spec["properties"].pop("source")
-    spec["properties"]["items"]["items"]["properties"]["source"] = source
+    item = spec["properties"]["items"]["items"]["properties"]
+    item["source"] = source
+    _template_rules(spec["properties"]["output"]["properties"]["path"], item["output"])
     # Kept in the schema (a pruned field would be dropped silently) and refused, as the operator
     # refuses them (batchspec: a batch has no deadline or retry backoff yet).
     for name in ("activeDeadlineSeconds", "retry"):
@@ -233,6 +236,23 @@ def batch_spec_schema() -> dict[str, Any]:
         }
     )
     return spec
+
+
+def _template_rules(template: dict[str, Any], item_output: dict[str, Any]) -> None:
+    """An item's own ``output`` is a path as ``output.path`` is (its rules, named for it), and
+    both are templates whose fields take no format spec (batch.items._parts)."""
+    formatted = {
+        "rule": f"!self.matches('{_cel_string(FORMATTED_FIELD_PATTERN)}')",
+        "message": "template fields take no format spec or conversion: write {stem}, {name} or {parent}",
+    }
+    for rule in template.get("x-kubernetes-validations", ()):
+        item_output.setdefault("x-kubernetes-validations", []).append(
+            {**rule, "message": rule["message"].replace("output.path", "items[].output")}
+        )
+    for node, name in ((template, "output.path"), (item_output, "items[].output")):
+        node.setdefault("x-kubernetes-validations", []).append(
+            {**formatted, "message": f"{name}'s {formatted['message']}"}
+        )
 
 
 def build_batch_crd() -> dict[str, Any]:
