@@ -443,12 +443,14 @@ class OperatorWorld(RuleBasedStateMachine):
             (kind, _), obj = objects[owner_uid]
             _, _, _, conversions = self._contract(job)
             now = self._conversions_now(kind, obj)
-            for item in conversions:
+            for item, conversion in conversions.items():
                 done = self.finished.get((owner_uid, item))
                 assert done is None or now.get(item) != done, (
                     f"runner Job {name} runs {item or 'the job'} again though its runner reported that "
                     f"conversion done and the spec still asks for it"
                 )
+                if conversion != done:  # it may write another conversion over the finished one
+                    self.finished.pop((owner_uid, item), None)
 
     def _conversions_now(self, kind: str, obj: dict[str, Any]) -> dict[str, str]:
         if kind == KIND:
@@ -628,3 +630,49 @@ def test_regression_a_runner_that_reported_success_and_then_failed_is_not_run_ag
         ("reconcile", {"draws": [J1]}),
     )
     assert sorted(world._runner_jobs()) == ["j1-runner-1"] and _status(world, J1)["phase"] == "Succeeded"
+
+
+def test_regression_an_edit_undone_while_it_waited_for_the_output_takes_no_old_attempt_up():
+    """Found by the long profile on this branch (and failing on cb6367c): a job whose run had
+    ended, edited while another object held its output, waited OutputBusy as Pending; the edit
+    undone, the job took the ended run's attempt up again and created a runner Job without the
+    Lease, beside the holder's runner."""
+    job_d = {**JOB_A, "image": None, "overwrite": False}
+    world = replay(
+        OperatorWorld(),
+        ("apply_job", job_d),
+        ("reconcile", {"draws": [J1]}),
+        ("a_runner_pod_starts", {"draws": ["j1-runner-1"]}),
+        ("apply_job", {**job_d, "image": "evil.example/miner:1"}),
+        ("reconcile", {"draws": [J1]}),
+        ("a_terminating_pod_exits", {"draws": ["j1-runner-1-pod"]}),
+        ("reconcile", {"draws": [J1]}),
+        ("apply_batch", BATCH_A),
+        ("reconcile", {"draws": [B1]}),
+        ("apply_job", {**job_d, "dataset": "/e"}),
+        ("reconcile", {"draws": [J1]}),
+        ("apply_job", job_d),
+        ("reconcile", {"draws": [J1]}),
+        ("reconcile", {"draws": [J1]}),
+    )
+    assert not [j for j in world._runner_jobs() if j.startswith("j1")]
+    assert _status(world, J1)["reason"] == "OutputBusy"  # a new run of it waits for the output
+
+
+def test_regression_a_batch_item_edited_and_undone_while_it_ran_runs_nothing_more():
+    """Found by the long profile on this branch: an item's conversion edited while its attempt
+    ran and edited back before the next: its output holds that conversion, so nothing runs."""
+    world = replay(
+        OperatorWorld(),
+        ("apply_batch", {**BATCH_A, "dataset": "/e"}),
+        ("reconcile", {"draws": [B1]}),
+        ("a_runner_pod_starts", {"draws": ["b1-runner-1"]}),
+        ("apply_batch", BATCH_A),
+        ("a_runner_reports", {"draws": ["b1-runner-1"], "outcome": "Succeeded"}),
+        ("reconcile", {"draws": [B1]}),
+        ("a_runner_exits", {"draws": ["b1-runner-1"], "code": 0, "cleans_up": True}),
+        ("apply_batch", {**BATCH_A, "dataset": "/e"}),
+        ("reconcile", {"draws": [B1]}),
+        ("reconcile", {"draws": [B1]}),
+    )
+    assert sorted(world._runner_jobs()) == ["b1-runner-1"] and _status(world, B1)["phase"] == "Succeeded"

@@ -219,6 +219,7 @@ def _finish(entry: BatchItemStatus, report: ItemReport, o: BatchObserved) -> Non
     reason, message = report.reason, bounded(report.message)
     if report.outcome == SUCCEEDED:
         entry.phase, entry.reason, entry.message, entry.completion_time = SUCCEEDED, None, None, o.now
+        entry.converted_hash = entry.conversion_hash  # what its output now holds complete
     elif reason in PERMANENT_REASONS or entry.attempts > o.backoff_limit:
         entry.phase, entry.reason, entry.message, entry.completion_time = FAILED, reason or "Failed", message, o.now
     else:
@@ -253,11 +254,16 @@ def _sync_items(w: _Work, o: BatchObserved) -> None:
 
 def _changed(w: _Work, o: BatchObserved, d: DesiredItem, entry: BatchItemStatus) -> BatchItemStatus:
     """An item whose recorded hash differs: a new conversion (Pending again, keeping a Lease it
-    holds), or the same one hashed by another build (adopted: nothing runs)."""
+    holds), the same one hashed by another build (adopted: nothing runs), or the one its output
+    holds complete (an edit undone before it ran: Succeeded again, nothing runs)."""
     if not conversion_changed(
         entry.conversion_hash, d.conversion_hash, d.accepted_hashes, o.generation, w.status.observed_generation
     ):
         entry.conversion_hash = d.conversion_hash
+        return entry
+    if d.conversion_hash == entry.converted_hash:
+        entry.conversion_hash, entry.phase, entry.reason, entry.message = d.conversion_hash, SUCCEEDED, None, None
+        entry.completion_time = entry.completion_time or o.now
         return entry
     if entry.phase != PENDING or entry.attempts:
         w.events.append(("Normal", "ItemChanged", bounded(f"{d.output}: its conversion changed; it runs again.") or ""))
@@ -268,6 +274,7 @@ def _changed(w: _Work, o: BatchObserved, d: DesiredItem, entry: BatchItemStatus)
         phase=PENDING,
         conversion_hash=d.conversion_hash,
         output_lease=entry.output_lease,
+        converted_hash=entry.converted_hash,
     )
 
 
@@ -354,6 +361,7 @@ def _begin(w: _Work, o: BatchObserved, held: list[str]) -> None:
     for item_id in held:
         entry = w.items[item_id]
         entry.phase, entry.attempt, entry.attempts = RUNNING, nxt, entry.attempts + 1
+        entry.converted_hash = None  # it writes now
     reports = w.status.item_reports or {}
     w.status.item_reports = {k: v for k, v in reports.items() if k not in held} or None
     w.status.attempts, w.status.runner_job, w.status.runner_job_uid = nxt, runner_job_name(o.name, nxt), None

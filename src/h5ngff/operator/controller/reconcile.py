@@ -55,6 +55,7 @@ RUN_FIELDS = (
     "completionTime",
     "nextRetryTime",
     "runnerJobUid",
+    "convertedHash",
 )
 
 
@@ -166,10 +167,13 @@ def _conversion_changed(o: Observed) -> bool:
     """A new run starts only for a new generation whose normalised conversion differs
     (toolkit.conversion_changed): writing a default out, removing one, an operator upgrade that
     adds a defaulted field or changes the hash formula never starts a run, let alone one with
-    overwrite."""
+    overwrite. A run wanted but not started (waiting for its output) is still wanted, whatever
+    the spec says now: no attempt of an earlier run is taken up again (issue 41)."""
     status = o.status
     if not int(status.get("attempts") or 0):
         return True  # never started
+    if _waiting_for_output(status):
+        return True
     accepted = (o.legacy_conversion, *o.other_conversions)
     return conversion_changed(status.get("conversionHash"), o.conversion, accepted, o.generation, _compared_at(status))
 
@@ -196,7 +200,19 @@ def _adopt_hash(o: Observed, writing: bool) -> dict[str, Any]:
 
 
 def _in_flight_now(status: dict[str, Any]) -> bool:
-    return status.get("phase") not in TERMINAL_PHASES and int(status.get("attempts") or 0) > 0
+    """An attempt of a run is current: started, not ended, and not given up for a new run that
+    waits for its output."""
+    return (
+        status.get("phase") not in TERMINAL_PHASES
+        and int(status.get("attempts") or 0) > 0
+        and not _waiting_for_output(status)
+    )
+
+
+def _waiting_for_output(status: dict[str, Any]) -> bool:
+    """A new run waits for its output's Lease (``_output_busy``, which forgets the earlier run's
+    runner Job: that attempt is over, its pods gone)."""
+    return status.get("reason") == "OutputBusy" and not status.get("runnerJob") and int(status.get("attempts") or 0) > 0
 
 
 def _current_job(o: Observed) -> JobSummary | None:
@@ -231,6 +247,8 @@ def _new_run(o: Observed) -> Decision:
             {"reason": "SpecChanged", "message": message} if status.get("message") != message else {},
             delete_cluster=True,
         )
+    if o.conversion and status.get("convertedHash") == o.conversion:
+        return _converted(o)
     old_lease = status.get("outputLease")
     release = old_lease if old_lease and old_lease != o.lease_name else None
     if o.lease is None:
@@ -238,6 +256,21 @@ def _new_run(o: Observed) -> Decision:
     if not o.lease.held:
         return _output_busy(o, release)
     return _start_run(o, release)
+
+
+def _converted(o: Observed) -> Decision:
+    """The spec asks again for the conversion the output holds complete (``convertedHash``: no
+    run has written since it succeeded, e.g. an edit that waited for the output and was undone):
+    Succeeded again, nothing runs."""
+    status = o.status
+    message = f"Generation {o.generation} asks for the conversion {o.output} already holds; nothing runs."
+    patch = {
+        **succeeded_patch(status, o.now),
+        "conversionHash": o.conversion,
+        "conversionGeneration": o.generation,
+        "completionTime": status.get("completionTime") or o.now,
+    }
+    return _ended(o, Decision(patch, event=("Normal", "Succeeded", message)), ask=True)
 
 
 def _output_busy(o: Observed, release: str | None) -> Decision:
@@ -254,6 +287,10 @@ def _output_busy(o: Observed, release: str | None) -> Decision:
             "reason": "OutputBusy",
             "message": message,
             "output": o.output,
+            # The earlier run's attempt is over (its pods are gone): none is current until this
+            # run starts, so an edit back to that run's spec never takes its attempt up again.
+            "runnerJob": None,
+            "runnerJobUid": None,
             "conditions": set_condition(status.get("conditions"), "OutputLease", "False", "OutputBusy", message, o.now),
         }
         if release:
@@ -472,7 +509,9 @@ def _ended(o: Observed, d: Decision, ask: bool = False) -> Decision:
 
 
 def _succeeded(o: Observed) -> Decision:
-    patch = {**succeeded_patch(o.status, o.now), "nextRetryTime": None}
+    # What the output now holds complete: an edit back to it later runs nothing (``_converted``).
+    converted = o.status.get("conversionHash") or o.conversion or None
+    patch = {**succeeded_patch(o.status, o.now), "nextRetryTime": None, "convertedHash": converted}
     event = ("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}.")
     return _ended(o, Decision(patch, event=event))
 

@@ -53,6 +53,11 @@ class BatchItemStatus(_Status):
     attempts: int = Field(0, description="Runner attempts that ran this item (for this conversionHash).")
     attempt: int | None = Field(None, description="The batch attempt that last ran the item.")
     output_lease: str | None = Field(None, description="The output Lease this batch holds for the item while it runs.")
+    converted_hash: str | None = Field(
+        None,
+        description="The conversionHash the item's output holds complete, until it runs again; a spec asking for it "
+        "again runs nothing.",
+    )
     completion_time: str | None = None
     progress: ProgressStatus | None = Field(None, description="Its slabs done, as the runner last reported them.")
     result: ResultSummary | None = None

@@ -257,6 +257,11 @@ class ConversionJobStatus(_Status):
     output_lease: str | None = Field(
         None, description="The coordination.k8s.io Lease this job holds on its output path while it runs."
     )
+    converted_hash: str | None = Field(
+        None,
+        description="The conversionHash the output holds complete: the last run's that succeeded, until another run "
+        "starts; a spec asking for it again runs nothing.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
