@@ -308,14 +308,22 @@ def test_the_tenant_policy_applies_to_a_batch_as_to_a_job():
     assert any("spec.pod.image" in v for v in found) and any("hostPath" in v for v in found)
 
 
-def test_every_test_the_batch_lifecycle_table_names_exists():
-    """docs/operator.md's ConversionBatch lifecycle table names real tests (a renamed test fails here)."""
+def test_every_test_the_lifecycle_tables_name_exists():
+    """docs/operator.md's ConversionJob and ConversionBatch lifecycle tables name real tests (a
+    renamed test fails here), and every row of issue 41 (§) names one."""
     import re
 
     docs = (ROOT / "docs/operator.md").read_text()
-    table = docs.split("### ConversionBatch lifecycle", 1)[1].split("\n\n", 3)[2]
-    named = set(re.findall(r"`(test_[a-z0-9_]+)`", table))
+    tables = [
+        docs.split("## Lifecycle", 1)[1].split("\n\n", 3)[2],
+        docs.split("### ConversionBatch lifecycle", 1)[1].split("\n\n", 3)[2],
+    ]
     defined = set()
-    for name in ("test_operator_batch_reconcile.py", "test_operator_batch_kmock.py", "test_operator_batch_spec.py"):
-        defined |= set(re.findall(r"def (test_[a-z0-9_]+)", (ROOT / "tests" / name).read_text()))
-    assert len(named) >= 10 and named <= defined, named - defined
+    for path in (ROOT / "tests").glob("test_*.py"):
+        defined |= set(re.findall(r"(?:def|class) (test_[a-z0-9_]+|Test[A-Za-z]+)", path.read_text()))
+        defined |= set(re.findall(r"^(Test[A-Za-z]+) = ", path.read_text(), re.M))
+    for table in tables:
+        named = set(re.findall(r"`(test_[a-z0-9_]+|Test[A-Za-z]+)`", table))
+        assert len(named) >= 10 and named <= defined, named - defined
+        issue_41 = [row for row in table.splitlines() if row.startswith("| §")]
+        assert issue_41 and all(re.search(r"`(test_|Test)", row) for row in issue_41), issue_41
