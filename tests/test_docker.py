@@ -110,6 +110,8 @@ def problems(text: str) -> list[str]:
         out.append("H5NGFF_JEMALLOC differs from LD_PRELOAD")
     if env.get("MALLOC_CONF") != JEMALLOC_CONF:
         out.append(f"MALLOC_CONF {env.get('MALLOC_CONF')!r} is not allocator.JEMALLOC_CONF {JEMALLOC_CONF!r}")
+    if env.get("PYTHONSAFEPATH") != "1":  # issue 41: no working directory on the import path
+        out.append("PYTHONSAFEPATH is not 1")
     users = [c.value[0] for c in final if c.cmd == "USER"]
     user = users[-1].split(":")[0] if users else "root"
     if not user.isdigit() or int(user) == 0:
@@ -151,6 +153,7 @@ TEXT = DOCKERFILE.read_text()
             "jemalloc is not preloaded",
         ),
         (lambda t: t.replace("muzzy_decay_ms:0", "muzzy_decay_ms:1000"), "MALLOC_CONF"),
+        (lambda t: t.replace("    PYTHONSAFEPATH=1 \\\n", ""), "PYTHONSAFEPATH"),
         (lambda t: t.replace("USER 10001:10001", "USER root"), "non-root"),
         (lambda t: t.replace("USER 10001:10001", "USER 0"), "non-root"),
         (lambda t: t.replace("USER 10001:10001\n", ""), "non-root"),
@@ -170,6 +173,7 @@ TEXT = DOCKERFILE.read_text()
         "no-jemalloc",
         "no-preload",
         "other-malloc-conf",
+        "no-safe-path",
         "user-root",
         "uid-0",
         "no-user",

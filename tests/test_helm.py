@@ -6,7 +6,7 @@
   must match instead (the Service they select, the pods h5ngff builds, the rule file);
 * values.schema.json rejects bad values (Helm refuses to render);
 * the chart's copies of the CRD, dashboard, alert rules and RBAC rules equal their sources;
-* the operator's and runner's RBAC is exactly src/h5ngff/operator/rbac.py's rules for the mode,
+* the operator's and runner's RBAC is exactly src/h5ngff/operator/schema/rbac.py's rules for the mode,
   in both directions, with a negative control;
 * the operator container's arguments parse with h5ngff's real command-line parser.
 """

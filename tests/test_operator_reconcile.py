@@ -445,3 +445,20 @@ def test_the_lease_key_is_the_claim_and_the_path_inside_it():
     assert output_key(plain) == "path:/work/out.ome.zarr"
     name = lease_name(output_key(_with()))
     assert name.startswith("h5ngff-output-") and len(name) <= 63 and name == lease_name("pvc:scans:/out.ome.zarr")
+
+
+def test_an_attempt_starts_only_under_the_lease_it_takes_again_first():
+    """A retry (or a first attempt created again) takes the run's Lease again before its runner
+    Job: a pass that gave the Lease back may have died before its status write said so (issue
+    41, found by the state machine for batches). Someone else holding it now: the run waits."""
+    s = started(phase="Pending", attempt=2, runnerJobUid=None)
+    s["firstAttempt"] = 1
+    d, _ = run(s, pods=[], lease=None)
+    assert d.needs == frozenset({"lease"}) and d.ensure_attempt is None
+    busy = LeaseState("lease-a", False, "team/other/uid-9")
+    d, s2 = run(s, pods=[], lease=busy)
+    assert d.ensure_attempt is None and s2["reason"] == "OutputBusy" and "outputLease" not in s2
+    d, _ = run(s2, pods=[], lease=busy)  # and it waits as a new run would, starting nothing
+    assert d.ensure_attempt is None
+    d, _ = run(s, pods=[], lease=HELD)  # control: held, the attempt starts
+    assert d.ensure_attempt == 2

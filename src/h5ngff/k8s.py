@@ -192,9 +192,17 @@ def container_security_context() -> dict[str, Any]:
     }
 
 
+#: Every container h5ngff starts runs Python with this set (``python -P``'s variable, 3.11+): the
+#: working directory (``spec.pod.workingDir``, on a tenant's volume) is never put first on the
+#: import path, so a package the tenant left there cannot run in a runner, scheduler or worker.
+#: The Dask nanny starts each worker with ``python -c``, which would put it there (issue 41).
+SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+
+
 def with_scratch(pod_spec: dict[str, Any]) -> dict[str, Any]:
     """Give every container of ``pod_spec`` the pod's scratch emptyDir at /tmp (unless the user
-    mounts something there already) and HOME=/tmp, and set the restricted security contexts."""
+    mounts something there already), HOME=/tmp and PYTHONSAFEPATH=1, and set the restricted
+    security contexts."""
     containers = pod_spec["containers"]
     needs_scratch = False
     for c in containers:
@@ -205,6 +213,9 @@ def with_scratch(pod_spec: dict[str, Any]) -> dict[str, Any]:
         env = c.setdefault("env", [])
         if not any(e.get("name") == "HOME" for e in env):
             env.append({"name": "HOME", "value": SCRATCH_PATH})  # ~/.config/dask and friends
+        for name, value in SAFE_PATH_ENV.items():
+            if not any(e.get("name") == name for e in env):
+                env.append({"name": name, "value": value})
     if needs_scratch:
         pod_spec["volumes"] = [*(pod_spec.get("volumes") or ()), {"name": SCRATCH_VOLUME, "emptyDir": {}}]
     pod_spec["securityContext"] = pod_security_context()

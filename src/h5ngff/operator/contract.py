@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from ..errors import RunnerContractError as ContractError
 from ..jobspec import BATCH_KIND, KIND
-from ..k8s import JOB_NAME_ENV, JOB_NAMESPACE_ENV
+from ..k8s import JOB_NAME_ENV, JOB_NAMESPACE_ENV, SAFE_PATH_ENV
 
 #: The wire names, one per field (``to_env``'s keys). Kept stable across releases: a runner Job
 #: created by the previous operator is run by the new image after an upgrade.
@@ -39,11 +39,7 @@ ENV = {
     "metrics_linger": "H5NGFF_METRICS_LINGER",
     "pod_limit": "H5NGFF_POD_LIMIT",
 }
-#: Every container h5ngff starts runs Python with this set (``-P``'s variable, Python 3.11+): the
-#: working directory (``spec.pod.workingDir``, a tenant's volume) is never put first on the import
-#: path, so a package there cannot run in a runner, scheduler or worker (docs/operator.md,
-#: "Tenant code").
-SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+__all__ = ["ENV", "SAFE_PATH_ENV", "RunnerContract", "ContractError"]
 KINDS = (KIND, BATCH_KIND)
 #: Backends a runner pod may be told to use (backends.factory's kinds that start their own
 #: workers; ``local`` and ``local-pods`` are for tests and clusters without the Dask Operator).

@@ -168,14 +168,7 @@ def _fold_attempt(w: _Work, o: BatchObserved) -> Need | BatchDecision | None:
     if isinstance(cur, Need):
         return cur
     if cur.state == "unknown":
-        # Asked for by a pass that did not live to see it, and no runner spoke: ask again (409
-        # keeps one), once no pod of an earlier one runs. Overwrite off: it may have run and written.
-        gate = pods_gate(o.pods, o.pods_checked)
-        if isinstance(gate, Need):
-            return gate
-        if isinstance(gate, Wait):
-            return BatchDecision(delete_cluster=True)
-        return BatchDecision(ensure_attempt=w.attempt, resume=tuple(w.running))
+        return _recreate(w, o)
     if cur.job is not None and cur.job.uid and w.status.runner_job_uid != cur.job.uid:
         w.status.runner_job_uid = cur.job.uid
     ended = cur.state in ("ended", "vanished")
@@ -197,6 +190,32 @@ def _fold_attempt(w: _Work, o: BatchObserved) -> Need | BatchDecision | None:
         w.delete_cluster = True
         w.events.append(("Normal", "AttemptEnded", f"Runner attempt {w.attempt} ended."))
     w.running = still
+    return None
+
+
+def _recreate(w: _Work, o: BatchObserved) -> Need | BatchDecision | None:
+    """The attempt's runner Job is missing and no runner spoke: asked for by a pass that did not
+    live to see it. Ask again (409 keeps one) once no pod of an earlier one runs and every Lease
+    of the attempt is (still, or again) held; overwrite off, since it may have run. A batch that
+    may not run, or one whose Lease is someone else's now (released by a pass that died before its
+    status write), ends the attempt instead: its items wait for the next one, which starts only
+    under their Leases."""
+    if o.refusal is None and o.items is not None:
+        gate = pods_gate(o.pods, o.pods_checked)
+        if isinstance(gate, Need):
+            return gate
+        if isinstance(gate, Wait):
+            return BatchDecision(delete_cluster=True)
+        if o.leases is None:
+            return BatchDecision(needs=frozenset({"leases"}), acquire=tuple(w.running))
+        if all((answer := o.leases.get(i)) is not None and answer.held for i in w.running):
+            return BatchDecision(ensure_attempt=w.attempt, resume=tuple(w.running))
+    for item_id in w.running:
+        entry = w.items.get(item_id)
+        if entry is not None:
+            entry.phase, entry.reason = PENDING, "RunnerLost"
+            entry.message = "Its runner Job was never seen; it runs in the next attempt, resuming."
+    w.running = []
     return None
 
 

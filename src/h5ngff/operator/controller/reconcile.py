@@ -395,6 +395,10 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
     if running:  # an earlier attempt's pods still run: never two writers of one output
         message = f"Attempt {attempt} waits for {len(running)} pod(s) of the previous attempt to exit: {', '.join(running[:5])}."
         return Decision({"message": message} if status.get("message") != message else {}, delete_cluster=True)
+    if o.lease is None:  # an attempt runs only under the Lease: take it (again) first, idempotently
+        return Decision(needs=frozenset({"lease"}))
+    if not o.lease.held:
+        return _lease_lost(o)
     patch = {"nextRetryTime": None} if retry_at else {}
     event = None
     if unsure:  # overwrite never follows from not knowing: the output may hold this run's own slabs
@@ -411,6 +415,28 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
         resume=attempt > first or unsure,
         event=event,
     )
+
+
+def _lease_lost(o: Observed) -> Decision:
+    """The run's Lease is someone else's: it went back while the run was being stopped and the
+    operator died before the status said so. This run's attempts are over; a new run waits for
+    the output (``_waiting_for_output``), as after an edit."""
+    status = o.status
+    message = (
+        f"The output {o.output} is held by {o.lease.holder or '?'} (Lease {o.lease.name}); attempt "
+        f"{status.get('attempts')} does not start, and the run starts again once the output is free."
+    )
+    patch = {
+        "phase": Phase.PENDING.value,
+        "reason": "OutputBusy",
+        "message": message,
+        "runnerJob": None,
+        "runnerJobUid": None,
+        "outputLease": None,
+        "nextRetryTime": None,
+        "conditions": set_condition(status.get("conditions"), "OutputLease", "False", "OutputBusy", message, o.now),
+    }
+    return Decision(patch, event=("Warning", "OutputBusy", message))
 
 
 def _runner_spoke(status: dict[str, Any], attempt: int) -> bool:
