@@ -104,26 +104,7 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         if isinstance(kube, Kube):
             await kube.close()
 
-    @kopf.index(
-        "batch",
-        "v1",
-        "jobs",
-        labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: "runner"},
-        id="runner_jobs",
-        registry=registry,
-    )
-    def runner_jobs(
-        body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any
-    ) -> dict[tuple[str, str], JobSummary]:
-        return {(_namespace(namespace), labels[LABEL_JOB]): job_summary(dict(body))}
-
-    @kopf.index(**CJ, id="job_names", registry=registry)
-    def job_names(namespace: str | None, name: str, uid: str, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-        return {(namespace, name): (uid, str(meta.get("creationTimestamp") or ""))}
-
-    @kopf.index(**CB, id="batch_names", registry=registry)
-    def batch_names(namespace: str | None, name: str, uid: str, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-        return {(namespace, name): (uid, str(meta.get("creationTimestamp") or ""))}
+    _register_indexes(registry)
 
     @kopf.on.event(**CJ, id="observe", registry=registry)
     def observe(type: str | None, name: str, namespace: str | None, status: kopf.Status, **_: Any) -> None:
@@ -165,6 +146,32 @@ def build_registry(cfg: OperatorConfig) -> kopf.OperatorRegistry:
         memo.state.batch_parsed.pop(uid, None)
 
     return registry
+
+
+def _register_indexes(registry: kopf.OperatorRegistry) -> None:
+    """kopf's indexes: runner Jobs by (namespace, job label) and both kinds' names (NameTaken).
+    Explicit ids: an index's id is also the keyword under which handlers receive it."""
+
+    @kopf.index(
+        "batch",
+        "v1",
+        "jobs",
+        labels={LABEL_JOB: kopf.PRESENT, LABEL_COMPONENT: "runner"},
+        id="runner_jobs",
+        registry=registry,
+    )
+    def runner_jobs(
+        body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any
+    ) -> dict[tuple[str, str], JobSummary]:
+        return {(_namespace(namespace), labels[LABEL_JOB]): job_summary(dict(body))}
+
+    @kopf.index(**CJ, id="job_names", registry=registry)
+    def job_names(namespace: str | None, name: str, uid: str, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+        return {(namespace, name): (uid, str(meta.get("creationTimestamp") or ""))}
+
+    @kopf.index(**CB, id="batch_names", registry=registry)
+    def batch_names(namespace: str | None, name: str, uid: str, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+        return {(namespace, name): (uid, str(meta.get("creationTimestamp") or ""))}
 
 
 async def _retrying(cfg: OperatorConfig, run: Callable[[], Awaitable[None]]) -> None:

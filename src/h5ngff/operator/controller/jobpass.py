@@ -28,7 +28,8 @@ from .diagnose import job_summary
 from .lease import acquire, holder_identity, lease_body, lease_name, output_key, release
 from .manifests import build_runner_job, runner_account
 from .names import name_taken
-from .reconcile import Decision, Observed, reconcile
+from .jobdecision import Decision, Observed
+from .reconcile import reconcile
 from .state import ControllerState, count_error, parse_once, Expectation, Names, OperatorConfig, RunnerJobs
 
 #: How long a pass waits for its own previous status write to show up before acting anyway.
