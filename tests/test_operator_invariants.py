@@ -703,3 +703,26 @@ def test_regression_a_denied_batch_whose_lease_went_back_before_a_crash_recreate
     assert "b1-runner-1" not in world._runner_jobs()  # its pod would start beside j1's (it did)
     replay(world, ("reconcile", {"draws": [B1]}))
     assert _status(world, B1)["reason"] == "PolicyDenied" and "outputLease" not in _status(world, B1)["items"][0]
+
+
+def test_regression_a_success_the_operator_had_not_seen_before_an_edit_is_not_run_again():
+    """Found by the long profile on this branch: a runner reported success, the spec was edited
+    (another output) before the operator saw the run end, that run was refused by Kubernetes, and
+    the edit undone: the first conversion ran again, though its output held it complete."""
+    j2 = {"name": "j2", "dataset": "/e", "default_written": False, "image": None, "overwrite": False}
+    world = replay(
+        OperatorWorld(),
+        ("apply_job", {**j2, "output": OUTPUTS[1]}),
+        ("reconcile", {"draws": [(KIND, "j2")]}),
+        ("a_runner_pod_starts", {"draws": ["j2-runner-1"]}),
+        ("a_runner_reports", {"outcome": "Succeeded", "draws": ["j2-runner-1"]}),
+        ("the_next_runner_job_create_fails", {"fault": "refused"}),
+        ("a_runner_exits", {"cleans_up": True, "code": 0, "draws": ["j2-runner-1"]}),
+        ("apply_job", {**j2, "dataset": "/d", "output": OUTPUTS[0]}),
+        ("a_finished_runner_job_s_ttl_runs_out", {"draws": ["j2-runner-1"]}),
+        ("reconcile", {"draws": [(KIND, "j2")]}),
+        ("apply_job", {**j2, "output": OUTPUTS[1]}),
+        ("reconcile", {"draws": [(KIND, "j2")]}),
+        ("reconcile", {"draws": [(KIND, "j2")]}),
+    )
+    assert world._runner_jobs() == {} and _status(world, (KIND, "j2"))["phase"] == "Succeeded"

@@ -37,7 +37,6 @@ RUN_FIELDS = (
     "completionTime",
     "nextRetryTime",
     "runnerJobUid",
-    "convertedHash",
 )
 
 
@@ -159,10 +158,18 @@ def ended(o: Observed, d: Decision, ask: bool = False) -> Decision:
     return dataclasses.replace(d, patch=patch, release_lease=lease)
 
 
+def converted_fields(o: Observed) -> dict[str, Any]:
+    """What the output holds complete once the current run succeeded (its runner said so): the
+    run's conversion and its output's Lease name. A spec asking for it again runs nothing
+    (``reconcile._converted``) until a run that writes that output starts."""
+    return {
+        "convertedHash": o.status.get("conversionHash") or o.conversion or None,
+        "convertedOutput": o.status.get("outputLease") or o.lease_name or None,
+    }
+
+
 def succeeded(o: Observed) -> Decision:
-    # What the output now holds complete: an edit back to it later runs nothing (``_converted``).
-    converted = o.status.get("conversionHash") or o.conversion or None
-    patch = {**succeeded_patch(o.status, o.now), "nextRetryTime": None, "convertedHash": converted}
+    patch = {**succeeded_patch(o.status, o.now), "nextRetryTime": None, **converted_fields(o)}
     event = ("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}.")
     return ended(o, Decision(patch, event=event))
 

@@ -44,6 +44,7 @@ from ..schema.status import (
 from .inflight import in_flight
 from .jobdecision import (  # noqa: F401  (re-exported: tests and passes read them from here)
     NOTHING,
+    converted_fields,
     RUN_FIELDS,
     Decision,
     Observed,
@@ -128,7 +129,27 @@ def _adopt_hash(o: Observed, writing: bool) -> dict[str, Any]:
 
 def _new_run(o: Observed) -> Decision:
     """The conversion changed (or never ran): stop what runs, wait for its pods, take the
-    output's Lease, then start attempt 1 of the new run."""
+    output's Lease, then start attempt 1 of the new run. A run whose runner reported success
+    before the edit was noticed is remembered as converted (its output holds it)."""
+    remembered = _reported_success(o)
+    if not remembered:
+        return _new_run_steps(o)
+    o = dataclasses.replace(o, status={**o.status, **remembered})
+    d = _new_run_steps(o)
+    return d if d.needs else dataclasses.replace(d, patch={**remembered, **d.patch})
+
+
+def _reported_success(o: Observed) -> dict[str, Any]:
+    status = o.status
+    attempt = int(status.get("attempts") or 0)
+    report = runner_report(status, attempt) if attempt else None
+    if not (report and report.get("outcome") == "Succeeded" and status.get("conversionHash")):
+        return {}
+    fields = converted_fields(o)
+    return {} if status.get("convertedHash") == fields["convertedHash"] else fields
+
+
+def _new_run_steps(o: Observed) -> Decision:
     status = o.status
     job = current_job_of(o)
     if job is not None and in_flight_now(status):
@@ -208,6 +229,8 @@ def _start_run(o: Observed, release: str | None) -> Decision:
     conditions = set_condition(None, "Validated", "True", "SpecValid", None, o.now)
     conditions = set_condition(conditions, "OutputLease", "True", "Held", o.lease.name, o.now)
     patch: dict[str, Any] = {name: None for name in RUN_FIELDS if status.get(name) is not None}
+    if status.get("convertedOutput") == o.lease.name:  # this run writes the output that held it
+        patch.update(convertedHash=None, convertedOutput=None)
     patch.update(
         {
             "phase": Phase.PENDING.value,

@@ -259,8 +259,11 @@ class ConversionJobStatus(_Status):
     )
     converted_hash: str | None = Field(
         None,
-        description="The conversionHash the output holds complete: the last run's that succeeded, until another run "
-        "starts; a spec asking for it again runs nothing.",
+        description="The conversionHash the output holds complete: the last run's that succeeded, until a run that "
+        "writes that output starts; a spec asking for it again runs nothing.",
+    )
+    converted_output: str | None = Field(
+        None, description="The output Lease name of the output that holds convertedHash."
     )
 
 
