@@ -3,8 +3,10 @@
 Helm can read only files inside the chart, so the chart holds copies, written here:
 
 * ``crds/conversionjobs.h5ngff.dev.yaml`` and ``crds/conversionbatches.h5ngff.dev.yaml``:
-  ``src/h5ngff/operator/crd.yaml`` and ``crd-batch.yaml`` (generated from the pydantic models);
-* ``files/rbac.yaml``: ``src/h5ngff/operator/rbac.py``'s rules, tagged with where each one applies;
+  ``src/h5ngff/operator/schema/crd.yaml`` and ``crd-batch.yaml`` (generated from the pydantic models);
+* ``files/rbac.yaml``: ``src/h5ngff/operator/schema/rbac.py``'s rules, tagged with where each one applies;
+* ``files/dask-policy.yaml``: ``src/h5ngff/operator/schema/admissionpolicy.py``'s rules of the
+  DaskCluster ValidatingAdmissionPolicy (from daskpolicy.py's lists);
 * ``files/h5ngff.json`` and ``files/h5ngff-alerts.yaml``: the Grafana dashboard and the alert rules
   from ``src/h5ngff/metrics/``.
 
@@ -34,12 +36,13 @@ RELEASE = "h5ngff"
 NAMESPACE = "h5ngff"
 
 SOURCES = {
-    "crds/conversionjobs.h5ngff.dev.yaml": ROOT / "src/h5ngff/operator/crd.yaml",
-    "crds/conversionbatches.h5ngff.dev.yaml": ROOT / "src/h5ngff/operator/crd-batch.yaml",
+    "crds/conversionjobs.h5ngff.dev.yaml": ROOT / "src/h5ngff/operator/schema/crd.yaml",
+    "crds/conversionbatches.h5ngff.dev.yaml": ROOT / "src/h5ngff/operator/schema/crd-batch.yaml",
     "files/h5ngff.json": ROOT / "src/h5ngff/metrics/dashboards/h5ngff.json",
     "files/h5ngff-alerts.yaml": ROOT / "src/h5ngff/metrics/rules/h5ngff-alerts.yaml",
 }
 RBAC_FILE = "files/rbac.yaml"
+DASK_POLICY_FILE = "files/dask-policy.yaml"
 
 #: Resources that are not namespaced: a Role cannot grant them, only a ClusterRole.
 CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
@@ -66,6 +69,8 @@ KIND_ORDER = [
     "RoleBinding",
     "Service",
     "Deployment",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
 ]
 
 
@@ -83,24 +88,37 @@ def _rule(rule: Any, placed: bool) -> dict[str, Any]:
 def rbac_document() -> dict[str, list[dict[str, Any]]]:
     """rbac.py's rules as the chart's templates read them (``files/rbac.yaml``)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_RULES
+    from h5ngff.operator.schema.rbac import OPERATOR_RULES, RUNNER_RULES
 
     return {"operator": [_rule(r, True) for r in OPERATOR_RULES], "runner": [_rule(r, False) for r in RUNNER_RULES]}
 
 
 def rbac_yaml() -> str:
     header = (
-        "# Generated from src/h5ngff/operator/rbac.py by scripts/render-manifests; do not edit.\n"
+        "# Generated from src/h5ngff/operator/schema/rbac.py by scripts/render-manifests; do not edit.\n"
         "# clusterScoped: only a ClusterRole can grant it. modes: the serving modes that need it\n"
         "# (watch.clusterWide true/false). peering: needed only with operator.peering.enabled.\n"
     )
     return header + yaml.safe_dump(rbac_document(), sort_keys=False, width=120)
 
 
+def dask_policy_yaml() -> str:
+    """schema/admissionpolicy.py's rules, as the chart's ValidatingAdmissionPolicy reads them."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from h5ngff.operator.schema.admissionpolicy import policy_rules
+
+    header = (
+        "# Generated from src/h5ngff/operator/schema/admissionpolicy.py by scripts/render-manifests; do not edit.\n"
+        "# templates/admission-policy.yaml fills the __PLACEHOLDERS__ from the chart's values.\n"
+    )
+    return header + yaml.safe_dump(policy_rules(), sort_keys=False, width=120)
+
+
 def chart_copies() -> dict[Path, str]:
     """Every file of the chart that is a copy of (or generated from) a source elsewhere."""
     out = {CHART / rel: src.read_text() for rel, src in SOURCES.items()}
     out[CHART / RBAC_FILE] = rbac_yaml()
+    out[CHART / DASK_POLICY_FILE] = dask_policy_yaml()
     return out
 
 

@@ -1,7 +1,7 @@
 """Shared by the operator tests: a KMock Kubernetes emulator with our resources, the real kopf
 operator running against it, and helpers to play the parts of the Job controller and kubelet.
 
-Nothing here is a mock of our code: the operator is ``h5ngff.operator.handlers.run_operator``;
+Nothing here is a mock of our code: the operator is ``h5ngff.operator.controller.handlers.run_operator``;
 the emulator answers real HTTP with real list/watch/patch semantics (KMock, by kopf's author).
 """
 
@@ -19,9 +19,9 @@ import kmock
 from h5ngff.patches import apply_merge_patch
 
 from h5ngff.metrics.operator import OperatorMetrics
-from h5ngff.operator.handlers import OperatorConfig, run_operator
+from h5ngff.operator.controller.handlers import OperatorConfig, run_operator
 from h5ngff.operator.kube import KubeConfig
-from h5ngff.operator.policy import TenantPolicy
+from h5ngff.operator.schema.policy import TenantPolicy
 
 VERBS = {"list", "watch", "get", "patch", "create", "delete", "update"}
 CJ_PATH = "/apis/h5ngff.dev/v1alpha1/namespaces/{ns}/conversionjobs"
@@ -79,7 +79,7 @@ def manifest(name: str, spec: dict[str, Any], namespace: str = "default", uid: s
 
 
 def batch_manifest(name: str, spec: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
-    """A ConversionBatch (operator/batchspec.py) to ``Cluster.apply_batch``."""
+    """A ConversionBatch (operator/schema/batchspec.py) to ``Cluster.apply_batch``."""
     return {**manifest(name, spec, namespace), "kind": "ConversionBatch"}
 
 

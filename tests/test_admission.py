@@ -18,8 +18,8 @@ import pytest
 from crd_admission import admission_errors, cel_errors, cel_failures, openapi_errors, program
 from h5ngff.errors import SpecError
 from h5ngff.jobspec import parse_job_spec
-from h5ngff.operator import admission
-from h5ngff.operator.crd import build_crd
+from h5ngff.operator.schema import admission
+from h5ngff.operator.schema.crd import build_crd
 from h5ngff.spec import MIN_WORKER_MEMORY
 from h5ngff.units import MiB
 
@@ -121,6 +121,8 @@ VALID = {
     "threads 64": edit("resources.threadsPerWorker", 64),
     "volume without type": edit("pod.volumes", [{"name": "data"}]),
     "no mounts": edit("pod.volumeMounts", []),
+    "mountPath of a dot-directory": edit("pod.volumeMounts", [{"name": "data", "mountPath": "/data/.cache"}]),
+    "mountPath /": edit("pod.volumeMounts", [{"name": "data", "mountPath": "/"}]),
     "backoff 0": edit("backoffLimit", 0),
     # --- output and source paths (issue 14) ---
     "output s3": edit("output.path", "s3://bucket/prefix/out.ome.zarr"),
@@ -277,6 +279,17 @@ INVALID = {
         "pod.volumeMounts", [{"name": "data", "mountPath": "/d"}, {"name": "data", "mountPath": "/d"}]
     ),
     "relative mountPath": edit("pod.volumeMounts", [{"name": "data", "mountPath": "data"}]),
+    # Issue 41: Kubernetes compares mountPaths as written; both refuse all but the normal form.
+    "mounts /a and /a/": edit(
+        "pod.volumeMounts", [{"name": "data", "mountPath": "/a"}, {"name": "data", "mountPath": "/a/"}]
+    ),
+    "mountPath with a trailing slash": edit("pod.volumeMounts", [{"name": "data", "mountPath": "/data/"}]),
+    "mountPath //data": edit("pod.volumeMounts", [{"name": "data", "mountPath": "//data"}]),
+    "mountPath /data/./x": edit("pod.volumeMounts", [{"name": "data", "mountPath": "/data/./x"}]),
+    "mountPath /data/../etc": edit("pod.volumeMounts", [{"name": "data", "mountPath": "/data/../etc"}]),
+    # Issue 41: "3" was refused by the CRD and read as 3 by the model.
+    "levels as string": edit("pyramid.levels", "3"),
+    "workers as string": edit("resources.workers", "2"),
     "mount without a path": edit("pod.volumeMounts", [{"name": "data"}]),
     "empty image": edit("pod.image", ""),
     "blank image": edit("pod.image", "  "),
@@ -380,7 +393,6 @@ INVALID = {
 #: is right for the API (kubectl prints the type error). Pinned so the list stays this short.
 COERCED = {
     "chunk as string": edit("output.chunks", ["64", 64, 64]),
-    "levels as string": edit("pyramid.levels", "3"),
     "scale as string": edit("image.scale", ["2", 0.5, 0.5]),
     "overwrite as string": edit("output.overwrite", "yes"),
 }

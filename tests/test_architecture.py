@@ -48,7 +48,7 @@ def test_the_real_package_keeps_every_contract(tmp_path):
     assert f"Contracts: {n} kept, 0 broken." in out, out
     # The rules the design names are all there.
     kinds = {c["name"]: c["type"] for c in contracts()}
-    assert list(kinds.values()).count("layers") == 2
+    assert list(kinds.values()).count("layers") == 3
     assert list(kinds.values()).count("acyclic_siblings") == 1
     for fragment in (
         "Layers",
@@ -58,6 +58,8 @@ def test_the_real_package_keeps_every_contract(tmp_path):
         "dask_kubernetes only",
         "prometheus_client only",
         "No import cycles",
+        "Operator rooms",
+        "controller imports no",
     ):
         assert contract_name(fragment)
 
@@ -163,7 +165,18 @@ VIOLATIONS = [
     ("engine/codecs.py", "from .write import manifest\n", "Engine rooms"),
     # The layers say nothing inside a package: a cycle there breaks the acyclic contract.
     ("engine/progress.py", "from .write import driver\n", "No import cycles"),
-    ("operator/status.py", "from . import handlers\n", "No import cycles"),
+    ("operator/schema/status.py", "from . import crd\n", "No import cycles"),
+    # The operator's rooms: the controller and the runner pod's program apart, over the schema.
+    ("operator/runner/violation.py", "from ..controller import reconcile\n", "Operator rooms"),
+    ("operator/schema/violation.py", "from ..controller import lease\n", "Operator rooms"),
+    ("operator/contract.py", "from .schema import status\n", "Operator rooms"),
+    # The controller converts nothing, directly or through what it imports (issue 41).
+    ("operator/controller/violation.py", "import distributed\n", "controller imports no"),
+    ("operator/controller/violation.py", "import zarr\n", "controller imports no"),
+    ("operator/controller/violation.py", "from ...engine import progress\n", "controller imports no"),
+    ("operator/controller/violation.py", "from ...backends import base\n", "controller imports no"),
+    ("operator/schema/status.py", "import h5py\n", "controller imports no"),  # reached indirectly
+    ("operator/controller/manifests.py", "from ...metrics import exporter\n", "controller imports no"),
 ]
 
 
@@ -187,6 +200,8 @@ def test_negative_control_each_contract_catches_a_violation(package_copy, tmp_pa
         contract_name("planner is pure"),
         contract_name("No import cycles"),
         contract_name("Engine rooms"),
+        contract_name("Operator rooms"),
+        contract_name("controller imports no"),
     }
     assert broken_names <= allowed, broken_names
 
@@ -194,7 +209,7 @@ def test_negative_control_each_contract_catches_a_violation(package_copy, tmp_pa
 #: The operator modules that build a backend or run on one (and so may import backends: the
 #: factory, the Backend protocol); every other operator module takes Kubernetes names, labels and
 #: pod conventions from h5ngff.k8s.
-OPERATOR_BUILDS_BACKENDS = {"h5ngff.operator.render", "h5ngff.operator.runner_cmd", "h5ngff.operator.attempt"}
+OPERATOR_BUILDS_BACKENDS = {"h5ngff.operator.runner.main", "h5ngff.operator.runner.attempt"}
 
 
 def operator_imports_of_backends(package_parent: Path) -> set[str]:
@@ -216,15 +231,20 @@ def operator_imports_of_backends(package_parent: Path) -> set[str]:
 def test_the_operator_takes_kubernetes_names_from_the_neutral_module(package_copy):
     assert operator_imports_of_backends(ROOT / "src") <= OPERATOR_BUILDS_BACKENDS
     # Negative control: the import the operator had before h5ngff.k8s is caught.
-    lease = package_copy / "h5ngff" / "operator" / "lease.py"
-    lease.write_text(lease.read_text() + "\nfrom ..backends.kubernetes import labels\n")
-    assert "h5ngff.operator.lease" in operator_imports_of_backends(package_copy)
+    lease = package_copy / "h5ngff" / "operator" / "controller" / "lease.py"
+    lease.write_text(lease.read_text() + "\nfrom ...backends.kubernetes import labels\n")
+    assert "h5ngff.operator.controller.lease" in operator_imports_of_backends(package_copy)
 
 
 def test_negative_control_a_missing_optional_module_is_tolerated(package_copy, tmp_path):
     """The operator and the kubernetes backend are optional to the contracts: deleting them (as
     before they existed) must not break or crash the lint."""
     shutil.rmtree(package_copy / "h5ngff" / "operator")
+    # The operator's own contracts name it and its controller: empty packages stand for them.
+    (package_copy / "h5ngff" / "operator" / "controller").mkdir(parents=True)
+    (package_copy / "h5ngff" / "operator" / "__init__.py").write_text("")
+    (package_copy / "h5ngff" / "operator" / "controller" / "__init__.py").write_text("")
+    (package_copy / "h5ngff" / "clirender.py").unlink()
     (package_copy / "h5ngff" / "backends" / "kubernetes.py").unlink()
     for path in (package_copy / "h5ngff").rglob("*.py"):
         text = path.read_text()
@@ -233,7 +253,7 @@ def test_negative_control_a_missing_optional_module_is_tolerated(package_copy, t
             ln
             for ln in text.splitlines()
             if not re.search(
-                r"\boperator\.(handlers|attempt|runner_cmd|crd|kube|manifests|rbac|reconcile|reporter|status)\b|from \.+operator\b|backends\.kubernetes|from \.kubernetes|from \.\.operator",
+                r"\boperator\.(controller|runner|schema|contract|kube)\b|from \.+operator\b|backends\.kubernetes|from \.kubernetes|from \.\.operator|clirender",
                 ln,
             )
         ]
@@ -242,3 +262,27 @@ def test_negative_control_a_missing_optional_module_is_tolerated(package_copy, t
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "does not exist" not in out and "Missing layer" not in out
+
+
+def controller_loads(module: str) -> list[str]:
+    """What importing ``module`` really executes (package __init__s included) of what converts:
+    the contract above checks the import graph, this checks ``sys.modules``."""
+    code = (
+        f"import sys, json; import {module}; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {'distributed', 'dask', 'zarr', 'h5py', "
+        "'numpy'} or m.startswith(('h5ngff.engine', 'h5ngff.backends', 'h5ngff.planner', 'h5ngff.runner', "
+        "'h5ngff.operator.runner')))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_importing_the_controller_loads_nothing_that_converts():
+    assert controller_loads("h5ngff.operator.controller.handlers") == []
+    # Negative control: the runner pod's program loads all of it.
+    roots = {
+        m.split(".")[0] if not m.startswith("h5ngff") else ".".join(m.split(".")[:2])
+        for m in controller_loads("h5ngff.operator.runner.main")
+    }
+    assert {"distributed", "zarr", "h5py", "h5ngff.engine", "h5ngff.backends"} <= roots, roots

@@ -440,7 +440,7 @@ def test_full_disk_gives_the_message_without_dask_logs(tmp_path):
 
 
 def _crd_spec_schema() -> dict:
-    crd = yaml.safe_load((ROOT / "src/h5ngff/operator/crd.yaml").read_text())
+    crd = yaml.safe_load((ROOT / "src/h5ngff/operator/schema/crd.yaml").read_text())
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 
 

@@ -14,16 +14,14 @@ from pydantic import BaseModel
 
 from h5ngff.job import load_job
 from h5ngff.jobspec import ConversionJobSpec
-from h5ngff.operator.crd import PRINTER_COLUMNS, build_crd, render
-from h5ngff.operator.status import ConversionJobStatus
+from h5ngff.operator.schema.crd import PRINTER_COLUMNS, build_crd, render
+from h5ngff.operator.schema.status import ConversionJobStatus
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIES = [ROOT / "src/h5ngff/operator/crd.yaml", ROOT / "manifests/crd.yaml"]
+COPIES = [ROOT / "src/h5ngff/operator/schema/crd.yaml", ROOT / "manifests/crd.yaml"]
 EXAMPLE = ROOT / "manifests/examples/conversionjob.yaml"
 FORBIDDEN = {"$ref", "$defs", "anyOf", "oneOf", "allOf", "not", "title", "default", "const", "nullable"}
-REGENERATE = (
-    "python -m h5ngff.operator.crd > src/h5ngff/operator/crd.yaml && cp src/h5ngff/operator/crd.yaml manifests/crd.yaml"
-)
+REGENERATE = "python -m h5ngff.operator.schema.crd > src/h5ngff/operator/schema/crd.yaml && cp src/h5ngff/operator/schema/crd.yaml manifests/crd.yaml"
 
 
 @pytest.mark.parametrize("path", COPIES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -74,7 +72,7 @@ def test_every_model_field_is_in_the_schema_and_nothing_else():
 
 def test_a_model_change_shows_up_as_drift():
     """Negative control for the drift test: the rendering follows the model."""
-    from h5ngff.operator import crd
+    from h5ngff.operator.schema import crd
 
     class Changed(ConversionJobSpec):
         priority_class_name: str | None = None

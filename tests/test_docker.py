@@ -120,6 +120,8 @@ def problems(text: str) -> list[str]:
     missing = [k for k in OCI_LABELS if f"org.opencontainers.image.{k}" not in labels]
     if missing:
         out.append(f"OCI labels missing: {missing}")
+    if env.get("PYTHONSAFEPATH") != "1":  # issue 41: no working directory on the import path
+        out.append("PYTHONSAFEPATH is not 1")
     users = [c.value[0] for c in final if c.cmd == "USER"]
     user = users[-1].split(":")[0] if users else "root"
     if not user.isdigit() or int(user) == 0:
@@ -160,6 +162,7 @@ TEXT = DOCKERFILE.read_text()
             "jemalloc is not preloaded",
         ),
         (lambda t: t.replace("muzzy_decay_ms:0", "muzzy_decay_ms:1000"), "MALLOC_CONF"),
+        (lambda t: t.replace("    PYTHONSAFEPATH=1 \\\n", ""), "PYTHONSAFEPATH"),
         (lambda t: t.replace("USER 10001:10001", "USER root"), "non-root"),
         (lambda t: t.replace("USER 10001:10001", "USER 0"), "non-root"),
         (lambda t: t.replace("USER 10001:10001\n", ""), "non-root"),
@@ -186,6 +189,7 @@ TEXT = DOCKERFILE.read_text()
         "binutils-unpinned",
         "no-preload",
         "other-malloc-conf",
+        "no-safe-path",
         "user-root",
         "uid-0",
         "no-user",
@@ -291,7 +295,7 @@ def test_the_build_context_has_what_the_dockerfile_copies_and_nothing_big():
     for source in sources:
         assert (ROOT / source).exists(), source
         assert _dockerignore_allows(source), f".dockerignore excludes {source}, which the Dockerfile copies"
-    assert _dockerignore_allows("src/h5ngff/operator/crd.yaml")
+    assert _dockerignore_allows("src/h5ngff/operator/schema/crd.yaml")
     for unwanted in (
         ".venv/bin/python",
         ".git/HEAD",

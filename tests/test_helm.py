@@ -6,7 +6,7 @@
   must match instead (the Service they select, the pods h5ngff builds, the rule file);
 * values.schema.json rejects bad values (Helm refuses to render);
 * the chart's copies of the CRD, dashboard, alert rules and RBAC rules equal their sources;
-* the operator's and runner's RBAC is exactly src/h5ngff/operator/rbac.py's rules for the mode,
+* the operator's and runner's RBAC is exactly src/h5ngff/operator/schema/rbac.py's rules for the mode,
   in both directions, with a negative control;
 * the operator container's arguments parse with h5ngff's real command-line parser.
 """
@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from h5ngff.cli import build_parser
-from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_RULES, calls
+from h5ngff.operator.schema.rbac import OPERATOR_RULES, RUNNER_RULES, calls
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "h5ngff"
@@ -149,7 +149,7 @@ def test_kubernetes_validation_is_not_vacuous(rendered):
 
 
 def test_the_chart_ships_the_crd_from_the_models():
-    sources = [(ROOT / f"src/h5ngff/operator/{name}").read_text() for name in ("crd-batch.yaml", "crd.yaml")]
+    sources = [(ROOT / f"src/h5ngff/operator/schema/{name}").read_text() for name in ("crd-batch.yaml", "crd.yaml")]
     with helm_python.Chart.load(str(CHART)) as chart:
         crds = chart.crds
         notes = chart.render(values={}, name=RELEASE, namespace=NAMESPACE)
@@ -292,7 +292,7 @@ def test_operator_args_are_real_flags_of_h5ngff_operator(rendered, values):
 def test_the_tenant_policy_reaches_the_operator(rendered, values):
     """policy.* values become the operator's TenantPolicy through its real flags."""
     from h5ngff.clijob import policy_from_args
-    from h5ngff.operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
+    from h5ngff.operator.schema.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
 
     args = build_parser().parse_args(operator_container(rendered[values])["args"][1:])
     expected = (
@@ -410,7 +410,7 @@ def test_operator_rbac_is_exactly_rbac_py(cluster_wide, peering):
         assert grants[None] == {c for c in expected if c[2] in CLUSTER_SCOPED}
         for ns in ("imaging", "tomo"):
             assert grants[ns] == {c for c in expected if c[2] not in CLUSTER_SCOPED}
-        # The output Leases live in the operator's own namespace, served or not (operator/lease.py).
+        # The output Leases live in the operator's own namespace, served or not (operator/controller/lease.py).
         assert grants[NAMESPACE] == {c for c in expected if c[2] == "leases"}
 
 

@@ -244,8 +244,8 @@ def render_cluster(image: str, shared: Path, allocator: str = "auto") -> dict:
     """The DaskCluster the runner would create for a job on ``shared`` (``h5ngff operator render
     --plan``'s code path), with the input and output on a hostPath volume at the same path."""
     from h5ngff.job import parse_manifest
-    from h5ngff.operator.policy import TenantPolicy
-    from h5ngff.operator.render import RenderOptions, render_objects
+    from h5ngff.operator.schema.policy import TenantPolicy
+    from h5ngff.clirender import RenderOptions, render_objects
 
     manifest = parse_manifest(job_manifest(image, shared, allocator))
     policy = TenantPolicy(allowed_volume_types=("hostPath", "emptyDir"))
@@ -479,8 +479,8 @@ def test_the_runner_job_runs_under_tini(image, shared, tmp_path):
     """The runner Job's container as the operator renders it, started by podman: the image's
     entrypoint runs its args. Negative control: the old manifest's ``command`` replaces tini."""
     from h5ngff.job import parse_manifest
-    from h5ngff.operator.policy import TenantPolicy
-    from h5ngff.operator.render import RenderOptions, render_objects
+    from h5ngff.operator.schema.policy import TenantPolicy
+    from h5ngff.clirender import RenderOptions, render_objects
 
     manifest = parse_manifest(job_manifest(image, shared))
     policy = TenantPolicy(allowed_volume_types=("hostPath", "emptyDir"))

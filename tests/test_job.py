@@ -120,7 +120,7 @@ def test_run_the_example_manifest_on_a_fresh_checkout(demo_dir):
     assert status["phase"] == "Succeeded" and status["attempts"] == 1
     assert status["progress"]["slabsDone"] == status["progress"]["slabsTotal"] == status["plan"]["tasks"]
     assert status["plan"]["workers"] == 2 and status["plan"]["levels"] == 3
-    from h5ngff.operator.status import ConversionJobStatus
+    from h5ngff.operator.schema.status import ConversionJobStatus
 
     ConversionJobStatus.model_validate(status)  # what the operator would write, field for field
     import zarr

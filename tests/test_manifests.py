@@ -76,7 +76,7 @@ def test_kubectl_apply_k_objects_are_valid_kubernetes():
     assert {o["metadata"].get("namespace") for o in objs} <= {None, namespace["metadata"]["name"]}
     crd = [o for o in objs if o["kind"] == "CustomResourceDefinition"]
     assert [yaml.safe_dump(c) for c in crd] == [
-        yaml.safe_dump(yaml.safe_load((ROOT / f"src/h5ngff/operator/{name}").read_text()))
+        yaml.safe_dump(yaml.safe_load((ROOT / f"src/h5ngff/operator/schema/{name}").read_text()))
         for name in ("crd.yaml", "crd-batch.yaml")
     ]
 

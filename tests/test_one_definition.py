@@ -20,7 +20,7 @@ from h5ngff.engine import codecs as engine_codecs
 from h5ngff.engine.write import downsample
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.metrics.exporter import JOB_NAME_ENV, JOB_NAMESPACE_ENV
-from h5ngff.operator import manifests
+from h5ngff.operator.controller import manifests
 from h5ngff.planner import DEFAULT_CONSTANTS, Capacity, DatasetInfo, MemoryConstants, Thresholds, make_plan
 from h5ngff.planner import memory, plan
 from h5ngff.spec import CompressorSpec, parse_spec
@@ -139,7 +139,7 @@ def test_one_owner_class():
 
 
 def test_every_child_names_the_same_owner_as_the_crd():
-    crd = yaml.safe_load((PACKAGE / "operator" / "crd.yaml").read_text())["spec"]
+    crd = yaml.safe_load((PACKAGE / "operator" / "schema" / "crd.yaml").read_text())["spec"]
     assert (crd["group"], crd["names"]["kind"], crd["versions"][0]["name"]) == (
         jobspec.GROUP,
         jobspec.KIND,
@@ -159,7 +159,7 @@ def test_every_child_names_the_same_owner_as_the_crd():
     # The runner's exporter labels its series with the names the runner Job sets.
     env = {e["name"]: e.get("value") for e in runner["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert (env[JOB_NAME_ENV], env[JOB_NAMESPACE_ENV]) == ("scan-42", "science")
-    assert _literals(JOB_NAME_ENV) == _literals(JOB_NAMESPACE_ENV) == ["metrics/exporter.py"]
+    assert _literals(JOB_NAME_ENV) == _literals(JOB_NAMESPACE_ENV) == ["k8s.py"]
     for child in (runner, cluster, manifests.build_runner_role(owner)):
         (ref,) = child["metadata"]["ownerReferences"]
         assert (ref["apiVersion"], ref["kind"], ref["name"], ref["uid"]) == (

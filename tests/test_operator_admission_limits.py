@@ -28,9 +28,9 @@ from h5ngff import spec as spec_module
 from h5ngff.cli import build_parser, main, spec_from_args
 from h5ngff.errors import BudgetTooSmallError, SpecError
 from h5ngff.jobspec import ConversionJobSpec, parse_job_spec
-from h5ngff.operator import admission
-from h5ngff.operator import manifests as operator_manifests
-from h5ngff.operator.crd import build_crd
+from h5ngff.operator.schema import admission
+from h5ngff.operator.controller import manifests as operator_manifests
+from h5ngff.operator.schema.crd import build_crd
 from h5ngff.planner import Capacity, DatasetInfo, make_plan
 from h5ngff.planner import memory
 from h5ngff.spec import ResourcesSpec, parse_spec

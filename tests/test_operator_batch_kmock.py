@@ -17,10 +17,10 @@ import pytest
 import zarr
 
 from conftest import smooth, write_h5
-from h5ngff.operator.batchspec import parse_batch_spec
+from h5ngff.operator.schema.batchspec import parse_batch_spec
 from h5ngff.operator.kube import KubeConfig
-from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_BATCH_RULES, RUNNER_RULES, calls
-from h5ngff.operator.reporter import StatusReporter
+from h5ngff.operator.schema.rbac import OPERATOR_RULES, RUNNER_BATCH_RULES, RUNNER_RULES, calls
+from h5ngff.operator.runner.reporter import StatusReporter
 from operator_harness import (
     CB_PATH,
     LEASE_RES,
@@ -256,12 +256,10 @@ async def test_a_policy_violating_batch_is_refused_with_policy_denied():
 
 async def test_the_runner_jobs_spec_is_the_batch_with_the_image_resolved():
     """The runner gets the batch's spec (every item: ids stay the operator's) and parses it back."""
-    from h5ngff.operator.manifests import Owner, build_runner_job
+    from h5ngff.operator.controller.manifests import Owner, build_runner_job
 
     spec = parse_batch_spec({"items": [_item("/data/x.h5")], "output": {"path": "/data/out/{stem}.ome.zarr"}})
-    job = build_runner_job(
-        Owner("default", "b", "uid-b", 1, "ConversionBatch"), spec, 1, "h5ngff:test", extra_env={"H5NGFF_ITEMS": "x"}
-    )
+    job = build_runner_job(Owner("default", "b", "uid-b", 1, "ConversionBatch"), spec, 1, "h5ngff:test", items=["x"])
     again = parse_batch_spec(json.loads(env_of(job)["H5NGFF_SPEC"]))
     assert [p.id for p in again.planned_items()] == [
         p.id for p in spec.planned_items()
@@ -304,7 +302,7 @@ async def test_a_batchs_lease_is_looked_up_as_a_batch_not_taken_for_an_abandoned
     holds its outputs. Negative control: looked up as a ConversionJob (what a Lease without the
     kind means), the same holder counts as gone, and its output would be taken over."""
     from h5ngff.operator.kube import Kube
-    from h5ngff.operator.lease import _holder_gone
+    from h5ngff.operator.controller.lease import _holder_gone
 
     async with emulator() as c:
         await c.apply_batch(

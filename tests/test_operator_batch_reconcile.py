@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from h5ngff.operator.batchreconcile import BatchObserved, DesiredItem, LeaseAnswer, reconcile_batch
-from h5ngff.operator.batchspec import parse_batch_spec
-from h5ngff.operator.diagnose import JobSummary
-from h5ngff.operator.status import merge
+from h5ngff.operator.controller.batchreconcile import BatchObserved, DesiredItem, LeaseAnswer, reconcile_batch
+from h5ngff.operator.schema.batchspec import parse_batch_spec
+from h5ngff.operator.controller.diagnose import JobSummary
+from h5ngff.operator.schema.status import merge, progress_status
 
 BASE = {"output": {"path": "/data/out/{stem}.ome.zarr"}, "backoffLimit": 1}
 
@@ -30,7 +30,8 @@ class Driver:
     """The operator's side of one batch: status, the runner Job's state, busy outputs."""
 
     def __init__(self, spec: dict):
-        self.spec = spec
+        self._spec = spec
+        self.generation = 1
         self.status: dict = {}
         self.job_state: dict[str, str] = {}  # runner Job name -> state
         self.busy: set[str] = set()  # outputs someone else holds
@@ -38,6 +39,16 @@ class Driver:
         self.created: list[int] = []
         self.denial: str | None = None
         self.pods: tuple = ()
+
+    @property
+    def spec(self) -> dict:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: dict) -> None:
+        """An edit: the API server moves metadata.generation when the spec changes."""
+        self.generation += spec != self._spec
+        self._spec = spec
 
     def observed(self) -> BatchObserved:
         jobs = tuple(JobSummary(n, 0, s, uid=f"uid-{n}") for n, s in self.job_state.items())
@@ -48,6 +59,7 @@ class Driver:
             backoff_limit=self.spec.get("backoffLimit", 2),
             jobs=jobs,
             now="t",
+            generation=self.generation,
             policy_denial=self.denial,
         )
 
@@ -121,14 +133,14 @@ def test_a_running_items_progress_reaches_its_status_and_stays_with_its_outcome(
     dr = Driver({**BASE, "items": [src("a"), src("b")]})
     dr.step()
     ids = {i["output"]: i["id"] for i in dr.status["items"]}
-    half = {"slabsDone": 2, "slabsTotal": 4, "percent": 50, "summary": "2/4 (50%)"}
+    half = progress_status(2, 4)
     running = {"attempt": 1, "outcome": "Running", "progress": half}
     dr.status = merge(dr.status, {"itemReports": {ids[A]: running, ids[B]: {"attempt": 1, "outcome": "Running"}}})
     dr.step()
     items = {i["output"]: i for i in dr.status["items"]}
     assert items[A]["phase"] == "Running" and items[A]["progress"] == half
     assert "progress" not in items[B]  # negative control: no progress reported, none shown
-    done = {**half, "slabsDone": 4, "percent": 100, "summary": "4/4 (100%)"}
+    done = progress_status(4, 4)
     dr.status = merge(dr.status, {"itemReports": {ids[A]: {"attempt": 1, "outcome": "Succeeded", "progress": done}}})
     dr.step()
     assert {i["output"]: i for i in dr.status["items"]}[A]["progress"] == done

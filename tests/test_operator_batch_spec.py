@@ -15,15 +15,15 @@ import yaml
 from crd_admission import admission_errors, as_json_schema
 from h5ngff.errors import SpecError
 from h5ngff.jobspec import ConversionJobSpec
-from h5ngff.operator.batchspec import ConversionBatchSpec, item_id, parse_batch_spec
-from h5ngff.operator.batchstatus import ConversionBatchStatus
-from h5ngff.operator.crd import BATCH_PRINTER_COLUMNS, build_batch_crd, render
-from h5ngff.operator.policy import TenantPolicy, policy_violations
+from h5ngff.operator.schema.batchspec import ConversionBatchSpec, item_id, parse_batch_spec
+from h5ngff.operator.schema.batchstatus import ConversionBatchStatus
+from h5ngff.operator.schema.crd import BATCH_PRINTER_COLUMNS, build_batch_crd, render
+from h5ngff.operator.schema.policy import TenantPolicy, policy_violations
 from test_crd import FORBIDDEN, _model_fields, _schema_fields, _walk
 
 ROOT = Path(__file__).resolve().parents[1]
 COPIES = [
-    ROOT / "src/h5ngff/operator/crd-batch.yaml",
+    ROOT / "src/h5ngff/operator/schema/crd-batch.yaml",
     ROOT / "manifests/crd-batch.yaml",
     ROOT / "helm/h5ngff/crds/conversionbatches.h5ngff.dev.yaml",
 ]
@@ -41,7 +41,7 @@ def _spec_schema() -> dict:
 @pytest.mark.parametrize("path", COPIES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_checked_in_batch_crd_matches_the_models(path):
     assert path.read_text() == render("ConversionBatch"), (
-        f"{path} drifted: python -m h5ngff.operator.crd batch > src/h5ngff/operator/crd-batch.yaml"
+        f"{path} drifted: python -m h5ngff.operator.schema.crd batch > src/h5ngff/operator/schema/crd-batch.yaml"
     )
 
 
@@ -214,6 +214,63 @@ def test_admission_refuses_what_the_model_refuses_for_item_sources():
         assert any("does not support them yet" in e for e in errors), errors
 
 
+def _with(**changes) -> dict:
+    """BASE with its first item's output, or the template, or a top-level field changed."""
+    spec = copy.deepcopy(BASE)
+    if "item_output" in changes:
+        spec["items"][0]["output"] = changes.pop("item_output")
+    if "template" in changes:
+        spec["output"]["path"] = changes.pop("template")
+    return {**spec, **changes}
+
+
+#: Issue 41: rows the CRD admitted and the model refused (an item's own output skipped the
+#: output.path rules; a template field's format spec), or the other way round ("3").
+BATCH_ROWS = {
+    "an item with its own output": (_with(item_output="/data/x.ome.zarr"), True),
+    "an item writing to a bucket": (_with(item_output="s3://bucket/x.ome.zarr"), True),
+    "a template with escaped braces": (_with(template="/data/{{a:b}}/{stem}.ome.zarr"), True),
+    "an item output with a leading space": (_with(item_output=" /data/x"), False),
+    "an item output like a URL without //": (_with(item_output="s3:/b/p"), False),
+    "an item output of an unknown scheme": (_with(item_output="gs://b/x.ome.zarr"), False),
+    "a template field with a width": (_with(template="/data/out/{stem:>100000000}.zarr"), False),
+    "an item template field with a conversion": (_with(item_output="/data/{stem!r}.ome.zarr"), False),
+    "levels as a string": (_with(pyramid={"levels": "3"}), False),
+    "mounts /a and /a/": (
+        _with(
+            pod={
+                "volumes": [{"name": "v", "emptyDir": {}}],
+                "volumeMounts": [{"name": "v", "mountPath": "/a"}, {"name": "v", "mountPath": "/a/"}],
+            }
+        ),
+        False,
+    ),
+}
+
+
+def _model_admits(spec: dict) -> bool:
+    try:
+        parse_batch_spec(spec)
+    except SpecError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", BATCH_ROWS)
+def test_the_batch_crd_and_the_model_give_one_answer(name):
+    spec, admitted = BATCH_ROWS[name]
+    assert _model_admits(spec) is admitted
+    assert (admission_errors(_spec_schema(), spec) == []) is admitted
+
+
+def test_without_the_item_output_rules_the_crd_admits_what_the_model_refuses():
+    """Negative control: the item's output node as it was (no rules of its own)."""
+    schema = _spec_schema()
+    schema["properties"]["items"]["items"]["properties"]["output"].pop("x-kubernetes-validations")
+    admitted = {name for name, (spec, _) in BATCH_ROWS.items() if admission_errors(schema, spec) == []}
+    assert {"an item output with a leading space", "an item output like a URL without //"} <= admitted
+
+
 def test_the_example_is_valid_for_the_crd_and_the_model():
     doc = yaml.safe_load(EXAMPLE.read_text())
     schema = as_json_schema(build_batch_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
@@ -251,14 +308,22 @@ def test_the_tenant_policy_applies_to_a_batch_as_to_a_job():
     assert any("spec.pod.image" in v for v in found) and any("hostPath" in v for v in found)
 
 
-def test_every_test_the_batch_lifecycle_table_names_exists():
-    """docs/operator.md's ConversionBatch lifecycle table names real tests (a renamed test fails here)."""
+def test_every_test_the_lifecycle_tables_name_exists():
+    """docs/operator.md's ConversionJob and ConversionBatch lifecycle tables name real tests (a
+    renamed test fails here), and every row of issue 41 (§) names one."""
     import re
 
     docs = (ROOT / "docs/operator.md").read_text()
-    table = docs.split("### ConversionBatch lifecycle", 1)[1].split("\n\n", 3)[2]
-    named = set(re.findall(r"`(test_[a-z0-9_]+)`", table))
+    tables = [
+        docs.split("## Lifecycle", 1)[1].split("\n\n", 3)[2],
+        docs.split("### ConversionBatch lifecycle", 1)[1].split("\n\n", 3)[2],
+    ]
     defined = set()
-    for name in ("test_operator_batch_reconcile.py", "test_operator_batch_kmock.py", "test_operator_batch_spec.py"):
-        defined |= set(re.findall(r"def (test_[a-z0-9_]+)", (ROOT / "tests" / name).read_text()))
-    assert len(named) >= 10 and named <= defined, named - defined
+    for path in (ROOT / "tests").glob("test_*.py"):
+        defined |= set(re.findall(r"(?:def|class) (test_[a-z0-9_]+|Test[A-Za-z]+)", path.read_text()))
+        defined |= set(re.findall(r"^(Test[A-Za-z]+) = ", path.read_text(), re.M))
+    for table in tables:
+        named = set(re.findall(r"`(test_[a-z0-9_]+|Test[A-Za-z]+)`", table))
+        assert len(named) >= 10 and named <= defined, named - defined
+        issue_41 = [row for row in table.splitlines() if row.startswith("| §")]
+        assert issue_41 and all(re.search(r"`(test_|Test)", row) for row in issue_41), issue_41

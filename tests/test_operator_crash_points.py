@@ -26,9 +26,9 @@ import pytest
 
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.operator.kube import KubeConfig
-from h5ngff.operator.reconcile import reconcile
-from h5ngff.operator.reporter import StatusReporter
-from h5ngff.operator.status import merge
+from h5ngff.operator.controller.reconcile import reconcile
+from h5ngff.operator.runner.reporter import StatusReporter
+from h5ngff.operator.schema.status import merge
 from operator_harness import (
     CJ_PATH,
     CJ_RES,
@@ -140,12 +140,17 @@ def test_a_stopping_run_of_an_older_build_still_starts_its_new_run():
     assert d.ensure_attempt == 2
 
 
-def test_the_conversion_hash_covers_what_the_user_wrote_not_the_defaults():
+def test_the_conversion_hash_is_of_the_normalised_conversion_not_of_what_was_written():
     spec = parse_job_spec(SPEC)
     explicit = parse_job_spec({**SPEC, "output": {**SPEC["output"], "checksums": True}})
-    # A field this build defaults is not in the hash until a user writes it.
-    assert spec.conversion_hash() != explicit.conversion_hash()
+    # A default written out (or removed, or added by an upgrade) is the same conversion (issue 41).
+    assert spec.conversion_hash() == explicit.conversion_hash()
     assert spec.legacy_conversion_hash() == explicit.legacy_conversion_hash()
+    # What builds before issue 41 recorded differs: a status of theirs is compared with this one.
+    assert spec.written_conversion_hash() != explicit.written_conversion_hash()
+    # Negative control: a value other than the default is another conversion.
+    off = parse_job_spec({**SPEC, "output": {**SPEC["output"], "checksums": False}})
+    assert off.conversion_hash() != spec.conversion_hash()
     assert parse_job_spec(json.loads(json.dumps(SPEC))).conversion_hash() == spec.conversion_hash()
 
 
@@ -317,11 +322,8 @@ async def test_a_runner_job_kubernetes_refuses_fails_rejected_and_frees_the_outp
             await c.apply(manifest("scan", SPEC))
             await wait_for(lambda: c.status("scan").get("phase") == "Failed", what="Failed")
             status = c.status("scan")
-            assert (
-                status["reason"] == "Rejected"
-                and "Duplicate value" in status["message"]
-                and "outputLease" not in status
-            )
+            assert status["reason"] == "Rejected" and "Duplicate value" in status["message"]
+            await wait_for(lambda: "outputLease" not in c.status("scan"), what="the Lease back (no pod ever ran)")
             assert not c.live(LEASE_RES)
             await wait_for(lambda: any(e["reason"] == "Rejected" for e in c.events()), what="Rejected event")
             await c.apply(manifest("other", SPEC))  # the same output: it is free, so the next job runs
@@ -341,9 +343,16 @@ async def test_a_runner_job_kubernetes_refuses_fails_rejected_and_frees_the_outp
         (
             {
                 "volumes": [{"name": "a", "emptyDir": {}}],
-                "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
+                "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x"}],
             },
             "mountPaths to be unique",
+        ),
+        (  # Kubernetes' own check compares strings: /x and /x/ would pass it and collide
+            {
+                "volumes": [{"name": "a", "emptyDir": {}}],
+                "volumeMounts": [{"name": "a", "mountPath": "/x"}, {"name": "a", "mountPath": "/x/"}],
+            },
+            "normal form",
         ),
         (
             {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "x"}]},

@@ -22,7 +22,7 @@ import pytest
 import zarr
 
 from conftest import smooth, write_h5
-from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, calls
+from h5ngff.operator.schema.rbac import RUNNER_JOB_RULES, RUNNER_RULES, calls
 from operator_harness import emulator, fast_config, manifest, operator_running, passes, wait_for
 from test_operator_kmock import env_of, phases
 
@@ -49,7 +49,7 @@ async def run_container(
     with open(log_path, "wb") as log:
         proc = await asyncio.create_subprocess_exec(
             *container.get("command", ()),  # none: the args are the command (the image's tini runs them)
-            *container["args"],
+            *container.get("args", []),
             env=env,
             cwd=container.get("workingDir", cwd),
             stdout=log,
@@ -140,6 +140,7 @@ async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp
             "scan-runner-1", {"active": 0, "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
         )
         await wait_for(lambda: c.status("scan").get("phase") == "Succeeded", what="Succeeded")
+        await wait_for(lambda: "outputLease" not in c.status("scan"), what="the Lease back once no pod runs")
         status = c.status("scan")
         runner_calls = c.api_calls()["runner"]
 

@@ -3,7 +3,7 @@
 The test plays the parts Kubernetes would: it applies ConversionJobs, and acts as the Job
 controller and kubelet by patching Job status and adding pods. The runner's status reports go
 through the real ``StatusReporter`` over HTTP. Every API request the operator and the runner make
-is recorded; the last test compares them with the declared RBAC (``h5ngff.operator.rbac``).
+is recorded; the last test compares them with the declared RBAC (``h5ngff.operator.schema.rbac``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import kmock
 import pytest
 
 from h5ngff.metrics.operator import OperatorMetrics
+from h5ngff.operator.contract import RunnerContract
 from h5ngff.operator.kube import KubeConfig
-from h5ngff.operator.manifests import RUNNER_MEMORY, Owner, build_runner_job
-from h5ngff.operator.rbac import OPERATOR_RULES, RUNNER_JOB_RULES, RUNNER_RULES, calls
-from h5ngff.operator.reporter import StatusReporter
+from h5ngff.operator.controller.manifests import RUNNER_MEMORY, Owner, build_runner_job
+from h5ngff.operator.schema.rbac import OPERATOR_RULES, RUNNER_JOB_RULES, RUNNER_RULES, calls
+from h5ngff.operator.runner.reporter import StatusReporter
 from h5ngff.jobspec import parse_job_spec
 from h5ngff.units import k8s_quantity
 from operator_harness import (
@@ -104,10 +105,9 @@ async def test_applying_a_job_yields_exactly_one_runner_job():
         pod = job["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         assert "command" not in container  # the image's entrypoint (tini) runs the args
-        assert container["args"] == [
-            *("h5ngff", "runner"),
-            *("--namespace", "default", "--name", "scan", "--uid", "uid-scan", "--attempt", "1"),
-        ]
+        assert container["args"] == ["h5ngff", "runner"]
+        contract = RunnerContract.from_env(env_of(job))
+        assert (contract.namespace, contract.name, contract.uid, contract.attempt) == ("default", "scan", "uid-scan", 1)
         assert container["image"] == "registry.example/h5ngff:1"
         assert job["metadata"]["ownerReferences"] == [
             {
@@ -136,7 +136,8 @@ async def test_applying_a_job_yields_exactly_one_runner_job():
 
 @pytest.mark.slow
 async def test_status_moves_through_the_phases_with_the_runner_and_the_job():
-    from h5ngff.operator.status import planned_patch, progress_status, runner_report
+    from h5ngff.operator.runner.reports import planned_patch, runner_report
+    from h5ngff.operator.schema.status import progress_status
     from test_operator_manifests import job_spec, plan_for
 
     plan = plan_for(job_spec())

@@ -24,7 +24,7 @@ import pytest
 import zarr
 
 from conftest import smooth, write_h5
-from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, calls
+from h5ngff.operator.schema.rbac import RUNNER_JOB_RULES, RUNNER_RULES, calls
 from operator_harness import DASK_RES, emulator, fast_config, manifest, operator_running, wait_for
 from test_operator_e2e import run_container
 from test_operator_kmock import phases

@@ -18,9 +18,12 @@ from h5ngff.backends.allocator import JEMALLOC_CONF
 from h5ngff.backends.kubernetes import SCHEDULER_MEMORY, KubernetesBackend, build_dask_cluster, build_worker_container
 from h5ngff.jobspec import PodSettings, parse_job_spec
 from h5ngff.k8s import CREDENTIAL_ENV, MAX_CLUSTER_NAME, child_name, dask_cluster_name, label_value
-from h5ngff.operator.manifests import SPEC_ENV, Owner, build_runner_job, runner_job_name
+from h5ngff.operator.contract import ENV, RunnerContract
+from h5ngff.operator.controller.manifests import Owner, build_runner_job, runner_job_name
 from h5ngff.planner import DEFAULT_CONSTANTS, DatasetInfo, make_plan
 from h5ngff.units import k8s_quantity, parse_bytes
+
+SPEC_ENV = ENV["spec"]
 
 VOLUMES = [{"name": "data", "persistentVolumeClaim": {"claimName": "scans"}}]
 MOUNTS = [{"name": "data", "mountPath": "/data"}]
@@ -72,18 +75,15 @@ def test_runner_job_runs_the_hidden_runner_with_identity_owner_and_storage():
     ]
     (c,) = pod["containers"]
     assert "command" not in c  # the image's entrypoint (tini) runs the args: tests/test_image.py
-    assert c["args"] == [
-        "h5ngff",
-        "runner",
-        "--namespace",
+    assert c["args"] == ["h5ngff", "runner"]  # who it is comes with everything else, in its runner contract
+    contract = RunnerContract.from_env({e["name"]: e["value"] for e in c["env"] if "value" in e})
+    assert (contract.kind, contract.namespace, contract.name, contract.uid, contract.attempt) == (
+        "ConversionJob",
         "science",
-        "--name",
         "scan-42",
-        "--uid",
         "0b9f-uid",
-        "--attempt",
-        "1",
-    ]
+        1,
+    )
     assert c["image"] == "ghcr.io/x/h5ngff:1"
     # the user's volumes first, then the scratch emptyDir at /tmp (tests/test_pod_security.py)
     assert c["volumeMounts"][:-1] == MOUNTS and pod["volumes"][:-1] == VOLUMES and c["workingDir"] == "/data"
@@ -246,7 +246,7 @@ def test_runner_pods_get_the_default_service_account_and_serve_metrics():
     """A job that names no service account runs its runner as the operator's default (the Helm
     chart's h5ngff-runner, which holds the runner RBAC), and every runner serves its metrics on
     the container port the chart's PodMonitor scrapes."""
-    from h5ngff.operator.manifests import RUNNER_METRICS_PORT
+    from h5ngff.operator.controller.manifests import RUNNER_METRICS_PORT
 
     spec = job_spec(pod={})
     job = build_runner_job(OWNER, spec, 1, "img", default_service_account="h5ngff-runner")
@@ -319,7 +319,7 @@ def test_a_credentials_secret_is_a_plain_secret_name_never_another_namespace(nam
 
 @pytest.mark.slow
 def test_the_output_lease_of_a_bucket_prefix_is_the_url_whatever_the_working_directory():
-    from h5ngff.operator.lease import output_key
+    from h5ngff.operator.controller.lease import output_key
 
     a = job_spec(output={"path": "s3://scans/run-7/out.ome.zarr"})
     b = job_spec(output={"path": "s3://scans/run-7//out.ome.zarr/"}, pod={"workingDir": "/elsewhere"})

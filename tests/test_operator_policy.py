@@ -1,4 +1,4 @@
-"""Tenant policy (operator/policy.py) and the runner's per-job RBAC.
+"""Tenant policy (operator/schema/policy.py) and the runner's per-job RBAC.
 
 * the pure ``policy_violations`` on a table of specs, with what each message names;
 * ``reconcile`` turns a denial into Failed/PolicyDenied with no child ensured;
@@ -20,11 +20,11 @@ import kmock
 import pytest
 
 from h5ngff.jobspec import parse_job_spec
-from h5ngff.operator.manifests import Owner, build_runner_role, build_runner_role_binding, runner_account
-from h5ngff.operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy, policy_violations, volume_type
-from h5ngff.operator.rbac import RUNNER_JOB_RULES, RUNNER_RULES, role_rules
-from h5ngff.operator.lease import LeaseState
-from h5ngff.operator.reconcile import Observed, reconcile
+from h5ngff.operator.controller.manifests import Owner, build_runner_role, build_runner_role_binding, runner_account
+from h5ngff.operator.schema.policy import DEFAULT_VOLUME_TYPES, TenantPolicy, policy_violations, volume_type
+from h5ngff.operator.schema.rbac import RUNNER_JOB_RULES, RUNNER_RULES, role_rules
+from h5ngff.operator.controller.lease import LeaseState
+from h5ngff.operator.controller.reconcile import Observed, reconcile
 from operator_harness import (
     DASK_RES,
     JOB_RES,

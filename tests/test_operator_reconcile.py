@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from h5ngff.jobspec import RetryPolicy, parse_job_spec
-from h5ngff.operator.lease import LeaseState, lease_name, output_key
-from h5ngff.operator.reconcile import JobSummary, Observed, reconcile
-from h5ngff.operator.status import ConversionJobStatus, merge
+from h5ngff.operator.controller.lease import LeaseState, lease_name, output_key
+from h5ngff.operator.controller.reconcile import JobSummary, Observed, reconcile
+from h5ngff.operator.schema.status import ConversionJobStatus, merge
 
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T02:00:00Z"
 HELD = LeaseState("lease-a", True)
@@ -96,6 +96,13 @@ def started(attempt=1, phase="Running", conversion="c1", **extra):
 def succeeded():
     _, s = run(started(), jobs=[job(1, "succeeded")])
     assert s["phase"] == "Succeeded"
+    return settle(s)
+
+
+def settle(s):
+    """The pass after a run ended that finds none of its pods running: its Lease goes back."""
+    d, s = run(s, pods=[])
+    assert d.release_lease == "lease-a" and "outputLease" not in s, d
     return s
 
 
@@ -115,12 +122,8 @@ def test_a_runner_that_reported_success_and_vanished_before_the_operator_saw_it_
     # Operator down longer than ttlSecondsAfterFinished: the Job is gone, the runner's report stays.
     s = started(runner={"attempt": 1, "outcome": "Succeeded"})
     d, s = run(s)
-    assert (
-        s["phase"] == "Succeeded"
-        and d.ensure_attempt is None
-        and d.release_lease == "lease-a"
-        and "outputLease" not in s
-    )
+    assert s["phase"] == "Succeeded" and d.ensure_attempt is None and s["outputLease"] == "lease-a"
+    settle(s)
 
 
 # -- a deleted runner is a failed attempt -------------------------------------------------------
@@ -201,7 +204,8 @@ def test_a_retry_starts_only_after_its_backoff():
 def test_active_deadline_ends_the_run_and_stops_its_runner():
     d, s = run(started(phase="Pending"), jobs=[job(1, "pending")], deadline=3600, now=T2)
     assert s["phase"] == "Failed" and s["reason"] == "DeadlineExceeded" and "3600 s" in s["message"]
-    assert d.delete_job == "scan-runner-1" and d.delete_cluster and d.release_lease == "lease-a"
+    assert d.delete_job == "scan-runner-1" and d.delete_cluster and d.release_lease is None
+    settle(s)
     d, _ = run(started(phase="Pending"), jobs=[job(1, "pending")], deadline=3600, now=T1, pods=[], events=[])
     assert d.delete_job is None
 
@@ -320,7 +324,7 @@ def test_an_output_another_job_holds_makes_this_one_wait():
     assert d.ensure_attempt == 1 and s3["outputLease"] == "lease-a" and "reason" not in s3
 
 
-def test_a_run_ending_gives_back_its_lease():
+def test_a_run_ending_gives_back_its_lease_once_its_pods_are_gone():
     for jobs, phase in (
         ([job(1, "succeeded")], "Succeeded"),
         ([JobSummary("scan-runner-1", 1, "failed", uid="job-uid-1")], "Failed"),
@@ -328,7 +332,13 @@ def test_a_run_ending_gives_back_its_lease():
         d, s = run(
             started(runner={"attempt": 1, "outcome": "Failed", "reason": "SourceUnreadable", "message": "m"}), jobs=jobs
         )
-        assert s["phase"] == phase and d.release_lease == "lease-a" and "outputLease" not in s
+        assert s["phase"] == phase and d.release_lease is None and s["outputLease"] == "lease-a"
+        worker = {"metadata": {"name": "scan-dask-default-worker-0"}, "status": {"phase": "Running"}}
+        d, s = run(s, jobs=jobs, pods=[worker])  # a Dask worker of the run still runs: it may write
+        assert d.release_lease is None and d.delete_cluster and s["outputLease"] == "lease-a"
+        lease = next(c for c in s["conditions"] if c["type"] == "OutputLease")
+        assert lease["reason"] == "Draining" and "scan-dask-default-worker-0" in lease["message"]
+        settle(s)
 
 
 # -- invalid edits ------------------------------------------------------------------------------
@@ -435,3 +445,20 @@ def test_the_lease_key_is_the_claim_and_the_path_inside_it():
     assert output_key(plain) == "path:/work/out.ome.zarr"
     name = lease_name(output_key(_with()))
     assert name.startswith("h5ngff-output-") and len(name) <= 63 and name == lease_name("pvc:scans:/out.ome.zarr")
+
+
+def test_an_attempt_starts_only_under_the_lease_it_takes_again_first():
+    """A retry (or a first attempt created again) takes the run's Lease again before its runner
+    Job: a pass that gave the Lease back may have died before its status write said so (issue
+    41, found by the state machine for batches). Someone else holding it now: the run waits."""
+    s = started(phase="Pending", attempt=2, runnerJobUid=None)
+    s["firstAttempt"] = 1
+    d, _ = run(s, pods=[], lease=None)
+    assert d.needs == frozenset({"lease"}) and d.ensure_attempt is None
+    busy = LeaseState("lease-a", False, "team/other/uid-9")
+    d, s2 = run(s, pods=[], lease=busy)
+    assert d.ensure_attempt is None and s2["reason"] == "OutputBusy" and "outputLease" not in s2
+    d, _ = run(s2, pods=[], lease=busy)  # and it waits as a new run would, starting nothing
+    assert d.ensure_attempt is None
+    d, _ = run(s, pods=[], lease=HELD)  # control: held, the attempt starts
+    assert d.ensure_attempt == 2

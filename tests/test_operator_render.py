@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from h5ngff.cli import main
-from h5ngff.operator.manifests import CHART_RUNNER_ACCOUNT
+from h5ngff.operator.controller.manifests import CHART_RUNNER_ACCOUNT
 from h5ngff.units import k8s_quantity
 from operator_harness import (
     JOB_RES,
@@ -180,7 +180,7 @@ def test_an_invalid_manifest_exits_2(capsys, tmp_path):
 
 @pytest.mark.integration
 def test_help_has_an_example_and_the_image_path_matches_the_dockerfile():
-    from h5ngff.operator.render import IMAGE_JEMALLOC
+    from h5ngff.clirender import IMAGE_JEMALLOC
 
     out = subprocess.run(
         [sys.executable, "-m", "h5ngff.cli", "operator", "render", "--help"],
@@ -214,7 +214,7 @@ def batch_file(tmp_path, monkeypatch):
 
 
 def test_a_batch_renders_its_runner_job_for_every_item(capsys, batch_file):
-    from h5ngff.operator.batchspec import parse_batch_spec
+    from h5ngff.operator.schema.batchspec import parse_batch_spec
 
     code, objs, out = render(capsys, batch_file, *FLAGS)
     assert code == 0 and [o["kind"] for o in objs] == ["Role", "RoleBinding", "Job"], out

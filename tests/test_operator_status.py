@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from h5ngff.engine.progress import Progress
-from h5ngff.operator.lease import LeaseState
-from h5ngff.operator.reconcile import JobSummary, Observed, failure_cause, job_summary, reconcile
-from h5ngff.operator.status import (
+from h5ngff.operator.controller.lease import LeaseState
+from h5ngff.operator.controller.reconcile import JobSummary, Observed, failure_cause, job_summary, reconcile
+from h5ngff.operator.schema.status import (
     ConversionJobStatus,
     combine,
     failure_record,
     merge,
-    progress_patch,
     set_condition,
 )
+from h5ngff.operator.runner.reports import progress_patch
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
 

@@ -1,4 +1,4 @@
-"""Ways around the tenant policy (operator/policy.py) through an image it allows, each closed:
+"""Ways around the tenant policy (operator/schema/policy.py) through an image it allows, each closed:
 
 1. the job's credentials Secret reaches the pods as named keys only, never ``envFrom`` (a key
    LD_PRELOAD or PYTHONPATH of the Secret would run code in the runner, which holds a token);
@@ -6,7 +6,7 @@
    ``sitecustomize.py``, a volume over site-packages, /etc, the service-account token), nor a
    volume the tenant writes over HOME (/tmp), where Python reads user site-packages;
 3. a DaskCluster the runner (any allowed image) creates is checked against the policy and its
-   ConversionJob, and deleted when it asks for more (operator/guard.py), because RBAC cannot
+   ConversionJob, and deleted when it asks for more (operator/controller/guard.py), because RBAC cannot
    limit ``create`` to some pod specs.
 
 New names are imported inside the tests, so on the code before the fix each test fails on its
@@ -17,8 +17,9 @@ over HOME) and the guard that ``spec.pod.env`` does not exist.
 
 from __future__ import annotations
 
+import posixpath
+
 import copy
-import json
 import re
 from pathlib import Path
 
@@ -27,8 +28,8 @@ import pytest
 from h5ngff.backends.kubernetes import KubernetesBackend, build_dask_cluster
 from h5ngff.errors import SpecError
 from h5ngff.jobspec import Owner, parse_job_spec
-from h5ngff.operator.manifests import build_runner_job
-from h5ngff.operator.policy import TenantPolicy, policy_violations
+from h5ngff.operator.controller.manifests import build_runner_job
+from h5ngff.operator.schema.policy import TenantPolicy, policy_violations
 from h5ngff.planner import DEFAULT_CONSTANTS, DatasetInfo, make_plan
 from operator_harness import DASK_RES, emulator, fast_config, manifest, operator_running, wait_for
 from test_operator_kmock import SPEC
@@ -198,9 +199,15 @@ def test_a_volume_elsewhere_is_allowed(path):
 )
 def test_a_volume_the_tenant_writes_is_refused_over_home_where_python_dask_and_aws_read_start_up_code(path, volume):
     """HOME is /tmp: a claim there holding .local/lib/python3.11/site-packages/x.pth runs code in
-    the runner (user site-packages), as ~/.config/dask preloads and ~/.aws credential_process do."""
-    spec = job_spec(pod={"volumes": [{"name": "v", **volume}], "volumeMounts": [{"name": "v", "mountPath": path}]})
-    (message,) = policy_violations(spec, POLICY, IMAGE, "h5ngff-runner")
+    the runner (user site-packages), as ~/.config/dask preloads and ~/.aws credential_process do.
+    A mountPath not in normal form (``/tmp/``, ``//tmp/./.config``) is refused before the policy
+    looks at it (issue 41: the CRD and the model refuse it alike)."""
+    pod = {"volumes": [{"name": "v", **volume}], "volumeMounts": [{"name": "v", "mountPath": path}]}
+    if path != posixpath.normpath("/" + path.lstrip("/")):
+        with pytest.raises(SpecError, match="normal form"):
+            job_spec(pod=pod)
+        return
+    (message,) = policy_violations(job_spec(pod=pod), POLICY, IMAGE, "h5ngff-runner")
     assert f"mountPath {path!r}" in message and "HOME" in message and "emptyDir" in message
 
 
@@ -239,7 +246,7 @@ def _cluster(spec, allocator="jemalloc", library=None):
 
 
 def _violations(cluster, spec):
-    from h5ngff.operator.policy import dask_cluster_violations
+    from h5ngff.operator.schema.daskpolicy import dask_cluster_violations
 
     return dask_cluster_violations(cluster, spec, POLICY, DEFAULT_IMAGE, "h5ngff-runner")
 
@@ -311,6 +318,44 @@ ROGUE = {
     "service account": (lambda c: _worker(c).update(serviceAccountName="ci-deployer"), "ci-deployer"),
     "LD_PRELOAD of a volume": (lambda c: _env(c, "LD_PRELOAD", "/data/evil.so"), "LD_PRELOAD"),
     "LD_PRELOAD climbing out": (lambda c: _env(c, "LD_PRELOAD", "/usr/../data/evil.so"), "LD_PRELOAD"),
+    # Issue 41: values are judged as the container sees them, after Kubernetes' $(VAR) expansion.
+    "LD_PRELOAD through $(VAR) expansion": (
+        lambda c: (
+            _env(c, "MALLOC_ARENA_MAX", "../../data/evil.so"),
+            _env(c, "LD_PRELOAD", "/usr/$(MALLOC_ARENA_MAX)"),
+        ),
+        "after $(VAR) expansion",
+    ),
+    "HOME through $(VAR) expansion": (
+        lambda c: (
+            _worker(c)["containers"][0]["env"].__setitem__(
+                slice(None), [e for e in _worker(c)["containers"][0]["env"] if e["name"] != "HOME"]
+            ),
+            _env(c, "MALLOC_ARENA_MAX", "/data"),
+            _env(c, "HOME", "$(MALLOC_ARENA_MAX)"),
+        ),
+        "HOME must be",
+    ),
+    # Issue 41: the job's own claim mounted at HOME in a Dask container (~/.local runs code).
+    "the job's claim at HOME": (
+        lambda c: _worker(c)["containers"][0]["volumeMounts"].append({"name": "data", "mountPath": "/tmp/.local"}),
+        "HOME",
+    ),
+    # Issue 41: the working directory (a tenant's volume) on the import path of python -c.
+    "no PYTHONSAFEPATH": (
+        lambda c: _worker(c)["containers"][0].update(
+            env=[e for e in _worker(c)["containers"][0]["env"] if e["name"] != "PYTHONSAFEPATH"]
+        ),
+        "PYTHONSAFEPATH=1",
+    ),
+    "PYTHONSAFEPATH off": (
+        lambda c: _worker(c)["containers"][0].update(
+            env=[
+                {**e, "value": "0"} if e["name"] == "PYTHONSAFEPATH" else e for e in _worker(c)["containers"][0]["env"]
+            ]
+        ),
+        "PYTHONSAFEPATH",
+    ),
     "PYTHONPATH": (lambda c: _env(c, "PYTHONPATH", "/data"), "PYTHONPATH"),
     "PYTHONSTARTUP": (lambda c: _env(c, "PYTHONSTARTUP", "/data/x.py"), "PYTHONSTARTUP"),
     "Dask preload": (lambda c: _env(c, "DASK_DISTRIBUTED__WORKER__PRELOAD", "/data/x.py"), "PRELOAD"),
@@ -429,7 +474,7 @@ def test_a_cluster_asking_for_more_than_its_job_and_the_policy_allow_is_refused(
 
 
 def test_a_cluster_no_conversionjob_owns_is_refused():
-    from h5ngff.operator.policy import dask_cluster_violations
+    from h5ngff.operator.schema.daskpolicy import dask_cluster_violations
 
     spec = _job()
     (message,) = dask_cluster_violations(_cluster(spec), None, POLICY, IMAGE, "h5ngff-runner")
@@ -469,38 +514,47 @@ async def test_the_operator_deletes_a_rogue_dask_cluster_and_keeps_the_one_the_r
         stray = _as_runner_builds(c, "scan")
         stray["metadata"]["name"] = "stray-dask"
         await _post_cluster(c, stray)
+        # Another team's notebook cluster in a served namespace: none of h5ngff's business.
+        notebook = _as_runner_builds(c, "scan")
+        notebook["metadata"] = {
+            "name": "notebook",
+            "namespace": "default",
+            "resourceVersion": "1",
+            "labels": {"team": "imaging"},
+        }
+        notebook["spec"]["worker"]["spec"]["hostNetwork"] = True
+        await _post_cluster(c, notebook)
         await wait_for(
             lambda: not {"other-dask", "stray-dask"} & set(c.live(DASK_RES)), what="the rogue clusters deleted"
         )
 
-        from h5ngff.operator.guard import checked
+        from h5ngff.operator.controller.guard import checked, skipped
 
         await wait_for(lambda: checked["default", "scan-dask"] >= 1, what="the legit cluster checked")
-        assert "scan-dask" in c.live(DASK_RES)
+        await wait_for(lambda: skipped["default", "notebook"] >= 1, what="the notebook cluster seen")
+        assert {"scan-dask", "notebook"} <= set(c.live(DASK_RES))
 
         # Kopf posts its events in the background, after the handler that deleted the cluster: wait
         # for the two that this test is about, not for the first one to arrive.
         def denials() -> dict:
             return {e["involvedObject"]["name"]: e for e in c.events() if e.get("reason") == "PolicyDenied"}
 
-        on = await wait_for(
-            lambda: denials() if {"other", "stray-dask"} <= set(denials()) else None, what="PolicyDenied events"
-        )
+        on = await wait_for(lambda: denials() if {"other", "scan"} <= set(denials()) else None, what="PolicyDenied")
         assert on["other"]["involvedObject"]["kind"] == "ConversionJob" and ROGUE_IMAGE in on["other"]["message"]
-        assert (
-            on["other"]["type"] == "Warning" and "not the cluster of any ConversionJob" in on["stray-dask"]["message"]
-        )
-        assert "scan" not in on
-        # A change of the legit cluster is checked again, and it still stays.
+        assert on["scan"]["type"] == "Warning" and "'stray-dask' is not ConversionJob scan's" in on["scan"]["message"]
+        # Edits the docs say keep the conversion (another allowed image, placement) end no attempt:
+        # the cluster is judged against the attempt that made it, on every event and restart.
+        await c.edit("scan", {"spec": {"pod": {"image": "registry.example/h5ngff:2", "nodeSelector": {"pool": "b"}}}})
+        before = checked["default", "scan-dask"]
         resp = await c.k.patch(
             f"{DASK_PATH}/scan-dask",
             json={"metadata": {"labels": {"touched": "yes"}}},
             headers={"Content-Type": "application/merge-patch+json"},
         )
         assert resp.status == 200, await resp.text()
-        await wait_for(lambda: checked["default", "scan-dask"] >= 2, what="the legit cluster checked again")
+        await wait_for(lambda: checked["default", "scan-dask"] > before, what="the legit cluster checked again")
         assert "scan-dask" in c.live(DASK_RES)
-        # ... and a rogue change of it is not.
+        # ... and a rogue change of it is not kept.
         rogue = copy.deepcopy(c.live(DASK_RES)["scan-dask"]["spec"])
         rogue["worker"]["spec"]["hostNetwork"] = True
         resp = await c.k.patch(
@@ -508,4 +562,41 @@ async def test_the_operator_deletes_a_rogue_dask_cluster_and_keeps_the_one_the_r
         )
         assert resp.status == 200, await resp.text()
         await wait_for(lambda: "scan-dask" not in c.live(DASK_RES), what="the changed cluster deleted")
-        assert json.dumps(c.live(DASK_RES)) == "{}"
+        assert set(c.live(DASK_RES)) == {"notebook"}
+
+
+# --- 4. Tenant code never runs in the pods' Python processes (issue 41) --------------------------------
+
+
+def _python_in(cwd: Path, env: dict[str, str]) -> str:
+    """What ``python -c`` (as the Dask nanny starts each worker) imports as ``json`` when started in
+    ``cwd`` (the container's workingDir, a tenant's volume) with ``env``."""
+    import subprocess
+    import sys
+
+    code = "import json, sys; print(json.__file__)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return run.stdout.strip()
+
+
+def test_a_package_on_the_working_directory_never_runs_in_the_runner_scheduler_or_workers(tmp_path):
+    """The tenant's workingDir holds a module shadowing one every process imports: with the
+    environment every container h5ngff builds carries (PYTHONSAFEPATH=1), Python does not put
+    the working directory on the import path, so the tenant's module is not the one imported."""
+    import os
+
+    (tmp_path / "json.py").write_text("raise SystemExit('tenant code ran')\n")
+    spec = _job(workingDir=str(tmp_path))
+    runner = build_runner_job(Owner("science", "scan", "u"), spec, 1, DEFAULT_IMAGE)["spec"]["template"]["spec"]
+    cluster = _cluster(spec)
+    pod_specs = [runner, _worker(cluster), cluster["spec"]["scheduler"]["spec"]]
+    base = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
+    assert [p["containers"][0].get("workingDir") for p in pod_specs[:2]] == [str(tmp_path)] * 2
+    for pod_spec in pod_specs:
+        (container,) = pod_spec["containers"]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e and e["name"] == "PYTHONSAFEPATH"}
+        assert env == {"PYTHONSAFEPATH": "1"}, container["name"]
+        imported = _python_in(tmp_path, {**base, **env})
+        assert imported and not imported.startswith(str(tmp_path)), imported
+    # Negative control: without it, the tenant's module is the one imported (the run exits early).
+    assert _python_in(tmp_path, base) == ""

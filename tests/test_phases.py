@@ -12,7 +12,7 @@ import yaml
 
 from h5ngff.metrics import families
 from h5ngff.metrics.operator import OperatorMetrics
-from h5ngff.operator.status import ConversionJobStatus
+from h5ngff.operator.schema.status import ConversionJobStatus
 from h5ngff.phases import JOB_PHASES, RUN_PHASES, TERMINAL_PHASES, WRITING_PHASES, Phase
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "h5ngff"
@@ -22,7 +22,7 @@ NAMES = {p.value for p in Phase}
 def test_the_status_model_and_the_crd_name_the_job_phases():
     literal = get_args(get_args(ConversionJobStatus.model_fields["phase"].annotation)[0])
     assert literal == tuple(JOB_PHASES)
-    crd = yaml.safe_load((PACKAGE / "operator" / "crd.yaml").read_text())
+    crd = yaml.safe_load((PACKAGE / "operator" / "schema" / "crd.yaml").read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["phase"]
     assert schema["enum"] == list(JOB_PHASES)
 

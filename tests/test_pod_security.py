@@ -14,7 +14,7 @@ import pytest
 
 from h5ngff.backends.kubernetes import build_dask_cluster
 from h5ngff.k8s import RUN_AS_GROUP, RUN_AS_USER, SCRATCH_PATH
-from h5ngff.operator.manifests import Owner, build_runner_job
+from h5ngff.operator.controller.manifests import Owner, build_runner_job
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pod_security import pod_specs, violations  # noqa: E402

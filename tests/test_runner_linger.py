@@ -12,7 +12,8 @@ import pytest
 
 from h5ngff.engine.progress import Progress
 from h5ngff.metrics.exporter import MetricsExporter
-from h5ngff.operator.runner_metrics import DEFAULT_METRICS_LINGER, metrics_linger
+from h5ngff.errors import RunnerContractError
+from h5ngff.operator.contract import DEFAULT_METRICS_LINGER, RunnerContract
 
 
 @pytest.mark.slow
@@ -58,10 +59,9 @@ def test_without_a_scrape_it_lingers_the_whole_time():
         exporter.close()
 
 
-def test_the_linger_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv("H5NGFF_METRICS_LINGER", raising=False)
-    assert metrics_linger() == DEFAULT_METRICS_LINGER == 30.0
-    monkeypatch.setenv("H5NGFF_METRICS_LINGER", "5")
-    assert metrics_linger() == 5.0
-    monkeypatch.setenv("H5NGFF_METRICS_LINGER", "soon")
-    assert metrics_linger() == DEFAULT_METRICS_LINGER
+def test_the_linger_comes_from_the_runner_contract():
+    env = {"H5NGFF_JOB_NAMESPACE": "ns", "H5NGFF_JOB_NAME": "scan", "H5NGFF_SPEC": "{}"}
+    assert RunnerContract.from_env(env).metrics_linger == DEFAULT_METRICS_LINGER == 30.0
+    assert RunnerContract.from_env({**env, "H5NGFF_METRICS_LINGER": "5"}).metrics_linger == 5.0
+    with pytest.raises(RunnerContractError, match="H5NGFF_METRICS_LINGER"):
+        RunnerContract.from_env({**env, "H5NGFF_METRICS_LINGER": "soon"})

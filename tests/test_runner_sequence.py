@@ -172,7 +172,7 @@ def test_the_factory_says_which_backends_start_their_own_workers():
 @pytest.mark.parametrize("kind", ["external", "pbs"])
 def test_the_runner_job_refuses_a_backend_that_does_not_start_workers(monkeypatch, kind):
     from h5ngff.jobspec import parse_job_spec
-    from h5ngff.operator.runner_cmd import RunnerArgs, runner_backend
+    from h5ngff.operator.runner.main import RunnerArgs, runner_backend
 
     spec = parse_job_spec({"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "out.ome.zarr"}})
     monkeypatch.setenv("H5NGFF_BACKEND", kind)

@@ -170,7 +170,7 @@ def _plan_json(path: Path) -> str:
 def test_a_batch_items_object_keeps_its_url_under_a_working_dir():
     """A ConversionBatch item in a bucket is its URL as the pods see it; a relative local path
     still resolves against pod.workingDir (the control)."""
-    from h5ngff.operator.batchspec import parse_batch_spec
+    from h5ngff.operator.schema.batchspec import parse_batch_spec
 
     spec = parse_batch_spec(
         {

@@ -9,7 +9,7 @@ import kopf
 import pytest
 
 from h5ngff.errors import H5ngffError, OOMKilledError, WorkerFailedError
-from h5ngff.operator import handlers
+from h5ngff.operator.controller import handlers
 from h5ngff.operator.kube import Kube, KubeError
 
 

@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .batch.items import GLOB_CHARS, BatchItem, batch_items, expand_sources, is_template, split_pattern
+from .batch.listing import bucket_lister
 from .batch.run import (
     COMPLETE,
     DEFAULT_ITEMS_IN_FLIGHT,
@@ -123,7 +124,8 @@ def cmd_batch(args: argparse.Namespace, console: Console) -> int:
     """``h5ngff batch BATCH.yaml``: the manifest's items, each with the spec one ConversionJob
     would have, under the flags given (``--overwrite``, the backend's)."""
     from .job import load_document, manifest_head, parse_spec_of
-    from .operator.batchspec import BATCH_KIND, parse_batch_spec
+    from .jobspec import BATCH_KIND
+    from .operator.schema.batchspec import parse_batch_spec
     from .spec import parse_spec
 
     doc = load_document(args.manifest, BATCH_KIND)
@@ -161,9 +163,9 @@ def convert_batch(patterns: Sequence[str], template: str, args: argparse.Namespa
             "Expected --memory-report with one conversion; a batch reports each item's peak against its plan in its summary.",
         )
     listing = listing_options(args, template)
-    if not is_template(template) and len(sources := expand_sources(patterns, listing)) > 1:
+    if not is_template(template) and len(sources := expand_sources(patterns, bucket_lister(listing))) > 1:
         raise SpecError("output", several_sources_one_output(sources, template))
-    items = batch_items(patterns, template, listing)
+    items = batch_items(patterns, template, bucket_lister(listing))
 
     def spec_for(item: BatchItem) -> ConversionSpec:
         return spec_for_source(item.source, item.output, args)
@@ -191,7 +193,7 @@ def spec_for_file_stack(sources: list[str], output: str, args: argparse.Namespac
         )
     if len(sources) == 1:
         return spec_for_source(sources[0], output, args)
-    paths = [path for _, path in expand_sources(sources, listing_options(args, output))]
+    paths = [path for _, path in expand_sources(sources, bucket_lister(listing_options(args, output)))]
     base: dict[str, Any] = {"source": {"paths": paths, "dataset": datasets[0]}, "output": {"path": output}}
     if getattr(args, "overwrite", False):
         base["output"]["overwrite"] = True

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .batch.items import GLOB_CHARS, BatchItem, batch_items, expand_sources, is_template, split_pattern
+from .batch.listing import bucket_lister
 from .batch.run import DEFAULT_ITEMS_IN_FLIGHT, REFUSED, BatchSummary, plan_batch
 from .cliargs import backend_from_args, constants_from_args, listing_options, spec_for_source
 from .console import make_console, print_notices, shorten_quoted
@@ -39,9 +40,10 @@ def plan_items(source: str, output: str | None, listing: dict[str, str] | None =
     """The items ``convert SOURCE OUTPUT`` would make; without OUTPUT each output goes beside its
     file, as a single plan's default does. A glob in a bucket is listed with ``listing``."""
     if output is not None:
-        return batch_items([source], output, listing)
+        return batch_items([source], output, bucket_lister(listing))
     return [
-        BatchItem(s, path, os.path.splitext(path)[0] + ".ome.zarr") for s, path in expand_sources([source], listing)
+        BatchItem(s, path, os.path.splitext(path)[0] + ".ome.zarr")
+        for s, path in expand_sources([source], bucket_lister(listing))
     ]
 
 

@@ -107,11 +107,13 @@ def add_job_commands(sub: Any, common_run_flags) -> None:
     _add_render(o)
 
     # The runner Job's container command; not for people, hence no help entry.
+    # Everything it runs comes from its runner contract (operator/contract.py), the container's
+    # environment; the flags override the contract's identity, for running a runner by hand.
     x = sub.add_parser("runner")
-    x.add_argument("--namespace", required=True)
-    x.add_argument("--name", required=True)
-    x.add_argument("--uid", default="")
-    x.add_argument("--attempt", type=int, default=1)
+    x.add_argument("--namespace")
+    x.add_argument("--name")
+    x.add_argument("--uid")
+    x.add_argument("--attempt", type=int)
     x.set_defaults(func=cmd_runner)
     _hide(sub, "runner")
 
@@ -180,9 +182,10 @@ def _add_render(o: argparse.ArgumentParser) -> None:
 def cmd_render(args: argparse.Namespace, console: Console) -> int:
     from .errors import SpecError
     from .job import KIND, load_document, manifest_head, parse_manifest, parse_spec_of
-    from .operator.batchspec import BATCH_KIND, parse_batch_spec
-    from .operator.manifests import CHART_RUNNER_ACCOUNT, DEFAULT_IMAGE
-    from .operator.render import RenderOptions, render_batch_objects, render_objects
+    from .clirender import RenderOptions, render_batch_objects, render_objects
+    from .jobspec import BATCH_KIND
+    from .operator.controller.manifests import CHART_RUNNER_ACCOUNT, DEFAULT_IMAGE
+    from .operator.schema.batchspec import parse_batch_spec
 
     opts = RenderOptions(
         image=args.image or DEFAULT_IMAGE,
@@ -212,8 +215,8 @@ def cmd_render(args: argparse.Namespace, console: Console) -> int:
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
-    """The tenant policy (operator/policy.py); the Helm chart sets these from its policy.* values."""
-    from .operator.policy import DEFAULT_VOLUME_TYPES
+    """The tenant policy (operator/schema/policy.py); the Helm chart sets these from its policy.* values."""
+    from .operator.schema.policy import DEFAULT_VOLUME_TYPES
 
     g = p.add_argument_group(
         "tenant policy",
@@ -249,7 +252,7 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
 
 
 def policy_from_args(args: argparse.Namespace):
-    from .operator.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
+    from .operator.schema.policy import DEFAULT_VOLUME_TYPES, TenantPolicy
 
     return TenantPolicy(
         tuple(args.allowed_image),
@@ -265,12 +268,12 @@ def _hide(sub: Any, name: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    """``h5ngff run``'s input and output around one attempt (``operator.attempt``, the run sequence)."""
+    """``h5ngff run``'s input and output around one attempt (``operator.runner.attempt``, the run sequence)."""
     from .cliargs import backend_from_args, constants_from_args
     from .console import make_console, print_notices, print_warning
     from .engine.progress import Listener
     from .job import load_job
-    from .operator.attempt import AttemptOptions, run_locally
+    from .operator.runner.attempt import AttemptOptions, run_locally
     from .report import ProgressBar, plan_renderable, plan_summary_renderable
     from .runner import Linger, PlannedJob
 
@@ -326,8 +329,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 def cmd_operator(args: argparse.Namespace, console: Console) -> int:
     import asyncio
 
-    from .operator.handlers import OperatorConfig, run_operator
-    from .operator.manifests import DEFAULT_IMAGE
+    from .operator.controller.handlers import OperatorConfig, run_operator
+    from .operator.controller.manifests import DEFAULT_IMAGE
 
     metrics = None
     if args.metrics_port:
@@ -352,9 +355,9 @@ def cmd_operator(args: argparse.Namespace, console: Console) -> int:
 
 
 def cmd_runner(args: argparse.Namespace, console: Console) -> int:
-    from .operator.runner_cmd import RunnerArgs, main
+    from .operator.runner.main import main
 
     logging.getLogger("h5ngff").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO)
-    return main(RunnerArgs(args.namespace, args.name, args.uid, args.attempt))
+    return main(namespace=args.namespace, name=args.name, uid=args.uid, attempt=args.attempt)

@@ -114,6 +114,7 @@ def _many(output: str, source: str | None, source_options: dict[str, str] | None
     """(output, source) pairs: a template's outputs with the sources ``--source`` matches, as
     ``convert SOURCE TEMPLATE`` wrote them; or the outputs a glob matches, without sources."""
     from .batch.items import batch_items
+    from .batch.listing import bucket_lister
 
     if is_template(output):
         if source is None:
@@ -122,7 +123,7 @@ def _many(output: str, source: str | None, source_options: dict[str, str] | None
                 f"Expected --source with the pattern the template {output!r} was filled from (e.g. "
                 f"--source 'runs/*.h5:/data'), or a glob of outputs (out/*.ome.zarr) to check without sources.",
             )
-        return [(item.output, item.source) for item in batch_items([source], output, source_options)]
+        return [(item.output, item.source) for item in batch_items([source], output, bucket_lister(source_options))]
     if source is not None:
         raise SpecError(
             "OUTPUT",

@@ -83,6 +83,11 @@ class PolicyDeniedError(SpecError):
     reason = "PolicyDenied"
 
 
+class RunnerContractError(SpecError):
+    """A runner pod's environment is not a runner contract this build can run (a hand-made Job,
+    or an operator of another release); operator/contract.py."""
+
+
 class PlanError(H5ngffError, ValueError):
     """The spec is valid but no plan can satisfy it."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,7 +28,12 @@ from .spec import ConversionSpec, SlurmSpec, _Model, parse_model
 GROUP = "h5ngff.dev"
 VERSION = "v1alpha1"
 KIND = "ConversionJob"
+PLURAL = "conversionjobs"
 API_VERSION = f"{GROUP}/{VERSION}"
+#: The ConversionBatch resource (operator/schema/batchspec.py), named here beside its twin so the
+#: controller, the runner contract and the CLI agree on it without importing each other.
+BATCH_KIND = "ConversionBatch"
+BATCH_PLURAL = "conversionbatches"
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class Owner:
     name: str
     uid: str
     attempt: int = 1
-    #: ConversionJob, or ConversionBatch (operator/batchspec.py): the kind ownerReferences name.
+    #: ConversionJob, or ConversionBatch (operator/schema/batchspec.py): the kind ownerReferences name.
     kind: str = KIND
 
 
@@ -52,13 +58,18 @@ DEFAULT_RETRY_INTERVAL = 10
 DEFAULT_MAX_RETRY_INTERVAL = 300
 
 FreeForm = dict[str, Any]
-#: At most this many volumes and volume mounts: bounds the CRD's CEL cost (operator/admission.py).
+#: At most this many volumes and volume mounts: bounds the CRD's CEL cost (operator/schema/admission.py).
 MAX_VOLUMES = 64
 #: Kubernetes' limit for volume names (a DNS label); also bounds the CRD's CEL cost.
 MAX_VOLUME_NAME = 63
 #: The emptyDir every runner and Dask pod gets at /tmp (k8s.with_scratch): no user volume may
 #: take its name, or Kubernetes refuses the pod (duplicate volume names).
 SCRATCH_VOLUME = "h5ngff-scratch"
+#: A volumeMount's mountPath in normal form: absolute, no empty, ``.`` or ``..`` component and no
+#: trailing slash. Kubernetes compares mountPaths as written, so ``/a`` and ``/a/`` pass its
+#: uniqueness check and collide in the container; the CRD (a pattern) and the model (the same
+#: pattern) refuse the second spelling alike, since CEL cannot normalise a path (issue 41).
+MOUNT_PATH_PATTERN = r"^/$|^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
 
 
 class PodSettings(_Model):
@@ -136,11 +147,18 @@ class PodSettings(_Model):
         paths: list[str] = []
         for mount in self.volume_mounts or ():
             path = mount.get("mountPath")
-            if not isinstance(path, str) or not path.startswith("/"):
-                raise ValueError(
-                    f"Expected every volumeMount's mountPath to be an absolute path. Got {path!r} instead."
+            if not isinstance(path, str) or not re.fullmatch(MOUNT_PATH_PATTERN, path):
+                normal = posixpath.normpath("/" + path.lstrip("/")) if isinstance(path, str) else None
+                hint = (
+                    f" (write {normal!r})"
+                    if normal and normal.startswith("/") and ".." not in normal.split("/")
+                    else ""
                 )
-            paths.append(posixpath.normpath(path))
+                raise ValueError(
+                    f"Expected every volumeMount's mountPath to be an absolute path in normal form: no trailing '/', "
+                    f"no '//', '.' or '..' component{hint}. Got {path!r} instead."
+                )
+            paths.append(path)
         _no_repeats("spec.pod.volumeMounts mountPaths", paths)
         if self.image is not None and not self.image.strip():
             raise ValueError(
@@ -221,13 +239,24 @@ class ConversionJobSpec(ConversionSpec):
         return ConversionSpec(**{name: getattr(self, name) for name in ConversionSpec.model_fields})
 
     def conversion_hash(self) -> str:
-        """What the operator compares across edits: the conversion fields *the user wrote* and
-        where the data is (volumes, mounts, working directory). Defaults are left out, so a new
-        field with a default in a later build hashes the same spec the same way (an upgrade must
-        never look like an edit). ``output.overwrite`` (what to do with an existing output) and
-        how the pods run (image, placement, retries, deadline) are left out too, so editing them
-        never re-runs a finished conversion."""
-        written = self.model_dump(by_alias=True, exclude_unset=True, exclude_none=True, mode="json")
+        """What the operator compares across edits: the normalised conversion fields and where the
+        data is (volumes, mounts, working directory). Normalised: every field equal to its default
+        is left out, so writing a default out, removing one, or a later build adding a field with
+        a default hashes the same conversion the same way (none of these may re-run a finished
+        conversion, least of all with overwrite). ``output.overwrite`` (what to do with an
+        existing output) and how the pods run (image, placement, retries, deadline) are left out
+        too, so editing them never re-runs a finished conversion."""
+        return self._conversion_hash(exclude_defaults=True)
+
+    def written_conversion_hash(self) -> str:
+        """The hash as builds up to issue 41 computed it: the conversion fields *as written*, a
+        default written out included. Only compared with a status such a build wrote."""
+        return self._conversion_hash(exclude_defaults=False)
+
+    def _conversion_hash(self, exclude_defaults: bool) -> str:
+        written = self.model_dump(
+            by_alias=True, exclude_unset=True, exclude_defaults=exclude_defaults, exclude_none=True, mode="json"
+        )
         fields = {f.alias or name for name, f in ConversionSpec.model_fields.items()}
         wire = {k: v for k, v in written.items() if k in fields}
         return _hash(wire, written.get("pod") or {})

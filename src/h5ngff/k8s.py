@@ -31,6 +31,11 @@ RUN_AS_GROUP = 10001
 #: (where it spills, ``dask-scratch-space``) all write under /tmp. Disk-backed, not memory-backed:
 #: a tmpfs would charge spilled data to the very pod memory limit the plan sizes.
 SCRATCH_PATH = "/tmp"
+#: The environment variables naming the ConversionJob (or ConversionBatch) of a runner pod: part
+#: of its runner contract (operator/contract.py), and what the metrics exporter labels its series
+#: with (metrics/exporter.py; ``h5ngff convert`` reads them too).
+JOB_NAME_ENV = "H5NGFF_JOB_NAME"
+JOB_NAMESPACE_ENV = "H5NGFF_JOB_NAMESPACE"
 
 
 def child_name(base: str, suffix: str, limit: int = MAX_NAME) -> str:
@@ -53,6 +58,11 @@ def label_value(name: str) -> str:
 
 def dask_cluster_name(job_name: str) -> str:
     return child_name(job_name, "dask", MAX_CLUSTER_NAME)
+
+
+def runner_job_name(job_name: str, attempt: int) -> str:
+    """``<job>-runner-<attempt>``: deterministic, so a restarted operator finds, not duplicates, it."""
+    return child_name(job_name, f"runner-{attempt}")
 
 
 def labels(job_name: str, component: str, attempt: int | None = None) -> dict[str, str]:
@@ -81,7 +91,7 @@ def owner_reference(api_version: str, kind: str, name: str, uid: str, block: boo
 
 
 #: The scheduler container's probes (its dashboard's /health); the workers have none. Here, not in
-#: backends/kubernetes.py, because the operator's guard (operator/policy.py) holds a DaskCluster's
+#: backends/kubernetes.py, because the operator's guard (operator/schema/policy.py) holds a DaskCluster's
 #: probes to exactly these: an ``exec`` probe runs a command, and ``httpGet.host`` makes the kubelet
 #: send requests from the node's network.
 SCHEDULER_PROBES: dict[str, dict[str, Any]] = {
@@ -182,9 +192,17 @@ def container_security_context() -> dict[str, Any]:
     }
 
 
+#: Every container h5ngff starts runs Python with this set (``python -P``'s variable, 3.11+): the
+#: working directory (``spec.pod.workingDir``, on a tenant's volume) is never put first on the
+#: import path, so a package the tenant left there cannot run in a runner, scheduler or worker.
+#: The Dask nanny starts each worker with ``python -c``, which would put it there (issue 41).
+SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+
+
 def with_scratch(pod_spec: dict[str, Any]) -> dict[str, Any]:
     """Give every container of ``pod_spec`` the pod's scratch emptyDir at /tmp (unless the user
-    mounts something there already) and HOME=/tmp, and set the restricted security contexts."""
+    mounts something there already), HOME=/tmp and PYTHONSAFEPATH=1, and set the restricted
+    security contexts."""
     containers = pod_spec["containers"]
     needs_scratch = False
     for c in containers:
@@ -195,6 +213,9 @@ def with_scratch(pod_spec: dict[str, Any]) -> dict[str, Any]:
         env = c.setdefault("env", [])
         if not any(e.get("name") == "HOME" for e in env):
             env.append({"name": "HOME", "value": SCRATCH_PATH})  # ~/.config/dask and friends
+        for name, value in SAFE_PATH_ENV.items():
+            if not any(e.get("name") == name for e in env):
+                env.append({"name": name, "value": value})
     if needs_scratch:
         pod_spec["volumes"] = [*(pod_spec.get("volumes") or ()), {"name": SCRATCH_VOLUME, "emptyDir": {}}]
     pod_spec["securityContext"] = pod_security_context()

@@ -101,7 +101,7 @@ TIME_UNITS = (
 )
 #: NGFF images have at most 5 axes (tczyx): a per-axis list with more entries can never fit.
 MAX_AXES = 5
-#: Longest byte-quantity string accepted; bounds the CRD's CEL cost (operator/admission.py).
+#: Longest byte-quantity string accepted; bounds the CRD's CEL cost (operator/schema/admission.py).
 MAX_QUANTITY_LENGTH = 64
 #: The smallest worker any plan fits in: planner.memory.minimum_pod_limit() computes it from the
 #: memory model's constants (the interpreter alone is about 100 MiB, plus the nanny and the room
@@ -117,7 +117,7 @@ SOURCE_SCHEMES: tuple[str, ...] = ("s3",)
 #: Storage options that only an output uses: a source read with an output's options leaves them out.
 OUTPUT_ONLY_OPTIONS = ("lock", "lock_ttl", "multipart_threshold", "part_size", "uploads_in_flight")
 #: What makes a path a URL (RFC 3986's scheme, then ``://``); the CRD's CEL rules use the same
-#: regex (operator/admission.py), so the API server and the model agree on what a URL is.
+#: regex (operator/schema/admission.py), so the API server and the model agree on what a URL is.
 URL_PATTERN = "^[A-Za-z][A-Za-z0-9+.-]*://"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: What a mistyped URL looks like: a scheme and a colon at the start of the path (``s3:/bucket``,
@@ -248,6 +248,14 @@ def _int_or_auto(value: Any, allowed: str) -> Any:
     if isinstance(value, bool):
         raise ValueError(f"Expected {allowed}. Got {value!r} instead.")
     return value
+
+
+def _number_or_auto(value: Any, allowed: str) -> Any:
+    """An int-or-string field whose only string is 'auto': a number in quotes ("3") is refused,
+    as the CRD's schema refuses it (the API server and the model give one answer, issue 41)."""
+    if isinstance(value, str) and value.strip().lstrip("+-").replace(".", "", 1).isdigit():
+        raise ValueError(f"Expected {allowed}. Got {value!r} (a string) instead: write a number without quotes.")
+    return _int_or_auto(value, allowed)
 
 
 def _positive_ints(name: str, value: list[int] | None) -> list[int] | None:
@@ -630,7 +638,7 @@ class PyramidSpec(_Model):
     @field_validator("levels", mode="before")
     @classmethod
     def _levels_not_bool(cls, v: Any) -> Any:
-        return _int_or_auto(v, "'auto' or an integer from 1 to 16")
+        return _number_or_auto(v, "'auto' or an integer from 1 to 16")
 
     method: Literal["mean", "nearest", "max"] = Field(
         "mean", description="mean (exact, rounded half to even for integers), nearest or max."
@@ -681,7 +689,7 @@ class ResourcesSpec(_Model):
     @field_validator("workers", mode="before")
     @classmethod
     def _workers_not_bool(cls, v: Any) -> Any:
-        return _int_or_auto(v, "'auto' or an integer from 1 to 4096")
+        return _number_or_auto(v, "'auto' or an integer from 1 to 4096")
 
     @field_validator("memory_per_worker", "memory_total", mode="before")
     @classmethod
@@ -752,7 +760,7 @@ SLURM_WALLTIME = r"^(\d+-)?\d+(:\d{1,2}){0,2}$"
 #: What SLURM_WALLTIME allows, in words (for the error message).
 SLURM_WALLTIME_FORMATS = "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 90, 02:00:00, 1-12)"
 #: An #SBATCH directive's option: its first word, after an optional ``#SBATCH``. The CRD matches
-#: directives with the same expressions (operator/admission.py).
+#: directives with the same expressions (operator/schema/admission.py).
 SLURM_DIRECTIVE_PREFIX = r"^[ \t]*(#SBATCH)?[ \t]*"
 SLURM_OPTION = SLURM_DIRECTIVE_PREFIX + r"(-[^ \t=]*)"
 #: sbatch's short options that take no argument: they may precede another in one word (``-vc2``).
@@ -894,7 +902,7 @@ class ConversionSpec(_Model):
     def _agrees_with_axes(self) -> "ConversionSpec":
         """With ``image.axes`` given, the per-axis lists must fit it. The planner checks the same
         against the dataset (axes may also come from HDF5 attributes); checking here too lets the
-        CRD refuse them at admission (operator/admission.py mirrors these rules in CEL)."""
+        CRD refuse them at admission (operator/schema/admission.py mirrors these rules in CEL)."""
         axes = self.image.axes
         if axes is None:
             return self

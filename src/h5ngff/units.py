@@ -53,7 +53,7 @@ def parse_bytes(value: int | float | str) -> int:
     match = _QUANTITY.match(str(value))
     if not match or match.group(2).lower() not in _SUFFIXES:
         raise ValueError(f"Expected {ALLOWED_UNITS}, e.g. '1Gi' or '512MiB'. Got {value!r} instead.")
-    # Computed in floating point, as the CRD's CEL rule computes it (operator/admission.py), so
+    # Computed in floating point, as the CRD's CEL rule computes it (operator/schema/admission.py), so
     # the API server and the model refuse the same quantities at the bound.
     return _bounded(float(match.group(1)) * _SUFFIXES[match.group(2).lower()], value)
 

@@ -77,7 +77,7 @@ app.kubernetes.io/component: operator
 {{- end }}
 
 {{/*
-Operator RBAC rules from files/rbac.yaml (generated from src/h5ngff/operator/rbac.py), filtered:
+Operator RBAC rules from files/rbac.yaml (generated from src/h5ngff/operator/schema/rbac.py), filtered:
   dict "ctx" $ "mode" ("clusterWide"|"namespaced") "clusterScoped" (true|false|"any")
 */}}
 {{- define "h5ngff.operatorRules" -}}

@@ -14,7 +14,7 @@ import os
 import re
 import string
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ..errors import SpecError
 from ..spec import url_scheme
@@ -25,6 +25,10 @@ TEMPLATE_FIELDS = {
     "name": "the file name (cell_07.h5)",
     "parent": "the name of the directory holding the file (day1)",
 }
+#: A template field with a format spec or a conversion (``{stem:>9}``, ``{stem!r}``), which
+#: ``_parts`` refuses; the CRD refuses the same with this pattern (operator/schema/crd.py). A
+#: brace after a brace is an escaped one (``{{a:b}}`` is the literal text ``{a:b}``).
+FORMATTED_FIELD_PATTERN = r"(^|[^{])\{[^{}]*[:!][^{}]*\}"
 #: Characters that make a pattern a glob (Python's glob module: *, ?, [...], and ** with recursion).
 GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -45,14 +49,40 @@ def is_template(output: str) -> bool:
     return bool(_fields(output))
 
 
-def _fields(template: str) -> list[str]:
+def _parts(template: str) -> list[tuple[str, str | None]]:
+    """(literal text, field name or None) pieces of ``template``. A field is a bare name: a format
+    spec or a conversion (``{stem:>100000000}``, ``{stem!r}``) is refused, because Python's
+    formatting would pad, truncate or repr the value (one such spec made a 100 MB output path)."""
     try:
-        return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        parsed = list(string.Formatter().parse(template))
     except ValueError as exc:  # an unmatched brace
         raise SpecError(
             "output",
-            f"Expected an output template such as out/{{stem}}.ome.zarr. Got {template!r}, which is not one ({exc}), instead.",
+            f"Expected an output template such as out/{{stem}}.ome.zarr. Got {_quoted(template)}, which is not one ({exc}), instead.",
         ) from None
+    for _, name, spec, conversion in parsed:
+        if name is not None and (spec or conversion):
+            field = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise SpecError(
+                "output",
+                f"Expected template fields without a format spec or conversion ({{stem}}, {{name}}, {{parent}}). "
+                f"Got {_cut(field)} in {_quoted(template)} instead.",
+            )
+    return [(literal, name) for literal, name, _, _ in parsed]
+
+
+def _quoted(text: str, limit: int = 200) -> str:
+    """``text`` quoted for a message, cut to ``limit`` characters: messages quote what the user
+    wrote, and a status message must stay small."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _fields(template: str) -> list[str]:
+    return [name for _, name in _parts(template) if name is not None]
 
 
 def split_pattern(pattern: str) -> tuple[str, str | None]:
@@ -65,21 +95,29 @@ def split_pattern(pattern: str) -> tuple[str, str | None]:
     return pattern, None
 
 
-def expand_sources(patterns: Sequence[str], source_options: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+#: Lists the objects a glob in a bucket matches (``batch.listing.bucket_lister``): given by the
+#: CLI, so that this module, which the operator's controller reads for templates and collisions,
+#: never imports the engine that lists a bucket.
+BucketGlob = Callable[[str], list[str]]
+
+
+def expand_sources(patterns: Sequence[str], bucket_glob: BucketGlob | None = None) -> list[tuple[str, str]]:
     """Every (source, file) the patterns name, in natural order (cell_2 before cell_10), each
     source once. A pattern that matches nothing is an error that names it: a batch that silently
     skips a mistyped directory would look like success. Every path a glob matches is kept, a
     dangling link or a directory included: planning refuses it with its reason, so the summary
     names it instead of dropping it. Two datasets of one file are two sources, never one. A
-    pattern in a bucket (``s3://bucket/run/*.h5:/data``) lists the bucket under its prefix, read
-    with ``source_options``."""
+    pattern in a bucket (``s3://bucket/run/*.h5:/data``) lists the bucket under its prefix with
+    ``bucket_glob``."""
     found: dict[str, str] = {}
     for pattern in patterns:
         files, dataset = split_pattern(pattern)
         if not GLOB_CHARS.search(files):
             matches = [files]
         elif url_scheme(files):
-            matches = sorted(_bucket_matches(files, source_options), key=_natural)
+            if bucket_glob is None:
+                raise SpecError("source", f"Expected local files here: {files!r} would list a bucket.")
+            matches = sorted(bucket_glob(files), key=_natural)
         else:
             matches = sorted(glob.glob(files, recursive=True), key=_natural)
         if not matches:
@@ -95,42 +133,34 @@ def expand_sources(patterns: Sequence[str], source_options: Mapping[str, str] | 
     return list(found.items())
 
 
-def _bucket_matches(pattern: str, options: Mapping[str, str] | None) -> list[str]:
-    """The objects a glob in a bucket matches, as the source readers list them."""
-    from ..engine.sources.access import Access
-    from ..engine.sources.objects import Bucket
-    from ..engine.stores import open_object_reader
-
-    return Access(Bucket(open_object_reader, tuple(sorted((options or {}).items())))).glob(pattern)
-
-
 def _natural(text: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def render_output(template: str, path: str) -> str:
     """The template with ``path``'s fields filled in."""
-    unknown = [f for f in _fields(template) if f not in TEMPLATE_FIELDS]
+    parts = _parts(template)
+    unknown = [f for _, f in parts if f is not None and f not in TEMPLATE_FIELDS]
     if unknown:
         known = ", ".join("{" + f + "}" for f in TEMPLATE_FIELDS)
         raise SpecError(
-            "output", f"Expected template fields from {known}. Got {{{unknown[0]}}} in {template!r} instead."
+            "output",
+            f"Expected template fields from {known}. Got {_cut('{' + unknown[0] + '}')} in {_quoted(template)} instead.",
         )
     name = os.path.basename(path)
     if url_scheme(path):  # s3://bucket/run/a.h5: the key's parent (the bucket's name at its root)
         parent = path.partition("://")[2].rstrip("/").split("/")[-2]
     else:
         parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
-    return template.format(stem=os.path.splitext(name)[0], name=name, parent=parent)
+    values = {"stem": os.path.splitext(name)[0], "name": name, "parent": parent}
+    # Plain substitution, not str.format: the fields were checked to be bare names.
+    return "".join(literal + (values[field] if field is not None else "") for literal, field in parts)
 
 
-def batch_items(
-    patterns: Sequence[str], template: str, source_options: Mapping[str, str] | None = None
-) -> list[BatchItem]:
+def batch_items(patterns: Sequence[str], template: str, bucket_glob: BucketGlob | None = None) -> list[BatchItem]:
     """The items of ``h5ngff convert PATTERN... TEMPLATE``, checked for collisions."""
     items = [
-        BatchItem(source, path, render_output(template, path))
-        for source, path in expand_sources(patterns, source_options)
+        BatchItem(source, path, render_output(template, path)) for source, path in expand_sources(patterns, bucket_glob)
     ]
     refuse_collisions(items)
     return items

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import Metric
 
 from ..engine.progress import Progress
+from .. import k8s
 from ..errors import SpecError
 from ..planner.model import Plan
 from ..phases import ITEMS_TO_DO, Phase, TERMINAL_PHASES
@@ -44,8 +45,7 @@ from .probes import ClusterPoller, ClusterSnapshot
 log = logging.getLogger(__name__)
 
 #: Environment variables the Kubernetes runner sets to label the series with the ConversionJob.
-JOB_NAME_ENV = "H5NGFF_JOB_NAME"
-JOB_NAMESPACE_ENV = "H5NGFF_JOB_NAMESPACE"
+JOB_NAME_ENV, JOB_NAMESPACE_ENV = k8s.JOB_NAME_ENV, k8s.JOB_NAMESPACE_ENV
 
 
 class _Collector:

@@ -18,12 +18,13 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes_asyncio import client, config
 
-from .. import __version__
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from .. import __version__
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,24 @@ def _status_message(body: Any) -> str | None:
     except (ValueError, AttributeError):
         return None
     return str(message)[:1000] if message else None
+
+
+class KubeApi(Protocol):
+    """What the controller and the runner's reporter call: ``Kube``, or an in-memory API in the
+    property tests (tests/test_operator_invariants.py). 404 is None (get, create) or False
+    (delete); 409 raises Conflict; 429, 5xx and no answer raise Transient."""
+
+    async def get(self, path: str) -> dict[str, Any] | None: ...
+
+    async def list(
+        self, path: str, label_selector: dict[str, str] | None = None, field_selector: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]: ...
+
+    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None: ...
+
+    async def delete(self, path: str) -> bool: ...
+
+    async def patch_merge(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None: ...
 
 
 class Kube:
