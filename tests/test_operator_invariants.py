@@ -29,6 +29,7 @@ import os
 from typing import Any
 
 import pytest
+from properties import PROFILE, examples
 from hypothesis import HealthCheck, event, settings
 from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
@@ -57,21 +58,14 @@ STEMS = ("a", "b")
 JOB_NAMES, BATCH_NAMES = ("j1", "j2"), ("b1", "j2")
 IMAGES = (None, "registry.example/h5ngff:2", "evil.example/miner:1")  # default, allowed, denied
 
-PROFILES = {
-    "ci": settings(
-        max_examples=int(os.environ.get("H5NGFF_PROPERTY_EXAMPLES", "2000")),
-        stateful_step_count=50,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    ),
-    "long": settings(
-        max_examples=int(os.environ.get("H5NGFF_PROPERTY_EXAMPLES", "20000")),
-        stateful_step_count=80,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-    ),
-}
-PROFILE = os.environ.get("H5NGFF_PROPERTY_PROFILE", "ci")
+#: The profiles every property test shares (tests/properties.py); H5NGFF_PROPERTY_EXAMPLES
+#: overrides the example count of either.
+SETTINGS = settings(
+    max_examples=int(os.environ.get("H5NGFF_PROPERTY_EXAMPLES", str(examples(ci=2000, long=20000)))),
+    stateful_step_count=examples(ci=50, long=80),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 def note(text: str) -> None:
@@ -465,6 +459,8 @@ class OperatorWorld(RuleBasedStateMachine):
         return {p.id: normalised(p.spec) for p in parse_batch_spec(obj["spec"]).planned_items()}
 
 
-OperatorWorld.TestCase.settings = PROFILES[PROFILE]
+OperatorWorld.TestCase.settings = SETTINGS
 # The long profile runs as long as it takes (the suite's 300 s timeout is for the CI profile).
-TestOperatorWorld = pytest.mark.slow(pytest.mark.timeout(0 if PROFILE == "long" else 300)(OperatorWorld.TestCase))
+TestOperatorWorld = pytest.mark.property(
+    pytest.mark.slow(pytest.mark.timeout(0 if PROFILE == "long" else 300)(OperatorWorld.TestCase))
+)
