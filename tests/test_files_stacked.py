@@ -246,3 +246,23 @@ def test_the_plan_prices_one_open_file_per_thread(tmp_path, series):
     assert proc.returncode == 0, proc.stderr
     terms = {t["name"]: t for t in json.loads(proc.stdout)["plan"]["memory"]["terms"]}
     assert "2 open files (one per thread)" in terms["hdf5 cache and decompression"]["why"]
+
+
+def test_bigdataviewer_files_stack_along_t(tmp_path, shared_cluster):
+    """One BigDataViewer XML/HDF5 pair per time point (npy2bdv, an independent writer), stacked
+    by their XMLs; npy2bdv's own reads of each are the truth (its uint16 stored as int16 too)."""
+    from test_formats_bdv import read_npy2bdv, write_npy2bdv
+
+    (tmp_path / "bdv").mkdir()
+    planes = []
+    for t in range(3):
+        data = smooth((1, 1, 1, 6, 32, 24), "uint16", seed=30 + t)
+        xml = write_npy2bdv(tmp_path / "bdv" / f"t{t}.h5", data, labels=("488",))
+        planes.append(read_npy2bdv(xml, 1, 1)[0, 0])
+    out = tmp_path / "bdv.ome.zarr"
+    proc = h5ngff(
+        "convert", f"{tmp_path}/bdv/t*.xml", out, "--stack-axis", "t", "--chunks", "1,6,16,16", "--levels", "1",
+        "--no-progress", scheduler=shared_cluster.scheduler_address,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_array_equal(zarr.open_group(str(out), mode="r")["0"][...], np.stack(planes))

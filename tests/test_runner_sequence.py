@@ -170,16 +170,21 @@ def test_the_factory_says_which_backends_start_their_own_workers():
 
 
 @pytest.mark.parametrize("kind", ["external", "pbs"])
-def test_the_runner_job_refuses_a_backend_that_does_not_start_workers(monkeypatch, kind):
-    from h5ngff.jobspec import parse_job_spec
-    from h5ngff.operator.runner.main import RunnerArgs, runner_backend
+def test_the_runner_job_refuses_a_backend_that_does_not_start_workers(kind):
+    from h5ngff.jobspec import KIND, parse_job_spec
+    from h5ngff.operator.contract import RunnerContract
+    from h5ngff.operator.runner.main import runner_backend
 
-    spec = parse_job_spec({"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "out.ome.zarr"}})
-    monkeypatch.setenv("H5NGFF_BACKEND", kind)
+    wire = {"source": {"path": "in.h5", "dataset": "/d"}, "output": {"path": "out.ome.zarr"}}
+    spec = parse_job_spec(wire)
+
+    def contract(backend: str) -> RunnerContract:
+        return RunnerContract(KIND, "ns", "job", "uid", 1, wire, backend=backend)
+
     with pytest.raises(SpecError, match=f"to be local, local-pods, kubernetes or slurm .*Got '{kind}' instead"):
-        runner_backend(RunnerArgs("ns", "job", "uid", 1), spec)
-    monkeypatch.setenv("H5NGFF_BACKEND", "local-pods")  # negative control: one that does is built
-    assert isinstance(runner_backend(RunnerArgs("ns", "job", "uid", 1), spec), LocalPodsBackend)
+        runner_backend(contract(kind), spec)
+    # Negative control: a backend that starts its own workers is built.
+    assert isinstance(runner_backend(contract("local-pods"), spec), LocalPodsBackend)
 
 
 def test_the_local_backends_are_two_classes_that_plan_alike(source, tmp_path):

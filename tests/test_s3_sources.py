@@ -307,15 +307,20 @@ def test_verify_compares_with_a_source_in_a_bucket(s3, bucket, convert, tmp_path
 
 def test_a_batch_glob_over_a_prefix_lists_the_bucket(s3, bucket, tmp_path):
     from h5ngff.batch.items import batch_items
+    from h5ngff.batch.listing import bucket_lister
     from h5ngff.errors import SpecError
 
     for name in ("cell_2", "cell_10", "cell_1"):
         _put(s3, bucket, f"batch/{name}.h5", _h5_bytes(smooth((8, 16, 16), seed=1)))
     _put(s3, bucket, "batch/deeper/cell_3.h5", b"x")  # '*' stays within one level, as a shell glob does
-    items = batch_items([f"s3://{bucket}/batch/*.h5:/volume/data"], str(tmp_path / "{stem}.ome.zarr"), s3.options())
+    items = batch_items(
+        [f"s3://{bucket}/batch/*.h5:/volume/data"], str(tmp_path / "{stem}.ome.zarr"), bucket_lister(s3.options())
+    )
     assert [i.source for i in items] == [
         f"s3://{bucket}/batch/{n}.h5:/volume/data" for n in ("cell_1", "cell_2", "cell_10")
     ]
     assert [i.output for i in items] == [str(tmp_path / f"{n}.ome.zarr") for n in ("cell_1", "cell_2", "cell_10")]
     with pytest.raises(SpecError, match="matches none in the bucket"):
-        batch_items([f"s3://{bucket}/batch/*.hdf5:/volume/data"], str(tmp_path / "{stem}.ome.zarr"), s3.options())
+        batch_items(
+            [f"s3://{bucket}/batch/*.hdf5:/volume/data"], str(tmp_path / "{stem}.ome.zarr"), bucket_lister(s3.options())
+        )
