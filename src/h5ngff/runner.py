@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from distributed.scheduler import KilledWorker
@@ -22,6 +23,7 @@ from .backends.diagnostics import ClusterEvents, WorkerReport
 from .backends.shutdown import quiet_sync_cancel_race, quiet_repeated_death_log
 from .engine.write.driver import RunTotals, finish, run_conversion
 from .engine.write import faults
+from .engine.write.tasks import end_of_conversion
 from .engine.write.lock import output_lock, refuse_if_held
 from .engine.write.output import check_output, prepare_output
 from .engine.progress import Broadcast, Listener, Progress
@@ -314,6 +316,8 @@ def _convert(
             finally:
                 # On failure too: a worker's peak, cgroup peak and kills are what explain an OOMKilled run.
                 _collect_workers(summary, job.plan, poller, session, started)
+                if cluster is None and session.workers_outlive_the_run:
+                    _release_on_workers(session, job.spec.output.path)
     finally:
         # The session has closed: its backend re-read its figures after the last process stopped
         # (the kernel's last kills, slurmstepd's oom-kill lines). On a failure's way out too, the
@@ -331,6 +335,18 @@ def _convert(
     guard.check()  # a lost lease: another run may own the prefix now, so no completion marker
     finish(output, job.plan, job.spec, summary.to_dict(brief=True))
     events.emit(phase=Phase.SUCCEEDED)
+
+
+def _release_on_workers(session: Session, output: str) -> None:
+    """An existing cluster's workers outlive the run: free what the conversion left on them (its
+    buffers, its open HDF5 files with their caches, its output's stores), as a batch frees each
+    item's. Without it every run on a long-lived cluster left its files open on the workers, about
+    0.7 MiB per run, until they stood above any small plan (found by the suite's Prometheus batch
+    test on its session cluster, which reached 240 MiB after 200 conversions)."""
+    try:
+        session.client.run(partial(end_of_conversion, output), on_error="return")
+    except Exception as exc:  # noqa: BLE001 - a dying cluster: the run's own outcome stands
+        log.debug("could not release %s on the workers: %s", output, exc)
 
 
 def _failed_totals(summary: RunSummary, events: Broadcast, exc: H5ngffError) -> None:

@@ -107,6 +107,9 @@ class Session:
     #: existing cluster's workers run in containers or pods whose limits no plan of ours set, so
     #: its report quotes what the kernel enforced, not the plan's figure (issue 43).
     limits_from_workers: bool = False
+    #: The workers outlive this run (an existing cluster's): what the run left on them is freed at
+    #: its end (runner._release_on_workers), as a cluster of the run's own is closed.
+    workers_outlive_the_run: bool = False
 
     def enforced_pod_limit(self, plan: Plan) -> int:
         """The pod (job) memory limit the workers run under: the backend's override, else the plan's."""

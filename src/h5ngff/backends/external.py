@@ -92,4 +92,4 @@ class ExternalBackend:
     def session(self, plan: Plan) -> Iterator[Session]:
         with self._connect() as client:
             register_plugins(client)
-            yield Session(client, self.name, limits_from_workers=True)
+            yield Session(client, self.name, limits_from_workers=True, workers_outlive_the_run=True)
