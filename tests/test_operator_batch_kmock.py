@@ -32,7 +32,7 @@ from operator_harness import (
     passes,
     wait_for,
 )
-from test_operator_e2e import free_port, run_container, scrape_until
+from test_operator_e2e import free_port, run_container, scrape_until, scrape_until_exit
 from test_operator_kmock import env_of
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240), pytest.mark.integration]
@@ -92,6 +92,7 @@ async def test_a_batch_converts_its_items_then_only_an_added_one_and_leaves_a_re
         )
         # Prometheus' part: the runner pod serves the batch's series, and lingers for one final scrape.
         final = await asyncio.to_thread(scrape_until, port, _all_done(2), runner, parse=_by_name)
+        await asyncio.to_thread(scrape_until_exit, port, runner)
         code, log = await runner
         assert code == 0, (log, c.batch_status("run").get("itemReports"))
         labels = {"conversion_job": "run", "conversion_job_namespace": "default"}

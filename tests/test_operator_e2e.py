@@ -102,6 +102,22 @@ def scrape_until(port: int, done, task: asyncio.Task, timeout: float = 150, pars
     raise AssertionError("the runner's metrics never showed the final values (did it exit without lingering?)")
 
 
+def scrape_until_exit(port: int, task: asyncio.Task, timeout: float = 90) -> int:
+    """Scrape every 0.2 s, as Prometheus would, until the runner exits; the scrapes made. A
+    runner lingers until a scrape after its end has read its final values, and values that look
+    final can come before its end: a test that stopped scraping there waited out the whole
+    linger (60 s of a loaded suite)."""
+    deadline, scrapes = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline and not task.done():
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+            scrapes += 1
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return scrapes
+
+
 @pytest.mark.slow
 async def test_a_conversion_job_runs_to_succeeded_through_the_runner_command(tmp_path):
     data = smooth(SHAPE, "uint16", seed=6)
