@@ -12,11 +12,31 @@ from h5ngff.operator.schema.status import (
     combine,
     failure_record,
     merge,
+    read_status,
     set_condition,
 )
 from h5ngff.operator.runner.reports import progress_patch
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
+#: A plan as the runner writes it (the operator reads the status as the model: a partial plan is
+#: left out of its view, as any field this build cannot read).
+PLAN = {
+    "shape": [64, 512, 512],
+    "dtype": "uint16",
+    "chunks": [16, 128, 128],
+    "slab": [16, 512, 512],
+    "levels": 3,
+    "passes": 1,
+    "tasks": 40,
+    "workers": 4,
+    "threadsPerWorker": 1,
+    "memoryLimit": "1Gi",
+    "podLimit": "1536Mi",
+    "memoryLimitBytes": 1 << 30,
+    "podLimitBytes": 1536 << 20,
+    "predictedPeakBytes": 700 << 20,
+    "allocator": "jemalloc",
+}
 
 
 def observe(status=None, jobs=(), pods=(), backoff=2, checked=False, now=T1):
@@ -86,7 +106,7 @@ def test_runner_progress_becomes_conditions_and_success_completes():
     s = {
         "phase": "Running",
         "attempts": 1,
-        "plan": {"workers": 4, "podLimit": "1536Mi", "tasks": 40},
+        "plan": PLAN,
         "progress": {"slabsDone": 12, "slabsTotal": 40, "percent": 30, "summary": "12/40 (30%)"},
     }
     d = reconcile(observe(s, [JobSummary("scan-runner-1", 1, "active")]))
@@ -159,6 +179,7 @@ def test_input_failures_are_final_at_once(reason):
 
 def test_a_report_from_an_older_attempt_is_not_this_attempts_reason():
     s = {"phase": "Pending", "attempts": 2, "runner": {"attempt": 1, "outcome": "Failed", "reason": "SourceUnreadable"}}
+    s = read_status(ConversionJobStatus, s)
     reason, _ = failure_cause(s, 2, failed(2), (oom_pod(2),))
     assert reason == "OOMKilled"
     reason, message = failure_cause(s, 2, failed(2), ())
@@ -168,7 +189,7 @@ def test_a_report_from_an_older_attempt_is_not_this_attempts_reason():
 def test_a_runner_that_exited_without_reporting_says_so():
     pod = oom_pod()
     pod["status"]["containerStatuses"][0]["state"]["terminated"] = {"reason": "Error", "exitCode": 3}
-    reason, message = failure_cause({}, 1, failed(1), (pod,))
+    reason, message = failure_cause(ConversionJobStatus(), 1, failed(1), (pod,))
     assert reason == "RunnerFailed" and "code 3" in message and "kubectl logs" in message
 
 

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from ...k8s import LABEL_ATTEMPT, LABEL_COMPONENT
 from ...phases import TERMINAL_PHASES
+from ..schema.status import ConversionJobStatus, RunnerReport
 
 #: Pod termination reasons the kubelet reports when the kernel killed a container at its limit.
 OOM_REASONS = frozenset({"OOMKilled"})
@@ -58,16 +59,16 @@ def job_summary(job: dict[str, Any]) -> JobSummary:
     return JobSummary(name, attempt, state, failed.get("reason"), failed.get("message"), owner, meta.get("uid") or name)
 
 
-def runner_report(status: dict[str, Any], attempt: int) -> dict[str, Any] | None:
+def runner_report(status: ConversionJobStatus, attempt: int) -> RunnerReport | None:
     """The runner's own account of ``attempt``, if it delivered one."""
-    report = status.get("runner") or None
-    if isinstance(report, dict) and report.get("attempt") == attempt and report.get("outcome") in TERMINAL_PHASES:
+    report = status.runner
+    if report is not None and report.attempt == attempt and report.outcome in TERMINAL_PHASES:
         return report
     return None
 
 
 def failure_cause(
-    status: dict[str, Any], attempt: int, job: JobSummary | None, pods: tuple[dict[str, Any], ...]
+    status: ConversionJobStatus, attempt: int, job: JobSummary | None, pods: tuple[dict[str, Any], ...]
 ) -> tuple[str, str]:
     """Why an attempt failed: the kubelet's word on an OOM-killed runner pod first (a killed
     runner cannot report), then the runner's own report, then the Job's condition."""
@@ -76,8 +77,8 @@ def failure_cause(
     if oom is not None:
         return "OOMKilled", oom
     report = runner_report(status, attempt)
-    if report is not None and report.get("outcome") == "Failed":
-        return report.get("reason") or "RunnerFailed", report.get("message") or ""
+    if report is not None and report.outcome == "Failed":
+        return report.reason or "RunnerFailed", report.message or ""
     exited = _exited_pod(pods)
     if exited is not None:
         return "RunnerFailed", exited

@@ -4,8 +4,6 @@ missing; retries and their backoff; a pod that does not start; the deadline (rec
 
 from __future__ import annotations
 
-from typing import Any
-
 from .diagnose import (  # noqa: F401  (re-exported: tests and handlers read them from here)
     JobSummary,
     failure_cause,
@@ -20,7 +18,9 @@ from ..schema.status import (
     PERMANENT_REASONS,
     START_REASONS,
     add_seconds,
+    ConversionJobStatus,
     failure_record,
+    patch_list,
     seconds_between,
     set_condition,
 )
@@ -39,7 +39,7 @@ from .jobdecision import (
 
 def in_flight(o: Observed, can_start: bool) -> Decision:
     status = o.status
-    attempt = int(status.get("attempts") or 0)
+    attempt = status.attempts or 0
     job = current_job_of(o)
     overdue = _deadline_passed(o)
     if overdue is not None:
@@ -48,18 +48,18 @@ def in_flight(o: Observed, can_start: bool) -> Decision:
         )
     if job is None:
         return _without_job(o, attempt, can_start)
-    seen = {"runnerJobUid": job.uid} if status.get("runnerJobUid") != job.uid else {}
+    seen = {"runnerJobUid": job.uid} if status.runner_job_uid != job.uid else {}
     report = runner_report(status, attempt)
-    if job.state == "succeeded" or job.state == "failed" and report and report.get("outcome") == "Succeeded":
+    if job.state == "succeeded" or job.state == "failed" and report and report.outcome == "Succeeded":
         # The runner reports success after the output's completion marker, as its last act: a pod
         # that dies after that (OOMKilled while its metrics linger, evicted) ends no conversion.
         return succeeded(o)
     if job.state == "failed":
-        if not o.pods_checked and not (report and report.get("outcome") == "Failed"):
+        if not o.pods_checked and not (report and report.outcome == "Failed"):
             return Decision(needs=frozenset({"pods"}))
         reason, message = failure_cause(status, attempt, job, o.pods)
         return _after_failure(o, attempt, reason, message, can_start)
-    if status.get("phase") == Phase.PENDING:
+    if status.phase == Phase.PENDING.value:
         return merged(_waiting_to_start(o, job), seen)
     return Decision({**conditions_patch(status, o.now), **seen})
 
@@ -71,12 +71,11 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
     runner, hence deleted; or asked for by a pass that did not live to record it."""
     status = o.status
     report = runner_report(status, attempt)
-    if (
-        status.get("runnerJobUid") or report is not None or _runner_spoke(status, attempt)
-    ):  # it existed: deleted (or its TTL ran out)
+    if status.runner_job_uid or report is not None or _runner_spoke(status, attempt):
+        # it existed: deleted (or its TTL ran out)
         if not o.job_checked:  # or the watch has not caught up (a replica that just took over): ask
             return Decision(needs=frozenset({"job"}))
-        if report is not None and report.get("outcome") == "Succeeded":
+        if report is not None and report.outcome == "Succeeded":
             return succeeded(o)  # it finished before it vanished: that outcome stands
         if report is None and not o.pods_checked:
             return Decision(needs=frozenset({"pods"}))
@@ -88,10 +87,10 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
         return _rejected(o, attempt, o.create_rejected)
     if not can_start:
         return final(o, "InvalidSpec", f"Attempt {attempt} cannot start: {o.spec_error}")
-    retry_at = status.get("nextRetryTime")
+    retry_at = status.next_retry_time
     if retry_at and seconds_between(o.now, retry_at) > 0:
         return Decision(conditions_patch(status, o.now))
-    first = int(status.get("firstAttempt") or 1)
+    first = status.first_attempt or 1
     # The run's first attempt is asked for in the pass that starts the run; finding it missing
     # later means that pass may have created it, and it may have run and been deleted since.
     unsure = attempt == first and not o.known_uncreated
@@ -102,7 +101,7 @@ def _without_job(o: Observed, attempt: int, can_start: bool) -> Decision:
     running = live_pods(o.pods)
     if running:  # an earlier attempt's pods still run: never two writers of one output
         message = f"Attempt {attempt} waits for {len(running)} pod(s) of the previous attempt to exit: {', '.join(running[:5])}."
-        return Decision({"message": message} if status.get("message") != message else {}, delete_cluster=True)
+        return Decision({"message": message} if status.message != message else {}, delete_cluster=True)
     if o.lease is None:  # an attempt runs only under the Lease: take it (again) first, idempotently
         return Decision(needs=frozenset({"lease"}))
     if not o.lease.held:
@@ -132,7 +131,7 @@ def _lease_lost(o: Observed) -> Decision:
     status = o.status
     message = (
         f"The output {o.output} is held by {o.lease.holder or '?'} (Lease {o.lease.name}); attempt "
-        f"{status.get('attempts')} does not start, and the run starts again once the output is free."
+        f"{status.attempts} does not start, and the run starts again once the output is free."
     )
     patch = {
         "phase": Phase.PENDING.value,
@@ -142,17 +141,19 @@ def _lease_lost(o: Observed) -> Decision:
         "runnerJobUid": None,
         "outputLease": None,
         "nextRetryTime": None,
-        "conditions": set_condition(status.get("conditions"), "OutputLease", "False", "OutputBusy", message, o.now),
+        "conditions": set_condition(
+            patch_list(status.conditions), "OutputLease", "False", "OutputBusy", message, o.now
+        ),
     }
     return Decision(patch, event=("Warning", "OutputBusy", message))
 
 
-def _runner_spoke(status: dict[str, Any], attempt: int) -> bool:
+def _runner_spoke(status: ConversionJobStatus, attempt: int) -> bool:
     """The runner of the run's first attempt reported a phase, plan or progress (a retry's
     report cannot be told from its predecessor's, but a retry resumes anyway)."""
-    if attempt != int(status.get("firstAttempt") or 1):
+    if attempt != (status.first_attempt or 1):
         return False
-    return status.get("phase") in (Phase.PLANNED, Phase.RUNNING) or bool(status.get("plan") or status.get("progress"))
+    return status.phase in (Phase.PLANNED, Phase.RUNNING) or status.plan is not None or status.progress is not None
 
 
 def _rejected(o: Observed, attempt: int, message: str) -> Decision:
@@ -162,7 +163,7 @@ def _rejected(o: Observed, attempt: int, message: str) -> Decision:
         f"Fix spec.pod (volumes, volumeMounts, image) and apply it again."
     )
     return final(
-        o, "Rejected", text, failures=failure_record(attempt, "Rejected", text, o.now, o.status.get("failures"))
+        o, "Rejected", text, failures=failure_record(attempt, "Rejected", text, o.now, patch_list(o.status.failures))
     )
 
 
@@ -171,44 +172,42 @@ def _waiting_to_start(o: Observed, job: JobSummary) -> Decision:
     if not o.pods_checked:
         return Decision(needs=frozenset({"pods", "events"}))
     status = o.status
-    attempt = int(status.get("attempts") or 0)
+    attempt = status.attempts or 0
     pods = tuple(
         p for p in o.pods if ((p.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT) == str(attempt)
     )
     problem = start_problem(pods, o.events, job.name)
     if problem is None:
-        if status.get("reason") in START_REASONS:  # it got going after all
+        if status.reason in START_REASONS:  # it got going after all
             return Decision(
                 {
                     "reason": None,
                     "message": None,
-                    "conditions": set_condition(status.get("conditions"), "Running", "False", "Starting", None, o.now),
+                    "conditions": set_condition(
+                        patch_list(status.conditions), "Running", "False", "Starting", None, o.now
+                    ),
                 }
             )
         return Decision(conditions_patch(status, o.now))
     reason, message = problem
-    if status.get("reason") == reason and status.get("message") == message:
+    if status.reason == reason and status.message == message:
         return NOTHING
     patch = {
         "reason": reason,
         "message": message,
-        "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now),
+        "conditions": set_condition(patch_list(status.conditions), "Running", "False", reason, message, o.now),
     }
-    return Decision(patch, event=("Warning", reason, message) if status.get("reason") != reason else None)
+    return Decision(patch, event=("Warning", reason, message) if status.reason != reason else None)
 
 
 def _deadline_passed(o: Observed) -> str | None:
-    start = o.status.get("startTime")
+    start = o.status.start_time
     if not o.deadline_seconds or not start or not o.now:
         return None
     took = seconds_between(start, o.now)
     if took < o.deadline_seconds:
         return None
-    waiting = (
-        f" (it was waiting: {o.status.get('reason')}: {o.status.get('message')})"
-        if o.status.get("reason") in START_REASONS
-        else ""
-    )
+    waiting = f" (it was waiting: {o.status.reason}: {o.status.message})" if o.status.reason in START_REASONS else ""
     return (
         f"The run took longer than spec.activeDeadlineSeconds ({o.deadline_seconds} s; started {start}, {took:.0f} s ago){waiting}. "
         f"Its runner and Dask cluster were stopped; raise the deadline or fix the cause to run it again."
@@ -219,10 +218,10 @@ def _after_failure(
     o: Observed, attempt: int, reason: str, message: str, can_retry: bool, event_reason: str | None = None
 ) -> Decision:
     status = o.status
-    failures = failure_record(attempt, reason, message, o.now, status.get("failures"))
+    failures = failure_record(attempt, reason, message, o.now, patch_list(status.failures))
     if reason in PERMANENT_REASONS:
         return final(o, reason, message, failures=failures)
-    first = int(status.get("firstAttempt") or 1)
+    first = status.first_attempt or 1
     run_attempts = attempt - first + 1
     if not can_retry:
         return final(
@@ -251,6 +250,6 @@ def _after_failure(
         "runner": None,
         "reason": reason,
         "message": note,
-        "conditions": set_condition(status.get("conditions"), "Running", "False", reason, message, o.now),
+        "conditions": set_condition(patch_list(status.conditions), "Running", "False", reason, message, o.now),
     }
     return Decision(patch, delete_cluster=True, event=("Warning", event_reason or "Retrying", note))

@@ -1,11 +1,15 @@
 """A ConversionJob's observations and decisions (``Observed``, ``Decision``) and the steps that
-end a run, shared by the rest of the job's reconcile (reconcile.py, inflight.py)."""
+end a run, shared by the rest of the job's reconcile (reconcile.py, inflight.py).
+
+The steps read the status as the model (``ConversionJobStatus``, read once per pass as the
+batch's is), and write merge patches: dicts of the API's camelCase keys.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from .diagnose import (  # noqa: F401  (re-exported: tests and handlers read them from here)
     JobSummary,
@@ -18,14 +22,20 @@ from .diagnose import (  # noqa: F401  (re-exported: tests and handlers read the
 from ...phases import TERMINAL_PHASES, Phase
 from .toolkit import Need, Wait, pods_gate
 from ..schema.status import (
+    ConversionJobStatus,
+    PlanSummary,
     bounded,
     condition,
+    dump_status,
     failed_patch,
+    merge,
+    patch_list,
+    read_status,
     set_condition,
     succeeded_patch,
 )
 
-#: Status fields that describe one run; a new run starts without them.
+#: Status fields (the model's attribute names) that describe one run; a new run starts without them.
 RUN_FIELDS = (
     "plan",
     "progress",
@@ -34,16 +44,18 @@ RUN_FIELDS = (
     "failures",
     "reason",
     "message",
-    "completionTime",
-    "nextRetryTime",
-    "runnerJobUid",
+    "completion_time",
+    "next_retry_time",
+    "runner_job_uid",
 )
 
 
 @dataclass(frozen=True)
 class Observed:
     name: str
-    status: dict[str, Any]
+    #: The object's ``.status``; given as the API holds it (a mapping, as the tests do), it is
+    #: read into the model here, leaving out what this build cannot read.
+    status: ConversionJobStatus
     backoff_limit: int
     output: str
     jobs: tuple[JobSummary, ...] = ()
@@ -83,6 +95,13 @@ class Observed:
     #: with a definite answer), so creating it as first intended is safe.
     known_uncreated: bool = False
 
+    def __post_init__(self) -> None:
+        # Tests write a status as the API holds it (a dict); read it as a pass does. The type
+        # says model, so the check is on ``object``.
+        raw: object = self.status
+        if isinstance(raw, Mapping):
+            object.__setattr__(self, "status", read_status(ConversionJobStatus, raw))
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -110,25 +129,32 @@ class Decision:
 NOTHING = Decision()
 
 
-def in_flight_now(status: dict[str, Any]) -> bool:
+def in_flight_now(status: ConversionJobStatus) -> bool:
     """An attempt of a run is current: started, not ended, and not given up for a new run that
     waits for its output."""
-    return (
-        status.get("phase") not in TERMINAL_PHASES
-        and int(status.get("attempts") or 0) > 0
-        and not waiting_for_output(status)
-    )
+    return status.phase not in TERMINAL_PHASES and (status.attempts or 0) > 0 and not waiting_for_output(status)
 
 
-def waiting_for_output(status: dict[str, Any]) -> bool:
+def waiting_for_output(status: ConversionJobStatus) -> bool:
     """A new run waits for its output's Lease (``_output_busy``, which forgets the earlier run's
     runner Job: that attempt is over, its pods gone)."""
-    return status.get("reason") == "OutputBusy" and not status.get("runnerJob") and int(status.get("attempts") or 0) > 0
+    return status.reason == "OutputBusy" and not status.runner_job and (status.attempts or 0) > 0
 
 
 def current_job_of(o: Observed) -> JobSummary | None:
-    attempt = int(o.status.get("attempts") or 0)
+    attempt = o.status.attempts or 0
     return next((j for j in o.jobs if j.attempt == attempt), None)
+
+
+def run_fields_cleared(status: ConversionJobStatus) -> dict[str, Any]:
+    """The patch that removes the previous run's fields (``RUN_FIELDS``) the status has."""
+    present = status.model_dump(include=set(RUN_FIELDS), by_alias=True, exclude_none=True)
+    return {key: None for key in present}
+
+
+def patched(status: ConversionJobStatus, patch: Mapping[str, Any]) -> ConversionJobStatus:
+    """``status`` once the API applied the merge patch ``patch`` to it."""
+    return read_status(ConversionJobStatus, merge(dump_status(status), dict(patch)))
 
 
 def ended(o: Observed, d: Decision, ask: bool = False) -> Decision:
@@ -138,13 +164,13 @@ def ended(o: Observed, d: Decision, ask: bool = False) -> Decision:
     deleted, and the OutputLease condition says what the Lease waits for. The pass that records
     the end does not wait for a pod listing (``ask`` False): the Lease then goes back in a
     later pass over the finished run."""
-    lease = o.status.get("outputLease")
+    lease = o.status.output_lease
     if d.needs or not lease:
         return d
     gate = pods_gate(o.pods, o.pods_checked)
     if isinstance(gate, Need):
         return Decision(needs=gate.what) if ask else d
-    base = d.patch["conditions"] if "conditions" in d.patch else o.status.get("conditions")
+    base = d.patch["conditions"] if "conditions" in d.patch else patch_list(o.status.conditions)
     if isinstance(gate, Wait):
         text = gate.message(f"Giving back the output Lease {lease}")
         conditions = set_condition(base, "OutputLease", "True", "Draining", text, o.now)
@@ -153,7 +179,7 @@ def ended(o: Observed, d: Decision, ask: bool = False) -> Decision:
         running = job.name if job is not None and job.state in ("pending", "active") else None
         return dataclasses.replace(d, patch=patch, delete_cluster=True, delete_job=d.delete_job or running)
     patch = {**d.patch, "outputLease": None}
-    if condition(o.status, "OutputLease"):
+    if condition(o.status, "OutputLease") is not None:
         patch["conditions"] = set_condition(base, "OutputLease", "False", "Released", None, o.now)
     return dataclasses.replace(d, patch=patch, release_lease=lease)
 
@@ -163,14 +189,14 @@ def converted_fields(o: Observed) -> dict[str, Any]:
     run's conversion and its output's Lease name. A spec asking for it again runs nothing
     (``reconcile._converted``) until a run that writes that output starts."""
     return {
-        "convertedHash": o.status.get("conversionHash") or o.conversion or None,
-        "convertedOutput": o.status.get("outputLease") or o.lease_name or None,
+        "convertedHash": o.status.conversion_hash or o.conversion or None,
+        "convertedOutput": o.status.output_lease or o.lease_name or None,
     }
 
 
 def succeeded(o: Observed) -> Decision:
     patch = {**succeeded_patch(o.status, o.now), "nextRetryTime": None, **converted_fields(o)}
-    event = ("Normal", "Succeeded", f"Converted into {o.status.get('output') or o.output}.")
+    event = ("Normal", "Succeeded", f"Converted into {o.status.output or o.output}.")
     return ended(o, Decision(patch, event=event))
 
 
@@ -186,20 +212,19 @@ def merged(d: Decision, patch: dict[str, Any]) -> Decision:
     return dataclasses.replace(d, patch={**patch, **d.patch}) if patch and not d.needs else d
 
 
-def conditions_patch(status: dict[str, Any], now: str) -> dict[str, Any]:
+def conditions_patch(status: ConversionJobStatus, now: str) -> dict[str, Any]:
     """Mirror the runner's phases into conditions (only the operator writes conditions)."""
-    phase = status.get("phase")
-    conditions = status.get("conditions")
+    conditions = patch_list(status.conditions)
     new = conditions
-    if status.get("plan"):
-        new = set_condition(new, "Planned", "True", "Planned", _plan_message(status["plan"]), now)
-    if phase == Phase.RUNNING:
+    if status.plan is not None:
+        new = set_condition(new, "Planned", "True", "Planned", _plan_message(status.plan), now)
+    if status.phase == Phase.RUNNING.value:
         new = set_condition(new, "Running", "True", "Writing", None, now)
     return {"conditions": new} if new != conditions else {}
 
 
-def _plan_message(plan: dict[str, Any]) -> str:
+def _plan_message(plan: PlanSummary) -> str:
     return (
-        f"{plan.get('workers')} worker(s) x {plan.get('threadsPerWorker')} thread(s), pod limit {plan.get('podLimit')}, "
-        f"Dask memory_limit {plan.get('memoryLimit')}, slab {plan.get('slab')}, {plan.get('tasks')} task(s)"
+        f"{plan.workers} worker(s) x {plan.threads_per_worker} thread(s), pod limit {plan.pod_limit}, "
+        f"Dask memory_limit {plan.memory_limit}, slab {plan.slab}, {plan.tasks} task(s)"
     )

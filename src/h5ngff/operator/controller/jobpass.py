@@ -22,13 +22,13 @@ from ...k8s import label_value
 from ...phases import TERMINAL_PHASES
 from ..kube import KubeError, Transient, namespaced
 from ..schema.policy import policy_violations
-from ..schema.status import bounded, now
+from ..schema.status import ConversionJobStatus, bounded, now, read_status
 from .children import create_runner_job, delete_cluster, delete_job, ensure_runner_rbac, pods_of
 from .diagnose import job_summary
 from .lease import acquire, holder_identity, lease_body, lease_name, output_key, release
 from .manifests import build_runner_job, runner_account
 from .names import name_taken
-from .jobdecision import Decision, Observed
+from .jobdecision import Decision, Observed, patched
 from .reconcile import reconcile
 from .state import ControllerState, count_error, parse_once, Expectation, Names, OperatorConfig, RunnerJobs
 
@@ -37,15 +37,21 @@ CONSISTENCY_WINDOW = 15.0
 
 
 def observe_job(
-    owner: Owner, body: Mapping[str, Any], spec: ConversionJobSpec | None, error: str | None, index: RunnerJobs
+    owner: Owner,
+    body: Mapping[str, Any],
+    status: ConversionJobStatus,
+    spec: ConversionJobSpec | None,
+    error: str | None,
+    index: RunnerJobs,
 ) -> Observed:
-    """What a pass knows without an API call: the object, its spec, and the runner Jobs index."""
-    meta, status = body["metadata"], dict(body.get("status") or {})
+    """What a pass knows without an API call: the object (and its ``status``, as the model), its
+    spec, and the runner Jobs index."""
+    meta = body["metadata"]
     jobs = tuple(j for j in index.get((owner.namespace, label_value(owner.name)), ()) if j.owner_uid in ("", owner.uid))
     t, generation = now(), int(meta.get("generation") or 1)
     if spec is None:
         return Observed(
-            owner.name, status, 0, status.get("output") or "", jobs=jobs, now=t, generation=generation, spec_error=error
+            owner.name, status, 0, status.output or "", jobs=jobs, now=t, generation=generation, spec_error=error
         )
     delays = tuple(spec.retry.delay(n) for n in range(1, spec.backoff_limit + 2))
     return Observed(
@@ -69,25 +75,26 @@ def observe_job(
 async def reconcile_job(
     cfg: OperatorConfig, state: ControllerState, body: Mapping[str, Any], index: RunnerJobs, names: Names
 ) -> None:
-    meta, status = body["metadata"], dict(body.get("status") or {})
+    meta = body["metadata"]
+    status = read_status(ConversionJobStatus, body.get("status"))
     owner = Owner(meta["namespace"], meta["name"], meta["uid"])
     if _stale(state, owner.uid, status):
         return
     spec, error = parse_once(state.parsed, body, parse_job_spec)
     if error is not None:
         count_error(cfg.metrics, "invalid_spec")
-    observed = observe_job(owner, body, spec, error, index)
+    observed = observe_job(owner, body, status, spec, error, index)
     if spec is not None:
         denial = "; ".join(policy_violations(spec, cfg.policy, cfg.image, cfg.runner_service_account)) or None
         taken = name_taken(KIND, BATCH_KIND, meta, names)
         observed = dataclasses.replace(observed, policy_denial=denial, name_taken=taken)
-    attempt = int(status.get("attempts") or 0)
+    attempt = status.attempts or 0
     observed = dataclasses.replace(observed, known_uncreated=(owner.uid, attempt) in state.uncreated)
     decision = await _decide(state, owner, spec, observed)
-    refusal = await _act(cfg, state, owner, spec, body, decision)
+    refusal = await _act(cfg, state, owner, spec, body, status, decision)
     if refusal is not None:  # Kubernetes refused the runner Job for good: end the attempt now, saying why
-        observed = dataclasses.replace(observed, status=_merged(status, decision.patch), create_rejected=refusal)
-        await _act(cfg, state, owner, spec, body, await _decide(state, owner, spec, observed))
+        observed = dataclasses.replace(observed, status=patched(status, decision.patch), create_rejected=refusal)
+        await _act(cfg, state, owner, spec, body, status, await _decide(state, owner, spec, observed))
     if cfg.metrics is not None:
         cfg.metrics.reconciled(owner.namespace, owner.name)
 
@@ -108,16 +115,17 @@ async def _act(
     owner: Owner,
     spec: ConversionJobSpec | None,
     body: Mapping[str, Any],
+    status: ConversionJobStatus,
     decision: Decision,
 ) -> str | None:
     """Carry a decision out, in the crash-safe order (module docstring). Returns Kubernetes'
-    message when it refused the runner Job for good."""
+    message when it refused the runner Job for good. ``status`` is the one the pass read."""
     await _clean_up(state, owner, decision)
     if decision.patch:
         await _write_status(state, owner, decision.patch)
-        merged = _merged(dict(body.get("status") or {}), decision.patch)
+        written = patched(status, decision.patch)
         state.expectations[owner.uid] = Expectation(
-            int(merged.get("attempts") or 0), merged.get("phase") or "", time.monotonic() + CONSISTENCY_WINDOW
+            written.attempts or 0, written.phase or "", time.monotonic() + CONSISTENCY_WINDOW
         )
     refusal = None
     if decision.ensure_attempt is not None and spec is not None:
@@ -130,17 +138,13 @@ async def _act(
     return refusal
 
 
-def _merged(status: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in {**status, **patch}.items() if v is not None}
-
-
 async def _look_up(
     state: ControllerState, owner: Owner, spec: ConversionJobSpec | None, o: Observed, d: Decision
 ) -> Observed:
     kube = state.kube
     update: dict[str, Any] = {}
     if "job" in d.needs and not o.job_checked:
-        found = await kube.get(namespaced("batch/v1", owner.namespace, "jobs", o.status.get("runnerJob") or "-"))
+        found = await kube.get(namespaced("batch/v1", owner.namespace, "jobs", o.status.runner_job or "-"))
         summary = job_summary(found) if found else None
         mine = summary is not None and summary.owner_uid in ("", owner.uid)
         update.update(jobs=o.jobs + ((summary,) if summary is not None and mine else ()), job_checked=True)
@@ -149,7 +153,7 @@ async def _look_up(
     if "events" in d.needs and not o.events_checked:
         events = await kube.list(
             namespaced("v1", owner.namespace, "events"),
-            field_selector={"involvedObject.kind": "Job", "involvedObject.name": o.status.get("runnerJob") or ""},
+            field_selector={"involvedObject.kind": "Job", "involvedObject.name": o.status.runner_job or ""},
         )
         update.update(events=tuple(events), events_checked=True)
     if "lease" in d.needs and o.lease is None and spec is not None:
@@ -178,13 +182,13 @@ async def _write_status(state: ControllerState, owner: Owner, patch: dict[str, A
     )
 
 
-def _stale(state: ControllerState, uid: str, status: dict[str, Any]) -> bool:
+def _stale(state: ControllerState, uid: str, status: ConversionJobStatus) -> bool:
     """True while the object does not yet show what our last pass wrote (the watch lags)."""
     expected = state.expectations.get(uid)
     if expected is None:
         return False
-    caught_up = int(status.get("attempts") or 0) >= expected.attempts and (
-        status.get("phase") == expected.phase or expected.phase not in TERMINAL_PHASES
+    caught_up = (status.attempts or 0) >= expected.attempts and (
+        status.phase == expected.phase or expected.phase not in TERMINAL_PHASES
     )
     if caught_up or time.monotonic() > expected.deadline:
         state.expectations.pop(uid, None)

@@ -33,10 +33,12 @@ from ...k8s import runner_job_name
 from ...phases import TERMINAL_PHASES, Phase
 from .toolkit import conversion_changed
 from ..schema.status import (
+    ConversionJobStatus,
     bounded,
     at_generation,
     condition,
     invalid_patch,
+    patch_list,
     set_condition,
     succeeded_patch,
 )
@@ -52,6 +54,8 @@ from .jobdecision import (  # noqa: F401  (re-exported: tests and passes read th
     ended,
     final,
     in_flight_now,
+    patched,
+    run_fields_cleared,
     succeeded,
     waiting_for_output,
 )
@@ -65,7 +69,7 @@ def reconcile(o: Observed) -> Decision:
         decision = _refused(o, *(_refusal(o) or ("", "")))
     elif _conversion_changed(o):
         decision = _new_run(o)
-    elif status.get("phase") in TERMINAL_PHASES:
+    elif status.phase in TERMINAL_PHASES:
         decision = _settled(o)
     else:
         decision = in_flight(o, can_start=True)
@@ -77,14 +81,14 @@ def reconcile(o: Observed) -> Decision:
 def _stamp(o: Observed, d: Decision) -> Decision:
     """Every status write says which generation it describes (``observedGeneration``, also on
     each condition), so a GitOps tool never reads an old outcome as the current spec's."""
-    writing = bool(d.patch) or o.status.get("observedGeneration") != o.generation
+    writing = bool(d.patch) or o.status.observed_generation != o.generation
     adopt = _adopt_hash(o, writing)
     if d.needs or not (writing or adopt):
         return d
     patch = dict(d.patch)
     patch["observedGeneration"] = o.generation
     patch["conditions"] = at_generation(
-        patch["conditions"] if "conditions" in patch else o.status.get("conditions"), o.generation
+        patch["conditions"] if "conditions" in patch else patch_list(o.status.conditions), o.generation
     )
     for key, value in adopt.items():
         patch.setdefault(key, value)
@@ -98,20 +102,20 @@ def _conversion_changed(o: Observed) -> bool:
     overwrite. A run wanted but not started (waiting for its output) is still wanted, whatever
     the spec says now: no attempt of an earlier run is taken up again (issue 41)."""
     status = o.status
-    if not int(status.get("attempts") or 0):
+    if not status.attempts:
         return True  # never started
     if waiting_for_output(status):
         return True
     accepted = (o.legacy_conversion, *o.other_conversions)
-    return conversion_changed(status.get("conversionHash"), o.conversion, accepted, o.generation, _compared_at(status))
+    return conversion_changed(status.conversion_hash, o.conversion, accepted, o.generation, _compared_at(status))
 
 
-def _compared_at(status: dict[str, Any]) -> int | None:
-    if "conversionGeneration" in status:
-        return int(status["conversionGeneration"])
+def _compared_at(status: ConversionJobStatus) -> int | None:
+    if status.conversion_generation is not None:
+        return status.conversion_generation
     # A status from a build before conversionGeneration: it stamped observedGeneration on every
     # write, and one stopping a run for a changed spec (SpecChanged) had not compared it yet.
-    return None if status.get("reason") == "SpecChanged" else status.get("observedGeneration")
+    return None if status.reason == "SpecChanged" else status.observed_generation
 
 
 def _adopt_hash(o: Observed, writing: bool) -> dict[str, Any]:
@@ -119,10 +123,10 @@ def _adopt_hash(o: Observed, writing: bool) -> dict[str, Any]:
     and the generation (with a write that happens anyway, or when the hash differs), so the
     next edit is compared with a hash this build computes."""
     status = o.status
-    if not o.conversion or not int(status.get("attempts") or 0) or _conversion_changed(o):
+    if not o.conversion or not status.attempts or _conversion_changed(o):
         return {}
-    differs = status.get("conversionHash") != o.conversion
-    if not differs and (status.get("conversionGeneration") == o.generation or not writing):
+    differs = status.conversion_hash != o.conversion
+    if not differs and (status.conversion_generation == o.generation or not writing):
         return {}
     return {"conversionHash": o.conversion, "conversionGeneration": o.generation}
 
@@ -134,45 +138,47 @@ def _new_run(o: Observed) -> Decision:
     remembered = _reported_success(o)
     if not remembered:
         return _new_run_steps(o)
-    o = dataclasses.replace(o, status={**o.status, **remembered})
+    o = dataclasses.replace(o, status=patched(o.status, remembered))
     d = _new_run_steps(o)
     return d if d.needs else dataclasses.replace(d, patch={**remembered, **d.patch})
 
 
 def _reported_success(o: Observed) -> dict[str, Any]:
     status = o.status
-    attempt = int(status.get("attempts") or 0)
+    attempt = status.attempts or 0
     report = runner_report(status, attempt) if attempt else None
-    if not (report and report.get("outcome") == "Succeeded" and status.get("conversionHash")):
+    if not (report and report.outcome == "Succeeded" and status.conversion_hash):
         return {}
     fields = converted_fields(o)
-    return {} if status.get("convertedHash") == fields["convertedHash"] else fields
+    return {} if status.converted_hash == fields["convertedHash"] else fields
 
 
 def _new_run_steps(o: Observed) -> Decision:
     status = o.status
     job = current_job_of(o)
     if job is not None and in_flight_now(status):
-        message = f"The conversion changed in generation {o.generation}: stopping attempt {status.get('attempts')} (runner Job {job.name}) to start a new run."
+        message = f"The conversion changed in generation {o.generation}: stopping attempt {status.attempts} (runner Job {job.name}) to start a new run."
         patch = {
             "phase": Phase.PENDING.value,
             "reason": "SpecChanged",
             "message": message,
-            "conditions": set_condition(status.get("conditions"), "Running", "False", "SpecChanged", message, o.now),
+            "conditions": set_condition(
+                patch_list(status.conditions), "Running", "False", "SpecChanged", message, o.now
+            ),
         }
         return Decision(patch, delete_job=job.name, delete_cluster=True, event=("Normal", "SpecChanged", message))
-    if int(status.get("attempts") or 0) and not o.pods_checked:
+    if status.attempts and not o.pods_checked:
         return Decision(needs=frozenset({"pods"}))
     running = live_pods(o.pods)
     if running:
         message = f"Waiting for {len(running)} pod(s) of the stopped run to exit before the new run starts: {', '.join(running[:5])}."
         return Decision(
-            {"reason": "SpecChanged", "message": message} if status.get("message") != message else {},
+            {"reason": "SpecChanged", "message": message} if status.message != message else {},
             delete_cluster=True,
         )
-    if o.conversion and status.get("convertedHash") == o.conversion:
+    if o.conversion and status.converted_hash == o.conversion:
         return _converted(o)
-    old_lease = status.get("outputLease")
+    old_lease = status.output_lease
     release = old_lease if old_lease and old_lease != o.lease_name else None
     if o.lease is None:
         return Decision(needs=frozenset({"lease"}), release_lease=release)
@@ -191,7 +197,7 @@ def _converted(o: Observed) -> Decision:
         **succeeded_patch(status, o.now),
         "conversionHash": o.conversion,
         "conversionGeneration": o.generation,
-        "completionTime": status.get("completionTime") or o.now,
+        "completionTime": status.completion_time or o.now,
     }
     return ended(o, Decision(patch, event=("Normal", "Succeeded", message)), ask=True)
 
@@ -204,7 +210,7 @@ def _output_busy(o: Observed, release: str | None) -> Decision:
         f"This job starts when that one ends or is deleted."
     )
     patch: dict[str, Any] = {}
-    if status.get("reason") != "OutputBusy" or status.get("message") != message:
+    if status.reason != "OutputBusy" or status.message != message:
         patch = {
             "phase": Phase.PENDING.value,
             "reason": "OutputBusy",
@@ -214,22 +220,24 @@ def _output_busy(o: Observed, release: str | None) -> Decision:
             # run starts, so an edit back to that run's spec never takes its attempt up again.
             "runnerJob": None,
             "runnerJobUid": None,
-            "conditions": set_condition(status.get("conditions"), "OutputLease", "False", "OutputBusy", message, o.now),
+            "conditions": set_condition(
+                patch_list(status.conditions), "OutputLease", "False", "OutputBusy", message, o.now
+            ),
         }
         if release:
             patch["outputLease"] = None
-    event = ("Normal", "OutputBusy", message) if status.get("reason") != "OutputBusy" else None
+    event = ("Normal", "OutputBusy", message) if status.reason != "OutputBusy" else None
     return Decision(patch, release_lease=release, event=event)
 
 
 def _start_run(o: Observed, release: str | None) -> Decision:
     status = o.status
-    attempt = int(status.get("attempts") or 0) + 1
+    attempt = (status.attempts or 0) + 1
     job = runner_job_name(o.name, attempt)
     conditions = set_condition(None, "Validated", "True", "SpecValid", None, o.now)
     conditions = set_condition(conditions, "OutputLease", "True", "Held", o.lease.name, o.now)
-    patch: dict[str, Any] = {name: None for name in RUN_FIELDS if status.get(name) is not None}
-    if status.get("convertedOutput") == o.lease.name:  # this run writes the output that held it
+    patch = run_fields_cleared(status)
+    if status.converted_output == o.lease.name:  # this run writes the output that held it
         patch.update(convertedHash=None, convertedOutput=None)
     patch.update(
         {
@@ -266,15 +274,11 @@ def _refused(o: Observed, reason: str, message: str) -> Decision:
     back once their pods are gone. A job that never ran deletes nothing: with NameTaken, what
     its name names is the other object's."""
     status = o.status
-    if (
-        status.get("phase") == Phase.FAILED
-        and status.get("reason") == reason
-        and status.get("message") == bounded(message)
-    ):
+    if status.phase == Phase.FAILED.value and status.reason == reason and status.message == bounded(message):
         return _settled(o)
     job = current_job_of(o) if in_flight_now(status) else None
     d = final(o, reason, message, delete_job=job.name if job else None)
-    return d if int(status.get("attempts") or 0) else dataclasses.replace(d, delete_cluster=False)
+    return d if status.attempts else dataclasses.replace(d, delete_cluster=False)
 
 
 def _settled(o: Observed) -> Decision:
@@ -288,22 +292,22 @@ def _invalid(o: Observed, error: str) -> Decision:
     in flight continues to its end, without retries (no Running -> Failed -> Running flapping);
     a finished run keeps its outcome. Validated=False (and one Warning Event) names the field."""
     status = o.status
-    if not int(status.get("attempts") or 0):
-        if status.get("reason") == "InvalidSpec" and status.get("observedGeneration") == o.generation:
+    if not status.attempts:
+        if status.reason == "InvalidSpec" and status.observed_generation == o.generation:
             return NOTHING
         return Decision(invalid_patch(error, o.now), event=("Warning", "InvalidSpec", error))
     d = in_flight(o, can_start=False) if in_flight_now(status) else _settled(o)
     if d.needs:
         return d
-    cond = condition(status, "Validated") or {}
-    if cond.get("status") == "False" and cond.get("message") == error:
+    cond = condition(status, "Validated")
+    if cond is not None and cond.status == "False" and cond.message == error:
         return d
-    base = d.patch["conditions"] if "conditions" in d.patch else status.get("conditions")
+    base = d.patch["conditions"] if "conditions" in d.patch else patch_list(status.conditions)
     conditions = set_condition(base, "Validated", "False", "InvalidSpec", error, o.now)
     kept = (
         "the running attempt continues with the previous spec"
         if in_flight_now(status)
-        else f"the {status.get('phase')} outcome stands"
+        else f"the {status.phase} outcome stands"
     )
     message = f"Generation {o.generation} is invalid; {kept}: {error}"
     return dataclasses.replace(
@@ -314,9 +318,9 @@ def _invalid(o: Observed, error: str) -> Decision:
 def _validated(o: Observed, d: Decision) -> Decision:
     """A valid spec after an invalid edit: Validated is True again."""
     cond = condition(o.status, "Validated")
-    if d.needs or cond is None or cond.get("status") == "True" or "attempts" in d.patch and d.patch.get("firstAttempt"):
+    if d.needs or cond is None or cond.status == "True" or "attempts" in d.patch and d.patch.get("firstAttempt"):
         return d
-    base = d.patch["conditions"] if "conditions" in d.patch else o.status.get("conditions")
+    base = d.patch["conditions"] if "conditions" in d.patch else patch_list(o.status.conditions)
     return dataclasses.replace(
         d, patch={**d.patch, "conditions": set_condition(base, "Validated", "True", "SpecValid", None, o.now)}
     )

@@ -20,7 +20,16 @@ from ...k8s import runner_job_name
 from ...phases import WRITING_PHASES
 from ...planner import DEFAULT_CONSTANTS, MemoryConstants
 from ...runner import Linger, Outcome, PlannedJob, RunSummary, execute
-from ..schema.status import failed_patch, merge, now, pending_patch, progress_status, succeeded_patch
+from ..schema.status import (
+    ConversionJobStatus,
+    failed_patch,
+    merge,
+    now,
+    pending_patch,
+    progress_status,
+    read_status,
+    succeeded_patch,
+)
 from .reports import PROGRESS_INTERVAL, planned_patch, progress_patch, result_summary, runner_report
 
 if TYPE_CHECKING:
@@ -148,7 +157,9 @@ def run_locally(
     One attempt only: locally there is no pod to lose, and a deterministic failure (the usual
     case) would fail again. The operator's retry rule is documented in docs/operator.md.
     """
-    status: dict[str, Any] = merge({}, pending_patch({}, 1, runner_job_name(name, 1), spec.output.path, now()))
+    status: dict[str, Any] = merge(
+        {}, pending_patch(ConversionJobStatus(), 1, runner_job_name(name, 1), spec.output.path, now())
+    )
 
     def sink(patch: dict[str, Any], final: bool) -> None:
         nonlocal status
@@ -156,9 +167,8 @@ def run_locally(
 
     result = run_attempt(spec, backend, sink, 1, options)
     if result.succeeded:
-        status = merge(status, succeeded_patch(status, now()))
+        status = merge(status, succeeded_patch(read_status(ConversionJobStatus, status), now()))
     else:
-        status = merge(
-            status, failed_patch(status, getattr(result.error, "reason", "RunnerError"), str(result.error), now())
-        )
+        reason = getattr(result.error, "reason", "RunnerError")
+        status = merge(status, failed_patch(read_status(ConversionJobStatus, status), reason, str(result.error), now()))
     return status, result

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 import copy
-from typing import Any, Literal, Mapping, TypeVar
+from typing import Any, Literal, Mapping, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -297,8 +297,14 @@ def set_condition(
     return out
 
 
-def condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    return next((c for c in status.get("conditions") or () if c.get("type") == type_), None)
+def condition(status: ConversionJobStatus, type_: str) -> Condition | None:
+    return next((c for c in status.conditions or () if c.type == type_), None)
+
+
+def patch_list(entries: Sequence[BaseModel] | None) -> list[dict[str, Any]] | None:
+    """A list field of a status model (conditions, failures) as the API holds it: the builders
+    extend it into the new list a merge patch carries (which replaces a list whole)."""
+    return None if entries is None else [dump_status(e) for e in entries]
 
 
 def at_generation(conditions: list[dict[str, Any]] | None, generation: int) -> list[dict[str, Any]]:
@@ -310,9 +316,9 @@ def at_generation(conditions: list[dict[str, Any]] | None, generation: int) -> l
 # Operator-side builders
 
 
-def pending_patch(status: dict[str, Any], attempt: int, job_name: str, output: str, when: str) -> dict[str, Any]:
+def pending_patch(status: ConversionJobStatus, attempt: int, job_name: str, output: str, when: str) -> dict[str, Any]:
     """A runner attempt was (or is about to be) started."""
-    conditions = set_condition(status.get("conditions"), "Validated", "True", "SpecValid", None, when)
+    conditions = set_condition(patch_list(status.conditions), "Validated", "True", "SpecValid", None, when)
     patch: dict[str, Any] = {
         "phase": Phase.PENDING.value,
         "attempts": attempt,
@@ -320,7 +326,7 @@ def pending_patch(status: dict[str, Any], attempt: int, job_name: str, output: s
         "output": output,
         "conditions": conditions,
     }
-    if not status.get("startTime"):
+    if not status.start_time:
         patch["startTime"] = when
     return patch
 
@@ -337,9 +343,9 @@ def invalid_patch(field_message: str, when: str) -> dict[str, Any]:
     }
 
 
-def succeeded_patch(status: dict[str, Any], when: str) -> dict[str, Any]:
-    conditions = set_condition(status.get("conditions"), "Running", "False", "Finished", None, when)
-    conditions = set_condition(conditions, "Complete", "True", "Succeeded", status.get("output"), when)
+def succeeded_patch(status: ConversionJobStatus, when: str) -> dict[str, Any]:
+    conditions = set_condition(patch_list(status.conditions), "Running", "False", "Finished", None, when)
+    conditions = set_condition(conditions, "Complete", "True", "Succeeded", status.output, when)
     patch: dict[str, Any] = {
         "phase": Phase.SUCCEEDED.value,
         "reason": None,
@@ -347,15 +353,14 @@ def succeeded_patch(status: dict[str, Any], when: str) -> dict[str, Any]:
         "completionTime": when,
         "conditions": conditions,
     }
-    progress = status.get("progress")
-    if progress and progress.get("slabsTotal"):
-        total = progress["slabsTotal"]
+    if status.progress is not None and status.progress.slabs_total:
+        total = status.progress.slabs_total
         patch["progress"] = {"slabsDone": total, "percent": 100, "summary": progress_summary(total, total)}
     return patch
 
 
-def failed_patch(status: dict[str, Any], reason: str, message: str, when: str) -> dict[str, Any]:
-    conditions = set_condition(status.get("conditions"), "Running", "False", reason, None, when)
+def failed_patch(status: ConversionJobStatus, reason: str, message: str, when: str) -> dict[str, Any]:
+    conditions = set_condition(patch_list(status.conditions), "Running", "False", reason, None, when)
     conditions = set_condition(conditions, "Failed", "True", reason, message, when)
     return {
         "phase": Phase.FAILED.value,
