@@ -475,6 +475,7 @@ def disagreements(model_verdicts, failures, schema: dict, dropped_cel: set[str] 
     return out
 
 
+@pytest.mark.slow
 def test_without_cel_the_crd_admits_what_the_model_refuses(model_verdicts, failures, schema):
     found = disagreements(model_verdicts, failures, schema, dropped_cel=None)
     assert {

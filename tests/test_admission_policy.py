@@ -214,6 +214,7 @@ def test_the_policy_applies_only_to_the_runners_service_accounts(vap, rogues):
     assert refusals(lab, cluster, user="system:serviceaccount:tomo:lab-runner")
 
 
+@pytest.mark.slow
 def test_the_admins_images_are_admitted_and_others_refused():
     lab = policy(VALUES)
     assert refusals(lab, as_runner_builds(image=LAB_IMAGE)) == []

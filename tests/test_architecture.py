@@ -278,6 +278,7 @@ def controller_loads(module: str) -> list[str]:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_importing_the_controller_loads_nothing_that_converts():
     assert controller_loads("h5ngff.operator.controller.handlers") == []
     # Negative control: the runner pod's program loads all of it.

@@ -80,6 +80,7 @@ def _outputs_clash(items) -> bool:
     return any(os.path.normpath(os.path.abspath(i.path)) == os.path.normpath(os.path.abspath(i.output)) for i in items)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=examples(ci=150, long=3000),
     deadline=None,

@@ -474,6 +474,7 @@ def test_batch_bench_samples_both_dtypes_evenly():
     assert [math.prod(file_case(i, 50).shape) * (4, 2)[i] / 1e6 for i in (0, 1)] == [pytest.approx(50, rel=0.01)] * 2
 
 
+@pytest.mark.slow
 def test_idle_cost_reads_the_client_and_the_cluster_processes(capsys):
     from bench.idle_cost import main as idle_cost
 

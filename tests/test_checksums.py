@@ -86,6 +86,7 @@ def test_v3_chunks_carry_crc32c_that_zarr_and_tensorstore_check(convert, tmp_pat
             ).result().read().result()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
 @pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "negative-control-no-checksums"])
 def test_a_same_size_bit_flip_is_named_by_verify_without_the_source(convert, tmp_path, name, checksums):

@@ -368,6 +368,7 @@ def test_an_unsupported_url_scheme_is_refused_not_written_as_a_local_directory(s
     assert plan.returncode == 0 and json.loads(plan.stdout)["spec"]["output"]["path"] == "./out:1.ome.zarr", plan.stderr
 
 
+@pytest.mark.slow
 def test_one_exit_code_table_in_code_help_and_readme():
     codes = {int(c) for c in ExitCode}
     assert {0, 1, 2, 130} <= codes
@@ -479,6 +480,7 @@ def test_run_refuses_an_unquoted_ngff_version_and_says_to_quote_it(small, tmp_pa
 # --- 11. a typo'd flag -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_typod_flag_gets_the_subcommand_usage_and_the_closest_flag(small):
     proc = h5ngff("plan", f"{small / 'small.h5'}:/volume/data", "--memroy-per-worker", "1G")
     assert proc.returncode == ExitCode.BAD_INPUT

@@ -501,6 +501,7 @@ def test_h5ngff_plan_table_and_refusal(metadata_only_h5):
     assert err["reason"] == "BudgetTooSmall" and "Raise resources.memoryPerWorker to at least" in err["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("command", ["plan", "convert"])
 def test_help_mentions_every_issue_flag(command):

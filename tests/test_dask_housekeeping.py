@@ -35,6 +35,7 @@ def _ticks(client: Client) -> list[float]:
     ]
 
 
+@pytest.mark.slow
 def test_the_scheduler_nannies_and_workers_tick_at_the_planned_interval(tmp_path):
     with h5py.File(tmp_path / "in.h5", "w") as f:
         f.create_dataset("/volume/data", data=np.zeros((16, 64, 64), np.uint16))

@@ -235,6 +235,7 @@ def test_addresses_dask_accepts_are_accepted():
         assert check_address(address) == address
 
 
+@pytest.mark.slow
 def test_a_memory_report_path_that_cannot_be_written_is_refused_before_the_run(tmp_path):
     """The report is written after the conversion: a bad path was a traceback and exit 1 after a
     finished conversion (.txt, a path under a file), or a report at another name (a directory
@@ -276,6 +277,7 @@ def test_demo_into_a_path_it_cannot_use_is_an_output_error(tmp_path, where):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_directory_or_an_unreadable_file_gets_its_own_hint_not_the_corrupt_file_one(tmp_path):
     """h5py's message buried the errno (21, 13) in its text, and the hint asked whether the file
     was corrupt. Control: a truncated file still gets that hint."""

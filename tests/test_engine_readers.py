@@ -55,6 +55,7 @@ def outputs(tmp_path_factory, shared_cluster):
     return made
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_ome_zarr_models_validates(outputs, name):
     out, _, case = outputs[name]

@@ -117,6 +117,7 @@ print("ALIVE" if os.waitpid(pid, os.WNOHANG) == (0, 0) else "DEAD", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shield", [True, False], ids=["shielded", "negative-control"])
 def test_a_ctrl_c_while_the_early_server_preloads_does_not_kill_it(tmp_path, shield):
     (tmp_path / "h5ngff_slow_import.py").write_text("import time\ntime.sleep(1.5)\n")
@@ -149,6 +150,7 @@ sys.exit(entry.main(["convert", "in.h5:/d", "out.ome.zarr"]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "signame, code, line", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated (SIGTERM)")]
 )

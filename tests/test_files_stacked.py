@@ -71,6 +71,7 @@ def series(tmp_path):
     return write_series(tmp_path / "run", 12)  # t10, t11 sort after t9 in natural order
 
 
+@pytest.mark.slow
 def test_a_glob_of_files_stacks_in_natural_order_exactly_at_every_level(tmp_path, series, shared_cluster):
     out = tmp_path / "out.ome.zarr"
     proc = h5ngff(
@@ -91,6 +92,7 @@ def test_a_glob_of_files_stacks_in_natural_order_exactly_at_every_level(tmp_path
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.slow
 def test_an_explicit_list_gives_an_explicit_order_and_2d_planes_stack_along_z(tmp_path, shared_cluster):
     planes = []
     for name, seed in (("b", 1), ("a", 2), ("c", 3)):
@@ -109,6 +111,7 @@ def test_an_explicit_list_gives_an_explicit_order_and_2d_planes_stack_along_z(tm
     assert [a["name"] for a in group.attrs["ome"]["multiscales"][0]["axes"]] == ["z", "y", "x"]
 
 
+@pytest.mark.slow
 def test_imaris_files_stack_along_t_and_single_channel_files_along_c_with_their_names(tmp_path, shared_cluster):
     rng = np.random.default_rng(0)
     per_time = [rng.integers(0, 4000, (1, 2, 6, 16, 16), dtype=np.uint16) for _ in range(3)]
@@ -141,6 +144,7 @@ def test_imaris_files_stack_along_t_and_single_channel_files_along_c_with_their_
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "odd, how",
     [
@@ -161,6 +165,7 @@ def test_a_file_that_differs_is_refused_before_anything_is_written_naming_it(tmp
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_several_files_and_one_output_without_a_stack_axis_name_all_three_choices(tmp_path, series):
     proc = h5ngff("convert", f"{series[0]}:/data", f"{series[1]}:/data", tmp_path / "out.ome.zarr")
     assert proc.returncode == ExitCode.BAD_INPUT
@@ -168,6 +173,7 @@ def test_several_files_and_one_output_without_a_stack_axis_name_all_three_choice
     assert "{stem}.ome.zarr" in line and ":/ch0,/ch1" in line and "--stack-axis t, c or z" in line
 
 
+@pytest.mark.slow
 def test_a_killed_stack_resumes_byte_identical_and_a_changed_added_or_removed_file_is_refused(tmp_path, series):
     source = f"{tmp_path}/run/t*.h5:/data"
     flags = ["--stack-axis", "t", "--chunks", "1,8,16,16", "--levels", "2", "--no-progress", "--workers", "1"]
@@ -204,6 +210,7 @@ def test_a_killed_stack_resumes_byte_identical_and_a_changed_added_or_removed_fi
     assert removed.returncode == ExitCode.OUTPUT_REFUSED and "t7.h5 removed" in one_error_line(removed)
 
 
+@pytest.mark.slow
 def test_a_conversion_job_with_source_paths_runs_and_renders(tmp_path, series):
     job = {
         "apiVersion": "h5ngff.dev/v1alpha1",
@@ -239,6 +246,7 @@ def test_a_conversion_job_with_source_paths_runs_and_renders(tmp_path, series):
     assert refused.returncode == ExitCode.BAD_INPUT and "ConversionBatch" in one_error_line(refused)
 
 
+@pytest.mark.slow
 def test_the_plan_prices_one_open_file_per_thread(tmp_path, series):
     proc = h5ngff(
         "plan", f"{tmp_path}/run/t*.h5:/data", "--stack-axis", "t", "--threads", "2", "--workers", "1", "--json"
@@ -248,6 +256,7 @@ def test_the_plan_prices_one_open_file_per_thread(tmp_path, series):
     assert "2 open files (one per thread)" in terms["hdf5 cache and decompression"]["why"]
 
 
+@pytest.mark.slow
 def test_bigdataviewer_files_stack_along_t(tmp_path, shared_cluster):
     """One BigDataViewer XML/HDF5 pair per time point (npy2bdv, an independent writer), stacked
     by their XMLs; npy2bdv's own reads of each are the truth (its uint16 stored as int16 too)."""

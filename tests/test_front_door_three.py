@@ -49,6 +49,7 @@ def small(tmp_path_factory):
 # -- tracebacks -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sample_chunks_larger_than_the_shape_are_refused_in_one_line(tmp_path):
     proc = h5ngff("sample", tmp_path / "s.h5", "--shape", "4,64,64", "--hdf5-chunks", "8,128,128")
     assert proc.returncode == ExitCode.BAD_INPUT
@@ -56,6 +57,7 @@ def test_sample_chunks_larger_than_the_shape_are_refused_in_one_line(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_sample_too_large_for_memory_or_disk_is_refused_before_anything_is_written(tmp_path):
     plane = h5ngff("sample", tmp_path / "s.h5", "--shape", "100000,100000,100000")
     assert plane.returncode == ExitCode.BAD_INPUT and "half of the" in one_error_line(plane)
@@ -67,6 +69,7 @@ def test_a_sample_too_large_for_memory_or_disk_is_refused_before_anything_is_wri
 # -- messages -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_source_held_open_by_a_writer_names_the_lock_and_what_to_do(tmp_path):
     path = tmp_path / "busy.h5"
     with h5py.File(path, "w") as f:  # held open for writing, with HDF5's file lock
@@ -79,6 +82,7 @@ def test_a_source_held_open_by_a_writer_names_the_lock_and_what_to_do(tmp_path):
     assert "uncorrupted" not in line
 
 
+@pytest.mark.slow
 def test_a_five_kilobyte_path_is_not_echoed_whole(tmp_path):
     long = "d/" * 2500 + "x.h5"
     proc = h5ngff("convert", f"{long}:/data", tmp_path / "o")
@@ -87,6 +91,7 @@ def test_a_five_kilobyte_path_is_not_echoed_whole(tmp_path):
     assert len(line) < 600 and "characters)" in line, len(line)
 
 
+@pytest.mark.slow
 def test_a_misspelt_manifest_key_is_named_with_the_closest_field(tmp_path, small):
     job = tmp_path / "job.yaml"
     job.write_text(
@@ -99,6 +104,7 @@ def test_a_misspelt_manifest_key_is_named_with_the_closest_field(tmp_path, small
     assert "spec.sourc" in line and "Did you mean source?" in line and "more problem" not in line
 
 
+@pytest.mark.slow
 def test_a_read_only_filesystem_is_not_called_permission_denied(tmp_path, small):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -117,6 +123,7 @@ def test_a_read_only_filesystem_is_not_called_permission_denied(tmp_path, small)
 # -- help that matches behaviour ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_help_says_what_each_command_does():
     assert "h5ngff batch" in h5ngff("run", "--help").stdout  # run takes a ConversionJob only
     assert "--memory-report" not in h5ngff("batch", "--help").stdout  # which batch refused
@@ -127,6 +134,7 @@ def test_help_says_what_each_command_does():
         assert words in " ".join(h5ngff(command, "--help").stdout.split()), command
 
 
+@pytest.mark.slow
 def test_a_memory_report_in_any_accepted_format_is_that_format(tmp_path, small, shared_cluster):
     report = tmp_path / "mem.jpg"
     out = tmp_path / "o.ome.zarr"
@@ -140,6 +148,7 @@ def test_a_memory_report_in_any_accepted_format_is_that_format(tmp_path, small, 
 # -- noise ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_convert_prints_a_short_plan_results_on_stdout_and_the_bar_on_stderr(tmp_path, small, shared_cluster):
     out = tmp_path / "o.ome.zarr"
     address = shared_cluster.scheduler_address
@@ -154,6 +163,7 @@ def test_convert_prints_a_short_plan_results_on_stdout_and_the_bar_on_stderr(tmp
     assert full.returncode == 0 and "Memory per worker (the pass" in full.stdout
 
 
+@pytest.mark.slow
 def test_verify_of_a_path_that_is_no_zarr_leaves_no_half_drawn_bar(tmp_path):
     (tmp_path / "notzarr").mkdir()
     (tmp_path / "notzarr" / "a").write_text("x")
@@ -178,6 +188,7 @@ def _runs(tmp_path, n=2, shape=(8, 32, 32)):
     return f"{runs}/*.h5:/volume/data", str(tmp_path / "out" / "{stem}.ome.zarr")
 
 
+@pytest.mark.slow
 def test_an_item_finished_by_the_rerun_is_done_and_a_rerun_of_finished_items_starts_no_cluster(tmp_path):
     """Killed after every slab of the first item was recorded, before its completion marker: the
     re-run writes the marker, so the item is Done, not Complete ("nothing done"). A third run
@@ -197,6 +208,7 @@ def test_an_item_finished_by_the_rerun_is_done_and_a_rerun_of_finished_items_sta
     assert "batch: 2 items" in third.stdout
 
 
+@pytest.mark.slow
 def test_a_batch_of_one_says_one_item(tmp_path, shared_cluster):
     pattern, template = _runs(tmp_path, n=1)
     proc = h5ngff("convert", pattern, template, "--no-progress", "--scheduler", shared_cluster.scheduler_address)
@@ -204,6 +216,7 @@ def test_a_batch_of_one_says_one_item(tmp_path, shared_cluster):
     assert "batch: 1 item," in proc.stdout and "1 items" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_an_output_busy_when_its_item_starts_is_refused_not_failed(tmp_path, shared_cluster):
     """The second item's output is locked by another run after the batch planned it (the first
     item runs slowly meanwhile): docs/batch.md puts a busy output under Refused, as planning does."""
@@ -229,6 +242,7 @@ def test_an_output_busy_when_its_item_starts_is_refused_not_failed(tmp_path, sha
     assert results["r1.ome.zarr"]["status"] == "Refused" and results["r1.ome.zarr"]["reason"] == "OutputBusy"
 
 
+@pytest.mark.slow
 def test_why_an_item_was_refused_goes_to_stderr(tmp_path, shared_cluster):
     pattern, template = _runs(tmp_path, n=1)
     (tmp_path / "runs" / "r9.h5").symlink_to("gone.h5")
@@ -238,6 +252,7 @@ def test_why_an_item_was_refused_goes_to_stderr(tmp_path, shared_cluster):
     assert "Refused" in proc.stdout  # the outcome stays in the table
 
 
+@pytest.mark.slow
 def test_fail_fast_with_an_item_refused_at_planning_converts_nothing(tmp_path, shared_cluster):
     """The decision (docs/batch.md): --fail-fast plans every item before any starts, so an item
     refused at planning stops the batch before anything is converted; the items before it are
@@ -257,6 +272,7 @@ def test_fail_fast_with_an_item_refused_at_planning_converts_nothing(tmp_path, s
 # -- plan and verify take what convert takes ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plan_of_a_glob_plans_every_item_and_names_the_cluster(tmp_path):
     pattern, template = _runs(tmp_path, n=2)
     (tmp_path / "runs" / "r9.h5").symlink_to("gone.h5")
@@ -271,6 +287,7 @@ def test_plan_of_a_glob_plans_every_item_and_names_the_cluster(tmp_path):
     assert "batch plan: 3 items, 1 refused" in table.stdout and "gone.h5" in table.stderr
 
 
+@pytest.mark.slow
 def test_verify_takes_the_template_and_sources_convert_took_or_a_glob_of_outputs(tmp_path, shared_cluster):
     pattern, template = _runs(tmp_path, n=2)
     done = h5ngff("convert", pattern, template, "--no-progress", "--scheduler", shared_cluster.scheduler_address)
@@ -291,6 +308,7 @@ def test_verify_takes_the_template_and_sources_convert_took_or_a_glob_of_outputs
 # -- other ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_windows_style_dataset_path_is_shown_as_typed_with_the_slashed_one(small):
     proc = h5ngff("plan", f"{small / 'small.h5'}:\\volume\\data")
     assert proc.returncode == ExitCode.BAD_INPUT
@@ -298,6 +316,7 @@ def test_a_windows_style_dataset_path_is_shown_as_typed_with_the_slashed_one(sma
     assert "'/\\volume\\data'" in line and "Did you mean '/volume/data'?" in line and "\\\\" not in line
 
 
+@pytest.mark.slow
 def test_scales_and_translations_are_written_as_decimals(tmp_path, shared_cluster):
     path = tmp_path / "aniso.h5"
     with h5py.File(path, "w") as f:
@@ -319,6 +338,7 @@ def test_scales_and_translations_are_written_as_decimals(tmp_path, shared_cluste
     assert 0.15 in values and all(len(repr(v)) <= 6 for v in values), values
 
 
+@pytest.mark.slow
 def test_each_level_has_chunks_no_larger_than_itself(tmp_path, shared_cluster):
     """A (5, 16, 16) level kept (40, 64, 64) chunks (issue 42): every reader decoded buffers 32
     times the level. Each level's chunks are now level 0's, at most its own extent; the chunk and
@@ -340,6 +360,7 @@ def test_each_level_has_chunks_no_larger_than_itself(tmp_path, shared_cluster):
     assert check.returncode == 0, check.stdout
 
 
+@pytest.mark.slow
 def test_an_output_of_an_earlier_version_with_level_0s_chunks_everywhere_is_complete_or_refused_clearly(
     tmp_path, shared_cluster
 ):

@@ -118,6 +118,7 @@ def test_lint_is_clean(values):
     assert {m["error"] for m in report["messages"]} <= {"icon is recommended"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", VALUE_SETS, ids=str)
 def test_every_rendered_object_is_valid_kubernetes(rendered, values):
     objs = rendered[values]

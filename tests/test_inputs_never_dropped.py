@@ -42,6 +42,7 @@ def two_channels(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_two_datasets_of_one_file_and_one_output_are_refused_naming_both_ways(two_channels):
     proc = h5ngff("convert", "a.h5:/ch0", "a.h5:/ch1", "out.ome.zarr", cwd=two_channels)
     assert proc.returncode == ExitCode.BAD_INPUT, proc.stderr
@@ -53,6 +54,7 @@ def test_two_datasets_of_one_file_and_one_output_are_refused_naming_both_ways(tw
     assert not (two_channels / "out.ome.zarr").exists()
 
 
+@pytest.mark.slow
 def test_two_files_and_one_output_are_refused_with_a_template(tmp_path):
     for name in ("a", "b"):
         write_h5(tmp_path / f"{name}.h5", smooth((4, 8, 8)))
@@ -67,6 +69,7 @@ def test_two_datasets_of_one_file_are_two_sources_not_one():
     assert expand_sources(["a.h5:/ch0", "a.h5:/ch1", "a.h5:/ch0"]) == [("a.h5:/ch0", "a.h5"), ("a.h5:/ch1", "a.h5")]
 
 
+@pytest.mark.slow
 def test_every_path_a_glob_matches_is_an_item_with_an_outcome(tmp_path, shared_cluster):
     """A dangling link and a directory the glob matches are Refused items that say why."""
     runs = tmp_path / "r"
@@ -91,6 +94,7 @@ def test_every_path_a_glob_matches_is_an_item_with_an_outcome(tmp_path, shared_c
     assert (tmp_path / "out" / "a.ome.zarr" / "zarr.json").exists()
 
 
+@pytest.mark.slow
 def test_the_table_names_every_source_too(tmp_path, shared_cluster):
     runs = tmp_path / "r"
     runs.mkdir()

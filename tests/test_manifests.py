@@ -58,6 +58,7 @@ def _kustomize_objects() -> list[dict]:
     return objs
 
 
+@pytest.mark.slow
 def test_kubectl_apply_k_objects_are_valid_kubernetes():
     objs = _kustomize_objects()
     kinds = {o["kind"] for o in objs}

@@ -70,6 +70,7 @@ def _literals(value: str) -> list[str]:
 # --- the downsampler's strip size ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_strip_size_is_defined_once_in_the_planner_and_used_by_the_engine():
     assert _assignments("STRIP_ELEMENTS") == ["planner/memory.py"]
     assert _assignments("MEAN_STRIP_ELEMENTS") == []
@@ -123,6 +124,7 @@ def test_the_plan_and_the_dask_config_carry_the_constants():
 # --- the ConversionJob's identity: one owner class, one group/version/kind ----------------------------
 
 
+@pytest.mark.slow
 def test_one_owner_class():
     assert manifests.Owner is jobspec.Owner
     assert getattr(kubernetes, "ClusterOwner", jobspec.Owner) is jobspec.Owner  # a kept name, if any, is the same class
@@ -138,6 +140,7 @@ def test_one_owner_class():
     assert _literals("ConversionJob") == ["jobspec.py"]
 
 
+@pytest.mark.slow
 def test_every_child_names_the_same_owner_as_the_crd():
     crd = yaml.safe_load((PACKAGE / "operator" / "schema" / "crd.yaml").read_text())["spec"]
     assert (crd["group"], crd["names"]["kind"], crd["versions"][0]["name"]) == (
@@ -173,6 +176,7 @@ def test_every_child_names_the_same_owner_as_the_crd():
 # --- the codecs: one entry each (h5ngff/codecs_table.py, engine/codecs.py) ---------------------------
 
 
+@pytest.mark.slow
 def test_each_codec_fact_is_defined_once_in_the_codec_table():
     """The codec names, blosc's cnames and the level ranges used to be spelled out in spec.py
     (twice: a tuple beside a Literal), cliargs.py, the CRD's CEL rule and the planner."""

@@ -315,6 +315,7 @@ def test_the_floor_plans_and_one_mib_less_never_does():
     assert info.value.minimum_bytes == floor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["64Mi", "128Mi", "200Mi", 225 * MiB, "0.2Gi"])
 @pytest.mark.parametrize("field", ["memoryPerWorker", "memoryTotal"])
 def test_a_budget_below_the_smallest_plan_is_refused_at_admission_saying_what_to_set(schema, budget, field):

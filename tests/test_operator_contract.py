@@ -43,6 +43,7 @@ def contracts(draw) -> RunnerContract:
     )
 
 
+@pytest.mark.slow
 @given(contracts())
 def test_a_contract_round_trips_through_the_environment(contract):
     env = contract.to_env()

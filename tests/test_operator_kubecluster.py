@@ -219,6 +219,7 @@ async def test_the_runner_converts_on_a_daskcluster_sized_by_its_plan(tmp_path):
         assert re.search(r"Threads:\s+1\n", text)
 
 
+@pytest.mark.slow
 async def test_a_runner_finds_a_stale_daskcluster_in_one_request_and_deletes_it(tmp_path):
     """Every runner looks for a DaskCluster left by an earlier attempt of its job before it creates
     its own. The first attempt has none, and kr8s' ``DaskCluster.get`` polled 2.5 s to say so.

@@ -178,6 +178,7 @@ def test_an_invalid_manifest_exits_2(capsys, tmp_path):
     assert code == 2 and objs == [] and "resources.workers" in out
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_help_has_an_example_and_the_image_path_matches_the_dockerfile():
     from h5ngff.clirender import IMAGE_JEMALLOC

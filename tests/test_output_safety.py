@@ -139,6 +139,7 @@ def test_a_node_below_an_array_or_a_foreign_directory_is_not_part_of_the_hierarc
 # -- --overwrite on a directory -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_overwrite_refuses_an_output_holding_its_own_source_and_deletes_nothing(tmp_path, shared_cluster):
     """The issue's repro: a Zarr v3 group at z/ with the HDF5 source in z/raw/."""
@@ -156,6 +157,7 @@ def test_overwrite_refuses_an_output_holding_its_own_source_and_deletes_nothing(
     assert tree(out) == before
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "plant",
@@ -188,6 +190,7 @@ def test_overwrite_refuses_an_output_holding_unrelated_files_ours_or_foreign(tmp
     assert (elsewhere / "data.tif").read_text() == "the user's data\n"
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_batch_overwrite_refuses_the_item_whose_output_holds_another_file_and_converts_the_rest(
     tmp_path, shared_cluster
@@ -231,6 +234,7 @@ def test_negative_control_without_the_check_overwrite_deletes_the_source(tmp_pat
 # -- --overwrite in a bucket ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_overwrite_in_a_bucket_refuses_a_prefix_of_ours_holding_a_foreign_object(source, s3, shared_cluster):
     bucket = s3.new_bucket()
@@ -337,6 +341,7 @@ def test_every_crash_point_is_reached_by_a_run():
     assert called == set(CRASH_POINTS)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_relative_paths_on_an_existing_cluster_are_the_clients_not_the_workers(tmp_path, source, shared_cluster):
     """Found while exploring: with --scheduler, the workers (started elsewhere, here in the test
@@ -356,6 +361,7 @@ def test_relative_paths_on_an_existing_cluster_are_the_clients_not_the_workers(t
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("then", ["resume", "overwrite"])
 def test_an_output_left_with_only_a_lock_and_a_temporary_header_is_resumed_or_replaced(
@@ -387,6 +393,7 @@ def _open_on_workers(client, paths: list[str]) -> int:
     return sum(client.run(count, set(paths)).values())
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_runs_on_an_existing_cluster_leave_nothing_open_on_its_workers(tmp_path, shared_cluster, monkeypatch):
     """Found by the suite: every run on a long-lived cluster (--scheduler) left its HDF5 files

@@ -203,6 +203,7 @@ def _foreign_zarr_v2(store) -> None:
 FOREIGN = (_foreign_zarr_v3, _foreign_zarr_v2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["listed", "shuffled"])
 @pytest.mark.parametrize(
     "output",

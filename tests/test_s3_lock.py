@@ -244,6 +244,7 @@ def test_judge_never_calls_a_remote_lease_stale_before_its_own_ttl():
     assert judge(remote, 0.0, 60.0, True) == "live" and judge(remote, 0.0, 60.0, False) == "stale"
 
 
+@pytest.mark.slow
 def test_the_server_refuses_a_taker_with_a_wrong_etag_and_one_of_two_racing_takers(s3):
     bucket = s3.new_bucket()
     store = open_store(f"s3://{bucket}/race", s3.options())

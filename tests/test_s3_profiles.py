@@ -206,6 +206,7 @@ def test_precedence_is_options_then_environment_then_profile(s3, aws_env):
     assert "other-secret" not in repr(resolve_chain("s3://b/x", {}, "elsewhere"))
 
 
+@pytest.mark.slow
 def test_the_store_takes_region_and_endpoint_from_the_profile_unless_given(s3, aws_env):
     from h5ngff.engine.stores.s3 import S3Store
 

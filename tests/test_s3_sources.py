@@ -101,6 +101,7 @@ def test_a_plain_dataset_in_a_bucket_converts_exactly_at_every_level(s3, bucket,
     assert summary.job.plan.hdf5_cache_bytes == 0
 
 
+@pytest.mark.slow
 def test_every_chunk_decodes_as_hdf5_reads_it_and_a_corrupt_one_does_not(s3, bucket):
     """The decoders of the bucket path against h5py's own read of the same file, chunk by chunk
     over whole slabs; negative control: one flipped byte in a stored chunk is caught."""
@@ -131,6 +132,7 @@ def test_every_chunk_decodes_as_hdf5_reads_it_and_a_corrupt_one_does_not(s3, buc
         assert not np.array_equal(out, data[:8, :16, :16]), f"{layout}: a corrupt chunk decoded to the original"
 
 
+@pytest.mark.slow
 def test_workers_read_only_byte_ranges_and_each_task_carries_only_its_part_of_the_index(s3, bucket):
     data = smooth((64, 64, 48), "uint16", seed=2)
     body = _h5_bytes(data, chunks=(8, 16, 16), compression="gzip")
@@ -156,6 +158,7 @@ def test_workers_read_only_byte_ranges_and_each_task_carries_only_its_part_of_th
     assert part < whole and task.remote.indexes[0].offsets.shape == (2, 4, 3), (part, whole)
 
 
+@pytest.mark.slow
 def test_stacked_datasets_imaris_and_bigdataviewer_in_a_bucket_convert_as_their_local_files(
     s3, bucket, convert, tmp_path
 ):
@@ -196,6 +199,7 @@ def test_stacked_datasets_imaris_and_bigdataviewer_in_a_bucket_convert_as_their_
                 np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@pytest.mark.slow
 def test_files_stacked_from_a_glob_over_a_prefix(s3, bucket, convert, tmp_path):
     planes = [smooth((8, 32, 32), "uint16", seed=s) for s in range(12)]
     for i, plane in enumerate(planes):  # natural order: t2 before t10
@@ -217,6 +221,7 @@ def test_files_stacked_from_a_glob_over_a_prefix(s3, bucket, convert, tmp_path):
     assert all(isinstance(f[2], str) and f[2] for f in files), "each file's identity names its ETag"
 
 
+@pytest.mark.slow
 def test_each_failure_has_its_own_message(s3, bucket, tmp_path):
     data = smooth(SHAPE, "uint16", seed=1)
     body = _h5_bytes(data, chunks=(8, 16, 16), compression="gzip")
@@ -251,6 +256,7 @@ def test_each_failure_has_its_own_message(s3, bucket, tmp_path):
         assert proxy.faults.injected("503") >= 3
 
 
+@pytest.mark.slow
 def test_a_throttling_burst_is_retried_and_counted(s3, bucket, shared_cluster, tmp_path):
     from h5ngff.backends.external import ExternalBackend
     from h5ngff.runner import plan_job, run_job
@@ -284,6 +290,7 @@ def test_an_object_replaced_after_its_description_is_refused_not_mixed(s3, bucke
         reader.for_region(region).read(region)
 
 
+@pytest.mark.slow
 def test_verify_compares_with_a_source_in_a_bucket(s3, bucket, convert, tmp_path):
     from h5ngff.engine.verify.check import verify_output
 

@@ -115,6 +115,7 @@ def test_a_killed_run_resumes_byte_identical_and_a_replaced_object_is_refused(s3
     assert h5ngff("convert", f"{url}:/volume/data", out, *flags).returncode == 0
 
 
+@pytest.mark.slow
 def test_the_operator_renders_a_job_whose_source_is_in_a_bucket_with_no_volumes(s3, tmp_path, capsys, monkeypatch):
     bucket = s3.new_bucket()
     _upload(s3, bucket, "run/scan.h5", smooth((32, 64, 48), "uint16", seed=23))

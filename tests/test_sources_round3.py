@@ -107,6 +107,7 @@ def converted(sources, tmp_path_factory, shared_cluster):
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("kind", ["plain", "stacked", "imaris", "bdv"])
 def test_cli_verify_with_the_source_convert_read(kind, sources, converted, capsys):

@@ -393,6 +393,7 @@ def test_leftovers_names_what_sweep_removes(store):
     assert store.sweep() == 1 and store.leftovers() == ()
 
 
+@pytest.mark.slow
 def test_the_zarr_view_reads_the_same_objects(store):
     """``as_zarr_store()``: zarr-python opens what the store holds, read-only."""
     import zarr

@@ -79,6 +79,7 @@ def _background_threads_of_a_plain_fork() -> int:
         child.join()
 
 
+@pytest.mark.slow
 @needs_jemalloc
 def test_workers_are_forked_from_one_server_with_jemalloc_and_its_background_threads(tmp_path):
     facts = _facts(tmp_path, "jemalloc")
@@ -92,6 +93,7 @@ def test_workers_are_forked_from_one_server_with_jemalloc_and_its_background_thr
     assert _background_threads_of_a_plain_fork() == 0
 
 
+@pytest.mark.slow
 @needs_jemalloc
 def test_a_changed_environment_starts_a_new_server(tmp_path, monkeypatch):
     first = _facts(tmp_path, "jemalloc")
@@ -110,12 +112,14 @@ def test_a_changed_environment_starts_a_new_server(tmp_path, monkeypatch):
     assert {f["mark"] for f in stale} == {"set after the first cluster"}
 
 
+@pytest.mark.slow
 def test_spawn_on_request(tmp_path, monkeypatch):
     monkeypatch.setenv(forkserver.METHOD_VARIABLE, "spawn")
     facts = _facts(tmp_path)
     assert {f["ppid"] for f in facts} == {os.getpid()}  # each worker a child of its nanny, here
 
 
+@pytest.mark.slow
 @needs_jemalloc
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_a_glibc_plan_after_a_jemalloc_one_gets_glibc(tmp_path, monkeypatch, method):
@@ -134,6 +138,7 @@ def test_a_glibc_plan_after_a_jemalloc_one_gets_glibc(tmp_path, monkeypatch, met
     assert all(f["jemalloc"] for f in _facts(tmp_path, "glibc"))
 
 
+@pytest.mark.slow
 def test_a_fork_server_multiprocessing_lost_track_of_falls_back_to_spawn(tmp_path):
     """An interrupt inside multiprocessing's own stop (a test's timeout did it) leaves the server's
     pid without its descriptor: every later stop raised TypeError and no cluster could start."""
@@ -151,6 +156,7 @@ def test_a_fork_server_multiprocessing_lost_track_of_falls_back_to_spawn(tmp_pat
     assert forkserver.worker_start_method() == "forkserver"  # usable again once its state is whole
 
 
+@pytest.mark.slow
 def test_a_process_outliving_its_cluster_does_not_hold_up_the_next(tmp_path, monkeypatch):
     """The old server exits only once every process forked from it has. multiprocessing's own stop
     waits for that, and a CI run hung on it; the server is let go instead."""
