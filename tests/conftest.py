@@ -17,6 +17,15 @@ from h5ngff.backends.local import LocalBackend
 from h5ngff.runner import plan_job, run_job
 from h5ngff.spec import parse_spec
 
+
+# The commands the tests start write to a pipe, and their tables are as wide as a pipe's (100
+# columns) unless COLUMNS says otherwise: a COLUMNS exported by the developer's shell or set by a
+# test runner (pytest-xdist's workers) narrowed them and cut the words the tests look for. A test
+# that wants a width sets it in the command's environment.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
+
 logging.getLogger("distributed").setLevel(logging.ERROR)
 
 
