@@ -321,6 +321,15 @@ def _deny(w: _Work, o: BatchObserved) -> None:
     w.running = []
 
 
+def _pods_gate(w: _Work, o: BatchObserved) -> Need | Wait | None:
+    """toolkit.pods_gate for a batch step: a Wait is recorded on ``w`` (the DaskCluster is deleted
+    again and the step waits); None once no pod of the batch may still write."""
+    gate = pods_gate(o.pods, o.pods_checked)
+    if isinstance(gate, Wait):
+        w.waiting, w.delete_cluster = gate, True
+    return gate
+
+
 def _settle_leases(w: _Work, o: BatchObserved) -> Need | None:
     """Give back the Leases of items that will not run again, once no pod of the batch runs."""
     if w.running:
@@ -332,12 +341,9 @@ def _settle_leases(w: _Work, o: BatchObserved) -> Need | None:
     ]
     if not giving:
         return None
-    gate = pods_gate(o.pods, o.pods_checked)
-    if isinstance(gate, Need):
-        return gate
-    if isinstance(gate, Wait):
-        w.waiting, w.delete_cluster = gate, True
-        return None
+    gate = _pods_gate(w, o)
+    if gate is not None:
+        return gate if isinstance(gate, Need) else None
     for entry in giving:
         w.releases.append(entry.output_lease or "")
         entry.output_lease = None
@@ -351,12 +357,9 @@ def _start_attempt(w: _Work, o: BatchObserved) -> Need | BatchDecision | None:
     if w.running or w.denied or o.items is None or not pending or w.waiting is not None:
         return None
     if w.attempt:
-        gate = pods_gate(o.pods, o.pods_checked)
-        if isinstance(gate, Need):
-            return gate
-        if isinstance(gate, Wait):
-            w.waiting, w.delete_cluster = gate, True
-            return None
+        gate = _pods_gate(w, o)
+        if gate is not None:
+            return gate if isinstance(gate, Need) else None
     if o.leases is None:
         return BatchDecision(needs=frozenset({"leases"}), acquire=tuple(e.id for e in pending))
     held = [e.id for e in pending if _take_lease(e, o.leases.get(e.id))]
