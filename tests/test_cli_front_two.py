@@ -27,8 +27,9 @@ pytestmark = pytest.mark.integration
 #: The commands run the h5ngff this test imports (its src/), wherever the test file lies.
 SRC = Path(package.__file__).resolve().parents[1]
 H5NGFF = [sys.executable, "-m", "h5ngff.cli"]
-# No COLUMNS: the commands' stdout is a pipe, as in `h5ngff plan ... > plan.txt`.
-ENV = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+# No COLUMNS (conftest drops it for the session): the commands' stdout is a pipe, as in
+# `h5ngff plan ... > plan.txt`.
+ENV = dict(os.environ)
 ENV["PYTHONPATH"] = str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 
